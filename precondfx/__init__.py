@@ -1,0 +1,3 @@
+from precondfx.errors import PrecondError
+
+__all__ = ["PrecondError"]
