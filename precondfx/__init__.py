@@ -1,3 +1,15 @@
-from precondfx.errors import PrecondError
+"""precondfx: rewrite a neural network before training so that it starts well conditioned.
 
-__all__ = ["PrecondError"]
+``precondfx.precondition(model, sample)`` captures the model's graph, classifies every operation
+against the scaling rules of Defazio & Bottou, re-initializes the weights (geometric-mean
+initialization), inserts scaling constants, replaces max-pooling by striding and fixes the output
+scale from a calibration batch.  ``precondfx.analyze`` reports the same without changing anything.
+"""
+from precondfx.api import Result, analyze, precondition
+from precondfx.errors import PrecondError
+from precondfx.plan import Options, Plan
+from precondfx.report import Report
+
+__version__ = "0.1.0"
+__all__ = ["precondition", "analyze", "PrecondError", "Plan", "Options", "Report", "Result",
+           "__version__"]

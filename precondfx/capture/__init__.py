@@ -1,0 +1,1 @@
+"""Capture stage: model + sample -> neutral graph (see ``ladder`` for the order of methods)."""

@@ -1,0 +1,230 @@
+"""The public entry points: ``precondition`` and ``analyze``.
+
+``precondition`` runs the pipeline: capture -> classify -> plan -> apply -> re-initialize ->
+calibrate -> report.  The user's model is never mutated unless ``inplace=True``; if any stage
+fails, nothing is left half-changed.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from precondfx import calibrate as cal
+from precondfx.apply.common import output_path
+from precondfx.apply.eager_apply import EagerApplier
+from precondfx.apply.fx_apply import FxApplier
+from precondfx.apply.reinit import reinit
+from precondfx.capture.ladder import METHODS, Captured, capture
+from precondfx.capture.common import Sample, make_sample
+from precondfx.classify import classify
+from precondfx.errors import PrecondError
+from precondfx.graph import Graph
+from precondfx.plan import Options, ParamInfo, Plan, make_plan
+from precondfx.report import Report
+
+log = logging.getLogger("precondfx")
+
+
+class Result(NamedTuple):
+    """What ``precondition`` returns: the rewritten model and its report."""
+
+    model: nn.Module
+    report: Report
+
+
+def _unwrap(model: Any) -> tuple[nn.Module, list[str]]:
+    notes = []
+    if not isinstance(model, nn.Module):
+        raise PrecondError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+        notes.append("model was wrapped by torch.compile: the original module was preconditioned "
+                     "(compile the result again)")
+        model = model._orig_mod
+    return model, notes
+
+
+def _check_device(model: nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            raise PrecondError(f"parameter {name} is on the meta device: precondition needs real "
+                               f"weights and a calibration batch; use precondfx.plan_from_shapes "
+                               f"/ analyze for planning without data, or materialize the model "
+                               f"(model.to_empty(device='cpu')) first")
+
+
+def param_infos(model: nn.Module) -> tuple[dict[str, ParamInfo], dict[str, str]]:
+    """ParamInfo per canonical parameter name, and the alias -> canonical map for tied ones."""
+    infos: dict[str, ParamInfo] = {}
+    canon: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        c = first.setdefault(id(p), name)
+        canon[name] = c
+        if c == name:
+            infos[name] = ParamInfo(tuple(p.shape), p.requires_grad,
+                                    ".parametrizations." in name)
+    return infos, canon
+
+
+def _canonicalize(graph: Graph, canon: dict[str, str]) -> None:
+    for n in graph:
+        n.params = {k: canon.get(v, v) for k, v in n.params.items()}
+
+
+def _prepare(model: Any, sample: Any, forward_kwargs: dict | None, opts: Options,
+             methods: Any, mode: str) -> tuple[nn.Module, Sample, list[str]]:
+    model, notes = _unwrap(model)
+    opts.validate()
+    if isinstance(methods, str):
+        methods = (methods,)
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise PrecondError(f"capture={bad} is not among {METHODS}")
+    s = make_sample(sample, forward_kwargs)
+    cal.check_finite_sample(s)
+    _check_device(model)
+    return model, s, notes
+
+
+def _capture_classify(model: nn.Module, s: Sample, methods: Any, mode: str, notes: list[str]
+                      ) -> tuple[Captured, dict[str, ParamInfo]]:
+    cap = capture(model, s, tuple(methods), mode)
+    cap.graph.notes.extend(notes)
+    classify(cap.graph)
+    infos, canon = param_infos(model)
+    _canonicalize(cap.graph, canon)
+    return cap, infos
+
+
+def analyze(model: nn.Module, sample: Any, *, forward_kwargs: dict | None = None,
+            capture: Any = METHODS, calibration: str = "train", **options: Any) -> Report:
+    """Capture, classify and plan without changing anything; the report says what
+    ``precondition`` would do with the same options."""
+    fwd = dict(forward_kwargs or {})
+    opt_names = set(Options.__dataclass_fields__)
+    fwd.update({k: v for k, v in options.items() if k not in opt_names})
+    opts = Options(**{k: v for k, v in options.items() if k in opt_names})
+    model, s, notes = _prepare(model, sample, fwd, opts, capture, calibration)
+    cal.forward(model, s, calibration)
+    cap, infos = _capture_classify(model, s, capture, calibration, notes)
+    plan = make_plan(cap.graph, infos, opts)
+    return Report.from_graph(cap.graph, plan)
+
+
+def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
+                 balance: str = "analytic", maxpool: str = "stride", residual: str = "auto",
+                 residual_scale: float | str = "auto", target_std: float | None = 0.05,
+                 input_scale: float | str | None = None, output_key: str | int | None = None,
+                 seed: int = 0, reinit_weights: bool = True, inplace: bool = False,
+                 capture: Any = METHODS, calibration: str = "train",
+                 forward_kwargs: dict | None = None, verbose: bool = False,
+                 **more_forward_kwargs: Any) -> Result:
+    """Rewrite ``model`` so that it starts well conditioned; returns ``(model, report)``.
+
+    ``sample`` is what the model is called with (a tensor, a tuple of positional inputs or a
+    dict of keyword inputs) and doubles as the calibration batch.  Extra keyword arguments go to
+    the model's forward (e.g. ``use_cache=False``).  See the README for every option.
+    """
+    t0 = time.perf_counter()
+
+    def say(msg: str) -> None:
+        log.info(msg)
+        if verbose:
+            print(f"[precondfx {time.perf_counter() - t0:6.2f}s] {msg}", flush=True)
+
+    opts = Options(init=init, maxpool=maxpool, balance=balance, residual=residual,
+                   residual_scale=residual_scale, target_std=target_std,
+                   input_scale=input_scale, output_key=output_key, seed=seed,
+                   reinit=reinit_weights)
+    fwd = {**(forward_kwargs or {}), **more_forward_kwargs}
+    model, s, notes = _prepare(model, sample, fwd, opts, capture, calibration)
+    say("checking that the model runs on the sample")
+    out0 = cal.forward(model, s, calibration)
+    path = output_path(out0, output_key) if target_std is not None else []
+    work = model if inplace else copy.deepcopy(model)
+    snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()} if inplace else None
+    applier: FxApplier | EagerApplier | None = None
+    try:
+        say("capturing the graph")
+        cap, infos = _capture_classify(work, s, capture, calibration, notes)
+        g = cap.graph
+        if not any(n.status == "weighted" for n in g) and not any(n.kind == "maxpool" for n in g):
+            raise PrecondError("the model has no weighted layer (convolution, linear, embedding, "
+                               "matmul with a parameter...) in the captured graph: there is "
+                               "nothing to precondition")
+        say(f"captured with {g.method}: {len(g)} nodes; planning")
+        plan = make_plan(g, infos, opts)
+        if cap.gm is not None and not inplace:
+            applier = FxApplier(cap.gm)
+            result: nn.Module = cap.gm
+        else:
+            applier = EagerApplier(work, g)
+            result = work
+        say("applying the plan")
+        applier.pools(plan)
+        for sc in plan.scales:
+            applier.scale(sc)
+        in_scale = _input_scale(opts, plan, s)
+        if in_scale is not None:
+            applier.input_scale(in_scale)
+        out_buf = applier.output_scale(path) if target_std is not None else None
+        applier.finish()
+        say("re-initializing parameters")
+        if opts.reinit:
+            reinit(result, plan, seed)
+        report = Report.from_graph(g, plan)
+        report.applied, report.skipped = applier.applied, applier.skipped
+        report.input_scale = in_scale
+        if in_scale is not None:
+            plan.scales.append(_scale("input", in_scale, "input scale (Sec. 6.3)"))
+        if target_std is not None and out_buf is not None:
+            say("calibrating the output scale")
+            std = cal.output_std(cal.forward(result, s, calibration), output_key)
+            scale = cal.solve_output_scale(std, target_std)
+            with torch.no_grad():
+                result.get_buffer(out_buf).fill_(scale)
+            after = cal.output_std(cal.forward(result, s, calibration), output_key)
+            report.output_std_before, report.output_std_after = std, after
+            report.target_std, report.output_scale = target_std, scale
+            plan.scales.append(_scale("output", scale, f"output std {std:.4g} -> {target_std}"))
+        result.train(model.training)
+    except BaseException:
+        if inplace:
+            if isinstance(applier, EagerApplier):
+                applier.rollback()
+            with torch.no_grad():
+                for k, v in model.state_dict().items():
+                    if k in snapshot:
+                        v.copy_(snapshot[k])
+        raise
+    say("done")
+    return Result(result, report)
+
+
+def _scale(tag: str, value: float, reason: str):
+    from precondfx.plan import Scale
+    return Scale(tag, tag, tag, 0, value, reason)
+
+
+def _input_scale(opts: Options, plan: Plan, s: Sample) -> float | None:
+    """Sec. 6.3: scale inputs so E[x0^2] = 1/sqrt(n_in k^2) of the first layer ('auto')."""
+    if opts.input_scale is None:
+        return None
+    if opts.input_scale != "auto":
+        return float(opts.input_scale)
+    first = next((lay for lay in plan.layers if lay.kind != "embedding"), None)
+    floats = [t for t in s.tensors() if t.is_floating_point()]
+    if first is None or not floats:
+        raise PrecondError("input_scale='auto' needs a floating-point input and a weighted layer "
+                           "reading it; pass a number instead")
+    target = 1.0 / math.sqrt(first.n_in * first.k2)
+    m2 = float(torch.cat([t.detach().flatten().double() for t in floats]).pow(2).mean())
+    if m2 <= 0:
+        raise PrecondError("input_scale='auto': the inputs are all zero")
+    return math.sqrt(target / m2)

@@ -1,0 +1,94 @@
+"""Pieces both PyTorch back ends use: buffer names, replacement pool modules, output paths."""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from precondfx.errors import PrecondError
+from precondfx.plan import PoolChange
+
+PREFIX = "precondfx_"
+
+
+def buffer_name(tag: str, node: str, index: int | None = None) -> str:
+    """A valid, unique-per-site attribute name for a scale constant."""
+    base = re.sub(r"[^0-9a-zA-Z_]", "_", node)
+    return f"{PREFIX}{tag}_{base}" + (f"_{index}" if index is not None else "")
+
+
+def scalar_buffer(value: float, like: torch.Tensor | None) -> torch.Tensor:
+    """A 0-d tensor holding ``value`` in the dtype/device of ``like`` (float32 CPU if None)."""
+    dtype = like.dtype if like is not None and like.is_floating_point() else torch.float32
+    device = like.device if like is not None else torch.device("cpu")
+    return torch.tensor(float(value), dtype=dtype, device=device)
+
+
+def replacement_pool(pc: PoolChange, like: torch.Tensor | None) -> nn.Module:
+    """The module that replaces a max-pool: a strided conv (C->C) or an average pool."""
+    g = pc.geometry
+    d = g["dims"]
+    if pc.action == "conv":
+        cls = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[d]
+        kw = {}
+        if like is not None:
+            kw = {"dtype": like.dtype if like.is_floating_point() else torch.float32,
+                  "device": like.device}
+        return cls(g["channels"], g["channels"], tuple(g["kernel"]), stride=tuple(g["stride"]),
+                   padding=tuple(g["padding"]), dilation=tuple(g["dilation"]), bias=True, **kw)
+    if pc.action == "avgpool":
+        cls = {1: nn.AvgPool1d, 2: nn.AvgPool2d, 3: nn.AvgPool3d}[d]
+        if any(x != 1 for x in g["dilation"]):
+            raise PrecondError(f"{pc.node}: average pooling has no dilation; use maxpool='conv'")
+        return cls(tuple(g["kernel"]), stride=tuple(g["stride"]), padding=tuple(g["padding"]),
+                   ceil_mode=g["ceil_mode"])
+    raise ValueError(pc.action)
+
+
+def output_path(out: Any, key: str | int | None = None) -> list:
+    """Keys/indices leading from the model's output to the tensor the output scale applies to
+    (same choice as :func:`precondfx.capture.common.main_output`)."""
+    if key is not None:
+        return [key]
+    if isinstance(out, torch.Tensor):
+        return []
+    if isinstance(out, Mapping) or hasattr(out, "keys"):
+        keys = list(out.keys())
+        if "logits" in keys and isinstance(out["logits"], torch.Tensor):
+            return ["logits"]
+        for k in keys:
+            v = out[k]
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return [k]
+    if isinstance(out, (tuple, list)):
+        for i, v in enumerate(out):
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return [i]
+    raise PrecondError(f"cannot find a floating-point tensor in the model's output "
+                       f"({type(out).__name__}); pass output_key=")
+
+
+def scale_at_path(out: Any, path: list, scale: torch.Tensor) -> Any:
+    """``out`` with the tensor at ``path`` multiplied by ``scale``, structure kept."""
+    if not path:
+        return out * scale
+    k, rest = path[0], path[1:]
+    if isinstance(out, tuple) and not hasattr(out, "_fields"):
+        lst = list(out)
+        lst[k] = scale_at_path(lst[k], rest, scale)
+        return tuple(lst)
+    if isinstance(out, tuple):  # namedtuple
+        return out._replace(**{out._fields[k]: scale_at_path(out[k], rest, scale)})
+    if isinstance(out, list):
+        out = list(out)
+        out[k] = scale_at_path(out[k], rest, scale)
+        return out
+    # dict or transformers ModelOutput (an OrderedDict subclass whose items mirror attributes)
+    new = scale_at_path(out[k], rest, scale)
+    if type(out) is dict:
+        out = dict(out)
+    out[k] = new
+    return out

@@ -1,0 +1,209 @@
+"""Carry a plan out on an ordinary ``nn.Module`` (when fx could not trace it): hooks and buffers.
+
+Each constant is a persistent buffer of the module it acts on (``conv1.precondfx_alpha``), read
+by a forward (pre-)hook that is a plain module-level function, so the model keeps its class and
+its parameter names, and saves, loads, deep-copies and pickles.  Constants that sit on a
+functional call (no module to hook) are placed on the nearest module upstream when that is
+exact (through positively homogeneous ops), and otherwise reported as not applied.
+Every change is logged so that it can be undone if a later stage fails.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from precondfx.apply.common import PREFIX, replacement_pool, scalar_buffer, scale_at_path
+from precondfx.graph import Graph
+from precondfx.plan import Plan, Scale
+
+_PASS_THROUGH = ("relu", "leaky_relu", "prelu", "dropout", "avgpool", "mean", "neg", "reshape",
+                 "select", "pad", "cast")
+
+
+# Hooks: module-level functions reading buffers, so that models pickle and deep-copy.
+def _scale_input_hook(module: nn.Module, args: tuple) -> tuple:
+    s = getattr(module, PREFIX + "in_scale")
+    if args and isinstance(args[0], torch.Tensor):
+        return (args[0] * s,) + tuple(args[1:])
+    return args
+
+
+def _scale_output_hook(module: nn.Module, args: tuple, out: Any) -> Any:
+    s = getattr(module, PREFIX + "out_scale")
+    if isinstance(out, torch.Tensor):
+        return out * s
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return (out[0] * s,) + tuple(out[1:])
+    return out
+
+
+def _root_input_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    s = getattr(module, PREFIX + "input_scale")
+
+    def f(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x * s
+        return x
+    return tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
+
+
+def _root_output_hook(module: nn.Module, args: tuple, out: Any) -> Any:
+    path = getattr(module, PREFIX + "output_path")
+    return scale_at_path(out, list(path), getattr(module, PREFIX + "output_scale"))
+
+
+class EagerApplier:
+    """Applies pools and scales to a live module through hooks and module replacement."""
+
+    def __init__(self, model: nn.Module, graph: Graph) -> None:
+        self.model = model
+        self.graph = graph
+        self.applied: list[str] = []
+        self.skipped: list[tuple[str, str]] = []
+        self.undo: list[Any] = []
+        self.calls: dict[str, int] = {}
+        for n in graph:
+            if n.module:
+                self.calls[n.module] = self.calls.get(n.module, 0) + 1
+        self.users = graph.users()
+        self._done_modules: dict[tuple[str, str], float] = {}
+
+    def _like(self) -> torch.Tensor | None:
+        return next(iter(self.model.parameters()), None)
+
+    def _register(self, mod: nn.Module, name: str, value: float) -> None:
+        mod.register_buffer(name, scalar_buffer(value, self._like()))
+        self.undo.append(("buffer", mod, name))
+
+    def _hook(self, handle: Any) -> None:
+        self.undo.append(("hook", handle))
+
+    def _module_scale(self, path: str, where: str, value: float, what: str) -> bool:
+        key = (path, where)
+        if key in self._done_modules:
+            if abs(self._done_modules[key] - value) > 1e-12 * max(1.0, abs(value)):
+                self.skipped.append((what, f"module {path} already carries a different {where} "
+                                     f"scale from another call site"))
+                return False
+            return True
+        mod = self.model.get_submodule(path)
+        if where == "input":
+            self._register(mod, PREFIX + "in_scale", value)
+            self._hook(mod.register_forward_pre_hook(_scale_input_hook))
+        else:
+            self._register(mod, PREFIX + "out_scale", value)
+            self._hook(mod.register_forward_hook(_scale_output_hook))
+        self._done_modules[key] = value
+        return True
+
+    def _upstream_module(self, name: str) -> str | None:
+        """Nearest module call upstream of ``name`` through single-user homogeneous ops."""
+        cur = self.graph.get(name)
+        while cur is not None:
+            if cur.module and self.calls.get(cur.module, 0) == 1:
+                return cur.module
+            if cur.kind not in _PASS_THROUGH or len(cur.inputs) != 1:
+                return None
+            prev = cur.inputs[0]
+            if len(self.users.get(prev, [])) != 1:
+                return None
+            cur = self.graph.get(prev)
+        return None
+
+    def scale(self, sc: Scale) -> str | None:
+        node = self.graph.get(sc.node)
+        what = f"{sc.tag} at {sc.where} of {sc.node}"
+        if node is None:
+            self.skipped.append((what, "node not in the captured graph"))
+            return None
+        if sc.where == "operand":
+            src = node.inputs[sc.index] if sc.index < len(node.inputs) else None
+            path = self._upstream_module(src) if src else None
+            if path is None or len(self.users.get(src, [])) != 1:
+                self.skipped.append((what, f"the {sc.tag} operand is produced by a functional op "
+                                     f"with no module to hook (capture: {self.graph.method})"))
+                return None
+            ok = self._module_scale(path, "output", sc.value, what)
+        elif node.module is None:
+            self.skipped.append((what, f"functional call: no module to hook and no editable "
+                                 f"graph (capture: {self.graph.method})"))
+            return None
+        else:
+            if self.calls.get(node.module, 0) > 1 and sc.tag == "alpha":
+                # all call sites share the module: fine only if every call gets this value
+                pass
+            ok = self._module_scale(node.module, sc.where, sc.value, what)
+        if ok:
+            self.applied.append(f"{what}: {sc.value:.4g}")
+            return sc.node
+        return None
+
+    def pools(self, plan: Plan) -> None:
+        for pc in plan.pools:
+            if pc.action == "keep":
+                continue
+            node = self.graph.get(pc.node)
+            if node is None or node.module is None:
+                self.skipped.append((f"maxpool {pc.node}", "functional max-pool: no module to "
+                                     f"replace and no editable graph (capture: "
+                                     f"{self.graph.method})"))
+                pc.action, pc.reason = "keep", pc.reason + "; NOT APPLIED: functional call"
+                continue
+            if self.calls.get(node.module, 0) > 1 and pc.action != "avgpool":
+                self.skipped.append((f"maxpool {pc.node}", "the pool module is called more "
+                                     "than once"))
+                pc.action, pc.reason = "keep", pc.reason + "; NOT APPLIED: module called twice"
+                continue
+            if pc.action == "fold":
+                conv_node = self.graph[pc.into]
+                conv = self.model.get_submodule(conv_node.module)
+                self.undo.append(("attr", conv, "stride", conv.stride))
+                conv.stride = tuple(pc.geometry["conv_stride"])
+                self._replace(node.module, nn.Identity())
+                self.applied.append(f"maxpool {pc.node} folded into {conv_node.module}")
+            else:
+                mod = replacement_pool(pc, self._like())
+                self._replace(node.module, mod)
+                self.applied.append(f"maxpool {pc.node} replaced by {type(mod).__name__}")
+
+    def _replace(self, path: str, mod: nn.Module) -> None:
+        parent, _, leaf = path.rpartition(".")
+        p = self.model.get_submodule(parent) if parent else self.model
+        self.undo.append(("module", p, leaf, getattr(p, leaf)))
+        setattr(p, leaf, mod)
+
+    def input_scale(self, value: float) -> list[str]:
+        self._register(self.model, PREFIX + "input_scale", value)
+        self._hook(self.model.register_forward_pre_hook(_root_input_hook, with_kwargs=True,
+                                                        prepend=True))
+        return [PREFIX + "input_scale"]
+
+    def output_scale(self, path: list) -> str | None:
+        self._register(self.model, PREFIX + "output_scale", 1.0)
+        setattr(self.model, PREFIX + "output_path", tuple(path))
+        self.undo.append(("attrdel", self.model, PREFIX + "output_path"))
+        self._hook(self.model.register_forward_hook(_root_output_hook))
+        return PREFIX + "output_scale"
+
+    def finish(self) -> None:
+        pass
+
+    def rollback(self) -> None:
+        """Undo every change, newest first (used when a later stage fails on inplace=True)."""
+        for item in reversed(self.undo):
+            kind = item[0]
+            if kind == "hook":
+                item[1].remove()
+            elif kind == "buffer":
+                mod, name = item[1], item[2]
+                mod._buffers.pop(name, None)
+            elif kind == "attr":
+                setattr(item[1], item[2], item[3])
+            elif kind == "module":
+                setattr(item[1], item[2], item[3])
+            elif kind == "attrdel":
+                if hasattr(item[1], item[2]):
+                    delattr(item[1], item[2])
+        self.undo.clear()

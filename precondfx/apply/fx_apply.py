@@ -1,0 +1,174 @@
+"""Carry a plan out on a ``torch.fx.GraphModule`` by graph surgery.
+
+Scale constants become buffers of the GraphModule read by ``get_attr`` nodes and multiplied in
+with ``mul`` nodes, so they show in ``gm.code``, save with ``state_dict`` and survive deep copies
+and ONNX export.  Max-pools are folded into the convolution before them or replaced by a module.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from precondfx.apply.common import buffer_name, replacement_pool, scalar_buffer
+from precondfx.plan import Plan, Scale
+
+
+def _activation_args(node: fx.Node) -> list[fx.Node]:
+    acts: list[fx.Node] = []
+
+    def walk(a: Any) -> None:
+        if isinstance(a, fx.Node):
+            if a.op != "get_attr" and a not in acts:
+                acts.append(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                walk(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                walk(x)
+
+    walk(node.args)
+    walk(node.kwargs)
+    return acts
+
+
+def _like(gm: fx.GraphModule) -> torch.Tensor | None:
+    for p in gm.parameters():
+        return p
+    return None
+
+
+def _set_submodule(gm: fx.GraphModule, path: str, mod: torch.nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(gm.get_submodule(parent) if parent else gm, leaf, mod)
+
+
+class FxApplier:
+    """Applies pools and scales to a GraphModule; records what was applied and what was not."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.nodes = {n.name: n for n in gm.graph.nodes}
+        self.applied: list[str] = []
+        self.skipped: list[tuple[str, str]] = []
+
+    def _buffer(self, name: str, value: float) -> fx.Node:
+        self.gm.register_buffer(name, scalar_buffer(value, _like(self.gm)))
+        return name
+
+    def _mul(self, before: fx.Node, value_src: fx.Node, bname: str) -> fx.Node:
+        with self.gm.graph.inserting_before(before):
+            c = self.gm.graph.get_attr(bname)
+            m = self.gm.graph.call_function(operator.mul, (value_src, c))
+        return m
+
+    def scale(self, sc: Scale) -> str | None:
+        """Insert one scale; returns the buffer name (None if it could not be placed)."""
+        node = self.nodes.get(sc.node)
+        if node is None:
+            self.skipped.append((sc.node, f"{sc.tag}: node not found in the traced graph"))
+            return None
+        bname = buffer_name(sc.tag, sc.node, sc.index if sc.where == "operand" else None)
+        if sc.where in ("input", "operand"):
+            acts = _activation_args(node)
+            if sc.index >= len(acts):
+                self.skipped.append((sc.node, f"{sc.tag}: operand {sc.index} not found"))
+                return None
+            src = acts[sc.index]
+            self._buffer(bname, sc.value)
+            m = self._mul(node, src, bname)
+            node.replace_input_with(src, m)
+        else:  # output
+            self._buffer(bname, sc.value)
+            with self.gm.graph.inserting_after(node):
+                c = self.gm.graph.get_attr(bname)
+            with self.gm.graph.inserting_after(c):
+                m = self.gm.graph.call_function(operator.mul, (node, c))
+            node.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
+        self.applied.append(f"{sc.tag} {sc.value:.4g} at {sc.where} of {sc.node} ({bname})")
+        return bname
+
+    def pools(self, plan: Plan) -> None:
+        for pc in plan.pools:
+            node = self.nodes.get(pc.node)
+            if node is None or pc.action == "keep":
+                continue
+            src = _activation_args(node)[0]
+            if pc.action == "fold":
+                conv_node = self.nodes[pc.into]
+                conv = self.gm.get_submodule(str(conv_node.target))
+                conv.stride = tuple(pc.geometry["conv_stride"])
+                node.replace_all_uses_with(src)
+                self.gm.graph.erase_node(node)
+                self.applied.append(f"maxpool {pc.node} folded into {conv_node.target}")
+                continue
+            mod = replacement_pool(pc, _like(self.gm))
+            path = str(node.target) if node.op == "call_module" else f"precondfx_pool_{pc.node}"
+            if node.op == "call_module":
+                _set_submodule(self.gm, path, mod)
+            else:
+                self.gm.add_submodule(path, mod)
+                with self.gm.graph.inserting_before(node):
+                    new = self.gm.graph.call_module(path, (src,))
+                # functional max-pool with indices returns a tuple; plan refused those
+                node.replace_all_uses_with(new)
+                self.gm.graph.erase_node(node)
+                self.nodes[pc.node] = new
+            self.applied.append(f"maxpool {pc.node} replaced by {type(mod).__name__} at {path}")
+
+    def input_scale(self, value: float) -> list[str]:
+        names = []
+        for n in list(self.gm.graph.nodes):
+            if n.op != "placeholder":
+                continue
+            tm = n.meta.get("tensor_meta")
+            if tm is None or not getattr(tm, "dtype", torch.int64).is_floating_point:
+                continue
+            b = buffer_name("input", n.name)
+            self._buffer(b, value)
+            users = list(n.users)
+            first = next(iter(users), None)
+            if first is None:
+                continue
+            with self.gm.graph.inserting_after(n):
+                c = self.gm.graph.get_attr(b)
+            with self.gm.graph.inserting_after(c):
+                m = self.gm.graph.call_function(operator.mul, (n, c))
+            n.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
+            names.append(b)
+        return names
+
+    def output_scale(self, path: list) -> str | None:
+        out = next(n for n in self.gm.graph.nodes if n.op == "output")
+        struct = out.args[0]
+        target = struct
+        for k in path:
+            target = target[k]
+        if not isinstance(target, fx.Node):
+            self.skipped.append(("output", "main output is not a graph value"))
+            return None
+        b = buffer_name("output", "scale")
+        self._buffer(b, 1.0)
+        m = self._mul(out, target, b)
+
+        def rebuild(s: Any, p: list) -> Any:
+            if not p:
+                return m
+            k = p[0]
+            if isinstance(s, dict):
+                d = dict(s)
+                d[k] = rebuild(s[k], p[1:])
+                return d
+            lst = list(s)
+            lst[k] = rebuild(s[k], p[1:])
+            return type(s)(lst) if isinstance(s, tuple) else lst
+
+        out.args = (rebuild(struct, path),)
+        return b
+
+    def finish(self) -> None:
+        self.gm.graph.lint()
+        self.gm.recompile()

@@ -1,0 +1,58 @@
+"""Re-initialize a PyTorch model's parameters as the plan says, deterministically from a seed.
+
+Draws are made in float32 on the CPU from one ``torch.Generator`` walking the plan in order, then
+copied into each parameter, so the result does not depend on the device or dtype of the model.
+Shared (tied) parameters are drawn once: the plan has one entry per parameter.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from precondfx.plan import ParamInit, Plan
+
+
+def _orthogonal(shape: tuple[int, ...], gates: int, gen: torch.Generator) -> torch.Tensor:
+    rows, cols = shape[0] // max(gates, 1), int(torch.tensor(shape[1:]).prod())
+    blocks = []
+    for _ in range(max(gates, 1)):
+        a = torch.randn(max(rows, cols), min(rows, cols), generator=gen)
+        q, r = torch.linalg.qr(a)
+        q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+        blocks.append(q if rows >= cols else q.T)
+    return torch.cat(blocks, 0).reshape(shape)
+
+
+def draw(pi: ParamInit, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor | None:
+    """The new value of one parameter (float32, CPU), or None to keep it."""
+    if pi.rule == "keep":
+        return None
+    if pi.rule == "zeros":
+        return torch.zeros(shape)
+    if pi.rule == "ones":
+        return torch.ones(shape)
+    if pi.rule == "orthogonal":
+        return _orthogonal(shape, pi.gates, gen) * float(pi.std or 1.0)
+    return torch.randn(shape, generator=gen) * float(pi.std)
+
+
+@torch.no_grad()
+def reinit(model: nn.Module, plan: Plan, seed: int) -> list[str]:
+    """Apply the plan's parameter inits to ``model``; returns the names changed."""
+    gen = torch.Generator().manual_seed(int(seed))
+    named = dict(model.named_parameters(remove_duplicate=False))
+    changed = []
+    for name, pi in plan.inits.items():
+        p = named.get(name)
+        if p is None:
+            continue
+        if pi.rule == "scale":
+            p.mul_(float(pi.std))
+            changed.append(name)
+            continue
+        new = draw(pi, tuple(p.shape), gen)
+        if new is None:
+            continue
+        p.copy_(new.to(dtype=p.dtype, device=p.device))
+        changed.append(name)
+    return changed

@@ -1,0 +1,290 @@
+"""What every PyTorch capture method shares: sample handling and turning one call into a Node.
+
+Each capture method walks its own representation (an fx graph, an exported ATen graph, a live
+eager run) and describes every call with operand markers: :class:`Act` (an activation produced
+by another node), :class:`Param` (a parameter, by name) or :class:`Const`.  :func:`build_node`
+turns that description into a neutral :class:`~precondfx.graph.Node` the same way for all of
+them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from precondfx import optable
+from precondfx.errors import PrecondError
+from precondfx.graph import Node
+
+
+@dataclass(frozen=True)
+class Act:
+    """An activation operand produced by node ``src``."""
+
+    src: str
+
+
+@dataclass(frozen=True)
+class Param:
+    """A parameter (or buffer) operand, by fully qualified name."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Const:
+    """A constant operand (a Python number, or a tensor that is neither activation nor parameter)."""
+
+    value: Any = None
+
+
+# Positional argument names of the functional spellings of ops whose arguments the planner needs.
+_ARGS: dict[str, tuple[str, ...]] = {
+    "conv": ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
+    "convolution": ("input", "weight", "bias", "stride", "padding", "dilation", "transposed",
+                    "output_padding", "groups"),
+    "conv_transpose": ("input", "weight", "bias", "stride", "padding", "output_padding",
+                       "groups", "dilation"),
+    "linear": ("input", "weight", "bias"),
+    "addmm": ("bias", "input", "weight"),
+    "matmul": ("input", "other"),
+    "embedding": ("input", "weight", "padding_idx"),
+    "aten_embedding": ("weight", "input", "padding_idx"),
+    "maxpool": ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode",
+                "return_indices"),
+    "avgpool": ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad"),
+    "leaky_relu": ("input", "negative_slope"),
+}
+
+
+@dataclass
+class Sample:
+    """A normalized sample: positional args and keyword args for ``model(*args, **kwargs)``."""
+
+    args: tuple
+    kwargs: dict
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor in the sample (nested tuples/lists/dicts included)."""
+        out: list[torch.Tensor] = []
+        _collect_tensors((self.args, self.kwargs), out)
+        return out
+
+    def call(self, model: Callable) -> Any:
+        return model(*self.args, **self.kwargs)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Sample":
+        """A copy with ``fn`` applied to every tensor."""
+        return Sample(_map_tensors(self.args, fn), _map_tensors(self.kwargs, fn))
+
+
+def _collect_tensors(obj: Any, out: list) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            _collect_tensors(o, out)
+    elif isinstance(obj, Mapping):
+        for o in obj.values():
+            _collect_tensors(o, out)
+
+
+def _map_tensors(obj: Any, fn: Callable) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        return tuple(_map_tensors(o, fn) for o in obj)
+    if isinstance(obj, list):
+        return [_map_tensors(o, fn) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def make_sample(sample: Any, forward_kwargs: Mapping | None = None) -> Sample:
+    """Normalize a user sample (tensor, tuple/list of positional inputs, dict of keyword inputs)."""
+    extra = dict(forward_kwargs or {})
+    if isinstance(sample, Sample):
+        return Sample(sample.args, {**sample.kwargs, **extra})
+    if isinstance(sample, torch.Tensor):
+        return Sample((sample,), extra)
+    if isinstance(sample, (tuple, list)):
+        return Sample(tuple(sample), extra)
+    if isinstance(sample, Mapping):
+        return Sample((), {**dict(sample), **extra})
+    raise PrecondError(
+        f"sample must be a tensor, a tuple of positional inputs or a dict of keyword inputs, "
+        f"got {type(sample).__name__}: pass what you would call the model with, e.g. "
+        f"precondition(model, torch.randn(8, 3, 32, 32))")
+
+
+def main_output(out: Any, key: str | int | None = None) -> torch.Tensor:
+    """The tensor the output scale applies to: ``out`` itself, ``out[key]``, the first tensor of
+    a tuple, ``logits`` (or the first tensor value) of a dict or transformers ModelOutput."""
+    if key is not None:
+        try:
+            val = out[key]
+        except (KeyError, IndexError, TypeError) as e:
+            raise PrecondError(f"output_key={key!r} does not select an output of the model "
+                               f"({type(out).__name__}): {e}") from None
+        if not isinstance(val, torch.Tensor):
+            raise PrecondError(f"output_key={key!r} selects a {type(val).__name__}, not a tensor")
+        return val
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping):
+        if "logits" in out and isinstance(out["logits"], torch.Tensor):
+            return out["logits"]
+        for v in out.values():
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return v
+    if isinstance(out, (tuple, list)):
+        for v in out:
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return v
+    raise PrecondError(
+        f"cannot find a floating-point tensor in the model's output ({type(out).__name__}); "
+        f"pass output_key= to name the output to scale, or target_std=None to skip output scaling")
+
+
+def module_attrs(mod: nn.Module) -> dict[str, Any]:
+    """Attributes of a leaf module that the planner needs (geometry, slopes, sizes)."""
+    a: dict[str, Any] = {"class": type(mod).__name__}
+    for name in ("kernel_size", "stride", "padding", "dilation", "groups", "in_channels",
+                 "out_channels", "in_features", "out_features", "ceil_mode", "return_indices",
+                 "transposed", "padding_mode", "num_embeddings", "embedding_dim",
+                 "negative_slope", "output_size", "embed_dim", "num_heads", "hidden_size",
+                 "num_layers", "input_size", "count_include_pad"):
+        if hasattr(mod, name):
+            v = getattr(mod, name)
+            if isinstance(v, (int, float, bool, str, tuple, list)) or v is None:
+                a[name] = v
+    if isinstance(mod, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)):
+        a["dims"] = int(type(mod).__name__[-2])
+    return a
+
+
+def _parse_call(family: str, args: list, kwargs: dict) -> dict[str, Any]:
+    names = _ARGS.get(family, ())
+    out = {names[i]: a for i, a in enumerate(args) if i < len(names)}
+    out.update(kwargs)
+    return out
+
+
+def _unconst(v: Any) -> Any:
+    if isinstance(v, Const):
+        return v.value
+    if isinstance(v, (list, tuple)):
+        return type(v)(_unconst(x) for x in v)
+    return v
+
+
+def _plain(v: Any) -> bool:
+    if isinstance(v, (list, tuple)):
+        return all(_plain(x) for x in v)
+    return isinstance(v, (int, float, bool, str)) or v is None
+
+
+def _family(kind: str, target: str) -> str:
+    if kind == "conv" and ("convolution" in target):
+        return "convolution"
+    if kind == "linear" and "addmm" in target:
+        return "addmm"
+    if kind == "embedding" and target.startswith("aten."):
+        return "aten_embedding"
+    return kind
+
+
+def build_node(name: str, spec: optable.OpSpec | None, target: str, args: list, kwargs: dict,
+               *, module: str | None = None, module_obj: nn.Module | None = None,
+               call_index: int = 0, out_shape: tuple | None = None,
+               in_shapes: list | None = None) -> Node:
+    """Describe one call as a neutral Node (shared by every capture method)."""
+    spec = spec or optable.UNKNOWN_SPEC
+    inputs: list[str] = []
+    params: dict[str, str] = {}
+    nconst = 0
+    flat: list[tuple[str | None, Any]] = []
+
+    def walk(role: str | None, a: Any) -> None:
+        if isinstance(a, (list, tuple)):
+            for x in a:
+                walk(role, x)
+        elif isinstance(a, dict):
+            for k, x in a.items():
+                walk(role, x)
+        else:
+            flat.append((role, a))
+
+    if module_obj is not None:
+        for a in list(args) + list(kwargs.values()):
+            walk(None, a)
+        for pname, _ in module_obj.named_parameters(remove_duplicate=False):
+            params[pname] = f"{module}.{pname}" if module else pname
+        attrs = module_attrs(module_obj)
+    else:
+        parsed = _parse_call(_family(spec.kind, target), list(args), dict(kwargs))
+        for i, a in enumerate(args):
+            walk(None, a)
+        for k, a in kwargs.items():
+            walk(k, a)
+        attrs = {}
+        for k, v in parsed.items():
+            v = _unconst(v)
+            if k not in ("input", "weight", "bias", "other") and _plain(v):
+                attrs[k] = v
+        for role in ("weight", "bias"):
+            if isinstance(parsed.get(role), Param):
+                params[role] = parsed[role].name
+        if spec.kind == "matmul":
+            if isinstance(parsed.get("other"), Param):
+                params["weight"] = parsed["other"].name
+                attrs["weight_side"] = "right"
+            elif isinstance(parsed.get("input"), Param):
+                params["weight"] = parsed["input"].name
+                attrs["weight_side"] = "left"
+    for role, a in flat:
+        if isinstance(a, Act):
+            if a.src not in inputs:
+                inputs.append(a.src)
+        elif isinstance(a, Param):
+            if module_obj is None and a.name not in params.values():
+                params[f"operand{len(params)}"] = a.name
+        elif isinstance(a, Const) or isinstance(a, (int, float)):
+            nconst += 1
+    return Node(name=name, kind=spec.kind, target=target, inputs=inputs, params=params,
+                attrs=attrs, module=module, call_index=call_index,
+                out_shape=tuple(out_shape) if out_shape is not None else None,
+                in_shapes=list(in_shapes or []), const_operands=nconst)
+
+
+def target_name(fn: Any) -> str:
+    """A readable name for a callable target."""
+    if isinstance(fn, str):
+        return fn
+    mod = getattr(fn, "__module__", None) or ""
+    qn = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    if mod.startswith("torch._ops") or type(fn).__name__ == "OpOverload":
+        return f"aten.{fn.__name__}" if not str(fn).startswith("aten") else str(fn)
+    return f"{mod}.{qn}" if mod else qn
+
+
+def shape_of(v: Any) -> tuple[int, ...] | None:
+    """Static shape of a tensor-like value (real, fake, or fx TensorMetadata), else None."""
+    shape = getattr(v, "shape", None)
+    if shape is None:
+        return None
+    try:
+        return tuple(int(d) for d in shape)
+    except (TypeError, ValueError):
+        return None
+
+
+def prod(xs: Any) -> int:
+    """Product of an int or a sequence of ints."""
+    if isinstance(xs, int):
+        return xs
+    return math.prod(int(x) for x in xs)

@@ -1,0 +1,162 @@
+"""Capture with ``torch.export.export`` (non-strict) or ``torch.export.draft_export``.
+
+The exported graph is made of ATen ops.  Ops that ran inside one call of a leaf module known to
+the op table (``nn_module_stack``'s innermost entry, e.g. ``conv1`` a ``Conv2d``) are grouped
+back into one node per module call, so the neutral graph has the same granularity as an fx
+trace; other ops stay one node each.  ``draft_export`` specializes data-dependent branches on
+the sample, which the report says.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from precondfx import optable
+from precondfx.capture.common import Act, Const, Param, Sample, build_node, shape_of
+from precondfx.graph import Graph, Node
+
+
+def export(model: torch.nn.Module, sample: Sample, *, draft: bool = False
+           ) -> torch.export.ExportedProgram:
+    """Export ``model`` on the sample (non-strict), or draft-export it."""
+    if draft:
+        return torch.export.draft_export(model, sample.args, kwargs=sample.kwargs)
+    return torch.export.export(model, sample.args, kwargs=sample.kwargs, strict=False)
+
+
+def _leaf_scope(node: fx.Node) -> tuple[str, str, int, optable.OpSpec] | None:
+    """(scope key, module path, call index, spec) of the innermost known leaf module, if any."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    key, (path, cls) = list(stack.items())[-1]
+    cls_name = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
+    spec = optable.for_module_class_name(cls_name)
+    if spec is None:
+        return None
+    idx = 0
+    if "@" in key:
+        try:
+            idx = int(key.rsplit("@", 1)[1])
+        except ValueError:
+            idx = 0
+    return key, _clean_path(path), idx, spec
+
+
+def _clean_path(path: str) -> str:
+    """``L['self'].layer1[0].conv1`` style paths -> ``layer1.0.conv1``."""
+    p = path.replace("L['self'].", "").replace("L['self']", "")
+    p = p.replace("[", ".").replace("]", "").replace("'", "")
+    return p.strip(".")
+
+
+def to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, method: str) -> Graph:
+    """Convert an ExportedProgram into the neutral graph, grouping leaf-module calls."""
+    sig = ep.graph_signature
+    pmap: dict[str, str] = {}
+    pmap.update(sig.inputs_to_parameters)
+    pmap.update(sig.inputs_to_buffers)
+    pmap.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
+    user_inputs = set(sig.user_inputs)
+    graph = ep.graph
+    group_of: dict[str, str] = {}      # fx node name -> neutral node name
+    groups: dict[str, dict] = {}        # scope key -> {nodes, path, idx, spec}
+    order: list[tuple[str, Any]] = []   # ("group", key) or ("node", fx.Node)
+    for n in graph.nodes:
+        if n.op != "call_function":
+            order.append(("node", n))
+            continue
+        scope = _leaf_scope(n)
+        if scope is None:
+            order.append(("node", n))
+            continue
+        key, path, idx, spec = scope
+        if key not in groups:
+            groups[key] = {"nodes": [], "path": path, "idx": idx, "spec": spec}
+            order.append(("group", key))
+        groups[key]["nodes"].append(n)
+        group_of[n.name] = key
+
+    def marker(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            if a.op == "placeholder" and a.name in pmap:
+                return Param(pmap[a.name])
+            if a.op == "get_attr":
+                return Param(str(a.target))
+            return Act(group_of.get(a.name, a.name))
+        if isinstance(a, (list, tuple)):
+            return type(a)(marker(x) for x in a)
+        if isinstance(a, dict):
+            return {k: marker(v) for k, v in a.items()}
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
+            return Const(a)
+        return a
+
+    nodes: list[Node] = []
+    outputs: list[str] = []
+    for what, item in order:
+        if what == "group":
+            g = groups[item]
+            members = {m.name for m in g["nodes"]}
+            ext_args = []
+            for m in g["nodes"]:
+                for a in m.all_input_nodes:
+                    if a.name not in members:
+                        ext_args.append(a)
+            args = [marker(a) for a in ext_args if not (a.op == "placeholder" and a.name in pmap)]
+            path = g["path"]
+            try:
+                mod = model.get_submodule(path)
+            except AttributeError:
+                mod = None
+            last = g["nodes"][-1]
+            out_shape = _out_shape(last)
+            if mod is None:
+                node = build_node(item, g["spec"], g["spec"].kind, args, {},
+                                  out_shape=out_shape)
+            else:
+                node = build_node(item, g["spec"], f"{type(mod).__module__}.{type(mod).__name__}",
+                                  args, {}, module=path, module_obj=mod, call_index=g["idx"],
+                                  out_shape=out_shape,
+                                  in_shapes=[_out_shape(a) for a in ext_args])
+            nodes.append(node)
+            continue
+        n = item
+        if n.op == "placeholder":
+            if n.name in pmap or n.name not in user_inputs:
+                continue
+            nodes.append(Node(n.name, "input", f"input {n.name}", out_shape=_out_shape(n)))
+        elif n.op == "output":
+            outs = [marker(a) for a in n.args[0]] if isinstance(n.args[0], (list, tuple)) \
+                else [marker(n.args[0])]
+            outputs = []
+            for o in outs:
+                if isinstance(o, Act) and o.src not in outputs:
+                    outputs.append(o.src)
+            nodes.append(Node(n.name, "output", "output", inputs=outputs))
+        elif n.op == "call_function":
+            tgt = n.target
+            packet = getattr(tgt, "_opname", None) or getattr(tgt, "__name__", str(tgt))
+            spec = optable.for_aten(packet) if str(tgt).startswith("aten") else \
+                optable.for_function(tgt)
+            if spec is None and packet == "getitem":
+                spec = optable.BY_KIND["select"]
+            args = [marker(a) for a in n.args]
+            kwargs = {k: marker(v) for k, v in n.kwargs.items()}
+            nodes.append(build_node(n.name, spec, f"aten.{packet}" if str(tgt).startswith("aten")
+                                    else str(tgt), args, kwargs, out_shape=_out_shape(n),
+                                    in_shapes=[_out_shape(a) for a in n.all_input_nodes]))
+    notes = []
+    if method == "draft_export":
+        notes.append("draft_export specialized data-dependent branches on the sample: the "
+                     "analysis describes the path the sample took")
+    return Graph(nodes, method, notes=notes, outputs=outputs)
+
+
+def _out_shape(n: fx.Node) -> tuple[int, ...] | None:
+    v = n.meta.get("val")
+    if isinstance(v, (tuple, list)):
+        v = v[0] if v else None
+    return shape_of(v) if v is not None else None

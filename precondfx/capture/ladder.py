@@ -1,0 +1,93 @@
+"""Capture: turn a model and a sample into the neutral graph, trying methods in order.
+
+The ladder is ``fx`` (symbolic trace; the only one whose result is itself editable), ``export``
+(torch.export, non-strict), ``draft_export`` (specializes data-dependent branches on the sample)
+and ``eager`` (records one real run; works on any model that runs).  The first that succeeds is
+used; the report says which, and why the earlier ones failed.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from precondfx.calibrate import quiet_run
+from precondfx.capture import eager_capture, export_capture, fx_capture
+from precondfx.capture.common import Sample
+from precondfx.errors import PrecondError
+from precondfx.graph import Graph
+
+METHODS = ("fx", "export", "draft_export", "eager")
+
+
+@dataclass
+class Captured:
+    """The captured graph, the GraphModule when fx succeeded, and the failed attempts."""
+
+    graph: Graph
+    gm: fx.GraphModule | None = None
+    attempts: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _first_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0][:200] if msg else ''}"
+
+
+@contextlib.contextmanager
+def _silenced():
+    """Keep torch.export's warnings and logs off the user's console during attempts."""
+    loggers = [logging.getLogger(n) for n in ("torch._export", "torch.export", "torch._dynamo",
+                                             "torch.fx.experimental.symbolic_shapes",
+                                             "torch._subclasses", "torch._functorch")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with contextlib.redirect_stdout(io.StringIO()), \
+                    contextlib.redirect_stderr(io.StringIO()):
+                yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
+def capture(model: torch.nn.Module, sample: Sample, methods: tuple[str, ...] | list[str] = METHODS,
+            mode: str = "train") -> Captured:
+    """Try each capture method in turn; raise PrecondError if none works."""
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise PrecondError(f"unknown capture method(s) {bad}: choose from {METHODS}")
+    attempts: list[tuple[str, str]] = []
+    for method in methods:
+        try:
+            with quiet_run(model, mode), _silenced():
+                if method == "fx":
+                    gm = fx_capture.trace(model, sample)
+                    fx_capture.run_shape_prop(gm, sample)
+                    graph = fx_capture.to_graph(gm)
+                    result = Captured(graph, gm)
+                elif method in ("export", "draft_export"):
+                    ep = export_capture.export(model, sample, draft=method == "draft_export")
+                    result = Captured(export_capture.to_graph(ep, model, method))
+                else:
+                    graph, _ = eager_capture.capture(model, sample)
+                    result = Captured(graph)
+        except PrecondError:
+            raise
+        except Exception as e:  # a capture method failed: record why and try the next
+            attempts.append((method, _first_line(e)))
+            continue
+        result.attempts = attempts
+        result.graph.notes[:0] = [f"{m} failed: {why}" for m, why in attempts]
+        return result
+    raise PrecondError("no capture method worked on this model: " +
+                       "; ".join(f"{m}: {why}" for m, why in attempts) +
+                       ". Check that the model runs on the sample.")

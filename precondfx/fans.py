@@ -1,0 +1,97 @@
+"""Fan-in, fan-out and kernel size of every weighted kind, and the initialization rules.
+
+Geometric-mean initialization (Sec. 6, Eq. 7, Remark 6) sets ``E[W^2] = c / (k^2 sqrt(n_in n_out))``
+with ``c = 2`` (the value that balances biases too, App. D).  The definitions used here:
+
+* Linear ``W: (out, in)``: ``n_in = in``, ``n_out = out``, ``k^2 = 1``.
+* Convolution ``W: (O, I/g, k1, ..., kd)`` (any d, groups g, dilation): every output reads
+  ``I/g`` channels and every input feeds ``O/g`` channels, so ``n_in = I/g``, ``n_out = O/g``,
+  ``k^2 = k1 * ... * kd`` (the number of taps; dilation spreads taps without changing their
+  count).  Depthwise (``g = I``) gives ``n_in = 1``.  Stride is ignored, as for the strided
+  convolutions of Remark 6: spatial changes enter the GR scaling through ``rho``.
+* Transposed convolution ``W: (I, O/g, k...)``: the adjoint of a convolution, with the same
+  definitions read on its own input/output channels: ``n_in = I/g``, ``n_out = O/g``.
+* Matrix product with a parameter ``x @ W`` (``W: (..., K, N)``): ``n_in = K``, ``n_out = N``;
+  ``W @ x`` (``W: (M, K)``): ``n_in = K``, ``n_out = M``.
+* Embedding ``W: (num, dim)``: a lookup reads exactly one weight per output element, so
+  ``n_in = n_out = 1`` with gain ``c = 1``: unit second moment.  The embedding output plays the
+  part of a network input (Sec. 6.3's input scaling applies to it).
+* Multi-head attention: its packed input projection ``(3E, E)`` is three ``E -> E`` linear maps;
+  its output projection is a linear layer.
+* Recurrent cells: input-to-hidden weights ``(G*H, in)`` are ``G`` gate maps ``in -> H``
+  (geometric); hidden-to-hidden weights get an orthogonal initialization per gate (gain 1),
+  because a map applied at every time step must keep norms, which no fan rule does.
+
+The other rules (``fan_in``: ``2/(k^2 n_in)``; ``fan_out``: ``2/(k^2 n_out)``; ``xavier``:
+``4/(k^2 (n_in + n_out))``, Sec. 6.1) are offered for comparison.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from precondfx.errors import PrecondError
+
+INIT_RULES = ("geometric", "fan_in", "fan_out", "xavier")
+
+
+@dataclass(frozen=True)
+class Fans:
+    """Fans of one weight: inputs per output, outputs per input, kernel taps, gain c."""
+
+    n_in: int
+    n_out: int
+    k2: int = 1
+    gain: float = 2.0
+
+
+def second_moment(f: Fans, rule: str = "geometric") -> float:
+    """Target ``E[W^2]`` of a weight under an initialization rule."""
+    if rule == "geometric":
+        return f.gain / (f.k2 * math.sqrt(f.n_in * f.n_out))
+    if rule == "fan_in":
+        return f.gain / (f.k2 * f.n_in)
+    if rule == "fan_out":
+        return f.gain / (f.k2 * f.n_out)
+    if rule == "xavier":
+        return 2.0 * f.gain / (f.k2 * (f.n_in + f.n_out))
+    raise PrecondError(f"unknown init rule {rule!r}: use one of {INIT_RULES} or 'keep'")
+
+
+def weight_fans(kind: str, shape: tuple[int, ...], attrs: dict) -> Fans | None:
+    """Fans of a weight of the given kind and shape; None when they are not defined."""
+    if kind in ("linear",) and len(shape) == 2:
+        return Fans(int(shape[1]), int(shape[0]))
+    if kind == "conv" and len(shape) >= 3:
+        g = int(attrs.get("groups", 1) or 1)
+        return Fans(int(shape[1]), max(1, int(shape[0]) // g), math.prod(shape[2:]))
+    if kind == "conv_transpose" and len(shape) >= 3:
+        g = int(attrs.get("groups", 1) or 1)
+        return Fans(max(1, int(shape[0]) // g), int(shape[1]), math.prod(shape[2:]))
+    if kind == "matmul" and len(shape) >= 2:
+        if attrs.get("weight_side", "right") == "right":
+            return Fans(int(shape[-2]), int(shape[-1]))
+        return Fans(int(shape[-1]), int(shape[-2]))
+    if kind == "matmul" and len(shape) == 1:
+        return Fans(int(shape[0]), 1)
+    if kind == "embedding" and len(shape) == 2:
+        return Fans(1, 1, 1, gain=1.0)
+    return None
+
+
+def attention_fans(param_role: str, shape: tuple[int, ...]) -> Fans | None:
+    """Fans of nn.MultiheadAttention parameters (packed or separate projections)."""
+    if len(shape) != 2:
+        return None
+    if param_role == "in_proj_weight":
+        return Fans(int(shape[1]), int(shape[0]) // 3)
+    if param_role.endswith("proj_weight") or param_role == "out_proj.weight":
+        return Fans(int(shape[1]), int(shape[0]))
+    return None
+
+
+def recurrent_fans(param_role: str, shape: tuple[int, ...], gates: int) -> Fans | None:
+    """Fans of an input-to-hidden recurrent weight ``(gates*H, in)``."""
+    if "weight_ih" in param_role and len(shape) == 2:
+        return Fans(int(shape[1]), int(shape[0]) // gates)
+    return None
