@@ -81,8 +81,7 @@ def _prepare(model: Any, sample: Any, forward_kwargs: dict | None, opts: Options
              methods: Any, mode: str) -> tuple[nn.Module, Sample, list[str]]:
     model, notes = _unwrap(model)
     opts.validate()
-    if isinstance(methods, str):
-        methods = (methods,)
+    methods = _methods(methods)
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise PrecondError(f"capture={bad} is not among {METHODS}")
@@ -92,9 +91,13 @@ def _prepare(model: Any, sample: Any, forward_kwargs: dict | None, opts: Options
     return model, s, notes
 
 
+def _methods(methods: Any) -> tuple[str, ...]:
+    return (methods,) if isinstance(methods, str) else tuple(methods)
+
+
 def _capture_classify(model: nn.Module, s: Sample, methods: Any, mode: str, notes: list[str]
                       ) -> tuple[Captured, dict[str, ParamInfo]]:
-    cap = capture(model, s, tuple(methods), mode)
+    cap = capture(model, s, _methods(methods), mode)
     cap.graph.notes.extend(notes)
     classify(cap.graph)
     infos, canon = param_infos(model)

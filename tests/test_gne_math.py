@@ -7,6 +7,7 @@ Expected values come from the spec's tables/text or from independent exact compu
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,6 +19,15 @@ from precondfx.schemes import gne_math as G
 
 SELU_LAMBDA = 1.0507009873554805
 SELU_ALPHA = 1.6732632423543772
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # QR / small linalg is ~100x slower with 2 contended OpenMP threads on the CI box
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def _moments_of(j: torch.Tensor) -> tuple[float, float]:
@@ -351,7 +361,9 @@ def test_gne_init_shapes_and_scales() -> None:
     G.gne_init_(w, gain=math.sqrt(2), kind="delta_orthogonal")
     centre = w[:, :, 1, 1]
     assert torch.allclose(centre @ centre.T, 2 * torch.eye(8, dtype=torch.float64), atol=1e-10)
-    assert float(w.abs().sum() - centre.abs().sum()) == 0.0
+    off_centre = w.clone()
+    off_centre[:, :, 1, 1] = 0.0
+    assert float(off_centre.abs().max()) == 0.0
     with pytest.raises(PrecondError):
         G.gne_init_(torch.empty(5), gain=1.0)
     with pytest.raises(PrecondError):

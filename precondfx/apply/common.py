@@ -52,6 +52,8 @@ def output_path(out: Any, key: str | int | None = None) -> list:
     """Keys/indices leading from the model's output to the tensor the output scale applies to
     (same choice as :func:`precondfx.capture.common.main_output`)."""
     if key is not None:
+        from precondfx.capture.common import main_output
+        main_output(out, key)  # raises PrecondError when the key selects no tensor
         return [key]
     if isinstance(out, torch.Tensor):
         return []

@@ -103,6 +103,10 @@ class FxApplier:
                 conv.stride = tuple(pc.geometry["conv_stride"])
                 node.replace_all_uses_with(src)
                 self.gm.graph.erase_node(node)
+                if node.op == "call_module" and not any(
+                        n.op == "call_module" and n.target == node.target
+                        for n in self.gm.graph.nodes):
+                    self.gm.delete_submodule(str(node.target))
                 self.applied.append(f"maxpool {pc.node} folded into {conv_node.target}")
                 continue
             mod = replacement_pool(pc, _like(self.gm))
@@ -170,5 +174,9 @@ class FxApplier:
         return b
 
     def finish(self) -> None:
+        # Type annotations copied from the user's forward can be strings (``from __future__
+        # import annotations``), which GraphModule pickling cannot resolve: drop them.
+        for n in self.gm.graph.nodes:
+            n.type = None
         self.gm.graph.lint()
         self.gm.recompile()

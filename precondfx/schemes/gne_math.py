@@ -373,7 +373,7 @@ def activation_moments(
     if name == "relu":
         return relu_moments(p)
     if name in {"leaky_relu", "prelu"}:
-        return leaky_relu_moments(0.01 if slope is None else slope, p)
+        return leaky_relu_moments((0.25 if name == "prelu" else 0.01) if slope is None else slope, p)
     if name == "sprelu":
         return sprelu_moments(0.25 if slope is None else slope, p)
     if name == "tanh":

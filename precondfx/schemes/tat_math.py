@@ -52,7 +52,16 @@ Subnetworks considered by :func:`subnet_max` are the whole tree plus, recursivel
 of every Sum/Concat (spec §2.6: candidates are "the whole network and every branch of every
 fork-join block, recursively"). A graph pass builds the tree by recursing over fork/join pairs
 (immediate dominators); a tensor consumed by several joins may be duplicated in the tree, which
-is exact because U is a deterministic function of the entry value.
+is exact because U is a deterministic function of the entry value. Sums must be over
+uncorrelated branches (at most one branch without a fresh affine layer at its end, spec §2.5);
+checking that is the graph pass's job.
+
+Typical use::
+
+    p = solve_trelu_slope(resnet, eta=0.9)        # TReLUParams(negative_slope, output_scale)
+    u_map(resnet, 0.0, lambda c: leaky_relu_c_map(c, p.negative_slope))   # predicted C_f(0)
+    t = solve_tat_smooth("tanh", resnet, tau=0.3)  # ActivationTransform(alpha, beta, delta, gamma)
+    d = solve_dks("softplus", resnet, zeta=1.5)
 """
 
 from __future__ import annotations
@@ -60,7 +69,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Union
 
 import numpy as np
@@ -890,7 +899,7 @@ class LocalMaps:
     c_curv_1: float  # C''(1) = E[phi_hat''^2] / Q(1); inf for kinked activations
 
 
-def _raw_moments(act: NumpyActivation, alpha: float, beta: float, slope_kinks: bool = True) -> dict[str, float]:
+def _raw_moments(act: NumpyActivation, alpha: float, beta: float) -> dict[str, float]:
     """E over z~N(0,1) of phi(u), phi(u)^2, phi phi' z, phi'^2, phi'' ^2, phi', phi'' z with u = alpha z + beta."""
     if alpha != 0.0 and act.kinks:
         breaks = (np.asarray(act.kinks) - beta) / alpha
@@ -989,11 +998,12 @@ def curvature_coefficient(arch: Arch | int) -> float:
     return max_curvature(arch, 1.0)
 
 
-def local_curvature_target(arch: Arch | int, tau: float) -> float:
-    """Local C''(1) = kappa with mu^2_f(kappa) = tau, by the reference bisection (spec §2.8).
+def local_curvature_target(arch: Arch | int, tau: float, exact: bool = False) -> float:
+    """Local C''(1) = kappa with mu^2_f(kappa) = tau (spec §2.8, §3.2; paper Alg. 2 step 2).
 
-    Start 0.1 on [0, inf), tol 1e-8, so it equals tau/coef_f to ~1e-8/coef_f (the reference
-    value differs from tau/coef by that bisection error; reproduced bit for bit).
+    mu^2 is linear, so kappa = tau/coef_f; ``exact=True`` returns that. The default follows the
+    reference bisection (start 0.1 on [0, inf), tol 1e-8 on mu^2), which differs from tau/coef_f
+    by up to ~1e-8/coef_f and reproduces the dks numbers (spec §4.1) bit for bit.
     """
     if tau <= 0.0:
         raise PrecondError("TAT c_curve_target tau must be > 0.")
@@ -1001,13 +1011,16 @@ def local_curvature_target(arch: Arch | int, tau: float) -> float:
     if count_activations(a) == 0:
         raise PrecondError("The architecture has no nonlinear layer.")
     f = make_subnet_max_func(a)
+    if exact:
+        return tau / f(0.0, lambda y: 1.0 + y)
     return solve_increasing(lambda k: f(0.0, lambda y: k + y), tau, 0.1, 0.0, math.inf)
 
 
-def local_slope_target(arch: Arch | int, zeta: float) -> float:
+def local_slope_target(arch: Arch | int, zeta: float, tol: float = 1e-8) -> float:
     """Local C'(1) = s with mu^1_f(s) = zeta, by the reference bisection (DKS; spec §2.8).
 
-    Start 1.1 on [1, inf), tol 1e-8. For a vanilla net of L layers s = zeta^(1/L).
+    Start 1.1 on [1, inf), |mu^1 - zeta| < tol (1e-8 as in the reference, which reproduces its
+    numbers bit for bit; pass a smaller tol for the exact root). Vanilla net: s = zeta^(1/L).
     """
     if zeta <= 1.0:
         raise PrecondError("DKS c_slope_1_target zeta must be > 1.")
@@ -1015,7 +1028,7 @@ def local_slope_target(arch: Arch | int, zeta: float) -> float:
     if count_activations(a) == 0:
         raise PrecondError("The architecture has no nonlinear layer.")
     f = make_subnet_max_func(a)
-    return solve_increasing(lambda s: f(1.0, lambda y: s * y), zeta, 1.1, 1.0, math.inf)
+    return solve_increasing(lambda s: f(1.0, lambda y: s * y), zeta, 1.1, 1.0, math.inf, tol=tol)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1261,10 +1274,11 @@ def solve_dks_local(name: str, c_slope_target: float, q_slope_target: float = 1.
     return _solve_transform(name, ("input_scale", "input_shift"), build, residual, None)
 
 
-def solve_tat_smooth(name: str, arch: Arch | int, tau: float = 0.3) -> ActivationTransform:
+def solve_tat_smooth(name: str, arch: Arch | int, tau: float = 0.3, exact_target: bool = False) -> ActivationTransform:
     """TAT for smooth activations on a network (spec §2.8; paper Alg. 2): kappa from
-    mu^2_f(kappa) = tau (:func:`local_curvature_target`), then :func:`solve_tat_smooth_local`."""
-    return solve_tat_smooth_local(name, local_curvature_target(arch, tau))
+    mu^2_f(kappa) = tau (:func:`local_curvature_target`, ``exact_target`` -> tau/coef_f), then
+    :func:`solve_tat_smooth_local`."""
+    return solve_tat_smooth_local(name, local_curvature_target(arch, tau, exact=exact_target))
 
 
 def solve_dks(name: str, arch: Arch | int, zeta: float = 1.5, q_slope_target: float = 1.0) -> ActivationTransform:
@@ -1279,15 +1293,27 @@ def solve_dks(name: str, arch: Arch | int, zeta: float = 1.5, q_slope_target: fl
 
 
 def _suo_matrix(out_dim: int, in_dim: int, generator: torch.Generator | None) -> torch.Tensor:
-    """Scaled uniform orthogonal out x in matrix (float64): Haar orthogonal (QR with sign fix),
-    orthonormal rows when out <= in, orthonormal columns when out > in, times max(sqrt(out/in), 1)."""
+    """Scaled uniform orthogonal out x in matrix (float64), paper App. D.
+
+    Haar-distributed: a Gaussian min x max draw X is orthonormalised by Cholesky-QR applied
+    twice (W = L^-1 X with L L^T = X X^T, i.e. the Q factor of X^T with positive-diagonal R,
+    which is the sign-fixed QR the reference uses; the second pass restores orthogonality to
+    rounding), falling back to Householder QR if a Cholesky fails. Orthonormal rows when
+    out <= in, orthonormal columns when out > in, then times max(sqrt(out/in), 1).
+    """
     big, small = max(out_dim, in_dim), min(out_dim, in_dim)
-    x = torch.randn(big, small, dtype=torch.float64, generator=generator)
-    q, r = torch.linalg.qr(x)  # q: big x small, orthonormal columns
-    d = torch.sign(torch.diagonal(r))
-    d[d == 0] = 1.0
-    q = q * d
-    w = q if out_dim >= in_dim else q.T
+    x = torch.randn(small, big, dtype=torch.float64, generator=generator)
+    w = x
+    for _ in range(2):
+        chol, info = torch.linalg.cholesky_ex(w @ w.T)
+        if int(info) != 0:
+            q, r = torch.linalg.qr(x.T)
+            d = torch.sign(torch.diagonal(r))
+            d[d == 0] = 1.0
+            w = (q * d).T
+            break
+        w = torch.linalg.solve_triangular(chol, w, upper=False)
+    w = w if out_dim <= in_dim else w.T
     return w * max(math.sqrt(out_dim / in_dim), 1.0)
 
 

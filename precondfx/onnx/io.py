@@ -1,0 +1,442 @@
+"""Read and write ONNX files: lazy loading, the save policy, and calibration data.
+
+``load`` reads a model with onnx-ir, which leaves external weights on disk (memory-mapped) until
+they are touched.  ``save`` writes atomically: everything goes to a temporary folder inside the
+output's directory and is moved into place with ``os.replace``; the input is never written over
+(also when two spellings name the same file).  Weights go to one external data file
+``<out>.data`` (``model.onnx`` -> ``model.onnx.data``) when the input had external data or the
+weights exceed about 1.8 GB (protobuf's limit is 2 GB); otherwise they stay inline.
+
+``load_calibration`` and ``resolve_feeds`` turn ``.npy``/``.npz`` files and ``--dim``/``--batch``
+hints into the calibration feed: one array per model input, checked against the model's shapes.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import onnx_ir as ir
+
+from precondfx.errors import PrecondError
+
+EXTERNAL_LIMIT = int(1.8 * 2**30)   # above this many bytes of weights, save externally
+FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------
+def load(path: str | os.PathLike) -> ir.Model:
+    """Load an ONNX model lazily (external data stays on disk until read)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no such file: {path}")
+    if os.path.isdir(path):
+        raise PrecondError(f"{path} is a directory, not an ONNX file")
+    if os.path.getsize(path) == 0:
+        raise PrecondError(f"{path} is empty: not an ONNX model")
+    try:
+        model = ir.load(path)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # protobuf DecodeError, truncated files, bad external references
+        msg = " ".join(str(e).split()) or type(e).__name__
+        raise PrecondError(f"cannot read {path} as an ONNX model ({type(e).__name__}: "
+                           f"{msg[:200]}); is the file complete and really ONNX?") from None
+    if model.graph is None or (len(model.graph) == 0 and not model.graph.outputs):
+        raise PrecondError(f"{path} holds no graph (an empty or truncated ONNX file)")
+    if not model.graph.outputs:
+        raise PrecondError(f"{path}: the graph has no outputs (a truncated ONNX file?)")
+    return model
+
+
+def input_files(model: ir.Model, path: str | os.PathLike) -> list[str]:
+    """The model file and every external data file it reads."""
+    files = {os.path.realpath(path)}
+    base = os.path.dirname(os.path.abspath(path))
+    for v in model.graph.initializers.values():
+        t = v.const_value
+        if isinstance(t, ir.ExternalTensor):
+            files.add(os.path.realpath(os.path.join(t.base_dir or base, t.location)))
+    return sorted(files)
+
+
+def has_external_data(model: ir.Model) -> bool:
+    return any(isinstance(v.const_value, ir.ExternalTensor)
+               for v in model.graph.initializers.values())
+
+
+def weight_bytes(model: ir.Model) -> int:
+    """Bytes of all initializers (from their shapes and dtypes; nothing is read)."""
+    total = 0
+    for v in model.graph.initializers.values():
+        t = v.const_value
+        if t is None:
+            continue
+        try:
+            total += int(t.nbytes)
+        except Exception:  # pragma: no cover - exotic tensor types
+            pass
+    return total
+
+
+def data_path(out_path: str) -> str:
+    """The external data file written next to ``out_path``."""
+    return os.fspath(out_path) + ".data"
+
+
+def check_paths(in_path: str | os.PathLike, out_path: str | os.PathLike,
+                model: ir.Model | None = None) -> None:
+    """Refuse to write over the input (or any file it reads), or into a missing folder."""
+    out_path = os.fspath(out_path)
+    if os.path.isdir(out_path):
+        raise PrecondError(f"output {out_path} is a directory: give a file name (out.onnx)")
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    if not os.path.isdir(out_dir):
+        raise FileNotFoundError(f"the output's folder does not exist: {out_dir}")
+    protected = input_files(model, in_path) if model is not None else \
+        [os.path.realpath(in_path)]
+    for target in (out_path, data_path(out_path)):
+        real = os.path.realpath(target)
+        for p in protected:
+            same = real == p
+            if not same and os.path.exists(target) and os.path.exists(p):
+                try:
+                    same = os.path.samefile(target, p)
+                except OSError:
+                    same = False
+            if same:
+                raise PrecondError(f"refusing to write {target}: it is the input model "
+                                   f"({p}) or one of its data files; choose another output path")
+
+
+# --------------------------------------------------------------------------------------------
+# saving
+# --------------------------------------------------------------------------------------------
+class Staging:
+    """A temporary folder next to the output; ``commit`` moves the files into place."""
+
+    def __init__(self, out_path: str | os.PathLike) -> None:
+        self.out_path = os.path.abspath(os.fspath(out_path))
+        out_dir = os.path.dirname(self.out_path)
+        self.dir = tempfile.mkdtemp(prefix=".precondfx-", dir=out_dir)
+        self.path = os.path.join(self.dir, os.path.basename(self.out_path))
+        self.external = False
+
+    @property
+    def data(self) -> str:
+        return data_path(self.path)
+
+    def save(self, model: ir.Model, external: bool) -> str:
+        """Write the model into the staging folder; returns the staged model path."""
+        self.external = external
+        for p in (self.path, self.data):
+            if os.path.exists(p):
+                os.remove(p)
+        if external:
+            ir.save(model, self.path, external_data=os.path.basename(self.data),
+                    size_threshold_bytes=1024)
+        else:
+            # materialize lazy external tensors first: the source file may be the one we read
+            ir.save(model, self.path)
+        return self.path
+
+    def commit(self) -> list[str]:
+        """Move the staged files into place (data first, then the model); returns the paths."""
+        written = []
+        if self.external and os.path.exists(self.data):
+            os.replace(self.data, data_path(self.out_path))
+            written.append(data_path(self.out_path))
+        os.replace(self.path, self.out_path)
+        written.append(self.out_path)
+        return written
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> "Staging":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cleanup()
+
+
+def save(model: ir.Model, out_path: str | os.PathLike, external: bool) -> list[str]:
+    """Save atomically (temporary folder in the output's directory, then ``os.replace``)."""
+    with Staging(out_path) as st:
+        st.save(model, external)
+        return st.commit()
+
+
+def save_policy(model: ir.Model, mode: str = "auto", had_external: bool | None = None) -> bool:
+    """Whether to write external data: 'always', 'never', or 'auto' (the input had external
+    data, or the weights exceed about 1.8 GB)."""
+    if mode == "always":
+        return True
+    if mode == "never":
+        if weight_bytes(model) > EXTERNAL_LIMIT:
+            raise PrecondError("external_data='never' but the weights exceed 1.8 GB: protobuf "
+                               "cannot hold more than 2 GB in one file")
+        return False
+    if mode != "auto":
+        raise PrecondError(f"external_data={mode!r} is not one of 'auto', 'always', 'never'")
+    had = has_external_data(model) if had_external is None else had_external
+    return had or weight_bytes(model) > EXTERNAL_LIMIT
+
+
+# --------------------------------------------------------------------------------------------
+# model inputs and calibration feeds
+# --------------------------------------------------------------------------------------------
+@dataclass
+class InputSpec:
+    """One real model input: name, element type, dims (int, symbol name, or None)."""
+
+    name: str
+    dtype: ir.DataType | None
+    dims: list[int | str | None] | None
+
+    @property
+    def np_dtype(self) -> np.dtype | None:
+        return self.dtype.numpy() if self.dtype is not None else None
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in FLOAT_TYPES
+
+    @property
+    def is_int(self) -> bool:
+        return self.dtype in (ir.DataType.INT64, ir.DataType.INT32, ir.DataType.INT16,
+                              ir.DataType.INT8, ir.DataType.UINT8, ir.DataType.UINT16,
+                              ir.DataType.UINT32, ir.DataType.UINT64)
+
+    def describe(self) -> str:
+        dims = "x".join("?" if d is None else str(d) for d in (self.dims or []))
+        return f"{self.name}: {self.dtype.name if self.dtype else '?'}[{dims}]"
+
+
+def real_inputs(model: ir.Model) -> list[InputSpec]:
+    """The inputs a caller must feed (graph inputs that are not initializers)."""
+    out = []
+    inits = model.graph.initializers
+    for v in model.graph.inputs:
+        if v.name in inits:
+            continue
+        dims: list[int | str | None] | None = None
+        if v.shape is not None:
+            dims = []
+            for d in v.shape:
+                if isinstance(d, int):
+                    dims.append(int(d))
+                else:
+                    dims.append(getattr(d, "value", None))
+        out.append(InputSpec(v.name, v.dtype, dims))
+    return out
+
+
+@dataclass
+class Feeds:
+    """A resolved calibration feed and how it was obtained."""
+
+    arrays: dict[str, np.ndarray]
+    bindings: dict[str, int] = field(default_factory=dict)  # symbolic dim -> size
+    random: list[str] = field(default_factory=list)         # inputs filled with random data
+    notes: list[str] = field(default_factory=list)
+
+
+def _load_array(path: str) -> np.ndarray:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"calibration file not found: {path}")
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except Exception as e:
+        raise PrecondError(f"cannot read calibration file {path} as .npy ({type(e).__name__}: "
+                           f"{e})") from None
+    if not isinstance(arr, np.ndarray):
+        raise PrecondError(f"{path}: expected one array (.npy), got an archive; use --calib "
+                           f"for .npz files")
+    return arr
+
+
+def load_calibration(inputs: list[InputSpec], calib: str | None = None,
+                     calib_inputs: Mapping[str, str] | Iterable[str] | None = None
+                     ) -> dict[str, np.ndarray]:
+    """Arrays from ``--calib FILE`` (.npy: single-input models; .npz: keys are input names,
+    or arr_0, arr_1... in input order) and ``--calib-input NAME=FILE`` (repeatable)."""
+    names = [i.name for i in inputs]
+    out: dict[str, np.ndarray] = {}
+    if calib:
+        if not os.path.exists(calib):
+            raise FileNotFoundError(f"calibration file not found: {calib}")
+        if calib.endswith(".npz"):
+            try:
+                z = np.load(calib, allow_pickle=False)
+            except Exception as e:
+                raise PrecondError(f"cannot read calibration file {calib} as .npz "
+                                   f"({type(e).__name__}: {e})") from None
+            with z:
+                keys = list(z.keys())
+                positional = all(k.startswith("arr_") and k[4:].isdigit() for k in keys)
+                for k in keys:
+                    if k in names:
+                        out[k] = z[k]
+                    elif positional and int(k[4:]) < len(names):
+                        out[names[int(k[4:])]] = z[k]
+                    else:
+                        raise PrecondError(f"{calib}: key {k!r} matches no model input; the "
+                                           f"inputs are {names} (or use arr_0, arr_1... in "
+                                           f"that order)")
+        else:
+            arr = _load_array(calib)
+            if len(names) != 1:
+                raise PrecondError(f"--calib {os.path.basename(calib)} (.npy) needs a "
+                                   f"single-input model; inputs are {names}: use an .npz or "
+                                   f"--calib-input NAME=FILE")
+            out[names[0]] = arr
+    if calib_inputs:
+        items = calib_inputs.items() if isinstance(calib_inputs, Mapping) else \
+            [_split_assign(s, "--calib-input") for s in calib_inputs]
+        for name, path in items:
+            if name not in names:
+                raise PrecondError(f"--calib-input {name}=...: no model input named {name!r}; "
+                                   f"the inputs are {names}")
+            out[name] = _load_array(path)
+    return out
+
+
+def _split_assign(s: str, flag: str) -> tuple[str, str]:
+    name, sep, val = s.partition("=")
+    if not sep or not name or not val:
+        raise PrecondError(f"{flag} expects NAME=VALUE, got {s!r}")
+    return name, val
+
+
+def parse_dims(items: Iterable[str] | Mapping[str, int] | None) -> dict[str, int]:
+    """``['batch=4', 'seq=128']`` -> ``{'batch': 4, 'seq': 128}``."""
+    if not items:
+        return {}
+    if isinstance(items, Mapping):
+        pairs = list(items.items())
+    else:
+        pairs = [_split_assign(s, "--dim") for s in items]
+    out = {}
+    for k, v in pairs:
+        try:
+            n = int(v)
+        except (TypeError, ValueError):
+            raise PrecondError(f"--dim {k}={v}: the size must be an integer") from None
+        if n < 1:
+            raise PrecondError(f"--dim {k}={v}: the size must be at least 1")
+        out[k] = n
+    return out
+
+
+def resolve_feeds(inputs: list[InputSpec], given: Mapping[str, Any] | None = None, *,
+                  dims: Mapping[str, int] | None = None, batch: int | None = None,
+                  seed: int = 0, allow_random: bool = True) -> Feeds:
+    """Check given arrays against the model inputs and fill the missing ones with N(0, 1) data
+    of the model's shape (symbolic dims from the data, then ``dims``, then ``batch`` for a
+    leading dim)."""
+    given = dict(given or {})
+    names = [i.name for i in inputs]
+    for k in given:
+        if k not in names:
+            raise PrecondError(f"calibration data for {k!r}, which is not a model input; the "
+                               f"inputs are {names}")
+    bindings: dict[str, int] = {}
+    arrays: dict[str, np.ndarray] = {}
+    feeds = Feeds(arrays, bindings)
+    for spec in inputs:
+        if spec.name not in given:
+            continue
+        a = np.asarray(given[spec.name])
+        if spec.dims is not None:
+            if a.ndim != len(spec.dims):
+                raise PrecondError(f"input {spec.name!r}: calibration data has rank {a.ndim} "
+                                   f"(shape {list(a.shape)}), the model expects rank "
+                                   f"{len(spec.dims)} ({spec.describe()})")
+            for i, (d, n) in enumerate(zip(spec.dims, a.shape)):
+                if isinstance(d, int) and d != n:
+                    raise PrecondError(f"input {spec.name!r} dim {i}: calibration {n} vs model "
+                                       f"{d}")
+                if isinstance(d, str) and d:
+                    if d in bindings and bindings[d] != n:
+                        raise PrecondError(f"symbolic dim {d!r} bound to {bindings[d]} and {n} "
+                                           f"by the calibration data")
+                    bindings[d] = int(n)
+        if a.size == 0:
+            raise PrecondError(f"input {spec.name!r}: the calibration data is empty (shape "
+                               f"{list(a.shape)})")
+        arrays[spec.name] = _cast(spec, a)
+    for k, v in (dims or {}).items():
+        if k in bindings and bindings[k] != v:
+            raise PrecondError(f"--dim {k}={v} contradicts the calibration data ({k}="
+                               f"{bindings[k]})")
+        bindings.setdefault(k, int(v))
+    rng = np.random.default_rng(seed)
+    for spec in inputs:
+        if spec.name in arrays:
+            continue
+        if not allow_random:
+            raise PrecondError(f"no calibration data for input {spec.name!r}")
+        if not spec.is_float:
+            kind = spec.dtype.name if spec.dtype is not None else "unknown type"
+            raise PrecondError(f"input {spec.name!r} is {kind}: random normal data cannot stand "
+                               f"in for it (token ids, masks...); give its data with --calib "
+                               f"or --calib-input {spec.name}=FILE.npy")
+        if spec.dims is None:
+            raise PrecondError(f"input {spec.name!r} has no declared shape: give its data with "
+                               f"--calib or --calib-input")
+        shape = []
+        for i, d in enumerate(spec.dims):
+            if isinstance(d, int):
+                shape.append(d)
+            elif isinstance(d, str) and d and d in bindings:
+                shape.append(bindings[d])
+            elif i == 0:
+                n = int(batch) if batch is not None else 32
+                if isinstance(d, str) and d:
+                    bindings[d] = n
+                shape.append(n)
+            else:
+                sym = d if d else f"(unnamed dim {i})"
+                raise PrecondError(f"input {spec.name!r} dim {i} is symbolic ({sym}): give "
+                                   f"--dim {d or 'NAME'}=N, or calibration data")
+        arrays[spec.name] = _cast(spec, rng.standard_normal(shape, dtype=np.float32))
+        feeds.random.append(spec.name)
+    if feeds.random:
+        feeds.notes.append("calibration used random N(0,1) inputs for " +
+                           ", ".join(f"{n} {list(arrays[n].shape)}" for n in feeds.random) +
+                           ": the output scale assumes that input distribution (pass --calib "
+                           "for real data)")
+    for name, a in arrays.items():
+        if np.issubdtype(a.dtype, np.floating) or a.dtype.kind == "V":
+            f = a.astype(np.float32, copy=False)
+            bad = int((~np.isfinite(f)).sum())
+            if bad:
+                raise PrecondError(f"calibration input {name!r} has {bad} NaN/inf value(s): "
+                                   f"clean the calibration batch first")
+    return feeds
+
+
+def _cast(spec: InputSpec, a: np.ndarray) -> np.ndarray:
+    want = spec.np_dtype
+    if want is None:
+        return a
+    if spec.is_float:
+        if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)
+                or a.dtype == want):
+            raise PrecondError(f"input {spec.name!r}: calibration data of dtype {a.dtype} "
+                               f"cannot feed a {spec.dtype.name} input")
+        return np.ascontiguousarray(a.astype(want, copy=False))
+    if spec.is_int:
+        if not np.issubdtype(a.dtype, np.integer):
+            raise PrecondError(f"input {spec.name!r} is {spec.dtype.name}: calibration data must "
+                               f"be integers, got {a.dtype}")
+        return np.ascontiguousarray(a.astype(want, copy=False))
+    if spec.dtype == ir.DataType.BOOL:
+        return np.ascontiguousarray(a.astype(bool, copy=False))
+    return a

@@ -1,0 +1,176 @@
+"""Bring an ONNX graph into the form the capture stage expects, or refuse it with a reason.
+
+* refuse training artifacts (gradient and optimizer ops): precondfx belongs before artifact
+  generation;
+* refuse control flow (If/Loop/Scan) whose subgraphs hold weights: they cannot be re-initialized
+  or scaled consistently;
+* inline model-local functions;
+* lift ``Constant`` nodes into initializers (weights sometimes arrive that way);
+* un-share initializers re-shared through ``Identity`` (the legacy exporter deduplicates equal
+  tensors, e.g. the zero biases of BN-folded convolutions): one initializer per use, so each
+  layer gets its own weights.  Exporter deduplication cannot be told apart from weight tying the
+  user meant; tying by direct reuse of one initializer is kept;
+* give every node a unique name (plans are keyed by node names).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+
+from precondfx.errors import PrecondError
+from precondfx.onnx.io import FLOAT_TYPES
+
+TRAINING_DOMAINS = ("ai.onnx.preview.training",)
+TRAINING_OPS = {
+    "Gradient", "Adagrad", "Adam", "Momentum", "AdamW", "AdamOptimizer", "AdamWOptimizer",
+    "LambOptimizer", "SGDOptimizer", "SGDOptimizerV2", "ZeroGradient", "InPlaceAccumulator",
+    "InPlaceAccumulatorV2", "YieldOp", "PassThrough", "GradientAccumulator",
+}
+CONTROL_FLOW = ("If", "Loop", "Scan", "SequenceMap")
+
+
+@dataclass
+class NormalizeInfo:
+    """What normalization did (for the report's notes)."""
+
+    lifted: set[str] = field(default_factory=set)      # initializers lifted from Constant nodes
+    unshared: int = 0                                  # initializer copies made from Identity
+    inlined: int = 0
+    renamed: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def _is_training_op(node: ir.Node) -> bool:
+    if node.domain in TRAINING_DOMAINS:
+        return True
+    if node.domain in ("com.microsoft", "com.microsoft.nchwc") and (
+            node.op_type in TRAINING_OPS or node.op_type.endswith("Grad")):
+        return True
+    return False
+
+
+def check_supported(model: ir.Model) -> None:
+    """Refuse training artifacts and control flow that holds weights."""
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if _is_training_op(node):
+            raise PrecondError(
+                f"node {node.name or node.op_type!r} is a training op ({node.domain}::"
+                f"{node.op_type}): this file is an ONNX Runtime training artifact; precondition "
+                f"the inference model before generating training artifacts")
+    inits = model.graph.initializers
+    for node in model.graph:
+        if node.op_type not in CONTROL_FLOW:
+            continue
+        for attr in node.attributes.values():
+            graphs = []
+            if attr.type == ir.AttributeType.GRAPH:
+                graphs = [attr.as_graph()]
+            elif attr.type == ir.AttributeType.GRAPHS:
+                graphs = list(attr.as_graphs())
+            for g in graphs:
+                why = _weights_in(g, inits)
+                if why:
+                    raise PrecondError(
+                        f"{node.op_type} node {node.name or '?'!r} holds weights in its "
+                        f"subgraph ({why}): control flow with weights inside is not supported; "
+                        f"export the model with the branch fixed (e.g. torch.export specializes "
+                        f"data-dependent branches)")
+
+
+def _weights_in(g: ir.Graph, outer_inits: dict) -> str | None:
+    for name, v in g.initializers.items():
+        if v.dtype in FLOAT_TYPES and v.shape is not None and v.shape.size() not in (0, 1):
+            return f"initializer {name}"
+    for node in ir.traversal.RecursiveGraphIterator(g):
+        if node.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul", "LSTM", "GRU", "RNN"):
+            for inp in node.inputs[1:]:
+                if inp is not None and (inp.is_initializer() or inp.name in outer_inits
+                                        or inp.const_value is not None):
+                    return f"{node.op_type} reading {inp.name}"
+            if node.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul") and node.inputs:
+                first = node.inputs[0]
+                if first is not None and first.name in outer_inits:
+                    return f"{node.op_type} reading {first.name}"
+        if node.op_type == "Constant":
+            for a in node.attributes.values():
+                if a.type == ir.AttributeType.TENSOR:
+                    t = a.as_tensor()
+                    if t.dtype in FLOAT_TYPES and t.size > 16:
+                        return f"a constant weight tensor in {node.name or 'a Constant node'}"
+    return None
+
+
+def normalize(model: ir.Model) -> NormalizeInfo:
+    """Run the clean-ups in place; returns what was done."""
+    info = NormalizeInfo()
+    check_supported(model)
+    if model.functions:
+        n_before = len(model.functions)
+        common_passes.InlinePass()(model)
+        info.inlined = n_before - len(model.functions)
+        if info.inlined:
+            info.notes.append(f"inlined {info.inlined} model-local function(s)")
+    before = set(model.graph.initializers)
+    common_passes.LiftConstantsToInitializersPass(lift_all_constants=False, size_limit=0)(model)
+    info.lifted = set(model.graph.initializers) - before
+    info.unshared = _unshare_identity(model)
+    if info.unshared:
+        info.notes.append(f"{info.unshared} initializer use(s) re-shared through Identity nodes "
+                          f"(exporter deduplication) were given their own copy, so each layer "
+                          f"is re-initialized on its own")
+    info.renamed = _unique_names(model)
+    return info
+
+
+def _unshare_identity(model: ir.Model) -> int:
+    """Identity(initializer) -> one initializer per use of the Identity's output."""
+    g = model.graph
+    count = 0
+    taken = set(g.initializers)
+    for node in list(g):
+        if node.op_type != "Identity" or node.domain not in ("", "ai.onnx"):
+            continue
+        src = node.inputs[0] if node.inputs else None
+        if src is None or not src.is_initializer() or src.is_graph_input():
+            continue
+        out = node.outputs[0]
+        if out.is_graph_output():
+            continue
+        uses = list(out.uses())
+        base = out.name or f"{src.name}_identity"
+        for k, use in enumerate(uses):
+            name = base if k == 0 and base not in taken else _fresh(f"{base}__{k}", taken)
+            taken.add(name)
+            v = ir.Value(name=name, shape=src.shape, type=src.type, const_value=src.const_value)
+            if k == 0:
+                out.name = None
+            g.register_initializer(v)
+            use.node.replace_input_with(use.idx, v)
+            count += 1
+        g.remove(node, safe=True)
+    return count
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    if name not in taken:
+        return name
+    i = 1
+    while f"{name}_{i}" in taken:
+        i += 1
+    return f"{name}_{i}"
+
+
+def _unique_names(model: ir.Model) -> int:
+    """Name unnamed nodes and de-duplicate names (plans are keyed by node names)."""
+    seen: set[str] = set()
+    renamed = 0
+    for i, node in enumerate(model.graph):
+        name = node.name
+        if not name or name in seen:
+            base = name or f"{node.op_type}_{i}"
+            node.name = _fresh(base, seen)
+            renamed += 1
+        seen.add(node.name)
+    return renamed

@@ -1,0 +1,96 @@
+"""Test helpers written independently of the code under test (no precondfx imports)."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+
+class NoDropout(TorchFunctionMode):
+    """Identity for every functional dropout call (transformers call F.dropout directly)."""
+
+    FNS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, torch.dropout}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.FNS:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def frozen(model: nn.Module, train: bool = True) -> Iterator[None]:
+    """Train (or eval) mode, dropout modules off, buffers restored afterwards."""
+    modes = {m: m.training for m in model.modules()}
+    saved = {k: v.clone() for k, v in model.named_buffers()}
+    model.train(train)
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.eval()
+    try:
+        with torch.no_grad(), NoDropout():
+            yield
+    finally:
+        for m, t in modes.items():
+            m.training = t
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                if k in saved and saved[k].shape == v.shape:
+                    v.copy_(saved[k])
+
+
+def call(model: nn.Module, sample: Any) -> Any:
+    if isinstance(sample, torch.Tensor):
+        return model(sample)
+    if isinstance(sample, (tuple, list)):
+        return model(*sample)
+    return model(**sample)
+
+
+def main(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        if "logits" in out.keys():
+            return out["logits"]
+        return next(v for v in out.values() if isinstance(v, torch.Tensor)
+                    and v.is_floating_point())
+    return next(v for v in out if isinstance(v, torch.Tensor) and v.is_floating_point())
+
+
+def train_std(model: nn.Module, sample: Any) -> float:
+    """Population std of the main output in train mode with dropout off."""
+    with frozen(model, True):
+        return float(main(call(model, sample)).double().std(correction=0))
+
+
+def per_sample_ratios(model: nn.Module, weights: list[torch.Tensor], x: torch.Tensor,
+                      n: int, seed: int = 0) -> list[float]:
+    """Mean over n samples (batch size 1) of E[dW^2]/E[W^2] under a random quadratic loss
+    y^T R y / 2 with R symmetric i.i.d. normal (the paper's Sec. 3.1 / Sec. 4 set-up)."""
+    g = torch.Generator().manual_seed(seed)
+    acc = torch.zeros(len(weights), dtype=torch.float64)
+    for i in range(n):
+        xi = x[i % len(x)].unsqueeze(0)
+        y = model(xi).flatten()
+        r = torch.randn(y.numel(), y.numel(), generator=g)
+        r = (r + r.T) / 2
+        loss = 0.5 * y @ r @ y
+        grads = torch.autograd.grad(loss, weights)
+        for j, (w, gr) in enumerate(zip(weights, grads)):
+            acc[j] += float(gr.double().pow(2).mean() / w.double().pow(2).mean())
+    return (acc / n).tolist()
+
+
+def all_tensors(out: Any) -> list[torch.Tensor]:
+    """Every floating-point tensor in a (nested) output."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        return [t for k in out.keys() for t in all_tensors(out[k])]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in all_tensors(o)]
+    return []
