@@ -22,6 +22,7 @@ from precondfx.apply.fx_apply import FxApplier
 from precondfx.apply.reinit import reinit
 from precondfx.capture.ladder import METHODS, Captured, capture
 from precondfx.capture.common import Sample, make_sample
+from precondfx.balance import balance_measured
 from precondfx.classify import classify
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
@@ -127,7 +128,7 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
                  seed: int = 0, reinit_weights: bool = True, inplace: bool = False,
                  capture: Any = METHODS, calibration: str = "train",
                  forward_kwargs: dict | None = None, verbose: bool = False,
-                 **more_forward_kwargs: Any) -> Result:
+                 balance_samples: int = 16, **more_forward_kwargs: Any) -> Result:
     """Rewrite ``model`` so that it starts well conditioned; returns ``(model, report)``.
 
     ``sample`` is what the model is called with (a tensor, a tuple of positional inputs or a
@@ -171,16 +172,19 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
             result = work
         say("applying the plan")
         applier.pools(plan)
+        weight_of = {lay.node: lay.weight for lay in plan.layers}
+        alpha_buffers: dict[str, list[str]] = {}
         for sc in plan.scales:
-            applier.scale(sc)
+            buf = applier.scale(sc)
+            if sc.tag == "alpha" and buf is not None and weight_of.get(sc.node):
+                alpha_buffers.setdefault(weight_of[sc.node], []).append(buf)
         in_scale = _input_scale(opts, plan, s)
         if in_scale is not None:
             applier.input_scale(in_scale)
         out_buf = applier.output_scale(path) if target_std is not None else None
         applier.finish()
-        say("re-initializing parameters")
-        if opts.reinit:
-            reinit(result, plan, seed)
+        say("re-initializing parameters" if opts.reinit else "rescaling weights for alpha")
+        reinit(result, plan, seed)
         report = Report.from_graph(g, plan)
         report.applied, report.skipped = applier.applied, applier.skipped
         report.input_scale = in_scale
@@ -196,6 +200,12 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
             report.output_std_before, report.output_std_after = std, after
             report.target_std, report.output_scale = target_std, scale
             plan.scales.append(_scale("output", scale, f"output std {std:.4g} -> {target_std}"))
+        if opts.balance == "hessian":
+            say(f"measured balancing ({opts.balance})")
+            report.conditioning[opts.balance] = balance_measured(
+                result, s, plan, _balanceable(alpha_buffers, plan, report), stat=opts.balance,
+                seed=seed, output_key=output_key, mode=calibration, log=say,
+                n_samples=balance_samples)
         result.train(model.training)
     except BaseException:
         if inplace:
@@ -208,6 +218,24 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
         raise
     say("done")
     return Result(result, report)
+
+
+def _balanceable(alpha_buffers: dict[str, list[str]], plan: Plan, report: Report
+                 ) -> dict[str, list[str]]:
+    """Weights whose every call site carries an alpha buffer; the others are reported."""
+    sites: dict[str, int] = {}
+    for lay in plan.layers:
+        if lay.weight:
+            sites[lay.weight] = sites.get(lay.weight, 0) + 1
+    out = {}
+    for w, n in sites.items():
+        bufs = alpha_buffers.get(w, [])
+        if len(set(bufs)) == n or (bufs and len(set(bufs)) == 1):
+            out[w] = sorted(set(bufs))
+        else:
+            report.skipped.append((f"balance {w}", "no alpha could be placed on every call site of "
+                                   "this weight: left out of measured balancing"))
+    return out
 
 
 def _scale(tag: str, value: float, reason: str):

@@ -20,6 +20,7 @@ from precondfx.graph import Graph, Node
 
 MAXPOOL_MODES = ("stride", "conv", "avgpool", "keep")
 BALANCE_MODES = ("none", "analytic", "hessian")
+MEASURED = ("hessian",)
 RESIDUAL_MODES = ("auto", "all", "none")
 
 
@@ -183,14 +184,15 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options) -> Plan
     _plan_pools(graph, params, plan, opts)
     _plan_layers(graph, params, plan)
     _plan_residuals(graph, plan, opts)
-    if opts.balance in ("analytic", "hessian"):
+    if opts.balance in ("analytic",) + MEASURED:
         _analytic_alphas(plan)
     _plan_inits(graph, params, plan, opts)
     for lay in plan.layers:
-        if lay.alpha != 1.0 and lay.kind in ("conv", "conv_transpose", "linear", "matmul"):
-            plan.scales.append(Scale("alpha", lay.node, "input", 0, lay.alpha, lay.alpha_reason))
-        elif lay.alpha != 1.0:
-            plan.scales.append(Scale("alpha", lay.node, "output", 0, lay.alpha, lay.alpha_reason))
+        if lay.alpha == 1.0 and opts.balance not in MEASURED:
+            continue
+        where = "input" if lay.kind in ("conv", "conv_transpose", "linear", "matmul") else "output"
+        plan.scales.append(Scale("alpha", lay.node, where, 0, lay.alpha,
+                                 lay.alpha_reason or "alpha site for measured balancing"))
     return plan
 
 

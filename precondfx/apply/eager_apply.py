@@ -80,23 +80,24 @@ class EagerApplier:
     def _hook(self, handle: Any) -> None:
         self.undo.append(("hook", handle))
 
-    def _module_scale(self, path: str, where: str, value: float, what: str) -> bool:
+    def _module_scale(self, path: str, where: str, value: float, what: str) -> str | None:
         key = (path, where)
+        bname = PREFIX + ("in_scale" if where == "input" else "out_scale")
+        fqn = f"{path}.{bname}" if path else bname
         if key in self._done_modules:
             if abs(self._done_modules[key] - value) > 1e-12 * max(1.0, abs(value)):
                 self.skipped.append((what, f"module {path} already carries a different {where} "
                                      f"scale from another call site"))
-                return False
-            return True
+                return None
+            return fqn
         mod = self.model.get_submodule(path)
+        self._register(mod, bname, value)
         if where == "input":
-            self._register(mod, PREFIX + "in_scale", value)
             self._hook(mod.register_forward_pre_hook(_scale_input_hook))
         else:
-            self._register(mod, PREFIX + "out_scale", value)
             self._hook(mod.register_forward_hook(_scale_output_hook))
         self._done_modules[key] = value
-        return True
+        return fqn
 
     def _upstream_module(self, name: str) -> str | None:
         """Nearest module call upstream of ``name`` through single-user homogeneous ops."""
@@ -125,20 +126,16 @@ class EagerApplier:
                 self.skipped.append((what, f"the {sc.tag} operand is produced by a functional op "
                                      f"with no module to hook (capture: {self.graph.method})"))
                 return None
-            ok = self._module_scale(path, "output", sc.value, what)
+            fqn = self._module_scale(path, "output", sc.value, what)
         elif node.module is None:
             self.skipped.append((what, f"functional call: no module to hook and no editable "
                                  f"graph (capture: {self.graph.method})"))
             return None
         else:
-            if self.calls.get(node.module, 0) > 1 and sc.tag == "alpha":
-                # all call sites share the module: fine only if every call gets this value
-                pass
-            ok = self._module_scale(node.module, sc.where, sc.value, what)
-        if ok:
+            fqn = self._module_scale(node.module, sc.where, sc.value, what)
+        if fqn is not None:
             self.applied.append(f"{what}: {sc.value:.4g}")
-            return sc.node
-        return None
+        return fqn
 
     def pools(self, plan: Plan) -> None:
         for pc in plan.pools:

@@ -1,0 +1,159 @@
+"""Measured balancing: set each layer's alpha so that a measured statistic matches across layers.
+
+``y = alpha * W' x`` with ``W' = W / alpha`` computes the same function for any alpha, while the
+Hessian block of ``W'`` scales by ``alpha^2`` and its statistic ``E[(G r)^2]`` by ``alpha^4``,
+leaving every other layer's unchanged (Sec. 5).  So one measurement suffices: with ``h_l`` the
+statistic of layer l and ``t`` their geometric mean, multiplying alpha_l by ``(t/h_l)^(1/4)``
+and dividing W'_l by the same factor makes every layer's statistic ``t`` on the measured
+samples, without changing the network's output.  Balancing uses the first half of the
+calibration batch; the other half (with fresh random cotangents) gives the held-out figure the
+report shows.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from precondfx.capture.common import Sample, main_output
+from precondfx.errors import PrecondError
+from precondfx.measure.sketch import geometric_mean, hessian_sketch, spread_of
+
+STATISTICS = {
+    "hessian": "E[(G_l r)^2]/numel: Gauss-Newton (= Hessian for ReLU nets) diagonal block, random "
+               "quadratic loss, batch size 1 (Sec. 3.1)",
+}
+from precondfx.plan import Plan
+
+
+def _split(s: Sample) -> tuple[Sample, Sample | None, int]:
+    """First and second half of the batch (tensors whose leading dim is the batch size)."""
+    ts = s.tensors()
+    b = int(ts[0].shape[0]) if ts and ts[0].dim() > 0 else 1
+    if b < 2:
+        return s, None, b
+    h = (b + 1) // 2
+
+    def take(lo: int, hi: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda t: t[lo:hi] if t.dim() > 0 and t.shape[0] == b else t
+    return s.map(take(0, h)), s.map(take(h, b)), b
+
+
+def _measure(model: nn.Module, s: Sample, weights: list[str], n_samples: int, n_cot: int,
+             seed: int, output_key: Any, mode: str, stat: str = "hessian"
+             ) -> tuple[dict[str, float], dict[str, float], str]:
+    fn = (lambda out: main_output(out, output_key))
+
+    def sketch(data: Any) -> Any:
+        return hessian_sketch(model, data, weights, n_samples=n_samples, n_cotangents=n_cot,
+                              seed=seed, output_fn=fn)
+    prev = model.training
+    note = ""
+    try:
+        model.train(mode == "train")
+        try:
+            res = sketch(_as_call(s))
+        except (RuntimeError, ValueError) as e:
+            if mode != "train":
+                raise
+            model.train(False)
+            note = (f"per-sample (batch size 1) passes failed in train mode ({str(e)[:80]}); "
+                    f"measured in eval mode")
+            res = sketch(_as_call(s))
+    finally:
+        model.train(prev)
+    return res.means(), {k: v.stderr for k, v in res.values.items()}, note
+
+
+def _as_call(s: Sample) -> Any:
+    """The sample in the form ``measure`` functions take (tensor, tuple or dict)."""
+    if s.kwargs and not s.args:
+        return dict(s.kwargs)
+    if s.args and not s.kwargs:
+        return s.args[0] if len(s.args) == 1 else tuple(s.args)
+    raise PrecondError("measured balancing needs a sample of only positional or only keyword "
+                       "inputs")
+
+
+def measured_statistics(model: nn.Module, sample: Sample, weights: list[str], *,
+                        stat: str = "hessian", n_samples: int = 16, n_cotangents: int = 4,
+                        seed: int = 0, output_key: Any = None, mode: str = "train"
+                        ) -> dict[str, Any]:
+    """A statistic per weight on the held-out half of the batch (for reports)."""
+    _, held, _ = _split(sample)
+    means, se, note = _measure(model, held or sample, weights, n_samples, n_cotangents,
+                               seed + 1000, output_key, mode, stat)
+    return {"values": means, "stderr": se, "spread": spread_of(means), "note": note}
+
+
+@torch.no_grad()
+def _rescale(model: nn.Module, weight: str, buffers: list[str], c: float) -> None:
+    for b in buffers:
+        model.get_buffer(b).mul_(c)
+    model.get_parameter(weight).div_(c)
+
+
+def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
+                     alpha_buffers: dict[str, list[str]], *, stat: str = "hessian",
+                     n_samples: int = 16, n_cotangents: int = 4, seed: int = 0,
+                     output_key: Any = None, mode: str = "train",
+                     log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """Balance a measured statistic (``STATISTICS``) of every weight that has alpha buffers;
+    both statistics scale exactly as alpha^4.
+
+    Returns the report section: statistics before/after on the balancing samples and on the
+    held-out half, their spreads, and the factor applied to each alpha."""
+    weights = [w for w, bufs in alpha_buffers.items() if bufs]
+    if len(weights) < 2:
+        return {"note": "fewer than two layers carry an alpha: nothing to balance"}
+    fit, held, b = _split(sample)
+    n_fit = n_samples
+    log(f"measuring the {stat} statistic of {len(weights)} layers on {n_fit} samples")
+    before, _, note = _measure(model, fit, weights, n_fit, n_cotangents, seed, output_key, mode,
+                               stat)
+    bad = [w for w, v in before.items() if not (v > 0 and math.isfinite(v))]
+    if bad:
+        raise PrecondError(f"the {stat} statistic of {bad[:3]} is zero or not finite (the output "
+                           f"does not depend on these weights on the calibration batch); use "
+                           f"balance='analytic'")
+    target = geometric_mean(list(before.values()))
+    factors = {w: (target / v) ** 0.25 for w, v in before.items()}
+    for w, c in factors.items():
+        _rescale(model, w, alpha_buffers[w], c)
+    _update_plan(plan, factors)
+    after = {w: v * factors[w] ** 4 for w, v in before.items()}  # exact: stat scales alpha^4
+    out: dict[str, Any] = {
+        "statistic": STATISTICS[stat],
+        "samples": n_fit, "cotangents": n_cotangents, "batch": b,
+        "before": before, "spread_before": spread_of(before),
+        "after_fit": after, "factors": factors, "note": note,
+    }
+    log("measuring held-out statistics")
+    held_means, held_se, _ = _measure(model, held or fit, weights, n_fit, n_cotangents,
+                                      seed + 1000, output_key, mode, stat)
+    out["held_out"] = held_means
+    out["held_out_stderr"] = held_se
+    out["spread"] = spread_of(held_means)
+    out["held_out_data"] = "second half of the batch" if held is not None else \
+        "same samples, fresh cotangents (batch of one)"
+    return out
+
+
+def _update_plan(plan: Plan, factors: dict[str, float]) -> None:
+    """Keep the plan equal to what the model now holds (alphas up, weight stds down)."""
+    for lay in plan.layers:
+        c = factors.get(lay.weight or "")
+        if c is not None:
+            lay.alpha *= c
+            lay.alpha_reason = (lay.alpha_reason + "; " if lay.alpha_reason else "") + \
+                f"measured balancing x{c:.4g}"
+    node_w = {lay.node: lay.weight for lay in plan.layers}
+    for sc in plan.scales:
+        if sc.tag == "alpha" and node_w.get(sc.node) in factors:
+            sc.value *= factors[node_w[sc.node]]
+    for w, c in factors.items():
+        pi = plan.inits.get(w)
+        if pi is not None and pi.std is not None:
+            pi.std = pi.std / c
