@@ -28,6 +28,7 @@ from precondfx.errors import PrecondError
 from precondfx.graph import Graph
 from precondfx.plan import Options, ParamInfo, Plan, make_plan
 from precondfx.report import Report
+from precondfx.schemes.base import Scheme, SchemeContext, get_scheme
 
 log = logging.getLogger("precondfx")
 
@@ -128,7 +129,8 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
                  seed: int = 0, reinit_weights: bool = True, inplace: bool = False,
                  capture: Any = METHODS, calibration: str = "train",
                  forward_kwargs: dict | None = None, verbose: bool = False,
-                 balance_samples: int = 16, **more_forward_kwargs: Any) -> Result:
+                 balance_samples: int = 16, scheme: str = "geometric",
+                 scheme_options: dict | None = None, **more_forward_kwargs: Any) -> Result:
     """Rewrite ``model`` so that it starts well conditioned; returns ``(model, report)``.
 
     ``sample`` is what the model is called with (a tensor, a tuple of positional inputs or a
@@ -145,7 +147,9 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
     opts = Options(init=init, maxpool=maxpool, balance=balance, residual=residual,
                    residual_scale=residual_scale, target_std=target_std,
                    input_scale=input_scale, output_key=output_key, seed=seed,
-                   reinit=reinit_weights)
+                   reinit=reinit_weights, scheme=scheme)
+    sch = get_scheme(scheme, **(scheme_options or {}))
+    sch.options(opts)
     fwd = {**(forward_kwargs or {}), **more_forward_kwargs}
     model, s, notes = _prepare(model, sample, fwd, opts, capture, calibration)
     say("checking that the model runs on the sample")
@@ -163,7 +167,8 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
                                "matmul with a parameter...) in the captured graph: there is "
                                "nothing to precondition")
         say(f"captured with {g.method}: {len(g)} nodes; planning")
-        plan = make_plan(g, infos, opts)
+        plan = make_plan(g, infos, opts, alpha_sites=sch.needs_alpha_sites)
+        sch.plan(g, plan, infos, opts)
         if cap.gm is not None and not inplace:
             applier = FxApplier(cap.gm)
             result: nn.Module = cap.gm
@@ -172,12 +177,17 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
             result = work
         say("applying the plan")
         applier.pools(plan)
+        for node, mod, path in sch.replacements(g, plan):
+            if applier.replace(node, mod, path):
+                applier.applied.append(f"{sch.name}: {node} replaced by {mod}")
         weight_of = {lay.node: lay.weight for lay in plan.layers}
         alpha_buffers: dict[str, list[str]] = {}
+        site_buffers: dict[str, str] = {}
         for sc in plan.scales:
             buf = applier.scale(sc)
             if sc.tag == "alpha" and buf is not None and weight_of.get(sc.node):
                 alpha_buffers.setdefault(weight_of[sc.node], []).append(buf)
+                site_buffers[sc.node] = buf
         in_scale = _input_scale(opts, plan, s)
         if in_scale is not None:
             applier.input_scale(in_scale)
@@ -188,6 +198,11 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
         report = Report.from_graph(g, plan)
         report.applied, report.skipped = applier.applied, applier.skipped
         report.input_scale = in_scale
+        if type(sch).calibrate is not Scheme.calibrate:
+            say(f"scheme {sch.name}: data-driven step")
+            ctx = SchemeContext(result, s, g, plan, applier, opts, calibration, site_buffers,
+                                say)
+            report.conditioning[sch.name] = sch.calibrate(ctx)
         if in_scale is not None:
             plan.scales.append(_scale("input", in_scale, "input scale (Sec. 6.3)"))
         if target_std is not None and out_buf is not None:

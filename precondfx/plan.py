@@ -38,6 +38,7 @@ class Options:
     output_key: str | int | None = None
     seed: int = 0
     reinit: bool = True
+    scheme: str = "geometric"
 
     def validate(self) -> None:
         """Raise PrecondError for an option value outside its documented set."""
@@ -177,8 +178,11 @@ class ParamInfo:
 
 
 # ---------------------------------------------------------------------------------------------
-def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options) -> Plan:
-    """Compute the plan for a classified graph; ``params`` describes the model's parameters."""
+def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
+              alpha_sites: bool = False) -> Plan:
+    """Compute the plan for a classified graph; ``params`` describes the model's parameters.
+    ``alpha_sites`` puts an alpha (1 where no correction is planned) at every weighted call
+    site, as measured balancing and LSUV need."""
     opts.validate()
     plan = Plan(options=asdict(opts))
     _plan_pools(graph, params, plan, opts)
@@ -188,7 +192,7 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options) -> Plan
         _analytic_alphas(plan)
     _plan_inits(graph, params, plan, opts)
     for lay in plan.layers:
-        if lay.alpha == 1.0 and opts.balance not in MEASURED:
+        if lay.alpha == 1.0 and opts.balance not in MEASURED and not alpha_sites:
             continue
         where = "input" if lay.kind in ("conv", "conv_transpose", "linear", "matmul") else "output"
         plan.scales.append(Scale("alpha", lay.node, where, 0, lay.alpha,
@@ -247,7 +251,8 @@ def _plan_pools(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
         if n.attrs.get("return_indices"):
             plan.pools.append(PoolChange(n.name, "keep", "it returns indices (return_indices=True)"))
             continue
-        new_param = f"{n.module}.weight" if n.module else f"precondfx_pool_{n.name}.weight"
+        new_param = f"{n.module}.weight" if n.module and module_calls.get(n.module) == 1 \
+            else f"precondfx_pool_{n.name}.weight"
         if opts.maxpool == "avgpool":
             plan.pools.append(PoolChange(n.name, "avgpool", "replaced by average pooling of the "
                                          "same geometry (preserves scaling, Table 1)",

@@ -9,7 +9,7 @@ Every change is logged so that it can be undone if a later stage fails.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -69,6 +69,7 @@ class EagerApplier:
                 self.calls[n.module] = self.calls.get(n.module, 0) + 1
         self.users = graph.users()
         self._done_modules: dict[tuple[str, str], float] = {}
+        self._swapped: set[str] = set()
 
     def _like(self) -> torch.Tensor | None:
         return next(iter(self.model.parameters()), None)
@@ -165,6 +166,24 @@ class EagerApplier:
                 self._replace(node.module, mod)
                 self.applied.append(f"maxpool {pc.node} replaced by {type(mod).__name__}")
 
+    def replace(self, name: str, mod: nn.Module, path: str | None = None,
+                all_calls: bool = False) -> bool:
+        """Swap the module called at node ``name`` for ``mod``.  Only a module called once can
+        be swapped, unless ``all_calls`` says every call of it gets the same replacement."""
+        node = self.graph.get(name)
+        if node is None or node.module is None:
+            self.skipped.append((name, f"replacement: functional call, no module to swap and no "
+                                 f"editable graph (capture: {self.graph.method})"))
+            return False
+        if self.calls.get(node.module, 0) > 1 and not all_calls:
+            self.skipped.append((name, f"replacement: module {node.module} is called more than "
+                                 f"once"))
+            return False
+        if node.module not in self._swapped:
+            self._replace(node.module, mod)
+            self._swapped.add(node.module)
+        return True
+
     def _replace(self, path: str, mod: nn.Module) -> None:
         parent, _, leaf = path.rpartition(".")
         p = self.model.get_submodule(parent) if parent else self.model
@@ -183,6 +202,32 @@ class EagerApplier:
         self.undo.append(("attrdel", self.model, PREFIX + "output_path"))
         self._hook(self.model.register_forward_hook(_root_output_hook))
         return PREFIX + "output_scale"
+
+    def probe(self, run: Callable[[nn.Module], Any], names: list[str]
+              ) -> dict[str, torch.Tensor]:
+        """Outputs of the named module-call nodes during ``run(model)`` (forward hooks)."""
+        want: dict[str, dict[int, str]] = {}
+        for n in names:
+            node = self.graph.get(n)
+            if node is not None and node.module:
+                want.setdefault(node.module, {})[node.call_index] = n
+        got: dict[str, torch.Tensor] = {}
+        counts: dict[str, int] = {}
+        handles = []
+        for path, idx in want.items():
+            def hook(mod: nn.Module, args: tuple, out: Any, path: str = path,
+                     idx: dict = idx) -> None:
+                k = counts.get(path, 0)
+                counts[path] = k + 1
+                if k in idx:
+                    got[idx[k]] = out[0] if isinstance(out, (tuple, list)) else out
+            handles.append(self.model.get_submodule(path).register_forward_hook(hook))
+        try:
+            run(self.model)
+        finally:
+            for h in handles:
+                h.remove()
+        return got
 
     def finish(self) -> None:
         pass

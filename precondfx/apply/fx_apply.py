@@ -7,7 +7,7 @@ and ONNX export.  Max-pools are folded into the convolution before them or repla
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -110,18 +110,34 @@ class FxApplier:
                 self.applied.append(f"maxpool {pc.node} folded into {conv_node.target}")
                 continue
             mod = replacement_pool(pc, _like(self.gm))
-            path = str(node.target) if node.op == "call_module" else f"precondfx_pool_{pc.node}"
-            if node.op == "call_module":
-                _set_submodule(self.gm, path, mod)
-            else:
-                self.gm.add_submodule(path, mod)
-                with self.gm.graph.inserting_before(node):
-                    new = self.gm.graph.call_module(path, (src,))
-                # functional max-pool with indices returns a tuple; plan refused those
-                node.replace_all_uses_with(new)
-                self.gm.graph.erase_node(node)
-                self.nodes[pc.node] = new
+            path = pc.new_param[:-len(".weight")] if pc.new_param else \
+                (str(node.target) if node.op == "call_module" else f"precondfx_pool_{pc.node}")
+            self.replace(pc.node, mod, path)
             self.applied.append(f"maxpool {pc.node} replaced by {type(mod).__name__} at {path}")
+
+    def replace(self, name: str, mod: torch.nn.Module, path: str) -> bool:
+        """Make node ``name`` a call of ``mod`` (a new submodule at ``path``) on its first
+        activation operand; the old submodule is dropped when nothing else calls it."""
+        node = self.nodes.get(name)
+        if node is None:
+            self.skipped.append((name, "replacement: node not found in the traced graph"))
+            return False
+        src = _activation_args(node)[0]
+        old = str(node.target) if node.op == "call_module" else None
+        if old == path:
+            _set_submodule(self.gm, path, mod)
+            node.args, node.kwargs = (src,), {}
+            return True
+        self.gm.add_submodule(path, mod)
+        with self.gm.graph.inserting_before(node):
+            new = self.gm.graph.call_module(path, (src,))
+        node.replace_all_uses_with(new)
+        self.gm.graph.erase_node(node)
+        self.nodes[name] = new
+        if old is not None and not any(n.op == "call_module" and n.target == old
+                                       for n in self.gm.graph.nodes):
+            self.gm.delete_submodule(old)
+        return True
 
     def input_scale(self, value: float) -> list[str]:
         names = []
@@ -172,6 +188,29 @@ class FxApplier:
 
         out.args = (rebuild(struct, path),)
         return b
+
+    def probe(self, run: Callable[[torch.nn.Module], Any], names: list[str]
+              ) -> dict[str, torch.Tensor]:
+        """Outputs of the named nodes during ``run(gm)`` (an Interpreter records them)."""
+        wanted = {self.nodes[n]: n for n in names if n in self.nodes}
+        got: dict[str, torch.Tensor] = {}
+
+        class Rec(fx.Interpreter):
+            def run_node(self, n: fx.Node) -> Any:
+                out = super().run_node(n)
+                if n in wanted:
+                    got[wanted[n]] = out[0] if isinstance(out, (tuple, list)) else out
+                return out
+
+        interp = Rec(self.gm)
+        placeholders = [p.target for p in self.gm.graph.nodes if p.op == "placeholder"]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            vals = list(args) + [kwargs.get(t.lstrip("*")) for t in placeholders[len(args):]]
+            return interp.run(*vals)
+
+        run(call)
+        return got
 
     def finish(self) -> None:
         # Type annotations copied from the user's forward can be strings (``from __future__

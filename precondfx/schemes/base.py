@@ -1,0 +1,96 @@
+"""The scheme interface: how an initialization method plugs into the shared pipeline.
+
+Every scheme runs over the same capture -> classify -> plan -> apply machinery; it may change the
+plan before it is applied (parameter init rules, activation replacements, alpha sites) and run
+data-driven steps after re-initialization (LSUV's layer-sequential scaling), through a
+:class:`SchemeContext` that measures node outputs on the calibration batch.  The output scale
+(``target_std``) is fixed after the scheme's steps, for every scheme.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from precondfx.calibrate import quiet_run
+from precondfx.capture.common import Sample
+from precondfx.graph import Graph
+from precondfx.plan import Options, ParamInfo, Plan
+
+
+@dataclass
+class SchemeContext:
+    """What a scheme's data-driven step can see and touch."""
+
+    model: nn.Module
+    sample: Sample
+    graph: Graph
+    plan: Plan
+    applier: Any
+    opts: Options
+    mode: str
+    site_buffers: dict[str, str]            # node name -> its alpha buffer (fully qualified)
+    say: Callable[[str], None] = lambda m: None
+    forwards: int = 0                       # forward passes run through ``outputs``
+    notes: list[str] = field(default_factory=list)
+
+    def outputs(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Outputs of the named nodes on the calibration batch (no grad, no side effects)."""
+        self.forwards += 1
+        with quiet_run(self.model, self.mode), torch.no_grad():
+            return self.applier.probe(lambda fn: self.sample.call(fn), names)
+
+    def buffer(self, node: str) -> torch.Tensor | None:
+        """The alpha buffer at a node's call site (None if none could be placed)."""
+        name = self.site_buffers.get(node)
+        return self.model.get_buffer(name) if name else None
+
+
+class Scheme:
+    """Base scheme: the core method of Defazio & Bottou (``scheme="geometric"``)."""
+
+    name = "geometric"
+    #: an alpha buffer at every weighted call site (LSUV scales call sites through them)
+    needs_alpha_sites = False
+
+    def options(self, opts: Options) -> None:
+        """Adjust options before planning (e.g. a scheme that brings its own init)."""
+
+    def plan(self, graph: Graph, plan: Plan, params: dict[str, ParamInfo], opts: Options
+             ) -> None:
+        """Change the plan before it is applied."""
+
+    def replacements(self, graph: Graph, plan: Plan) -> list[tuple[str, nn.Module, str]]:
+        """(node, new module, path) swaps the applier makes before re-initialization."""
+        return []
+
+    def calibrate(self, ctx: SchemeContext) -> dict[str, Any]:
+        """Data-driven step after re-initialization; returns the report section."""
+        return {}
+
+
+_REGISTRY: dict[str, Callable[[], Scheme]] = {"geometric": Scheme}
+
+
+def register(name: str) -> Callable[[type], type]:
+    """Class decorator adding a scheme to the registry."""
+    def deco(cls: type) -> type:
+        _REGISTRY[name] = cls
+        return cls
+    return deco
+
+
+def get_scheme(name: str, **kwargs: Any) -> Scheme:
+    """Instantiate a registered scheme by name (scheme modules register themselves)."""
+    from precondfx.errors import PrecondError
+    from precondfx import schemes  # noqa: F401  (imports the scheme modules)
+    if name not in _REGISTRY:
+        raise PrecondError(f"scheme={name!r} is not one of {sorted(_REGISTRY)}")
+    return _REGISTRY[name](**kwargs)
+
+
+def names() -> list[str]:
+    from precondfx import schemes  # noqa: F401
+    return sorted(_REGISTRY)
