@@ -28,6 +28,7 @@ from precondfx.errors import PrecondError
 from precondfx.graph import Graph
 from precondfx.plan import Options, ParamInfo, Plan, make_plan
 from precondfx.report import Report
+from precondfx.verify import measure_report
 from precondfx.schemes.base import Scheme, SchemeContext, get_scheme
 
 log = logging.getLogger("precondfx")
@@ -129,7 +130,7 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
                  seed: int = 0, reinit_weights: bool = True, inplace: bool = False,
                  capture: Any = METHODS, calibration: str = "train",
                  forward_kwargs: dict | None = None, verbose: bool = False,
-                 balance_samples: int = 16, scheme: str = "geometric",
+                 balance_samples: int = 16, measure: bool = False, scheme: str = "geometric",
                  scheme_options: dict | None = None, **more_forward_kwargs: Any) -> Result:
     """Rewrite ``model`` so that it starts well conditioned; returns ``(model, report)``.
 
@@ -221,6 +222,10 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
                 result, s, plan, _balanceable(alpha_buffers, plan, report), stat=opts.balance,
                 seed=seed, output_key=output_key, mode=calibration, log=say,
                 n_samples=balance_samples)
+        if measure:
+            report.conditioning["measure"] = measure_report(
+                model, result, s, plan, output_key=output_key, mode=calibration, seed=seed,
+                n_samples=balance_samples, say=say)
         result.train(model.training)
     except BaseException:
         if inplace:

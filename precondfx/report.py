@@ -52,14 +52,14 @@ class Report:
         if plan is not None:
             for lay in plan.layers:
                 pi = plan.inits.get(lay.weight or "")
-                if pi is not None and pi.rule != "keep":
-                    acts.setdefault(lay.node, []).append(f"init {pi.rule} std={pi.std:.3g}")
+                if pi is not None and pi.rule not in ("keep", "scale"):
+                    acts.setdefault(lay.node, []).append(f"{pi.rule} std={pi.std:.3g}")
                 elif pi is not None:
-                    acts.setdefault(lay.node, []).append(f"kept ({pi.reason})")
+                    acts.setdefault(lay.node, []).append(f"weights {pi.rule}")
             for sc in plan.scales:
-                if sc.tag in ("alpha", "residual"):
+                if sc.tag in ("alpha", "residual") and sc.value != 1.0:
                     name = "alpha" if sc.tag == "alpha" else "s"
-                    acts.setdefault(sc.node, []).append(f"{name}={sc.value:.4g}")
+                    acts.setdefault(sc.node, []).append(f"{name}={sc.value:.3g}")
             for pc in plan.pools:
                 acts.setdefault(pc.node, []).append(
                     {"fold": f"folded into {pc.into}", "conv": "-> strided conv",
@@ -80,24 +80,26 @@ class Report:
     def rows(self, status: str | None = None) -> list[NodeRow]:
         return [r for r in self.nodes if status is None or r.status == status]
 
-    def table(self, width: int = 120, all_nodes: bool = False) -> str:
+    def table(self, width: int = 150, all_nodes: bool = False) -> str:
         """A fixed-width table; structural nodes are folded into a count unless ``all_nodes``."""
         lines = [f"precondfx report  (capture: {self.capture})"]
         for note in self.capture_notes:
             lines.append(f"  note: {note}")
         c = self.counts()
         lines.append("  nodes: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
-        hdr = f"{'node':28} {'kind':15} {'status':10} {'action':30} reason"
-        lines += ["", hdr, "-" * min(width, 160)]
+        hdr = f"{'node':26} {'kind':14} {'status':10} {'change':34} reason"
+        lines += ["", hdr, "-" * width]
         for r in self.nodes:
             if not all_nodes and r.status == "structural" and not r.actions:
                 continue
-            act = "; ".join(r.actions)[:30]
-            reason = r.reason
-            room = max(20, width - 87)
-            if len(reason) > room:
-                reason = reason[: room - 3] + "..."
-            lines.append(f"{r.name[:28]:28} {r.kind[:15]:15} {r.status:10} {act:30} {reason}")
+            act = ", ".join(r.actions)
+            act = act if len(act) <= 34 else act[:31] + "..."
+            room = max(20, width - 88)
+            reason = r.reason if len(r.reason) <= room else r.reason[: room - 3] + "..."
+            lines.append(f"{r.name[:26]:26} {r.kind[:14]:14} {r.status:10} {act:34} {reason}")
+        hidden = sum(1 for r in self.nodes if r.status == "structural" and not r.actions)
+        if hidden and not all_nodes:
+            lines.append(f"({hidden} structural nodes not shown: report.table(all_nodes=True))")
         if self.plan is not None:
             nre = sum(1 for p in self.plan.inits.values() if p.rule != "keep")
             nkeep = sum(1 for p in self.plan.inits.values() if p.rule == "keep")
@@ -140,6 +142,14 @@ class Report:
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, default=str)
+
+    def plot(self, path: str) -> list[str]:
+        """Write PNG plots of what was measured (per-layer bars before/after to ``path``; the
+        Hessian block heat map and the GR/measured histogram beside it when measured).  Needs
+        matplotlib and a report from ``precondition(..., measure=True)`` or
+        ``balance='hessian'``.  Returns the paths written."""
+        from precondfx.verify import plot_report
+        return plot_report(self.conditioning, path)
 
     def save(self, path: str) -> None:
         """Write the JSON report."""
