@@ -5,7 +5,9 @@ inputs and fresh random cotangents (not the calibration batch) with the pair-cot
 (precondfx.measure.sketch, checked against explicit Hessian-vector products in the tests), and
 the spread (max/min over layers) is reported for: PyTorch's default init, geometric init alone
 (balance='none'), geometric + analytic constants (balance='analytic', the paper's Sec. 5 / App. E
-alphas), geometric + measured balancing (balance='hessian'), and fan-in + measured balancing.
+alphas), the default (balance='auto': measured balancing when the measured spread is
+significantly above 2x), geometric + measured balancing (balance='hessian'), and fan-in +
+measured balancing.
 
     python bench/bench_conditioning.py            # full (a few minutes)
     python bench/bench_conditioning.py --quick    # smoke run (CI)
@@ -29,6 +31,7 @@ METHODS = [
     ("pytorch default", None),
     ("geometric", dict(balance="none")),
     ("geometric + analytic", dict(balance="analytic")),
+    ("precondfx default (auto)", dict()),
     ("geometric + hessian", dict(balance="hessian")),
     ("fan-in + hessian", dict(init="fan_in", balance="hessian")),
 ]

@@ -124,7 +124,7 @@ def analyze(model: nn.Module, sample: Any, *, forward_kwargs: dict | None = None
 
 
 def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
-                 balance: str = "analytic", maxpool: str = "stride", residual: str = "auto",
+                 balance: str = "auto", balance_threshold: float = 2.0, maxpool: str = "stride", residual: str = "auto",
                  residual_scale: float | str = "auto", target_std: float | None = 0.05,
                  input_scale: float | str | None = None, output_key: str | int | None = None,
                  seed: int = 0, reinit_weights: bool = True, inplace: bool = False,
@@ -145,7 +145,8 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
         if verbose:
             print(f"[precondfx {time.perf_counter() - t0:6.2f}s] {msg}", flush=True)
 
-    opts = Options(init=init, maxpool=maxpool, balance=balance, residual=residual,
+    opts = Options(init=init, maxpool=maxpool, balance=balance,
+                   balance_threshold=balance_threshold, residual=residual,
                    residual_scale=residual_scale, target_std=target_std,
                    input_scale=input_scale, output_key=output_key, seed=seed,
                    reinit=reinit_weights, scheme=scheme)
@@ -216,12 +217,21 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
             report.output_std_before, report.output_std_after = std, after
             report.target_std, report.output_scale = target_std, scale
             plan.scales.append(_scale("output", scale, f"output std {std:.4g} -> {target_std}"))
-        if opts.balance == "hessian":
+        if opts.balance in ("hessian", "auto"):
             say(f"measured balancing ({opts.balance})")
-            report.conditioning[opts.balance] = balance_measured(
-                result, s, plan, _balanceable(alpha_buffers, plan, report), stat=opts.balance,
-                seed=seed, output_key=output_key, mode=calibration, log=say,
-                n_samples=balance_samples)
+            try:
+                report.conditioning["hessian"] = balance_measured(
+                    result, s, plan, _balanceable(alpha_buffers, plan, report),
+                    seed=seed, output_key=output_key, mode=calibration, log=say,
+                    n_samples=balance_samples,
+                    threshold=opts.balance_threshold if opts.balance == "auto" else 1.0)
+            except PrecondError as e:
+                if opts.balance == "hessian":
+                    raise
+                report.conditioning["hessian"] = {"applied": False,
+                                                  "decision": f"not measured: {e}"}
+                report.skipped.append(("balance='auto'", f"measurement failed, alphas left "
+                                       f"as planned: {e}"))
         if measure:
             report.conditioning["measure"] = measure_report(
                 model, result, s, plan, output_key=output_key, mode=calibration, seed=seed,

@@ -28,7 +28,7 @@ _DROPOUT_FNS = {f for f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.
                             if hasattr(torch.Tensor, "dropout") else F.dropout)}
 
 
-class _NoDropout(TorchFunctionMode):
+class NoDropout(TorchFunctionMode):
     """Turns functional dropout into the identity (transformers call F.dropout with
     ``training=self.training``, which module-level ``eval()`` of Dropout layers cannot reach)."""
 
@@ -62,7 +62,7 @@ def quiet_run(model: nn.Module, mode: str = "train") -> Iterator[None]:
 
 def forward(model: nn.Module, sample: Sample, mode: str = "train") -> object:
     """One side-effect-free forward pass (no grad), with a clear error if the model raises."""
-    with quiet_run(model, mode), torch.no_grad(), _NoDropout():
+    with quiet_run(model, mode), torch.no_grad(), NoDropout():
         try:
             return sample.call(model)
         except PrecondError:

@@ -19,8 +19,8 @@ from precondfx.errors import PrecondError
 from precondfx.graph import Graph, Node
 
 MAXPOOL_MODES = ("stride", "conv", "avgpool", "keep")
-BALANCE_MODES = ("none", "analytic", "hessian")
-MEASURED = ("hessian",)
+BALANCE_MODES = ("auto", "none", "analytic", "hessian")
+MEASURED = ("hessian", "auto")
 RESIDUAL_MODES = ("auto", "all", "none")
 
 
@@ -30,7 +30,8 @@ class Options:
 
     init: str = "geometric"
     maxpool: str = "stride"
-    balance: str = "analytic"
+    balance: str = "auto"
+    balance_threshold: float = 2.0
     residual: str = "auto"
     residual_scale: float | str = "auto"
     target_std: float | None = 0.05
@@ -48,6 +49,8 @@ class Options:
             raise PrecondError(f"maxpool={self.maxpool!r} is not one of {MAXPOOL_MODES}")
         if self.balance not in BALANCE_MODES:
             raise PrecondError(f"balance={self.balance!r} is not one of {BALANCE_MODES}")
+        if not self.balance_threshold >= 1.0:
+            raise PrecondError(f"balance_threshold={self.balance_threshold!r} must be >= 1")
         if self.residual not in RESIDUAL_MODES:
             raise PrecondError(f"residual={self.residual!r} is not one of {RESIDUAL_MODES}")
         if self.target_std is not None and not (self.target_std > 0 and
@@ -188,7 +191,7 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
     _plan_pools(graph, params, plan, opts)
     _plan_layers(graph, params, plan)
     _plan_residuals(graph, plan, opts)
-    if opts.balance in ("analytic",) + MEASURED:
+    if opts.balance == "analytic":
         _analytic_alphas(plan)
     _plan_inits(graph, params, plan, opts)
     for lay in plan.layers:

@@ -49,7 +49,7 @@ def test_precondition_spread_at_most_1_2x_median(data):
         model, _ = zoo.build("mlp", seed=seed)
         pm, _ = precondfx.precondition(model, calib, seed=seed)
         spreads.append(_spread(per_sample_ratios(pm, _weights(pm), x, N)))
-    print("precondition (analytic) spreads", [round(s, 3) for s in spreads])
+    print("precondition (default options) spreads", [round(s, 3) for s in spreads])
     assert statistics.median(spreads) <= 1.2
     assert max(spreads) <= 1.2
 

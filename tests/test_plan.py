@@ -19,7 +19,7 @@ def _layers(rep):
 
 def test_bottleneck_resnet_constants_match_appendix_e():
     model, x = zoo.build("resnet_bottleneck")
-    rep = precondfx.analyze(model, x)
+    rep = precondfx.analyze(model, x, balance="analytic")
     joins = [r for r in rep.plan.residuals if r.s is not None]
     n_blocks = sum(1 for n, _ in model.named_modules() if n.count(".") == 1 and
                    n.startswith("layer"))
@@ -58,7 +58,7 @@ def test_independent_inputs_are_not_a_residual_join():
 
 def test_kernel_alphas_on_alexnet():
     model, x = zoo.build("alexnet_strided")
-    rep = precondfx.analyze(model, x)
+    rep = precondfx.analyze(model, x, balance="analytic")
     convs = [la for la in rep.plan.layers if la.kind == "conv"]
     assert [la.k2 for la in convs] == [121, 25, 9, 9, 9]
     for la in convs:
@@ -70,7 +70,7 @@ def test_depthwise_and_grouped_fans():
     conv_dw = nn.Conv2d(8, 16, 3, groups=8, padding=1)
     model = nn.Sequential(conv_dw, nn.ReLU(), nn.Conv2d(16, 4, 1), nn.Flatten(),
                           nn.Linear(4 * 8 * 8, 3))
-    rep = precondfx.analyze(model, torch.randn(2, 8, 8, 8))
+    rep = precondfx.analyze(model, torch.randn(2, 8, 8, 8), balance="analytic")
     la = rep.plan.layers[0]
     assert (la.n_in, la.n_out, la.k2) == (1, 2, 9)
     pi = rep.plan.inits["0.weight"]

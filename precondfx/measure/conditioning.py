@@ -434,13 +434,15 @@ def measurement_state(model: nn.Module, params: Sequence[torch.Tensor]) -> Itera
     flags = [(m, m.training) for m in model.modules()]
     buffers = [(b, b.detach().clone()) for _, b in model.named_buffers()]
     req = [(p, p.requires_grad) for p in params]
+    from precondfx.calibrate import NoDropout  # functional dropout (transformers) too
     try:
         for m in model.modules():
             if _is_dropout(m):
                 m.training = False
         for p in params:
             p.requires_grad_(True)
-        yield
+        with NoDropout():
+            yield
     finally:
         for m, t in flags:
             m.training = t
