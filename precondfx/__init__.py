@@ -6,10 +6,11 @@ initialization), inserts scaling constants, replaces max-pooling by striding and
 scale from a calibration batch.  ``precondfx.analyze`` reports the same without changing anything.
 """
 from precondfx.api import Result, analyze, precondition
+from precondfx.apply.reinit import reinit
 from precondfx.errors import PrecondError
 from precondfx.plan import Options, Plan
 from precondfx.report import Report
 
 __version__ = "0.1.0"
-__all__ = ["precondition", "analyze", "PrecondError", "Plan", "Options", "Report", "Result",
+__all__ = ["precondition", "analyze", "reinit", "PrecondError", "Plan", "Options", "Report", "Result",
            "__version__"]

@@ -52,13 +52,26 @@ def _unwrap(model: Any) -> tuple[nn.Module, list[str]]:
     return model, notes
 
 
-def _check_device(model: nn.Module) -> None:
-    for name, p in model.named_parameters():
-        if p.device.type == "meta":
-            raise PrecondError(f"parameter {name} is on the meta device: precondition needs real "
-                               f"weights and a calibration batch; use precondfx.plan_from_shapes "
-                               f"/ analyze for planning without data, or materialize the model "
-                               f"(model.to_empty(device='cpu')) first")
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
+def _check_meta(opts: Options) -> None:
+    """A model on the meta device has shapes but no data: only data-free modes apply."""
+    if opts.balance in ("auto", "hessian"):
+        raise PrecondError(f"balance={opts.balance!r} measures the model on data, but it is on the "
+                           f"meta device: pass balance='analytic' or 'none' (and target_std=None), "
+                           f"or materialize the model first (model.to_empty(device='cpu'))")
+    if opts.target_std is not None or opts.input_scale == "auto":
+        raise PrecondError("the output scale (target_std) and input_scale='auto' need a forward "
+                           "pass on real data; the model is on the meta device: pass "
+                           "target_std=None, then after model.to_empty(device=...) call "
+                           "precondfx.reinit(model, report.plan, seed) and calibrate")
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype | None:
+    dts = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return dts.pop() if len(dts) == 1 else None
 
 
 def param_infos(model: nn.Module) -> tuple[dict[str, ParamInfo], dict[str, str]]:
@@ -90,7 +103,13 @@ def _prepare(model: Any, sample: Any, forward_kwargs: dict | None, opts: Options
         raise PrecondError(f"capture={bad} is not among {METHODS}")
     s = make_sample(sample, forward_kwargs)
     cal.check_finite_sample(s)
-    _check_device(model)
+    dt = _float_dtype(model)
+    if _on_meta(model):
+        _check_meta(opts)
+        s = s.map(lambda t: t.to("meta"))
+    if dt is not None:  # float samples in the dtype the pipeline computes in
+        work_dt = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
+        s = s.map(lambda t: t.to(work_dt) if t.is_floating_point() else t)
     return model, s, notes
 
 
@@ -154,10 +173,25 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
     sch.options(opts)
     fwd = {**(forward_kwargs or {}), **more_forward_kwargs}
     model, s, notes = _prepare(model, sample, fwd, opts, capture, calibration)
-    say("checking that the model runs on the sample")
-    out0 = cal.forward(model, s, calibration)
-    path = output_path(out0, output_key) if target_std is not None else []
+    if _already_preconditioned(model):
+        cap, _ = _capture_classify(model, s, capture, calibration, notes)
+        rep = Report.from_graph(cap.graph)
+        rep.capture_notes.append("the model is already preconditioned (it holds precondfx_* "
+                                 "buffers): nothing was done; pass the original model to re-plan")
+        return Result(model if inplace else copy.deepcopy(model), rep)
+    dt = _float_dtype(model)
+    low = dt in (torch.float16, torch.bfloat16)
+    if low and inplace:
+        raise PrecondError(f"inplace=True is not supported for {dt} models (the pass computes in "
+                           f"float32 on a copy): drop inplace=True and use the returned model")
     work = model if inplace else copy.deepcopy(model)
+    if low:
+        work = work.float()
+        notes.append(f"model in {dt}: preconditioned and calibrated in float32, result cast "
+                     f"back to {dt}")
+    say("checking that the model runs on the sample")
+    out0 = cal.forward(work, s, calibration)
+    path = output_path(out0, output_key) if target_std is not None else []
     snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()} if inplace else None
     applier: FxApplier | EagerApplier | None = None
     try:
@@ -172,6 +206,7 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
         plan = make_plan(g, infos, opts, alpha_sites=sch.needs_alpha_sites)
         sch.plan(g, plan, infos, opts)
         if cap.gm is not None and not inplace:
+            _restore_unused(cap.gm, work)
             applier = FxApplier(cap.gm)
             result: nn.Module = cap.gm
         else:
@@ -237,6 +272,8 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
                 model, result, s, plan, output_key=output_key, mode=calibration, seed=seed,
                 n_samples=balance_samples, say=say)
         result.train(model.training)
+        if low:
+            result = result.to(dt)
     except BaseException:
         if inplace:
             if isinstance(applier, EagerApplier):
@@ -266,6 +303,31 @@ def _balanceable(alpha_buffers: dict[str, list[str]], plan: Plan, report: Report
             report.skipped.append((f"balance {w}", "no alpha could be placed on every call site of "
                                    "this weight: left out of measured balancing"))
     return out
+
+
+def _already_preconditioned(model: nn.Module) -> bool:
+    return any("precondfx_" in name for name, _ in model.named_buffers())
+
+
+def _restore_unused(gm: nn.Module, work: nn.Module) -> None:
+    """fx keeps only what the traced forward reads; put the other parameters and buffers back
+    at their own names so the result keeps every state_dict key of the original."""
+    have = set(gm.state_dict())
+    for name, t in list(work.named_parameters()) + list(work.named_buffers()):
+        if name in have:
+            continue
+        path, _, leaf = name.rpartition(".")
+        try:
+            owner = gm.get_submodule(path) if path else gm
+        except AttributeError:
+            gm.add_submodule(path, work.get_submodule(path))
+            have |= {f"{path}.{k}" for k in work.get_submodule(path).state_dict()}
+            continue
+        if isinstance(t, nn.Parameter):
+            owner.register_parameter(leaf, t)
+        elif leaf not in getattr(owner, "_non_persistent_buffers_set", set()):
+            owner.register_buffer(leaf, t)
+        have.add(name)
 
 
 def _scale(tag: str, value: float, reason: str):

@@ -69,6 +69,11 @@ def forward(model: nn.Module, sample: Sample, mode: str = "train") -> object:
             raise
         except Exception as e:  # the user's model raised: say so, keep the cause
             shapes = [tuple(t.shape) for t in sample.tensors()]
+            if "more than 1 value per channel" in str(e):
+                raise PrecondError(
+                    f"the model's normalization layer needs more than one sample per channel in "
+                    f"train mode, and the calibration batch has shapes {shapes}: pass a batch of "
+                    f"at least two samples, or calibration='eval'") from e
             raise PrecondError(
                 f"the model raised {type(e).__name__} when called with the sample (tensor shapes "
                 f"{shapes}): {e}. Check that the sample is what the model's forward expects "
@@ -96,7 +101,8 @@ def check_finite_sample(sample: Sample) -> None:
             raise PrecondError(f"the sample has an empty tensor of shape {tuple(t.shape)}: pass "
                                f"a batch with at least one example (several are better for "
                                f"calibration)")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if t.is_floating_point() and t.device.type != "meta" and \
+                not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
             raise PrecondError(f"the sample has {bad} NaN/inf value(s) in a tensor of shape "
                                f"{tuple(t.shape)}: clean the calibration batch first")

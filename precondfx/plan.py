@@ -195,6 +195,11 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
         _analytic_alphas(plan)
     _plan_inits(graph, params, plan, opts)
     for lay in plan.layers:
+        info = params.get(lay.weight or "")
+        if info is not None and not info.trainable:
+            lay.alpha, lay.alpha_reason = 1.0, "frozen weight: no alpha (it would change the " \
+                                                "function without a compensating weight)"
+            continue
         if lay.alpha == 1.0 and opts.balance not in MEASURED and not alpha_sites:
             continue
         where = "input" if lay.kind in ("conv", "conv_transpose", "linear", "matmul") else "output"
@@ -333,6 +338,12 @@ def _plan_layers(graph: Graph, params: dict[str, ParamInfo], plan: Plan) -> None
                                                       "matmul", "embedding"):
             w = n.params.get("weight")
             info = params.get(w) if w else None
+            if w is None and any(".parametrizations." in p or "original" in p
+                                 for p in n.params.values()):
+                n.reason += "; its weight is parametrized (weight/spectral norm): left as is " \
+                            "(scheme='wn' initializes weight-normalized layers)"
+                plan.notes.append(f"{n.name}: parametrized weight left as is")
+                continue
             f = fanlib.weight_fans(n.kind, info.shape, n.attrs) if info else None
             if f is None:
                 plan.notes.append(f"{n.name}: fans of {n.kind} weight {w} are not defined "

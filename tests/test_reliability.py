@@ -1,0 +1,146 @@
+"""Reliability catalog: dtypes, devices, compiled models, odd parameters, second calls."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import precondfx
+from precondfx import PrecondError, zoo
+from tests.helpers import call, frozen, main, train_std
+
+
+def _std(model, x):
+    return train_std(model, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_dtypes(dtype):
+    model, x = zoo.build("strided_cnn")
+    model = model.to(dtype)
+    pm, rep = precondfx.precondition(model, x.to(dtype))
+    assert all(p.dtype == dtype for p in pm.parameters())
+    assert all(b.dtype == dtype for b in pm.buffers() if b.is_floating_point())
+    out = main(call(pm, x.to(dtype)))
+    assert out.dtype == dtype
+    tol = 0.02 if dtype == torch.float64 else 0.05  # half precision rounding of the output
+    assert abs(float(out.double().std(correction=0)) / 0.05 - 1) < tol
+
+
+def test_float32_sample_for_float64_model_is_cast():
+    model, x = zoo.build("mlp")
+    pm, _ = precondfx.precondition(model.double(), x.float())
+    assert all(p.dtype == torch.float64 for p in pm.parameters())
+
+
+def test_meta_device_plans_from_shapes():
+    with torch.device("meta"):
+        model, x = zoo.build("resnet_bottleneck")
+    model = model.to("meta")
+    with pytest.raises(PrecondError, match="meta device"):
+        precondfx.precondition(model, x)
+    pm, rep = precondfx.precondition(model, x, balance="analytic", target_std=None)
+    assert all(p.device.type == "meta" for p in pm.parameters())
+    assert rep.plan.layers and rep.plan.residuals
+    # materialize, then apply the plan's inits: the geometric second moments appear
+    pm = pm.to_empty(device="cpu")
+    precondfx.reinit(pm, rep.plan, seed=0)
+    la = rep.plan.layers[1]
+    w = pm.get_parameter(la.weight)
+    assert float(w.double().pow(2).mean()) == pytest.approx(rep.plan.inits[la.weight].std ** 2,
+                                                            rel=1e-4)
+
+
+def test_compiled_model_preconditions_the_original():
+    model, x = zoo.build("mlp")
+    compiled = torch.compile(model)
+    pm, rep = precondfx.precondition(compiled, x)
+    assert any("torch.compile" in n for n in rep.capture_notes)
+    assert abs(_std(pm, x) / 0.05 - 1) < 0.02
+
+
+def test_batch_of_one_with_batchnorm_gets_advice():
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(PrecondError, match="at least two samples|calibration='eval'"):
+        precondfx.precondition(model, torch.randn(1, 4))
+    pm, rep = precondfx.precondition(model, torch.randn(1, 4), calibration="eval",
+                                     balance="none")
+    assert rep.output_std_after == pytest.approx(0.05, rel=0.02)
+
+
+def test_integer_input_where_floats_expected():
+    model, _ = zoo.build("mlp")
+    with pytest.raises(PrecondError, match="raised"):
+        precondfx.precondition(model, torch.randint(0, 5, (8, 100)))
+
+
+class Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.spare = nn.Linear(6, 6)         # never used in forward
+        self.register_buffer("counter", torch.zeros(1))
+
+    def forward(self, x):
+        return self.a(x)
+
+
+def test_parameters_the_output_does_not_use_are_kept_and_reported():
+    model = Unused()
+    pm, rep = precondfx.precondition(model, torch.randn(8, 6))
+    assert {"spare.weight", "spare.bias", "counter"} <= set(pm.state_dict())
+    assert torch.equal(pm.state_dict()["spare.weight"], model.spare.weight)
+    assert "not read by any captured operation" in rep.plan.inits["spare.weight"].reason
+
+
+def test_frozen_parameters_are_left_alone():
+    model, x = zoo.build("strided_cnn")
+    first = next(model.parameters())
+    first.requires_grad_(False)
+    name = next(n for n, _ in model.named_parameters())
+    before = first.detach().clone()
+    pm, rep = precondfx.precondition(model, x)
+    assert torch.equal(pm.get_parameter(name), before)
+    assert "frozen" in rep.plan.inits[name].reason
+
+
+@pytest.mark.parametrize("wrap", ["weight_norm", "spectral_norm"])
+def test_parametrized_weights_are_reported(wrap):
+    from torch.nn.utils import parametrizations as P
+    lin = nn.Linear(8, 8)
+    lin = getattr(P, wrap)(lin)
+    model = nn.Sequential(lin, nn.ReLU(), nn.Linear(8, 3))
+    pm, rep = precondfx.precondition(model, torch.randn(16, 8))
+    row = next(r for r in rep.nodes if r.kind == "linear" and "parametrized" in r.reason)
+    assert row is not None
+    assert abs(_std(pm, torch.randn(16, 8)) / 0.05 - 1) < 0.5
+
+
+def test_second_call_is_detected_and_does_nothing():
+    model, x = zoo.build("strided_cnn")
+    pm, _ = precondfx.precondition(model, x)
+    pm2, rep2 = precondfx.precondition(pm, x)
+    assert any("already preconditioned" in n for n in rep2.capture_notes)
+    sd1, sd2 = pm.state_dict(), pm2.state_dict()
+    assert sd1.keys() == sd2.keys() and all(torch.equal(sd1[k], sd2[k]) for k in sd1)
+
+
+def test_eager_inplace_rollback_restores_hooks_and_modules():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(3, 4, 3, padding=1)
+            self.p = nn.MaxPool2d(2)
+            self.fc = nn.Linear(4 * 4 * 4, 2)
+
+        def forward(self, x):
+            return self.fc(self.p(torch.relu(self.c(x))).flatten(1)) * 0.0 + 1.0
+
+    m = Bad()
+    before = copy.deepcopy(m.state_dict())
+    with pytest.raises(PrecondError, match="zero variance"):
+        precondfx.precondition(m, torch.randn(2, 3, 8, 8), inplace=True, capture="eager")
+    assert isinstance(m.p, nn.MaxPool2d) and m.c.stride == (1, 1)
+    assert not any(mod._forward_hooks or mod._forward_pre_hooks for mod in m.modules())
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
