@@ -88,6 +88,11 @@ def measured_statistics(model: nn.Module, sample: Sample, weights: list[str], *,
     return {"values": means, "stderr": se, "spread": spread_of(means), "note": note}
 
 
+def _output(model: nn.Module, s: Sample, output_key: Any, mode: str) -> torch.Tensor:
+    from precondfx.calibrate import forward
+    return main_output(forward(model, s, mode), output_key).detach().double()
+
+
 @torch.no_grad()
 def _rescale(model: nn.Module, weight: str, buffers: list[str], c: float) -> None:
     for b in buffers:
@@ -132,8 +137,28 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
                             f"planned"}
     target = geometric_mean(list(before.values()))
     factors = {w: (target / v) ** 0.25 for w, v in before.items()}
+    y0 = _output(model, fit, output_key, mode)
+    saved = {w: (model.get_parameter(w).detach().clone(),
+                 [model.get_buffer(b).detach().clone() for b in alpha_buffers[w]])
+             for w in factors}
     for w, c in factors.items():
         _rescale(model, w, alpha_buffers[w], c)
+    y1 = _output(model, fit, output_key, mode)
+    change = float((y1 - y0).abs().max() / y0.abs().max().clamp_min(1e-30))
+    if not change < 1e-3:  # reparametrization must not change the function: check, undo
+        with torch.no_grad():
+            for w, (wt, bufs) in saved.items():
+                model.get_parameter(w).copy_(wt)
+                for b, v in zip(alpha_buffers[w], bufs):
+                    model.get_buffer(b).copy_(v)
+        msg = (f"rescaling changed the output by {change:.2g} (relative): the statistics span "
+               f"{spread_of(before):.3g}x, beyond what the dtype represents; alphas left as "
+               f"planned")
+        if threshold <= 1.0:
+            raise PrecondError(f"measured balancing failed: {msg}")
+        return {"statistic": STATISTICS[stat], "samples": n_fit, "before": before,
+                "spread_before": spread_of(before), "applied": False, "note": note,
+                "decision": msg}
     _update_plan(plan, factors)
     after = {w: v * factors[w] ** 4 for w, v in before.items()}  # exact: stat scales alpha^4
     out: dict[str, Any] = {
