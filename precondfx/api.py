@@ -128,17 +128,26 @@ def _capture_classify(model: nn.Module, s: Sample, methods: Any, mode: str, note
 
 
 def analyze(model: nn.Module, sample: Any, *, forward_kwargs: dict | None = None,
-            capture: Any = METHODS, calibration: str = "train", **options: Any) -> Report:
+            capture: Any = METHODS, calibration: str = "train",
+            scheme_options: dict | None = None, **options: Any) -> Report:
     """Capture, classify and plan without changing anything; the report says what
-    ``precondition`` would do with the same options."""
-    fwd = dict(forward_kwargs or {})
+    ``precondition`` would do with the same options (keyword arguments that are not options
+    go to the model's forward, as in ``precondition``)."""
+    options = dict(options)
+    if "reinit_weights" in options:
+        options["reinit"] = options.pop("reinit_weights")
     opt_names = set(Options.__dataclass_fields__)
-    fwd.update({k: v for k, v in options.items() if k not in opt_names})
+    fwd = {**(forward_kwargs or {}), **{k: v for k, v in options.items() if k not in opt_names}}
     opts = Options(**{k: v for k, v in options.items() if k in opt_names})
+    sch = get_scheme(opts.scheme, **(scheme_options or {}))
+    sch.options(opts)
     model, s, notes = _prepare(model, sample, fwd, opts, capture, calibration)
+    if _float_dtype(model) in (torch.float16, torch.bfloat16):
+        model = copy.deepcopy(model).float()
     cal.forward(model, s, calibration)
     cap, infos = _capture_classify(model, s, capture, calibration, notes)
-    plan = make_plan(cap.graph, infos, opts)
+    plan = make_plan(cap.graph, infos, opts, alpha_sites=sch.needs_alpha_sites)
+    sch.plan(cap.graph, plan, infos, opts)
     return Report.from_graph(cap.graph, plan)
 
 
