@@ -25,7 +25,7 @@ class SmallCNN(nn.Module):
         return self.head(x.flatten(1))
 
 
-def main(steps: int = 20) -> float:
+def main(steps: int = 20) -> tuple[precondfx.Report, list[float]]:
     torch.manual_seed(0)
     model = SmallCNN()
     images = torch.randn(64, 3, 32, 32)           # your calibration batch
@@ -37,15 +37,15 @@ def main(steps: int = 20) -> float:
 
     # The result is an ordinary trainable module.
     opt = torch.optim.SGD(model_pc.parameters(), lr=0.05, momentum=0.9)
-    loss = torch.tensor(0.0)
+    losses = []
     for step in range(steps):
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model_pc(images), labels)
         loss.backward()
         opt.step()
-    print(f"loss after {steps} steps: {loss.item():.4f}")
-    torch.save(model_pc.state_dict(), "/tmp/quickstart_precondfx.pt")
-    return loss.item()
+        losses.append(loss.item())
+    print(f"loss: {losses[0]:.4f} at the first step, {losses[-1]:.4f} after {steps} steps")
+    return report, losses
 
 
 if __name__ == "__main__":
