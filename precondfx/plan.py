@@ -438,6 +438,30 @@ def _analytic_alphas(plan: Plan) -> None:
         lay.alpha_reason = "; ".join(why) if why else "no correction needed"
 
 
+def _opaque_inits(n: Node, params: dict[str, ParamInfo], rule: str, put: Any) -> None:
+    """Inits of an opaque weighted module (multi-head attention, recurrent cell): projection and
+    input weights by the fan rule, recurrent weights orthogonal per gate, biases zero."""
+    cls = n.attrs.get("class", "")
+    gates = 4 if "LSTM" in cls else 3 if "GRU" in cls else 1
+    what = "attention" if n.kind == "attention" else "recurrent"
+    for role, pname in n.params.items():
+        info = params.get(pname)
+        if info is None:
+            continue
+        f = (fanlib.attention_fans(role, info.shape) if n.kind == "attention"
+             else fanlib.recurrent_fans(role, info.shape, gates))
+        if "weight_hh" in role:
+            put(pname, ParamInit(pname, "orthogonal", 1.0, "recurrent weight: orthogonal per "
+                                 "gate (keeps norms over time steps)", gates=gates))
+        elif f is not None and rule != "keep":
+            put(pname, ParamInit(pname, rule, math.sqrt(fanlib.second_moment(f, rule)),
+                                 f"{what} weight {role} (n_in={f.n_in}, n_out={f.n_out})"))
+        elif "bias" in role:
+            put(pname, ParamInit(pname, "zeros", None, f"{what} bias starts at zero"))
+        else:
+            put(pname, ParamInit(pname, "keep", None, f"{what} {role}: left as is"))
+
+
 def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Options) -> None:
     inits = plan.inits
     rule = opts.init
@@ -491,40 +515,8 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                 if role not in ("weight", "bias"):
                     put(pname, ParamInit(pname, "keep", None,
                                          f"{role} of {n.name}: not a weight of the layer"))
-        elif n.kind == "attention" and n.status == optable.WEIGHTED:
-            for role, pname in n.params.items():
-                info = params.get(pname)
-                if info is None:
-                    continue
-                f = fanlib.attention_fans(role, info.shape)
-                if f is not None and rule != "keep":
-                    put(pname, ParamInit(pname, rule, math.sqrt(fanlib.second_moment(f, rule)),
-                                         f"attention projection {role} (n_in={f.n_in}, "
-                                         f"n_out={f.n_out})"))
-                elif "bias" in role:
-                    put(pname, ParamInit(pname, "zeros", None, "attention bias starts at zero"))
-                else:
-                    put(pname, ParamInit(pname, "keep", None, f"attention {role}: left as is"))
-        elif n.kind == "recurrent" and n.status == optable.WEIGHTED:
-            cls = n.attrs.get("class", "")
-            gates = 4 if "LSTM" in cls else 3 if "GRU" in cls else 1
-            for role, pname in n.params.items():
-                info = params.get(pname)
-                if info is None:
-                    continue
-                f = fanlib.recurrent_fans(role, info.shape, gates)
-                if "weight_hh" in role:
-                    put(pname, ParamInit(pname, "orthogonal", 1.0,
-                                         "recurrent weight: orthogonal per gate (keeps norms "
-                                         "over time steps)", gates=gates))
-                elif f is not None and rule != "keep":
-                    put(pname, ParamInit(pname, rule, math.sqrt(fanlib.second_moment(f, rule)),
-                                         f"input weight of {gates} gates (n_in={f.n_in}, "
-                                         f"n_out={f.n_out})"))
-                elif "bias" in role:
-                    put(pname, ParamInit(pname, "zeros", None, "recurrent bias starts at zero"))
-                else:
-                    put(pname, ParamInit(pname, "keep", None, f"recurrent {role}: left as is"))
+        elif n.kind in ("attention", "recurrent") and n.status == optable.WEIGHTED:
+            _opaque_inits(n, params, rule, put)
         elif n.kind == "normalization":
             for role, pname in n.params.items():
                 if role.endswith("weight"):
