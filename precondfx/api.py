@@ -223,8 +223,9 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
             result = work
         say("applying the plan")
         applier.pools(plan)
-        for node, mod, path in sch.replacements(g, plan):
-            if applier.replace(node, mod, path):
+        sch.model = result
+        for node, mod, mod_path in sch.replacements(g, plan):
+            if applier.replace(node, mod, mod_path, all_calls=True):
                 applier.applied.append(f"{sch.name}: {node} replaced by {mod}")
         weight_of = {lay.node: lay.weight for lay in plan.layers}
         alpha_buffers: dict[str, list[str]] = {}

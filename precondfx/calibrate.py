@@ -23,6 +23,15 @@ _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropou
             nn.FeatureAlphaDropout)
 
 
+_STOCHASTIC_NAMES = ("Dropout", "DropPath", "StochasticDepth", "DropBlock")
+
+
+def is_stochastic(m: nn.Module) -> bool:
+    """Dropout and its relatives (timm's DropPath, torchvision's StochasticDepth, DropBlock):
+    random in train mode, identity in eval mode."""
+    return isinstance(m, _DROPOUT) or any(k in type(m).__name__ for k in _STOCHASTIC_NAMES)
+
+
 _DROPOUT_FNS = {f for f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
                             F.feature_alpha_dropout, torch.dropout, torch.Tensor.dropout
                             if hasattr(torch.Tensor, "dropout") else F.dropout)}
@@ -48,7 +57,7 @@ def quiet_run(model: nn.Module, mode: str = "train") -> Iterator[None]:
     try:
         model.train(mode == "train")
         for m in model.modules():
-            if isinstance(m, _DROPOUT) or type(m).__name__.endswith("Dropout"):
+            if is_stochastic(m):
                 m.eval()
         yield
     finally:

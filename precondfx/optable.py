@@ -409,13 +409,21 @@ for _s in OPS:
             _BY_METHOD.setdefault(_name, _s)
 
 
+# Modules of other libraries known by class name (torchvision, timm), so that no import of
+# those libraries is needed: stochastic-depth variants behave as dropout.
+_BY_CLASS_NAME: dict[str, str] = {"StochasticDepth": "dropout", "DropPath": "dropout",
+                                  "DropBlock2d": "dropout", "FrozenBatchNorm2d": "normalization",
+                                  "LayerNorm2d": "normalization"}
+
+
 def for_module(module: nn.Module) -> OpSpec | None:
     """The spec of a leaf module, by its class or the nearest listed base class."""
     for cls in type(module).__mro__:
         spec = _BY_MODULE.get(cls)
         if spec is not None:
             return spec
-    return None
+    kind = _BY_CLASS_NAME.get(type(module).__name__)
+    return BY_KIND[kind] if kind else None
 
 
 def for_module_class_name(qualname: str) -> OpSpec | None:

@@ -70,7 +70,8 @@ class ParamInit:
 
     name: str
     rule: str            # geometric | fan_in | fan_out | xavier | zeros | ones | orthogonal |
-    #                      scale (multiply the current value by ``std``) | keep
+    #                      scale (multiply the current value by ``std``) |
+    #                      constant (every element ``std``) | keep
     std: float | None    # standard deviation of the normal draw (weights), the factor for
     #                      ``scale``, else None
     reason: str

@@ -115,9 +115,11 @@ class FxApplier:
             self.replace(pc.node, mod, path)
             self.applied.append(f"maxpool {pc.node} replaced by {type(mod).__name__} at {path}")
 
-    def replace(self, name: str, mod: torch.nn.Module, path: str) -> bool:
+    def replace(self, name: str, mod: torch.nn.Module, path: str, all_calls: bool = True
+                ) -> bool:
         """Make node ``name`` a call of ``mod`` (a new submodule at ``path``) on its first
-        activation operand; the old submodule is dropped when nothing else calls it."""
+        activation operand; the old submodule is dropped when nothing else calls it.  Each
+        call site is its own node here, so ``all_calls`` (an eager-path notion) is moot."""
         node = self.nodes.get(name)
         if node is None:
             self.skipped.append((name, "replacement: node not found in the traced graph"))

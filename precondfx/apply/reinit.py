@@ -32,6 +32,8 @@ def draw(pi: ParamInit, shape: tuple[int, ...], gen: torch.Generator) -> torch.T
         return torch.zeros(shape)
     if pi.rule == "ones":
         return torch.ones(shape)
+    if pi.rule == "constant":
+        return torch.full(shape, float(pi.std))
     if pi.rule == "orthogonal":
         return _orthogonal(shape, pi.gates, gen) * float(pi.std or 1.0)
     return moment_matched(torch.randn(shape, generator=gen), float(pi.std))

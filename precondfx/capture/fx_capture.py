@@ -11,17 +11,57 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from precondfx import optable
+from precondfx.calibrate import is_stochastic
 from precondfx.capture.common import Act, Const, Param, Sample, build_node, shape_of, target_name
 from precondfx.graph import Graph, Node
 
 
+class _Tracer(fx.Tracer):
+    """fx's tracer, with stochastic modules (DropPath, StochasticDepth...) kept as leaves: traced
+    through, their ``if self.training`` would be frozen into the graph in the trace's mode."""
+
+    def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+        return is_stochastic(m) or super().is_leaf_module(m, qualname)
+
+
+_FUNCTIONAL_DROPOUT = {F.dropout: nn.Dropout, F.dropout1d: nn.Dropout1d,
+                       F.dropout2d: nn.Dropout2d, F.dropout3d: nn.Dropout3d,
+                       F.alpha_dropout: nn.AlphaDropout}
+
+
 def trace(model: torch.nn.Module, sample: Sample) -> fx.GraphModule:
-    """Symbolically trace ``model``; non-tensor keyword inputs become concrete arguments."""
+    """Symbolically trace ``model``; non-tensor keyword inputs become concrete arguments.
+
+    Functional dropout calls (``F.dropout(x, p, training=self.training)``) are traced with the
+    trace-time mode frozen in; they are replaced by dropout modules so that the result still
+    switches between train and eval."""
     concrete = {k: v for k, v in sample.kwargs.items() if not isinstance(v, torch.Tensor)}
-    gm = fx.symbolic_trace(model, concrete_args=concrete or None)
+    tracer = _Tracer()
+    graph = tracer.trace(model, concrete_args=concrete or None)
+    name = model.__class__.__name__ if isinstance(model, torch.nn.Module) else "module"
+    gm = fx.GraphModule(tracer.root, graph, name)
+    count = 0
+    for n in list(gm.graph.nodes):
+        cls = _FUNCTIONAL_DROPOUT.get(n.target) if n.op == "call_function" else None
+        if cls is None:
+            continue
+        p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5)
+        if not isinstance(p, (int, float)):
+            continue
+        path = f"precondfx_dropout_{count}"
+        count += 1
+        gm.add_submodule(path, cls(float(p)))
+        with gm.graph.inserting_before(n):
+            new = gm.graph.call_module(path, (n.args[0] if n.args else n.kwargs["input"],))
+        n.replace_all_uses_with(new)
+        gm.graph.erase_node(n)
+    if count:
+        gm.recompile()
     return gm
 
 

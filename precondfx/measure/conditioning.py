@@ -425,7 +425,8 @@ def _call(model: nn.Module, sample: Any, kwargs: Mapping[str, Any]) -> Any:
 # model state
 # --------------------------------------------------------------------------------------------
 def _is_dropout(m: nn.Module) -> bool:
-    return isinstance(m, nn.modules.dropout._DropoutNd) or "Dropout" in type(m).__name__
+    from precondfx.calibrate import is_stochastic
+    return is_stochastic(m)
 
 
 @contextmanager

@@ -54,6 +54,9 @@ class Scheme:
     name = "geometric"
     #: an alpha buffer at every weighted call site (LSUV scales call sites through them)
     needs_alpha_sites = False
+    #: the module being rewritten, set by the pipeline before replacements() (e.g. to copy a
+    #: BatchNorm's eps/momentum into its replacement)
+    model: nn.Module | None = None
 
     def options(self, opts: Options) -> None:
         """Adjust options before planning (e.g. a scheme that brings its own init)."""

@@ -75,6 +75,7 @@ __all__ = [
     "CenteredWeight",
     "register_weight_centering",
     "SecondMomentNorm",
+    "ScaledSELU",
 ]
 
 
@@ -772,3 +773,26 @@ class SecondMomentNorm(nn.Module):
             f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
             f"track_running_stats={self.track_running_stats}, norm={self.norm!r}"
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Depth-aware SELU module (A.2.11, eq. 32)
+# ---------------------------------------------------------------------------------------------
+
+
+class ScaledSELU(nn.Module):
+    """``lam * (x if x > 0 else alpha (e^x - 1))`` with given ``(lam, alpha)`` (eq. 30), e.g.
+    the depth-aware coefficients of :func:`selu_coefficients`; constants are buffers so the
+    module saves, deep-copies and exports."""
+
+    def __init__(self, lam: float, alpha: float) -> None:
+        super().__init__()
+        self.register_buffer("lam", torch.tensor(float(lam)))
+        self.register_buffer("alpha", torch.tensor(float(alpha)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        lam, alpha = self.lam.to(x.dtype), self.alpha.to(x.dtype)
+        return lam * torch.where(x > 0, x, alpha * torch.expm1(x))
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return f"lam={float(self.lam):.6g}, alpha={float(self.alpha):.6g}"
