@@ -19,6 +19,7 @@ Statuses:
 """
 from __future__ import annotations
 
+import builtins
 import operator
 from dataclasses import dataclass, field
 
@@ -55,7 +56,8 @@ def _fns(*names: str) -> tuple:
     out = []
     for name in names:
         root, _, attr = name.partition(".")
-        obj = {"F": F, "torch": torch, "operator": operator, "T": torch.Tensor}[root]
+        obj = {"F": F, "torch": torch, "operator": operator, "T": torch.Tensor,
+               "builtins": builtins}[root]
         for part in attr.split("."):
             obj = getattr(obj, part, None)
             if obj is None:
@@ -358,8 +360,11 @@ OPS: tuple[OpSpec, ...] = (
                     "cuda"),
            aten=("_to_copy", "type_as", "convert_element_type"), onnx=("Cast", "CastLike")),
     OpSpec("constant", STRUCTURAL,
-           "builds a constant or reads a shape: no activation flows through it",
-           functions=_fns("torch.arange", "torch.zeros", "torch.ones", "torch.full",
+           "builds a constant, reads a shape or attribute, or compares: no activation (and no "
+           "gradient) flows through it",
+           functions=_fns("builtins.getattr", "operator.eq", "operator.ne", "operator.lt",
+                          "operator.le", "operator.gt", "operator.ge", "operator.floordiv",
+                          "operator.mod", "torch._assert", "torch.arange", "torch.zeros", "torch.ones", "torch.full",
                           "torch.zeros_like", "torch.ones_like", "torch.full_like",
                           "torch.empty", "torch.tensor", "torch.triu", "torch.tril",
                           "torch.randn", "torch.rand", "torch.eye", "torch.ones_like",
