@@ -89,8 +89,15 @@ def measured_statistics(model: nn.Module, sample: Sample, weights: list[str], *,
 
 
 def _output(model: nn.Module, s: Sample, output_key: Any, mode: str) -> torch.Tensor:
+    """The main output in full float32 precision (TF32 off: its 10-bit rounding would hide
+    whether a rescaling kept the function)."""
     from precondfx.calibrate import forward
-    return main_output(forward(model, s, mode), output_key).detach().double()
+    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        return main_output(forward(model, s, mode), output_key).detach().double()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
 
 
 @torch.no_grad()
