@@ -50,6 +50,10 @@ class Report:
     def from_graph(cls, graph: Graph, plan: Plan | None = None) -> "Report":
         acts: dict[str, list[str]] = {}
         if plan is not None:
+            for pc in plan.pools:
+                acts.setdefault(pc.node, []).append(
+                    {"fold": f"folded into {pc.into}", "conv": "-> strided conv",
+                     "avgpool": "-> avg pool", "keep": "kept"}[pc.action])
             for lay in plan.layers:
                 pi = plan.inits.get(lay.weight or "")
                 if pi is not None and pi.rule not in ("keep", "scale"):
@@ -60,10 +64,6 @@ class Report:
                 if sc.tag in ("alpha", "residual") and sc.value != 1.0:
                     name = "alpha" if sc.tag == "alpha" else "s"
                     acts.setdefault(sc.node, []).append(f"{name}={sc.value:.3g}")
-            for pc in plan.pools:
-                acts.setdefault(pc.node, []).append(
-                    {"fold": f"folded into {pc.into}", "conv": "-> strided conv",
-                     "avgpool": "-> avg pool", "keep": "kept"}[pc.action])
         rows = [NodeRow(n.name, n.kind, n.status, n.reason, n.target, n.module,
                         list(n.out_shape) if n.out_shape else None, acts.get(n.name, []))
                 for n in graph]
@@ -118,9 +118,25 @@ class Report:
             lines.append("NOT APPLIED:")
             for what, why in self.skipped:
                 lines.append(f"  {what}: {why}")
+        h = self.conditioning.get("hessian")
+        if isinstance(h, dict):
+            if h.get("applied"):
+                lines.append(f"measured balancing: Hessian-block spread {h['spread_before']:.3g}x"
+                             f" -> {h['spread']:.3g}x on held-out data ({h['samples']} samples, "
+                             f"{h['held_out_data']})")
+            elif "decision" in h:
+                lines.append(f"measured balancing: {h['decision']}")
+        m = self.conditioning.get("measure")
+        if isinstance(m, dict) and "before" in m:
+            lines.append(f"Hessian-block spread, original model {m['before']['spread']:.3g}x, "
+                         f"rewritten model {m['after']['spread']:.3g}x (held-out half of the "
+                         f"batch)")
         for k, v in self.conditioning.items():
-            if isinstance(v, dict) and "spread" in v:
-                lines.append(f"{k}: spread {v['spread']:.3g}")
+            if k not in ("hessian", "measure") and isinstance(v, dict) and v:
+                brief = ", ".join(f"{a}={b}" for a, b in v.items()
+                                  if isinstance(b, (int, float, str)) and len(str(b)) < 40)
+                if brief:
+                    lines.append(f"{k}: {brief[:200]}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
