@@ -257,6 +257,9 @@ def _plan_pools(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
             plan.pools.append(PoolChange(n.name, "keep", "its input shape is unknown, so a "
                                          "replacement of the same geometry cannot be built"))
             continue
+        if n.attrs.get("keep_reason"):
+            plan.pools.append(PoolChange(n.name, "keep", str(n.attrs["keep_reason"])))
+            continue
         if n.attrs.get("return_indices"):
             plan.pools.append(PoolChange(n.name, "keep", "it returns indices (return_indices=True)"))
             continue
@@ -311,6 +314,8 @@ def _try_fold(graph: Graph, pool: Node, geo: dict, users: dict, module_calls: di
                "homogeneous ops"
     if len(users.get(cur.name, [])) != 1:
         return f"the convolution {cur.name} has other users"
+    if cur.attrs.get("no_fold_reason"):
+        return str(cur.attrs["no_fold_reason"])
     if module_calls.get(cur.module, 0) != 1:
         return f"the convolution module {cur.module} is called more than once"
     a = cur.attrs

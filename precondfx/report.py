@@ -44,6 +44,8 @@ class Report:
     output_scale: float | None = None
     input_scale: float | None = None
     conditioning: dict[str, Any] = field(default_factory=dict)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    verification: dict[str, Any] = field(default_factory=dict)
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -153,6 +155,7 @@ class Report:
             "output_std_after": self.output_std_after, "target_std": self.target_std,
             "output_scale": self.output_scale, "input_scale": self.input_scale,
             "conditioning": self.conditioning,
+            "stage_seconds": self.stage_seconds, "verification": self.verification,
         }
         return d
 

@@ -691,7 +691,8 @@ def measure_conditioning(
     handles = []
     all_params = list(dict.fromkeys(block_params + [b for b in biases if b is not None]))
     try:
-        with measurement_state(model, all_params), torch.enable_grad():
+        from precondfx.measure.sketch import one_thread
+        with measurement_state(model, all_params), torch.enable_grad(), one_thread():
             for c in caps:
                 if c.module is not None:
                     handles.append(c.module.register_forward_hook(c))

@@ -1,0 +1,517 @@
+"""The ``precondfx`` command line (also ``python -m precondfx``).
+
+    precondfx demo [--model maxpool_cnn]
+    precondfx inspect model.onnx [--all] [--report report.json]
+    precondfx precondition model.onnx -o out.onnx [--calib batch.npz] [options]
+    precondfx precondition mypkg.models:build --sample-shape 8x3x32x32 -o out.pt|out.onnx
+
+Exit codes: 0 success; 2 a usage or input error (one line on stderr, no traceback); 1 an
+internal error (the traceback is shown: please report it).  Progress lines go to stderr and
+``--quiet`` silences them; the report table goes to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io as _io
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, Sequence
+
+PROG = "precondfx"
+
+
+class UsageError(Exception):
+    """A bad command line (exit code 2)."""
+
+
+def _one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    if isinstance(e, FileNotFoundError) and getattr(e, "filename", None) and e.filename not in msg:
+        msg = f"{msg}: {e.filename}"
+    return msg or type(e).__name__
+
+
+def _err(msg: str) -> None:
+    print(f"{PROG}: error: {msg}", file=sys.stderr)
+
+
+def _note(msg: str) -> None:
+    print(f"{PROG}: note: {msg}", file=sys.stderr)
+
+
+class _Progress:
+    """Stage lines with elapsed seconds on stderr (silent with --quiet)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.t0 = time.perf_counter()
+
+    def __call__(self, stage: str, elapsed: float | None = None) -> None:
+        if self.quiet:
+            return
+        t = time.perf_counter() - self.t0 if elapsed is None else elapsed
+        print(f"[{PROG} {t:7.2f}s] {stage}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# argument parsing
+# ---------------------------------------------------------------------------------------------
+def _target_std(s: str) -> float | None:
+    if s.lower() in ("none", "off"):
+        return None
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number or 'none', got {s!r}")
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {s!r}")
+    return v
+
+
+def _input_scale(s: str) -> float | str:
+    if s == "auto":
+        return s
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number or 'auto', got {s!r}")
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {s!r}")
+    return v
+
+
+def _residual_scale(s: str) -> float | str:
+    if s == "auto":
+        return s
+    try:
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1] or 'auto', got {s!r}")
+
+
+def _shape(s: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(x) for x in s.lower().replace(",", "x").split("x") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a shape like 8x3x32x32, got {s!r}")
+    if not dims or any(d < 1 for d in dims):
+        raise argparse.ArgumentTypeError(f"expected a shape like 8x3x32x32, got {s!r}")
+    return dims
+
+
+def _positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return v
+
+
+def _plan_options(p: argparse.ArgumentParser, hessian: bool = True) -> None:
+    g = p.add_argument_group("preconditioning options (as precondfx.precondition)")
+    g.add_argument("--init", default="geometric",
+                   choices=("geometric", "fan_in", "fan_out", "xavier", "keep"),
+                   help="weight initialization rule (default geometric, Sec. 6)")
+    g.add_argument("--balance", default=None, choices=("auto", "none", "analytic", "hessian"),
+                   help="alpha constants: auto (PyTorch: measured where layers are out of "
+                        "balance; ONNX: analytic), none, analytic (Sec. 5, App. E), hessian "
+                        "(measured; PyTorch models only); default: the library's (auto)")
+    g.add_argument("--maxpool", default="stride", choices=("stride", "conv", "avgpool", "keep"),
+                   help="max-pool replacement: fold the stride into the conv before it when "
+                        "possible, else a strided conv (stride); always a conv; average pool; "
+                        "keep")
+    g.add_argument("--residual", default="auto", choices=("auto", "all", "none"),
+                   help="branch scale s on residual joins (auto: branches without "
+                        "normalization)")
+    g.add_argument("--residual-scale", type=_residual_scale, default="auto", metavar="S",
+                   help="value of s (default auto: 1/sqrt(number of joins))")
+    g.add_argument("--target-std", type=_target_std, default=0.05, metavar="STD",
+                   help="output std after calibration (default 0.05; 'none' skips it)")
+    g.add_argument("--input-scale", type=_input_scale, default=None, metavar="X",
+                   help="multiply the inputs by X, or 'auto' (Sec. 6.3)")
+    g.add_argument("--output-key", default=None, metavar="KEY",
+                   help="output to scale (ONNX: output name or index; default 'logits' or the "
+                        "first floating-point output)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the re-initialization")
+    g.add_argument("--no-reinit", action="store_true",
+                   help="keep the weights (divided by their alpha), only insert constants")
+
+
+def _calib_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("calibration data")
+    g.add_argument("--calib", metavar="FILE",
+                   help=".npy (single-input model) or .npz (keys: input names, or arr_0, "
+                        "arr_1... in input order)")
+    g.add_argument("--calib-input", action="append", default=[], metavar="NAME=FILE",
+                   help="one input's data from an .npy file (repeatable)")
+    g.add_argument("--dim", action="append", default=[], metavar="SYMBOL=N",
+                   help="size of a symbolic dim for generated inputs (repeatable)")
+    g.add_argument("--batch", type=_positive, default=None, metavar="N",
+                   help="size of a symbolic leading dim for generated inputs (default 32; "
+                        "inspect: 1)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from precondfx import __version__
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Rewrite a neural network before training so that it starts "
+        "well conditioned (Defazio & Bottou), for ONNX files and PyTorch models.")
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    d = sub.add_parser("demo", help="precondition a zoo model and print the report",
+                       description="Build a small model from precondfx.zoo, run "
+                                   "precondfx.precondition on it and print the report.")
+    d.add_argument("--model", default="maxpool_cnn", help="zoo model name (default maxpool_cnn)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--balance", default="auto",
+                   choices=("auto", "none", "analytic", "hessian"),
+                   help="alpha constants (default auto, the library's default: measured "
+                        "balancing when the measured spread is above 2x)")
+    d.add_argument("--all", action="store_true", help="show structural nodes too")
+    d.add_argument("--quiet", action="store_true", help="no progress lines")
+    d.set_defaults(func=cmd_demo)
+
+    i = sub.add_parser("inspect", help="classify an ONNX model's nodes and show the plan",
+                       description="Classify every node of an ONNX model and show what "
+                                   "'precondition' would do; nothing is written.")
+    i.add_argument("model", metavar="IN.onnx")
+    i.add_argument("--all", action="store_true", help="show structural nodes too")
+    i.add_argument("--report", metavar="FILE", help="write the report as JSON")
+    i.add_argument("--dim", action="append", default=[], metavar="SYMBOL=N",
+                   help="size of a symbolic dim (repeatable)")
+    i.add_argument("--batch", type=_positive, default=None, metavar="N",
+                   help="size of a symbolic leading dim (default 1)")
+    i.add_argument("--quiet", action="store_true")
+    _plan_options(i)
+    i.set_defaults(func=cmd_inspect)
+
+    c = sub.add_parser("precondition", help="rewrite an ONNX file or a PyTorch model",
+                       description="Rewrite IN (an .onnx file, or module:callable building a "
+                                   "PyTorch model) and write the result to -o OUT.")
+    c.add_argument("model", metavar="IN", help="model.onnx, or module:callable (returns a "
+                   "torch module, or (module, sample))")
+    c.add_argument("-o", "--output", required=True, metavar="OUT",
+                   help="output .onnx (ONNX input or PyTorch export) or .pt (state_dict)")
+    c.add_argument("--sample-shape", action="append", type=_shape, default=[], metavar="SHAPE",
+                   help="PyTorch models: random sample of this shape, e.g. 8x3x32x32 "
+                        "(repeat for several inputs)")
+    c.add_argument("--external-data", default="auto", choices=("auto", "always", "never"),
+                   help="ONNX: weights in OUT.data (auto: as the input, or above 1.8 GB)")
+    c.add_argument("--plot", metavar="PNG", help="PyTorch models: PNG plots of the measured per-layer Hessian "
+                   "statistic (runs precondition with measure=True)")
+    c.add_argument("--report", metavar="FILE", help="write the report as JSON")
+    c.add_argument("--all", action="store_true", help="show structural nodes in the table")
+    c.add_argument("--quiet", action="store_true", help="no progress lines, no table")
+    _plan_options(c)
+    _calib_options(c)
+    c.set_defaults(func=cmd_precondition)
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# commands
+# ---------------------------------------------------------------------------------------------
+def _write_report(report: Any, path: str) -> None:
+    d = report.to_dict()
+    for extra in ("stage_seconds", "verification"):
+        if hasattr(report, extra):
+            d[extra] = getattr(report, extra)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(d, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+def _check_plot_available(path: str | None, onnx_model: bool) -> None:
+    """Refuse --plot before any work when it cannot be honoured."""
+    if path is None:
+        return
+    from precondfx.report import Report
+    if not callable(getattr(Report, "plot", None)):
+        raise UsageError("--plot: plotting is not available in this version of precondfx "
+                         "(Report.plot is missing)")
+    if onnx_model:
+        raise UsageError("--plot: plotting is not available for ONNX models: the plots show "
+                         "per-layer Hessian measurements, which need the PyTorch model "
+                         "(precondition module:callable --plot ...)")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot: plotting needs matplotlib (pip install matplotlib)") from None
+
+
+def _plot(report: Any, path: str) -> list[str]:
+    paths = report.plot(path)
+    return list(paths or [path])
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    progress = _Progress(args.quiet)
+    progress(f"building zoo model {args.model!r}")
+    import precondfx
+    from precondfx import zoo
+    try:
+        model, sample = zoo.build(args.model)
+    except KeyError as e:
+        raise UsageError(str(e.args[0]) if e.args else str(e)) from None
+    progress("preconditioning")
+    _, report = precondfx.precondition(model, sample, seed=args.seed, balance=args.balance)
+    progress("done")
+    print(report.table(all_nodes=args.all))
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    if args.balance == "hessian":
+        raise UsageError("--balance hessian is not available for ONNX models (it needs "
+                         "Hessian-vector products through PyTorch); use analytic or none")
+    from precondfx.onnx import inspect_onnx
+    from precondfx.onnx.io import parse_dims
+    progress = _Progress(args.quiet)
+    progress(f"reading {args.model}")
+    report = inspect_onnx(args.model, dims=parse_dims(args.dim), batch=args.batch,
+                          init=args.init, balance=args.balance or "auto", maxpool=args.maxpool,
+                          residual=args.residual, residual_scale=args.residual_scale,
+                          target_std=args.target_std, input_scale=args.input_scale,
+                          output_key=_output_key(args.output_key), seed=args.seed,
+                          reinit_weights=not args.no_reinit)
+    print(report.table(all_nodes=args.all))
+    if args.report:
+        _write_report(report, args.report)
+    return 0
+
+
+def _output_key(k: str | None) -> str | int | None:
+    if k is None:
+        return None
+    return int(k) if k.isdigit() else k
+
+
+def _is_torch_spec(s: str) -> bool:
+    if s.lower().endswith(".onnx") or os.path.exists(s):
+        return False
+    mod, sep, attr = s.partition(":")
+    return bool(sep and mod and attr and all(p.isidentifier() for p in mod.split("."))
+                and all(p.isidentifier() for p in attr.split(".")))
+
+
+def cmd_precondition(args: argparse.Namespace) -> int:
+    torch_model = _is_torch_spec(args.model)
+    _check_plot_available(args.plot, onnx_model=not torch_model)
+    if torch_model:
+        return _precondition_torch(args)
+    if args.sample_shape:
+        raise UsageError("--sample-shape applies to PyTorch models (module:callable); for an "
+                         "ONNX file use --calib, --calib-input, --dim or --batch")
+    if args.balance == "hessian":
+        raise UsageError("--balance hessian is not available for ONNX models (it needs "
+                         "Hessian-vector products through PyTorch); use analytic or none, or "
+                         "precondition the PyTorch model (module:callable)")
+    if not os.path.exists(args.model):
+        raise FileNotFoundError(f"no such file: {args.model}")
+    from precondfx.onnx import precondition_onnx
+    from precondfx.onnx.io import parse_dims
+    progress = _Progress(args.quiet)
+    report = precondition_onnx(
+        args.model, args.output, calib=args.calib, calib_inputs=args.calib_input,
+        dims=parse_dims(args.dim), batch=args.batch, init=args.init,
+        balance=args.balance or "auto",
+        maxpool=args.maxpool, residual=args.residual, residual_scale=args.residual_scale,
+        target_std=args.target_std, input_scale=args.input_scale,
+        output_key=_output_key(args.output_key), seed=args.seed,
+        reinit_weights=not args.no_reinit, external_data=args.external_data,
+        progress=lambda stage, t: progress(stage, t))
+    for note in report.capture_notes:
+        if "random N(0,1)" in note:
+            _note(note)
+    progress(f"wrote {args.output} ({report.stage_seconds.get('total', 0):.2f} s)")
+    if not args.quiet:
+        print(report.table(all_nodes=args.all))
+    if args.report:
+        _write_report(report, args.report)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch models from the command line
+# ---------------------------------------------------------------------------------------------
+def _load_callable(spec: str) -> Any:
+    mod_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise UsageError(f"cannot import module {mod_name!r} ({e})") from None
+    obj: Any = mod
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise UsageError(f"module {mod_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UsageError(f"{spec} is not callable")
+    return obj
+
+
+def _torch_sample(args: argparse.Namespace, given: Any) -> Any:
+    import numpy as np
+    import torch
+    if args.calib or args.calib_input:
+        if args.calib_input:
+            raise UsageError("--calib-input applies to ONNX models; for a PyTorch model use "
+                             "--calib FILE.npy/.npz (positional inputs) or --sample-shape")
+        if args.calib.endswith(".npz"):
+            with np.load(args.calib, allow_pickle=False) as z:
+                keys = sorted(z.keys(), key=lambda k: (len(k), k))
+                return tuple(torch.from_numpy(np.array(z[k])) for k in keys)
+        if not os.path.exists(args.calib):
+            raise FileNotFoundError(f"calibration file not found: {args.calib}")
+        return torch.from_numpy(np.load(args.calib, allow_pickle=False))
+    if args.sample_shape:
+        gen = torch.Generator().manual_seed(args.seed)
+        ts = tuple(torch.randn(*s, generator=gen) for s in args.sample_shape)
+        _note("calibration uses random N(0,1) inputs of shape " +
+              ", ".join("x".join(map(str, s)) for s in args.sample_shape) +
+              " (pass --calib for real data)")
+        return ts[0] if len(ts) == 1 else ts
+    if given is None:
+        raise UsageError("the callable returned a module without a sample: give "
+                         "--sample-shape (e.g. 8x3x32x32) or --calib FILE.npy")
+    return given
+
+
+def _precondition_torch(args: argparse.Namespace) -> int:
+    progress = _Progress(args.quiet)
+    out = args.output
+    ext = os.path.splitext(out)[1].lower()
+    if ext not in (".pt", ".pth", ".onnx"):
+        raise UsageError(f"-o {out}: the output must end in .pt/.pth (state_dict) or .onnx "
+                         f"(export)")
+    out_dir = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(out_dir):
+        raise FileNotFoundError(f"the output's folder does not exist: {out_dir}")
+    if args.dim or args.batch:
+        raise UsageError("--dim/--batch apply to ONNX models; use --sample-shape for a PyTorch "
+                         "model")
+    progress(f"importing {args.model}")
+    import torch
+    from torch import nn
+
+    import precondfx
+    built = _load_callable(args.model)()
+    model, sample = built, None
+    if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module):
+        model, sample = built
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"{args.model} returned {type(model).__name__}, not a torch.nn.Module "
+                         f"or (module, sample)")
+    sample = _torch_sample(args, sample)
+    progress("preconditioning")
+    import inspect
+    extra: dict[str, Any] = {}
+    if args.plot and "measure" in inspect.signature(precondfx.precondition).parameters:
+        extra["measure"] = True      # the plots show measured Hessian blocks
+    if args.balance is not None:
+        extra["balance"] = args.balance
+    result, report = precondfx.precondition(
+        model, sample, init=args.init, maxpool=args.maxpool,
+        residual=args.residual, residual_scale=args.residual_scale,
+        target_std=args.target_std, input_scale=args.input_scale,
+        output_key=_output_key(args.output_key), seed=args.seed,
+        reinit_weights=not args.no_reinit, **extra)
+    progress(f"writing {out}")
+    from precondfx.onnx.io import Staging
+    with Staging(out) as st:
+        if ext == ".onnx":
+            _export_onnx(result, sample, st.path, args.quiet)
+            st.external = os.path.exists(st.data)
+        else:
+            torch.save(result.state_dict(), st.path)
+        st.commit()
+    progress("done")
+    if not args.quiet:
+        print(report.table(all_nodes=args.all))
+    if args.report:
+        _write_report(report, args.report)
+    if args.plot:
+        for p in _plot(report, args.plot):
+            progress(f"wrote {p}")
+    return 0
+
+
+def _export_onnx(model: Any, sample: Any, path: str, quiet: bool) -> None:
+    """torch.onnx.export (dynamo exporter) with a dynamic leading dim; static if that fails."""
+    import warnings
+
+    import torch
+    args = sample if isinstance(sample, tuple) else (sample,)
+    kwargs = sample if isinstance(sample, dict) else None
+    if kwargs is not None:
+        args = ()
+    import logging
+    model.eval()
+    sink = _io.StringIO()
+    tlog = logging.getLogger("torch.onnx")
+    level = tlog.level
+    tlog.setLevel(logging.ERROR)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(sink if quiet else sys.stderr):
+        warnings.simplefilter("ignore")
+        batch = torch.export.Dim("batch", min=1, max=65536)
+        tensors = list(kwargs.values()) if kwargs is not None else list(args)
+        shapes = [({0: batch} if isinstance(t, torch.Tensor) and t.ndim > 0 else None)
+                  for t in tensors]
+        dyn = (dict(zip(kwargs, shapes)) if kwargs is not None else tuple(shapes))
+        try:
+            torch.onnx.export(model, args, path, kwargs=kwargs, dynamo=True,
+                              dynamic_shapes=dyn)
+        except Exception:
+            torch.onnx.export(model, args, path, kwargs=kwargs, dynamo=True)
+        finally:
+            tlog.setLevel(level)
+
+
+# ---------------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit code (0 ok, 2 usage/input error, 1 internal error)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(argv) if argv is not None else None)
+    except SystemExit as e:  # argparse: --help/--version (0) or a usage error (2)
+        return int(e.code) if isinstance(e.code, int) else (0 if e.code is None else 2)
+    if not getattr(args, "command", None):
+        parser.print_usage(sys.stderr)
+        _err("give a command: demo, inspect or precondition (see --help)")
+        return 2
+    from precondfx.errors import PrecondError
+    expected: tuple[type[BaseException], ...] = (UsageError, PrecondError, FileNotFoundError,
+                                                 IsADirectoryError, NotADirectoryError,
+                                                 PermissionError)
+    try:
+        from google.protobuf.message import DecodeError
+        expected += (DecodeError,)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        return int(args.func(args) or 0)
+    except expected as e:
+        _err(_one_line(e))
+        return 2
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+    except Exception:
+        traceback.print_exc()
+        _err("internal error (a bug in precondfx): please report it with the traceback above")
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,403 @@
+"""Carry a plan out on an ONNX graph (onnx-ir), with the PyTorch appliers' interface.
+
+``pools(plan)``, ``scale(sc)``, ``input_scale(v)``, ``output_scale(path)``, ``finish()``, and the
+``applied``/``skipped`` lists, as in ``apply/fx_apply.py`` and ``apply/eager_apply.py``.
+
+* A scale is a ``Mul`` by a 0-d initializer in the dtype of the value it scales, inserted on the
+  node's activation operand (alpha, residual s), after a graph input (input scale) or before a
+  graph output (output scale).  Graph outputs keep their public names: the producer's value is
+  renamed ``<name>.prescale`` and the ``Mul`` output takes the public name.
+* A folded max-pool changes the convolution's ``strides`` and disappears; a replaced one becomes
+  a ``Conv`` (C -> C, the pool's kernel/strides/pads/dilations, weight and bias initializers named
+  as the plan's ``new_param``) or an ``AveragePool``; the new node keeps the pool's name, so the
+  plan's later entries (the alpha of the replacement conv) find it.
+* Shapes of values whose size changed are reset, and new values get the type and shape of the
+  value they replace, so stale ``value_info`` cannot contradict shape inference.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from precondfx.apply.common import PREFIX
+from precondfx.errors import PrecondError
+from precondfx.onnx.capture import Captured
+from precondfx.onnx.io import FLOAT_TYPES
+from precondfx.plan import Plan, PoolChange, Scale
+
+
+def scalar_tensor(value: float, dtype: ir.DataType | None, name: str) -> ir.TensorProtocol:
+    """A 0-d tensor in ``dtype`` (float32 when unknown or not floating point)."""
+    if dtype not in FLOAT_TYPES:
+        dtype = ir.DataType.FLOAT
+    arr = np.array(value, dtype=np.float32).astype(dtype.numpy())
+    return ir.tensor(arr, dtype=dtype, name=name)
+
+
+def _safe(s: str) -> str:
+    return re.sub(r"[^0-9a-zA-Z_.]", "_", s).strip("_") or "v"
+
+
+class OnnxApplier:
+    """Applies pools and scales to an onnx-ir model; records what was applied and what not."""
+
+    def __init__(self, model: ir.Model, cap: Captured, seed: int = 0) -> None:
+        self.model = model
+        self.g = model.graph
+        self.cap = cap
+        self.nodes: dict[str, ir.Node] = dict(cap.nodes)
+        self.applied: list[str] = []
+        self.skipped: list[tuple[str, str]] = []
+        self.seed = seed
+        self.output_scale_name: str | None = None
+        self.output_value: ir.Value | None = None
+        self.new_params: list[str] = []
+        self._names = {n.name for n in self.g if n.name}
+        self._values: set[str] = {v.name for v in self.g.initializers.values() if v.name}
+        for n in self.g:
+            for o in n.outputs:
+                if o.name:
+                    self._values.add(o.name)
+        for v in self.g.inputs:
+            self._values.add(v.name)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _fresh(self, base: str, pool: set[str]) -> str:
+        name, i = base, 1
+        while name in pool:
+            name = f"{base}_{i}"
+            i += 1
+        pool.add(name)
+        return name
+
+    def _dtype(self, v: ir.Value) -> ir.DataType | None:
+        if v.dtype is not None:
+            return v.dtype
+        et = self.cap.dtypes.get(v.name or "")
+        if et:
+            try:
+                return ir.DataType(et)
+            except ValueError:
+                return None
+        return None
+
+    def _const(self, base: str, value: float, like: ir.Value) -> ir.Value:
+        name = self._fresh(base, self._values)
+        dtype = self._dtype(like)
+        t = scalar_tensor(value, dtype, name)
+        c = ir.Value(name=name, shape=ir.Shape([]), type=ir.TensorType(t.dtype), const_value=t)
+        self.g.register_initializer(c)
+        return c
+
+    def _mul_node(self, x: ir.Value, c: ir.Value, out_name: str, node_name: str) -> ir.Node:
+        out = ir.Value(name=self._fresh(out_name, self._values), type=x.type,
+                       shape=x.shape.copy() if x.shape is not None else None)
+        return ir.Node("", "Mul", [x, c], outputs=[out],
+                       name=self._fresh(node_name, self._names))
+
+    def _insert_before(self, anchor: ir.Node | None, new: ir.Node) -> None:
+        if anchor is None:
+            nodes = list(self.g)
+            if nodes:
+                self.g.insert_before(nodes[0], new)
+            else:
+                self.g.append(new)
+        else:
+            self.g.insert_before(anchor, new)
+
+    # -- scales ------------------------------------------------------------------------------
+    def scale(self, sc: Scale) -> str | None:
+        """Insert one scale; returns the constant's initializer name (None if not placed)."""
+        node = self.nodes.get(sc.node)
+        what = f"{sc.tag} at {sc.where} of {sc.node}"
+        if node is None:
+            self.skipped.append((what, "node not found in the ONNX graph"))
+            return None
+        base = f"{PREFIX}{sc.tag}_{_safe(sc.node)}"
+        if sc.where in ("input", "operand"):
+            slots = self.cap.act_index.get(sc.node, [])
+            if sc.index >= len(slots):
+                self.skipped.append((what, f"activation operand {sc.index} not found"))
+                return None
+            slot = slots[sc.index]
+            x = node.inputs[slot]
+            if x is None:
+                self.skipped.append((what, f"input {slot} is empty"))
+                return None
+            c = self._const(base + (f"_{sc.index}" if sc.where == "operand" else ""), sc.value,
+                            x)
+            m = self._mul_node(x, c, f"{x.name}_{sc.tag}", f"{base}_mul")
+            self._insert_before(node, m)
+            node.replace_input_with(slot, m.outputs[0])
+        else:  # output of the node
+            out = node.outputs[0]
+            c = self._const(base, sc.value, out)
+            m = self._mul_node(out, c, f"{out.name}_{sc.tag}", f"{base}_mul")
+            self.g.insert_after(node, m)
+            self._redirect(out, m.outputs[0], exclude=m)
+        self.applied.append(f"{sc.tag} {sc.value:.4g} at {sc.where} of {sc.node} ({c.name})")
+        return c.name
+
+    def _redirect(self, old: ir.Value, new: ir.Value, exclude: ir.Node | None = None) -> None:
+        """Every use of ``old`` (except in ``exclude``) reads ``new``; graph outputs keep their
+        public names."""
+        for use in list(old.uses()):
+            if use.node is not exclude:
+                use.node.replace_input_with(use.idx, new)
+        if old.is_graph_output():
+            public = old.name
+            for i, o in enumerate(self.g.outputs):
+                if o is old:
+                    self.g.outputs[i] = new
+            if new.type is None:
+                new.type = old.type
+            old.name = self._fresh(f"{public}.prescale", self._values)
+            new.name = public
+
+    def input_scale(self, value: float) -> list[str]:
+        names = []
+        first = next(iter(self.g), None)
+        for nname, v in self.cap.input_nodes.items():
+            if self._dtype(v) not in FLOAT_TYPES:
+                continue
+            if not list(v.uses()):
+                continue
+            c = self._const(f"{PREFIX}input_{_safe(v.name)}", value, v)
+            m = self._mul_node(v, c, f"{v.name}_input_scale", f"{PREFIX}input_{_safe(v.name)}_mul")
+            self._insert_before(first, m)
+            for use in list(v.uses()):
+                if use.node is not m:
+                    use.node.replace_input_with(use.idx, m.outputs[0])
+            names.append(c.name)
+            self.applied.append(f"input scale {value:.4g} on {v.name} ({c.name})")
+        if not names:
+            self.skipped.append(("input scale", "no floating-point input to scale"))
+        return names
+
+    def main_output(self, path: list) -> tuple[int, ir.Value]:
+        """The graph output the output scale applies to: ``path`` empty -> an output named
+        'logits', else the first floating-point one; ``[key]`` -> by name or index."""
+        outs = list(self.g.outputs)
+        if path:
+            key = path[0]
+            if isinstance(key, int) or (isinstance(key, str) and key.isdigit()
+                                        and key not in [o.name for o in outs]):
+                k = int(key)
+                if not 0 <= k < len(outs):
+                    raise PrecondError(f"output_key={key!r}: the model has {len(outs)} "
+                                       f"output(s)")
+                return k, outs[k]
+            for i, o in enumerate(outs):
+                if o.name == key:
+                    return i, o
+            raise PrecondError(f"output_key={key!r} names no graph output; the outputs are "
+                               f"{[o.name for o in outs]}")
+        for i, o in enumerate(outs):
+            if o.name == "logits" and self._dtype(o) in FLOAT_TYPES:
+                return i, o
+        for i, o in enumerate(outs):
+            if self._dtype(o) in FLOAT_TYPES:
+                return i, o
+        raise PrecondError(f"no floating-point graph output to scale (outputs "
+                           f"{[o.name for o in outs]}); pass target_std=None")
+
+    def output_scale(self, path: list) -> str | None:
+        i, out = self.main_output(path)
+        if out.is_graph_input() or out.is_initializer() or out.producer() is None:
+            self.skipped.append(("output scale", f"output {out.name!r} is a graph input or a "
+                                 f"constant, not computed by a node"))
+            return None
+        public = out.name
+        c = self._const(f"{PREFIX}output_scale", 1.0, out)
+        m = self._mul_node(out, c, f"{public}_scaled", f"{PREFIX}output_scale_mul")
+        self.g.append(m)
+        new = m.outputs[0]
+        for k, o in enumerate(self.g.outputs):
+            if o is out and k == i:
+                self.g.outputs[k] = new
+        out.name = self._fresh(f"{public}.prescale", self._values)
+        new.name = public
+        self.output_scale_name = c.name
+        self.output_value = new
+        return c.name
+
+    # -- pools -------------------------------------------------------------------------------
+    def pools(self, plan: Plan) -> None:
+        for pc in plan.pools:
+            if pc.action == "keep":
+                continue
+            node = self.nodes.get(pc.node)
+            if node is None:
+                self.skipped.append((f"maxpool {pc.node}", "node not in the ONNX graph"))
+                pc.action, pc.reason = "keep", pc.reason + "; NOT APPLIED: node not found"
+                continue
+            if pc.action == "fold":
+                self._fold(pc, node)
+            elif pc.action == "conv":
+                self._replace_conv(pc, node)
+            elif pc.action == "avgpool":
+                self._replace_avg(pc, node)
+
+    def _fold(self, pc: PoolChange, pool: ir.Node) -> None:
+        conv = self.nodes[pc.into]
+        x = pool.inputs[0]
+        out = pool.outputs[0]
+        conv.attributes["strides"] = ir.AttrInt64s("strides", list(pc.geometry["conv_stride"]))
+        # the conv's output and the elementwise chain up to the pool now have the pool's shape
+        v = x
+        while v is not None:
+            prod = v.producer()
+            targets = [v] if prod is None or prod is conv else list(prod.outputs)  # + masks
+            for t in targets:
+                t.shape = out.shape.copy() if out.shape is not None else None
+            if prod is None or prod is conv:
+                break
+            v = prod.inputs[0] if prod.inputs else None
+        conv.outputs[0].shape = out.shape.copy() if out.shape is not None else None
+        if out.is_graph_output():
+            self._replace_output_value(out, x)
+        else:
+            self._redirect(out, x)
+        self.g.remove(pool, safe=True)
+        self.applied.append(f"maxpool {pc.node} folded into {pc.into} (strides "
+                            f"{list(pc.geometry['conv_stride'])})")
+
+    def _replace_output_value(self, old: ir.Value, new: ir.Value) -> None:
+        """``old`` is a graph output produced by a node that goes away: ``new`` takes its
+        place (through an Identity when ``new`` is itself public)."""
+        for use in list(old.uses()):
+            use.node.replace_input_with(use.idx, new)
+        public = old.name
+        if new.is_graph_input() or new.is_graph_output() or new.is_initializer():
+            ident = ir.Node("", "Identity", [new], outputs=[ir.Value(type=old.type,
+                            shape=old.shape)], name=self._fresh(f"{public}_identity",
+                                                                self._names))
+            self.g.append(ident)
+            new = ident.outputs[0]
+        for i, o in enumerate(self.g.outputs):
+            if o is old:
+                self.g.outputs[i] = new
+        if new.type is None:
+            new.type = old.type
+        if new.shape is None and old.shape is not None:
+            new.shape = old.shape.copy()
+        old.name = self._fresh(f"{public}.removed", self._values)
+        new.name = public
+
+    def _swap_node(self, old: ir.Node, new: ir.Node) -> None:
+        out, nout = old.outputs[0], new.outputs[0]
+        nout.type = out.type
+        nout.shape = out.shape.copy() if out.shape is not None else None
+        self.g.insert_before(old, new)
+        extra = [o for o in old.outputs[1:] if list(o.uses()) or o.is_graph_output()]
+        if extra:
+            raise PrecondError(f"{old.name}: its indices output is used; it cannot be replaced")
+        if out.is_graph_output():
+            self._replace_output_value(out, nout)
+        else:
+            for use in list(out.uses()):
+                use.node.replace_input_with(use.idx, nout)
+            public = out.name
+            out.name = None
+            nout.name = public
+        old_name = old.name
+        self.g.remove(old, safe=True)
+        new.name = old_name
+        new.metadata_props.update(old.metadata_props)
+        self.nodes[old_name] = new
+
+    def _replace_conv(self, pc: PoolChange, pool: ir.Node) -> None:
+        geo = pc.geometry
+        x = pool.inputs[0]
+        dtype = self._dtype(x) or ir.DataType.FLOAT
+        c, k = int(geo["channels"]), [int(v) for v in geo["kernel"]]
+        wname = pc.new_param or f"{PREFIX}pool_{pool.name}.weight"
+        bname = wname[: -len("weight")] + "bias" if wname.endswith("weight") else wname + ".bias"
+        fan_in = c * math.prod(k)
+        bound = 1.0 / math.sqrt(fan_in)
+        # PyTorch's default init of a new Conv (uniform +-1/sqrt(fan_in)); re-init replaces it
+        rng = np.random.default_rng([self.seed, len(self.new_params)])
+        w = rng.uniform(-bound, bound, size=(c, c, *k)).astype(np.float32)
+        b = rng.uniform(-bound, bound, size=(c,)).astype(np.float32)
+        vals = []
+        for name, arr in ((wname, w), (bname, b)):
+            if name in self.g.initializers:
+                raise PrecondError(f"cannot add the replacement conv's parameter {name!r}: an "
+                                   f"initializer of that name exists")
+            t = ir.tensor(arr.astype(dtype.numpy()), dtype=dtype, name=name)
+            v = ir.Value(name=name, shape=ir.Shape(arr.shape), type=ir.TensorType(dtype),
+                         const_value=t)
+            self.g.register_initializer(v)
+            self._values.add(name)
+            vals.append(v)
+            self.new_params.append(name)
+        pads = [int(p) for p in geo["padding"]] * 2
+        attrs = [ir.AttrInt64s("kernel_shape", k),
+                 ir.AttrInt64s("strides", [int(s) for s in geo["stride"]]),
+                 ir.AttrInt64s("pads", pads),
+                 ir.AttrInt64s("dilations", [int(d) for d in geo["dilation"]]),
+                 ir.AttrInt64("group", 1)]
+        new = ir.Node("", "Conv", [x, vals[0], vals[1]], attributes=attrs,
+                      outputs=[ir.Value()], name=self._fresh(f"{pool.name}.conv", self._names))
+        self._swap_node(pool, new)
+        self.applied.append(f"maxpool {pc.node} replaced by a strided Conv {c}->{c} "
+                            f"(weight {wname})")
+
+    def _replace_avg(self, pc: PoolChange, pool: ir.Node) -> None:
+        geo = pc.geometry
+        if any(int(d) != 1 for d in geo["dilation"]):
+            raise PrecondError(f"{pc.node}: average pooling has no dilation; use maxpool='conv'")
+        attrs = [ir.AttrInt64s("kernel_shape", [int(v) for v in geo["kernel"]]),
+                 ir.AttrInt64s("strides", [int(s) for s in geo["stride"]]),
+                 ir.AttrInt64s("pads", [int(p) for p in geo["padding"]] * 2),
+                 ir.AttrInt64("ceil_mode", int(bool(geo["ceil_mode"]))),
+                 ir.AttrInt64("count_include_pad", 1)]
+        new = ir.Node("", "AveragePool", [pool.inputs[0]], attributes=attrs,
+                      outputs=[ir.Value()], name=self._fresh(f"{pool.name}.avg", self._names))
+        self._swap_node(pool, new)
+        self.applied.append(f"maxpool {pc.node} replaced by AveragePool")
+
+    def finish(self) -> None:
+        """Nothing to recompile: the graph stays topologically sorted by construction."""
+        return None
+
+    # -- after calibration -------------------------------------------------------------------
+    def set_output_scale(self, value: float) -> None:
+        if self.output_scale_name is None:
+            return
+        v = self.g.initializers[self.output_scale_name]
+        v.const_value = scalar_tensor(value, v.dtype, self.output_scale_name)
+
+
+def dropout_training_off(model: ir.Model) -> Any:
+    """Context manager for the calibration copy: every Dropout with a ``training_mode`` input
+    reads a constant False while it is active (ORT otherwise may or may not drop)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def cm():
+        changed: list[tuple[ir.Node, ir.Value]] = []
+        false = None
+        try:
+            for node in ir.traversal.RecursiveGraphIterator(model.graph):
+                if node.op_type != "Dropout" or len(node.inputs) < 3 or node.inputs[2] is None:
+                    continue
+                if false is None:
+                    t = ir.tensor(np.array(False), dtype=ir.DataType.BOOL,
+                                  name=f"{PREFIX}calibration_false")
+                    false = ir.Value(name=f"{PREFIX}calibration_false", shape=ir.Shape([]),
+                                     type=ir.TensorType(ir.DataType.BOOL), const_value=t)
+                    model.graph.register_initializer(false)
+                changed.append((node, node.inputs[2]))
+                node.replace_input_with(2, false)
+            yield len(changed)
+        finally:
+            for node, old in changed:
+                node.replace_input_with(2, old)
+            if false is not None:
+                model.graph.initializers.pop(false.name)
+    return cm()

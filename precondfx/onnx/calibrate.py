@@ -1,0 +1,125 @@
+"""Calibration runs with onnxruntime: measure the main output's std on the calibration feed.
+
+The session always uses ``CPUExecutionProvider``, set explicitly, so runs are reproducible.  The
+calibration copy has every Dropout's ``training_mode`` set to False, so the output scale does not
+depend on ORT's optimization level (with optimizations on, ORT drops a training-mode Dropout;
+with them off, it applies it at random).  The std is the population std (correction 0) over all
+elements of the output, in float64, as on the PyTorch path (``precondfx.calibrate.output_std``);
+``precondfx.calibrate.solve_output_scale`` turns it into the scale.
+
+The model is run from memory, before anything is written: its large initializers are handed to
+ORT as OrtValues sharing the numpy (or memory-mapped) buffers, so there is neither a copy nor the
+2 GB protobuf limit; the output scale is then set and the model saved once.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import onnx_ir as ir
+
+from precondfx.errors import PrecondError
+from precondfx.onnx.apply import dropout_training_off
+
+PROVIDERS = ["CPUExecutionProvider"]
+
+
+def _ort():
+    import onnxruntime as ort
+    return ort
+
+
+def session(source: str | bytes) -> "object":
+    """An ORT CPU session from a path or serialized model bytes."""
+    ort = _ort()
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    try:
+        return ort.InferenceSession(source, so, providers=PROVIDERS)
+    except Exception as e:
+        msg = " ".join(str(e).split())
+        raise PrecondError(f"onnxruntime cannot load the rewritten model: {msg[:400]}") from None
+
+
+def run(sess: "object", feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None
+        ) -> list[np.ndarray]:
+    """Run a session; an ORT failure becomes a PrecondError naming the feed's shapes."""
+    try:
+        return sess.run(outputs, dict(feeds))
+    except Exception as e:
+        msg = " ".join(str(e).split())
+        shapes = {k: list(v.shape) for k, v in feeds.items()}
+        raise PrecondError(f"onnxruntime could not run the model on the calibration batch "
+                           f"(shapes {shapes}): {msg[:400]}") from None
+
+
+def output_std(arr: np.ndarray) -> float:
+    """Population std (correction 0) over all elements, in float64; NaN if any is not finite."""
+    a = np.asarray(arr)
+    if a.size < 2:
+        raise PrecondError(f"the main output has {a.size} element(s): its std is undefined; use "
+                           f"a calibration batch with more samples or pass target_std=None")
+    a = a.astype(np.float64)
+    if not np.isfinite(a).all():
+        return float("nan")
+    return float(a.std())
+
+
+_ORT_DTYPES = {np.dtype(t) for t in (np.float32, np.float16, np.float64, np.int64, np.int32,
+                                     np.int16, np.int8, np.uint8, np.uint16, np.uint32,
+                                     np.uint64, np.bool_)}
+
+
+def session_for_model(model: ir.Model) -> "object":
+    """An ORT session on the in-memory model's calibration copy (Dropout training off).
+
+    The weights are not serialized: large initializers go to ORT as OrtValues that share the
+    numpy memory (``SessionOptions.add_external_initializers``), and the proto holds placeholders,
+    so there is no copy and no 2 GB limit."""
+    ort = _ort()
+    g = model.graph
+    swapped: list[tuple[ir.Value, object]] = []
+    names: list[str] = []
+    values: list[object] = []
+    with dropout_training_off(model):
+        try:
+            for v in list(g.initializers.values()):
+                t = v.const_value
+                external = isinstance(t, ir.ExternalTensor)
+                if t is None or (t.nbytes <= 1024 and not external):
+                    continue
+                arr = t.numpy()
+                if arr.dtype not in _ORT_DTYPES:   # e.g. bfloat16: goes in the proto
+                    if external:
+                        swapped.append((v, t))
+                        v.const_value = ir.tensor(arr, dtype=t.dtype, name=v.name)
+                    continue
+                names.append(v.name)
+                values.append(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr)))
+                swapped.append((v, t))
+                v.const_value = ir.ExternalTensor("precondfx_placeholder.bin", 0, t.nbytes,
+                                                  t.dtype, shape=t.shape, name=v.name,
+                                                  base_dir="")
+            proto = ir.serde.serialize_model(model)
+        finally:
+            for v, t in swapped:
+                v.const_value = t
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if names:
+        so.add_external_initializers(names, values)
+    try:
+        sess = ort.InferenceSession(proto.SerializeToString(), so, providers=PROVIDERS)
+    except Exception as e:
+        msg = " ".join(str(e).split())
+        raise PrecondError(f"onnxruntime cannot load the rewritten model: {msg[:400]}") from None
+    sess._precondfx_keepalive = values  # the OrtValues must outlive the session
+    return sess
+
+
+def measure_model(model: ir.Model, feeds: Mapping[str, np.ndarray], output: str
+                  ) -> tuple[float, tuple[int, ...]]:
+    """Output std and shape of the in-memory model on the feed (Dropout training off)."""
+    sess = session_for_model(model)
+    y = run(sess, feeds, [output])[0]
+    return output_std(y), tuple(np.shape(y))

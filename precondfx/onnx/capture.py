@@ -1,0 +1,573 @@
+"""ONNX graph -> the front-end neutral :class:`~precondfx.graph.Graph`.
+
+Every ONNX node is looked up in the one op table (``optable.for_onnx``) and described with the
+same operand markers the PyTorch capture methods use (``Act``, ``Param``, ``Const``), then turned
+into a neutral node by ``capture.common.build_node``, so attributes are parsed as for a
+functional PyTorch call: ONNX ``kernel_shape``/``strides``/``pads``/``dilations``/``group`` become
+``kernel_size``/``stride``/``padding``/``dilation``/``groups``.
+
+* ``Gemm`` with ``transB=1`` and a weight initializer is a ``linear`` layer (weight ``(out, in)``);
+  ``Gemm`` with ``transB=0`` and ``MatMul`` with an initializer operand are ``matmul`` layers with
+  ``weight_side`` (the side whose fans apply); an ``Add`` of an initializer right after such a
+  ``MatMul`` is its bias; ``Gather`` of rows of a float initializer is an ``embedding``.
+* Parameters are the float initializers (scalars and constants lifted from ``Constant`` nodes are
+  constants unless they sit in a weight or bias slot); BatchNormalization's running statistics
+  are buffers, not parameters.
+* Values computed only from constants and shapes (``Shape`` -> ``Gather`` -> ``Concat``...) are
+  constants: they do not make a join of two activations.
+* Module paths are recovered from the exporters' metadata (dynamo: ``name_scopes`` and
+  ``class_hierarchy``; TorchScript: ``/layer1/layer1.0/conv1/Conv`` node names; else the weight's
+  name), so plans name the same parameters as on the PyTorch path.
+* Shapes come from ONNX shape inference with the symbolic dims bound to the calibration sizes
+  (``bindings``); a second inference with other sizes tells which spatial dims are symbolic: the
+  max-pool fold is refused there (it only matches the pool's output size for some sizes).
+"""
+from __future__ import annotations
+
+import ast
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import onnx
+import onnx_ir as ir
+
+from precondfx import optable
+from precondfx.capture.common import Act, Const, Param, build_node
+from precondfx.graph import Graph, Node
+from precondfx.onnx.io import FLOAT_TYPES, real_inputs
+from precondfx.onnx.normalize import NormalizeInfo
+from precondfx.plan import ParamInfo, Plan
+
+_NORM_OPS = {"BatchNormalization", "LayerNormalization", "GroupNormalization",
+             "InstanceNormalization", "RMSNormalization", "SimplifiedLayerNormalization"}
+_SHAPE_OPS = {"Shape", "Size"}
+_BIG = 1024  # initializers larger than this (bytes) are stripped for shape inference
+
+
+@dataclass
+class Captured:
+    """The neutral graph plus what the ONNX back end needs to find things again."""
+
+    graph: Graph
+    params: dict[str, ParamInfo]
+    nodes: dict[str, ir.Node]                       # neutral node name -> ONNX node
+    act_index: dict[str, list[int]]                 # neutral node -> ONNX input slots of acts
+    input_nodes: dict[str, ir.Value]                # neutral input node -> graph input
+    dtypes: dict[str, int] = field(default_factory=dict)    # value name -> onnx elem type
+    keep_pools: dict[str, str] = field(default_factory=dict)   # pool node -> why kept
+    symbolic_convs: dict[str, str] = field(default_factory=dict)  # conv node -> why no fold
+    param_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # as in the file
+
+
+# --------------------------------------------------------------------------------------------
+# shape inference with bound dims, without copying the weights
+# --------------------------------------------------------------------------------------------
+def call_stripped(model: ir.Model, fn: Callable[[onnx.ModelProto], Any]) -> Any:
+    """Call ``fn`` on a proto of ``model`` without the data of large initializers (they become
+    typed graph inputs), so that no 2 GB limit applies and nothing is copied; the model is left
+    as it was."""
+    g = model.graph
+    saved = list(g.initializers.values())
+    n_inputs = len(g.inputs)
+    removed = []
+    try:
+        for v in saved:
+            t = v.const_value
+            if t is None:
+                continue
+            if v.shape is None:
+                v.shape = ir.Shape(t.shape)
+            if v.dtype is None:
+                v.dtype = t.dtype
+            if t.nbytes > _BIG:
+                if v not in g.inputs:
+                    g.inputs.append(v)
+                g.initializers.pop(v.name)
+                removed.append((v, t))
+                v.const_value = None
+        proto = ir.serde.serialize_model(model)
+    finally:
+        for v, t in removed:
+            v.const_value = t
+            g.register_initializer(v)
+        keep = list(g.inputs[:n_inputs])
+        g.inputs.clear()
+        g.inputs.extend(keep)
+    return fn(proto)
+
+
+def infer_shapes(model: ir.Model, bindings: dict[str, int], leading: int
+                 ) -> dict[str, tuple[tuple[int | None, ...] | None, int]]:
+    """value name -> (shape with the symbolic dims bound, elem type) by ONNX shape inference."""
+    real = {s.name for s in real_inputs(model)}
+
+    def fn(proto: onnx.ModelProto) -> dict:
+        for inp in proto.graph.input:
+            if inp.name not in real or not inp.type.HasField("tensor_type"):
+                continue
+            for i, d in enumerate(inp.type.tensor_type.shape.dim):
+                if d.HasField("dim_value"):
+                    continue
+                if d.HasField("dim_param") and d.dim_param in bindings:
+                    d.dim_value = int(bindings[d.dim_param])
+                elif i == 0:
+                    d.dim_value = int(leading)
+        del proto.graph.value_info[:]
+        for o in proto.graph.output:
+            if o.type.HasField("tensor_type"):
+                o.type.tensor_type.ClearField("shape")
+        try:
+            inferred = onnx.shape_inference.infer_shapes(proto, check_type=False,
+                                                         strict_mode=False, data_prop=True)
+        except Exception:  # inference is best effort: unknown custom ops etc.
+            inferred = proto
+        out = {}
+        for vi in list(inferred.graph.value_info) + list(inferred.graph.output) + \
+                list(inferred.graph.input):
+            tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+            if tt is None:
+                continue
+            shape = None
+            if tt.HasField("shape"):
+                shape = tuple(int(d.dim_value) if d.HasField("dim_value") else None
+                              for d in tt.shape.dim)
+            out[vi.name] = (shape, int(tt.elem_type))
+        return out
+
+    return call_stripped(model, fn)
+
+
+def _static(shape: tuple[int | None, ...] | None) -> tuple[int, ...] | None:
+    if shape is None or any(d is None for d in shape):
+        return None
+    return tuple(int(d) for d in shape)
+
+
+# --------------------------------------------------------------------------------------------
+# module paths
+# --------------------------------------------------------------------------------------------
+def _meta_list(node: ir.Node, key: str) -> list[str] | None:
+    raw = node.metadata_props.get(key)
+    if not raw:
+        return None
+    try:
+        val = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return None
+    return [str(x) for x in val] if isinstance(val, (list, tuple)) else None
+
+
+def _legacy_scope(name: str | None) -> list[str] | None:
+    """``/layer1/layer1.0/conv1/Conv`` -> full module path parts of the innermost scope."""
+    if not name or not name.startswith("/"):
+        return None
+    segs = [s for s in name.split("/")[1:-1] if s]
+    paths: list[str] = []
+    for s in segs:
+        atoms = s.split(".")
+        if paths and atoms[0] == paths[-1].split(".")[-1] and len(atoms) > 1:
+            paths.append(paths[-1] + "." + ".".join(atoms[1:]))
+        else:
+            paths.append((paths[-1] + "." + s) if paths else s)
+    return paths
+
+
+class _Modules:
+    """Recovers the leaf module path of a node from exporter metadata or names."""
+
+    def __init__(self, model: ir.Model) -> None:
+        self.inits = model.graph.initializers
+        scope_count: dict[str, int] = {}
+        deeper: set[str] = set()
+        for node in model.graph:
+            if node.op_type == "Constant":
+                continue
+            paths = _legacy_scope(node.name)
+            if not paths:
+                continue
+            scope_count[paths[-1]] = scope_count.get(paths[-1], 0) + 1
+            deeper.update(paths[:-1])
+        self.scope_count, self.deeper = scope_count, deeper
+
+    def of(self, node: ir.Node, kind: str, weight: str | None) -> str | None:
+        cls = _meta_list(node, "pkg.torch.onnx.class_hierarchy")
+        scopes = _meta_list(node, "pkg.torch.onnx.name_scopes")
+        if cls and scopes and len(cls) >= 2 and len(scopes) >= 2:
+            spec = optable.for_module_class_name(cls[-2])
+            if spec is not None and scopes[-2] and (
+                    spec.kind == kind or (kind == "matmul" and spec.kind == "linear")):
+                return scopes[-2]
+        if weight and weight.endswith(".weight") and not weight.startswith("onnx::"):
+            return weight[: -len(".weight")]
+        paths = _legacy_scope(node.name)
+        if paths:
+            p = paths[-1]
+            if weight and weight.startswith(p + "."):
+                return p
+            if self.scope_count.get(p, 0) == 1 and p not in self.deeper:
+                return p
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# the graph
+# --------------------------------------------------------------------------------------------
+def _ints(node: ir.Node, name: str, default: list[int] | None = None) -> list[int] | None:
+    a = node.attributes.get(name)
+    if a is None:
+        return default
+    return [int(x) for x in a.as_ints()]
+
+
+def _int(node: ir.Node, name: str, default: int) -> int:
+    a = node.attributes.get(name)
+    return int(a.as_int()) if a is not None else default
+
+
+def _float(node: ir.Node, name: str, default: float) -> float:
+    a = node.attributes.get(name)
+    return float(a.as_float()) if a is not None else default
+
+
+def _str(node: ir.Node, name: str, default: str) -> str:
+    a = node.attributes.get(name)
+    if a is None:
+        return default
+    v = a.as_string()
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _numel(v: ir.Value) -> int | None:
+    shape = v.shape if v.shape is not None else (
+        ir.Shape(v.const_value.shape) if v.const_value is not None else None)
+    if shape is None:
+        return None
+    try:
+        return math.prod(int(d) for d in shape)
+    except (TypeError, ValueError):
+        return None
+
+
+def _geometry(node: ir.Node, d: int, kernel: list[int] | None, what: str
+              ) -> tuple[dict[str, Any], str | None]:
+    """ONNX conv/pool attributes as the planner's names; second item: why pads are unusable."""
+    strides = _ints(node, "strides") or [1] * d
+    dil = _ints(node, "dilations") or [1] * d
+    pads = _ints(node, "pads") or [0] * (2 * d)
+    auto = _str(node, "auto_pad", "NOTSET")
+    problem = None
+    if auto not in ("NOTSET", "", "VALID"):
+        padding: Any = auto.lower()
+        problem = f"auto_pad={auto}"
+    elif auto == "VALID":
+        padding = [0] * d
+    elif pads[:d] != pads[d:]:
+        padding = f"asymmetric pads {pads}"
+        problem = f"asymmetric pads {pads} (begin != end)"
+    else:
+        padding = pads[:d]
+    attrs = {"kernel_size": kernel, "stride": strides, "padding": padding, "dilation": dil}
+    return attrs, problem
+
+
+def to_graph(model: ir.Model, shapes: dict[str, tuple], symbolic: set[str],
+             norm: NormalizeInfo | None = None) -> Captured:
+    """Build the neutral graph; ``shapes`` from :func:`infer_shapes`, ``symbolic``: names of
+    values whose spatial dims depend on symbolic input dims."""
+    g = model.graph
+    inits = g.initializers
+    lifted = norm.lifted if norm is not None else set()
+    modules = _Modules(model)
+    nodes: list[Node] = []
+    ir_nodes: dict[str, ir.Node] = {}
+    act_index: dict[str, list[int]] = {}
+    input_nodes: dict[str, ir.Value] = {}
+    producer: dict[int, str] = {}       # id(ir.Value) -> neutral node name
+    data: set[int] = set()              # ids of values that carry activations
+    taken: set[str] = {n.name for n in g if n.name}
+    params: dict[str, ParamInfo] = {}
+    param_shapes: dict[str, tuple[int, ...]] = {}
+    module_calls: dict[str, int] = {}
+    cap = Captured(Graph([], "onnx"), params, ir_nodes, act_index, input_nodes)
+
+    def shape_of(v: ir.Value | None) -> tuple[int, ...] | None:
+        if v is None or v.name is None:
+            return None
+        s = shapes.get(v.name)
+        return _static(s[0]) if s is not None else None
+
+    for spec_in in real_inputs(model):
+        v = next(x for x in g.inputs if x.name == spec_in.name)
+        name = spec_in.name if spec_in.name not in taken else f"input:{spec_in.name}"
+        taken.add(name)
+        nodes.append(Node(name, "input", f"input {spec_in.name}", out_shape=shape_of(v)))
+        input_nodes[name] = v
+        producer[id(v)] = name
+        data.add(id(v))
+
+    def is_param(v: ir.Value, slot_is_weight: bool) -> bool:
+        if v.name not in inits or inits[v.name] is not v:
+            return False
+        if v.dtype not in FLOAT_TYPES:
+            return False
+        if slot_is_weight:
+            return True
+        n = _numel(v)
+        return v.name not in lifted and (n is None or n > 1)
+
+    def add_param(v: ir.Value, shape: tuple[int, ...] | None = None) -> None:
+        file_shape = tuple(int(x) for x in (v.shape if v.shape is not None
+                                            else v.const_value.shape))
+        params.setdefault(v.name, ParamInfo(shape or file_shape))
+        param_shapes.setdefault(v.name, file_shape)
+
+    def marker(v: ir.Value | None, weight_slot: bool = False) -> Any:
+        if v is None:
+            return None
+        if id(v) in data:
+            return Act(producer[id(v)])
+        if is_param(v, weight_slot):
+            add_param(v)
+            return Param(v.name)
+        return Const(None)
+
+    for node in g:
+        name = node.name
+        op = node.op_type
+        ins = list(node.inputs)
+        is_data = op not in _SHAPE_OPS and any(v is not None and id(v) in data for v in ins)
+        spec = optable.for_onnx(op) if node.domain in ("", "ai.onnx", "com.microsoft") else None
+        target = op if node.domain in ("", "ai.onnx") else f"{node.domain}::{op}"
+        if not is_data:   # computed from constants and shapes only
+            spec = optable.BY_KIND["constant"]
+        args: list[Any] = []
+        kwargs: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        post_params: dict[str, str] | None = None
+        kind = spec.kind if spec is not None else "unknown"
+        out0 = node.outputs[0] if node.outputs else None
+        in_shapes = [shape_of(v) for v in ins]
+
+        if is_data and op in ("Conv", "ConvTranspose") and len(ins) >= 2:
+            w = ins[1]
+            wshape = shape_of(w) or (tuple(w.shape) if w is not None and w.shape else None)
+            d = max(1, len(wshape) - 2) if wshape else 2
+            kernel = _ints(node, "kernel_shape") or (list(wshape[2:]) if wshape else None)
+            geo, problem = _geometry(node, d, kernel, op)
+            kwargs = {k: Const(v) for k, v in geo.items()}
+            kwargs["groups"] = Const(_int(node, "group", 1))
+            if op == "ConvTranspose":
+                kwargs["output_padding"] = Const(_ints(node, "output_padding") or [0] * d)
+            args = [marker(ins[0]), marker(w, True), marker(ins[2] if len(ins) > 2 else None,
+                                                           True)]
+            if ins[0] is not None and ins[0].name in symbolic and op == "Conv":
+                in_shapes[0] = None
+                cap.symbolic_convs[name] = "spatial dims of its input are symbolic"
+        elif is_data and op == "Gemm" and len(ins) >= 2:
+            a_, b_ = ins[0], ins[1]
+            ta, tb = _int(node, "transA", 0), _int(node, "transB", 0)
+            c_ = ins[2] if len(ins) > 2 else None
+            if tb == 1 and ta == 0 and is_param(b_, True) and id(a_) in data:
+                spec, kind = optable.BY_KIND["linear"], "linear"
+                args = [marker(a_), marker(b_, True), marker(c_, True)]
+            else:
+                spec, kind = optable.BY_KIND["matmul"], "matmul"
+                args = [marker(a_, id(a_) not in data), marker(b_, id(b_) not in data)]
+                side = None
+                if id(b_) not in data and is_param(b_, True):
+                    side = "right" if tb == 0 else "left"
+                elif id(a_) not in data and is_param(a_, True):
+                    side = "left" if ta == 0 else "right"
+                if side:
+                    extra["weight_side"] = side
+                if c_ is not None and is_param(c_, True):
+                    add_param(c_)
+                    extra["_bias"] = c_.name
+                elif c_ is not None:
+                    args.append(marker(c_))
+            extra["gemm"] = {"transA": ta, "transB": tb, "alpha": _float(node, "alpha", 1.0),
+                             "beta": _float(node, "beta", 1.0)}
+        elif is_data and op == "MatMul" and len(ins) == 2:
+            args = [marker(ins[0], id(ins[0]) not in data), marker(ins[1], id(ins[1]) not in data)]
+        elif is_data and op == "MaxPool":
+            x = ins[0]
+            xs = shape_of(x)
+            d = (len(xs) - 2) if xs else len(_ints(node, "kernel_shape") or [0, 0])
+            geo, problem = _geometry(node, d, _ints(node, "kernel_shape"), op)
+            ceil = bool(_int(node, "ceil_mode", 0))
+            idx_used = len(node.outputs) > 1 and bool(list(node.outputs[1].uses())) or (
+                len(node.outputs) > 1 and node.outputs[1].is_graph_output())
+            why = None
+            if problem:
+                why = f"its {problem} cannot be reproduced by a symmetric replacement"
+            elif ceil and x is not None and x.name in symbolic:
+                why = "ceil_mode=1 with symbolic spatial dims: no replacement matches its " \
+                      "output size for every input size"
+            elif _int(node, "storage_order", 0) == 1 and idx_used:
+                why = "its indices output (column-major) is used"
+            if why:
+                cap.keep_pools[name] = why
+            if isinstance(geo["padding"], str):  # kept anyway; the planner wants numbers
+                geo["padding"] = (_ints(node, "pads") or [0] * (2 * d))[:d]
+            kwargs = {k: Const(v) for k, v in geo.items()}
+            kwargs["ceil_mode"] = Const(ceil)
+            kwargs["return_indices"] = Const(bool(idx_used or why))
+            args = [marker(x)]
+        elif is_data and op in _NORM_OPS and len(ins) >= 1:
+            args = [marker(ins[0])]
+            if len(ins) > 1 and ins[1] is not None:
+                kwargs["weight"] = marker(ins[1], True)
+            if len(ins) > 2 and ins[2] is not None:
+                kwargs["bias"] = marker(ins[2], True)
+            for extra_in in ins[3:]:                 # running statistics: buffers
+                if extra_in is not None and id(extra_in) in data:
+                    args.append(marker(extra_in))
+            extra["training_mode"] = _int(node, "training_mode", 0)
+        elif is_data and op in ("LSTM", "GRU", "RNN"):
+            gates = {"LSTM": 4, "GRU": 3, "RNN": 1}[op]
+            args = [marker(ins[0])]
+            post_params = {}
+            for slot, role in ((1, "weight_ih_l0"), (2, "weight_hh_l0"), (3, "bias_l0")):
+                v = ins[slot] if len(ins) > slot else None
+                if v is not None and is_param(v, True):
+                    shp = tuple(int(x) for x in v.shape)
+                    # one direction: present the torch layout (gates*H, in) to the planner
+                    logical = shp[1:] if len(shp) == 3 and shp[0] == 1 else shp
+                    add_param(v, logical)
+                    post_params[role] = v.name
+            for v in ins[4:]:
+                if v is not None and id(v) in data:
+                    args.append(marker(v))
+            extra["class"] = op
+            extra["gates"] = gates
+        elif is_data and op == "Gather" and len(ins) == 2 and _int(node, "axis", 0) == 0 \
+                and ins[0] is not None and id(ins[0]) not in data and is_param(ins[0], True) \
+                and ins[0].shape is not None and len(ins[0].shape) == 2 \
+                and ins[1] is not None and id(ins[1]) in data:
+            spec, kind = optable.BY_KIND["embedding"], "embedding"
+            args = [marker(ins[1]), marker(ins[0], True)]
+        elif is_data and op == "LeakyRelu":
+            args = [marker(ins[0])]
+            kwargs["negative_slope"] = Const(_float(node, "alpha", 0.01))
+        else:
+            args = [marker(v) for v in ins]
+
+        mod = None
+        if spec is not None and kind not in ("constant", "unknown"):
+            w = None
+            if kind in ("conv", "conv_transpose", "linear", "embedding", "matmul"):
+                w = next((a.name for a in args if isinstance(a, Param)), None)
+            mod = modules.of(node, kind, w)
+            if kind == "maxpool" and mod and f"{mod}.weight" in inits:
+                mod = None
+        call_index = 0
+        if mod:
+            call_index = module_calls.get(mod, 0)
+            module_calls[mod] = call_index + 1
+        nn_ = build_node(name, spec, target, args, kwargs, module=mod, call_index=call_index,
+                         out_shape=shape_of(out0), in_shapes=in_shapes)
+        if kind == "unknown":
+            nn_.kind = "unknown"
+        if "weight_side" in extra and "weight" in nn_.params:
+            nn_.attrs["weight_side"] = extra["weight_side"]
+        if "_bias" in extra:
+            nn_.params["bias"] = extra["_bias"]
+        if post_params is not None:
+            nn_.params = {k: v for k, v in nn_.params.items() if v not in post_params.values()}
+            nn_.params.update(post_params)
+            nn_.attrs["class"] = extra["class"]
+        for k in ("gemm", "training_mode"):
+            if k in extra:
+                nn_.attrs[k] = extra[k]
+        if node.domain not in ("", "ai.onnx"):
+            nn_.attrs["domain"] = node.domain
+        # ONNX input slots of the activation operands, in the order build_node listed them
+        slots: list[int] = []
+        seen: list[str] = []
+        for i, v in enumerate(ins):
+            if v is not None and id(v) in data and producer[id(v)] not in seen:
+                seen.append(producer[id(v)])
+                slots.append(i)
+        act_index[name] = [slots[seen.index(src)] for src in nn_.inputs if src in seen]
+        nodes.append(nn_)
+        ir_nodes[name] = node
+        for o in node.outputs:
+            producer[id(o)] = name
+            if is_data:
+                data.add(id(o))
+
+    _matmul_biases(nodes, ir_nodes, inits, params, add_param)
+    outs: list[str] = []
+    for o in g.outputs:
+        src = producer.get(id(o))
+        if src is not None and src not in outs:
+            outs.append(src)
+    out_name = "output" if "output" not in taken else "output:graph"
+    nodes.append(Node(out_name, "output", "output", inputs=outs))
+    graph = Graph(nodes, "onnx", outputs=outs)
+    cap.graph = graph
+    cap.param_shapes = param_shapes
+    cap.dtypes = {k: v[1] for k, v in shapes.items()}
+    return cap
+
+
+def _matmul_biases(nodes: list[Node], ir_nodes: dict[str, ir.Node], inits: dict,
+                   params: dict, add_param: Callable) -> None:
+    """MatMul(x, W) followed by Add(., b) with b an initializer: b is the layer's bias."""
+    by_name = {n.name: n for n in nodes}
+    for n in nodes:
+        if n.kind != "matmul" or "weight" not in n.params or "bias" in n.params:
+            continue
+        out = ir_nodes[n.name].outputs[0]
+        uses = list(out.uses())
+        if len(uses) != 1 or out.is_graph_output():
+            continue
+        user = uses[0].node
+        if user.op_type != "Add" or user.name not in by_name:
+            continue
+        other = user.inputs[1 - uses[0].idx] if len(user.inputs) == 2 else None
+        if other is None or other.name not in inits or other.dtype not in FLOAT_TYPES:
+            continue
+        add_param(other)
+        n.params["bias"] = other.name
+        add_node = by_name[user.name]
+        if other.name not in add_node.params.values():
+            add_node.params[f"operand{len(add_node.params)}"] = other.name
+
+
+def symbolic_values(model: ir.Model, bindings: dict[str, int], leading: int,
+                    first: dict[str, tuple]) -> set[str]:
+    """Values whose non-leading dims change when the symbolic non-leading input dims do."""
+    syms = set()
+    for spec in real_inputs(model):
+        for i, d in enumerate(spec.dims or []):
+            if i > 0 and not isinstance(d, int):
+                syms.add(d)
+    if not syms:
+        return set()
+    other = dict(bindings)
+    for s in syms:
+        if isinstance(s, str) and s:
+            other[s] = bindings.get(s, 8) * 2 + 3
+    second = infer_shapes(model, other, leading)
+    out = set()
+    for name, (shape, _) in first.items():
+        s2 = second.get(name, (None, 0))[0]
+        if shape is None or s2 is None or len(shape) != len(s2) or shape[1:] != s2[1:] \
+                or any(d is None for d in shape[1:]):
+            out.add(name)
+    return out
+
+
+def patch_plan(plan: Plan, cap: Captured) -> None:
+    """Give the ONNX-specific reasons where the planner saw only their effect."""
+    for pc in plan.pools:
+        why = cap.keep_pools.get(pc.node)
+        if why and pc.action == "keep":
+            pc.reason = f"kept: {why}"
+        if "the convolution's input shape is unknown" in pc.reason:
+            pc.reason = pc.reason.replace(
+                "the convolution's input shape is unknown",
+                "the spatial dims are symbolic, and a folded stride matches the pool's output "
+                "size only for some input sizes")
