@@ -94,6 +94,7 @@ class Layer:
     alpha: float = 1.0
     alpha_reason: str = ""
     in_residual_branch: bool = False
+    k2_eff: float | None = None   # taps that reach the input on average (zero padding)
 
 
 @dataclass
@@ -356,13 +357,19 @@ def _plan_layers(graph: Graph, params: dict[str, ParamInfo], plan: Plan) -> None
                                   f"(shape {info.shape if info else None}); weight left as is")
                 continue
             plan.layers.append(Layer(n.name, n.kind, n.module, w, n.params.get("bias"),
-                                     f.n_in, f.n_out, f.k2))
+                                     f.n_in, f.n_out, f.k2,
+                                     k2_eff=fanlib.effective_taps(n) if n.kind == "conv"
+                                     else None))
         elif n.kind == "maxpool" and n.name in folded and folded[n.name].action == "conv":
-            c = folded[n.name].geometry["channels"]
-            k2 = math.prod(folded[n.name].geometry["kernel"])
-            w = folded[n.name].new_param
+            pc = folded[n.name]
+            c = pc.geometry["channels"]
+            k2 = math.prod(pc.geometry["kernel"])
+            w = pc.new_param
+            eff = fanlib.effective_taps_of(pc.geometry["in_shape"][2:], pc.geometry["kernel"],
+                                           pc.geometry["stride"], pc.geometry["padding"],
+                                           pc.geometry["dilation"])
             plan.layers.append(Layer(n.name, "conv", n.module, w, w[:-len("weight")] + "bias",
-                                     c, c, k2))
+                                     c, c, k2, k2_eff=eff))
 
 
 def _plan_residuals(graph: Graph, plan: Plan, opts: Options) -> None:
@@ -504,7 +511,7 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
     for n in graph:
         lay = layer_of.get(n.name)
         if lay is not None:
-            f = fanlib.Fans(lay.n_in, lay.n_out, lay.k2,
+            f = fanlib.Fans(lay.n_in, lay.n_out, lay.k2_eff or lay.k2,
                             gain=1.0 if lay.kind == "embedding" else 2.0)
             if rule == "keep":
                 put(lay.weight, ParamInit(lay.weight, "keep", None, "init='keep'"))
@@ -513,7 +520,10 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                 std = math.sqrt(fanlib.second_moment(f, r)) / lay.alpha
                 put(lay.weight, ParamInit(lay.weight, r, std,
                                           f"E[W^2]={fanlib.second_moment(f, r):.4g} ({r}, n_in="
-                                          f"{f.n_in}, n_out={f.n_out}, k^2={f.k2})"
+                                          f"{f.n_in}, n_out={f.n_out}, k^2={f.k2:.4g}"
+                                          + (f" taps reaching the input of {lay.k2} under "
+                                             f"zero padding" if lay.k2_eff and
+                                             abs(lay.k2_eff - lay.k2) > 1e-9 else "") + ")"
                                           + (f", divided by alpha^2={lay.alpha**2:.4g}"
                                              if lay.alpha != 1 else "")))
             put(lay.bias, ParamInit(lay.bias or "", "zeros", None, "biases start at zero (Sec. 6)"))

@@ -63,8 +63,8 @@ class Report:
                 elif pi is not None:
                     acts.setdefault(lay.node, []).append(f"weights {pi.rule}")
             for sc in plan.scales:
-                if sc.tag in ("alpha", "residual") and sc.value != 1.0:
-                    name = "alpha" if sc.tag == "alpha" else "s"
+                if sc.tag in ("alpha", "residual", "shortcut") and sc.value != 1.0:
+                    name = {"alpha": "alpha", "residual": "s", "shortcut": "w"}[sc.tag]
                     acts.setdefault(sc.node, []).append(f"{name}={sc.value:.3g}")
         rows = [NodeRow(n.name, n.kind, n.status, n.reason, n.target, n.module,
                         list(n.out_shape) if n.out_shape else None, acts.get(n.name, []))

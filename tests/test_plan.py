@@ -74,7 +74,10 @@ def test_depthwise_and_grouped_fans():
     la = rep.plan.layers[0]
     assert (la.n_in, la.n_out, la.k2) == (1, 2, 9)
     pi = rep.plan.inits["0.weight"]
-    assert pi.std == pytest.approx(math.sqrt(2 / (9 * math.sqrt(2))) / la.alpha)
+    # zero padding on an 8x8 map: (3*8 - 2)/8 taps reach the input per dimension (App. A.2.7)
+    taps = ((3 * 8 - 2) / 8) ** 2
+    assert la.k2_eff == pytest.approx(taps)
+    assert pi.std == pytest.approx(math.sqrt(2 / (taps * math.sqrt(2))) / la.alpha)
 
 
 def test_plan_json_round_trip():
