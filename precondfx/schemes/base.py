@@ -42,6 +42,22 @@ class SchemeContext:
         with quiet_run(self.model, self.mode), torch.no_grad():
             return self.applier.probe(lambda fn: self.sample.call(fn), names)
 
+    def unreplaced(self, repl: list[tuple[str, nn.Module, str]]) -> list[str]:
+        """Nodes whose planned replacement module is not in the model (the applier's skipped
+        list says why); clears the skipped entries of those that were made."""
+        missing = []
+        for node, mod, path in repl:
+            try:
+                ok = self.model.get_submodule(path) is mod
+            except AttributeError:
+                ok = False
+            if not ok:
+                missing.append(node)
+        done = {node for node, _, _ in repl if node not in missing}
+        self.applier.skipped[:] = [s for s in self.applier.skipped
+                                   if not (s[0] in done and "replacement" in str(s[1]))]
+        return missing
+
     def buffer(self, node: str) -> torch.Tensor | None:
         """The alpha buffer at a node's call site (None if none could be placed)."""
         name = self.site_buffers.get(node)

@@ -197,75 +197,8 @@ def conv_effective_k(graph: Graph, plan: Plan, lay: Layer, shape: tuple[int, ...
     return keff, f"effective kernel size {keff:.4g} of {k} taps at input {list(size)} (A.2.7)"
 
 
-_END = "__precondfx_gne_end__"
 #: epsilon of the original SELU constants (spec A.2.11: gamma0 = 1, epsilon ~ 0.0716)
 _SELU_EPS = 0.0716
-
-
-def finish_replacements(ctx: SchemeContext, repl: list[tuple[str, nn.Module, str]], who: str
-                        ) -> list[str]:
-    """After the pipeline made a scheme's replacements: drop the workaround entry, repeat in
-    the eager back end the swaps of modules called several times (every call gets the same
-    module), and put the output scale back on the main output if the pipeline's ``path`` was
-    shadowed (see :meth:`GNE.replacements`).  Returns notes for the report."""
-    from precondfx.apply.eager_apply import EagerApplier
-    notes: list[str] = []
-    ctx.applier.skipped[:] = [s for s in ctx.applier.skipped if s[0] != _END]
-    for node, mod, path in repl:
-        try:
-            ok = ctx.model.get_submodule(path) is mod
-        except AttributeError:
-            ok = False
-        n = ctx.graph.get(node)
-        if not ok and isinstance(ctx.applier, EagerApplier) and n is not None and n.module:
-            if ctx.applier.replace(node, mod, path, all_calls=True):
-                ctx.applier.applied.append(f"{who}: {node} replaced by {mod} (module "
-                                           f"{n.module}, every call)")
-                ok = True
-        if ok:  # a module called several times got the same replacement at every call
-            ctx.applier.skipped[:] = [s for s in ctx.applier.skipped
-                                      if not (s[0] == node and "replacement" in s[1])]
-        else:
-            notes.append(f"{node}: replacement by {type(mod).__name__} not applied (see the "
-                         f"report's skipped list)")
-    _fix_output(ctx, notes)
-    return notes
-
-
-def _fix_output(ctx: SchemeContext, notes: list[str]) -> None:
-    """Place the output scale on the main output when it is nested in the model's return value
-    (the pipeline placed it at ``[]`` because of the ``path`` shadowing)."""
-    from precondfx import calibrate as cal
-    from precondfx.apply.common import PREFIX, output_path
-    from precondfx.apply.fx_apply import FxApplier
-    if ctx.opts.target_std is None:
-        return
-    try:
-        with quiet_run(ctx.model, ctx.mode), torch.no_grad():
-            raw = ctx.sample.call(ctx.model.forward)  # forward(): no root hooks
-        want = output_path(raw, ctx.opts.output_key)
-    except Exception:  # noqa: BLE001 - leave the pipeline's own handling
-        return
-    if not want:
-        return
-    if isinstance(ctx.applier, FxApplier):
-        if PREFIX + "output_scale" in dict(ctx.model.named_buffers()):
-            return
-        ctx.applier.skipped[:] = [s for s in ctx.applier.skipped if s[0] != "output"]
-        buf = ctx.applier.output_scale(want)
-        ctx.applier.finish()
-        if buf is None:
-            return
-        std = cal.output_std(cal.forward(ctx.model, ctx.sample, ctx.mode), ctx.opts.output_key)
-        value = cal.solve_output_scale(std, ctx.opts.target_std)
-        with torch.no_grad():
-            ctx.model.get_buffer(buf).fill_(value)
-        notes.append(f"output scale {value:.4g} placed and calibrated by the scheme at output "
-                     f"path {want} (api.py replacement-loop workaround)")
-    else:
-        name = PREFIX + "output_path"
-        if hasattr(ctx.model, name) and tuple(getattr(ctx.model, name)) != tuple(want):
-            setattr(ctx.model, name, tuple(want))
 
 
 class _Stop(BaseException):
@@ -455,12 +388,6 @@ class GNE(Scheme):
                                   "built_from": how})
                 out.append((n.name, smn, n.module))
         self._repl = list(out)
-        if out:
-            # WORKAROUND (api.py): the pipeline unpacks ``for node, mod, path in
-            # sch.replacements(...)`` into its own ``path``, the output path of the output
-            # scale; a last entry naming no node (every applier skips it) leaves it ``[]``,
-            # and ``_fix_output`` corrects it when the main output is nested.
-            out.append((_END, nn.Identity(), []))
         return out
 
     def _smn_for(self, n: Node, plan: Plan) -> tuple[nn.Module, str]:
@@ -481,7 +408,7 @@ class GNE(Scheme):
         affine = "weight" in n.params
         return G.SecondMomentNorm(nf, affine=affine), (
             f"the graph: num_features={nf}, affine={affine}; eps=1e-5 and momentum=0.1 (PyTorch "
-            f"defaults: the pipeline does not pass the model to replacements())")
+            f"defaults: the normalization module was not found)")
 
     # -- after re-initialization --------------------------------------------------------------
     def calibrate(self, ctx: SchemeContext) -> dict[str, Any]:
@@ -495,8 +422,9 @@ class GNE(Scheme):
         if self.norm == "smn":
             self._center(ctx)
             out["smn"] = self._smn
-        if self._repl:  # after centering: it may place and calibrate the output scale
-            out["notes"].extend(finish_replacements(ctx, self._repl, self.name))
+        for node in ctx.unreplaced(self._repl):
+            out["notes"].append(f"{node}: replacement not applied (see the report's skipped "
+                                f"list)")
         if self.diagnostics:
             ctx.say("gne: block dynamical isometry estimates")
             out["diagnostics"] = block_diagnostics(ctx, self.diag_probes, self.diag_mode)

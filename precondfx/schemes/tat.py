@@ -776,26 +776,7 @@ class TatScheme(Scheme):
         return out
 
     def _check_replacements(self, ctx: SchemeContext) -> None:
-        from precondfx.apply.eager_apply import EagerApplier
-        missing = []
-        for node, mod, path in self._repl:
-            try:
-                ok = ctx.model.get_submodule(path) is mod
-            except AttributeError:
-                ok = False
-            n = ctx.graph.get(node)
-            if not ok and isinstance(ctx.applier, EagerApplier) and n is not None and n.module:
-                # a module called several times: the pipeline's replace() refuses it unless every
-                # call gets the same replacement, which is the case here (one module per path)
-                if ctx.applier.replace(node, mod, path, all_calls=True):
-                    ctx.applier.applied.append(f"{self.name}: {node} replaced by {mod} (module "
-                                               f"{n.module}, every call)")
-                    ok = ctx.model.get_submodule(path) is mod
-            if not ok:
-                missing.append(node)
-        done = {node for node, _, _ in self._repl if node not in missing}
-        ctx.applier.skipped[:] = [s for s in ctx.applier.skipped
-                                  if not (s[0] in done and "replacement" in str(s[1]))]
+        missing = ctx.unreplaced(self._repl)
         if missing:
             raise PrecondError(
                 f"scheme={self.name!r}: the activations {missing[:8]} could not be replaced "
