@@ -31,13 +31,6 @@ from precondfx.measure.plots import plot_bars, plot_heatmap
 # ------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: one thread is faster and avoids oversubscribing a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _sym(n: int, g: torch.Generator) -> torch.Tensor:

@@ -7,7 +7,6 @@ Expected values come from the spec's tables/text or from independent exact compu
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,13 +20,6 @@ SELU_LAMBDA = 1.0507009873554805
 SELU_ALPHA = 1.6732632423543772
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # QR / small linalg is ~100x slower with 2 contended OpenMP threads on the CI box
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _moments_of(j: torch.Tensor) -> tuple[float, float]:

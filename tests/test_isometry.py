@@ -8,7 +8,6 @@ under test.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,13 +22,6 @@ from precondfx.measure.isometry import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # QR / small linalg is ~100x slower with 2 contended OpenMP threads on the CI box
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _small_block() -> nn.Module:

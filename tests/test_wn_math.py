@@ -7,7 +7,6 @@ independent computations, never from the code under test.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,13 +17,6 @@ from precondfx.errors import PrecondError
 from precondfx.schemes import wn_math as W
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # QR (orthogonal init) is ~100x slower with 2 contended OpenMP threads on the CI box
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_theorem1_constant_is_one() -> None:
