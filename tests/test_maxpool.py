@@ -1,7 +1,6 @@
 """Max-pool replacement (Table 1, Sec. 7): fold, strided conv, average pool, keep."""
 import copy
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,7 +39,6 @@ def test_folded_conv_has_the_pool_stride():
     pm, rep = precondfx.precondition(model, x)
     folds = [p for p in rep.plan.pools if p.action == "fold"]
     for p in folds:
-        node = rep.plan.layers  # noqa: F841 (plan is data; read the conv's module instead)
         conv_name = p.into
         mod = pm.get_submodule(conv_name.replace("_", ".")) if "." in conv_name else \
             pm.get_submodule(conv_name)

@@ -3,12 +3,11 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import precondfx
 from precondfx import PrecondError, zoo
-from tests.helpers import call, frozen, main, train_std
+from tests.helpers import call, main, train_std
 
 
 def _std(model, x):
