@@ -238,6 +238,11 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
         in_scale = _input_scale(opts, plan, s)
         if in_scale is not None:
             applier.input_scale(in_scale)
+            normed = _normalized_before_first_layer(g, plan)
+            if normed:
+                applier.skipped.append(("input scale", f"normalization {normed} sits between the "
+                                        f"input and the first weighted layer and undoes the "
+                                        f"input scale (Sec. 6.3 has no effect here)"))
         out_buf = applier.output_scale(path) if target_std is not None else None
         applier.finish()
         say("re-initializing parameters" if opts.reinit else "rescaling weights for alpha")
@@ -313,6 +318,15 @@ def _balanceable(alpha_buffers: dict[str, list[str]], plan: Plan, report: Report
             report.skipped.append((f"balance {w}", "no alpha could be placed on every call site of "
                                    "this weight: left out of measured balancing"))
     return out
+
+
+def _normalized_before_first_layer(g: Graph, plan: Plan) -> str | None:
+    """A normalization node on the path from the inputs to the first weighted layer, if any."""
+    first = next((lay for lay in plan.layers if lay.kind != "embedding"), None)
+    if first is None:
+        return None
+    anc = g.ancestors().get(first.node, frozenset())
+    return next((a for a in anc if g[a].kind == "normalization"), None)
 
 
 def _already_preconditioned(model: nn.Module) -> bool:

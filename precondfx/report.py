@@ -124,8 +124,8 @@ class Report:
         if isinstance(h, dict):
             if h.get("applied"):
                 lines.append(f"measured balancing: Hessian-block spread {h['spread_before']:.3g}x"
-                             f" -> {h['spread']:.3g}x on held-out data ({h['samples']} samples, "
-                             f"{h['held_out_data']})")
+                             f" on {h['samples']} samples; alphas set so that every layer "
+                             f"matches on them (held-out check: measure=True)")
             elif "decision" in h:
                 lines.append(f"measured balancing: {h['decision']}")
         m = self.conditioning.get("measure")

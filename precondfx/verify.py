@@ -68,9 +68,10 @@ def plot_report(conditioning: dict[str, Any], path: str) -> list[str]:
     if m and "before" in m:
         paths.append(plot_bars(m["before"]["values"], m["after"]["values"], path,
                                "Hessian-block statistic per layer: original vs precondfx"))
-    elif bal and "before" in bal:
-        paths.append(plot_bars(bal["before"], bal["held_out"], path,
-                               "Hessian-block statistic: before balancing vs held-out after"))
+    elif bal and bal.get("applied"):
+        paths.append(plot_bars(bal["before"], bal["after_fit"], path,
+                               "Hessian-block statistic before and after balancing (balancing "
+                               "samples; measure=True for held-out data)"))
     else:
         raise PrecondError("the report holds no measurements to plot: call precondition(..., "
                            "measure=True) (or balance='hessian')")

@@ -143,3 +143,12 @@ def test_eager_inplace_rollback_restores_hooks_and_modules():
     assert isinstance(m.p, nn.MaxPool2d) and m.c.stride == (1, 1)
     assert not any(mod._forward_hooks or mod._forward_pre_hooks for mod in m.modules())
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+
+
+def test_input_scale_behind_a_normalization_is_reported():
+    m = nn.Sequential(nn.LayerNorm(13, elementwise_affine=False), nn.Linear(13, 64), nn.ReLU(),
+                      nn.Linear(64, 3))
+    x = torch.randn(32, 13) * 5
+    pm, rep = precondfx.precondition(m, x, balance="none", input_scale="auto")
+    assert rep.input_scale == pytest.approx((13 ** -0.5 / float(x.pow(2).mean())) ** 0.5)
+    assert any(what == "input scale" and "normalization" in why for what, why in rep.skipped)
