@@ -692,7 +692,7 @@ def measure_conditioning(
     all_params = list(dict.fromkeys(block_params + [b for b in biases if b is not None]))
     try:
         from precondfx.measure.sketch import one_thread
-        with measurement_state(model, all_params), torch.enable_grad(), one_thread():
+        with measurement_state(model, all_params), torch.enable_grad(), one_thread(model):
             for c in caps:
                 if c.module is not None:
                     handles.append(c.module.register_forward_hook(c))

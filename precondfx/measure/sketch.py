@@ -34,11 +34,15 @@ from precondfx.measure.conditioning import (Estimate, _batch_size, _call, _mean_
 
 
 @contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Run the batch-size-1 passes on one intra-op thread.  Their ops are small; on this 2-core
-    machine under load, two contending threads made them up to 40x slower (a 6-layer CNN's 16
-    samples took 12.5 s with 2 threads and 0.3 s with one)."""
+def one_thread(model: nn.Module | None = None, large: int = 1_000_000) -> Iterator[None]:
+    """Run the batch-size-1 passes of a small model on one intra-op thread.  Their ops are
+    small; on this 2-core machine under load, two contending threads made them up to 40x slower
+    (a 6-layer CNN's 16 samples took 12.5 s with 2 threads and 0.3 s with one).  Models with
+    more than ``large`` parameters keep their threads (ResNet-50: one thread was 2x slower)."""
     n = torch.get_num_threads()
+    if model is not None and sum(p.numel() for p in model.parameters()) > large:
+        yield
+        return
     torch.set_num_threads(1)
     try:
         yield
@@ -81,7 +85,7 @@ def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_s
     gen = torch.Generator().manual_seed(int(seed))
     per = np.zeros((n_samples, len(params)))
     iu = [(a, b) for a in range(n_cotangents) for b in range(a + 1, n_cotangents)]
-    with measurement_state(model, params), torch.enable_grad(), one_thread():
+    with measurement_state(model, params), torch.enable_grad(), one_thread(model):
         for s in range(n_samples):
             i = s % batch
             y = output_fn(_call(model, _slice(sample, i, batch), _slice(kwargs, i, batch)))
