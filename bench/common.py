@@ -492,3 +492,18 @@ def digits_images(size: int = 16, channels: int = 3) -> tuple[torch.Tensor, torc
         x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
     x = (x * 2 - 1).repeat(1, channels, 1, 1)
     return x, torch.tensor(d.target, dtype=torch.long)
+
+
+def add_run_args(ap: "argparse.ArgumentParser") -> None:
+    """The options every study shares: where it runs and where its results go."""
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--threads", type=int, default=1)
+
+
+def parse_run_args(ap: "argparse.ArgumentParser", argv=None):
+    """Parse, then set the thread count (``setup``)."""
+    args = ap.parse_args(argv)
+    setup(args.threads)
+    return args

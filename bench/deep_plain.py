@@ -84,12 +84,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--target-std", type=float, default=0.05)
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--out", default=C.RESULTS)
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args(argv)
-    C.setup(args.threads)
+    C.add_run_args(ap)
+    args = C.parse_run_args(ap, argv)
     depths = [int(d) for d in args.depths.split(",")]
     lrs = [2.0 ** int(k) for k in args.lrs.split(",")]
     methods = [m for m in args.methods.split(",") if m]

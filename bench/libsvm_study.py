@@ -574,12 +574,8 @@ def main(argv: list[str] | None = None) -> dict:
                     default="default,fan_in,fan_out,xavier,geometric,geometric+in63,"
                             "fan_in+in63,fan_in_hessian")
     ap.add_argument("--datasets", default="", help="comma list of name prefixes (default all)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--out", default=C.RESULTS)
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args(argv)
-    C.setup(args.threads)
+    C.add_run_args(ap)
+    args = C.parse_run_args(ap, argv)
     if args.paper:
         args.seeds = 10
     if args.lr_min is None:
