@@ -81,15 +81,37 @@ class Sample:
         return Sample(_map_tensors(self.args, fn), _map_tensors(self.kwargs, fn))
 
 
+def leaves(obj: Any) -> list:
+    """Every leaf of a nested structure: lists, tuples, mappings (transformers ModelOutputs
+    included), dataclasses and other objects with ``values()`` are walked; anything else is a
+    leaf.  Shared by the capture methods to find tensors, graph nodes and outputs."""
+    out: list = []
+
+    def walk(o: Any) -> None:
+        if isinstance(o, (list, tuple)):
+            for x in o:
+                walk(x)
+        elif isinstance(o, Mapping) or (hasattr(o, "values") and callable(o.values)
+                                        and not isinstance(o, torch.Tensor)):
+            try:
+                vals = list(o.values())
+            except TypeError:
+                out.append(o)
+                return
+            for x in vals:
+                walk(x)
+        elif hasattr(o, "__dataclass_fields__"):
+            for x in vars(o).values():
+                walk(x)
+        else:
+            out.append(o)
+
+    walk(obj)
+    return out
+
+
 def _collect_tensors(obj: Any, out: list) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            _collect_tensors(o, out)
-    elif isinstance(obj, Mapping):
-        for o in obj.values():
-            _collect_tensors(o, out)
+    out.extend(t for t in leaves(obj) if isinstance(t, torch.Tensor))
 
 
 def _map_tensors(obj: Any, fn: Callable) -> Any:

@@ -15,7 +15,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from precondfx import optable
-from precondfx.capture.common import Act, Const, Param, Sample, build_node, shape_of, target_name
+from precondfx.capture.common import (Act, Const, Param, Sample, build_node, leaves,
+                                      shape_of, target_name)
 from precondfx.graph import Graph, Node
 
 _SKIP_NAMES = {"__get__", "__set__", "dim", "size", "numel", "is_floating_point", "__len__",
@@ -62,18 +63,10 @@ class _Recorder(TorchFunctionMode):
         return a
 
     def produce(self, out: Any, name: str) -> None:
-        if isinstance(out, torch.Tensor):
-            self.producer[id(out)] = name
-            self.keep.append(out)
-        elif isinstance(out, (list, tuple)):
-            for o in out:
-                self.produce(o, name)
-        elif isinstance(out, dict) or hasattr(out, "values"):
-            try:
-                for o in out.values():
-                    self.produce(o, name)
-            except TypeError:
-                pass
+        for t in leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.producer[id(t)] = name
+                self.keep.append(t)
 
     def add_inputs(self, sample: Sample) -> None:
         for i, t in enumerate(sample.args):
@@ -171,16 +164,7 @@ def capture(model: nn.Module, sample: Sample) -> tuple[Graph, Any]:
 
 
 def _collect(out: Any, rec: _Recorder, acc: list[str]) -> None:
-    if isinstance(out, torch.Tensor):
-        src = rec.producer.get(id(out))
+    for t in leaves(out):
+        src = rec.producer.get(id(t)) if isinstance(t, torch.Tensor) else None
         if src is not None and src not in acc:
             acc.append(src)
-    elif isinstance(out, (list, tuple)):
-        for o in out:
-            _collect(o, rec, acc)
-    elif isinstance(out, dict) or hasattr(out, "values"):
-        try:
-            for o in out.values():
-                _collect(o, rec, acc)
-        except TypeError:
-            pass

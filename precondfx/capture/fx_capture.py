@@ -17,7 +17,8 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from precondfx import optable
 from precondfx.calibrate import is_stochastic
-from precondfx.capture.common import Act, Const, Param, Sample, build_node, shape_of, target_name
+from precondfx.capture.common import (Act, Const, Param, Sample, build_node, leaves,
+                                      shape_of, target_name)
 from precondfx.graph import Graph, Node
 
 
@@ -140,20 +141,7 @@ def to_graph(gm: fx.GraphModule) -> Graph:
 
 
 def _flatten_nodes(a: Any, out: list) -> None:
-    if isinstance(a, fx.Node):
-        out.append(a)
-    elif isinstance(a, (list, tuple)):
-        for x in a:
-            _flatten_nodes(x, out)
-    elif isinstance(a, dict):
-        for x in a.values():
-            _flatten_nodes(x, out)
-    elif hasattr(a, "__dataclass_fields__") or hasattr(a, "to_tuple"):
-        try:
-            for x in (a.values() if hasattr(a, "values") else vars(a).values()):
-                _flatten_nodes(x, out)
-        except TypeError:
-            pass
+    out.extend(x for x in leaves(a) if isinstance(x, fx.Node))
 
 
 def forward_signature(model: torch.nn.Module) -> inspect.Signature | None:
