@@ -61,28 +61,27 @@ class _Progress:
 # ---------------------------------------------------------------------------------------------
 # argument parsing
 # ---------------------------------------------------------------------------------------------
-def _target_std(s: str) -> float | None:
-    if s.lower() in ("none", "off"):
-        return None
+def _positive_or(s: str, words: tuple[str, ...]) -> float | str:
+    """A positive number, or one of ``words`` (returned as written)."""
+    if s.lower() in words:
+        return s.lower()
     try:
         v = float(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number or 'none', got {s!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number or {' / '.join(repr(w) for w in words)}, got {s!r}")
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {s!r}")
     return v
+
+
+def _target_std(s: str) -> float | None:
+    v = _positive_or(s, ("none", "off"))
+    return None if isinstance(v, str) else v
 
 
 def _input_scale(s: str) -> float | str:
-    if s == "auto":
-        return s
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number or 'auto', got {s!r}")
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {s!r}")
-    return v
+    return _positive_or(s, ("auto",))
 
 
 def _residual_scale(s: str) -> float | str:

@@ -48,14 +48,19 @@ def _tiny_mlp() -> nn.Sequential:
     return net.double()
 
 
-def _mlp_forward(theta: torch.Tensor, shapes: list, x: torch.Tensor) -> torch.Tensor:
-    """Hand-written forward of the tiny MLP from flat [W1, W2, W3, b1, b2, b3]."""
+def _unflatten(theta: torch.Tensor, shapes: list) -> list[torch.Tensor]:
+    """Split a flat parameter vector into tensors of the given shapes."""
     ps, k = [], 0
     for s in shapes:
         n = int(np.prod(s))
         ps.append(theta[k:k + n].reshape(s))
         k += n
-    w1, w2, w3, b1, b2, b3 = ps
+    return ps
+
+
+def _mlp_forward(theta: torch.Tensor, shapes: list, x: torch.Tensor) -> torch.Tensor:
+    """Hand-written forward of the tiny MLP from flat [W1, W2, W3, b1, b2, b3]."""
+    w1, w2, w3, b1, b2, b3 = _unflatten(theta, shapes)
     h = torch.relu(x @ w1.T + b1)
     h = torch.relu(h @ w2.T + b2)
     return (h @ w3.T + b3).reshape(-1)
@@ -71,12 +76,7 @@ def _tiny_conv() -> nn.Sequential:
 
 def _conv_forward(theta: torch.Tensor, shapes: list, x: torch.Tensor) -> torch.Tensor:
     """Hand-written forward of the tiny conv net from flat [W1, W2, W3, b1, b2, b3]."""
-    ps, k = [], 0
-    for s in shapes:
-        n = int(np.prod(s))
-        ps.append(theta[k:k + n].reshape(s))
-        k += n
-    w1, w2, w3, b1, b2, b3 = ps
+    w1, w2, w3, b1, b2, b3 = _unflatten(theta, shapes)
     h = torch.relu(F.conv2d(x, w1, b1, padding=1))
     h = torch.relu(F.conv2d(h, w2, b2, stride=2))
     return (h.reshape(1, -1) @ w3.T + b3).reshape(-1)
