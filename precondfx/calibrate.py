@@ -48,17 +48,12 @@ class NoDropout(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def quiet_run(model: nn.Module, mode: str = "train") -> Iterator[None]:
-    """Run in ``mode`` ('train' or 'eval') with dropout off; restore modes and buffers after."""
-    if mode not in ("train", "eval"):
-        raise PrecondError(f"calibration mode must be 'train' or 'eval', got {mode!r}")
+def preserved(model: nn.Module) -> Iterator[None]:
+    """Restore every module's train/eval flag and every buffer (BatchNorm running statistics,
+    counters) on exit, whatever runs inside."""
     modes = {m: m.training for m in model.modules()}
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
     try:
-        model.train(mode == "train")
-        for m in model.modules():
-            if is_stochastic(m):
-                m.eval()
         yield
     finally:
         for m, t in modes.items():
@@ -67,6 +62,19 @@ def quiet_run(model: nn.Module, mode: str = "train") -> Iterator[None]:
             for name, b in model.named_buffers():
                 if name in saved and saved[name].shape == b.shape:
                     b.copy_(saved[name])
+
+
+@contextlib.contextmanager
+def quiet_run(model: nn.Module, mode: str = "train") -> Iterator[None]:
+    """Run in ``mode`` ('train' or 'eval') with dropout off; restore modes and buffers after."""
+    if mode not in ("train", "eval"):
+        raise PrecondError(f"calibration mode must be 'train' or 'eval', got {mode!r}")
+    with preserved(model):
+        model.train(mode == "train")
+        for m in model.modules():
+            if is_stochastic(m):
+                m.eval()
+        yield
 
 
 def forward(model: nn.Module, sample: Sample, mode: str = "train") -> object:

@@ -432,25 +432,18 @@ def _is_dropout(m: nn.Module) -> bool:
 @contextmanager
 def measurement_state(model: nn.Module, params: Sequence[torch.Tensor]) -> Iterator[None]:
     """Dropout off, parameters differentiable; restore flags, buffers and requires_grad after."""
-    flags = [(m, m.training) for m in model.modules()]
-    buffers = [(b, b.detach().clone()) for _, b in model.named_buffers()]
+    from precondfx.calibrate import NoDropout, preserved  # functional dropout too
     req = [(p, p.requires_grad) for p in params]
-    from precondfx.calibrate import NoDropout  # functional dropout (transformers) too
     try:
-        for m in model.modules():
-            if _is_dropout(m):
-                m.training = False
-        for p in params:
-            p.requires_grad_(True)
-        with NoDropout():
-            yield
+        with preserved(model):
+            for m in model.modules():
+                if _is_dropout(m):
+                    m.training = False
+            for p in params:
+                p.requires_grad_(True)
+            with NoDropout():
+                yield
     finally:
-        for m, t in flags:
-            m.training = t
-        with torch.no_grad():
-            for b, saved in buffers:
-                if b.shape == saved.shape:
-                    b.copy_(saved)
         for p, r in req:
             p.requires_grad_(r)
 
