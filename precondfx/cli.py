@@ -36,6 +36,30 @@ def _one_line(e: BaseException) -> str:
     return msg or type(e).__name__
 
 
+#: top-level module -> the extra that installs it
+_EXTRAS = {"onnx": "onnx", "onnxruntime": "onnx", "onnx_ir": "onnx", "onnxscript": "onnx",
+           "matplotlib": "plot", "transformers": "models"}
+
+
+def _missing_extra(e: ImportError) -> str | None:
+    """One line naming the extra to install for a missing optional dependency (None when the
+    missing module is not an optional dependency of precondfx)."""
+    name = (getattr(e, "name", None) or "").split(".")[0]
+    if name in _EXTRAS:
+        extra = _EXTRAS[name]
+        return (f"this needs the optional dependency {name!r}, which is not installed: "
+                f"pip install 'precondfx[{extra}]'")
+    if name and not name.startswith("precondfx") and isinstance(e, ModuleNotFoundError):
+        return f"module {name!r} is not installed (imported by the model's code): install it"
+    return None
+
+
+def _out_of_memory(e: BaseException) -> str:
+    detail = " ".join(str(e).split())[:120]
+    return (f"out of memory{f' ({detail})' if detail else ''}: use a smaller --batch or "
+            f"--sample-shape, or a machine with more memory")
+
+
 def _err(msg: str) -> None:
     print(f"{PROG}: error: {msg}", file=sys.stderr)
 
@@ -502,6 +526,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except expected as e:
         _err(_one_line(e))
+        return 2
+    except ImportError as e:
+        hint = _missing_extra(e)
+        if hint is None:
+            traceback.print_exc()
+            _err("internal error (a bug in precondfx): please report it with the traceback "
+                 "above")
+            return 1
+        _err(hint)
+        return 2
+    except MemoryError as e:
+        _err(_out_of_memory(e))
+        return 2
+    except RuntimeError as e:
+        if type(e).__name__ != "OutOfMemoryError":  # torch.OutOfMemoryError (accelerators)
+            traceback.print_exc()
+            _err("internal error (a bug in precondfx): please report it with the traceback "
+                 "above")
+            return 1
+        _err(_out_of_memory(e))
         return 2
     except KeyboardInterrupt:
         _err("interrupted")
