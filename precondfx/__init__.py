@@ -7,10 +7,11 @@ scale from a calibration batch.  ``precondfx.analyze`` reports the same without 
 """
 from precondfx.api import Result, analyze, precondition
 from precondfx.apply.reinit import reinit
+from precondfx.capture.common import Sample
 from precondfx.errors import PrecondError
 from precondfx.plan import Options, Plan
 from precondfx.report import Report
 
 __version__ = "0.1.0"
-__all__ = ["precondition", "analyze", "reinit", "PrecondError", "Plan", "Options", "Report", "Result",
+__all__ = ["precondition", "analyze", "reinit", "Sample", "PrecondError", "Plan", "Options", "Report", "Result",
            "__version__"]

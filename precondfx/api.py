@@ -10,6 +10,7 @@ import copy
 import logging
 import math
 import time
+import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -23,6 +24,7 @@ from precondfx.apply.reinit import reinit
 from precondfx.capture.ladder import METHODS, Captured, capture
 from precondfx.capture.common import Sample, make_sample
 from precondfx.balance import balance_measured
+from precondfx.checks import check_model, guarded
 from precondfx.classify import classify
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
@@ -96,6 +98,7 @@ def _canonicalize(graph: Graph, canon: dict[str, str]) -> None:
 def _prepare(model: Any, sample: Any, forward_kwargs: dict | None, opts: Options,
              methods: Any, mode: str) -> tuple[nn.Module, Sample, list[str]]:
     model, notes = _unwrap(model)
+    check_model(model)
     opts.validate()
     methods = _methods(methods)
     bad = [m for m in methods if m not in METHODS]
@@ -127,6 +130,7 @@ def _capture_classify(model: nn.Module, s: Sample, methods: Any, mode: str, note
     return cap, infos
 
 
+@guarded
 def analyze(model: nn.Module, sample: Any, *, forward_kwargs: dict | None = None,
             capture: Any = METHODS, calibration: str = "train",
             scheme_options: dict | None = None, **options: Any) -> Report:
@@ -142,15 +146,28 @@ def analyze(model: nn.Module, sample: Any, *, forward_kwargs: dict | None = None
     sch = get_scheme(opts.scheme, **(scheme_options or {}))
     sch.options(opts)
     model, s, notes = _prepare(model, sample, fwd, opts, capture, calibration)
-    if _float_dtype(model) in (torch.float16, torch.bfloat16):
-        model = copy.deepcopy(model).float()
-    cal.forward(model, s, calibration)
-    cap, infos = _capture_classify(model, s, capture, calibration, notes)
+    work = _private_copy(model)
+    if _float_dtype(work) in (torch.float16, torch.bfloat16):
+        work = work.float()
+    with cal.preserved(work):
+        cal.forward(work, s, calibration)
+        cap, infos = _capture_classify(work, s, capture, calibration, notes)
     plan = make_plan(cap.graph, infos, opts, alpha_sites=sch.needs_alpha_sites)
     sch.plan(cap.graph, plan, infos, opts)
     return Report.from_graph(cap.graph, plan)
 
 
+def _private_copy(model: nn.Module) -> nn.Module:
+    """A deep copy for ``analyze`` to run and trace, so that nothing the model does to itself
+    in forward (in-place parameter updates, Python state) reaches the user's model; a model
+    that cannot be deep-copied is used as it is, under ``calibrate.preserved``."""
+    try:
+        return copy.deepcopy(model)
+    except Exception:  # noqa: BLE001 - e.g. a module holding a non-copyable handle
+        return model
+
+
+@guarded
 def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
                  balance: str = "auto", balance_threshold: float = 2.0, maxpool: str = "stride", residual: str = "auto",
                  residual_scale: float | str = "auto", target_std: float | None = 0.05,
@@ -261,6 +278,10 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
             say("calibrating the output scale")
             std = cal.output_std(cal.forward(result, s, calibration), output_key)
             scale = cal.solve_output_scale(std, target_std)
+            warn = cal.scale_warning(std, scale)
+            if warn:
+                warnings.warn(f"precondfx: {warn}", RuntimeWarning, stacklevel=2)
+                report.skipped.append(("warning: output scale", warn))
             with torch.no_grad():
                 result.get_buffer(out_buf).fill_(scale)
             after = cal.output_std(cal.forward(result, s, calibration), output_key)
@@ -366,7 +387,8 @@ def _input_scale(opts: Options, plan: Plan, s: Sample) -> float | None:
     if opts.input_scale != "auto":
         return float(opts.input_scale)
     first = next((lay for lay in plan.layers if lay.kind != "embedding"), None)
-    floats = [t for t in s.tensors() if t.is_floating_point()]
+    floats = [t for t in s.tensors() if t.is_floating_point() and
+              (bool(torch.isfinite(t).all()) or not cal.is_additive_mask(t))]
     if first is None or not floats:
         raise PrecondError("input_scale='auto' needs a floating-point input and a weighted layer "
                            "reading it; pass a number instead")

@@ -29,16 +29,13 @@ from precondfx.plan import Plan
 
 
 def _split(s: Sample) -> tuple[Sample, Sample | None, int]:
-    """First and second half of the batch (tensors whose leading dim is the batch size)."""
-    ts = s.tensors()
-    b = int(ts[0].shape[0]) if ts and ts[0].dim() > 0 else 1
+    """First and second half of the batch (only the inputs that carry the batch dimension are
+    cut; see :meth:`Sample.take`)."""
+    b = s.batch_size()
     if b < 2:
         return s, None, b
     h = (b + 1) // 2
-
-    def take(lo: int, hi: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        return lambda t: t[lo:hi] if t.dim() > 0 and t.shape[0] == b else t
-    return s.map(take(0, h)), s.map(take(h, b)), b
+    return s.take(0, h), s.take(h, b), b
 
 
 def _measure(model: nn.Module, s: Sample, weights: list[str], n_samples: int, n_cot: int,
@@ -49,32 +46,20 @@ def _measure(model: nn.Module, s: Sample, weights: list[str], n_samples: int, n_
     def sketch(data: Any) -> Any:
         return hessian_sketch(model, data, weights, n_samples=n_samples, n_cotangents=n_cot,
                               seed=seed, output_fn=fn)
-    prev = model.training
+    from precondfx.calibrate import preserved
     note = ""
-    try:
+    with preserved(model):  # every module's own mode back afterwards, not one flag for all
         model.train(mode == "train")
         try:
-            res = sketch(_as_call(s))
+            res = sketch(s)
         except (RuntimeError, ValueError) as e:
             if mode != "train":
                 raise
             model.train(False)
             note = (f"per-sample (batch size 1) passes failed in train mode ({str(e)[:80]}); "
                     f"measured in eval mode")
-            res = sketch(_as_call(s))
-    finally:
-        model.train(prev)
+            res = sketch(s)
     return res.means(), {k: v.stderr for k, v in res.values.items()}, note
-
-
-def _as_call(s: Sample) -> Any:
-    """The sample in the form ``measure`` functions take (tensor, tuple or dict)."""
-    if s.kwargs and not s.args:
-        return dict(s.kwargs)
-    if s.args and not s.kwargs:
-        return s.args[0] if len(s.args) == 1 else tuple(s.args)
-    raise PrecondError("measured balancing needs a sample of only positional or only keyword "
-                       "inputs")
 
 
 def measured_statistics(model: nn.Module, sample: Sample, weights: list[str], *,

@@ -47,21 +47,52 @@ class NoDropout(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+_PLAIN = (int, float, bool, complex, str, bytes, type(None))
+
+
+def _plain(v: object) -> bool:
+    return isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(_plain(x) for x in v))
+
+
+def _renormed(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters a forward pass rewrites in place: the weights of embeddings with
+    ``max_norm`` (renormalized rows)."""
+    out = {}
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+            out[f"{path}.weight" if path else "weight"] = m.weight
+    return out
+
+
 @contextlib.contextmanager
 def preserved(model: nn.Module) -> Iterator[None]:
-    """Restore every module's train/eval flag and every buffer (BatchNorm running statistics,
-    counters) on exit, whatever runs inside."""
-    modes = {m: m.training for m in model.modules()}
+    """Restore, on exit and whatever runs inside, every module's train/eval flag, every buffer
+    (BatchNorm running statistics, counters), every plain Python attribute of a module (numbers,
+    strings, flags: a ``self.calls += 1`` in forward) and the weights a forward renormalizes
+    (``nn.Embedding(max_norm=...)``): a measurement or calibration run leaves no trace."""
+    mods = list(model.modules())
+    modes = {m: m.training for m in mods}
+    attrs = {m: {k: v for k, v in vars(m).items() if _plain(v)} for m in mods}
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    params = {name: p.detach().clone() for name, p in _renormed(model).items()}
     try:
         yield
     finally:
         for m, t in modes.items():
             m.training = t
+        for m, old in attrs.items():
+            d = vars(m)
+            for k in [k for k, v in d.items() if k not in old and _plain(v)]:
+                del d[k]  # a plain attribute the run added
+            d.update(old)
         with torch.no_grad():
             for name, b in model.named_buffers():
                 if name in saved and saved[name].shape == b.shape:
                     b.copy_(saved[name])
+            for name, v in params.items():
+                p = model.get_parameter(name)
+                if p.shape == v.shape:
+                    p.copy_(v)
 
 
 @contextlib.contextmanager
@@ -82,7 +113,7 @@ def forward(model: nn.Module, sample: Sample, mode: str = "train") -> object:
     with quiet_run(model, mode), torch.no_grad(), NoDropout():
         try:
             return sample.call(model)
-        except PrecondError:
+        except (PrecondError, RecursionError):  # RecursionError: see checks.guarded
             raise
         except Exception as e:  # the user's model raised: say so, keep the cause
             shapes = [tuple(t.shape) for t in sample.tensors()]
@@ -119,10 +150,22 @@ def check_finite_sample(sample: Sample) -> None:
                                f"a batch with at least one example (several are better for "
                                f"calibration)")
         if t.is_floating_point() and t.device.type != "meta" and \
-                not bool(torch.isfinite(t).all()):
+                not bool(torch.isfinite(t).all()) and not is_additive_mask(t):
             bad = int((~torch.isfinite(t)).sum())
             raise PrecondError(f"the sample has {bad} NaN/inf value(s) in a tensor of shape "
-                               f"{tuple(t.shape)}: clean the calibration batch first")
+                               f"{tuple(t.shape)}: clean the calibration batch first (-inf is "
+                               f"accepted only in an additive mask: -inf where masked, 0 or "
+                               f"negative finite values elsewhere)")
+
+
+def is_additive_mask(t: torch.Tensor) -> bool:
+    """A float tensor used as an additive attention mask or bias: ``-inf`` where masked, finite
+    values <= 0 elsewhere (``nn.Transformer.generate_square_subsequent_mask``, ALiBi-style
+    biases).  Its ``-inf`` entries are meaningful, not bad data; NaN and ``+inf`` never are."""
+    if not t.is_floating_point() or bool(torch.isnan(t).any()):
+        return False
+    fin = torch.isfinite(t)
+    return bool((t[~fin] < 0).all()) and bool((t[fin] <= 0).all())
 
 
 def solve_output_scale(std: float, target: float) -> float:
@@ -134,4 +177,32 @@ def solve_output_scale(std: float, target: float) -> float:
         raise PrecondError("the model's output has zero variance on the calibration batch, so no "
                            "output scale can reach the target std; use a batch of varied inputs, "
                            "or pass target_std=None")
-    return target / std
+    scale = target / std
+    if not SCALE_REFUSE[0] <= scale <= SCALE_REFUSE[1]:
+        way = "vanishes" if scale > 1 else "explodes"
+        raise PrecondError(
+            f"the signal {way} through the re-initialized model: its output std on the "
+            f"calibration batch is {std:.3g}, so the output scale would be {scale:.3g} (beyond "
+            f"{SCALE_REFUSE[0]:g}..{SCALE_REFUSE[1]:g}); a model trained from there overflows "
+            f"within a few steps. Make the model shallower or wider, add normalization or "
+            f"residual connections, try another init= ('fan_in' preserves the variance of ReLU "
+            f"networks on average), or pass target_std=None to skip the output scale")
+    return scale
+
+
+#: output scales beyond this range are refused (float32 carries about 7 significant digits: a
+#: forward pass that moves the signal 1e8-fold has vanished or exploded, and training from it
+#: overflows; a 500-layer width-16 ReLU MLP needs 3e18 and is inf after two SGD steps)
+SCALE_REFUSE = (1e-8, 1e8)
+#: output scales beyond this range are reported (and warned about) but applied
+SCALE_WARN = (1e-4, 1e4)
+
+
+def scale_warning(std: float, scale: float) -> str | None:
+    """A warning for an output scale that is applied but far from 1 (None when it is not)."""
+    if SCALE_WARN[0] <= scale <= SCALE_WARN[1]:
+        return None
+    return (f"output scale {scale:.3g} (output std {std:.3g} before it): the forward signal "
+            f"{'shrinks' if scale > 1 else 'grows'} {max(scale, 1 / scale):.3g}-fold through "
+            f"the re-initialized model; check the first training steps for overflow, or try "
+            f"another init= or a shallower/wider model")

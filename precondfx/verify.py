@@ -42,9 +42,7 @@ def measure_report(original: nn.Module, result: nn.Module, sample: Sample, plan:
                 for w in weights]
         say(f"Hessian block matrix ({len(refs)} x {len(refs)}) by Hessian-vector products")
         try:
-            data = sample.kwargs if sample.kwargs and not sample.args else (
-                sample.args[0] if len(sample.args) == 1 else sample.args)
-            res = measure_conditioning(result, data, refs, stats=("hessian", "gr"),
+            res = measure_conditioning(result, sample, refs, stats=("hessian", "gr"),
                                        n_samples=min(n_samples, 8), n_probes=2, seed=seed,
                                        output_fn=lambda o: main_output(o, output_key))
             out["blocks"] = {"names": res.blocks.names,

@@ -205,7 +205,9 @@ class EagerApplier:
 
     def probe(self, run: Callable[[nn.Module], Any], names: list[str]
               ) -> dict[str, torch.Tensor]:
-        """Outputs of the named module-call nodes during ``run(model)`` (forward hooks)."""
+        """Outputs of the named module-call nodes during ``run(model)`` (forward hooks), copied
+        when produced: a later in-place op (``ReLU(inplace=True)``, ``mul_``) cannot change
+        them."""
         want: dict[str, dict[int, str]] = {}
         for n in names:
             node = self.graph.get(n)
@@ -220,7 +222,7 @@ class EagerApplier:
                 k = counts.get(path, 0)
                 counts[path] = k + 1
                 if k in idx:
-                    got[idx[k]] = out[0] if isinstance(out, (tuple, list)) else out
+                    got[idx[k]] = _snapshot(out)
             handles.append(self.model.get_submodule(path).register_forward_hook(hook))
         try:
             run(self.model)
@@ -249,3 +251,9 @@ class EagerApplier:
                 if hasattr(item[1], item[2]):
                     delattr(item[1], item[2])
         self.undo.clear()
+
+
+def _snapshot(out: Any) -> Any:
+    """A detached copy of a node's (first) output tensor, taken when it is produced."""
+    t = out[0] if isinstance(out, (tuple, list)) and out else out
+    return t.detach().clone() if isinstance(t, torch.Tensor) else t

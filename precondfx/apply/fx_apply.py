@@ -200,8 +200,9 @@ class FxApplier:
         class Rec(fx.Interpreter):
             def run_node(self, n: fx.Node) -> Any:
                 out = super().run_node(n)
-                if n in wanted:
-                    got[wanted[n]] = out[0] if isinstance(out, (tuple, list)) else out
+                if n in wanted:  # copied now: a later in-place op cannot change it
+                    t = out[0] if isinstance(out, (tuple, list)) and out else out
+                    got[wanted[n]] = t.detach().clone() if isinstance(t, torch.Tensor) else t
                 return out
 
         interp = Rec(self.gm)

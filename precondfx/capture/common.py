@@ -8,6 +8,7 @@ them.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -62,10 +63,17 @@ _ARGS: dict[str, tuple[str, ...]] = {
 
 @dataclass
 class Sample:
-    """A normalized sample: positional args and keyword args for ``model(*args, **kwargs)``."""
+    """A normalized sample: positional args and keyword args for ``model(*args, **kwargs)``.
+
+    ``batched`` names the inputs that carry the batch dimension (``"arg0"``, ``"arg1"``... for
+    positional inputs, the keyword for keyword inputs, ``"arg0.x"``/``"arg1.0"`` for a part of a
+    nested one); ``None`` (default) infers it from how the tensors' shapes relate
+    (:func:`batch_layout`).  Only per-sample measurements use it.
+    """
 
     args: tuple
     kwargs: dict
+    batched: tuple[str, ...] | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor in the sample (nested tuples/lists/dicts included)."""
@@ -73,12 +81,167 @@ class Sample:
         _collect_tensors((self.args, self.kwargs), out)
         return out
 
-    def call(self, model: Callable) -> Any:
-        return model(*self.args, **self.kwargs)
+    def call(self, model: Callable, *, copy: bool = True) -> Any:
+        """``model(*args, **kwargs)`` on a fresh copy of every tensor (``copy=True``), so a
+        forward that changes its inputs in place (``x.div_(2)``) changes neither the user's
+        tensors nor later runs."""
+        s = self.copy() if copy else self
+        return model(*s.args, **s.kwargs)
+
+    def copy(self) -> "Sample":
+        """A copy with every tensor cloned (the containers rebuilt with their own types)."""
+        return self.map(lambda t: t.detach().clone() if not t.requires_grad else t.clone())
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Sample":
         """A copy with ``fn`` applied to every tensor."""
-        return Sample(_map_tensors(self.args, fn), _map_tensors(self.kwargs, fn))
+        return Sample(_map_tensors(self.args, fn), _map_tensors(self.kwargs, fn), self.batched)
+
+    def inputs(self) -> list[tuple[str, Any]]:
+        """(name, value) of every top-level input: ``arg0``, ``arg1``, ... then keywords."""
+        return [(f"arg{i}", a) for i, a in enumerate(self.args)] + list(self.kwargs.items())
+
+    def batch_size(self) -> int:
+        """The batch size (see :func:`batch_layout`; PrecondError when it cannot be told)."""
+        return batch_layout(self)[0]
+
+    def take(self, lo: int, hi: int | None = None) -> "Sample":
+        """Samples ``lo:hi`` (``hi`` defaults to ``lo + 1``) of every batched input; inputs
+        without the batch dimension (an attention mask shared by the batch, offsets...) are
+        passed whole.  A PackedSequence is unpacked, sliced and packed again."""
+        hi = lo + 1 if hi is None else hi
+        b, paths = batch_layout(self)
+        if not 0 <= lo < hi <= b:
+            raise PrecondError(f"samples {lo}:{hi} are outside the batch of {b}")
+
+        def cut(path: str, t: Any) -> Any:
+            if path not in paths:
+                return t
+            if _is_packed(t):
+                return _take_packed(t, lo, hi)
+            return t[lo:hi]
+        return Sample(_map_leaves(self.args, cut, "arg"), _map_leaves(self.kwargs, cut, ""),
+                      self.batched)
+
+
+def batch_layout(sample: Sample) -> tuple[int, frozenset[str]]:
+    """The batch size and the paths of the inputs that carry it (along dim 0).
+
+    With ``sample.batched`` set, those inputs (and their parts) are batched and must agree on
+    their leading size.  Otherwise each leading size ``B`` of the tensors is a candidate: the
+    tensors whose leading size is ``B`` are batched, and ``B`` is consistent when every other
+    tensor is explained as shared by the whole batch, i.e. each of its sizes is 1 or a
+    non-leading size of a batched tensor (an ``(T, T)`` attention mask next to ``(B, T, D)``
+    inputs).  The consistent candidate with the most batched tensors wins; when none is
+    consistent or two tie (``EmbeddingBag(ids, offsets)``), a PrecondError names the inputs and
+    says how to pass ``batched``.
+    """
+    found = _batch_leaves(sample)
+    if not found:
+        raise PrecondError("the sample holds no tensor with a batch dimension (every tensor is a "
+                           "scalar): per-sample measurement needs inputs batched along dim 0")
+    if sample.batched is not None:
+        want = tuple(sample.batched)
+        known = {p for p, _ in found}
+        for w in want:
+            if not any(p == w or p.startswith(w + ".") for p in known):
+                raise PrecondError(f"batched={list(want)}: no input {w!r} in the sample (its "
+                                   f"tensor inputs: {sorted(known)})")
+        paths = frozenset(p for p, _ in found
+                          if any(p == w or p.startswith(w + ".") for w in want))
+        sizes = {_lead(v) for p, v in found if p in paths}
+        if not paths:
+            return 1, frozenset()
+        if len(sizes) != 1:
+            raise PrecondError(f"batched={list(want)}: these inputs have different leading "
+                               f"sizes {sorted(sizes)}; name only inputs that share the batch "
+                               f"dimension along dim 0")
+        return sizes.pop(), paths
+    cands = sorted({_lead(v) for _, v in found}, key=lambda b: -sum(_lead(v) == b
+                                                                    for _, v in found))
+    good = []
+    for b in cands:
+        inside = [v for _, v in found if _lead(v) == b]
+        dims = {d for v in inside for d in _shape(v)[1:]}
+        outside = [v for _, v in found if _lead(v) != b]
+        if all(d == 1 or d in dims for v in outside for d in _shape(v)):
+            good.append((len(inside), b))
+    good.sort(reverse=True)
+    if good and (len(good) == 1 or good[0][0] > good[1][0]):
+        b = good[0][1]
+        return b, frozenset(p for p, v in found if _lead(v) == b)
+    desc = ", ".join(f"{p} {tuple(_shape(v))}" for p, v in found)
+    raise PrecondError(f"cannot tell which inputs carry the batch dimension ({desc}): their "
+                       f"leading sizes do not relate as batch and shared inputs. Say which are "
+                       f"batched along dim 0: pass the sample as precondfx.Sample(args, kwargs, "
+                       f"batched=[{', '.join(repr(p) for p, _ in found[:1])}, ...]) (an empty "
+                       f"list measures the whole batch as one sample)")
+
+
+def _lead(v: Any) -> int:
+    return _shape(v)[0]
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    if _is_packed(v):
+        return (int(v.batch_sizes[0]),) + tuple(v.data.shape[1:])
+    return tuple(v.shape)
+
+
+def _is_packed(v: Any) -> bool:
+    return isinstance(v, torch.nn.utils.rnn.PackedSequence)
+
+
+def _take_packed(p: Any, lo: int, hi: int) -> Any:
+    """Sequences ``lo:hi`` (in the caller's order) of a PackedSequence, packed again."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+    padded, lengths = pad_packed_sequence(p, batch_first=True)
+    return pack_padded_sequence(padded[lo:hi], lengths[lo:hi], batch_first=True,
+                                enforce_sorted=False)
+
+
+def _batch_leaves(sample: Sample) -> list[tuple[str, Any]]:
+    """(path, value) of every tensor (dim >= 1) or PackedSequence in the sample."""
+    out: list[tuple[str, Any]] = []
+
+    def visit(path: str, v: Any) -> Any:
+        if _is_packed(v) or (isinstance(v, torch.Tensor) and v.dim() > 0):
+            out.append((path, v))
+        return v
+    _map_leaves(sample.args, visit, "arg")
+    _map_leaves(sample.kwargs, visit, "")
+    return out
+
+
+def _map_leaves(obj: Any, fn: Callable[[str, Any], Any], path: str) -> Any:
+    """Rebuild ``obj`` with ``fn(path, leaf)`` applied to every tensor and PackedSequence leaf.
+    Top level: ``path='arg'`` names positional items ``arg0``..., ``path=''`` names keywords."""
+    def join(k: Any) -> str:
+        if path == "arg":
+            return f"arg{k}"
+        return f"{path}.{k}" if path else str(k)
+    if isinstance(obj, torch.Tensor) or _is_packed(obj):
+        return fn(path, obj)
+    if isinstance(obj, tuple):
+        items = [_map_leaves(x, fn, join(i)) for i, x in enumerate(obj)]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, list):
+        return [_map_leaves(x, fn, join(i)) for i, x in enumerate(obj)]
+    if isinstance(obj, Mapping):
+        d = {k: _map_leaves(v, fn, join(k)) for k, v in obj.items()}
+        if type(obj) is dict:
+            return d
+        try:
+            return type(obj)(d)
+        except Exception:  # a mapping type that cannot be rebuilt from a dict
+            return d
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        ch = {f.name: _map_leaves(getattr(obj, f.name), fn, join(f.name))
+              for f in dataclasses.fields(obj) if f.init}
+        try:
+            return dataclasses.replace(obj, **ch)
+        except Exception:
+            return obj
+    return obj
 
 
 def leaves(obj: Any) -> list:
@@ -115,23 +278,32 @@ def _collect_tensors(obj: Any, out: list) -> None:
 
 
 def _map_tensors(obj: Any, fn: Callable) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple):
-        return tuple(_map_tensors(o, fn) for o in obj)
-    if isinstance(obj, list):
-        return [_map_tensors(o, fn) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    return obj
+    """``obj`` rebuilt (namedtuples, PackedSequences and mapping types kept) with ``fn`` on
+    every tensor; a PackedSequence's ``data`` is mapped, its index tensors copied as they are."""
+    def leaf(path: str, t: Any) -> Any:
+        if _is_packed(t):
+            return type(t)(fn(t.data), t.batch_sizes.clone(),
+                           *(None if x is None else x.clone()
+                             for x in (t.sorted_indices, t.unsorted_indices)))
+        return fn(t)
+    return _map_leaves(obj, leaf, "")
+
+
+def as_sample(sample: Any, forward_kwargs: Mapping | None = None) -> Sample:
+    """A Sample from what measurement functions accept: a Sample (kept), or a tensor / tuple of
+    positional inputs / dict of keyword inputs (see :func:`make_sample`)."""
+    return make_sample(sample, forward_kwargs)
 
 
 def make_sample(sample: Any, forward_kwargs: Mapping | None = None) -> Sample:
-    """Normalize a user sample (tensor, tuple/list of positional inputs, dict of keyword inputs)."""
+    """Normalize a user sample: a tensor, a PackedSequence or a namedtuple is one positional
+    input; a plain tuple or list holds the positional inputs (wrap a single list or dict input
+    in a tuple: ``(batch,)``); a dict holds keyword inputs."""
     extra = dict(forward_kwargs or {})
     if isinstance(sample, Sample):
-        return Sample(sample.args, {**sample.kwargs, **extra})
-    if isinstance(sample, torch.Tensor):
+        return Sample(sample.args, {**sample.kwargs, **extra}, sample.batched)
+    if isinstance(sample, torch.Tensor) or _is_packed(sample) or (
+            isinstance(sample, tuple) and hasattr(sample, "_fields")):
         return Sample((sample,), extra)
     if isinstance(sample, (tuple, list)):
         return Sample(tuple(sample), extra)

@@ -54,8 +54,8 @@ class _Recorder(TorchFunctionMode):
                 return Param(self.params[id(a)])
             src = self.producer.get(id(a))
             return Act(src) if src is not None else Const(None)
-        if isinstance(a, (list, tuple)):
-            return type(a)(self.marker(x) for x in a)
+        if isinstance(a, (list, tuple)):  # namedtuples and PackedSequence as plain tuples
+            return (list if isinstance(a, list) else tuple)(self.marker(x) for x in a)
         if isinstance(a, dict):
             return {k: self.marker(v) for k, v in a.items()}
         if isinstance(a, (int, float)) and not isinstance(a, bool):
@@ -144,6 +144,7 @@ class _Recorder(TorchFunctionMode):
 
 def capture(model: nn.Module, sample: Sample) -> tuple[Graph, Any]:
     """Run ``model`` on the sample under the recorder; returns the graph and the model output."""
+    sample = sample.copy()  # the recorder maps these tensors: run on exactly them
     rec = _Recorder(model)
     rec.add_inputs(sample)
     handles = []
@@ -153,7 +154,7 @@ def capture(model: nn.Module, sample: Sample) -> tuple[Graph, Any]:
             handles.append(m.register_forward_hook(rec.post_hook, with_kwargs=True))
     try:
         with rec:
-            out = sample.call(model)
+            out = sample.call(model, copy=False)
     finally:
         for h in handles:
             h.remove()

@@ -67,6 +67,7 @@ def capture(model: torch.nn.Module, sample: Sample, methods: tuple[str, ...] | l
         raise PrecondError(f"unknown capture method(s) {bad}: choose from {METHODS}")
     attempts: list[tuple[str, str]] = []
     for method in methods:
+        sample = sample.copy()  # a forward that changes its inputs in place changes a copy
         try:
             with quiet_run(model, mode), _silenced():
                 if method == "fx":

@@ -115,6 +115,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from precondfx.capture.common import Sample, as_sample
 from precondfx.errors import PrecondError
 
 __all__ = [
@@ -387,38 +388,24 @@ def resolve_layers(model: nn.Module, layers: Sequence[Any] | None = None) -> lis
     return refs
 
 
-def _batch_size(obj: Any) -> int | None:
-    if isinstance(obj, torch.Tensor):
-        return int(obj.shape[0]) if obj.dim() > 0 else None
-    if isinstance(obj, Mapping):
-        obj = list(obj.values())
-    if isinstance(obj, (tuple, list)):
-        for v in obj:
-            b = _batch_size(v)
-            if b is not None:
-                return b
-    return None
+def per_sample(sample: Any, forward_kwargs: Mapping[str, Any] | None = None
+               ) -> tuple[Sample, int]:
+    """The sample as a :class:`Sample` and its batch size: per-sample passes call
+    ``s.take(i).call(model)``, which slices only the inputs that carry the batch dimension
+    (see :func:`precondfx.capture.common.batch_layout`)."""
+    s = as_sample(sample, forward_kwargs)
+    return s, s.batch_size()
 
 
-def _slice(obj: Any, i: int, batch: int) -> Any:
-    """Sample ``i`` of every batched tensor (leading dim == batch), keeping a batch dim of 1."""
-    if isinstance(obj, torch.Tensor):
-        return obj[i:i + 1] if obj.dim() > 0 and obj.shape[0] == batch else obj
-    if isinstance(obj, Mapping):
-        return {k: _slice(v, i, batch) for k, v in obj.items()}
-    if isinstance(obj, tuple):
-        return tuple(_slice(v, i, batch) for v in obj)
-    if isinstance(obj, list):
-        return [_slice(v, i, batch) for v in obj]
-    return obj
-
-
-def _call(model: nn.Module, sample: Any, kwargs: Mapping[str, Any]) -> Any:
-    if isinstance(sample, Mapping):
-        return model(**sample, **kwargs)
-    if isinstance(sample, (tuple, list)):
-        return model(*sample, **kwargs)
-    return model(sample, **kwargs)
+def sample_failed(e: Exception, s: Sample) -> PrecondError:
+    """The error for a model that raised on one sample (batch size 1), with what to do."""
+    parts = ", ".join(f"{n} {tuple(t.shape)}" for n, t in s.inputs()
+                      if isinstance(t, torch.Tensor))
+    return PrecondError(
+        f"the model failed on one sample (batch size 1): {type(e).__name__}: {e}. Inputs: "
+        f"{parts}. Train-mode BatchNorm1d cannot run on one sample (measure in eval mode); if an "
+        f"input was wrongly sliced or not sliced along dim 0, say which inputs are batched with "
+        f"precondfx.Sample(args, kwargs, batched=[...])")
 
 
 # --------------------------------------------------------------------------------------------
@@ -615,9 +602,10 @@ def measure_conditioning(
 ) -> ConditioningResult:
     """Measure per-layer conditioning statistics at batch size 1 (see the module docstring).
 
-    ``sample`` is a batch: a tensor, a tuple of positional tensors or a dict of keyword tensors;
-    samples are taken along dim 0 (tensors in ``forward_kwargs`` with the same leading size are
-    sliced too).  ``n_samples`` forwards are run, cycling over the batch with fresh R and probes
+    ``sample`` is a batch: a tensor, a tuple of positional tensors, a dict of keyword tensors or
+    a :class:`~precondfx.capture.common.Sample`; samples are taken along dim 0 of the inputs that
+    carry the batch dimension (those of ``forward_kwargs`` included; inputs shared by the batch,
+    such as a ``(T, T)`` attention mask, are passed whole).  ``n_samples`` forwards are run, cycling over the batch with fresh R and probes
     when it is smaller.  ``stats`` picks from ``"hessian"`` (also fills ``result.blocks`` and,
     with ``include_bias``, ``hessian_bias``), ``"ratio"`` and ``"gr"`` (also ``gr_bias``).
     ``method`` is ``"hvp"`` (true Hessian by double backward) or ``"ggn"`` (exact expectation
@@ -640,10 +628,7 @@ def measure_conditioning(
         raise PrecondError("n_samples and n_probes must be at least 1")
     refs = resolve_layers(model, layers)
     output_fn = output_fn or default_output_fn
-    forward_kwargs = dict(forward_kwargs or {})
-    batch = _batch_size(sample)
-    if batch is None or batch < 1:
-        raise PrecondError("the sample holds no batched tensor (need a leading batch dimension)")
+    smp, batch = per_sample(sample, forward_kwargs)
 
     weights = [model.get_parameter(r.weight) for r in refs]
     biases = [model.get_parameter(r.bias) if r.bias else None for r in refs]
@@ -693,17 +678,12 @@ def measure_conditioning(
                 i = s % batch
                 for c in caps:
                     c.reset()
-                x_i = _slice(sample, i, batch)
-                kw_i = _slice(forward_kwargs, i, batch)
                 try:
-                    out = output_fn(_call(model, x_i, kw_i))
+                    out = output_fn(smp.take(i).call(model))
                 except PrecondError:
                     raise
                 except Exception as e:  # noqa: BLE001 - re-raised with advice
-                    raise PrecondError(
-                        f"the model failed on one sample (batch size 1): {type(e).__name__}: {e}. "
-                        "Train-mode BatchNorm1d cannot run on one sample; measure in eval mode "
-                        "or pass a sample the model accepts") from e
+                    raise sample_failed(e, smp) from e
                 if not isinstance(out, torch.Tensor) or not out.is_floating_point():
                     raise PrecondError("output_fn must return a floating-point tensor")
                 y = out.reshape(-1)

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from precondfx.errors import PrecondError
-from precondfx.measure.conditioning import (Estimate, _batch_size, _call, _mean_estimate, _slice,
-                                            default_output_fn, measurement_state)
+from precondfx.measure.conditioning import (Estimate, _mean_estimate, default_output_fn,
+                                            measurement_state, per_sample, sample_failed)
 
 
 @contextlib.contextmanager
@@ -77,10 +77,7 @@ def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_s
     if n_cotangents < 2:
         raise PrecondError("n_cotangents must be at least 2 (the estimate uses pairs)")
     output_fn = output_fn or default_output_fn
-    kwargs = dict(forward_kwargs or {})
-    batch = _batch_size(sample)
-    if batch is None:
-        raise PrecondError("the sample holds no batched tensor (need a leading batch dimension)")
+    smp, batch = per_sample(sample, forward_kwargs)
     params = [model.get_parameter(w) for w in weights]
     gen = torch.Generator().manual_seed(int(seed))
     per = np.zeros((n_samples, len(params)))
@@ -88,7 +85,12 @@ def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_s
     with measurement_state(model, params), torch.enable_grad(), one_thread(model):
         for s in range(n_samples):
             i = s % batch
-            y = output_fn(_call(model, _slice(sample, i, batch), _slice(kwargs, i, batch)))
+            try:
+                y = output_fn(smp.take(i).call(model))
+            except PrecondError:
+                raise
+            except Exception as e:  # noqa: BLE001 - re-raised with advice
+                raise sample_failed(e, smp) from e
             grads: list[list[torch.Tensor]] = []
             for k in range(n_cotangents):
                 v = torch.randn(y.shape, generator=gen, dtype=torch.float32).to(y.device, y.dtype)

@@ -1,0 +1,105 @@
+"""Model constructs precondfx refuses up front, and Python-level failures it turns into errors.
+
+Each refusal is a :class:`~precondfx.errors.PrecondError` that names the modules and says what to
+do, instead of a ``RuntimeError`` from deep inside ``copy.deepcopy`` or a ``ZeroDivisionError``
+from the planner.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable, TypeVar
+
+import torch
+from torch import nn
+
+from precondfx.errors import PrecondError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _hook_kinds(m: nn.Module) -> list[str]:
+    """'weight_norm' / 'prune' for the old-style reparametrizations hooked onto ``m``."""
+    from torch.nn.utils.weight_norm import WeightNorm
+    try:
+        from torch.nn.utils.prune import BasePruningMethod
+    except ImportError:  # pragma: no cover - always present in supported torch versions
+        BasePruningMethod = ()  # type: ignore[assignment]
+    kinds = []
+    for h in m._forward_pre_hooks.values():
+        if isinstance(h, WeightNorm):
+            kinds.append(f"weight_norm:{h.name}")
+        elif BasePruningMethod and isinstance(h, BasePruningMethod):
+            kinds.append(f"prune:{getattr(h, '_tensor_name', 'weight')}")
+    return kinds
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse what the pipeline cannot handle correctly, with what to do:
+
+    * old-style ``torch.nn.utils.weight_norm`` (``weight_g``/``weight_v`` and a hook that
+      recomputes ``weight``): use ``torch.nn.utils.parametrizations.weight_norm``, which
+      precondfx keeps, or ``remove_weight_norm``;
+    * ``torch.nn.utils.prune`` (``weight_orig``/``weight_mask``): re-initializing
+      ``weight_orig`` ignores the mask's effect on the fans; make the pruning permanent with
+      ``prune.remove`` or prune after preconditioning;
+    * other tensors computed from parameters and kept as module attributes (they cannot be
+      copied, and are recomputed behind the graph's back);
+    * parameters with no elements (``nn.Linear(0, 4)``): nothing to initialize or scale, and
+      every fan-based rule divides by zero.
+    """
+    wn, pr, computed, empty = [], [], [], []
+    for path, m in model.named_modules():
+        where = path or type(m).__name__
+        for k in _hook_kinds(m):
+            kind, _, name = k.partition(":")
+            (wn if kind == "weight_norm" else pr).append(f"{where}.{name}")
+        for k, v in vars(m).items():
+            if isinstance(v, torch.Tensor) and v.grad_fn is not None and \
+                    not any(x.endswith(f"{where}.{k}") for x in wn + pr):
+                computed.append(f"{where}.{k}")
+        for k, p in m.named_parameters(recurse=False):
+            if p.numel() == 0:
+                empty.append(f"{where}.{k} {tuple(p.shape)} of {type(m).__name__}")
+    if wn:
+        raise PrecondError(
+            f"old-style torch.nn.utils.weight_norm on {wn}: its hook recomputes the weight from "
+            f"weight_g and weight_v in every forward, which precondfx cannot re-initialize or "
+            f"copy. Use torch.nn.utils.parametrizations.weight_norm (supported: the weight is "
+            f"kept as parametrized), or call torch.nn.utils.remove_weight_norm on those modules "
+            f"first")
+    if pr:
+        raise PrecondError(
+            f"torch.nn.utils.prune is active on {pr}: the weight is weight_orig * weight_mask, "
+            f"recomputed by a hook in every forward, and re-initializing weight_orig would "
+            f"ignore what the mask removes from each layer's fans. Make the pruning permanent "
+            f"with torch.nn.utils.prune.remove(module, 'weight') before preconditioning, or "
+            f"prune the preconditioned model")
+    if computed:
+        raise PrecondError(
+            f"module attributes {computed[:5]} are tensors computed from parameters (they "
+            f"carry autograd history), kept outside the module's parameters and buffers: "
+            f"precondfx cannot copy or re-initialize what they are computed from. Compute them "
+            f"inside forward, or register them with torch.nn.utils.parametrize")
+    if empty:
+        raise PrecondError(
+            f"parameters with no elements: {empty[:5]} (a layer of width 0): there is nothing "
+            f"to initialize or scale, and every fan-based rule divides by its zero width. "
+            f"Remove the layer or give it a non-zero width")
+
+
+def guarded(fn: F) -> F:
+    """Turn Python's recursion limit into a PrecondError saying how to raise it (deeply nested
+    modules: a chain of 300 ``nn.Sequential`` already exceeds the default limit)."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RecursionError as e:
+            lim = sys.getrecursionlimit()
+            raise PrecondError(
+                f"Python's recursion limit ({lim}) was reached ({str(e)[:80]}): the model's "
+                f"modules are nested too deeply for copying, tracing or calling it at this "
+                f"limit. Raise it before calling precondfx, e.g. sys.setrecursionlimit("
+                f"{max(10 * lim, 10000)}), or flatten the nesting") from None
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,154 @@
+"""Measurements that cannot be fooled: statistics are taken on copies made when a tensor is
+produced, the model never sees the user's own sample tensors, and calibration, analysis and
+measurement runs leave no trace on the model (modes, buffers, Python state, renormalized
+weights).  Every reference value here comes from plain forward hooks and torch code, not from
+precondfx."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import precondfx
+
+
+class InplaceCNN(nn.Module):
+    """Conv -> ReLU(inplace) twice, a Linear whose output is scaled in place (``mul_``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.r1 = nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True)
+        self.c2, self.r2 = nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(inplace=True)
+        self.fc = nn.Linear(8 * 8 * 8, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.r2(self.c2(self.r1(self.c1(x))))
+        h = self.fc(h.flatten(1)).mul_(2.0)
+        return self.head(h.div_(0.5))
+
+
+def hooked_variances(model: nn.Module, x: torch.Tensor) -> dict[str, float]:
+    """Population variance of each Conv/Linear output, cloned in a forward hook."""
+    got: dict[str, float] = {}
+    hs = [m.register_forward_hook(
+        lambda mod, i, o, n=n: got.__setitem__(n, float(o.detach().clone().double()
+                                                        .var(correction=0))))
+          for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    try:
+        with torch.no_grad():
+            model(x.clone())
+    finally:
+        for h in hs:
+            h.remove()
+    return got
+
+
+@pytest.mark.parametrize("capture", ["fx", "eager"])
+def test_lsuv_reports_the_variance_an_independent_hook_sees(capture):
+    torch.manual_seed(0)
+    m, x = InplaceCNN(), torch.randn(16, 3, 8, 8)
+    res = precondfx.precondition(m, x, scheme="lsuv", capture=capture, balance="none")
+    assert res.report.capture == capture
+    sites = res.report.conditioning["lsuv"]["sites"]
+    truth = hooked_variances(res.model, x)
+    assert [s["module"] for s in sites] == ["c1", "c2", "fc", "head"]
+    for s in sites:
+        ref = truth[s["module"]]
+        assert s["variance"] == pytest.approx(ref, rel=1e-5), (s["node"], s["variance"], ref)
+        assert abs(ref - 1.0) < 0.1, (s["node"], ref)  # really unit variance, not just reported
+
+
+def test_sample_changed_in_place_by_forward_is_not_the_users_tensor():
+    class Halve(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(6, 12), nn.Linear(12, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.div_(2.0)  # the user's forward changes its input in place
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    torch.manual_seed(1)
+    x = torch.randn(32, 6)
+    x0 = x.clone()
+    res = precondfx.precondition(Halve(), x, balance="hessian", balance_samples=4)
+    assert torch.equal(x, x0)  # the user's tensor is untouched
+    # calibration saw the batch the user passed: the result's output std is the target on it
+    with torch.no_grad():
+        y = res.model(x.clone())
+    assert float(y.double().std(correction=0)) == pytest.approx(0.05, rel=1e-4)
+    assert torch.equal(x, x0)
+
+
+class Stateful(nn.Module):
+    """A max_norm embedding (forward renormalizes its rows in place), a Python counter, a
+    BatchNorm the user put in eval inside a training model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8, max_norm=1.0)
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 3)
+        self.calls = 0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.emb(ids).mean(1)
+        return self.out(self.bn(torch.relu(self.fc(h))))
+
+
+def _state(m: nn.Module) -> tuple:
+    return ({k: v.clone() for k, v in m.state_dict().items()},
+            {n: x.training for n, x in m.named_modules()}, m.calls)
+
+
+def _same(a: tuple, b: tuple) -> None:
+    assert a[0].keys() == b[0].keys()
+    for k in a[0]:
+        assert torch.equal(a[0][k], b[0][k]), k
+    assert a[1] == b[1]
+    assert a[2] == b[2]
+
+
+def _stateful() -> tuple[Stateful, torch.Tensor]:
+    torch.manual_seed(2)
+    m = Stateful()
+    with torch.no_grad():
+        m.emb.weight.mul_(5.0)  # rows far above max_norm: any forward would renormalize them
+    m.bn.eval()
+    return m, torch.randint(0, 20, (16, 5))
+
+
+def test_analyze_is_side_effect_free():
+    m, ids = _stateful()
+    before = _state(m)
+    assert float(m.emb.weight.detach().norm(dim=1).min()) > 1.5
+    precondfx.analyze(m, ids)
+    _same(before, _state(m))
+
+
+@pytest.mark.parametrize("capture", ["fx", "eager"])
+def test_precondition_with_measure_leaves_the_users_model_alone(capture):
+    m, ids = _stateful()
+    before = _state(m)
+    precondfx.precondition(m, ids, capture=capture, measure=True, balance_samples=4)
+    _same(before, _state(m))
+
+
+def test_preserved_restores_modes_attributes_buffers_and_renormed_weights():
+    from precondfx.calibrate import preserved
+    m, ids = _stateful()
+    ref = copy.deepcopy(m)
+    before = _state(m)
+    with preserved(m):
+        m.train()
+        m(ids)
+        m.extra_flag = True
+    _same(before, _state(m))
+    assert not hasattr(m, "extra_flag")
+    for (k, v), (_, w) in zip(m.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(v, w), k
