@@ -5,6 +5,7 @@ against the scaling rules of Defazio & Bottou, re-initializes the weights (geome
 initialization), inserts scaling constants, replaces max-pooling by striding and fixes the output
 scale from a calibration batch.  ``precondfx.analyze`` reports the same without changing anything.
 """
+from precondfx import distributed
 from precondfx.api import Result, analyze, precondition
 from precondfx.apply.reinit import reinit
 from precondfx.capture.common import Sample
@@ -14,4 +15,4 @@ from precondfx.report import Report
 
 __version__ = "0.1.0"
 __all__ = ["precondition", "analyze", "reinit", "Sample", "PrecondError", "Plan", "Options", "Report", "Result",
-           "__version__"]
+           "distributed", "__version__"]

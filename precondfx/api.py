@@ -21,11 +21,13 @@ from precondfx.apply.common import output_path
 from precondfx.apply.eager_apply import EagerApplier
 from precondfx.apply.fx_apply import FxApplier
 from precondfx.apply.reinit import reinit
+from precondfx.capture import meta
 from precondfx.capture.ladder import METHODS, Captured, capture
 from precondfx.capture.common import Sample, make_sample
 from precondfx.balance import balance_measured
 from precondfx.checks import check_model, guarded
 from precondfx.classify import classify
+from precondfx.distributed import record_constants
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
 from precondfx.plan import Options, ParamInfo, Plan, make_plan
@@ -54,21 +56,30 @@ def _unwrap(model: Any) -> tuple[nn.Module, list[str]]:
     return model, notes
 
 
-def _on_meta(model: nn.Module) -> bool:
-    return any(p.device.type == "meta" for p in model.parameters())
+_on_meta = meta.on_meta
 
 
-def _check_meta(opts: Options) -> None:
-    """A model on the meta device has shapes but no data: only data-free modes apply."""
+def _check_meta(opts: Options, sch: Scheme | None = None) -> None:
+    """A model on the meta device has shapes but no data: only data-free modes apply.  The
+    output scale is inserted (at 1) and calibrated after materializing
+    (``precondfx.distributed.calibrate``)."""
     if opts.balance in ("auto", "hessian"):
         raise PrecondError(f"balance={opts.balance!r} measures the model on data, but it is on the "
-                           f"meta device: pass balance='analytic' or 'none' (and target_std=None), "
-                           f"or materialize the model first (model.to_empty(device='cpu'))")
-    if opts.target_std is not None or opts.input_scale == "auto":
-        raise PrecondError("the output scale (target_std) and input_scale='auto' need a forward "
-                           "pass on real data; the model is on the meta device: pass "
-                           "target_std=None, then after model.to_empty(device=...) call "
-                           "precondfx.reinit(model, report.plan, seed) and calibrate")
+                           f"meta device: pass balance='analytic' or 'none', or materialize the "
+                           f"model first (model.to_empty(device='cpu'))")
+    if opts.input_scale == "auto":
+        raise PrecondError("input_scale='auto' needs the input's values; the model is on the "
+                           "meta device: pass a number or None")
+    if sch is not None and type(sch).calibrate is not Scheme.calibrate:
+        raise PrecondError(f"scheme={opts.scheme!r} measures the model on data, but it is on the "
+                           f"meta device: use scheme='geometric', or materialize the model first")
+
+
+def _run(model: nn.Module, s: Sample, mode: str) -> Any:
+    """The check forward: a real run, or a fake-tensor run for a model on the meta device."""
+    if meta.on_meta(model):
+        return meta.forward(model, lambda m: cal.forward(m, s, mode), "checking the model")
+    return cal.forward(model, s, mode)
 
 
 def _float_dtype(model: nn.Module) -> torch.dtype | None:
@@ -150,7 +161,7 @@ def analyze(model: nn.Module, sample: Any, *, forward_kwargs: dict | None = None
     if _float_dtype(work) in (torch.float16, torch.bfloat16):
         work = work.float()
     with cal.preserved(work):
-        cal.forward(work, s, calibration)
+        _run(work, s, calibration)
         cap, infos = _capture_classify(work, s, capture, calibration, notes)
     plan = make_plan(cap.graph, infos, opts, alpha_sites=sch.needs_alpha_sites)
     sch.plan(cap.graph, plan, infos, opts)
@@ -199,6 +210,9 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
     sch.options(opts)
     fwd = {**(forward_kwargs or {}), **more_forward_kwargs}
     model, s, notes = _prepare(model, sample, fwd, opts, capture, calibration)
+    on_meta = _on_meta(model)
+    if on_meta:
+        _check_meta(opts, sch)
     if _already_preconditioned(model):
         cap, _ = _capture_classify(model, s, capture, calibration, notes)
         rep = Report.from_graph(cap.graph)
@@ -216,7 +230,7 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
         notes.append(f"model in {dt}: preconditioned and calibrated in float32, result cast "
                      f"back to {dt}")
     say("checking that the model runs on the sample")
-    out0 = cal.forward(work, s, calibration)
+    out0 = _run(work, s, calibration)
     path = output_path(out0, output_key) if target_std is not None else []
     snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()} if inplace else None
     applier: FxApplier | EagerApplier | None = None
@@ -247,20 +261,25 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
         weight_of = {lay.node: lay.weight for lay in plan.layers}
         alpha_buffers: dict[str, list[str]] = {}
         site_buffers: dict[str, str] = {}
+        planned: dict[str, float] = {}    # constant buffer -> value, kept for materializing
         for sc in plan.scales:
             buf = applier.scale(sc)
+            if buf is not None:
+                planned[buf] = sc.value
             if sc.tag == "alpha" and buf is not None and weight_of.get(sc.node):
                 alpha_buffers.setdefault(weight_of[sc.node], []).append(buf)
                 site_buffers[sc.node] = buf
         in_scale = _input_scale(opts, plan, s)
         if in_scale is not None:
-            applier.input_scale(in_scale)
+            planned.update({b: in_scale for b in applier.input_scale(in_scale) or []})
             normed = _normalized_before_first_layer(g, plan)
             if normed:
                 applier.skipped.append(("input scale", f"normalization {normed} sits between the "
                                         f"input and the first weighted layer and undoes the "
                                         f"input scale (Sec. 6.3 has no effect here)"))
         out_buf = applier.output_scale(path) if target_std is not None else None
+        if out_buf is not None:
+            planned[out_buf] = 1.0
         applier.finish()
         say("re-initializing parameters" if opts.reinit else "rescaling weights for alpha")
         reinit(result, plan, seed)
@@ -274,7 +293,11 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
             report.conditioning[sch.name] = sch.calibrate(ctx)
         if in_scale is not None:
             plan.scales.append(_scale("input", in_scale, "input scale (Sec. 6.3)"))
-        if target_std is not None and out_buf is not None:
+        if target_std is not None and out_buf is not None and on_meta:
+            report.skipped.append(("output scale", "the model is on the meta device (no data): "
+                                   "the output scale is 1 until precondfx.distributed.calibrate("
+                                   "model, batch) runs on the materialized model"))
+        elif target_std is not None and out_buf is not None:
             say("calibrating the output scale")
             std = cal.output_std(cal.forward(result, s, calibration), output_key)
             scale = cal.solve_output_scale(std, target_std)
@@ -307,6 +330,7 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
             report.conditioning["measure"] = measure_report(
                 model, result, s, plan, output_key=output_key, mode=calibration, seed=seed,
                 n_samples=balance_samples, say=say)
+        record_constants(result, planned, read=not on_meta)
         result.train(model.training)
         if low:
             result = result.to(dt)

@@ -51,7 +51,20 @@ def moment_matched(t: torch.Tensor, std: float) -> torch.Tensor:
 
 @torch.no_grad()
 def reinit(model: nn.Module, plan: Plan, seed: int) -> list[str]:
-    """Apply the plan's parameter inits to ``model``; returns the names changed."""
+    """Apply the plan's parameter inits to ``model``; returns the names changed.
+
+    Sharded models (DTensor parameters, FSDP2 ``fully_shard``) get the same full tensors, each
+    rank writing its shard (``precondfx.distributed.reinit``).  Constants recorded by
+    ``precondition`` are written back into their buffers (a no-op unless the model went
+    through ``to_empty``)."""
+    from precondfx import distributed
+    if distributed.is_sharded(model):
+        return distributed.reinit(model, plan, seed)
+    if all(p.device.type == "meta" for p in model.parameters()):
+        # Shapes only: nothing to write (drawing a 7B model's tensors to discard them took
+        # minutes); the draw happens when reinit runs again after model.to_empty(...).
+        named = dict(model.named_parameters(remove_duplicate=False))
+        return [n for n, pi in plan.inits.items() if n in named and pi.rule != "keep"]
     gen = torch.Generator().manual_seed(int(seed))
     named = dict(model.named_parameters(remove_duplicate=False))
     changed = []
@@ -68,4 +81,5 @@ def reinit(model: nn.Module, plan: Plan, seed: int) -> list[str]:
             continue
         p.copy_(new.to(dtype=p.dtype, device=p.device))
         changed.append(name)
+    distributed.restore_constants(model)
     return changed

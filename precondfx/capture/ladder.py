@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from precondfx.calibrate import quiet_run
-from precondfx.capture import eager_capture, export_capture, fx_capture
+from precondfx.capture import eager_capture, export_capture, fx_capture, meta
 from precondfx.capture.common import Sample
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
@@ -66,29 +66,41 @@ def capture(model: torch.nn.Module, sample: Sample, methods: tuple[str, ...] | l
     if bad:
         raise PrecondError(f"unknown capture method(s) {bad}: choose from {METHODS}")
     attempts: list[tuple[str, str]] = []
+    on_meta = meta.on_meta(model)
+    # Forwards the capture runs itself (fx shape propagation, the eager recorder) use fake
+    # tensors on a meta model; torch.export makes its own.
+    fake = meta.fake_mode if on_meta else contextlib.nullcontext
+    value_error: BaseException | None = None
     for method in methods:
         sample = sample.copy()  # a forward that changes its inputs in place changes a copy
         try:
             with quiet_run(model, mode), _silenced():
                 if method == "fx":
                     gm = fx_capture.trace(model, sample)
-                    fx_capture.run_shape_prop(gm, sample)
+                    with fake():
+                        fx_capture.run_shape_prop(gm, sample)
                     graph = fx_capture.to_graph(gm)
                     result = Captured(graph, gm)
                 elif method in ("export", "draft_export"):
                     ep = export_capture.export(model, sample, draft=method == "draft_export")
                     result = Captured(export_capture.to_graph(ep, model, method))
                 else:
-                    graph, _ = eager_capture.capture(model, sample)
+                    with fake():
+                        graph, _ = eager_capture.capture(model, sample)
                     result = Captured(graph)
         except PrecondError:
             raise
         except Exception as e:  # a capture method failed: record why and try the next
             attempts.append((method, _first_line(e)))
+            if on_meta and method == "eager" and meta.data_dependent(e):
+                value_error = e
             continue
         result.attempts = attempts
         result.graph.notes[:0] = [f"{m} failed: {why}" for m, why in attempts]
         return result
+    if value_error is not None:
+        raise meta.explain(value_error, "no capture method worked (" + "; ".join(
+            f"{m}: {why}" for m, why in attempts) + ")") from value_error
     raise PrecondError("no capture method worked on this model: " +
                        "; ".join(f"{m}: {why}" for m, why in attempts) +
                        ". Check that the model runs on the sample.")

@@ -1,0 +1,89 @@
+"""Models on the meta device: shapes without data, run under fake tensors.
+
+A model built under ``torch.device("meta")`` (a 7B transformer that never sits whole on one
+device) can be planned from shapes alone.  Its forward cannot run on meta tensors when it reads
+a tensor's value (``.item()``, ``if mask.all():``, ``nonzero``), which libraries such as
+transformers skip when they see fake tensors.  So every forward the planner needs on such a
+model runs under a ``FakeTensorMode``; where the model really depends on values, the error names
+the operation and the line of the model that asked for it.
+"""
+from __future__ import annotations
+
+import contextlib
+import traceback
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from precondfx.errors import PrecondError
+
+_DATA_ERRORS = ("DataDependentOutputException", "DynamicOutputShapeException",
+                "GuardOnDataDependentSymNode", "UnsupportedOperatorException")
+
+
+def on_meta(model: nn.Module) -> bool:
+    """True when the model's parameters live on the meta device (shapes, no data)."""
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
+@contextlib.contextmanager
+def fake_mode() -> Iterator[Any]:
+    """A FakeTensorMode that accepts the model's own meta tensors as inputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        yield mode
+
+
+def _user_frame(e: BaseException) -> str:
+    """``file:line in fn: code`` of the innermost frame outside torch and precondfx."""
+    frames = traceback.extract_tb(e.__traceback__)
+    for fr in reversed(frames):
+        f = fr.filename.replace("\\", "/")
+        if "/torch/" in f or "/precondfx/" in f or f.startswith("<"):
+            continue
+        return f"{f}:{fr.lineno} in {fr.name}: {(fr.line or '').strip()}"
+    return "unknown location"
+
+
+def data_dependent(e: BaseException) -> bool:
+    """Whether ``e`` says the forward needed tensor values that meta/fake tensors lack."""
+    msg = str(e)
+    return type(e).__name__ in _DATA_ERRORS or "cannot be called on meta tensors" in msg or \
+        "data-dependent" in msg.lower()
+
+
+_OPS = {"_local_scalar_dense": "Tensor.item(), or a tensor used as a Python bool or number",
+        "nonzero": "nonzero / boolean-mask indexing (the output shape depends on values)",
+        "masked_select": "masked_select (the output shape depends on values)",
+        "unique": "unique (the output shape depends on values)"}
+
+
+def explain(e: BaseException, what: str) -> PrecondError:
+    """A PrecondError naming the value-reading operation and where the model asked for it."""
+    op = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+    op += "".join(f" = {v}" for k, v in _OPS.items() if k in op)[:100]
+    return PrecondError(
+        f"{what}: the model is on the meta device (shapes, no data) and its forward reads a "
+        f"tensor value ({type(e).__name__}: {op}) at {_user_frame(e)}. Planning on meta works "
+        f"for forwards whose control flow does not depend on values: make that branch "
+        f"value-independent, or materialize the model (model.to_empty(device='cpu') and an "
+        f"init) and plan on real data")
+
+
+def forward(model: nn.Module, run: Callable[[nn.Module], Any], what: str = "the forward") -> Any:
+    """Run ``run(model)`` under fake tensors; value-reading operations get a clear error."""
+    try:
+        with torch.no_grad(), fake_mode():
+            return run(model)
+    except PrecondError as e:
+        cause = e.__cause__
+        if cause is not None and data_dependent(cause):
+            raise explain(cause, what) from cause
+        raise
+    except Exception as e:
+        if data_dependent(e):
+            raise explain(e, what) from e
+        raise PrecondError(f"{what}: the model raised {type(e).__name__} on the meta device "
+                           f"under fake tensors: {str(e).strip()[:300]} (at {_user_frame(e)}). "
+                           f"Check that the sample is what the model's forward expects") from e
