@@ -149,6 +149,8 @@ def check_finite_sample(sample: Sample) -> None:
             raise PrecondError(f"the sample has an empty tensor of shape {tuple(t.shape)}: pass "
                                f"a batch with at least one example (several are better for "
                                f"calibration)")
+        if t.layout != torch.strided:  # sparse: its stored values are what can be bad
+            t = t.coalesce().values() if t.layout == torch.sparse_coo else t.values()
         if t.is_floating_point() and t.device.type != "meta" and \
                 not bool(torch.isfinite(t).all()) and not is_additive_mask(t):
             bad = int((~torch.isfinite(t)).sum())

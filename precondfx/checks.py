@@ -59,6 +59,8 @@ def check_model(model: nn.Module) -> None:
                     not any(x.endswith(f"{where}.{k}") for x in wn + pr):
                 computed.append(f"{where}.{k}")
         for k, p in m.named_parameters(recurse=False):
+            if isinstance(p, nn.parameter.UninitializedParameter):
+                continue  # a lazy module: materialized by the first forward (on the copy)
             if p.numel() == 0:
                 empty.append(f"{where}.{k} {tuple(p.shape)} of {type(m).__name__}")
     if wn:

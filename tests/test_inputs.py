@@ -304,3 +304,19 @@ def test_cli_huge_batch_is_one_line_exit_2(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "out of memory" in lines[0] and "--batch" in lines[0], r.stderr
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_lazy_module_and_sparse_input():
+    torch.manual_seed(0)
+    x = torch.randn(8, 10)
+    lazy = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.Linear(16, 3))
+    res = precondfx.precondition(lazy, x)
+    assert out_std(res.model, x) == pytest.approx(0.05, rel=1e-4)
+    # the user's lazy module was not materialized (the pass runs on a copy)
+    assert isinstance(lazy[0].weight, nn.parameter.UninitializedParameter)
+    xs = x.to_sparse()
+    m = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
+    res = precondfx.precondition(m, xs, balance="hessian", balance_samples=4)
+    assert out_std(res.model, xs) == pytest.approx(0.05, rel=1e-4)
+    one = make_sample(xs).take(2).args[0]
+    assert torch.equal(one.to_dense(), x[2:3])

@@ -118,6 +118,8 @@ class Sample:
                 return t
             if _is_packed(t):
                 return _take_packed(t, lo, hi)
+            if t.layout != torch.strided:  # sparse tensors cannot be viewed by slicing
+                return t.index_select(0, torch.arange(lo, hi, device=t.device))
             return t[lo:hi]
         return Sample(_map_leaves(self.args, cut, "arg"), _map_leaves(self.kwargs, cut, ""),
                       self.batched)

@@ -602,7 +602,7 @@ def _eager_block(ctx: SchemeContext, layer: Node, dst: Node, mode: str
 
     def grab_input(mod: nn.Module, args: tuple) -> None:
         if counts["in"] == layer.call_index and args:
-            captured["x"] = args[0]
+            captured["x"] = args[0].detach().clone()  # as produced, before any in-place op
         counts["in"] += 1
 
     counts = {"in": 0, "out": 0}
