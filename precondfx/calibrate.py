@@ -68,16 +68,22 @@ def _renormed(model: nn.Module) -> dict[str, torch.Tensor]:
 def preserved(model: nn.Module) -> Iterator[None]:
     """Restore, on exit and whatever runs inside, every module's train/eval flag, every buffer
     (BatchNorm running statistics, counters), every plain Python attribute of a module (numbers,
-    strings, flags: a ``self.calls += 1`` in forward) and the weights a forward renormalizes
-    (``nn.Embedding(max_norm=...)``): a measurement or calibration run leaves no trace."""
+    strings, flags: a ``self.calls += 1`` in forward), the weights a forward renormalizes
+    (``nn.Embedding(max_norm=...)``) and the global random generators (a forward that draws
+    noise): a measurement or calibration run leaves no trace."""
     mods = list(model.modules())
     modes = {m: m.training for m in mods}
     attrs = {m: {k: v for k, v in vars(m).items() if _plain(v)} for m in mods}
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
     params = {name: p.detach().clone() for name, p in _renormed(model).items()}
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
         yield
     finally:
+        torch.set_rng_state(rng)  # a forward that draws random numbers leaves the user's
+        if cuda_rng is not None:  # generator where it was
+            torch.cuda.set_rng_state_all(cuda_rng)
         for m, t in modes.items():
             m.training = t
         for m, old in attrs.items():

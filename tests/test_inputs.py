@@ -320,3 +320,38 @@ def test_lazy_module_and_sparse_input():
     assert out_std(res.model, xs) == pytest.approx(0.05, rel=1e-4)
     one = make_sample(xs).take(2).args[0]
     assert torch.equal(one.to_dense(), x[2:3])
+
+
+def test_onnx_calibration_accepts_the_same_neg_inf_mask(tmp_path):
+    pytest.importorskip("onnxruntime")
+    import warnings
+
+    import numpy as np
+    import onnxruntime as ort
+    from precondfx.onnx import precondition_onnx
+
+    class Att(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.v, self.o = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            a = torch.softmax(self.q(x) @ x.transpose(1, 2) + mask, -1)
+            return self.o(a @ self.v(x))
+
+    torch.manual_seed(0)
+    mask = nn.Transformer.generate_square_subsequent_mask(5)
+    x = torch.randn(4, 5, 8)
+    src, out, calib = (str(tmp_path / n) for n in ("a.onnx", "b.onnx", "c.npz"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Att(), (mask, x), src, dynamo=False, input_names=["mask", "x"])
+    np.savez(calib, mask=mask.numpy(), x=x.numpy())
+    precondition_onnx(src, out, calib=calib)
+    y = ort.InferenceSession(out).run(None, {"mask": mask.numpy(), "x": x.numpy()})[0]
+    assert float(np.std(y.astype(np.float64))) == pytest.approx(0.05, rel=1e-4)
+    bad = mask.clone()
+    bad[0, 0] = float("nan")
+    np.savez(calib, mask=bad.numpy(), x=x.numpy())
+    with pytest.raises(PrecondError, match="NaN/inf"):
+        precondition_onnx(src, str(tmp_path / "d.onnx"), calib=calib)

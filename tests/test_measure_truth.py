@@ -152,3 +152,23 @@ def test_preserved_restores_modes_attributes_buffers_and_renormed_weights():
     assert not hasattr(m, "extra_flag")
     for (k, v), (_, w) in zip(m.state_dict().items(), ref.state_dict().items()):
         assert torch.equal(v, w), k
+
+
+def test_runs_leave_the_global_random_generator_where_it_was():
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 12), nn.Linear(12, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x + 0.1 * torch.randn_like(x))))
+
+    x = torch.randn(16, 6)
+    torch.manual_seed(123)
+    expected = torch.rand(3)  # the user's next draw without precondfx in between
+    m1, m2 = Noisy(), Noisy()
+    for run in (lambda: precondfx.analyze(m1, x),
+                lambda: precondfx.precondition(m2, x, measure=True, balance_samples=4)):
+        torch.manual_seed(123)
+        run()
+        assert torch.equal(torch.rand(3), expected)
