@@ -64,6 +64,17 @@ def _err(msg: str) -> None:
     print(f"{PROG}: error: {msg}", file=sys.stderr)
 
 
+def _quiet_onnxruntime() -> None:
+    """Keep onnxruntime's own (coloured) log lines out of the output: its sessions are created
+    with log severity ERROR by precondfx, and the process-wide default logger (messages logged
+    before a session exists, e.g. device discovery) is set to ERROR here."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return
+    ort.set_default_logger_severity(3)
+
+
 def _note(msg: str) -> None:
     print(f"{PROG}: note: {msg}", file=sys.stderr)
 
@@ -342,6 +353,7 @@ def cmd_precondition(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"no such file: {args.model}")
     from precondfx.onnx import precondition_onnx
     from precondfx.onnx.io import parse_dims
+    _quiet_onnxruntime()
     progress = _Progress(args.quiet)
     report = precondition_onnx(
         args.model, args.output, calib=args.calib, calib_inputs=args.calib_input,
@@ -460,6 +472,8 @@ def _precondition_torch(args: argparse.Namespace) -> int:
             torch.save(result.state_dict(), st.path)
         st.commit()
     progress("done")
+    if ext != ".onnx" and not args.quiet:
+        _note(_load_hint(out, args.model, type(result).__name__))
     if not args.quiet:
         print(report.table(all_nodes=args.all))
     if args.report:
@@ -468,6 +482,16 @@ def _precondition_torch(args: argparse.Namespace) -> int:
         for p in _plot(report, args.plot):
             progress(f"wrote {p}")
     return 0
+
+
+def _load_hint(out: str, spec: str, cls: str) -> str:
+    """How to load the .pt the CLI writes: a state_dict (safe under torch.load's default
+    weights_only=True), not a pickled GraphModule (which that default refuses)."""
+    return (f"{out} holds the state_dict of the rewritten model ({cls}), with its constants "
+            f"(precondfx_* buffers); load it into the same rewrite: model, _ = "
+            f"precondfx.precondition({spec.split(':')[-1]}(), sample, <same options>); "
+            f"model.load_state_dict(torch.load({out!r})). A pickled GraphModule "
+            f"(torch.save(model)) needs torch.load(path, weights_only=False): trusted files only")
 
 
 def _export_onnx(model: Any, sample: Any, path: str, quiet: bool) -> None:

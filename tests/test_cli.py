@@ -309,3 +309,55 @@ def test_module_entry_point(tmp_path):
                        env=env, timeout=120)
     assert r.returncode == 2
     assert one_error_line(r.stderr).endswith("nope.onnx")
+
+
+def test_unknown_dim_and_non_onnx_output_refused(tmp_path, capsys):
+    src = fcn(tmp_path / "fcn.onnx")
+    out = tmp_path / "o.onnx"
+    for cmd in (["precondition", src, "-o", str(out)], ["inspect", src]):
+        assert main([*cmd, "--dim", "h=16", "--dim", "w=16", "--dim", "foo=3"]) == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert "--dim foo=3" in line and "'foo'" in line and "batch, h, w" in line
+    assert not out.exists()
+    txt = tmp_path / "out.txt"
+    assert main(["precondition", src, "-o", str(txt), "--dim", "h=16", "--dim", "w=16"]) == 2
+    assert ".onnx" in one_error_line(capsys.readouterr().err)
+    assert sorted(os.listdir(tmp_path)) == ["fcn.onnx"]
+
+
+def test_onnxruntime_log_lines_stay_out(tmp_path, monkeypatch):
+    # an unused initializer makes onnxruntime log a coloured warning at its default severity
+    src = mlp2(tmp_path / "m.onnx")
+    m = onnx.load(src)
+    m.graph.initializer.append(_w("unused", (7,)))
+    onnx.save(m, src)
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-m", "precondfx", "precondition", src, "-o",
+                        str(tmp_path / "o.onnx"), "--batch", "16"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for stream in (r.stdout, r.stderr):
+        assert "onnxruntime:" not in stream and "\x1b[" not in stream, stream
+    # the process-wide default logger (messages before any session exists) is set to ERROR
+    seen = []
+    monkeypatch.setattr(ort, "set_default_logger_severity", seen.append)
+    assert main(["precondition", src, "-o", str(tmp_path / "o2.onnx"), "--quiet", "--batch",
+                 "16"]) == 0
+    assert seen == [3]
+
+
+def test_pt_output_loads_with_weights_only_and_says_how(tmp_path, capsys):
+    import precondfx
+    from precondfx import zoo
+    pt = tmp_path / "m.pt"
+    assert main(["precondition", "precondfx.zoo:maxpool_cnn", "-o", str(pt),
+                 "--balance", "analytic", "--seed", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "state_dict" in err and "weights_only=False" in err
+    sd = torch.load(pt)                       # torch's default weights_only=True
+    # the recipe: rebuild the same rewrite, load the saved state into it
+    model, sample = zoo.build("maxpool_cnn")
+    again, _ = precondfx.precondition(model, sample, balance="analytic", seed=0)
+    again.load_state_dict(sd)
+    assert all(torch.equal(v, sd[k]) for k, v in again.state_dict().items())
+    assert float(sd["precondfx_output_scale"]) != 1.0

@@ -89,6 +89,14 @@ def data_path(out_path: str) -> str:
     return os.fspath(out_path) + ".data"
 
 
+def check_output_name(out_path: str | os.PathLike) -> None:
+    """Refuse an output that does not end in ``.onnx`` (``-o out.txt`` is almost always a slip,
+    and the weights file beside it would be named ``out.txt.data``)."""
+    if not os.fspath(out_path).lower().endswith(".onnx"):
+        raise PrecondError(f"output {os.fspath(out_path)}: the rewritten model is an ONNX file; "
+                           f"give a name ending in .onnx (e.g. -o model_pc.onnx)")
+
+
 def check_paths(in_path: str | os.PathLike, out_path: str | os.PathLike,
                 model: ir.Model | None = None) -> None:
     """Refuse to write over the input (or any file it reads), or into a missing folder."""
@@ -332,6 +340,17 @@ def parse_dims(items: Iterable[str] | Mapping[str, int] | None) -> dict[str, int
             raise PrecondError(f"--dim {k}={v}: the size must be at least 1")
         out[k] = n
     return out
+
+
+def check_dims(inputs: list[InputSpec], dims: Mapping[str, int]) -> None:
+    """Refuse a ``--dim`` naming a symbol that no model input has (a typo would otherwise be
+    ignored and the input generated with another size)."""
+    symbols = [d for spec in inputs for d in (spec.dims or ()) if isinstance(d, str) and d]
+    unknown = [k for k in dims if k not in symbols]
+    if unknown:
+        have = ", ".join(dict.fromkeys(symbols)) or "none (every input dim is fixed)"
+        raise PrecondError(f"--dim {unknown[0]}={dims[unknown[0]]}: the model has no input dim "
+                           f"named {unknown[0]!r}; its symbolic input dims are: {have}")
 
 
 def resolve_feeds(inputs: list[InputSpec], given: Mapping[str, Any] | None = None, *,

@@ -138,7 +138,9 @@ def inspect_onnx(path: str, *, dims: Mapping[str, int] | None = None, batch: int
                                input_scale, output_key, seed, reinit_weights)
     model = io.load(path)
     norm = normalize(model)
-    b, leading = _bindings(model, None, io.parse_dims(dims), batch)
+    dimmap = io.parse_dims(dims)
+    io.check_dims(io.real_inputs(model), dimmap)
+    b, leading = _bindings(model, None, dimmap, batch)
     cap = capture_model(model, norm, b, leading)
     cap.graph.notes.extend(_notes(model, norm) + opt_notes)
     plan = make_plan(cap.graph, cap.params, opts)
@@ -175,6 +177,7 @@ def precondition_onnx(in_path: str, out_path: str, *,
     clock = _Clock(progress)
     opts, opt_notes = _options(init, balance, maxpool, residual, residual_scale, target_std,
                                input_scale, output_key, seed, reinit_weights)
+    io.check_output_name(out_path)
     clock.start("load")
     model = io.load(in_path)
     io.check_paths(in_path, out_path, model)
@@ -186,6 +189,7 @@ def precondition_onnx(in_path: str, out_path: str, *,
     inputs = io.real_inputs(model)
     need_data = target_std is not None or input_scale == "auto"
     dimmap = io.parse_dims(dims)
+    io.check_dims(inputs, dimmap)
     given = io.load_calibration(inputs, calib, calib_inputs)
     given.update(feeds or {})
     if need_data:
