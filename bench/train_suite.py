@@ -1,0 +1,1131 @@
+"""Training suite (issue 11): does a preconditioned start train better, at each method's best
+learning rate, with SGD (momentum 0.9) and with AdamW?
+
+For every task and optimizer, each method's learning rate is swept over a grid of powers of two
+(at least 8 rates, 2x apart); the grid is widened by two rates on a side whenever a method's best
+rate (median over seeds) sits at that edge.  The final loss at the best rate is the median over
+>= 3 seeds, with its standard error over seeds.  Within a family (MLPs or plain CNNs of several
+widths, or of several depths) the best rate's movement is reported in octaves (log2), both on
+the grid and from a parabola through the best rate and its neighbours.
+
+Tasks (``--tasks``, comma list of names or family prefixes; ``--list`` prints them):
+
+* ``libsvm/<set>``: the paper's MLP (LayerNorm, 384-64) on bench/libsvm_study.py's 27 sets;
+  5 epochs, batch 32; loss = final full training-set cross-entropy (the paper's metric).
+* ``mlp_w<W>_d<D>``: digits (64 pixels in [-1, 1], 1500 train / 297 held out), D hidden ReLU
+  layers of width W; 3 epochs, batch 32.  Families: widths 32..2048 at depth 2, depths 1..16 at
+  width 256.  Loss = final full training-set loss (held-out loss recorded too).
+* ``cnn_w<W>_d<D>``: plain CNN (D 3x3 convolutions of width W, ReLU, global average pool,
+  linear) on the 8x8 digits; families as for the MLP.
+* ``conv_bn`` / ``conv_nobn``: a 5-convolution strided net on 16x16 digits with / without
+  BatchNorm.  ``nf_resnet``: a normalization-free ResNet (basic blocks) on the same data.
+* ``gpt2``: transformers GPT2LMHeadModel from a config (byte-level, vocabulary 256, dropout 0)
+  on Python's own standard-library sources (every 10th file held out); loss = held-out
+  next-byte cross-entropy (nats).  ``vit``: transformers ViTForImageClassification on 16x16
+  digits.
+
+Methods (``--methods``): ``default`` (the model as constructed: PyTorch's default, or the
+transformers init ``_init_weights`` for transformers models), ``torch_default`` (transformers
+models with every layer re-drawn by PyTorch's own rule), ``fan_in`` (He normal, biases 0),
+``lsuv`` (precondfx ``scheme="lsuv"``, output scale off), ``mup`` (the ``mup`` package:
+MuReadout + base shapes at width 32 + MuSGD/MuAdamW learning-rate multipliers; MLP and CNN
+families only; skipped, and said so, when ``mup`` is not installed), ``pfx`` (precondfx with
+its defaults) and the ablations listed in ``ABLATIONS`` (one choice of the pass changed at a
+time).  No method gets any other output calibration than its own.
+
+Many copies (learning rate x seed) of one (task, method) train at once as one batched model
+(stacked parameters, ``vmap(functional_call)``, SGD / AdamW updates written out with
+PyTorch's semantics, checked against torch.optim in tests/test_bench_smoke.py); a model that
+cannot be batched falls back to one ``torch.optim`` run per copy.
+
+    python bench/train_suite.py --device cuda            # the full suite (GPU)
+    python bench/train_suite.py --cpu-small              # the CPU-reduced ablation runs
+    python bench/train_suite.py --quick                  # CI smoke run (< 30 s)
+    python bench/train_suite.py --tasks gpt2 --methods default,pfx,pfx_std0.5 --seeds 5
+
+Writes docs/results/train_suite[_tag].json, .md and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import glob
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, vmap
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# methods
+# ---------------------------------------------------------------------------------------------
+
+#: precondfx variants: name -> keyword arguments of ``precondfx.precondition`` (beyond seed).
+#: ``pfx`` passes nothing, so it always measures the current defaults.
+PFX: dict[str, dict] = {
+    "pfx": {},
+    "pfx_std0.05": {"target_std": 0.05},
+    "pfx_std0.5": {"target_std": 0.5},
+    "pfx_std1": {"target_std": 1.0},
+    "pfx_stdNone": {"target_std": None},
+    "pfx_in_auto": {"input_scale": "auto"},
+    "pfx_fan_in": {"init": "fan_in"},
+    "pfx_fan_out": {"init": "fan_out"},
+    "pfx_none": {"balance": "none"},
+    "pfx_analytic": {"balance": "analytic"},
+    "pfx_hessian": {"balance": "hessian"},
+    "pfx_res_none": {"residual": "none"},
+    "pfx_res_all": {"residual": "all"},
+    "pfx_defbias": {},          # pfx, then the biases of PyTorch's default init put back
+    "pfx_none_stdNone": {"balance": "none", "target_std": None},
+    "pfx_fan_in_stdNone": {"init": "fan_in", "target_std": None},
+}
+
+BASELINES = ["default", "torch_default", "default_std0.05", "default_zb", "fan_in", "lsuv", "mup"]
+MAIN_METHODS = ["default", "torch_default", "fan_in", "lsuv", "mup", "pfx"]
+ABLATIONS = ["default_std0.05", "default_zb", "pfx_std0.5", "pfx_stdNone", "pfx_in_auto",
+             "pfx_fan_in", "pfx_none", "pfx_analytic", "pfx_hessian", "pfx_res_none",
+             "pfx_defbias"]
+
+LABELS = {
+    "default": "framework default", "torch_default": "PyTorch default (re-drawn)",
+    "default_std0.05": "default + output std 0.05", "default_zb": "default, biases 0",
+    "fan_in": "fan-in (He)", "lsuv": "LSUV", "mup": "muP (mup package)",
+    "pfx": "precondfx default", "pfx_std0.05": "pfx target_std=0.05",
+    "pfx_std0.5": "pfx target_std=0.5", "pfx_std1": "pfx target_std=1",
+    "pfx_stdNone": "pfx target_std=None", "pfx_in_auto": "pfx input_scale=auto",
+    "pfx_fan_in": "pfx init=fan_in", "pfx_fan_out": "pfx init=fan_out",
+    "pfx_none": "pfx balance=none", "pfx_analytic": "pfx balance=analytic",
+    "pfx_hessian": "pfx balance=hessian", "pfx_res_none": "pfx residual=none",
+    "pfx_res_all": "pfx residual=all", "pfx_defbias": "pfx + default biases",
+    "pfx_none_stdNone": "pfx balance=none, target_std=None",
+    "pfx_fan_in_stdNone": "pfx init=fan_in, target_std=None",
+}
+
+
+def mup_available() -> bool:
+    try:
+        import mup  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------------
+
+def _digits_split() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    perm = np.random.RandomState(0).permutation(len(d.target))
+    return d.images.astype(np.float32) / 16.0 * 2 - 1, d.target.astype(np.int64), perm
+
+
+def digits(kind: str) -> dict:
+    """Digits split 1500 / 297: ``flat`` (64 features), ``img8`` (1x8x8), ``img16`` (3x16x16,
+    bilinear)."""
+    img, y, perm = _digits_split()
+    x = torch.tensor(img).unsqueeze(1)
+    if kind == "flat":
+        x = x.flatten(1)
+    elif kind == "img16":
+        x = F.interpolate(x, size=(16, 16), mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
+    y = torch.tensor(y)
+    tr, te = torch.tensor(perm[:1500]), torch.tensor(perm[1500:])
+    return {"x": x[tr].contiguous(), "y": y[tr], "x_test": x[te].contiguous(), "y_test": y[te]}
+
+
+def text_corpus(max_bytes: int | None = None) -> dict:
+    """Byte-level corpus: Python's own standard-library sources (``Lib/*.py``), sorted by name;
+    every 10th file is held out."""
+    lib = os.path.dirname(os.__file__)
+    files = sorted(glob.glob(os.path.join(lib, "*.py")))
+    tr, te = [], []
+    for i, f in enumerate(files):
+        with open(f, "rb") as fh:
+            (te if i % 10 == 9 else tr).append(fh.read())
+    a, b = b"\n".join(tr), b"\n".join(te)
+    if max_bytes:
+        a, b = a[:max_bytes], b[:max(max_bytes // 8, 4096)]
+    to = lambda s: torch.frombuffer(bytearray(s), dtype=torch.uint8).long()  # noqa: E731
+    return {"train": to(a), "test": to(b), "files": len(files), "train_bytes": len(a),
+            "test_bytes": len(b)}
+
+
+# ---------------------------------------------------------------------------------------------
+# models
+# ---------------------------------------------------------------------------------------------
+
+def mlp(n_in: int, width: int, depth: int, n_out: int, readout: type = nn.Linear) -> nn.Module:
+    layers: list[nn.Module] = []
+    prev = n_in
+    for _ in range(depth):
+        layers += [nn.Linear(prev, width), nn.ReLU()]
+        prev = width
+    layers.append(readout(prev, n_out))
+    return nn.Sequential(*layers)
+
+
+class PlainCNN(nn.Module):
+    """``depth`` 3x3 convolutions (padding 1) of ``width`` channels, ReLU, global average pool,
+    linear head."""
+
+    def __init__(self, in_ch: int, width: int, depth: int, n_out: int,
+                 readout: type = nn.Linear) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        prev = in_ch
+        for _ in range(depth):
+            layers += [nn.Conv2d(prev, width, 3, padding=1), nn.ReLU()]
+            prev = width
+        self.features = nn.Sequential(*layers)
+        self.head = readout(prev, n_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean((2, 3)))
+
+
+class ConvNet(nn.Module):
+    """Five 3x3 convolutions (32-32s2-64-64s2-128), optional BatchNorm, pool, linear."""
+
+    def __init__(self, bn: bool, n_out: int = 10) -> None:
+        super().__init__()
+        spec = [(3, 32, 1), (32, 32, 2), (32, 64, 1), (64, 64, 2), (64, 128, 1)]
+        layers: list[nn.Module] = []
+        for cin, cout, s in spec:
+            layers.append(nn.Conv2d(cin, cout, 3, stride=s, padding=1, bias=not bn))
+            if bn:
+                layers.append(nn.BatchNorm2d(cout))
+            layers.append(nn.ReLU())
+        self.features = nn.Sequential(*layers)
+        self.fc = nn.Linear(128, n_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x).mean((2, 3)))
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+        self.short = (nn.Conv2d(cin, cout, 1, stride=stride)
+                      if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.short(x) + self.conv2(torch.relu(self.conv1(x))))
+
+
+class NFResNet(nn.Module):
+    """Normalization-free ResNet: stem, 2 stages of 2 basic blocks (32, 64), pool, linear."""
+
+    def __init__(self, n_out: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 32, 3, padding=1)
+        self.blocks = nn.Sequential(BasicBlock(32, 32, 1), BasicBlock(32, 32, 1),
+                                    BasicBlock(32, 64, 2), BasicBlock(64, 64, 1))
+        self.fc = nn.Linear(64, n_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.blocks(torch.relu(self.stem(x))).mean((2, 3)))
+
+
+class HFLogits(nn.Module):
+    """A transformers model called with one tensor (``key=x``), returning its logits."""
+
+    def __init__(self, model: nn.Module, key: str) -> None:
+        super().__init__()
+        self.model, self.key = model, key
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kw = {"use_cache": False} if self.key == "input_ids" else {}
+        return self.model(**{self.key: x}, **kw).logits
+
+
+def gpt2(n_embd: int, n_layer: int, n_head: int, ctx: int) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(vocab_size=256, n_positions=ctx, n_embd=n_embd, n_layer=n_layer,
+                     n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    return HFLogits(GPT2LMHeadModel(cfg), "input_ids")
+
+
+def vit(hidden: int, layers: int) -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+    cfg = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=hidden,
+                    num_hidden_layers=layers, num_attention_heads=4,
+                    intermediate_size=4 * hidden, num_labels=10, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0, attn_implementation="eager")
+    return HFLogits(ViTForImageClassification(cfg), "pixel_values")
+
+
+# ---------------------------------------------------------------------------------------------
+# tasks
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Task:
+    """One training problem.  ``make(readout)`` builds the user's model (under the caller's
+    ``torch.manual_seed``); ``data``: ``x, y, x_test, y_test`` (classification) or ``train,
+    test`` token streams (``lm``)."""
+
+    name: str
+    make: Callable[..., nn.Module]
+    data: dict
+    batch: int
+    steps: int = 0
+    epochs: float = 0.0
+    kind: str = "cls"                 # cls | lm
+    ctx: int = 0                      # lm: tokens per window
+    family: str = ""                  # e.g. mlp_width, mlp_depth
+    member: int = 0                   # width or depth within the family
+    hf: bool = False                  # transformers model (default = _init_weights)
+    mup_width: Callable[[int], nn.Module] | None = None   # builder at another width (muP)
+    metric: str = "train"             # train (final full training-set loss) | heldout
+
+    def n_steps(self) -> int:
+        if self.kind == "lm":
+            return self.steps
+        return max(1, int(round(self.epochs * (len(self.data["y"]) // self.batch))))
+
+    def sampler(self, seed: int) -> torch.Tensor:
+        """(steps, batch) indices of the minibatches of one seed (shared by every method and
+        learning rate): epoch permutations (classification) or window starts (LM)."""
+        g = torch.Generator().manual_seed(777 + seed)
+        T = self.n_steps()
+        if self.kind == "lm":
+            hi = len(self.data["train"]) - self.ctx - 1
+            return torch.randint(0, hi, (T, self.batch), generator=g)
+        n = len(self.data["y"])
+        spe = n // self.batch
+        ep = math.ceil(T / spe)
+        perms = [torch.randperm(n, generator=g)[:spe * self.batch].view(spe, self.batch)
+                 for _ in range(ep)]
+        return torch.cat(perms)[:T]
+
+    def get(self, idx: torch.Tensor, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kind == "lm":
+            tok = self.data["train" if split == "train" else "test"]
+            ar = torch.arange(self.ctx + 1, device=idx.device)
+            w = tok[idx.unsqueeze(-1) + ar]
+            return w[..., :-1], w[..., 1:]
+        if split == "train":
+            return self.data["x"][idx], self.data["y"][idx]
+        return self.data["x_test"][idx], self.data["y_test"][idx]
+
+    def eval_sets(self) -> dict[str, torch.Tensor]:
+        """Index sets of the evaluations: ``train`` (the whole training set, classification)
+        and ``heldout``."""
+        if self.kind == "lm":
+            n = len(self.data["test"]) - self.ctx - 1
+            k = min(256, max(1, n // self.ctx))
+            return {"heldout": torch.linspace(0, n - 1, k).long()}
+        return {"train": torch.arange(len(self.data["y"])),
+                "heldout": torch.arange(len(self.data["y_test"]))}
+
+
+def _family(prefix: str, make_net: Callable, data: dict, widths: list[int], depths: list[int],
+            w0: int, d0: int, epochs: float, batch: int) -> list[Task]:
+    out: list[Task] = []
+    seen = set()
+    for fam, pairs in ((f"{prefix}_width", [(w, d0) for w in widths]),
+                       (f"{prefix}_depth", [(w0, d) for d in depths])):
+        for w, d in pairs:
+            name = f"{prefix}_w{w}_d{d}"
+            t = Task(name, (lambda readout=nn.Linear, w=w, d=d: make_net(w, d, readout)), data,
+                     batch, epochs=epochs, family=fam, member=w if fam.endswith("width") else d,
+                     mup_width=(lambda w2, d=d: make_net(w2, d, nn.Linear)))
+            if name in seen:          # the shared member belongs to both families
+                t.family = f"{prefix}_width+{prefix}_depth"
+                out = [x for x in out if x.name != name]
+            seen.add(name)
+            out.append(t)
+    return out
+
+
+def all_tasks(cfg: dict) -> list[Task]:
+    """Every task of the suite for the size configuration ``cfg`` (see ``SIZES``)."""
+    tasks: list[Task] = []
+    if cfg.get("libsvm", True):
+        import libsvm_study as L
+        for name, fn, _spec in L.datasets():
+            X, y = L.load(fn)
+            d, c = X.shape[1], int(y.max()) + 1
+            data = {"x": X, "y": y, "x_test": X[:0], "y_test": y[:0]}
+            tasks.append(Task(f"libsvm/{name}", (lambda readout=nn.Linear, d=d, c=c:
+                                                 L.make_net(d, c)), data, 32, epochs=5,
+                              family="libsvm"))
+    flat = digits("flat")
+    tasks += _family("mlp", lambda w, d, r: mlp(64, w, d, 10, r), flat, cfg["mlp_widths"],
+                     cfg["mlp_depths"], cfg["mlp_w0"], cfg["mlp_d0"], cfg["epochs"], 32)
+    tasks.append(Task("mlp_w512_d1", lambda readout=nn.Linear: mlp(64, 512, 1, 10, readout),
+                      flat, 32, epochs=cfg["epochs"], family="shallow",
+                      mup_width=lambda w2: mlp(64, w2, 1, 10)))
+    img8 = digits("img8")
+    tasks += _family("cnn", lambda w, d, r: PlainCNN(1, w, d, 10, r), img8, cfg["cnn_widths"],
+                     cfg["cnn_depths"], cfg["cnn_w0"], cfg["cnn_d0"], cfg["epochs"], 32)
+    img16 = digits("img16")
+    tasks.append(Task("conv_bn", lambda readout=nn.Linear: ConvNet(True), img16, 32,
+                      epochs=cfg["epochs"], family="conv"))
+    tasks.append(Task("conv_nobn", lambda readout=nn.Linear: ConvNet(False), img16, 32,
+                      epochs=cfg["epochs"], family="conv"))
+    tasks.append(Task("nf_resnet", lambda readout=nn.Linear: NFResNet(), img16, 32,
+                      epochs=cfg["epochs"], family="conv"))
+    g = cfg["gpt2"]
+    text = text_corpus(g.get("max_bytes"))
+    tasks.append(Task("gpt2", lambda readout=None: gpt2(g["n_embd"], g["n_layer"], g["n_head"],
+                                                        g["ctx"]),
+                      text, g["batch"], steps=g["steps"], kind="lm", ctx=g["ctx"],
+                      family="transformer", hf=True, metric="heldout"))
+    v = cfg["vit"]
+    tasks.append(Task("vit", lambda readout=None: vit(v["hidden"], v["layers"]), img16, 32,
+                      epochs=cfg["epochs"], family="transformer", hf=True))
+    return tasks
+
+
+#: size configurations: the full suite (GPU), the CPU-reduced one, the CI smoke run.
+SIZES: dict[str, dict] = {
+    "full": dict(epochs=3, mlp_widths=[32, 128, 512, 2048], mlp_depths=[1, 2, 4, 8, 16],
+                 mlp_w0=256, mlp_d0=2, cnn_widths=[32, 128, 512, 2048],
+                 cnn_depths=[1, 2, 4, 8, 16], cnn_w0=64, cnn_d0=2,
+                 gpt2=dict(n_embd=128, n_layer=4, n_head=4, ctx=128, batch=32, steps=600),
+                 vit=dict(hidden=64, layers=4), seeds=3, n_lr=8),
+    "cpu_small": dict(epochs=3, mlp_widths=[32, 128, 512], mlp_depths=[1, 2, 4, 8],
+                      mlp_w0=128, mlp_d0=2, cnn_widths=[16, 32, 64], cnn_depths=[1, 2, 4, 8],
+                      cnn_w0=32, cnn_d0=2, libsvm=False,
+                      gpt2=dict(n_embd=64, n_layer=2, n_head=4, ctx=64, batch=16, steps=150,
+                                max_bytes=2_000_000),
+                      vit=dict(hidden=32, layers=2), seeds=3, n_lr=8),
+    "quick": dict(epochs=0.25, mlp_widths=[32, 64], mlp_depths=[1, 2], mlp_w0=32, mlp_d0=1,
+                  cnn_widths=[8], cnn_depths=[1], cnn_w0=8, cnn_d0=1, libsvm=False,
+                  gpt2=dict(n_embd=32, n_layer=1, n_head=2, ctx=16, batch=8, steps=6,
+                            max_bytes=200_000),
+                  vit=dict(hidden=16, layers=1), seeds=3, n_lr=8),
+}
+
+#: the default task selection of each size (``--tasks`` overrides it)
+DEFAULT_TASKS = {
+    "full": ["libsvm", "mlp", "cnn", "conv_bn", "conv_nobn", "nf_resnet", "gpt2", "vit"],
+    "cpu_small": ["mlp_w512_d1", "gpt2", "mlp"],
+    "quick": ["mlp_w32_d1", "gpt2"],
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# building each method's model
+# ---------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def fan_in_(model: nn.Module, seed: int) -> nn.Module:
+    """He-normal (std sqrt(2/fan_in)) on every Linear / Conv / transformers Conv1D weight,
+    biases 0; embeddings and normalizations untouched."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if w is None or w.dim() < 2 or isinstance(m, nn.Embedding):
+            continue
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            fan = int(math.prod(w.shape[1:]))
+        elif type(m).__name__ == "Conv1D":           # transformers' (in, out) linear
+            fan = int(w.shape[0])
+        else:
+            continue
+        w.copy_(torch.randn(w.shape, generator=gen) * math.sqrt(2.0 / fan))
+        if getattr(m, "bias", None) is not None:
+            m.bias.zero_()
+    return model
+
+
+@torch.no_grad()
+def torch_default_(model: nn.Module) -> nn.Module:
+    """PyTorch's own init on every module that has one (``reset_parameters``); transformers'
+    Conv1D is drawn as nn.Linear would be (uniform, bound 1/sqrt(fan_in))."""
+    for m in model.modules():
+        if type(m).__name__ == "Conv1D":
+            b = 1.0 / math.sqrt(m.weight.shape[0])
+            m.weight.uniform_(-b, b)
+            if m.bias is not None:
+                m.bias.uniform_(-b, b)
+        elif hasattr(m, "reset_parameters") and m is not model:
+            m.reset_parameters()
+    return model
+
+
+class FixedReadout(nn.Linear):
+    """mup's MuReadout with its width multiplier frozen into a float (so that the model can be
+    batched with functional_call, which drops mup's ``infshape`` attributes)."""
+
+    def __init__(self, src: nn.Linear, mult: float) -> None:
+        super().__init__(src.in_features, src.out_features, bias=src.bias is not None)
+        with torch.no_grad():
+            self.weight.copy_(src.weight)
+            if src.bias is not None:
+                self.bias.copy_(src.bias)
+        self.mult = float(mult)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * self.mult)
+
+
+def build_mup(task: Task, seed: int, opt: str, base_width: int = 32) -> tuple[nn.Module, dict]:
+    """muP with the mup package: MuReadout head, base shapes from the same architecture at
+    ``base_width`` (delta at 2x), PyTorch's default init elsewhere (fan-in: muP-correct for
+    hidden and input weights), learning-rate multipliers from MuSGD / MuAdamW."""
+    import mup
+    torch.manual_seed(seed)
+    model = task.make(readout=mup.MuReadout)
+    base = task.mup_width(base_width)
+    delta = task.mup_width(2 * base_width)
+    mup.set_base_shapes(model, base, delta=delta)
+    params = list(model.parameters())
+    maker = mup.MuSGD if opt == "sgd" else mup.MuAdamW
+    o = maker(params, lr=1.0)
+    mult_by_id = {id(p): g["lr"] for g in o.param_groups for p in g["params"]}
+    names = {id(p): n for n, p in model.named_parameters()}
+    mult = {names[i]: float(v) for i, v in mult_by_id.items()}
+    # swap every MuReadout for a plain module with the same multiplier
+    for name, mod in list(model.named_modules()):
+        for cname, child in list(mod.named_children()):
+            if isinstance(child, mup.MuReadout):
+                setattr(mod, cname, FixedReadout(child, child.output_mult / child.width_mult()))
+    return model, mult
+
+
+def build(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str
+          ) -> tuple[nn.Module, dict]:
+    """The initialized model of ``method`` for ``seed`` (built under ``torch.manual_seed(seed)``
+    so 'default' is the framework's own init for that seed), and its per-parameter
+    learning-rate multipliers (empty: all 1)."""
+    if method == "mup":
+        return build_mup(task, seed, opt)
+    torch.manual_seed(seed)
+    model = task.make()
+    model.train()
+    if method == "default":
+        return model, {}
+    if method == "torch_default":
+        return torch_default_(model), {}
+    if method == "default_std0.05":
+        return C.calibrated(model, calib, 0.05), {}
+    if method == "default_zb":
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d)) or \
+                        type(m).__name__ == "Conv1D":
+                    if m.bias is not None:
+                        m.bias.zero_()
+        return model, {}
+    if method == "fan_in":
+        return fan_in_(model, seed), {}
+    import precondfx
+    if method == "lsuv":
+        out, _ = precondfx.precondition(model, calib, seed=seed, scheme="lsuv", target_std=None)
+        return out.train(), {}
+    if method not in PFX:
+        raise ValueError(f"unknown method {method!r}; known: {BASELINES + list(PFX)}")
+    out, _ = precondfx.precondition(model, calib, seed=seed, **PFX[method])
+    if method == "pfx_defbias":
+        with torch.no_grad():
+            ref = dict(model.named_parameters())
+            for n, p in out.named_parameters():
+                if n.endswith("bias") and n in ref and ref[n].shape == p.shape:
+                    p.copy_(ref[n])
+    return out.train(), {}
+
+
+def method_note(task: Task, method: str) -> str | None:
+    """Why ``method`` is not run on ``task`` (None: it is)."""
+    if method == "mup":
+        if not mup_available():
+            return "the mup package is not installed (pip install --no-deps mup)"
+        if task.mup_width is None:
+            return "muP is run on the MLP and CNN families only (needs a width-parametrized builder)"
+    if method == "torch_default" and not task.hf:
+        return "same as 'default' for a plain PyTorch model"
+    if method in ("pfx_res_none", "pfx_res_all") and task.family not in ("conv", "transformer"):
+        return "no residual join"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# training: many copies at once (vmap), or one at a time (torch.optim)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Hyper:
+    opt: str                     # sgd | adamw
+    momentum: float = 0.9
+    sgd_wd: float = 0.0
+    adam_wd: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+
+def _ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-copy mean cross-entropy: ``out (M, B, ..., V)``, ``y (M, B, ...)``."""
+    m = y.shape[0]
+    v = out.shape[-1]
+    ce = F.cross_entropy(out.reshape(-1, v).float(), y.reshape(-1), reduction="none")
+    return ce.view(m, -1).mean(1)
+
+
+class VTrainer:
+    """Copies of one architecture trained at once: parameters stacked along dim 0,
+    ``vmap(functional_call)``; the update is torch.optim.SGD's (momentum buffer = gradient on
+    the first step) or torch.optim.AdamW's (bias-corrected, decoupled weight decay), with a
+    learning rate per copy times a per-parameter multiplier."""
+
+    def __init__(self, models: list[nn.Module], lrs: list[float], hp: Hyper, mult: dict,
+                 device: str) -> None:
+        # the base module stays real: a meta copy loses tensors that are plain attributes
+        # (transformers models keep some), and vmap then computes garbage
+        self.base = copy.deepcopy(models[0]).to(device)
+        self.base.train()
+        params, bufs = C.stack_state(models)
+        self.names = list(params)
+        self.p = {k: v.to(device).contiguous() for k, v in params.items()}
+        self.b = {k: v.to(device).contiguous() for k, v in bufs.items()}
+        self.s1 = {k: torch.zeros_like(v) for k, v in self.p.items()}
+        self.s2 = ({k: torch.zeros_like(v) for k, v in self.p.items()}
+                   if hp.opt == "adamw" else {})
+        self.lr = torch.tensor(lrs, dtype=torch.float32, device=device)
+        self.mult = {k: float(mult.get(k, 1.0)) for k in self.names}
+        self.hp, self.t, self.device = hp, 0, device
+        self.alive = torch.arange(len(lrs), device=device)
+
+        def f(p: dict, b: dict, x: torch.Tensor) -> torch.Tensor:
+            return functional_call(self.base, (p, b), (x,))
+        self._f = f
+
+    def forward(self, x: torch.Tensor, shared: bool = False) -> torch.Tensor:
+        return vmap(self._f, in_dims=(0, 0, None if shared else 0))(self.p, self.b, x)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ps = [self.p[k].requires_grad_(True) for k in self.names]
+        loss = _ce(self.forward(x), y)
+        grads = torch.autograd.grad(loss.sum(), ps)
+        hp = self.hp
+        self.t += 1
+        with torch.no_grad():
+            for k, p, g in zip(self.names, ps, grads):
+                p.requires_grad_(False)
+                lr = (self.lr * self.mult[k]).view(-1, *([1] * (p.dim() - 1)))
+                if hp.opt == "sgd":
+                    if hp.sgd_wd:
+                        g = g.add(p, alpha=hp.sgd_wd)
+                    buf = self.s1[k]
+                    if self.t == 1:
+                        buf.copy_(g)
+                    else:
+                        buf.mul_(hp.momentum).add_(g)
+                    p.sub_(lr * buf)
+                else:
+                    b1, b2 = hp.betas
+                    p.mul_(1 - lr * hp.adam_wd)
+                    self.s1[k].mul_(b1).add_(g, alpha=1 - b1)
+                    self.s2[k].mul_(b2).addcmul_(g, g, value=1 - b2)
+                    bc1, bc2 = 1 - b1 ** self.t, 1 - b2 ** self.t
+                    den = (self.s2[k].sqrt() / math.sqrt(bc2)).add_(hp.eps)
+                    p.sub_((lr / bc1) * self.s1[k] / den)
+        return loss.detach()
+
+    def keep(self, ok: torch.Tensor) -> None:
+        idx = ok.nonzero().flatten()
+        for d in (self.p, self.b, self.s1, self.s2):
+            for k in list(d):
+                d[k] = d[k][idx].contiguous()
+        self.lr = self.lr[idx]
+        self.alive = self.alive[idx]
+
+    def finite(self) -> torch.Tensor:
+        ok = torch.ones(len(self.alive), dtype=torch.bool, device=self.device)
+        for v in self.p.values():
+            ok &= torch.isfinite(v.flatten(1)).all(1)
+        return ok
+
+    @torch.no_grad()
+    def evaluate(self, task: Task, idx: torch.Tensor, split: str, chunk: int) -> torch.Tensor:
+        self.base.eval()
+        try:
+            tot = torch.zeros(len(self.alive), dtype=torch.float64, device=self.device)
+            for i in range(0, len(idx), chunk):
+                x, y = task.get(idx[i:i + chunk], split)
+                out = self.forward(x, shared=True)
+                yy = y.unsqueeze(0).expand(out.shape[0], *y.shape)
+                tot += _ce(out, yy).double() * len(y)
+            tot /= len(idx)
+        finally:
+            self.base.train()
+        return torch.where(torch.isfinite(tot), tot, torch.full_like(tot, math.inf))
+
+
+@torch.no_grad()
+def check_batched(tr: VTrainer, models: list[nn.Module], task: Task, idx: torch.Tensor,
+                  device: str) -> None:
+    """The batched forward must reproduce each model's own forward (first and last copy, on
+    their first minibatch, on copies so that no BatchNorm statistics move); raises if not."""
+    x, _ = task.get(idx)
+    out = tr.forward(x)
+    for i in {0, len(models) - 1}:
+        ref = copy.deepcopy(models[i]).to(device).train()(x[i])
+        if not torch.allclose(out[i], ref, rtol=1e-3, atol=1e-5 * (1 + float(ref.abs().max()))):
+            raise RuntimeError(f"batched forward differs from the model's own "
+                               f"(max {float((out[i] - ref).abs().max()):.3g})")
+
+
+def _optimizer(model: nn.Module, lr: float, hp: Hyper, mult: dict) -> torch.optim.Optimizer:
+    groups: dict[float, list] = {}
+    for n, p in model.named_parameters():
+        groups.setdefault(float(mult.get(n, 1.0)), []).append(p)
+    pg = [{"params": ps, "lr": lr * m} for m, ps in groups.items()]
+    if hp.opt == "sgd":
+        return torch.optim.SGD(pg, lr=lr, momentum=hp.momentum, weight_decay=hp.sgd_wd)
+    return torch.optim.AdamW(pg, lr=lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.adam_wd)
+
+
+def _to_dev(task: Task, device: str) -> None:
+    for k, v in list(task.data.items()):
+        if isinstance(v, torch.Tensor) and v.device.type != torch.device(device).type:
+            task.data[k] = v.to(device)
+
+
+def train_copies(task: Task, models: list[nn.Module], lrs: list[float], seeds: list[int],
+                 hp: Hyper, mult: dict, device: str, engine: str = "auto") -> dict:
+    """Train copy ``i`` (``models[i]``, ``lrs[i]``, the minibatches of ``seeds[i]``) for the
+    task's steps; returns per-copy final losses per evaluation set (+inf when diverged) and the
+    engine used."""
+    _to_dev(task, device)
+    T = task.n_steps()
+    uniq = sorted(set(seeds))
+    samp = torch.stack([task.sampler(s) for s in uniq]).to(device)       # (S, T, B)
+    row = torch.tensor([uniq.index(s) for s in seeds], device=device)
+    sets = {k: v.to(device) for k, v in task.eval_sets().items()}
+    chunk = 64 if task.kind == "lm" else 512
+    M = len(models)
+    res = {k: np.full(M, math.inf) for k in sets}
+    if engine in ("auto", "vmap"):
+        try:
+            tr = VTrainer(models, lrs, hp, mult, device)
+            check_batched(tr, models, task, samp[row, 0], device)
+            for t in range(T):
+                x, y = task.get(samp[row[tr.alive], t])
+                loss = tr.step(x, y)
+                ok = torch.isfinite(loss)
+                if t % 8 == 7 or t == T - 1:
+                    ok &= tr.finite()
+                if not bool(ok.all()):
+                    tr.keep(ok)
+                    if len(tr.alive) == 0:
+                        break
+            if len(tr.alive):
+                for k, idx in sets.items():
+                    split = "train" if k == "train" else "test"
+                    res[k][tr.alive.cpu().numpy()] = tr.evaluate(task, idx, split, chunk).cpu().numpy()
+            return {**res, "engine": "vmap"}
+        except Exception as e:          # not batchable: one torch.optim run per copy
+            if engine == "vmap":
+                raise
+            note = f"vmap failed ({type(e).__name__}: {str(e)[:120]}); torch.optim loop"
+    else:
+        note = "torch.optim loop"
+    for i, (m0, lr, s) in enumerate(zip(models, lrs, seeds)):
+        m = copy.deepcopy(m0).to(device).train()
+        o = _optimizer(m, lr, hp, mult)
+        ok = True
+        for t in range(T):
+            x, y = task.get(samp[row[i], t])
+            loss = _ce(m(x).unsqueeze(0), y.unsqueeze(0))[0]
+            if not torch.isfinite(loss):
+                ok = False
+                break
+            o.zero_grad(set_to_none=True)
+            loss.backward()
+            o.step()
+        if not ok:
+            continue
+        m.eval()
+        with torch.no_grad():
+            for k, idx in sets.items():
+                split = "train" if k == "train" else "test"
+                tot = 0.0
+                for j in range(0, len(idx), chunk):
+                    x, y = task.get(idx[j:j + chunk], split)
+                    tot += float(_ce(m(x).unsqueeze(0), y.unsqueeze(0))[0]) * len(y)
+                v = tot / len(idx)
+                res[k][i] = v if math.isfinite(v) else math.inf
+    return {**res, "engine": note}
+
+
+# ---------------------------------------------------------------------------------------------
+# learning-rate sweeps
+# ---------------------------------------------------------------------------------------------
+
+_BUILT: dict = {}
+
+LR_CENTER = {"sgd": -4.5, "adamw": -9.5}       # the first grid: 2^(c-3.5) .. 2^(c+3.5)
+
+
+def fit_log2_lr(exps: list[int], med: np.ndarray) -> float:
+    """Sub-grid best rate: vertex of the parabola through log(loss) at the best rate and its
+    two neighbours (the grid point itself at an edge or when the fit is not convex)."""
+    b = int(np.argmin(med))
+    if b == 0 or b == len(med) - 1 or not np.all(np.isfinite(med[b - 1:b + 2])):
+        return float(exps[b])
+    y0, y1, y2 = np.log(med[b - 1:b + 2])
+    den = y0 - 2 * y1 + y2
+    if den <= 0:
+        return float(exps[b])
+    return float(exps[b] + 0.5 * (y0 - y2) / den)
+
+
+def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device: str,
+          max_widen: int = 3, say: Callable[[str], None] = print, engine: str = "auto") -> dict:
+    """One (task, method, optimizer): the LR grid, widened while the best rate is at an edge."""
+    hp = Hyper(opt)
+    calib = {s: task.get(task.sampler(s)[0].to("cpu") if task.kind != "lm" else
+                         task.sampler(s)[0])[0].cpu() for s in seeds}
+    _to_cpu_data = {k: v.cpu() for k, v in task.data.items() if isinstance(v, torch.Tensor)}
+    task.data.update(_to_cpu_data)
+    built = {}
+    for s in seeds:        # every method but muP builds the same model for both optimizers
+        key = (task.name, method, s, opt if method == "mup" else "")
+        if key not in _BUILT:
+            _BUILT.clear() if len(_BUILT) > 64 else None
+            _BUILT[key] = build(task, method, s, calib[s], opt)
+        built[s] = _BUILT[key]
+    mult = built[seeds[0]][1]
+    c = LR_CENTER[opt]
+    lo = int(math.ceil(c - n_lr / 2 + 0.5))
+    exps = list(range(lo, lo + n_lr))
+    losses: dict[int, dict[str, np.ndarray]] = {}
+    engines = set()
+
+    def run(new: list[int]) -> None:
+        models, lrs, sd = [], [], []
+        for e in new:
+            for s in seeds:
+                models.append(built[s][0])
+                lrs.append(2.0 ** e)
+                sd.append(s)
+        r = train_copies(task, models, lrs, sd, hp, mult, device, engine)
+        engines.add(r["engine"])
+        for j, e in enumerate(new):
+            sl = slice(j * len(seeds), (j + 1) * len(seeds))
+            losses[e] = {k: r[k][sl] for k in r if k != "engine"}
+
+    run(exps)
+    widened = 0
+    key = "train" if task.metric == "train" else "heldout"
+    while True:
+        grid = sorted(losses)
+        med = np.array([np.median(losses[e][key]) for e in grid])
+        b = int(np.argmin(med)) if np.isfinite(med).any() else 0   # all diverged: go lower
+        if widened >= max_widen:
+            break
+        if b == 0:
+            new = [grid[0] - 2, grid[0] - 1]
+        elif b == len(grid) - 1:
+            new = [grid[-1] + 1, grid[-1] + 2]
+        else:
+            break
+        widened += 1
+        say(f"    {task.name} {method} {opt}: best rate 2^{grid[b]} at the edge: adding "
+            f"2^{new[0]}, 2^{new[1]}")
+        run(new)
+    grid = sorted(losses)
+    L = np.stack([losses[e][key] for e in grid])                  # (n_lr, seeds)
+    med = np.median(L, axis=1)
+    b = int(np.argmin(med)) if np.isfinite(med).any() else 0
+    at_b = L[b]
+    fin = at_b[np.isfinite(at_b)]
+    se = (float(np.std(at_b, ddof=1) / math.sqrt(len(at_b)))
+          if len(fin) == len(at_b) and len(at_b) > 1 else math.inf)
+    out = {"lr_log2": grid, "losses": {k: np.stack([losses[e][k] for e in grid])
+                                       for k in losses[grid[0]]},
+           "median": med, "best": float(med[b]), "se": se, "best_lr_log2": grid[b],
+           "best_lr_log2_fit": fit_log2_lr(grid, med) if np.isfinite(med[b]) else None,
+           "at_edge": b in (0, len(grid) - 1), "widened": widened, "metric": key,
+           "engine": sorted(engines), "lr_mult": {k: v for k, v in mult.items() if v != 1.0}}
+    for k in out["losses"]:
+        if k != key:
+            out[f"{k}_at_best"] = float(np.median(out["losses"][k][b]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# summaries, claims, tables, plots
+# ---------------------------------------------------------------------------------------------
+
+def compare(a: dict, b: dict, k: float = 2.0) -> int:
+    """-1: ``a`` lower than ``b`` beyond ``k`` combined standard errors; +1 higher; 0 tie."""
+    if a is None or b is None or not math.isfinite(a["best"]):
+        return 1 if b and math.isfinite(b["best"]) else 0
+    if not math.isfinite(b["best"]):
+        return -1
+    tol = k * math.sqrt(min(a["se"], 1e9) ** 2 + min(b["se"], 1e9) ** 2)
+    d = a["best"] - b["best"]
+    return -1 if d < -tol else (1 if d > tol else 0)
+
+
+def lr_movement(results: dict, tasks: list[Task]) -> dict:
+    """Per family and optimizer and method: best log2 LR per member, and its range (octaves)."""
+    fams: dict[str, list[Task]] = {}
+    for t in tasks:
+        for f in t.family.split("+"):
+            if f.endswith("_width") or f.endswith("_depth"):
+                fams.setdefault(f, []).append(t)
+    out: dict = {}
+    for f, ts in fams.items():
+        ts = sorted(ts, key=lambda t: (t.member if f.endswith("_width") else
+                                       int(t.name.split("_d")[-1])))
+        for opt in ("sgd", "adamw"):
+            for m in sorted({m for t in ts for m in results.get(t.name, {}).get(opt, {})}):
+                rs = [results[t.name][opt].get(m) for t in ts if t.name in results]
+                if any(r is None or "best" not in r for r in rs):
+                    continue
+                g = [r["best_lr_log2"] for r in rs]
+                fit = [r["best_lr_log2_fit"] for r in rs]
+                members = [int(t.name.split("_w")[1].split("_")[0]) if f.endswith("_width")
+                           else int(t.name.split("_d")[-1]) for t in ts]
+                ok = [x for x in fit if x is not None]
+                out.setdefault(f, {}).setdefault(opt, {})[m] = {
+                    "members": members, "best_lr_log2": g, "best_lr_log2_fit": fit,
+                    "octaves": max(g) - min(g), "octaves_fit": (max(ok) - min(ok)) if ok else None,
+                    "any_at_edge": any(r["at_edge"] for r in rs)}
+    return out
+
+
+def claims(results: dict, tasks: list[Task], move: dict) -> dict:
+    """The checks of issue 11's 'What it must show', evaluated on what was run."""
+    out: dict = {}
+    for opt in ("sgd", "adamw"):
+        worse, better, lower, n = [], [], [], 0
+        for t in tasks:
+            r = results.get(t.name, {}).get(opt, {})
+            if "pfx" not in r or "default" not in r:
+                continue
+            n += 1
+            c = compare(r["pfx"], r["default"])
+            if c > 0:
+                worse.append(t.name)
+            if c < 0:
+                better.append(t.name)
+            if r["pfx"]["best"] < r["default"]["best"]:
+                lower.append(t.name)
+        out[f"default_vs_framework_{opt}"] = {
+            "tasks": n, "worse_beyond_noise": worse, "better_beyond_noise": better,
+            "lower": lower, "never_worse": not worse, "better_on_half": 2 * len(better) >= n > 0}
+    g = results.get("gpt2", {})
+    out["gpt2"] = {opt: ({"pfx": g[opt]["pfx"]["best"], "pfx_se": g[opt]["pfx"]["se"],
+                          "transformers_default": g[opt]["default"]["best"],
+                          "transformers_default_se": g[opt]["default"]["se"],
+                          "pfx_at_least_as_low": g[opt]["pfx"]["best"] <= g[opt]["default"]["best"]}
+                         if "pfx" in g.get(opt, {}) and "default" in g.get(opt, {}) else None)
+                   for opt in ("sgd", "adamw")}
+    lim = {"mlp_width": 1, "mlp_depth": 2}
+    out["lr_transfer"] = {f: {opt: {m: {"octaves": v["octaves"], "limit": lim[f],
+                                        "holds": v["octaves"] <= lim[f]}
+                                    for m, v in move.get(f, {}).get(opt, {}).items()}
+                              for opt in ("sgd", "adamw")}
+                          for f in lim if f in move}
+    return out
+
+
+def fmt(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    if "skipped" in r:
+        return "skipped"
+    if r.get("best") is None or not math.isfinite(r["best"]):
+        return "diverged"
+    se = f" ± {r['se']:.3g}" if r.get("se") is not None and math.isfinite(r["se"]) else ""
+    edge = "!" if r["at_edge"] else ""
+    return f"{r['best']:.4g}{se} @2^{r['best_lr_log2']}{edge}"
+
+
+def markdown(payload: dict) -> str:
+    res, lines = payload["results"], []
+    methods = payload["methods"]
+    lines.append(f"Size `{payload['size']}`, seeds {payload['seeds']}, device "
+                 f"{payload['env']['device']}, wall {payload['wall_s']:.0f} s. Cells: median "
+                 f"final loss at the best learning rate ± standard error over seeds @ log2 of "
+                 f"that rate (`!`: still at the grid's edge after widening).\n")
+    for opt in payload["optimizers"]:
+        lines.append(f"### {opt}\n")
+        lines.append("| task | metric | " + " | ".join(LABELS.get(m, m) for m in methods) + " |")
+        lines.append("|---|---|" + "---|" * len(methods))
+        for t, per in res.items():
+            r = per.get(opt, {})
+            metric = next((v["metric"] for v in r.values() if "metric" in v), "")
+            lines.append(f"| {t} | {metric} | " + " | ".join(fmt(r.get(m)) for m in methods) + " |")
+        lines.append("")
+    if payload["lr_movement"]:
+        lines.append("### Best learning rate across widths and depths (octaves)\n")
+        lines.append("| family | optimizer | method | members | best log2 LR | octaves (grid) | octaves (fit) |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for f, per in payload["lr_movement"].items():
+            for opt, pm in per.items():
+                for m, v in pm.items():
+                    fit = v["octaves_fit"]
+                    lines.append(f"| {f} | {opt} | {LABELS.get(m, m)} | {v['members']} | "
+                                 f"{v['best_lr_log2']} | {v['octaves']} | "
+                                 f"{'-' if fit is None else f'{fit:.1f}'} |")
+        lines.append("")
+    lines.append("### Claims of issue 11 on these runs\n")
+    for k, v in payload["claims"].items():
+        lines.append(f"- `{k}`: {v}")
+    if payload["notes"]:
+        lines.append("\n### Notes\n")
+        for k, v in payload["notes"].items():
+            lines.append(f"- {k}: {v}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(payload: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    res = payload["results"]
+    tasks = list(res)
+    opts = payload["optimizers"]
+    fig, axes = plt.subplots(len(tasks), len(opts), figsize=(5.5 * len(opts), 3.2 * len(tasks)),
+                             squeeze=False)
+    for i, t in enumerate(tasks):
+        for j, opt in enumerate(opts):
+            ax = axes[i, j]
+            for k, (m, r) in enumerate(res[t].get(opt, {}).items()):
+                if "median" not in r:
+                    continue
+                med = np.array([v if v is not None else np.nan for v in r["median"]], float)
+                ls = "-" if m in ("default", "pfx") or k < 10 else "--"
+                ax.plot(r["lr_log2"], med, ls, marker="o", ms=2.5, lw=1.6 if m in
+                        ("default", "pfx") else 0.8, label=LABELS.get(m, m))
+            ax.set_yscale("log")
+            ax.set_xlabel("log2 learning rate")
+            ax.set_ylabel("median final loss")
+            ax.set_title(f"{t} — {opt}", fontsize=9)
+            ax.legend(fontsize=5, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+
+def select(tasks: list[Task], spec: list[str]) -> list[Task]:
+    out = []
+    for t in tasks:
+        if any(t.name == s or t.name.startswith(s + "/") or t.name.startswith(s + "_")
+               or t.family.startswith(s) for s in spec):
+            out.append(t)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="CI smoke run (< 30 s)")
+    ap.add_argument("--cpu-small", action="store_true", help="the CPU-reduced configuration")
+    ap.add_argument("--tasks", default="", help="comma list of task names or family prefixes")
+    ap.add_argument("--methods", default="", help="comma list (default: main methods; "
+                    "'ablation' adds ABLATIONS)")
+    ap.add_argument("--optimizers", default="sgd,adamw")
+    ap.add_argument("--seeds", type=int, default=None)
+    ap.add_argument("--n-lr", type=int, default=None)
+    ap.add_argument("--max-widen", type=int, default=3)
+    ap.add_argument("--engine", default="auto", choices=["auto", "vmap", "loop"])
+    ap.add_argument("--list", action="store_true", help="print the tasks and exit")
+    C.add_run_args(ap)
+    args = C.parse_run_args(ap, argv)
+    size = "quick" if args.quick else "cpu_small" if args.cpu_small else "full"
+    cfg = SIZES[size]
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    tag = args.tag or ("quick" if args.quick else "cpu" if args.cpu_small else "")
+    say = C.Progress("train_suite")
+    spec = [s for s in args.tasks.split(",") if s] or DEFAULT_TASKS[size]
+    need_libsvm = any(s.startswith("libsvm") for s in spec)
+    tasks = select(all_tasks(dict(cfg, libsvm=need_libsvm)), spec)
+    if args.list:
+        for t in tasks:
+            print(f"{t.name:28s} family={t.family:24s} steps={t.n_steps()} batch={t.batch}")
+        return {}
+    methods = [m for m in args.methods.split(",") if m] or list(MAIN_METHODS)
+    if "ablation" in methods:
+        methods = [m for m in methods if m != "ablation"] + ABLATIONS
+    methods = list(dict.fromkeys(methods))
+    if args.quick:
+        methods = methods if args.methods else ["default", "pfx"]
+        args.max_widen = min(args.max_widen, 1)
+    opts = [o for o in args.optimizers.split(",") if o]
+    seeds = list(range(args.seeds or cfg["seeds"]))
+    n_lr = args.n_lr or cfg["n_lr"]
+    say(f"size {size}: {len(tasks)} tasks, methods {methods}, optimizers {opts}, seeds "
+        f"{len(seeds)}, {n_lr} rates, device {args.device}")
+    results: dict = {}
+    notes: dict = {}
+    out_base = os.path.join(args.out, "train_suite" + (f"_{tag}" if tag else ""))
+    for t in tasks:
+        results[t.name] = {}
+        for opt in opts:
+            results[t.name][opt] = {}
+            for m in methods:
+                n = method_note(t, m)
+                if n:
+                    notes[f"{t.name}/{m}"] = n
+                    continue
+                try:
+                    r = sweep(t, m, opt, seeds, n_lr, args.device, args.max_widen, say,
+                              args.engine)
+                except Exception as e:
+                    if args.quick:
+                        raise
+                    notes[f"{t.name}/{m}/{opt}"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+                    say(f"  {t.name} {m} {opt}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                results[t.name][opt][m] = r
+                say(f"  {t.name:18s} {opt:5s} {m:18s} {fmt(r)}   [{','.join(r['engine'])[:40]}]")
+        C.write_json(out_base + ".partial.json", {"results": results, "notes": notes})
+    move = lr_movement(results, tasks)
+    payload = {"size": size, "config": cfg, "tasks": {t.name: {
+        "family": t.family, "steps": t.n_steps(), "batch": t.batch, "kind": t.kind,
+        "metric": t.metric, "hf": t.hf} for t in tasks},
+        "methods": methods, "optimizers": opts, "seeds": seeds, "n_lr": n_lr,
+        "hyper": {o: Hyper(o).__dict__ for o in opts}, "lr_center_log2": LR_CENTER,
+        "results": results, "lr_movement": move, "notes": notes, "env": C.env_info(),
+        "command": "python bench/train_suite.py " + " ".join(argv if argv is not None
+                                                              else sys.argv[1:])}
+    payload["claims"] = claims(results, tasks, move)
+    payload["wall_s"] = say.elapsed()
+    C.write_json(out_base + ".json", payload)
+    try:
+        os.remove(out_base + ".partial.json")
+    except OSError:
+        pass
+    clean = C.clean(payload)
+    with open(out_base + ".md", "w") as f:
+        f.write(markdown(clean))
+    try:
+        plot(clean, out_base + ".png")
+    except Exception as e:  # the JSON is the result
+        say(f"plot skipped: {e}")
+    print(markdown(clean))
+    say(f"wrote {out_base}.json/.md/.png")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
