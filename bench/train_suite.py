@@ -403,7 +403,7 @@ SIZES: dict[str, dict] = {
     "cpu_small": dict(epochs=3, mlp_widths=[32, 128, 512], mlp_depths=[1, 2, 4, 8],
                       mlp_w0=128, mlp_d0=2, cnn_widths=[16, 32, 64], cnn_depths=[1, 2, 4, 8],
                       cnn_w0=32, cnn_d0=2, libsvm=False,
-                      gpt2=dict(n_embd=64, n_layer=2, n_head=4, ctx=64, batch=16, steps=150,
+                      gpt2=dict(n_embd=64, n_layer=2, n_head=4, ctx=64, batch=8, steps=150,
                                 max_bytes=2_000_000),
                       vit=dict(hidden=32, layers=2), seeds=3, n_lr=8),
     "quick": dict(epochs=0.25, mlp_widths=[32, 64], mlp_depths=[1, 2], mlp_w0=32, mlp_d0=1,
@@ -772,7 +772,7 @@ def train_copies(task: Task, models: list[nn.Module], lrs: list[float], seeds: l
 
 _BUILT: dict = {}
 
-LR_CENTER = {"sgd": -4.5, "adamw": -9.5}       # the first grid: 2^(c-3.5) .. 2^(c+3.5)
+LR_CENTER = {"sgd": -3.5, "adamw": -7.5}       # the first grid: 2^(c-3.5) .. 2^(c+3.5)
 
 
 def fit_log2_lr(exps: list[int], med: np.ndarray) -> float:
@@ -866,37 +866,43 @@ def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device
 # summaries, claims, tables, plots
 # ---------------------------------------------------------------------------------------------
 
-def compare(a: dict, b: dict, k: float = 2.0) -> int:
+def _num(v: Any) -> float:
+    return math.inf if v is None else float(v)       # JSON keeps +inf as null
+
+
+def compare(a: dict | None, b: dict | None, k: float = 2.0) -> int:
     """-1: ``a`` lower than ``b`` beyond ``k`` combined standard errors; +1 higher; 0 tie."""
-    if a is None or b is None or not math.isfinite(a["best"]):
-        return 1 if b and math.isfinite(b["best"]) else 0
-    if not math.isfinite(b["best"]):
-        return -1
-    tol = k * math.sqrt(min(a["se"], 1e9) ** 2 + min(b["se"], 1e9) ** 2)
-    d = a["best"] - b["best"]
+    la = _num(a.get("best")) if a else math.inf
+    lb = _num(b.get("best")) if b else math.inf
+    if not math.isfinite(la) or not math.isfinite(lb):
+        return 0 if la == lb else (1 if math.isfinite(lb) else -1)
+    tol = k * math.hypot(min(_num(a.get("se")), 1e9), min(_num(b.get("se")), 1e9))
+    d = la - lb
     return -1 if d < -tol else (1 if d > tol else 0)
 
 
-def lr_movement(results: dict, tasks: list[Task]) -> dict:
-    """Per family and optimizer and method: best log2 LR per member, and its range (octaves)."""
-    fams: dict[str, list[Task]] = {}
-    for t in tasks:
-        for f in t.family.split("+"):
+def lr_movement(results: dict, family: dict[str, str]) -> dict:
+    """Per family and optimizer and method: best log2 LR per member, and its range (octaves).
+    ``family``: task name -> family string (``mlp_width+mlp_depth`` for a shared member)."""
+    fams: dict[str, list[str]] = {}
+    for t, fam in family.items():
+        for f in fam.split("+"):
             if f.endswith("_width") or f.endswith("_depth"):
                 fams.setdefault(f, []).append(t)
     out: dict = {}
     for f, ts in fams.items():
-        ts = sorted(ts, key=lambda t: (t.member if f.endswith("_width") else
-                                       int(t.name.split("_d")[-1])))
+        def member(t: str) -> int:
+            return int(t.split("_w")[1].split("_")[0] if f.endswith("_width")
+                       else t.split("_d")[-1])
+        ts = sorted(ts, key=member)
         for opt in ("sgd", "adamw"):
-            for m in sorted({m for t in ts for m in results.get(t.name, {}).get(opt, {})}):
-                rs = [results[t.name][opt].get(m) for t in ts if t.name in results]
+            for m in sorted({m for t in ts for m in results.get(t, {}).get(opt, {})}):
+                rs = [results[t][opt].get(m) for t in ts if t in results]
                 if any(r is None or "best" not in r for r in rs):
                     continue
                 g = [r["best_lr_log2"] for r in rs]
                 fit = [r["best_lr_log2_fit"] for r in rs]
-                members = [int(t.name.split("_w")[1].split("_")[0]) if f.endswith("_width")
-                           else int(t.name.split("_d")[-1]) for t in ts]
+                members = [member(t) for t in ts]
                 ok = [x for x in fit if x is not None]
                 out.setdefault(f, {}).setdefault(opt, {})[m] = {
                     "members": members, "best_lr_log2": g, "best_lr_log2_fit": fit,
@@ -905,23 +911,23 @@ def lr_movement(results: dict, tasks: list[Task]) -> dict:
     return out
 
 
-def claims(results: dict, tasks: list[Task], move: dict) -> dict:
+def claims(results: dict, tasks: list[str], move: dict) -> dict:
     """The checks of issue 11's 'What it must show', evaluated on what was run."""
     out: dict = {}
     for opt in ("sgd", "adamw"):
         worse, better, lower, n = [], [], [], 0
         for t in tasks:
-            r = results.get(t.name, {}).get(opt, {})
+            r = results.get(t, {}).get(opt, {})
             if "pfx" not in r or "default" not in r:
                 continue
             n += 1
             c = compare(r["pfx"], r["default"])
             if c > 0:
-                worse.append(t.name)
+                worse.append(t)
             if c < 0:
-                better.append(t.name)
-            if r["pfx"]["best"] < r["default"]["best"]:
-                lower.append(t.name)
+                better.append(t)
+            if _num(r["pfx"]["best"]) < _num(r["default"]["best"]):
+                lower.append(t)
         out[f"default_vs_framework_{opt}"] = {
             "tasks": n, "worse_beyond_noise": worse, "better_beyond_noise": better,
             "lower": lower, "never_worse": not worse, "better_on_half": 2 * len(better) >= n > 0}
@@ -929,7 +935,8 @@ def claims(results: dict, tasks: list[Task], move: dict) -> dict:
     out["gpt2"] = {opt: ({"pfx": g[opt]["pfx"]["best"], "pfx_se": g[opt]["pfx"]["se"],
                           "transformers_default": g[opt]["default"]["best"],
                           "transformers_default_se": g[opt]["default"]["se"],
-                          "pfx_at_least_as_low": g[opt]["pfx"]["best"] <= g[opt]["default"]["best"]}
+                          "pfx_at_least_as_low": _num(g[opt]["pfx"]["best"]) <=
+                          _num(g[opt]["default"]["best"])}
                          if "pfx" in g.get(opt, {}) and "default" in g.get(opt, {}) else None)
                    for opt in ("sgd", "adamw")}
     lim = {"mlp_width": 1, "mlp_depth": 2}
@@ -1020,15 +1027,73 @@ def plot(payload: dict, path: str) -> None:
     plt.close(fig)
 
 
+def plot_bars(payload: dict, path: str) -> None:
+    """Best loss ± standard error per method, one panel per (task, optimizer), framework
+    default and precondfx default highlighted, the default's level as a dashed line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cells = [(t, o, per[o]) for t, per in payload["results"].items() for o in payload["optimizers"]
+             if per.get(o)]
+    if not cells:
+        return
+    ncol = min(2, len(cells))
+    nrow = -(-len(cells) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6.5 * ncol, 0.3 * max(len(c[2]) for c in cells)
+                                                 * nrow + 1.2 * nrow), squeeze=False)
+    for ax in axes.flat[len(cells):]:
+        ax.axis("off")
+    for ax, (t, o, per) in zip(axes.flat, cells):
+        ms = [m for m in per if per[m].get("best") is not None]
+        v = [per[m]["best"] for m in ms]
+        e = [per[m]["se"] if per[m].get("se") is not None else 0 for m in ms]
+        col = ["C3" if m == "pfx" else "C0" if m == "default" else "0.6" for m in ms]
+        ax.barh(range(len(ms)), v, xerr=e, color=col)
+        ax.set_yticks(range(len(ms)))
+        ax.set_yticklabels([f"{LABELS.get(m, m)} (2^{per[m]['best_lr_log2']})" for m in ms],
+                           fontsize=7)
+        if "default" in per and per["default"].get("best") is not None:
+            ax.axvline(per["default"]["best"], color="C0", ls="--", lw=0.8)
+        ax.invert_yaxis()
+        ax.set_xlabel(f"median final {per[ms[0]]['metric'] if ms else ''} loss at the best LR")
+        ax.set_title(f"{t} — {o}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
 
+def write_outputs(payload: dict, out_base: str, say: Callable[[str], None] = print) -> None:
+    """The .md table and the figures of a payload (already JSON-clean)."""
+    with open(out_base + ".md", "w") as f:
+        f.write(markdown(payload))
+    try:
+        plot(payload, out_base + ".png")
+        plot_bars(payload, out_base + "_bars.png")
+    except Exception as e:  # the JSON is the result
+        say(f"plot skipped: {e}")
+
+
+def replot(path: str) -> dict:
+    import json
+    with open(path) as f:
+        payload = json.load(f)
+    fam = {t: v["family"] for t, v in payload["tasks"].items()}
+    payload["lr_movement"] = lr_movement(payload["results"], fam)
+    payload["claims"] = claims(payload["results"], list(fam), payload["lr_movement"])
+    C.write_json(path, payload)
+    write_outputs(C.clean(payload), path[:-len(".json")])
+    return payload
+
+
 def select(tasks: list[Task], spec: list[str]) -> list[Task]:
     out = []
     for t in tasks:
-        if any(t.name == s or t.name.startswith(s + "/") or t.name.startswith(s + "_")
-               or t.family.startswith(s) for s in spec):
+        if any(t.name == s or t.name.startswith(s + "/") or t.family.startswith(s)
+               for s in spec):
             out.append(t)
     return out
 
@@ -1047,8 +1112,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-widen", type=int, default=3)
     ap.add_argument("--engine", default="auto", choices=["auto", "vmap", "loop"])
     ap.add_argument("--list", action="store_true", help="print the tasks and exit")
+    ap.add_argument("--replot", default="", help="re-make the .md and figures of a result JSON")
     C.add_run_args(ap)
     args = C.parse_run_args(ap, argv)
+    if args.replot:
+        return replot(args.replot)
     size = "quick" if args.quick else "cpu_small" if args.cpu_small else "full"
     cfg = SIZES[size]
     if args.device.startswith("cuda"):
@@ -1099,7 +1167,7 @@ def main(argv: list[str] | None = None) -> dict:
                 results[t.name][opt][m] = r
                 say(f"  {t.name:18s} {opt:5s} {m:18s} {fmt(r)}   [{','.join(r['engine'])[:40]}]")
         C.write_json(out_base + ".partial.json", {"results": results, "notes": notes})
-    move = lr_movement(results, tasks)
+    move = lr_movement(results, {t.name: t.family for t in tasks})
     payload = {"size": size, "config": cfg, "tasks": {t.name: {
         "family": t.family, "steps": t.n_steps(), "batch": t.batch, "kind": t.kind,
         "metric": t.metric, "hf": t.hf} for t in tasks},
@@ -1108,7 +1176,7 @@ def main(argv: list[str] | None = None) -> dict:
         "results": results, "lr_movement": move, "notes": notes, "env": C.env_info(),
         "command": "python bench/train_suite.py " + " ".join(argv if argv is not None
                                                               else sys.argv[1:])}
-    payload["claims"] = claims(results, tasks, move)
+    payload["claims"] = claims(results, [t.name for t in tasks], move)
     payload["wall_s"] = say.elapsed()
     C.write_json(out_base + ".json", payload)
     try:
@@ -1116,14 +1184,9 @@ def main(argv: list[str] | None = None) -> dict:
     except OSError:
         pass
     clean = C.clean(payload)
-    with open(out_base + ".md", "w") as f:
-        f.write(markdown(clean))
-    try:
-        plot(clean, out_base + ".png")
-    except Exception as e:  # the JSON is the result
-        say(f"plot skipped: {e}")
+    write_outputs(clean, out_base, say)
     print(markdown(clean))
-    say(f"wrote {out_base}.json/.md/.png")
+    say(f"wrote {out_base}.json/.md/.png/_bars.png")
     return payload
 
 

@@ -133,6 +133,7 @@ def test_cost_quick(tmp_path):
     assert set(data["peers"]) == {"lsuv", "unit_scaling"}
 
 
+@pytest.mark.slow
 def test_train_suite_quick(tmp_path):
     """The training suite's smoke run: every (task, optimizer, method) cell has a finite best
     loss at a rate of its grid (at least 8 rates, 2x apart), a standard error over 3 seeds,
