@@ -30,10 +30,12 @@ from precondfx.classify import classify
 from precondfx.distributed import record_constants
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
-from precondfx.plan import Options, ParamInfo, Plan, make_plan
+from precondfx.options import DEFAULTS as D
+from precondfx.options import REFUSE, Options, Resolved, Rule, Support, flag, resolve
+from precondfx.plan import ParamInfo, Plan, make_plan
 from precondfx.report import Report
 from precondfx.verify import measure_report
-from precondfx.schemes.base import Scheme, SchemeContext, get_scheme
+from precondfx.schemes.base import Scheme, SchemeContext
 
 log = logging.getLogger("precondfx")
 
@@ -59,20 +61,35 @@ def _unwrap(model: Any) -> tuple[nn.Module, list[str]]:
 _on_meta = meta.on_meta
 
 
-def _check_meta(opts: Options, sch: Scheme | None = None) -> None:
-    """A model on the meta device has shapes but no data: only data-free modes apply.  The
-    output scale is inserted (at 1) and calibrated after materializing
-    (``precondfx.distributed.calibrate``)."""
-    if opts.balance in ("auto", "hessian"):
-        raise PrecondError(f"balance={opts.balance!r} measures the model on data, but it is on the "
-                           f"meta device: pass balance='analytic' or 'none', or materialize the "
-                           f"model first (model.to_empty(device='cpu'))")
-    if opts.input_scale == "auto":
-        raise PrecondError("input_scale='auto' needs the input's values; the model is on the "
-                           "meta device: pass a number or None")
-    if sch is not None and type(sch).calibrate is not Scheme.calibrate:
-        raise PrecondError(f"scheme={opts.scheme!r} measures the model on data, but it is on the "
-                           f"meta device: use scheme='geometric', or materialize the model first")
+#: the PyTorch back ends (fx, eager) support every option
+TORCH = Support("PyTorch back end")
+
+
+def _measures_data(scheme: str) -> bool:
+    from precondfx.schemes.base import scheme_class
+    return getattr(scheme_class(scheme), "calibrate", Scheme.calibrate) is not Scheme.calibrate
+
+
+#: a model on the meta device has shapes but no data: only data-free modes apply (the output
+#: scale is inserted at 1 and calibrated after materializing, ``precondfx.distributed``)
+META = Support("meta device", (
+    Rule("balance", lambda v: v in ("auto", "hessian"), REFUSE,
+         "balance='auto'/'hessian' measures the model on data, but it is on the meta device: "
+         "pass balance='analytic' or 'none', or materialize the model first "
+         "(model.to_empty(device='cpu'))"),
+    Rule("input_scale", lambda v: v == "auto", REFUSE,
+         "input_scale='auto' needs the input's values; the model is on the meta device: pass a "
+         "number or None"),
+    Rule("scheme", _measures_data, REFUSE,
+         "this scheme measures the model on data, but it is on the meta device: use "
+         "scheme='geometric', or materialize the model first"),
+))
+
+
+def resolve_torch(user: Options, model: nn.Module) -> Resolved:
+    """The user's options resolved for the PyTorch back ends (and the meta device)."""
+    on = isinstance(model, nn.Module) and _on_meta(model)
+    return resolve(user, TORCH, *((META,) if on else ()))
 
 
 def _run(model: nn.Module, s: Sample, mode: str) -> Any:
@@ -108,18 +125,14 @@ def _canonicalize(graph: Graph, canon: dict[str, str]) -> None:
 
 def _prepare(model: Any, sample: Any, forward_kwargs: dict | None, opts: Options,
              methods: Any, mode: str) -> tuple[nn.Module, Sample, list[str]]:
+    """The unwrapped model, the sample in the dtype and device the pass computes in, notes
+    (``opts`` are resolved options; ``methods`` and ``mode`` are kept for older callers)."""
     model, notes = _unwrap(model)
     check_model(model)
-    opts.validate()
-    methods = _methods(methods)
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        raise PrecondError(f"capture={bad} is not among {METHODS}")
     s = make_sample(sample, forward_kwargs)
     cal.check_finite_sample(s)
     dt = _float_dtype(model)
-    if _on_meta(model):
-        _check_meta(opts)
+    if _on_meta(model):     # resolve_torch refused the modes that need data
         s = s.map(lambda t: t.to("meta"))
     if dt is not None:  # float samples in the dtype the pipeline computes in
         work_dt = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
@@ -143,27 +156,27 @@ def _capture_classify(model: nn.Module, s: Sample, methods: Any, mode: str, note
 
 @guarded
 def analyze(model: nn.Module, sample: Any, *, forward_kwargs: dict | None = None,
-            capture: Any = METHODS, calibration: str = "train",
-            scheme_options: dict | None = None, **options: Any) -> Report:
+            **options: Any) -> Report:
     """Capture, classify and plan without changing anything; the report says what
     ``precondition`` would do with the same options (keyword arguments that are not options
     go to the model's forward, as in ``precondition``)."""
-    options = dict(options)
-    if "reinit_weights" in options:
-        options["reinit"] = options.pop("reinit_weights")
-    opt_names = set(Options.__dataclass_fields__)
-    fwd = {**(forward_kwargs or {}), **{k: v for k, v in options.items() if k not in opt_names}}
-    opts = Options(**{k: v for k, v in options.items() if k in opt_names})
-    sch = get_scheme(opts.scheme, **(scheme_options or {}))
-    sch.options(opts)
-    model, s, notes = _prepare(model, sample, fwd, opts, capture, calibration)
+    from precondfx.options import keyword_of
+    from dataclasses import fields
+    names = {keyword_of(f) for f in fields(Options)}
+    fwd = {**(forward_kwargs or {}), **{k: v for k, v in options.items() if k not in names}}
+    user = Options.from_keywords(**{k: v for k, v in options.items() if k in names})
+    r = resolve_torch(user, model)
+    opts, sch = r.options, r.scheme
+    model, s, notes = _prepare(model, sample, fwd, opts, opts.capture, opts.calibration)
+    notes.extend(r.notes())
     work = _private_copy(model)
     if _float_dtype(work) in (torch.float16, torch.bfloat16):
         work = work.float()
     with cal.preserved(work):
-        _run(work, s, calibration)
-        cap, infos = _capture_classify(work, s, capture, calibration, notes)
+        _run(work, s, opts.calibration)
+        cap, infos = _capture_classify(work, s, opts.capture, opts.calibration, notes)
     plan = make_plan(cap.graph, infos, opts, alpha_sites=sch.needs_alpha_sites)
+    plan.notes.extend(r.notes())
     sch.plan(cap.graph, plan, infos, opts)
     return Report.from_graph(cap.graph, plan)
 
@@ -179,21 +192,46 @@ def _private_copy(model: nn.Module) -> nn.Module:
 
 
 @guarded
-def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
-                 balance: str = "auto", balance_threshold: float = 2.0, maxpool: str = "stride", residual: str = "auto",
-                 residual_scale: float | str = "auto", target_std: float | None = 0.05,
-                 input_scale: float | str | None = None, output_key: str | int | None = None,
-                 seed: int = 0, reinit_weights: bool = True, inplace: bool = False,
-                 capture: Any = METHODS, calibration: str = "train",
+def precondition(model: nn.Module, sample: Any, *, init: str = D.init,
+                 balance: str = D.balance, balance_threshold: float = D.balance_threshold,
+                 maxpool: str = D.maxpool, residual: str = D.residual,
+                 residual_scale: float | str = D.residual_scale,
+                 target_std: float | None = D.target_std,
+                 input_scale: float | str | None = D.input_scale,
+                 output_key: str | int | None = D.output_key, seed: int = D.seed,
+                 reinit_weights: bool = D.reinit, inplace: bool = False,
+                 capture: Any = D.capture, calibration: str = D.calibration,
                  forward_kwargs: dict | None = None, verbose: bool = False,
-                 balance_samples: int = 16, measure: bool = False, scheme: str = "geometric",
-                 scheme_options: dict | None = None, **more_forward_kwargs: Any) -> Result:
+                 balance_samples: int = D.balance_samples, measure: bool = D.measure,
+                 scheme: str = D.scheme, scheme_options: dict | None = D.scheme_options,
+                 **more_forward_kwargs: Any) -> Result:
     """Rewrite ``model`` so that it starts well conditioned; returns ``(model, report)``.
 
     ``sample`` is what the model is called with (a tensor, a tuple of positional inputs or a
     dict of keyword inputs) and doubles as the calibration batch.  Extra keyword arguments go to
-    the model's forward (e.g. ``use_cache=False``).  See the README for every option.
+    the model's forward (e.g. ``use_cache=False``).  Every option is defined (default, allowed
+    values, meaning) in ``precondfx.options.Options``; see also the README.
     """
+    user = Options(init=init, maxpool=maxpool, balance=balance,
+                   balance_threshold=balance_threshold, residual=residual,
+                   residual_scale=residual_scale, target_std=target_std,
+                   input_scale=input_scale, output_key=output_key, seed=seed,
+                   reinit=reinit_weights, scheme=scheme, scheme_options=scheme_options,
+                   balance_samples=balance_samples, measure=measure, calibration=calibration,
+                   capture=capture)
+    flag("inplace", inplace)
+    flag("verbose", verbose)
+    r = resolve_torch(user, model)
+    return _precondition(model, sample, r, inplace=inplace, verbose=verbose,
+                         forward_kwargs={**(forward_kwargs or {}), **more_forward_kwargs})
+
+
+def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, verbose: bool,
+                  forward_kwargs: dict) -> Result:
+    """The pipeline over resolved options ``r`` (see ``precondition``)."""
+    opts, sch = r.options, r.scheme
+    seed, output_key, target_std = opts.seed, opts.output_key, opts.target_std
+    calibration, capture = opts.calibration, opts.capture
     t0 = time.perf_counter()
 
     def say(msg: str) -> None:
@@ -201,18 +239,9 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
         if verbose:
             print(f"[precondfx {time.perf_counter() - t0:6.2f}s] {msg}", flush=True)
 
-    opts = Options(init=init, maxpool=maxpool, balance=balance,
-                   balance_threshold=balance_threshold, residual=residual,
-                   residual_scale=residual_scale, target_std=target_std,
-                   input_scale=input_scale, output_key=output_key, seed=seed,
-                   reinit=reinit_weights, scheme=scheme)
-    sch = get_scheme(scheme, **(scheme_options or {}))
-    sch.options(opts)
-    fwd = {**(forward_kwargs or {}), **more_forward_kwargs}
-    model, s, notes = _prepare(model, sample, fwd, opts, capture, calibration)
+    model, s, notes = _prepare(model, sample, forward_kwargs, opts, capture, calibration)
+    notes.extend(r.notes())
     on_meta = _on_meta(model)
-    if on_meta:
-        _check_meta(opts, sch)
     if _already_preconditioned(model):
         cap, _ = _capture_classify(model, s, capture, calibration, notes)
         rep = Report.from_graph(cap.graph)
@@ -244,6 +273,7 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
                                "nothing to precondition")
         say(f"captured with {g.method}: {len(g)} nodes; planning")
         plan = make_plan(g, infos, opts, alpha_sites=sch.needs_alpha_sites)
+        plan.notes.extend(r.notes())
         sch.plan(g, plan, infos, opts)
         if cap.gm is not None and not inplace:
             _restore_unused(cap.gm, work)
@@ -317,8 +347,8 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
                 report.conditioning["hessian"] = balance_measured(
                     result, s, plan, _balanceable(alpha_buffers, plan, report),
                     seed=seed, output_key=output_key, mode=calibration, log=say,
-                    n_samples=balance_samples,
-                    threshold=opts.balance_threshold if opts.balance == "auto" else 1.0)
+                    n_samples=opts.balance_samples, balance=opts.balance,
+                    threshold=opts.balance_threshold)
             except PrecondError as e:
                 if opts.balance == "hessian":
                     raise
@@ -326,10 +356,10 @@ def precondition(model: nn.Module, sample: Any, *, init: str = "geometric",
                                                   "decision": f"not measured: {e}"}
                 report.skipped.append(("balance='auto'", f"measurement failed, alphas left "
                                        f"as planned: {e}"))
-        if measure:
+        if opts.measure:
             report.conditioning["measure"] = measure_report(
                 model, result, s, plan, output_key=output_key, mode=calibration, seed=seed,
-                n_samples=balance_samples, say=say)
+                n_samples=opts.balance_samples, say=say)
         record_constants(result, planned, read=not on_meta)
         result.train(model.training)
         if low:

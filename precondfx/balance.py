@@ -95,17 +95,22 @@ def _rescale(model: nn.Module, weight: str, buffers: list[str], c: float) -> Non
 def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
                      alpha_buffers: dict[str, list[str]], *, stat: str = "hessian",
                      n_samples: int = 16, n_cotangents: int = 4, seed: int = 0,
-                     output_key: Any = None, mode: str = "train", threshold: float = 1.0,
-                     log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+                     output_key: Any = None, mode: str = "train", balance: str = "hessian",
+                     threshold: float = 2.0, log: Callable[[str], None] = lambda m: None
+                     ) -> dict[str, Any]:
     """Balance a measured statistic (``STATISTICS``) of every weight that has alpha buffers
-    (it scales exactly as alpha^4).  With ``threshold > 1`` (``balance='auto'``) the alphas are
-    only changed when the measured spread is significantly above it (lower bound at 2 standard
-    errors): below, the estimate's own noise is comparable to the imbalance it would correct.
+    (it scales exactly as alpha^4).  ``balance='hessian'`` always balances (and raises if it
+    cannot); with ``balance='auto'`` the alphas are only changed when the measured spread is
+    significantly above ``threshold`` (lower bound at 2 standard errors): below, the estimate's
+    own noise is comparable to the imbalance it would correct.
     On the paper's MLP the per-sample statistic is heavy-tailed, and balancing 16 samples
     without this test moved one seed's held-out weight-to-gradient spread from 1.1x to 2.2x.
 
     Returns the report section: statistics before/after on the balancing samples and on the
     held-out half, their spreads, and the factor applied to each alpha."""
+    if balance not in ("auto", "hessian"):
+        raise PrecondError(f"balance={balance!r}: measured balancing is 'auto' or 'hessian'")
+    gated = balance == "auto"
     weights = [w for w, bufs in alpha_buffers.items() if bufs]
     if len(weights) < 2:
         return {"note": "fewer than two layers carry an alpha: nothing to balance"}
@@ -120,7 +125,7 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
                            f"does not depend on these weights on the calibration batch); use "
                            f"balance='analytic'")
     low = significant_spread(before, before_se)
-    if threshold > 1.0 and low <= threshold:
+    if gated and low <= threshold:
         return {"statistic": STATISTICS[stat], "samples": n_fit, "before": before,
                 "spread_before": spread_of(before), "spread_lower_bound": low,
                 "applied": False, "note": note,
@@ -146,7 +151,7 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
         msg = (f"rescaling changed the output by {change:.2g} (relative): the statistics span "
                f"{spread_of(before):.3g}x, beyond what the dtype represents; alphas left as "
                f"planned")
-        if threshold <= 1.0:
+        if not gated:
             raise PrecondError(f"measured balancing failed: {msg}")
         return {"statistic": STATISTICS[stat], "samples": n_fit, "before": before,
                 "spread_before": spread_of(before), "applied": False, "note": note,

@@ -96,38 +96,6 @@ class _Progress:
 # ---------------------------------------------------------------------------------------------
 # argument parsing
 # ---------------------------------------------------------------------------------------------
-def _positive_or(s: str, words: tuple[str, ...]) -> float | str:
-    """A positive number, or one of ``words`` (returned as written)."""
-    if s.lower() in words:
-        return s.lower()
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive number or {' / '.join(repr(w) for w in words)}, got {s!r}")
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {s!r}")
-    return v
-
-
-def _target_std(s: str) -> float | None:
-    v = _positive_or(s, ("none", "off"))
-    return None if isinstance(v, str) else v
-
-
-def _input_scale(s: str) -> float | str:
-    return _positive_or(s, ("auto",))
-
-
-def _residual_scale(s: str) -> float | str:
-    if s == "auto":
-        return s
-    try:
-        return float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1] or 'auto', got {s!r}")
-
-
 def _shape(s: str) -> tuple[int, ...]:
     try:
         dims = tuple(int(x) for x in s.lower().replace(",", "x").split("x") if x)
@@ -148,34 +116,28 @@ def _positive(s: str) -> int:
     return v
 
 
-def _plan_options(p: argparse.ArgumentParser, hessian: bool = True) -> None:
+def _option_value(name: str, s: str) -> Any:
+    """A command-line value of a pass option, parsed and checked by its definition."""
+    from precondfx.errors import PrecondError
+    from precondfx.options import from_text
+    try:
+        return from_text(name, s)
+    except PrecondError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _plan_options(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    """The pass options, built from their one definition (``precondfx.options.Options``)."""
+    from precondfx.options import cli_flags
     g = p.add_argument_group("preconditioning options (as precondfx.precondition)")
-    g.add_argument("--init", default="geometric",
-                   choices=("geometric", "fan_in", "fan_out", "xavier", "keep"),
-                   help="weight initialization rule (default geometric, Sec. 6)")
-    g.add_argument("--balance", default=None, choices=("auto", "none", "analytic", "hessian"),
-                   help="alpha constants: auto (PyTorch: measured where layers are out of "
-                        "balance; ONNX: analytic), none, analytic (Sec. 5, App. E), hessian "
-                        "(measured; PyTorch models only); default: the library's (auto)")
-    g.add_argument("--maxpool", default="stride", choices=("stride", "conv", "avgpool", "keep"),
-                   help="max-pool replacement: fold the stride into the conv before it when "
-                        "possible, else a strided conv (stride); always a conv; average pool; "
-                        "keep")
-    g.add_argument("--residual", default="auto", choices=("auto", "all", "none"),
-                   help="branch scale s on residual joins (auto: branches without "
-                        "normalization)")
-    g.add_argument("--residual-scale", type=_residual_scale, default="auto", metavar="S",
-                   help="value of s (default auto: 1/sqrt(number of joins))")
-    g.add_argument("--target-std", type=_target_std, default=0.05, metavar="STD",
-                   help="output std after calibration (default 0.05; 'none' skips it)")
-    g.add_argument("--input-scale", type=_input_scale, default=None, metavar="X",
-                   help="multiply the inputs by X, or 'auto' (Sec. 6.3)")
-    g.add_argument("--output-key", default=None, metavar="KEY",
-                   help="output to scale (ONNX: output name or index; default 'logits' or the "
-                        "first floating-point output)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the re-initialization")
-    g.add_argument("--no-reinit", action="store_true",
-                   help="keep the weights (divided by their alpha), only insert constants")
+    cli_flags(g.add_argument, only, _option_value)
+
+
+def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The pass options given on the command line, by their public keyword names."""
+    from precondfx.options import cli_fields, keyword_of
+    return {keyword_of(f): getattr(args, keyword_of(f)) for f in cli_fields()
+            if hasattr(args, keyword_of(f))}
 
 
 def _calib_options(p: argparse.ArgumentParser) -> None:
@@ -204,11 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Build a small model from precondfx.zoo, run "
                                    "precondfx.precondition on it and print the report.")
     d.add_argument("--model", default="maxpool_cnn", help="zoo model name (default maxpool_cnn)")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--balance", default="auto",
-                   choices=("auto", "none", "analytic", "hessian"),
-                   help="alpha constants (default auto, the library's default: measured "
-                        "balancing when the measured spread is above 2x)")
+    _plan_options(d, only=("seed", "balance"))
     d.add_argument("--all", action="store_true", help="show structural nodes too")
     d.add_argument("--quiet", action="store_true", help="no progress lines")
     d.set_defaults(func=cmd_demo)
@@ -297,36 +255,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except KeyError as e:
         raise UsageError(str(e.args[0]) if e.args else str(e)) from None
     progress("preconditioning")
-    _, report = precondfx.precondition(model, sample, seed=args.seed, balance=args.balance)
+    _, report = precondfx.precondition(model, sample, **_plan_kwargs(args))
     progress("done")
     print(report.table(all_nodes=args.all))
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    if args.balance == "hessian":
-        raise UsageError("--balance hessian is not available for ONNX models (it needs "
-                         "Hessian-vector products through PyTorch); use analytic or none")
     from precondfx.onnx import inspect_onnx
     from precondfx.onnx.io import parse_dims
     progress = _Progress(args.quiet)
     progress(f"reading {args.model}")
     report = inspect_onnx(args.model, dims=parse_dims(args.dim), batch=args.batch,
-                          init=args.init, balance=args.balance or "auto", maxpool=args.maxpool,
-                          residual=args.residual, residual_scale=args.residual_scale,
-                          target_std=args.target_std, input_scale=args.input_scale,
-                          output_key=_output_key(args.output_key), seed=args.seed,
-                          reinit_weights=not args.no_reinit)
+                          **_plan_kwargs(args))
     print(report.table(all_nodes=args.all))
     if args.report:
         _write_report(report, args.report)
     return 0
-
-
-def _output_key(k: str | None) -> str | int | None:
-    if k is None:
-        return None
-    return int(k) if k.isdigit() else k
 
 
 def _is_torch_spec(s: str) -> bool:
@@ -345,10 +290,6 @@ def cmd_precondition(args: argparse.Namespace) -> int:
     if args.sample_shape:
         raise UsageError("--sample-shape applies to PyTorch models (module:callable); for an "
                          "ONNX file use --calib, --calib-input, --dim or --batch")
-    if args.balance == "hessian":
-        raise UsageError("--balance hessian is not available for ONNX models (it needs "
-                         "Hessian-vector products through PyTorch); use analytic or none, or "
-                         "precondition the PyTorch model (module:callable)")
     if not os.path.exists(args.model):
         raise FileNotFoundError(f"no such file: {args.model}")
     from precondfx.onnx import precondition_onnx
@@ -357,12 +298,8 @@ def cmd_precondition(args: argparse.Namespace) -> int:
     progress = _Progress(args.quiet)
     report = precondition_onnx(
         args.model, args.output, calib=args.calib, calib_inputs=args.calib_input,
-        dims=parse_dims(args.dim), batch=args.batch, init=args.init,
-        balance=args.balance or "auto",
-        maxpool=args.maxpool, residual=args.residual, residual_scale=args.residual_scale,
-        target_std=args.target_std, input_scale=args.input_scale,
-        output_key=_output_key(args.output_key), seed=args.seed,
-        reinit_weights=not args.no_reinit, external_data=args.external_data,
+        dims=parse_dims(args.dim), batch=args.batch, **_plan_kwargs(args),
+        external_data=args.external_data,
         progress=lambda stage, t: progress(stage, t))
     for note in report.capture_notes:
         if "random N(0,1)" in note:
@@ -454,14 +391,7 @@ def _precondition_torch(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {}
     if args.plot and "measure" in inspect.signature(precondfx.precondition).parameters:
         extra["measure"] = True      # the plots show measured Hessian blocks
-    if args.balance is not None:
-        extra["balance"] = args.balance
-    result, report = precondfx.precondition(
-        model, sample, init=args.init, maxpool=args.maxpool,
-        residual=args.residual, residual_scale=args.residual_scale,
-        target_std=args.target_std, input_scale=args.input_scale,
-        output_key=_output_key(args.output_key), seed=args.seed,
-        reinit_weights=not args.no_reinit, **extra)
+    result, report = precondfx.precondition(model, sample, **_plan_kwargs(args), **extra)
     progress(f"writing {out}")
     from precondfx.onnx.io import Staging
     with Staging(out) as st:

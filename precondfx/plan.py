@@ -15,53 +15,13 @@ from typing import Any
 
 from precondfx import fans as fanlib
 from precondfx import optable
-from precondfx.errors import PrecondError
 from precondfx.graph import Graph, Node
+from precondfx.options import (BALANCE_MODES, MAXPOOL_MODES, MEASURED, RESIDUAL_MODES,
+                               Options)
 
-MAXPOOL_MODES = ("stride", "conv", "avgpool", "keep")
-BALANCE_MODES = ("auto", "none", "analytic", "hessian")
-MEASURED = ("hessian", "auto")
-RESIDUAL_MODES = ("auto", "all", "none")
-
-
-@dataclass
-class Options:
-    """User options of the pass (the public keyword arguments of ``precondition``)."""
-
-    init: str = "geometric"
-    maxpool: str = "stride"
-    balance: str = "auto"
-    balance_threshold: float = 2.0
-    residual: str = "auto"
-    residual_scale: float | str = "auto"
-    target_std: float | None = 0.05
-    input_scale: float | str | None = None
-    output_key: str | int | None = None
-    seed: int = 0
-    reinit: bool = True
-    scheme: str = "geometric"
-
-    def validate(self) -> None:
-        """Raise PrecondError for an option value outside its documented set."""
-        if self.init not in fanlib.INIT_RULES + ("keep",):
-            raise PrecondError(f"init={self.init!r} is not one of {fanlib.INIT_RULES + ('keep',)}")
-        if self.maxpool not in MAXPOOL_MODES:
-            raise PrecondError(f"maxpool={self.maxpool!r} is not one of {MAXPOOL_MODES}")
-        if self.balance not in BALANCE_MODES:
-            raise PrecondError(f"balance={self.balance!r} is not one of {BALANCE_MODES}")
-        if not self.balance_threshold >= 1.0:
-            raise PrecondError(f"balance_threshold={self.balance_threshold!r} must be >= 1")
-        if self.residual not in RESIDUAL_MODES:
-            raise PrecondError(f"residual={self.residual!r} is not one of {RESIDUAL_MODES}")
-        if self.target_std is not None and not (self.target_std > 0 and
-                                                math.isfinite(self.target_std)):
-            raise PrecondError(f"target_std={self.target_std!r} must be a positive number or None")
-        rs = self.residual_scale
-        if not (rs == "auto" or (isinstance(rs, (int, float)) and 0 < rs <= 1)):
-            raise PrecondError(f"residual_scale={rs!r} must be 'auto' or a number in (0, 1]")
-        ins = self.input_scale
-        if not (ins is None or ins == "auto" or (isinstance(ins, (int, float)) and ins > 0)):
-            raise PrecondError(f"input_scale={ins!r} must be None, 'auto' or a positive number")
+# the options are defined in precondfx.options (re-exported here for older imports)
+__all__ = ["Options", "MAXPOOL_MODES", "BALANCE_MODES", "MEASURED", "RESIDUAL_MODES", "Plan",
+           "ParamInit", "ParamInfo", "Layer", "Scale", "PoolChange", "Residual", "make_plan"]
 
 
 @dataclass
@@ -188,8 +148,7 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
     """Compute the plan for a classified graph; ``params`` describes the model's parameters.
     ``alpha_sites`` puts an alpha (1 where no correction is planned) at every weighted call
     site, as measured balancing and LSUV need."""
-    opts.validate()
-    plan = Plan(options=asdict(opts))
+    plan = Plan(options=opts.planned())
     _plan_pools(graph, params, plan, opts)
     _plan_layers(graph, params, plan)
     _plan_residuals(graph, plan, opts)

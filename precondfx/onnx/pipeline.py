@@ -26,7 +26,9 @@ from precondfx.onnx.apply import OnnxApplier
 from precondfx.onnx.capture import Captured, infer_shapes, patch_plan, symbolic_values, to_graph
 from precondfx.onnx.normalize import NormalizeInfo, normalize
 from precondfx.onnx.reinit import reinit
-from precondfx.plan import Options, Plan, Scale, make_plan
+from precondfx.options import DEFAULTS as D
+from precondfx.options import REFUSE, Options, Resolved, Rule, Support, resolve
+from precondfx.plan import Plan, Scale, make_plan
 from precondfx.report import Report
 
 STAGES = ("load", "normalize", "capture", "plan", "apply", "reinit", "calibrate", "save",
@@ -54,27 +56,37 @@ class _Clock:
 AUTO_NOTE = ("balance='auto' measures Hessian blocks through the PyTorch model; for an ONNX "
              "file the analytic constants (Sec. 5, App. E) are used instead")
 
+_TORCH_ONLY = ("needs the PyTorch model and is not available for ONNX files; precondition the "
+               "PyTorch model instead")
+#: what the ONNX back end supports: no measurement through torch, the core scheme only
+ONNX = Support("ONNX back end", (
+    Rule("balance", lambda v: v == "hessian", REFUSE,
+         "balance='hessian' needs Hessian-vector products through the PyTorch model and is not "
+         "available for ONNX files; use balance='analytic' or 'none', or precondition the "
+         "PyTorch model"),
+    Rule("balance", lambda v: v == "auto", "analytic", AUTO_NOTE),
+    Rule("scheme", lambda v: v != "geometric", REFUSE, f"scheme= other than 'geometric' "
+         f"{_TORCH_ONLY}"),
+    Rule("measure", lambda v: v, REFUSE, f"measure=True {_TORCH_ONLY}"),
+))
+#: inspecting runs no data through the model; the plan does not depend on the input scale
+INSPECT = Support("ONNX inspect", (
+    Rule("input_scale", lambda v: v == "auto", None, "input_scale='auto' is computed from the "
+         "calibration data, which inspect does not read (the plan does not depend on it)"),
+))
+
 
 def _options(init: str, balance: str, maxpool: str, residual: str,
              residual_scale: float | str, target_std: float | None,
              input_scale: float | str | None, output_key: str | int | None, seed: int,
-             reinit_weights: bool) -> tuple[Options, list[str]]:
-    """Options of the shared planner; measured balancing needs torch, so 'auto' falls back to
-    the analytic constants (with a note) and 'hessian' is refused."""
-    notes = []
-    if balance == "hessian":
-        raise PrecondError("balance='hessian' needs Hessian-vector products through the PyTorch "
-                           "model and is not available for ONNX files; use balance='analytic' "
-                           "or 'none', or precondition the PyTorch model")
-    if balance == "auto":
-        balance = "analytic"
-        notes.append(AUTO_NOTE)
-    opts = Options(init=init, maxpool=maxpool, balance=balance, residual=residual,
+             reinit_weights: bool, *supports: Support) -> Resolved:
+    """The user's options checked, then resolved for the ONNX back end (measured balancing
+    needs torch: 'auto' falls back to the analytic constants, 'hessian' is refused)."""
+    user = Options(init=init, maxpool=maxpool, balance=balance, residual=residual,
                    residual_scale=residual_scale, target_std=target_std,
                    input_scale=input_scale, output_key=output_key, seed=seed,
                    reinit=reinit_weights)
-    opts.validate()
-    return opts, notes
+    return resolve(user, ONNX, *supports)
 
 
 def _bindings(model: ir.Model, feeds: io.Feeds | None, dims: Mapping[str, int],
@@ -124,18 +136,18 @@ def _notes(model: ir.Model, norm: NormalizeInfo) -> list[str]:
 
 
 def inspect_onnx(path: str, *, dims: Mapping[str, int] | None = None, batch: int | None = None,
-                 init: str = "geometric", balance: str = "analytic", maxpool: str = "stride",
-                 residual: str = "auto", residual_scale: float | str = "auto",
-                 target_std: float | None = 0.05, input_scale: float | str | None = None,
-                 output_key: str | int | None = None, seed: int = 0,
-                 reinit_weights: bool = True) -> Report:
+                 init: str = D.init, balance: str = D.balance, maxpool: str = D.maxpool,
+                 residual: str = D.residual, residual_scale: float | str = D.residual_scale,
+                 target_std: float | None = D.target_std,
+                 input_scale: float | str | None = D.input_scale,
+                 output_key: str | int | None = D.output_key, seed: int = D.seed,
+                 reinit_weights: bool = D.reinit) -> Report:
     """Classify and plan an ONNX file without changing anything: the report says what
     ``precondition_onnx`` would do with the same options (symbolic dims: ``dims``, leading
     dims: ``batch``, default 1)."""
-    if input_scale == "auto":
-        input_scale = None  # needs data; the plan does not depend on it
-    opts, opt_notes = _options(init, balance, maxpool, residual, residual_scale, target_std,
-                               input_scale, output_key, seed, reinit_weights)
+    r = _options(init, balance, maxpool, residual, residual_scale, target_std, input_scale,
+                 output_key, seed, reinit_weights, INSPECT)
+    opts, opt_notes = r.options, r.notes()
     model = io.load(path)
     norm = normalize(model)
     dimmap = io.parse_dims(dims)
@@ -144,6 +156,7 @@ def inspect_onnx(path: str, *, dims: Mapping[str, int] | None = None, batch: int
     cap = capture_model(model, norm, b, leading)
     cap.graph.notes.extend(_notes(model, norm) + opt_notes)
     plan = make_plan(cap.graph, cap.params, opts)
+    plan.notes.extend(opt_notes)
     patch_plan(plan, cap)
     return Report.from_graph(cap.graph, plan)
 
@@ -152,12 +165,13 @@ def precondition_onnx(in_path: str, out_path: str, *,
                       feeds: Mapping[str, Any] | None = None,
                       calib: str | None = None,
                       calib_inputs: Mapping[str, str] | list[str] | None = None,
-                      init: str = "geometric", balance: str = "analytic",
-                      maxpool: str = "stride", residual: str = "auto",
-                      residual_scale: float | str = "auto", target_std: float | None = 0.05,
-                      input_scale: float | str | None = None,
-                      output_key: str | int | None = None, seed: int = 0,
-                      reinit_weights: bool = True, dims: Mapping[str, int] | None = None,
+                      init: str = D.init, balance: str = D.balance,
+                      maxpool: str = D.maxpool, residual: str = D.residual,
+                      residual_scale: float | str = D.residual_scale,
+                      target_std: float | None = D.target_std,
+                      input_scale: float | str | None = D.input_scale,
+                      output_key: str | int | None = D.output_key, seed: int = D.seed,
+                      reinit_weights: bool = D.reinit, dims: Mapping[str, int] | None = None,
                       batch: int | None = None, external_data: str = "auto",
                       verify: bool = True,
                       progress: Callable[[str, float], None] | None = None) -> Report:
@@ -175,8 +189,11 @@ def precondition_onnx(in_path: str, out_path: str, *,
     ``report.stage_seconds``.
     """
     clock = _Clock(progress)
-    opts, opt_notes = _options(init, balance, maxpool, residual, residual_scale, target_std,
-                               input_scale, output_key, seed, reinit_weights)
+    r = _options(init, balance, maxpool, residual, residual_scale, target_std, input_scale,
+                 output_key, seed, reinit_weights)
+    opts, opt_notes = r.options, r.notes()
+    target_std, input_scale, output_key, seed = (opts.target_std, opts.input_scale,
+                                                 opts.output_key, opts.seed)
     io.check_output_name(out_path)
     clock.start("load")
     model = io.load(in_path)
@@ -215,6 +232,7 @@ def precondition_onnx(in_path: str, out_path: str, *,
 
     clock.start("plan")
     plan = make_plan(g, cap.params, opts)
+    plan.notes.extend(opt_notes)
     patch_plan(plan, cap)
     clock.stop("plan")
 

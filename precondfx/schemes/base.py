@@ -17,7 +17,8 @@ from torch import nn
 from precondfx.calibrate import quiet_run
 from precondfx.capture.common import Sample
 from precondfx.graph import Graph
-from precondfx.plan import Options, ParamInfo, Plan
+from precondfx.options import Options, Override
+from precondfx.plan import ParamInfo, Plan
 
 
 @dataclass
@@ -74,8 +75,11 @@ class Scheme:
     #: BatchNorm's eps/momentum into its replacement)
     model: nn.Module | None = None
 
-    def options(self, opts: Options) -> None:
-        """Adjust options before planning (e.g. a scheme that brings its own init)."""
+    def overrides(self, opts: Options) -> list[Override]:
+        """Option values this scheme replaces, each with why (e.g. a scheme that brings its own
+        scales turns the alphas off); ``precondfx.options.resolve`` applies them and notes each
+        change in the report.  ``opts`` are the user's options, already checked."""
+        return []
 
     def plan(self, graph: Graph, plan: Plan, params: dict[str, ParamInfo], opts: Options
              ) -> None:
@@ -101,13 +105,18 @@ def register(name: str) -> Callable[[type], type]:
     return deco
 
 
-def get_scheme(name: str, **kwargs: Any) -> Scheme:
-    """Instantiate a registered scheme by name (scheme modules register themselves)."""
+def scheme_class(name: str) -> Callable[..., Scheme]:
+    """The registered scheme class of ``name`` (scheme modules register themselves)."""
     from precondfx.errors import PrecondError
     from precondfx import schemes  # noqa: F401  (imports the scheme modules)
     if name not in _REGISTRY:
         raise PrecondError(f"scheme={name!r} is not one of {sorted(_REGISTRY)}")
-    return _REGISTRY[name](**kwargs)
+    return _REGISTRY[name]
+
+
+def get_scheme(name: str, **kwargs: Any) -> Scheme:
+    """Instantiate a registered scheme by name (its options are checked by the scheme)."""
+    return scheme_class(name)(**kwargs)
 
 
 def names() -> list[str]:

@@ -49,7 +49,8 @@ from precondfx.calibrate import quiet_run
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph, Node
 from precondfx.measure.isometry import estimate_block_isometry
-from precondfx.plan import Layer, Options, ParamInfo, ParamInit, Plan
+from precondfx.options import Options, Override
+from precondfx.plan import Layer, ParamInfo, ParamInit, Plan
 from precondfx.schemes import gne_math as G
 from precondfx.schemes.base import Scheme, SchemeContext, register
 
@@ -242,21 +243,19 @@ class GNE(Scheme):
         self._selu_layers = 0
         self._smn: list[dict[str, Any]] = []
         self._repl: list[tuple[str, nn.Module, str]] = []
-        self._balance = "analytic"
 
     # -- before planning ----------------------------------------------------------------------
-    def options(self, opts: Options) -> None:
+    def overrides(self, opts: Options) -> list[Override]:
         """Under the BDI criterion each layer is normalized by its own fan-in, so the GR
         criterion's alphas (kernel-size corrections, and the measured balancing that starts from
         them) are not mixed in (spec C.2): the pipeline's default balance modes ('auto',
         'analytic') become 'none'; 'hessian' (asked for explicitly) is kept, it does not change
         the forward pass."""
-        self._balance = opts.balance
         if opts.balance in ("auto", "analytic"):
-            self._notes.append(f"balance={opts.balance!r} -> 'none': under the BDI criterion "
-                               f"each layer is normalized by its own fan-in, so the alphas of "
-                               f"the GR criterion are not applied (spec C.2)")
-            opts.balance = "none"
+            return [Override("balance", "none", "under the BDI criterion each layer is "
+                             "normalized by its own fan-in, so the alphas of the GR criterion "
+                             "are not applied (spec C.2)")]
+        return []
 
     def plan(self, graph: Graph, plan: Plan, params: dict[str, ParamInfo], opts: Options
              ) -> None:
@@ -448,7 +447,7 @@ class GNE(Scheme):
                 row["centered"] = "no: the SMN's input does not come from a conv/linear module"
             elif calls.get(prod.module, 0) != 1:
                 row["centered"] = f"no: {prod.module} is called more than once"
-            elif self._balance in ("hessian", "auto") and ctx.opts.balance != "none":
+            elif ctx.opts.balance in ("hessian", "auto"):
                 row["centered"] = ("no: measured balancing rescales the plain weight parameter, "
                                    "which a parametrization would hide")
             else:

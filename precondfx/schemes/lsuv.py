@@ -43,7 +43,8 @@ import torch
 
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
-from precondfx.plan import Options, ParamInfo, ParamInit, Plan
+from precondfx.options import Options, Override
+from precondfx.plan import ParamInfo, ParamInit, Plan
 from precondfx.schemes.base import Scheme, SchemeContext, register
 
 #: weighted kinds Algorithm 1 covers ("each convolutional and fully-connected layer")
@@ -81,7 +82,7 @@ class LSUV(Scheme):
         self._notes: list[str] = []
 
     # -- before planning ----------------------------------------------------------------------
-    def options(self, opts: Options) -> None:
+    def overrides(self, opts: Options) -> list[Override]:
         """LSUV sets each layer's scale from data, so the alphas of the core method (the
         analytic kernel-size and residual corrections derived for geometric init, and the
         measured balancing that starts from them) are not applied: the pipeline's default
@@ -90,11 +91,11 @@ class LSUV(Scheme):
         alphas against the weights after LSUV, leaving the forward pass (and so LSUV's unit
         variances) unchanged."""
         if opts.balance in ("auto", "analytic") and self.alphas == "none":
-            self._notes.append(f"balance={opts.balance!r} -> 'none': LSUV fixes each call "
-                               f"site's scale from data; the alphas of the geometric scheme are "
-                               f"not used (scheme_options={{'alphas': 'keep'}} keeps them, "
-                               f"balance='hessian' balances after LSUV)")
-            opts.balance = "none"
+            return [Override("balance", "none", "LSUV fixes each call site's scale from data; "
+                             "the alphas of the geometric scheme are not used "
+                             "(scheme_options={'alphas': 'keep'} keeps them, balance='hessian' "
+                             "balances after LSUV)")]
+        return []
 
     def plan(self, graph: Graph, plan: Plan, params: dict[str, ParamInfo], opts: Options
              ) -> None:

@@ -59,7 +59,8 @@ from precondfx.errors import PrecondError
 from precondfx.graph import Graph, Node
 from precondfx.modules import (PerLocationNorm, ScaledLeakyReLU, ScaledPReLU,
                                TransformedActivation, TransformedLeakyReLU)
-from precondfx.plan import Options, ParamInfo, ParamInit, Plan, Scale
+from precondfx.options import Options, Override
+from precondfx.plan import ParamInfo, ParamInit, Plan, Scale
 from precondfx.schemes import tat_math as tm
 from precondfx.schemes.base import Scheme, SchemeContext, register
 
@@ -572,22 +573,18 @@ class TatScheme(Scheme):
         self.info: dict[str, Any] = {}
         self._repl: list[tuple[str, nn.Module, str]] = []
         self._redraw: set[str] = set()
-        self._user: dict[str, Any] = {}
 
     # -- pipeline hooks ----------------------------------------------------------------------
-    def options(self, opts: Options) -> None:
-        self._user = {"balance": opts.balance, "residual": opts.residual,
-                      "residual_scale": opts.residual_scale, "init": opts.init}
-        opts.balance = "none"
-        opts.residual = "none"
+    def overrides(self, opts: Options) -> list[Override]:
+        why = f"{self.name} fixes the scales analytically (spec §3.3)"
+        return [Override("balance", "none", why),
+                Override("residual", "none", f"{self.name} sets the residual weights itself "
+                         f"(shortcut_weight)")]
 
     def plan(self, graph: Graph, plan: Plan, params: dict[str, ParamInfo], opts: Options) -> None:
         an = analyze_graph(graph, plan, self.shortcut_weight)
         self.analysis = an
         notes = list(an.notes)
-        if self._user.get("balance") == "hessian":
-            notes.append(f"balance='hessian' not applied: {self.name} fixes the scales "
-                         f"analytically (spec §3.3)")
         if not an.activations:
             raise PrecondError(f"scheme={self.name!r}: the network has no nonlinear layer on its "
                                f"data path, so there is no kernel to shape; use "

@@ -37,7 +37,8 @@ import torch
 
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph, Node
-from precondfx.plan import Options, ParamInfo, ParamInit, Plan
+from precondfx.options import Options, Override
+from precondfx.plan import ParamInfo, ParamInit, Plan
 from precondfx.schemes.base import Scheme, SchemeContext, register
 from precondfx.schemes.gne import activation_gain, activation_of, following_activation
 
@@ -73,17 +74,16 @@ class WeightNormInit(Scheme):
         self._g: dict[str, float] = {}
 
     # -- before planning ----------------------------------------------------------------------
-    def options(self, opts: Options) -> None:
+    def overrides(self, opts: Options) -> list[Override]:
+        out = []
         if opts.balance in ("auto", "analytic"):
-            self._notes.append(f"balance={opts.balance!r} -> 'none': the WN init fixes every "
-                               f"layer's scale through g; the geometric scheme's alphas are not "
-                               f"mixed in")
-            opts.balance = "none"
+            out.append(Override("balance", "none", "the WN init fixes every layer's scale "
+                                "through g; the geometric scheme's alphas are not mixed in"))
         if self.residual == "absorb" and opts.residual == "auto":
-            opts.residual = "none"
-            self._notes.append("residual='auto' -> 'none': the branch scale alpha = 1/sqrt(B_k) "
-                               "is absorbed into the g of each branch's last layer (B.2.5, "
-                               "footnote 5), so the pass inserts no s")
+            out.append(Override("residual", "none", "the branch scale alpha = 1/sqrt(B_k) is "
+                                "absorbed into the g of each branch's last layer (B.2.5, "
+                                "footnote 5), so the pass inserts no s"))
+        return out
 
     # -- plan ---------------------------------------------------------------------------------
     def plan(self, graph: Graph, plan: Plan, params: dict[str, ParamInfo], opts: Options
