@@ -2,51 +2,28 @@
 
 Draws are made in float32 on the CPU from one ``torch.Generator`` walking the plan in order, then
 copied into each parameter, so the result does not depend on the device or dtype of the model.
-Shared (tied) parameters are drawn once: the plan has one entry per parameter.  Normal draws are
-moment-matched: rescaled so that their empirical second moment is exactly the planned one.
+Shared (tied) parameters are drawn once: the plan has one entry per parameter.  The draw of each
+rule (normal draws moment-matched: their empirical second moment is exactly the planned one) is
+``precondfx.draw``'s, the same routine the ONNX back end uses.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from precondfx import draw as core
 from precondfx.plan import ParamInit, Plan
 
 
-def _orthogonal(shape: tuple[int, ...], gates: int, gen: torch.Generator) -> torch.Tensor:
-    rows, cols = shape[0] // max(gates, 1), int(torch.tensor(shape[1:]).prod())
-    blocks = []
-    for _ in range(max(gates, 1)):
-        a = torch.randn(max(rows, cols), min(rows, cols), generator=gen)
-        q, r = torch.linalg.qr(a)
-        q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
-        blocks.append(q if rows >= cols else q.T)
-    return torch.cat(blocks, 0).reshape(shape)
-
-
 def draw(pi: ParamInit, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor | None:
-    """The new value of one parameter (float32, CPU), or None to keep it."""
-    if pi.rule == "keep":
-        return None
-    if pi.rule == "zeros":
-        return torch.zeros(shape)
-    if pi.rule == "ones":
-        return torch.ones(shape)
-    if pi.rule == "constant":
-        return torch.full(shape, float(pi.std))
-    if pi.rule == "orthogonal":
-        return _orthogonal(shape, pi.gates, gen) * float(pi.std or 1.0)
-    return moment_matched(torch.randn(shape, generator=gen), float(pi.std))
+    """The new value of one parameter (float32, CPU), or None to keep it (the rule of each
+    init, moment matching included, is ``precondfx.draw``'s, shared with the ONNX path)."""
+    return core.draw(pi, shape, core.torch_ops(gen))
 
 
 def moment_matched(t: torch.Tensor, std: float) -> torch.Tensor:
-    """Rescale a normal draw so its empirical second moment is exactly ``std**2``.
-
-    The rules fix ``E[W^2]``; a finite draw misses it by about ``sqrt(2/numel)`` (6% on a
-    64x10 layer), which alone moved the per-layer weight-to-gradient ratios of the paper's MLP
-    by up to 1.37x across seeds; matching the moment brought the worst of 12 seeds to 1.2x."""
-    m2 = float(t.double().pow(2).mean())
-    return t * (std / m2 ** 0.5) if m2 > 0 else t
+    """Rescale a normal draw so its empirical second moment is exactly ``std**2``."""
+    return core.moment_matched(t, std, core.torch_ops(None))
 
 
 @torch.no_grad()
