@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from precondfx.capture.common import output_path  # noqa: F401  (the one rule, re-exported)
 from precondfx.errors import PrecondError
 from precondfx.plan import PoolChange
 
@@ -46,31 +46,6 @@ def replacement_pool(pc: PoolChange, like: torch.Tensor | None) -> nn.Module:
         return cls(tuple(g["kernel"]), stride=tuple(g["stride"]), padding=tuple(g["padding"]),
                    ceil_mode=g["ceil_mode"])
     raise ValueError(pc.action)
-
-
-def output_path(out: Any, key: str | int | None = None) -> list:
-    """Keys/indices leading from the model's output to the tensor the output scale applies to
-    (same choice as :func:`precondfx.capture.common.main_output`)."""
-    if key is not None:
-        from precondfx.capture.common import main_output
-        main_output(out, key)  # raises PrecondError when the key selects no tensor
-        return [key]
-    if isinstance(out, torch.Tensor):
-        return []
-    if isinstance(out, Mapping) or hasattr(out, "keys"):
-        keys = list(out.keys())
-        if "logits" in keys and isinstance(out["logits"], torch.Tensor):
-            return ["logits"]
-        for k in keys:
-            v = out[k]
-            if isinstance(v, torch.Tensor) and v.is_floating_point():
-                return [k]
-    if isinstance(out, (tuple, list)):
-        for i, v in enumerate(out):
-            if isinstance(v, torch.Tensor) and v.is_floating_point():
-                return [i]
-    raise PrecondError(f"cannot find a floating-point tensor in the model's output "
-                       f"({type(out).__name__}); pass output_key=")
 
 
 def scale_at_path(out: Any, path: list, scale: torch.Tensor) -> Any:

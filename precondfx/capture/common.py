@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from precondfx.outputs import pick_main
 from precondfx import optable
 from precondfx.errors import PrecondError
 from precondfx.graph import Node
@@ -317,9 +318,10 @@ def make_sample(sample: Any, forward_kwargs: Mapping | None = None) -> Sample:
         f"precondition(model, torch.randn(8, 3, 32, 32))")
 
 
-def main_output(out: Any, key: str | int | None = None) -> torch.Tensor:
-    """The tensor the output scale applies to: ``out`` itself, ``out[key]``, the first tensor of
-    a tuple, ``logits`` (or the first tensor value) of a dict or transformers ModelOutput."""
+def output_path(out: Any, key: str | int | None = None) -> list:
+    """Keys/indices leading from the model's output to its main output (``precondfx.outputs``'
+    rule: ``out[key]``; ``out`` itself; ``logits`` or the first floating-point tensor of a
+    tuple, list, dict or transformers ModelOutput)."""
     if key is not None:
         try:
             val = out[key]
@@ -328,22 +330,27 @@ def main_output(out: Any, key: str | int | None = None) -> torch.Tensor:
                                f"({type(out).__name__}): {e}") from None
         if not isinstance(val, torch.Tensor):
             raise PrecondError(f"output_key={key!r} selects a {type(val).__name__}, not a tensor")
-        return val
+        return [key]
     if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, Mapping):
-        if "logits" in out and isinstance(out["logits"], torch.Tensor):
-            return out["logits"]
-        for v in out.values():
-            if isinstance(v, torch.Tensor) and v.is_floating_point():
-                return v
-    if isinstance(out, (tuple, list)):
-        for v in out:
-            if isinstance(v, torch.Tensor) and v.is_floating_point():
-                return v
-    raise PrecondError(
-        f"cannot find a floating-point tensor in the model's output ({type(out).__name__}); "
-        f"pass output_key= to name the output to scale, or target_std=None to skip output scaling")
+        return []
+    items: list = []
+    if isinstance(out, Mapping) or hasattr(out, "keys"):
+        items = [(k, out[k]) for k in out.keys()]
+    elif isinstance(out, (tuple, list)):
+        items = list(enumerate(out))
+    k = pick_main((k, isinstance(v, torch.Tensor) and v.is_floating_point()) for k, v in items)
+    if k is None:
+        raise PrecondError(
+            f"cannot find a floating-point tensor in the model's output ({type(out).__name__}); "
+            f"pass output_key= to name the output to scale, or target_std=None to skip output "
+            f"scaling")
+    return [k]
+
+
+def main_output(out: Any, key: str | int | None = None) -> torch.Tensor:
+    """The tensor the output scale applies to (the one at :func:`output_path`)."""
+    path = output_path(out, key)
+    return out[path[0]] if path else out
 
 
 def module_attrs(mod: nn.Module) -> dict[str, Any]:

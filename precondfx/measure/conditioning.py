@@ -294,25 +294,15 @@ def spread(values: Mapping[str, float] | Sequence[float] | ConditioningResult,
 # inputs
 # --------------------------------------------------------------------------------------------
 def default_output_fn(out: Any) -> torch.Tensor:
-    """Pick the main output: the tensor itself, ``logits``, a tuple's first tensor, a dict's first."""
-    if isinstance(out, torch.Tensor):
-        return out
-    logits = getattr(out, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    if isinstance(out, Mapping):
-        if isinstance(out.get("logits"), torch.Tensor):
-            return out["logits"]
-        for v in out.values():
-            if isinstance(v, torch.Tensor):
-                return v
-    if isinstance(out, (tuple, list)):
-        for v in out:
-            if isinstance(v, torch.Tensor):
-                return v
-    raise PrecondError(
-        f"cannot find the main output tensor in a model output of type {type(out).__name__}; "
-        "pass output_fn=lambda out: <the tensor> to measure_conditioning")
+    """The main output (the rule of ``precondfx.outputs``, as the output scale uses it)."""
+    from precondfx.capture.common import main_output
+    try:
+        return main_output(out)
+    except PrecondError:
+        raise PrecondError(
+            f"cannot find the main output tensor in a model output of type "
+            f"{type(out).__name__}; pass output_fn=lambda out: <the tensor> to "
+            f"measure_conditioning") from None
 
 
 def _spec_get(spec: Any, keys: Sequence[str]) -> Any:

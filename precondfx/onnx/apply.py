@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from precondfx.outputs import pick_main
 from precondfx.apply.common import PREFIX
 from precondfx.errors import PrecondError
 from precondfx.onnx.capture import Captured
@@ -179,8 +180,9 @@ class OnnxApplier:
         return names
 
     def main_output(self, path: list) -> tuple[int, ir.Value]:
-        """The graph output the output scale applies to: ``path`` empty -> an output named
-        'logits', else the first floating-point one; ``[key]`` -> by name or index."""
+        """The graph output the output scale applies to: ``path`` empty -> the rule of
+        ``precondfx.outputs`` ('logits', else the first floating-point output); ``[key]`` -> by
+        name or index."""
         outs = list(self.g.outputs)
         if path:
             key = path[0]
@@ -196,12 +198,10 @@ class OnnxApplier:
                     return i, o
             raise PrecondError(f"output_key={key!r} names no graph output; the outputs are "
                                f"{[o.name for o in outs]}")
-        for i, o in enumerate(outs):
-            if o.name == "logits" and self._dtype(o) in FLOAT_TYPES:
-                return i, o
-        for i, o in enumerate(outs):
-            if self._dtype(o) in FLOAT_TYPES:
-                return i, o
+        name = pick_main((o.name, self._dtype(o) in FLOAT_TYPES) for o in outs)
+        if name is not None:
+            i = next(i for i, o in enumerate(outs) if o.name == name)
+            return i, outs[i]
         raise PrecondError(f"no floating-point graph output to scale (outputs "
                            f"{[o.name for o in outs]}); pass target_std=None")
 
