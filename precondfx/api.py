@@ -22,7 +22,7 @@ from precondfx.apply.eager_apply import EagerApplier
 from precondfx.apply.fx_apply import FxApplier
 from precondfx.apply.reinit import reinit
 from precondfx.capture import meta
-from precondfx.capture.ladder import METHODS, Captured, capture
+from precondfx.capture.ladder import Captured, capture
 from precondfx.capture.common import Sample, make_sample
 from precondfx.balance import balance_measured
 from precondfx.checks import check_model, guarded
