@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from precondfx.errors import PrecondError
 
@@ -54,10 +54,65 @@ class Fans:
     gain: float = 2.0
 
 
+def effective_kernel_1d(
+    size: int, kernel: int, stride: int = 1, padding: int | tuple[int, int] = 0, dilation: int = 1
+) -> float:
+    """Average number of the ``kernel`` taps that land inside an input of length ``size`` (zero
+    padding), over output positions (A.2.7; ``(3H-2)/H`` for k=3, pad 1, stride 1).  ``padding``
+    may be ``(left, right)``."""
+    pl, pr = (padding, padding) if isinstance(padding, int) else (int(padding[0]), int(padding[1]))
+    out = (size + pl + pr - dilation * (kernel - 1) - 1) // stride + 1
+    if out <= 0:
+        raise PrecondError(f"conv output would be empty (size={size}, kernel={kernel}, padding={padding}).")
+    total = 0
+    for i in range(out):
+        start = i * stride - pl
+        total += sum(1 for a in range(kernel) if 0 <= start + a * dilation < size)
+    return total / out
+
+
+def _tup(v: int | Sequence[int], d: int) -> tuple[int, ...]:
+    if isinstance(v, int):
+        return (v,) * d
+    v = tuple(int(x) for x in v)
+    if len(v) != d:
+        raise PrecondError(f"expected {d} values, got {v!r}.")
+    return v
+
+
+def effective_kernel_size(
+    input_size: int | Sequence[int], kernel_size: int | Sequence[int], stride: int | Sequence[int] = 1,
+    padding: int | str | Sequence[int] = 0, dilation: int | Sequence[int] = 1, padding_mode: str = "zeros",
+) -> float:
+    """Effective kernel size ``prod_d k~_d`` of a zero-padded conv (A.2.7), to be used in place of
+    ``k_h k_w`` in fan-in ``n = c_in/groups * k~``.  The number of spatial dims is the longest of
+    the sequence arguments (1 if all are ints).  ``padding`` may be ``'same'``/``'valid'`` as in
+    PyTorch.  Non-zero padding modes (circular, reflect, replicate) route every tap to some input
+    pixel, so ``phi = sigma^2 c_in k`` and the full ``k`` is returned [DERIVED]."""
+    seqs = [v for v in (input_size, kernel_size, stride, padding, dilation) if not isinstance(v, (int, str))]
+    d = max((len(v) for v in seqs), default=1)
+    size, k, s, dil = _tup(input_size, d), _tup(kernel_size, d), _tup(stride, d), _tup(dilation, d)
+    if padding_mode != "zeros" or padding == "valid":
+        if padding_mode != "zeros":
+            return float(math.prod(k))
+        pads: list[int | tuple[int, int]] = [0] * d
+    elif padding == "same":
+        if any(x != 1 for x in s):
+            raise PrecondError("padding='same' requires stride 1 (as in PyTorch).")
+        pads = []
+        for kk, dd in zip(k, dil):
+            tot = dd * (kk - 1)
+            pads.append((tot // 2, tot - tot // 2))
+    elif isinstance(padding, str):
+        raise PrecondError(f"padding must be an int, a tuple, 'same' or 'valid', got {padding!r}.")
+    else:
+        pads = list(_tup(padding, d))
+    return float(math.prod(effective_kernel_1d(*args) for args in zip(size, k, s, pads, dil)))
+
+
 def effective_taps_of(size: Any, kernel: Any, stride: Any, padding: Any, dilation: Any,
                       padding_mode: str = "zeros") -> float | None:
     """Average number of kernel taps that reach the input (zero padding), or None if unknown."""
-    from precondfx.schemes.gne_math import effective_kernel_size
     try:
         return effective_kernel_size(tuple(int(x) for x in size), kernel, stride, padding,
                                      dilation, padding_mode)
