@@ -124,7 +124,7 @@ def effective_taps(node: Any) -> float | None:
     """``effective_taps_of`` for a captured convolution node (needs its input shape)."""
     shape = node.in_shapes[0] if node.in_shapes else None
     a = node.attrs
-    if shape is None or "kernel_size" not in a or len(shape) < 3:
+    if shape is None or "kernel_size" not in a or len(shape) < 3 or a.get("symbolic_spatial"):
         return None
     return effective_taps_of(shape[2:], a["kernel_size"], a.get("stride", 1),
                              a.get("padding", 0), a.get("dilation", 1),

@@ -14,7 +14,12 @@ from typing import Any, Iterator
 
 @dataclass
 class Node:
-    """One operation, or one call of a leaf module (a module called twice is two nodes)."""
+    """One operation, or one call of a leaf module (a module called twice is two nodes).
+
+    Besides the op's own attributes, ``attrs`` carries facts a front end states for the
+    planner: ``keep_reason`` (a max-pool that must stay, and why), ``no_fold_reason`` (a
+    convolution a pool's stride must not be folded into, and why) and ``symbolic_spatial``
+    (the input's spatial size varies, so effective kernel taps are not defined)."""
 
     name: str
     kind: str

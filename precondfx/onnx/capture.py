@@ -37,13 +37,17 @@ from precondfx.capture.common import Act, Const, Param, build_node
 from precondfx.graph import Graph, Node
 from precondfx.onnx.io import FLOAT_TYPES, real_inputs
 from precondfx.onnx.normalize import NormalizeInfo
-from precondfx.plan import ParamInfo, Plan
+from precondfx.plan import ParamInfo
 
 _NORM_OPS = {"BatchNormalization", "LayerNormalization", "GroupNormalization",
              "InstanceNormalization", "RMSNormalization", "SimplifiedLayerNormalization"}
 _SHAPE_OPS = {"Shape", "Size"}
 _BIG = 1024  # initializers larger than this (bytes) are stripped for shape inference
 
+
+#: why a pool's stride is not folded into a convolution whose input has symbolic spatial dims
+SYMBOLIC_NO_FOLD = ("the spatial dims are symbolic, and a folded stride matches the pool's output "
+                    "size only for some input sizes")
 
 @dataclass
 class Captured:
@@ -55,8 +59,6 @@ class Captured:
     act_index: dict[str, list[int]]                 # neutral node -> ONNX input slots of acts
     input_nodes: dict[str, ir.Value]                # neutral input node -> graph input
     dtypes: dict[str, int] = field(default_factory=dict)    # value name -> onnx elem type
-    keep_pools: dict[str, str] = field(default_factory=dict)   # pool node -> why kept
-    symbolic_convs: dict[str, str] = field(default_factory=dict)  # conv node -> why no fold
     param_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # as in the file
 
 
@@ -362,8 +364,8 @@ def to_graph(model: ir.Model, shapes: dict[str, tuple], symbolic: set[str],
             args = [marker(ins[0]), marker(w, True), marker(ins[2] if len(ins) > 2 else None,
                                                            True)]
             if ins[0] is not None and ins[0].name in symbolic and op == "Conv":
-                in_shapes[0] = None
-                cap.symbolic_convs[name] = "spatial dims of its input are symbolic"
+                extra["no_fold_reason"] = SYMBOLIC_NO_FOLD
+                extra["symbolic_spatial"] = True
         elif is_data and op == "Gemm" and len(ins) >= 2:
             a_, b_ = ins[0], ins[1]
             ta, tb = _int(node, "transA", 0), _int(node, "transB", 0)
@@ -407,12 +409,12 @@ def to_graph(model: ir.Model, shapes: dict[str, tuple], symbolic: set[str],
             elif _int(node, "storage_order", 0) == 1 and idx_used:
                 why = "its indices output (column-major) is used"
             if why:
-                cap.keep_pools[name] = why
+                extra["keep_reason"] = f"kept: {why}"
             if isinstance(geo["padding"], str):  # kept anyway; the planner wants numbers
                 geo["padding"] = (_ints(node, "pads") or [0] * (2 * d))[:d]
             kwargs = {k: Const(v) for k, v in geo.items()}
             kwargs["ceil_mode"] = Const(ceil)
-            kwargs["return_indices"] = Const(bool(idx_used or why))
+            kwargs["return_indices"] = Const(bool(idx_used))
             args = [marker(x)]
         elif is_data and op in _NORM_OPS and len(ins) >= 1:
             args = [marker(ins[0])]
@@ -477,7 +479,7 @@ def to_graph(model: ir.Model, shapes: dict[str, tuple], symbolic: set[str],
             nn_.params = {k: v for k, v in nn_.params.items() if v not in post_params.values()}
             nn_.params.update(post_params)
             nn_.attrs["class"] = extra["class"]
-        for k in ("gemm", "training_mode"):
+        for k in ("gemm", "training_mode", "keep_reason", "no_fold_reason", "symbolic_spatial"):
             if k in extra:
                 nn_.attrs[k] = extra[k]
         if node.domain not in ("", "ai.onnx"):
@@ -558,16 +560,3 @@ def symbolic_values(model: ir.Model, bindings: dict[str, int], leading: int,
                 or any(d is None for d in shape[1:]):
             out.add(name)
     return out
-
-
-def patch_plan(plan: Plan, cap: Captured) -> None:
-    """Give the ONNX-specific reasons where the planner saw only their effect."""
-    for pc in plan.pools:
-        why = cap.keep_pools.get(pc.node)
-        if why and pc.action == "keep":
-            pc.reason = f"kept: {why}"
-        if "the convolution's input shape is unknown" in pc.reason:
-            pc.reason = pc.reason.replace(
-                "the convolution's input shape is unknown",
-                "the spatial dims are symbolic, and a folded stride matches the pool's output "
-                "size only for some input sizes")

@@ -23,7 +23,7 @@ from precondfx.errors import PrecondError
 from precondfx.onnx import calibrate as cal
 from precondfx.onnx import io
 from precondfx.onnx.apply import OnnxApplier
-from precondfx.onnx.capture import Captured, infer_shapes, patch_plan, symbolic_values, to_graph
+from precondfx.onnx.capture import Captured, infer_shapes, symbolic_values, to_graph
 from precondfx.onnx.normalize import NormalizeInfo, normalize
 from precondfx.onnx.reinit import reinit
 from precondfx.options import DEFAULTS as D
@@ -157,7 +157,6 @@ def inspect_onnx(path: str, *, dims: Mapping[str, int] | None = None, batch: int
     cap.graph.notes.extend(_notes(model, norm) + opt_notes)
     plan = make_plan(cap.graph, cap.params, opts)
     plan.notes.extend(opt_notes)
-    patch_plan(plan, cap)
     return Report.from_graph(cap.graph, plan)
 
 
@@ -233,7 +232,6 @@ def precondition_onnx(in_path: str, out_path: str, *,
     clock.start("plan")
     plan = make_plan(g, cap.params, opts)
     plan.notes.extend(opt_notes)
-    patch_plan(plan, cap)
     clock.stop("plan")
 
     clock.start("apply")
