@@ -51,6 +51,7 @@ from precondfx.graph import Graph, Node
 from precondfx.measure.isometry import estimate_block_isometry
 from precondfx.options import Options, Override
 from precondfx.plan import Layer, ParamInfo, ParamInit, Plan
+from precondfx.schemes.activations import activation_of, get_activation  # noqa: F401
 from precondfx.schemes import gne_math as G
 from precondfx.schemes.base import Scheme, SchemeContext, register
 
@@ -76,37 +77,6 @@ _ACT_FN: dict[str, Callable[..., torch.Tensor]] = {
 # ---------------------------------------------------------------------------------------------
 # Graph helpers (also used by the wn scheme)
 # ---------------------------------------------------------------------------------------------
-def activation_of(node: Node) -> tuple[str, float | None]:
-    """``(name, slope)`` of an activation node: relu, leaky_relu (slope), prelu, selu, elu,
-    celu, tanh, sigmoid, gelu, silu, mish, softplus, relu6, hardtanh...; ``(kind, None)`` for
-    anything else."""
-    text = f"{node.attrs.get('class', '')} {node.target}".lower()
-    k = node.kind
-    if k == "relu":
-        return "relu", None
-    if k == "leaky_relu":
-        return "leaky_relu", float(node.attrs.get("negative_slope", 0.01))
-    if k == "prelu":
-        return "prelu", None
-    if k == "exp_linear":
-        for name in ("selu", "celu"):
-            if name in text:
-                return name, None
-        return "elu", float(node.attrs.get("alpha", 1.0))
-    if k == "saturating":
-        if "tanh" in text:
-            return "tanh", None
-        if "hardsigmoid" in text or "logsigmoid" in text:
-            return text.split()[-1].rsplit(".", 1)[-1], None
-        return "sigmoid", None
-    if k in ("smooth_gate", "clipped_relu"):
-        for name in ("gelu", "silu", "mish", "softplus", "hardswish", "softsign", "relu6",
-                     "hardtanh", "tanhshrink", "softshrink", "hardshrink"):
-            if name in text:
-                return name, None
-    return k, None
-
-
 def following_activation(graph: Graph, name: str, users: dict[str, list[str]] | None = None
                          ) -> tuple[Node | None, list[str], str]:
     """The activation node that consumes layer ``name``'s output, found through the graph's
@@ -134,15 +104,15 @@ def following_activation(graph: Graph, name: str, users: dict[str, list[str]] | 
         return None, path, f"followed by {nxt.kind} ({nxt.name}), not an activation: linear"
 
 
-def _smooth_phi(name: str, var: float = 1.0) -> float:
-    """``E[f'(x)^2]`` at ``x ~ N(0, var)`` for a smooth activation (A.2.6 extension)."""
-    fn = _SMOOTH[name]
+#: gne activation name -> the shared registry's (``F.gelu`` is the exact, erf form)
+_REGISTRY_NAME = {"gelu": "gelu_exact", "silu": "swish"}
 
-    def deriv(x: np.ndarray) -> np.ndarray:
-        t = torch.tensor(x, dtype=torch.float64, requires_grad=True)
-        (g,) = torch.autograd.grad(fn(t).sum(), t)
-        return g.numpy()
-    return G.pointwise_moments(deriv, var).phi
+
+def _smooth_phi(name: str, var: float = 1.0) -> float:
+    """``E[f'(x)^2]`` at ``x ~ N(0, var)`` for a smooth activation (A.2.6 extension), from the
+    shared activation registry's analytic derivative."""
+    act = get_activation(_REGISTRY_NAME.get(name, name))
+    return G.pointwise_moments(act.d1, var, breaks=act.kinks).phi
 
 
 def activation_gain(name: str, slope: float | None, gamma0: float = 1.0

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from precondfx.schemes.activations import normal_expectation
 from precondfx.fans import _tup, effective_kernel_1d, effective_kernel_size  # noqa: F401
 from precondfx.errors import PrecondError
 
@@ -135,26 +136,21 @@ def tanh_moments(var: float | None = None) -> Moments:
 
 
 def pointwise_moments(
-    derivative: Callable[[np.ndarray], np.ndarray], var: float, mean: float = 0.0, *, nodes: int = 20001
+    derivative: Callable[[np.ndarray], np.ndarray], var: float, mean: float = 0.0, *,
+    breaks: Sequence[float] = (0.0,),
 ) -> Moments:
     """Any element-wise activation at pre-activations ``N(mean, var)``: ``J`` is diagonal with
     entries ``f'(x_i)``, so ``phi = E[f'^2]`` and ``varphi = E[f'^4] - phi^2`` (A.2.6 extension,
-    "SELU / other activations").  Midpoint rule on each side of 0, so a jump of ``f'`` at 0
-    (rectifiers) does not spoil the accuracy."""
+    "SELU / other activations").  The expectations are the shared engine's
+    (``precondfx.schemes.activations.normal_expectation``), split at ``breaks`` (the jumps of
+    ``f'``; 0 for rectifiers) so that they do not spoil the accuracy."""
     if var <= 0:
         raise PrecondError(f"pre-activation variance must be > 0, got {var!r}.")
-    sd = math.sqrt(var)
-    lo, hi = min(mean - 12 * sd, 0.0), max(mean + 12 * sd, 0.0)
-    m2 = m4 = 0.0
-    for a, b in ((lo, 0.0), (0.0, hi)):
-        if b <= a:
-            continue
-        h = (b - a) / nodes
-        x = a + h * (np.arange(nodes) + 0.5)
-        w = np.exp(-0.5 * ((x - mean) / sd) ** 2) / (sd * math.sqrt(2 * math.pi)) * h
-        d2 = np.asarray(derivative(x), dtype=np.float64) ** 2
-        m2 += float(np.sum(w * d2))
-        m4 += float(np.sum(w * d2 * d2))
+
+    def d2(x: np.ndarray) -> np.ndarray:
+        return np.asarray(derivative(x), dtype=np.float64) ** 2
+    m2 = normal_expectation(d2, mean, var, breaks)
+    m4 = normal_expectation(lambda x: d2(x) ** 2, mean, var, breaks)
     return Moments(m2, m4 - m2 * m2)
 
 

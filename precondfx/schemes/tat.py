@@ -61,6 +61,7 @@ from precondfx.modules import (PerLocationNorm, ScaledLeakyReLU, ScaledPReLU,
                                TransformedActivation, TransformedLeakyReLU)
 from precondfx.options import Options, Override
 from precondfx.plan import ParamInfo, ParamInit, Plan, Scale
+from precondfx.schemes.activations import activation_of
 from precondfx.schemes import tat_math as tm
 from precondfx.schemes.base import Scheme, SchemeContext, register
 
@@ -79,23 +80,15 @@ _SMOOTH = {"tanh": "tanh", "sigmoid": "sigmoid", "softplus": "softplus", "gelu":
 _TORCH_NAME = {"tanh": "tanh", "sigmoid": "sigmoid", "softplus": "softplus", "gelu_exact": "gelu",
                "gelu": "gelu_tanh", "swish": "silu", "elu": "elu", "selu": "selu",
                "softsign": "softsign", "relu": "relu"}
-_ALIASES = {"leakyrelu": "leaky_relu", "relu_": "relu"}
 _ACT_KINDS = ("relu", "leaky_relu", "prelu", "smooth_gate", "saturating", "exp_linear",
               "clipped_relu")
 
 
-def _base_name(n: Node) -> str:
-    if n.module and n.attrs.get("class"):
-        base = str(n.attrs["class"]).lower()
-    else:
-        base = n.target.rsplit(".", 1)[-1].strip("_").lower()
-    return _ALIASES.get(base, base)
-
-
 def _act_name(n: Node) -> str | None:
     """tat_math name of an activation node (relu / leaky_relu / prelu or a smooth one), or
-    None when no transform exists for it here."""
-    base = _base_name(n)
+    None when no transform exists for it here (the node is recognized by the shared
+    ``activation_of``)."""
+    base, _ = activation_of(n)
     if base in RELU_FAMILY:
         return base
     if base == "gelu":

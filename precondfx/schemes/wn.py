@@ -40,7 +40,8 @@ from precondfx.graph import Graph, Node
 from precondfx.options import Options, Override
 from precondfx.plan import ParamInfo, ParamInit, Plan
 from precondfx.schemes.base import Scheme, SchemeContext, register
-from precondfx.schemes.gne import activation_gain, activation_of, following_activation
+from precondfx.schemes.activations import activation_of
+from precondfx.schemes.gne import activation_gain, following_activation
 
 _G = "parametrizations.weight.original0"
 _V = "parametrizations.weight.original1"
