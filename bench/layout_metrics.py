@@ -39,7 +39,7 @@ def longest(files: list[str], root: str, n: int = 10) -> list[tuple[int, str]]:
 
 
 def option_spellings(files: list[str]) -> dict[str, int]:
-    """Places that spell an option's default: a keyword parameter with a default in a
+    """Places that spell an option's default: a keyword parameter with a literal default in a
     signature that spells three or more options, an argparse ``--name`` with a default, or a
     field of an ``*Options`` class."""
     counts = {o: 0 for o in OPTIONS}
@@ -48,9 +48,10 @@ def option_spellings(files: list[str]) -> dict[str, int]:
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 a = node.args
-                pos = a.args[len(a.args) - len(a.defaults):]
-                given = [x.arg for x in list(pos) + [k for k, d in zip(a.kwonlyargs,
-                                                                        a.kw_defaults) if d]]
+                pairs = list(zip(a.args[len(a.args) - len(a.defaults):], a.defaults)) + \
+                    [(k, d) for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+                # a default spelled as a literal (not read from the one definition, D.x)
+                given = [x.arg for x, d in pairs if not isinstance(d, ast.Attribute)]
                 opts = [x for x in given if x in counts]
                 if len(opts) >= 3:       # a function that spells an option set
                     for x in opts:

@@ -31,11 +31,11 @@ from precondfx.distributed import record_constants
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
 from precondfx.options import DEFAULTS as D
-from precondfx.options import REFUSE, Options, Resolved, Rule, Support, flag, resolve
+from precondfx.options import REFUSE, Options, Resolved, Rule, Support, flag
 from precondfx.plan import ParamInfo, Plan, make_plan
 from precondfx.report import Report
 from precondfx.verify import measure_report
-from precondfx.schemes.base import Scheme, SchemeContext
+from precondfx.schemes.base import Scheme, SchemeContext, resolve_options
 
 log = logging.getLogger("precondfx")
 
@@ -89,7 +89,7 @@ META = Support("meta device", (
 def resolve_torch(user: Options, model: nn.Module) -> Resolved:
     """The user's options resolved for the PyTorch back ends (and the meta device)."""
     on = isinstance(model, nn.Module) and _on_meta(model)
-    return resolve(user, TORCH, *((META,) if on else ()))
+    return resolve_options(user, TORCH, *((META,) if on else ()))
 
 
 def _run(model: nn.Module, s: Sample, mode: str) -> Any:

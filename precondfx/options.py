@@ -15,7 +15,6 @@ default changed in this file changes everywhere.
 """
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -105,11 +104,11 @@ def capture_methods(name: str, v: Any) -> tuple[str, ...]:
     return ms
 
 
-def scheme_name(name: str, v: Any) -> str:
-    from precondfx.schemes.base import names
-    if isinstance(v, str) and v in names():
+def text(name: str, v: Any) -> str:
+    """A string (names checked against a registry later, e.g. the scheme's)."""
+    if isinstance(v, str) and v:
         return v
-    raise PrecondError(f"{name}={v!r} is not one of {names()}: pass one of these names")
+    raise PrecondError(f"{name}={v!r} must be a name (a non-empty string)")
 
 
 def mapping(name: str, v: Any) -> dict:
@@ -169,8 +168,9 @@ class Options:
     reinit: bool = _opt(True, flag, "re-initialize the weights; reinit_weights=False "
                         "(--no-reinit) keeps them, divided by their alpha, and only inserts "
                         "constants", cli=True, keyword="reinit_weights")
-    scheme: str = _opt("geometric", scheme_name, "initialization scheme (geometric, lsuv, "
-                       "gne, wn, tat, dks)")
+    scheme: str = _opt("geometric", text, "initialization scheme (geometric, lsuv, gne, wn, "
+                       "tat, dks); its name and scheme_options are checked by the scheme "
+                       "registry (precondfx.schemes.base.get_scheme)")
     scheme_options: dict | None = _opt(None, mapping, "keyword arguments of the scheme",
                                        plan=False)
     balance_samples: int = _opt(16, integer(1), "samples measured by measured balancing and "
@@ -186,8 +186,6 @@ class Options:
         for f in fields(self):
             object.__setattr__(self, f.name, f.metadata["check"](keyword_of(f), getattr(self,
                                                                                      f.name)))
-        from precondfx.schemes.base import scheme_class
-        _check_kwargs(scheme_class(self.scheme), self.scheme_options or {}, self.scheme)
 
     @classmethod
     def from_keywords(cls, **kwargs: Any) -> "Options":
@@ -211,18 +209,6 @@ class Options:
 
 def keyword_of(f: Any) -> str:
     return f.metadata["keyword"] or f.name
-
-
-def _check_kwargs(cls: type, kwargs: dict, scheme: str) -> None:
-    init = getattr(cls, "__init__", object.__init__)
-    params = {} if init is object.__init__ else inspect.signature(init).parameters
-    known = [p for p in params if p != "self"]
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return
-    bad = sorted(k for k in kwargs if k not in known)
-    if bad:
-        has = f"its options are {known}" if known else "it takes none (pass scheme_options=None)"
-        raise PrecondError(f"scheme_options {bad} are not options of scheme={scheme!r}: {has}")
 
 
 #: the defaults, for the signatures of the public functions (one place holds them)
@@ -312,12 +298,11 @@ def apply_overrides(opts: Options, overrides: Iterable[Override], by: str
 
 
 def resolve(user: Options, *supports: Support, scheme: Any = None) -> Resolved:
-    """The one resolution step: the scheme's declared overrides (``scheme.overrides``), then
-    each back end's limits, in order.  ``scheme`` defaults to an instance of ``user.scheme``."""
-    if scheme is None:
-        from precondfx.schemes.base import get_scheme
-        scheme = get_scheme(user.scheme, **(user.scheme_options or {}))
-    opts, changes = apply_overrides(user, scheme.overrides(user), f"scheme {user.scheme}")
+    """The one resolution step: the declared overrides of ``scheme`` (an object with
+    ``overrides(opts)``, see ``precondfx.schemes.base.resolve_options``), then each back end's
+    limits, in order."""
+    overrides = scheme.overrides(user) if scheme is not None else []
+    opts, changes = apply_overrides(user, overrides, f"scheme {user.scheme}")
     for sup in supports:
         opts, more = apply_overrides(opts, sup.overrides(opts), sup.name)
         changes += more

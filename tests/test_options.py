@@ -13,6 +13,7 @@ from precondfx import PrecondError
 from precondfx.onnx import inspect_onnx, precondition_onnx
 from precondfx.options import (DEFAULTS, Options, cli_fields, cli_flags, from_text, keyword_of,
                                resolve)
+from precondfx.schemes.base import resolve_options
 
 
 def _mlp():
@@ -51,7 +52,7 @@ BAD = [
 @pytest.mark.parametrize("kw,needle", BAD)
 def test_bad_values_are_refused_before_anything_runs(kw, needle):
     with pytest.raises(PrecondError, match=needle.replace("(", r"\(")):
-        Options.from_keywords(**kw)
+        resolve_options(Options.from_keywords(**kw))      # what every entry point runs first
     model, x = _mlp()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(PrecondError, match=needle.replace("(", r"\(")):
@@ -100,13 +101,13 @@ def test_cli_flags_are_built_from_the_definition():
 
 
 def test_scheme_overrides_are_resolved_once_and_noted():
-    r = resolve(Options(scheme="gne"))
+    r = resolve_options(Options(scheme="gne"))
     assert (r.user.balance, r.options.balance) == ("auto", "none")
     assert [(c.option, c.old, c.new) for c in r.changes] == [("balance", "auto", "none")]
-    r = resolve(Options(scheme="tat", balance="hessian", residual="all"))
+    r = resolve_options(Options(scheme="tat", balance="hessian", residual="all"))
     assert (r.options.balance, r.options.residual) == ("none", "none")
     assert len(r.notes()) == 2 and "tat fixes the scales" in r.notes()[0]
-    r = resolve(Options(scheme="gne", balance="hessian"))   # asked for: kept
+    r = resolve_options(Options(scheme="gne", balance="hessian"))   # asked for: kept
     assert r.options.balance == "hessian" and not r.changes
     model, x = _mlp()
     rep = precondfx.analyze(model, x, scheme="gne")

@@ -27,8 +27,9 @@ from precondfx.onnx.capture import Captured, infer_shapes, symbolic_values, to_g
 from precondfx.onnx.normalize import NormalizeInfo, normalize
 from precondfx.onnx.reinit import reinit
 from precondfx.options import DEFAULTS as D
-from precondfx.options import REFUSE, Options, Resolved, Rule, Support, resolve
+from precondfx.options import REFUSE, Options, Resolved, Rule, Support
 from precondfx.plan import Plan, Scale, make_plan
+from precondfx.schemes.base import resolve_options
 from precondfx.report import Report
 
 STAGES = ("load", "normalize", "capture", "plan", "apply", "reinit", "calibrate", "save",
@@ -86,7 +87,7 @@ def _options(init: str, balance: str, maxpool: str, residual: str,
                    residual_scale=residual_scale, target_std=target_std,
                    input_scale=input_scale, output_key=output_key, seed=seed,
                    reinit=reinit_weights)
-    return resolve(user, ONNX, *supports)
+    return resolve_options(user, ONNX, *supports)
 
 
 def _bindings(model: ir.Model, feeds: io.Feeds | None, dims: Mapping[str, int],

@@ -8,6 +8,7 @@ data-driven steps after re-initialization (LSUV's layer-sequential scaling), thr
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -17,7 +18,8 @@ from torch import nn
 from precondfx.calibrate import quiet_run
 from precondfx.capture.common import Sample
 from precondfx.graph import Graph
-from precondfx.options import Options, Override
+from precondfx.errors import PrecondError
+from precondfx.options import Options, Override, Resolved, Support, resolve
 from precondfx.plan import ParamInfo, Plan
 
 
@@ -107,16 +109,33 @@ def register(name: str) -> Callable[[type], type]:
 
 def scheme_class(name: str) -> Callable[..., Scheme]:
     """The registered scheme class of ``name`` (scheme modules register themselves)."""
-    from precondfx.errors import PrecondError
     from precondfx import schemes  # noqa: F401  (imports the scheme modules)
     if name not in _REGISTRY:
-        raise PrecondError(f"scheme={name!r} is not one of {sorted(_REGISTRY)}")
+        raise PrecondError(f"scheme={name!r} is not one of {sorted(_REGISTRY)}: pass one of "
+                           f"these names")
     return _REGISTRY[name]
 
 
 def get_scheme(name: str, **kwargs: Any) -> Scheme:
-    """Instantiate a registered scheme by name (its options are checked by the scheme)."""
-    return scheme_class(name)(**kwargs)
+    """Instantiate a registered scheme by name: unknown ``scheme_options`` are refused here,
+    their values by the scheme itself."""
+    cls = scheme_class(name)
+    init = getattr(cls, "__init__", object.__init__)
+    params = {} if init is object.__init__ else inspect.signature(init).parameters
+    known = [p for p in params if p != "self"]
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        bad = sorted(k for k in kwargs if k not in known)
+        if bad:
+            has = (f"its options are {known}" if known else
+                   "it takes none (pass scheme_options=None)")
+            raise PrecondError(f"scheme_options {bad} are not options of scheme={name!r}: {has}")
+    return cls(**kwargs)
+
+
+def resolve_options(user: Options, *supports: Support) -> Resolved:
+    """The user's options resolved once: the scheme they name (``get_scheme``) declares its
+    overrides, then each back end its limits (``precondfx.options.resolve``)."""
+    return resolve(user, *supports, scheme=get_scheme(user.scheme, **(user.scheme_options or {})))
 
 
 def names() -> list[str]:
