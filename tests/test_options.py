@@ -126,6 +126,12 @@ def test_backend_limits():
     with pytest.raises(PrecondError, match="measure=True"):
         resolve(Options(measure=True), ONNX)
     assert resolve(Options(input_scale="auto"), ONNX, INSPECT).options.input_scale is None
+    for kw, needle in (({"scheme": "lsuv"}, "scheme="), ({"capture": "fx"}, "capture="),
+                       ({"calibration": "eval"}, "calibration=")):
+        with pytest.raises(PrecondError, match=needle):
+            resolve(Options(**kw), ONNX)
+    with pytest.raises(PrecondError, match="unknown option"):   # before the file is read
+        inspect_onnx("no-such-file.onnx", target_sdt=0.1)
     assert resolve(Options(balance="none", target_std=None), META).changes == ()
     with pytest.raises(PrecondError, match="meta device"):
         resolve(Options(balance="analytic"), META)

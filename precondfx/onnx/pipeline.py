@@ -69,6 +69,10 @@ ONNX = Support("ONNX back end", (
     Rule("scheme", lambda v: v != "geometric", REFUSE, f"scheme= other than 'geometric' "
          f"{_TORCH_ONLY}"),
     Rule("measure", lambda v: v, REFUSE, f"measure=True {_TORCH_ONLY}"),
+    Rule("capture", lambda v: v != D.capture, REFUSE, f"capture= (a PyTorch capture method) "
+         f"{_TORCH_ONLY}"),
+    Rule("calibration", lambda v: v != D.calibration, REFUSE, "calibration= sets the PyTorch "
+         "module's train/eval mode; an ONNX graph runs as exported"),
 ))
 #: inspecting runs no data through the model; the plan does not depend on the input scale
 INSPECT = Support("ONNX inspect", (
@@ -77,17 +81,11 @@ INSPECT = Support("ONNX inspect", (
 ))
 
 
-def _options(init: str, balance: str, maxpool: str, residual: str,
-             residual_scale: float | str, target_std: float | None,
-             input_scale: float | str | None, output_key: str | int | None, seed: int,
-             reinit_weights: bool, *supports: Support) -> Resolved:
-    """The user's options checked, then resolved for the ONNX back end (measured balancing
-    needs torch: 'auto' falls back to the analytic constants, 'hessian' is refused)."""
-    user = Options(init=init, maxpool=maxpool, balance=balance, residual=residual,
-                   residual_scale=residual_scale, target_std=target_std,
-                   input_scale=input_scale, output_key=output_key, seed=seed,
-                   reinit=reinit_weights)
-    return resolve_options(user, ONNX, *supports)
+def _options(options: dict[str, Any], *supports: Support) -> Resolved:
+    """The user's options (public keyword names) checked, then resolved for the ONNX back end
+    (measured balancing needs torch: 'auto' falls back to the analytic constants, 'hessian' is
+    refused)."""
+    return resolve_options(Options.from_keywords(**options), ONNX, *supports)
 
 
 def _bindings(model: ir.Model, feeds: io.Feeds | None, dims: Mapping[str, int],
@@ -137,17 +135,11 @@ def _notes(model: ir.Model, norm: NormalizeInfo) -> list[str]:
 
 
 def inspect_onnx(path: str, *, dims: Mapping[str, int] | None = None, batch: int | None = None,
-                 init: str = D.init, balance: str = D.balance, maxpool: str = D.maxpool,
-                 residual: str = D.residual, residual_scale: float | str = D.residual_scale,
-                 target_std: float | None = D.target_std,
-                 input_scale: float | str | None = D.input_scale,
-                 output_key: str | int | None = D.output_key, seed: int = D.seed,
-                 reinit_weights: bool = D.reinit) -> Report:
+                 **options: Any) -> Report:
     """Classify and plan an ONNX file without changing anything: the report says what
-    ``precondition_onnx`` would do with the same options (symbolic dims: ``dims``, leading
+    ``precondition_onnx`` would do with the same ``options`` (symbolic dims: ``dims``, leading
     dims: ``batch``, default 1)."""
-    r = _options(init, balance, maxpool, residual, residual_scale, target_std, input_scale,
-                 output_key, seed, reinit_weights, INSPECT)
+    r = _options(options, INSPECT)
     opts, opt_notes = r.options, r.notes()
     model = io.load(path)
     norm = normalize(model)
@@ -165,16 +157,11 @@ def precondition_onnx(in_path: str, out_path: str, *,
                       feeds: Mapping[str, Any] | None = None,
                       calib: str | None = None,
                       calib_inputs: Mapping[str, str] | list[str] | None = None,
-                      init: str = D.init, balance: str = D.balance,
-                      maxpool: str = D.maxpool, residual: str = D.residual,
-                      residual_scale: float | str = D.residual_scale,
-                      target_std: float | None = D.target_std,
-                      input_scale: float | str | None = D.input_scale,
-                      output_key: str | int | None = D.output_key, seed: int = D.seed,
-                      reinit_weights: bool = D.reinit, dims: Mapping[str, int] | None = None,
+                      dims: Mapping[str, int] | None = None,
                       batch: int | None = None, external_data: str = "auto",
                       verify: bool = True,
-                      progress: Callable[[str, float], None] | None = None) -> Report:
+                      progress: Callable[[str, float], None] | None = None,
+                      **options: Any) -> Report:
     """Rewrite the ONNX model at ``in_path`` so that it starts well conditioned and write it to
     ``out_path``; returns the report.
 
@@ -182,15 +169,15 @@ def precondition_onnx(in_path: str, out_path: str, *,
     model or an .npz keyed by input names or arr_0, arr_1...; ``calib_inputs``: ``{name: .npy}``
     or ``['name=file.npy']``); inputs without data get random N(0, 1)
     data of the model's shape (symbolic dims from ``dims``, a leading one from ``batch``,
-    default 32), which the report says.  The options are those of ``precondfx.precondition``
-    (``balance='hessian'`` needs PyTorch and is refused; ``'auto'`` uses the analytic
-    constants).  ``external_data``: 'auto' (as the
+    default 32), which the report says.  ``options`` are those of ``precondfx.precondition``,
+    defined in ``precondfx.options.Options``; the ONNX back end's limits are :data:`ONNX`
+    (``balance='hessian'``, ``measure``, other schemes and capture methods need PyTorch and are
+    refused; ``'auto'`` uses the analytic constants, with a note).  ``external_data``: 'auto' (as the
     input, or when the weights exceed 1.8 GB), 'always' or 'never'.  The stage timings are in
     ``report.stage_seconds``.
     """
     clock = _Clock(progress)
-    r = _options(init, balance, maxpool, residual, residual_scale, target_std, input_scale,
-                 output_key, seed, reinit_weights)
+    r = _options(options)
     opts, opt_notes = r.options, r.notes()
     target_std, input_scale, output_key, seed = (opts.target_std, opts.input_scale,
                                                  opts.output_key, opts.seed)
