@@ -134,7 +134,9 @@ def test_backend_limits():
         inspect_onnx("no-such-file.onnx", target_sdt=0.1)
     assert resolve(Options(balance="none", target_std=None), META).changes == ()
     with pytest.raises(PrecondError, match="meta device"):
-        resolve(Options(balance="analytic"), META)
+        resolve(Options(balance="analytic", input_scale="auto"), META)
+    with pytest.raises(PrecondError, match="meta device"):
+        resolve_options(Options(balance="none", scheme="lsuv"), META)
     model = nn.Linear(4, 4, device="meta")
     with pytest.raises(PrecondError, match="meta device"):
         precondfx.precondition(model, torch.randn(2, 4), balance="hessian")
