@@ -181,6 +181,21 @@ def analyze(model: nn.Module, sample: Any, *, forward_kwargs: dict | None = None
     return Report.from_graph(cap.graph, plan)
 
 
+def _copy_model(model: nn.Module) -> nn.Module:
+    """The copy ``precondition`` rewrites; a model that cannot be deep-copied is an error that
+    says to pass ``inplace=True``."""
+    try:
+        return copy.deepcopy(model)
+    except RecursionError:
+        raise
+    except Exception as e:  # noqa: BLE001 - e.g. a module holding a lock or an open file
+        raise PrecondError(
+            f"the model cannot be deep-copied ({type(e).__name__}: {str(e)[:120]}); precondfx "
+            f"rewrites a copy so that your model stays unchanged. Pass inplace=True to rewrite "
+            f"this module itself (hooks and buffers), or make it copyable (define __deepcopy__ "
+            f"or keep the offending attribute outside the module)") from e
+
+
 def _private_copy(model: nn.Module) -> nn.Module:
     """A deep copy for ``analyze`` to run and trace, so that nothing the model does to itself
     in forward (in-place parameter updates, Python state) reaches the user's model; a model
@@ -247,13 +262,13 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
         rep = Report.from_graph(cap.graph)
         rep.capture_notes.append("the model is already preconditioned (it holds precondfx_* "
                                  "buffers): nothing was done; pass the original model to re-plan")
-        return Result(model if inplace else copy.deepcopy(model), rep)
+        return Result(model if inplace else _copy_model(model), rep)
     dt = _float_dtype(model)
     low = dt in (torch.float16, torch.bfloat16)
     if low and inplace:
         raise PrecondError(f"inplace=True is not supported for {dt} models (the pass computes in "
                            f"float32 on a copy): drop inplace=True and use the returned model")
-    work = model if inplace else copy.deepcopy(model)
+    work = model if inplace else _copy_model(model)
     if low:
         work = work.float()
         notes.append(f"model in {dt}: preconditioned and calibrated in float32, result cast "

@@ -54,8 +54,18 @@ def _missing_extra(e: ImportError) -> str | None:
     return None
 
 
+def _is_oom(e: BaseException) -> bool:
+    """torch's allocation failures: ``torch.OutOfMemoryError`` on accelerators, a RuntimeError
+    from the CPU allocator."""
+    msg = str(e)
+    return (type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in msg
+            or "out of memory" in msg.lower())
+
+
 def _out_of_memory(e: BaseException) -> str:
-    detail = " ".join(str(e).split())[:120]
+    detail = " ".join(str(e).split())
+    detail = detail[detail.find("can't allocate"):] if "can't allocate" in detail else detail
+    detail = detail[:120]
     return (f"out of memory{f' ({detail})' if detail else ''}: use a smaller --batch or "
             f"--sample-shape, or a machine with more memory")
 
@@ -494,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _err(_out_of_memory(e))
         return 2
     except RuntimeError as e:
-        if type(e).__name__ != "OutOfMemoryError":  # torch.OutOfMemoryError (accelerators)
+        if not _is_oom(e):
             traceback.print_exc()
             _err("internal error (a bug in precondfx): please report it with the traceback "
                  "above")

@@ -265,15 +265,14 @@ def test_vanishing_signal_refused_and_large_scale_warned():
     assert cal.scale_warning(1.0, 0.05) is None
 
 
-def _cli(*argv: str, block_onnx: bool = False) -> "subprocess.CompletedProcess[str]":
+def _cli(*argv: str, block_onnx: bool = False, cwd: str | None = None
+         ) -> "subprocess.CompletedProcess[str]":
     import subprocess
     import sys
-    pre = "import sys; sys.modules['onnx'] = None; " if block_onnx else ""
-    code = pre + f"from precondfx.cli import main; sys.exit(main({list(argv)!r}))"
-    if not block_onnx:
-        code = "import sys; " + code
+    pre = "sys.modules['onnx'] = None; " if block_onnx else ""
+    code = f"import sys; {pre}from precondfx.cli import main; sys.exit(main({list(argv)!r}))"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, cwd=cwd)
 
 
 def _onnx_file(tmp_path) -> str:
@@ -355,3 +354,35 @@ def test_onnx_calibration_accepts_the_same_neg_inf_mask(tmp_path):
     np.savez(calib, mask=bad.numpy(), x=x.numpy())
     with pytest.raises(PrecondError, match="NaN/inf"):
         precondition_onnx(src, str(tmp_path / "d.onnx"), calib=calib)
+
+
+def test_model_that_cannot_be_copied_asks_for_inplace():
+    import threading
+
+    class Locked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.lock = nn.Linear(4, 8), nn.Linear(8, 2), threading.Lock()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with self.lock:
+                return self.b(torch.relu(self.a(x)))
+
+    x = torch.randn(8, 4)
+    with pytest.raises(PrecondError, match="inplace=True"):
+        precondfx.precondition(Locked(), x)
+    m = Locked()
+    res = precondfx.precondition(m, x, inplace=True)
+    assert out_std(res.model, x) == pytest.approx(0.05, rel=1e-4)
+
+
+def test_cli_torch_model_huge_sample_shape_is_one_line_exit_2(tmp_path):
+    (tmp_path / "tinymods.py").write_text(
+        "import torch.nn as nn\n"
+        "def build():\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 2))\n")
+    r = _cli("precondition", "tinymods:build", "--sample-shape", f"{10**12}x3x4", "-o",
+             str(tmp_path / "out.pt"), "--quiet", cwd=str(tmp_path))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "out of memory" in lines[0], r.stderr
