@@ -40,6 +40,7 @@ from precondfx.graph import Graph, Node
 from precondfx.options import Options, Override
 from precondfx.plan import ParamInfo, ParamInit, Plan
 from precondfx.schemes.base import Scheme, SchemeContext, register
+from precondfx.schemes import wn_math as W
 from precondfx.schemes.activations import activation_of
 from precondfx.schemes.gne import activation_gain, following_activation
 
@@ -104,15 +105,16 @@ class WeightNormInit(Scheme):
                 row["note"] = note
             if n.name in last_of:
                 b = last_of[n.name]
-                gamma, why = 1.0 / b, f"last layer of a residual branch in a stage of {b} " \
-                                      f"blocks: gamma = 1/B_k (B.2.5)"
+                gamma = W.wn_layer_gamma("residual_last", blocks_in_stage=b)
+                why = f"last layer of a residual branch in a stage of {b} blocks: gamma = 1/B_k " \
+                      f"(B.2.5)"
                 if name != "linear":
                     row["note"] = (row.get("note", "") + "; " if row.get("note") else "") + \
                         f"followed by {name} before the join: Theorem 3 assumes a linear end"
             elif name == "relu":
                 gamma, why = self.gamma_relu, "followed by ReLU: gamma = 2 (B.2.4)"
             elif name == "linear":
-                gamma, why = 1.0, "no activation follows (linear output, stem or shortcut): " \
+                gamma, why = W.wn_layer_gamma("linear"), "no activation follows (linear output, stem or shortcut): " \
                                   "gamma = 1 (B.2.5)"
             else:
                 c, src = activation_gain(name, slope)
@@ -144,7 +146,7 @@ class WeightNormInit(Scheme):
                 fan_in, fan_out = vi.shape[0] // groups * k, vi.shape[1] * k
             else:
                 fan_in, fan_out = vi.shape[1] * k, vi.shape[0] // groups * k
-            gval = math.sqrt(gamma * fan_in / fan_out)
+            gval = W.wn_gain(fan_in, fan_out, gamma)
             self._g[g] = gval
             n_wn += 1
             plan.inits[g] = ParamInit(g, "constant", gval,
