@@ -754,6 +754,14 @@ def curvature_coefficient(arch: Arch | int) -> float:
     return max_curvature(arch, 1.0)
 
 
+def _nonlinear_subnet_max(arch: Arch | int) -> Callable[[float, RFn], float]:
+    """M_{f,r} of an architecture that has a nonlinear layer (else there is no kernel to shape)."""
+    a = _as_arch(arch)
+    if count_activations(a) == 0:
+        raise PrecondError("The architecture has no nonlinear layer.")
+    return make_subnet_max_func(a)
+
+
 def local_curvature_target(arch: Arch | int, tau: float, exact: bool = False) -> float:
     """Local C''(1) = kappa with mu^2_f(kappa) = tau (spec §2.8, §3.2; paper Alg. 2 step 2).
 
@@ -763,10 +771,7 @@ def local_curvature_target(arch: Arch | int, tau: float, exact: bool = False) ->
     """
     if tau <= 0.0:
         raise PrecondError("TAT c_curve_target tau must be > 0.")
-    a = _as_arch(arch)
-    if count_activations(a) == 0:
-        raise PrecondError("The architecture has no nonlinear layer.")
-    f = make_subnet_max_func(a)
+    f = _nonlinear_subnet_max(arch)
     if exact:
         return tau / f(0.0, lambda y: 1.0 + y)
     return solve_increasing(lambda k: f(0.0, lambda y: k + y), tau, 0.1, 0.0, math.inf)
@@ -780,10 +785,7 @@ def local_slope_target(arch: Arch | int, zeta: float, tol: float = 1e-8) -> floa
     """
     if zeta <= 1.0:
         raise PrecondError("DKS c_slope_1_target zeta must be > 1.")
-    a = _as_arch(arch)
-    if count_activations(a) == 0:
-        raise PrecondError("The architecture has no nonlinear layer.")
-    f = make_subnet_max_func(a)
+    f = _nonlinear_subnet_max(arch)
     return solve_increasing(lambda s: f(1.0, lambda y: s * y), zeta, 1.1, 1.0, math.inf, tol=tol)
 
 
