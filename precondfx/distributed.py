@@ -169,14 +169,13 @@ def _counter_param(p: torch.Tensor, pi: ParamInit, seed: int, name: str) -> None
     cls = _dtensor_cls()
     box = _local_box(p) if cls is not None and isinstance(p, cls) else (full, (0,) * len(full))
     if pi.rule == "orthogonal" or box is None:  # needs the whole tensor: same on every rank
+        from precondfx import draw as core
         if pi.rule == "orthogonal":
-            from precondfx.apply.reinit import _orthogonal
             gen = torch.Generator().manual_seed(_key(seed, name)[0] & (2 ** 63 - 1))
-            whole = _orthogonal(full, pi.gates, gen) * float(pi.std or 1.0)
+            whole = core.draw(pi, full, core.torch_ops(gen))
         else:
-            whole = _counter_block(seed, name, full, full, (0,) * len(full))
-            m2 = float(whole.double().pow(2).mean())
-            whole = whole * (float(pi.std) / m2 ** 0.5) if m2 > 0 else whole
+            whole = core.moment_matched(_counter_block(seed, name, full, full, (0,) * len(full)),
+                                        float(pi.std), core.torch_ops(None))
         _write(p, whole)
         return
     shape, off = box

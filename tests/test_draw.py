@@ -50,3 +50,33 @@ def test_constant_rules_and_keep():
     assert core.draw(ParamInit("c", "constant", 0.25, ""), (2,), ops).tolist() == [0.25] * 2
     assert core.draw(ParamInit("k", "keep", None, ""), (2,), ops) is None
     assert core.draw(ParamInit("s", "scale", 2.0, ""), (2,), ops) is None
+
+
+def test_counter_rng_reinit_uses_the_shared_draw():
+    """``precondfx.distributed.reinit(rng='counter')`` (whole-tensor rules on plain tensors):
+    recurrent weights orthogonal per gate, normal weights with their exact second moment."""
+    from torch import nn
+
+    import precondfx
+    from precondfx import distributed
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.fc = nn.LSTM(6, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.fc(self.rnn(x)[0])
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        net, x = Net(), torch.randn(5, 3, 6)
+    plan = precondfx.analyze(net, x, balance="none").plan
+    assert plan.inits["rnn.weight_hh_l0"].rule == "orthogonal"
+    distributed.reinit(net, plan, 0, rng="counter")
+    with torch.no_grad():
+        for blk in net.rnn.weight_hh_l0.double().split(8):
+            torch.testing.assert_close(blk @ blk.T, torch.eye(8, dtype=torch.float64),
+                                       atol=1e-5, rtol=0)
+        assert float(net.fc.weight.double().pow(2).mean()) == \
+            pytest.approx(plan.inits["fc.weight"].std ** 2, rel=1e-6)
