@@ -359,11 +359,14 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
         if opts.balance in ("hessian", "auto"):
             say(f"measured balancing ({opts.balance})")
             try:
-                report.conditioning["hessian"] = balance_measured(
-                    result, s, plan, _balanceable(alpha_buffers, plan, report),
+                report.conditioning["hessian"] = h = balance_measured(
+                    result, s, plan, alpha_buffers, verbose=verbose,
                     seed=seed, output_key=output_key, mode=calibration, log=say,
                     n_samples=opts.balance_samples, balance=opts.balance,
                     threshold=opts.balance_threshold)
+                report.skipped += [(f"balance {w}", why) for w, why in h["left_out"].items()]
+                if h.get("output_std") is not None and report.output_std_after is not None:
+                    report.output_std_after = h["output_std"]
             except PrecondError as e:
                 if opts.balance == "hessian":
                     raise
@@ -374,7 +377,7 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
         if opts.measure:
             report.conditioning["measure"] = measure_report(
                 model, result, s, plan, output_key=output_key, mode=calibration, seed=seed,
-                n_samples=opts.balance_samples, say=say)
+                n_samples=opts.balance_samples, say=say, verbose=verbose)
         record_constants(result, planned, read=not on_meta)
         result.train(model.training)
         if low:
@@ -390,24 +393,6 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
         raise
     say("done")
     return Result(result, report)
-
-
-def _balanceable(alpha_buffers: dict[str, list[str]], plan: Plan, report: Report
-                 ) -> dict[str, list[str]]:
-    """Weights whose every call site carries an alpha buffer; the others are reported."""
-    sites: dict[str, int] = {}
-    for lay in plan.layers:
-        if lay.weight:
-            sites[lay.weight] = sites.get(lay.weight, 0) + 1
-    out = {}
-    for w, n in sites.items():
-        bufs = alpha_buffers.get(w, [])
-        if len(set(bufs)) == n or (bufs and len(set(bufs)) == 1):
-            out[w] = sorted(set(bufs))
-        else:
-            report.skipped.append((f"balance {w}", "no alpha could be placed on every call site of "
-                                   "this weight: left out of measured balancing"))
-    return out
 
 
 def _normalized_before_first_layer(g: Graph, plan: Plan) -> str | None:

@@ -14,11 +14,13 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import nn
 
 from precondfx.capture.common import Sample, main_output
 from precondfx.errors import PrecondError
+from precondfx.measure.conditioning import _mean_estimate
 from precondfx.measure.sketch import geometric_mean, hessian_sketch, spread_of
 
 STATISTICS = {
@@ -39,13 +41,27 @@ def _split(s: Sample) -> tuple[Sample, Sample | None, int]:
 
 
 def _measure(model: nn.Module, s: Sample, weights: list[str], n_samples: int, n_cot: int,
-             seed: int, output_key: Any, mode: str, stat: str = "hessian"
+             seed: int, output_key: Any, mode: str, stat: str = "hessian",
+             verbose: bool | None = None, desc: str = "measured balancing"
              ) -> tuple[dict[str, float], dict[str, float], str]:
+    per, _, note = _measure_per(model, s, weights, n_samples, n_cot, seed, output_key, mode,
+                                verbose, desc)
+    means, se = _estimates(per, weights)
+    return means, se, note
+
+
+def _measure_per(model: nn.Module, s: Sample, weights: list[str], n_samples: int, n_cot: int,
+                 seed: int, output_key: Any, mode: str, verbose: bool | None = None,
+                 desc: str = "measured balancing", first: int = 0,
+                 stop: Callable[[np.ndarray], bool] | None = None
+                 ) -> tuple[np.ndarray, str, str]:
+    """Per-sample statistics (samples measured x weights), the engine that ran, and a note."""
     fn = (lambda out: main_output(out, output_key))
 
     def sketch(data: Any) -> Any:
         return hessian_sketch(model, data, weights, n_samples=n_samples, n_cotangents=n_cot,
-                              seed=seed, output_fn=fn)
+                              seed=seed, output_fn=fn, verbose=verbose, desc=desc,
+                              first=first, stop=stop)
     from precondfx.calibrate import preserved
     note = ""
     with preserved(model):  # every module's own mode back afterwards, not one flag for all
@@ -59,17 +75,24 @@ def _measure(model: nn.Module, s: Sample, weights: list[str], n_samples: int, n_
             note = (f"per-sample (batch size 1) passes failed in train mode ({str(e)[:80]}); "
                     f"measured in eval mode")
             res = sketch(s)
-    return res.means(), {k: v.stderr for k, v in res.values.items()}, note
+    return res.per_sample, res.engine, note
+
+
+def _estimates(per: np.ndarray, weights: list[str]) -> tuple[dict[str, float], dict[str, float]]:
+    """Means and standard errors over samples of per-sample values."""
+    est = {w: _mean_estimate(per[:, j]) for j, w in enumerate(weights)}
+    return {w: e.mean for w, e in est.items()}, {w: e.stderr for w, e in est.items()}
 
 
 def measured_statistics(model: nn.Module, sample: Sample, weights: list[str], *,
                         stat: str = "hessian", n_samples: int = 16, n_cotangents: int = 4,
-                        seed: int = 0, output_key: Any = None, mode: str = "train"
+                        seed: int = 0, output_key: Any = None, mode: str = "train",
+                        verbose: bool | None = None, desc: str = "held-out statistics"
                         ) -> dict[str, Any]:
     """A statistic per weight on the held-out half of the batch (for reports)."""
     _, held, _ = _split(sample)
     means, se, note = _measure(model, held or sample, weights, n_samples, n_cotangents,
-                               seed + 1000, output_key, mode, stat)
+                               seed + 1000, output_key, mode, stat, verbose=verbose, desc=desc)
     return {"values": means, "stderr": se, "spread": spread_of(means), "note": note}
 
 
@@ -92,79 +115,162 @@ def _rescale(model: nn.Module, weight: str, buffers: list[str], c: float) -> Non
     model.get_parameter(weight).div_(c)
 
 
+def balanceable(alpha_buffers: dict[str, list[str]], plan: Plan
+                ) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Split the plan's weighted layers into those measured balancing can rescale (every call
+    site carries an alpha buffer, or one buffer serves them all) and the others, with why."""
+    sites: dict[str, int] = {}
+    for lay in plan.layers:
+        if lay.weight:
+            sites[lay.weight] = sites.get(lay.weight, 0) + 1
+    ok: dict[str, list[str]] = {}
+    left: dict[str, str] = {}
+    for w, n in sites.items():
+        bufs = sorted(set(alpha_buffers.get(w, [])))
+        if bufs and (len(bufs) == n or len(bufs) == 1):
+            ok[w] = bufs
+        elif not bufs:
+            left[w] = "no alpha could be placed on this layer (see NOT APPLIED)"
+        else:
+            left[w] = (f"an alpha was placed on {len(bufs)} of its {n} call sites: left out of "
+                       f"measured balancing")
+    return ok, left
+
+
+def summary_line(section: dict[str, Any]) -> str:
+    """One line for the report: how many weighted layers were balanced, how many left out."""
+    n, done = section.get("layers", 0), len(section.get("factors") or {})
+    left = section.get("left_out") or {}
+    head = f"measured balancing: {done} of {n} weighted layers rebalanced"
+    if left:
+        head += f", {len(left)} left out (see NOT APPLIED)"
+    if section.get("applied"):
+        return (f"{head}; Hessian-block spread {section['spread_before']:.3g}x -> "
+                f"{spread_of(section['after_fit']):.3g}x on the {section['samples']} balancing "
+                f"samples (held-out check: measure=True)")
+    return f"{head}: {section.get('decision') or section.get('note') or 'not applied'}"
+
+
+def _finish(section: dict[str, Any], n_layers: int, left: dict[str, str]) -> dict[str, Any]:
+    section.update(layers=n_layers, left_out=dict(left))
+    section.setdefault("applied", False)
+    section["summary"] = summary_line(section)
+    return section
+
+
 def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
                      alpha_buffers: dict[str, list[str]], *, stat: str = "hessian",
                      n_samples: int = 16, n_cotangents: int = 4, seed: int = 0,
                      output_key: Any = None, mode: str = "train", balance: str = "hessian",
-                     threshold: float = 2.0, log: Callable[[str], None] = lambda m: None
-                     ) -> dict[str, Any]:
-    """Balance a measured statistic (``STATISTICS``) of every weight that has alpha buffers
-    (it scales exactly as alpha^4).  ``balance='hessian'`` always balances (and raises if it
+                     threshold: float = 2.0, log: Callable[[str], None] = lambda m: None,
+                     verbose: bool | None = None) -> dict[str, Any]:
+    """Balance a measured statistic (``STATISTICS``) of every weight whose every call site has
+    an alpha buffer (it scales exactly as alpha^4); the other weighted layers of the plan are
+    listed in ``left_out`` with why.  ``balance='hessian'`` always balances (and raises if it
     cannot); with ``balance='auto'`` the alphas are only changed when the measured spread is
     significantly above ``threshold`` (lower bound at 2 standard errors): below, the estimate's
     own noise is comparable to the imbalance it would correct.
     On the paper's MLP the per-sample statistic is heavy-tailed, and balancing 16 samples
     without this test moved one seed's held-out weight-to-gradient spread from 1.1x to 2.2x.
 
-    Returns the report section: statistics before/after on the balancing samples and on the
-    held-out half, their spreads, and the factor applied to each alpha."""
+    The rescaling must not change the function: the main output on the whole calibration batch
+    is computed before and after, and the change undone (exactly: saved tensors copied back)
+    when it exceeds ``1e-4`` relative, or when two identical forwards already differ (a random
+    op the calibration could not turn off).
+
+    Returns the report section: statistics before/after on the balancing samples, their
+    spreads, the factor applied to each alpha, counts of layers balanced and left out and a
+    ``summary`` line."""
     if balance not in ("auto", "hessian"):
         raise PrecondError(f"balance={balance!r}: measured balancing is 'auto' or 'hessian'")
     gated = balance == "auto"
-    weights = [w for w, bufs in alpha_buffers.items() if bufs]
+    ok, left = balanceable(alpha_buffers, plan)
+    n_layers = len(ok) + len(left)
+    weights = list(ok)
     if len(weights) < 2:
-        return {"note": "fewer than two layers carry an alpha: nothing to balance"}
+        return _finish({"note": f"{len(weights)} of {n_layers} weighted layers carry an alpha "
+                                f"on every call site: nothing to balance"}, n_layers, left)
     fit, held, b = _split(sample)
     n_fit = n_samples
+    # balance='auto': once a quarter of the samples is measured, stop there when even the
+    # upper bound of the spread (2 standard errors) is below the threshold; the samples are
+    # the same draws a full run would make, so a run that goes on is the full estimate
+    n_first = min(n_fit, max(4, n_fit // 4)) if gated else 0
+
+    def clear(per_: np.ndarray) -> bool:
+        return _upper_spread(*_estimates(per_, weights)) <= threshold
     log(f"measuring the {stat} statistic of {len(weights)} layers on {n_fit} samples")
-    before, before_se, note = _measure(model, fit, weights, n_fit, n_cotangents, seed,
-                                       output_key, mode, stat)
+    per, engine, note = _measure_per(model, fit, weights, n_fit, n_cotangents, seed,
+                                     output_key, mode, verbose, first=n_first,
+                                     stop=clear if n_first else None)
+    before, before_se = _estimates(per, weights)
+    early = ""
+    if len(per) < n_fit:
+        n_fit = len(per)
+        early = (f"decided on the first {n_fit} samples: even the upper bound of the spread "
+                 f"({_upper_spread(before, before_se):.3g}x) is below the threshold; ")
     bad = [w for w, v in before.items() if not (v > 0 and math.isfinite(v))]
     if bad:
         raise PrecondError(f"the {stat} statistic of {bad[:3]} is zero or not finite (the output "
                            f"does not depend on these weights on the calibration batch); use "
                            f"balance='analytic'")
+    base = {"statistic": STATISTICS[stat], "samples": n_fit, "cotangents": n_cotangents,
+            "batch": b, "before": before, "stderr_before": before_se,
+            "spread_before": spread_of(before), "note": note, "engine": engine}
     low = significant_spread(before, before_se)
     if gated and low <= threshold:
-        return {"statistic": STATISTICS[stat], "samples": n_fit, "before": before,
-                "spread_before": spread_of(before), "spread_lower_bound": low,
-                "applied": False, "note": note,
-                "decision": f"measured spread {spread_of(before):.3g}x (lower bound {low:.3g}x "
-                            f"at 2 standard errors) <= threshold {threshold:g}x: alphas left as "
-                            f"planned"}
+        return _finish({**base, "spread_lower_bound": low, "applied": False,
+                        "decision": f"{early}measured spread {spread_of(before):.3g}x (lower bound "
+                                    f"{low:.3g}x at 2 standard errors) <= threshold "
+                                    f"{threshold:g}x: alphas left as planned"}, n_layers, left)
     target = geometric_mean(list(before.values()))
     factors = {w: (target / v) ** 0.25 for w, v in before.items()}
-    y0 = _output(model, fit, output_key, mode)
+    y0 = _output(model, sample, output_key, mode)
+    noise = _rel_change(_output(model, sample, output_key, mode), y0)
     saved = {w: (model.get_parameter(w).detach().clone(),
-                 [model.get_buffer(b).detach().clone() for b in alpha_buffers[w]])
-             for w in factors}
+                 [model.get_buffer(b_).detach().clone() for b_ in ok[w]]) for w in factors}
     for w, c in factors.items():
-        _rescale(model, w, alpha_buffers[w], c)
-    y1 = _output(model, fit, output_key, mode)
-    change = float((y1 - y0).abs().max() / y0.abs().max().clamp_min(1e-30))
-    if not change < 1e-3:  # reparametrization must not change the function: check, undo
+        _rescale(model, w, ok[w], c)
+    y1 = _output(model, sample, output_key, mode)
+    change = _rel_change(y1, y0)
+    if noise > 1e-5 or not change < 1e-4 + noise:  # the function must not change: check, undo exactly
         with torch.no_grad():
             for w, (wt, bufs) in saved.items():
                 model.get_parameter(w).copy_(wt)
-                for b, v in zip(alpha_buffers[w], bufs):
-                    model.get_buffer(b).copy_(v)
-        msg = (f"rescaling changed the output by {change:.2g} (relative): the statistics span "
-               f"{spread_of(before):.3g}x, beyond what the dtype represents; alphas left as "
-               f"planned")
+                for b_, v in zip(ok[w], bufs):
+                    model.get_buffer(b_).copy_(v)
+        if noise > 1e-5:
+            msg = (f"two identical forwards of the calibration batch differ by {noise:.2g} "
+                   f"(relative): a random op is active that the calibration run could not turn "
+                   f"off, so whether rescaling keeps the function cannot be checked; alphas "
+                   f"left as planned (calibration='eval' or a deterministic forward)")
+        else:
+            msg = (f"rescaling changed the output by {change:.2g} (relative; the statistics "
+                   f"span {spread_of(before):.3g}x); alphas left as planned")
         if not gated:
             raise PrecondError(f"measured balancing failed: {msg}")
-        return {"statistic": STATISTICS[stat], "samples": n_fit, "before": before,
-                "spread_before": spread_of(before), "applied": False, "note": note,
-                "decision": msg}
+        return _finish({**base, "applied": False, "decision": msg}, n_layers, left)
     _update_plan(plan, factors)
     after = {w: v * factors[w] ** 4 for w, v in before.items()}  # exact: stat scales alpha^4
-    return {
-        "statistic": STATISTICS[stat], "samples": n_fit, "cotangents": n_cotangents, "batch": b,
-        "before": before, "spread_before": spread_of(before), "after_fit": after,
-        "factors": factors, "note": note, "applied": True,
+    return _finish({
+        **base, "after_fit": after, "factors": factors, "applied": True,
+        "output_change": change, "output_std": float(y1.std(correction=0)),
         "held_out": "not measured here: precondition(..., measure=True) measures the rewritten "
                     "model on the held-out half of the batch",
-    }
+    }, n_layers, left)
+
+
+def _rel_change(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |y - ref| / max |ref| (the reference's scale, not each element's)."""
+    return float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def _upper_spread(means: dict[str, float], se: dict[str, float], z: float = 2.0) -> float:
+    """An upper bound on the spread: largest value plus z standard errors over the smallest
+    minus z standard errors (inf when that is not positive)."""
+    lo = min(m - z * se.get(k, 0.0) for k, m in means.items())
+    hi = max(m + z * se.get(k, 0.0) for k, m in means.items())
+    return hi / lo if lo > 0 else float("inf")
 
 
 def significant_spread(means: dict[str, float], se: dict[str, float], z: float = 2.0) -> float:

@@ -121,11 +121,9 @@ class Report:
             for what, why in self.skipped:
                 lines.append(f"  {what}: {why}")
         h = self.conditioning.get("hessian")
-        if isinstance(h, dict):
-            if h.get("applied"):
-                lines.append(f"measured balancing: Hessian-block spread {h['spread_before']:.3g}x"
-                             f" on {h['samples']} samples; alphas set so that every layer "
-                             f"matches on them (held-out check: measure=True)")
+        if isinstance(h, dict):  # the line balance.summary_line wrote (counts what was done)
+            if h.get("summary"):
+                lines.append(h["summary"])
             elif "decision" in h:
                 lines.append(f"measured balancing: {h['decision']}")
         m = self.conditioning.get("measure")

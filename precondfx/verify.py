@@ -22,7 +22,8 @@ from precondfx.plan import Plan
 def measure_report(original: nn.Module, result: nn.Module, sample: Sample, plan: Plan, *,
                    output_key: Any = None, mode: str = "train", seed: int = 0,
                    n_samples: int = 16, max_blocks: int = 40,
-                   say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+                   say: Callable[[str], None] = lambda m: None,
+                   verbose: bool | None = None) -> dict[str, Any]:
     """Before/after Hessian statistics, and the block matrix and GR ratios of the result."""
     weights = list(dict.fromkeys(lay.weight for lay in plan.layers if lay.weight))
     orig_names = dict(original.named_parameters())
@@ -30,10 +31,12 @@ def measure_report(original: nn.Module, result: nn.Module, sample: Sample, plan:
     out: dict[str, Any] = {}
     say("measuring the conditioning of the original model")
     before = measured_statistics(original, sample, common, n_samples=n_samples, seed=seed,
-                                 output_key=output_key, mode=mode)
+                                 output_key=output_key, mode=mode, verbose=verbose,
+                                 desc="held-out statistics, original model")
     say("measuring the conditioning of the rewritten model")
     after = measured_statistics(result, sample, weights, n_samples=n_samples, seed=seed,
-                                output_key=output_key, mode=mode)
+                                output_key=output_key, mode=mode, verbose=verbose,
+                                desc="held-out statistics, rewritten model")
     out["before"] = before
     out["after"] = after
     if len(weights) <= max_blocks:
@@ -44,7 +47,8 @@ def measure_report(original: nn.Module, result: nn.Module, sample: Sample, plan:
         try:
             res = measure_conditioning(result, sample, refs, stats=("hessian", "gr"),
                                        n_samples=min(n_samples, 8), n_probes=2, seed=seed,
-                                       output_fn=lambda o: main_output(o, output_key))
+                                       output_fn=lambda o: main_output(o, output_key),
+                                       verbose=verbose)
             out["blocks"] = {"names": res.blocks.names,
                              "mean": [[float(v) for v in row] for row in res.blocks.mean]}
             ratios = {}

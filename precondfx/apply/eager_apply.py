@@ -114,6 +114,29 @@ class EagerApplier:
             cur = self.graph.get(prev)
         return None
 
+    def _linear_owner(self, node: Any) -> str | None:
+        """The module owning a functional linear op's weight, when scaling that module's input
+        (output) is exactly scaling the op's: transformers' ``Conv1D`` (GPT-2), whose forward is
+        ``view -> addmm(bias, x, weight) -> view``, called once (one graph node uses the weight).
+        Its ops are traced as ``addmm`` with no module of their own; the module itself can
+        still carry a hook."""
+        w = node.params.get("weight")
+        if node.kind != "linear" or not w or not w.endswith(".weight"):
+            return None
+        path = w.rpartition(".")[0]
+        try:
+            mod = self.model.get_submodule(path)
+        except AttributeError:
+            return None
+        cls = type(mod)
+        if not (cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
+                and isinstance(getattr(mod, "nf", None), int)
+                and getattr(mod, "weight", None) is not None
+                and tuple(mod.weight.shape)[-1:] == (mod.nf,)):
+            return None
+        uses = sum(1 for n in self.graph if n.params.get("weight") == w)
+        return path if uses == 1 and self.calls.get(path, 0) == 0 else None
+
     def scale(self, sc: Scale) -> str | None:
         node = self.graph.get(sc.node)
         what = f"{sc.tag} at {sc.where} of {sc.node}"
@@ -128,6 +151,9 @@ class EagerApplier:
                                      f"with no module to hook (capture: {self.graph.method})"))
                 return None
             fqn = self._module_scale(path, "output", sc.value, what)
+        elif node.module is None and sc.where in ("input", "output") and \
+                self._linear_owner(node) is not None:
+            fqn = self._module_scale(self._linear_owner(node), sc.where, sc.value, what)
         elif node.module is None:
             self.skipped.append((what, f"functional call: no module to hook and no editable "
                                  f"graph (capture: {self.graph.method})"))

@@ -117,6 +117,8 @@ from torch import nn
 
 from precondfx.capture.common import Sample, as_sample
 from precondfx.errors import PrecondError
+from precondfx.measure.runtime import one_thread
+from precondfx.progress import Progress
 
 __all__ = [
     "LayerRef",
@@ -589,6 +591,7 @@ def measure_conditioning(
     dense_max: int = _DENSE_MAX,
     ggn_max_outputs: int = 256,
     ggn_max_bytes: int = 2**31,
+    verbose: bool | None = None,
 ) -> ConditioningResult:
     """Measure per-layer conditioning statistics at batch size 1 (see the module docstring).
 
@@ -603,7 +606,8 @@ def measure_conditioning(
     ``dense_max`` outputs, else rank-64), ``"dense"``, ``"lowrank"``, ``"diagonal"`` or a callable
     ``(sample_index, n) -> R`` (an n x n matrix or a length-n diagonal).  ``method="ggn"``
     refuses outputs above ``ggn_max_outputs`` elements or per-output gradients above
-    ``ggn_max_bytes``.
+    ``ggn_max_bytes``.  A progress bar with the ETA per sample goes to stderr on a terminal unless
+    ``verbose=False`` (:mod:`precondfx.progress`).
     """
     stats = tuple(stats)
     for s in stats:
@@ -659,8 +663,10 @@ def measure_conditioning(
     handles = []
     all_params = list(dict.fromkeys(block_params + [b for b in biases if b is not None]))
     try:
-        from precondfx.measure.sketch import one_thread
-        with measurement_state(model, all_params), torch.enable_grad(), one_thread(model):
+        what = (f"Hessian block matrix ({nb} x {nb}, {method})" if want_h
+                else f"conditioning statistics ({nl} layers)")
+        with measurement_state(model, all_params), torch.enable_grad(), one_thread(model), \
+                Progress(n_samples, what, verbose=verbose) as bar:
             for c in caps:
                 if c.module is not None:
                     handles.append(c.module.register_forward_hook(c))
@@ -790,6 +796,7 @@ def measure_conditioning(
                     rho2b[s, l] = c.rho2_bias
                     c.reset()
                 del out, y
+                bar.step()
     finally:
         for h in handles:
             h.remove()

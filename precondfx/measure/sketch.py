@@ -19,10 +19,9 @@ piecewise linear (ReLU nets, the paper's setting); tests check it against explic
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -31,23 +30,11 @@ from torch import nn
 from precondfx.errors import PrecondError
 from precondfx.measure.conditioning import (Estimate, _mean_estimate, default_output_fn,
                                             measurement_state, per_sample, sample_failed)
+from precondfx.measure.persample import batched_sketch
+from precondfx.measure.runtime import one_thread
+from precondfx.progress import Progress
 
-
-@contextlib.contextmanager
-def one_thread(model: nn.Module | None = None, large: int = 1_000_000) -> Iterator[None]:
-    """Run the batch-size-1 passes of a small model on one intra-op thread.  Their ops are
-    small; on this 2-core machine under load, two contending threads made them up to 40x slower
-    (a 6-layer CNN's 16 samples took 12.5 s with 2 threads and 0.3 s with one).  Models with
-    more than ``large`` parameters keep their threads (ResNet-50: one thread was 2x slower)."""
-    n = torch.get_num_threads()
-    if model is not None and sum(p.numel() for p in model.parameters()) > large:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
+__all__ = ["hessian_sketch", "SketchResult", "spread_of", "geometric_mean", "one_thread"]
 
 
 @dataclass
@@ -58,6 +45,8 @@ class SketchResult:
     n_samples: int
     n_cotangents: int
     mode: str
+    engine: str = ""                  # "batched" or "per-sample loop (why)"
+    per_sample: np.ndarray | None = None  # (n_samples, n_weights) values behind the means
 
     def means(self) -> dict[str, float]:
         return {k: v.mean for k, v in self.values.items()}
@@ -70,10 +59,20 @@ class SketchResult:
 def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_samples: int = 8,
                    n_cotangents: int = 4, seed: int = 0,
                    forward_kwargs: Mapping[str, Any] | None = None,
-                   output_fn: Callable[[Any], torch.Tensor] | None = None) -> SketchResult:
+                   output_fn: Callable[[Any], torch.Tensor] | None = None,
+                   verbose: bool | None = None, desc: str = "Hessian-block sketch",
+                   batched: bool = True, first: int = 0,
+                   stop: Callable[[np.ndarray], bool] | None = None) -> SketchResult:
     """Estimate ``E||G_l r||^2/numel`` for each named weight (see the module docstring).
 
-    Cost per sample: 1 forward and ``n_cotangents`` backward passes, for all layers together."""
+    Cost per sample: 1 forward and ``n_cotangents`` backward passes, for all layers together.
+    With ``batched`` (default) the samples run together (:mod:`precondfx.measure.persample`:
+    same cotangents, same estimator, one batched forward and P batched backward passes); models
+    it cannot measure exactly fall back to one sample at a time (``engine`` says which ran).
+    ``stop(values)``, called once ``first`` samples are measured with their per-sample values,
+    can end the measurement there (a cheap first estimate that already decides).
+    Progress (ETA per sample) goes to stderr on a terminal unless ``verbose=False``
+    (:mod:`precondfx.progress`)."""
     if n_cotangents < 2:
         raise PrecondError("n_cotangents must be at least 2 (the estimate uses pairs)")
     output_fn = output_fn or default_output_fn
@@ -82,7 +81,21 @@ def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_s
     gen = torch.Generator().manual_seed(int(seed))
     per = np.zeros((n_samples, len(params)))
     iu = [(a, b) for a in range(n_cotangents) for b in range(a + 1, n_cotangents)]
-    with measurement_state(model, params), torch.enable_grad(), one_thread(model):
+    note = ""
+    with measurement_state(model, params), torch.enable_grad(), one_thread(model), \
+            Progress(n_samples, desc, verbose=verbose) as bar:
+        if batched:
+            state = gen.get_state()
+            try:
+                per = batched_sketch(model, smp, batch, params, list(weights), n_samples,
+                                     n_cotangents, gen, output_fn, bar.step, first, stop)
+            except Exception as e:  # noqa: BLE001 - the loop below is exact for any model
+                note = f"per-sample loop ({type(e).__name__}: {str(e)[:120]})"
+                gen.set_state(state)
+                bar.restart()
+            else:
+                vals = {w: _mean_estimate(per[:, j]) for j, w in enumerate(weights)}
+                return SketchResult(vals, len(per), n_cotangents, "pairs", "batched", per)
         for s in range(n_samples):
             i = s % batch
             try:
@@ -103,8 +116,12 @@ def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_s
                 sq = [float(f @ f) for f in flat]
                 acc = sum(sq[a] * sq[b] + float(flat[a] @ flat[b]) ** 2 for a, b in iu)
                 per[s, j] = acc / len(iu) / (2 * p.numel())
+            bar.step()
+            if stop is not None and s + 1 == first < n_samples and stop(per[:first]):
+                per = per[:first]
+                break
     vals = {w: _mean_estimate(per[:, j]) for j, w in enumerate(weights)}
-    return SketchResult(vals, n_samples, n_cotangents, "pairs")
+    return SketchResult(vals, len(per), n_cotangents, "pairs", note or "per-sample loop", per)
 
 
 def spread_of(values: Mapping[str, float]) -> float:

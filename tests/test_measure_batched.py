@@ -1,0 +1,102 @@
+"""The batched sketch gives the per-sample loop's numbers (same cotangents), or falls back."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from precondfx.measure.sketch import hessian_sketch
+
+
+def _both(net, x, weights, n=10):
+    a = hessian_sketch(net, x, weights, n_samples=n, seed=5, batched=False)
+    b = hessian_sketch(net, x, weights, n_samples=n, seed=5)
+    return a, b
+
+
+def _rel(a, b):
+    return max(abs(a.means()[w] / b.means()[w] - 1) for w in a.means())
+
+
+class _Emb(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = nn.Embedding(20, 8, padding_idx=0)
+        self.l = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.l(torch.tanh(self.e(ids))).mean(1)
+
+
+def _cases():
+    torch.manual_seed(0)
+    yield "mlp", nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 4)), \
+        torch.randn(6, 12), ["0.weight", "2.weight"]
+    yield "sequence", nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 4)), \
+        torch.randn(6, 5, 12), ["0.weight", "2.weight"]
+    yield "conv-bn-train", nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, groups=2, padding=2, dilation=2), nn.ReLU(),
+        nn.Flatten(), nn.Linear(8 * 8 * 8, 5)), torch.randn(4, 3, 16, 16), \
+        ["0.weight", "3.weight", "6.weight"]
+    yield "conv1d", nn.Sequential(nn.Conv1d(3, 6, 5, padding=2, stride=2), nn.ReLU(),
+                                  nn.Flatten(), nn.Linear(6 * 8, 4)), torch.randn(5, 3, 16), \
+        ["0.weight", "3.weight"]
+    ids = torch.randint(0, 20, (6, 9), generator=torch.Generator().manual_seed(2))
+    ids[0, :3] = 0
+    yield "embedding-padding", _Emb(), ids, ["e.weight", "l.weight"]
+
+
+@pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c[0])
+def test_batched_equals_loop(case):
+    _, net, x, weights = case
+    net.train()
+    a, b = _both(net, x, weights)
+    assert b.engine == "batched" and a.engine == "per-sample loop"
+    assert _rel(a, b) < 1e-6
+    assert b.per_sample.shape == (10, len(weights))
+
+
+class _Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(torch.relu(self.a(x)))))
+
+
+class _OutsideUse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x)) + x @ self.a.weight.T   # the weight also used functionally
+        return self.b(h)
+
+
+class _Mixing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(h - h.mean(0, keepdim=True) * 0.5)
+
+
+@pytest.mark.parametrize("cls,why", [(_Shared, "called twice"), (_OutsideUse, "add up"),
+                                     (_Mixing, "mixes samples")])
+def test_falls_back_to_the_loop_when_not_exact(cls, why):
+    torch.manual_seed(1)
+    net, x = cls(), torch.randn(6, 8)
+    a, b = _both(net, x, ["a.weight", "b.weight"])
+    if cls is _Shared:  # one module called twice: positions pooled, still exact
+        assert b.engine == "batched" and _rel(a, b) < 1e-6
+        return
+    assert b.engine.startswith("per-sample loop (Unsupported") and why in b.engine
+    assert _rel(a, b) == 0.0
