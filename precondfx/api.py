@@ -292,7 +292,7 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
         sch.plan(g, plan, infos, opts)
         if cap.gm is not None and not inplace:
             _restore_unused(cap.gm, work)
-            applier = FxApplier(cap.gm)
+            applier = FxApplier(cap.gm, g)
             result: nn.Module = cap.gm
         else:
             applier = EagerApplier(work, g)
@@ -322,7 +322,10 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
                 applier.skipped.append(("input scale", f"normalization {normed} sits between the "
                                         f"input and the first weighted layer and undoes the "
                                         f"input scale (Sec. 6.3 has no effect here)"))
-        out_buf = applier.output_scale(path) if target_std is not None else None
+        out_buf = None
+        if target_std is not None:
+            out_buf = applier.output_scale(path) if isinstance(applier, FxApplier) else \
+                applier.output_scale(path, run=lambda m: cal.forward(m, s, "eval"))
         if out_buf is not None:
             planned[out_buf] = 1.0
         applier.finish()

@@ -9,12 +9,14 @@ Every change is logged so that it can be undone if a later stage fails.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from precondfx.apply.common import PREFIX, replacement_pool, scalar_buffer, scale_at_path
+from precondfx.errors import PrecondError
 from precondfx.graph import Graph
 from precondfx.plan import Plan, Scale
 
@@ -49,9 +51,48 @@ def _root_input_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     return tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
 
 
+def _module_output_scale_hook(module: nn.Module, args: tuple, out: Any) -> Any:
+    """The output scale on the module that produces the main output (e.g. ``lm_head``), so
+    that everything the model computes from it inside forward (its own loss) sees it."""
+    s = getattr(module, PREFIX + "output_scale")
+    if isinstance(out, torch.Tensor):
+        return out * s
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return (out[0] * s,) + tuple(out[1:])
+    return out
+
+
 def _root_output_hook(module: nn.Module, args: tuple, out: Any) -> Any:
     path = getattr(module, PREFIX + "output_path")
+    if internal_loss(out, list(path)):
+        raise PrecondError(LOSS_BEFORE_SCALE)
     return scale_at_path(out, list(path), getattr(module, PREFIX + "output_scale"))
+
+
+LOSS_BEFORE_SCALE = (
+    "this preconditioned model computed a loss inside its forward (the output has a 'loss'), but "
+    "its output scale sits on the returned value, after that loss: the loss would not see the "
+    "scale.  precondfx found no module producing the main output to carry the scale.  Compute "
+    "the loss outside the model from the returned output (do not pass labels), or precondition "
+    "with target_std=None")
+
+
+def internal_loss(out: Any, path: list) -> bool:
+    """Whether a model output carries a loss computed inside forward (transformers models with
+    ``labels``), other than the main output itself."""
+    if not (isinstance(out, Mapping) or hasattr(out, "keys")) or isinstance(out, torch.Tensor):
+        return False
+    try:
+        loss = out["loss"] if "loss" in out.keys() else None
+    except (KeyError, TypeError):
+        return False
+    return isinstance(loss, torch.Tensor) and (not path or path[0] != "loss")
+
+
+def _at_path(out: Any, path: list) -> Any:
+    for k in path:
+        out = out[k]
+    return out
 
 
 class EagerApplier:
@@ -70,6 +111,7 @@ class EagerApplier:
         self.users = graph.users()
         self._done_modules: dict[tuple[str, str], float] = {}
         self._swapped: set[str] = set()
+        self.output_module: str | None = None
 
     def _like(self) -> torch.Tensor | None:
         return next(iter(self.model.parameters()), None)
@@ -222,12 +264,112 @@ class EagerApplier:
                                                         prepend=True))
         return [PREFIX + "input_scale"]
 
-    def output_scale(self, path: list) -> str | None:
+    def output_scale(self, path: list, run: Callable[[nn.Module], Any] | None = None
+                     ) -> str | None:
+        """The output scale, on the module whose output *is* the main output (found by running
+        ``run(model)``), so that a loss the model computes from it inside forward sees the
+        scale; on the returned value otherwise (refused when the model returns a loss)."""
+        found, out = self._output_module(path, run) if run is not None else (None, None)
+        if found is not None:
+            mod = self.model.get_submodule(found)
+            self._register(mod, PREFIX + "output_scale", 1.0)
+            self._hook(mod.register_forward_hook(_module_output_scale_hook))
+            self.output_module = found
+            self.applied.append(f"output scale on the output of {found} (the main output): "
+                                f"everything forward computes from it, its own loss included, "
+                                f"sees the scale")
+            return f"{found}.{PREFIX}output_scale"
+        if out is not None and internal_loss(out, path):
+            raise PrecondError(LOSS_BEFORE_SCALE.replace("this preconditioned model computed",
+                                                         "the model computes"))
         self._register(self.model, PREFIX + "output_scale", 1.0)
         setattr(self.model, PREFIX + "output_path", tuple(path))
         self.undo.append(("attrdel", self.model, PREFIX + "output_path"))
         self._hook(self.model.register_forward_hook(_root_output_hook))
         return PREFIX + "output_scale"
+
+    def _output_module(self, path: list, run: Callable[[nn.Module], Any]
+                       ) -> tuple[str | None, Any]:
+        """The innermost submodule, called once per forward, whose returned tensor is the main
+        output itself (forward hooks run innermost first and see earlier hooks' results)."""
+        first: dict[int, str] = {}
+        calls: dict[str, int] = {}
+        keep: list[torch.Tensor] = []
+        handles = []
+        for name, m in self.model.named_modules():
+            if not name:
+                continue
+
+            def hook(mod: nn.Module, args: tuple, out: Any, name: str = name) -> None:
+                calls[name] = calls.get(name, 0) + 1
+                t = out[0] if isinstance(out, tuple) and out else out
+                if isinstance(t, torch.Tensor):
+                    first.setdefault(id(t), name)
+                    keep.append(t)
+            handles.append(m.register_forward_hook(hook))
+        try:
+            out = run(self.model)
+        finally:
+            for h in handles:
+                h.remove()
+        try:
+            target = _at_path(out, path)
+        except (KeyError, IndexError, TypeError):
+            return None, out
+        name = first.get(id(target)) if isinstance(target, torch.Tensor) else None
+        if name is not None and calls.get(name, 0) == 1 and self._unique(name):
+            return name, out
+        if not isinstance(target, torch.Tensor):
+            return None, out
+        for cand in self._graph_candidates(tuple(target.shape)):
+            if calls.get(cand, 0) == 1 and self._unique(cand) and \
+                    self._scales_output(cand, path, run, target):
+                return cand, out
+        return None, out
+
+    def _unique(self, path: str) -> bool:
+        mod = self.model.get_submodule(path)
+        return sum(m is mod for m in self.model.modules()) == 1 and \
+            sum(1 for n, m in self.model.named_modules(remove_duplicate=False)
+                if m is mod) == 1
+
+    def _graph_candidates(self, shape: tuple) -> list[str]:
+        """Modules whose output the main output is a reshape, cast or sole selection of (walking
+        up the captured graph from the model outputs of the same shape)."""
+        found = []
+        for o in self.graph.outputs:
+            node = self.graph.get(o)
+            if node is None or node.out_shape is None or tuple(node.out_shape) != shape:
+                continue
+            while node is not None and node.module is None:
+                if node.kind not in ("reshape", "cast", "select") or len(node.inputs) != 1:
+                    node = None
+                    break
+                src = node.inputs[0]
+                if node.kind == "select" and len(self.users.get(src, [])) != 1:
+                    node = None
+                    break
+                node = self.graph.get(src)
+            if node is not None and node.module and node.module not in found:
+                found.append(node.module)
+        return found
+
+    def _scales_output(self, path: str, out_path: list, run: Callable[[nn.Module], Any],
+                       before: torch.Tensor) -> bool:
+        """Check, by running, that doubling ``path``'s output doubles the main output."""
+        def double(mod: nn.Module, args: tuple, out: Any) -> Any:
+            if isinstance(out, torch.Tensor):
+                return out * 2
+            return out
+        h = self.model.get_submodule(path).register_forward_hook(double)
+        try:
+            after = _at_path(run(self.model), out_path)
+            return isinstance(after, torch.Tensor) and after.shape == before.shape and \
+                bool(torch.allclose(after, before * 2, rtol=1e-5, atol=1e-30))
+        except Exception:   # the model does not run that way, or has no data (meta device)
+            return False
+        finally:
+            h.remove()
 
     def probe(self, run: Callable[[nn.Module], Any], names: list[str]
               ) -> dict[str, torch.Tensor]:

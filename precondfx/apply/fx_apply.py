@@ -46,11 +46,17 @@ def _set_submodule(gm: fx.GraphModule, path: str, mod: torch.nn.Module) -> None:
     setattr(gm.get_submodule(parent) if parent else gm, leaf, mod)
 
 
+def _is_tensor(n: fx.Node) -> bool:
+    tm = n.meta.get("tensor_meta")
+    return tm is not None and hasattr(tm, "shape")
+
+
 class FxApplier:
     """Applies pools and scales to a GraphModule; records what was applied and what was not."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, graph: Any = None) -> None:
         self.gm = gm
+        self.kinds: dict[str, str] = {n.name: n.kind for n in graph} if graph is not None else {}
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self.applied: list[str] = []
         self.skipped: list[tuple[str, str]] = []
@@ -164,32 +170,44 @@ class FxApplier:
         return names
 
     def output_scale(self, path: list) -> str | None:
+        """Multiply the main output by a buffer where it is produced: every use of it inside
+        forward (a loss the model computes from its logits) sees the scale, not only the
+        returned value.  The scale goes up through reshapes, selections and casts to the node
+        that computes the values, so a loss computed before a final ``view`` sees it too."""
         out = next(n for n in self.gm.graph.nodes if n.op == "output")
-        struct = out.args[0]
-        target = struct
+        target = out.args[0]
         for k in path:
             target = target[k]
         if not isinstance(target, fx.Node):
             self.skipped.append(("output", "main output is not a graph value"))
             return None
+        node = self._producer(target)
         b = buffer_name("output", "scale")
         self._buffer(b, 1.0)
-        m = self._mul(out, target, b)
-
-        def rebuild(s: Any, p: list) -> Any:
-            if not p:
-                return m
-            k = p[0]
-            if isinstance(s, dict):
-                d = dict(s)
-                d[k] = rebuild(s[k], p[1:])
-                return d
-            lst = list(s)
-            lst[k] = rebuild(s[k], p[1:])
-            return type(s)(lst) if isinstance(s, tuple) else lst
-
-        out.args = (rebuild(struct, path),)
+        with self.gm.graph.inserting_after(node):
+            c = self.gm.graph.get_attr(b)
+        with self.gm.graph.inserting_after(c):
+            m = self.gm.graph.call_function(operator.mul, (node, c))
+        node.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
+        self.applied.append(f"output scale at the output of {node.name} (the main output"
+                            f"{'' if node is target else ' up to ' + target.name}): every use "
+                            f"inside forward sees it")
         return b
+
+    def _producer(self, node: fx.Node) -> fx.Node:
+        """Walk up from ``node`` through single-operand ops that keep the values (reshape, cast:
+        every other use of the operand reads the same values), and selections whose operand has
+        no other use."""
+        while True:
+            kind = self.kinds.get(node.name)
+            acts = [a for a in _activation_args(node) if _is_tensor(a)]
+            if kind not in ("reshape", "cast", "select") or len(acts) != 1:
+                return node
+            src = acts[0]
+            if not _is_tensor(src) or src.op == "placeholder" or \
+                    (kind == "select" and len(src.users) != 1):
+                return node
+            node = src
 
     def probe(self, run: Callable[[torch.nn.Module], Any], names: list[str]
               ) -> dict[str, torch.Tensor]:

@@ -1,0 +1,176 @@
+"""Hugging Face stack: the model's own loss sees the output scale; Trainer trains the result.
+
+transformers models compute ``outputs.loss`` inside forward from ``labels``; precondfx's output
+scale must act before that loss (issue 15).  Every check compares the model's loss with a loss
+computed independently from the returned logits."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import precondfx
+from precondfx import PrecondError
+
+pytest.importorskip("transformers")
+from tests import hf_tiny  # noqa: E402
+
+
+@pytest.mark.parametrize("name", hf_tiny.NAMES)
+def test_model_loss_sees_the_output_scale(name: str) -> None:
+    model, batch = hf_tiny.build(name)
+    fwd = hf_tiny.FORWARD[name]
+    result, report = precondfx.precondition(model, batch, **fwd)
+    assert abs(report.output_std_after - 0.05) < 5e-3  # measured balancing may move it a bit
+    result.eval()
+    with torch.no_grad():
+        out = result(**batch, **fwd)
+    own = float(out.loss)
+    ref = float(hf_tiny.LOSS[name](out.logits, batch["labels"]))
+    assert abs(own - ref) < 1e-5, (own, ref)
+    # with logits of std ~0.05 the loss is close to log(number of classes)
+    assert abs(ref - math.log(out.logits.shape[-1])) < 0.1
+
+
+def test_labels_not_in_the_calibration_batch() -> None:
+    """Preconditioned without labels, then trained with them: the loss still sees the scale."""
+    model, batch = hf_tiny.build("gpt2")
+    result, _ = precondfx.precondition(model, {"input_ids": batch["input_ids"]}, use_cache=False)
+    with torch.no_grad():
+        out = result.eval()(**batch, use_cache=False)
+    assert float(out.logits.std()) < 0.2
+    assert abs(float(out.loss) - float(hf_tiny.causal_lm_loss(out.logits, batch["labels"]))) < 1e-5
+
+
+class _LossInside(nn.Module):
+    """Computes its loss inside forward from logits, and returns a reshaped view of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 6)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict:
+        logits = self.fc2(torch.relu(self.fc1(x)))
+        loss = F.cross_entropy(logits, labels)
+        return {"loss": loss, "logits": logits.view(logits.shape[0], 2, 3)}
+
+
+@pytest.mark.parametrize("method", ["fx", "eager"])
+def test_loss_inside_forward_both_back_ends(method: str) -> None:
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(32, 8), "labels": torch.randint(0, 6, (32,))}
+    result, report = precondfx.precondition(_LossInside(), batch, capture=method)
+    assert isinstance(result, torch.fx.GraphModule) == (method == "fx")
+    with torch.no_grad():
+        out = result(**batch)
+    ref = F.cross_entropy(out["logits"].reshape(32, 6), batch["labels"])
+    assert abs(float(out["loss"]) - float(ref)) < 1e-6
+    assert abs(float(out["logits"].std(correction=0)) - 0.05) < 1e-4
+
+
+class _FunctionalHead(nn.Module):
+    """Logits from a functional matmul with the (tied) embedding: no module produces them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        logits = torch.tanh(self.fc(self.emb(ids))) @ self.emb.weight.T
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits.reshape(-1, 20), labels.reshape(-1))
+        return out
+
+
+def test_refuses_when_the_scale_cannot_reach_the_loss() -> None:
+    ids = torch.randint(0, 20, (4, 5), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(PrecondError, match="loss"):
+        precondfx.precondition(_FunctionalHead(), {"ids": ids, "labels": ids}, capture="eager")
+    # without labels the pass works, and a later call with labels fails loudly, not silently
+    result, _ = precondfx.precondition(_FunctionalHead(), {"ids": ids}, capture="eager")
+    with torch.no_grad():
+        assert float(result(ids)["logits"].std()) < 0.2
+    with pytest.raises(PrecondError, match="loss"):
+        result(ids, labels=ids)
+
+
+def _lm_data(n: int, seed: int = 3) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, hf_tiny.VOCAB, (n, 1), generator=g)
+    ids = (start + torch.arange(hf_tiny.SEQ)) % hf_tiny.VOCAB   # learnable: next = this + 1
+    labels = ids.clone()
+    # the first token is never predicted: marking it ignored makes Trainer's token count
+    # (labels != -100) equal to the number of predicted tokens, so its loss is the plain mean
+    labels[:, 0] = -100
+    return [{"input_ids": ids[i], "labels": labels[i]} for i in range(n)]
+
+
+def _plain_loop(model: nn.Module, data: list[dict], steps: int, bs: int, lr: float
+                ) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    for k in range(steps):
+        rows = data[k * bs:(k + 1) * bs]
+        batch = {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
+        out = model(**batch, use_cache=False)
+        logits_loss = hf_tiny.causal_lm_loss(out.logits, batch["labels"])
+        assert abs(float(out.loss) - float(logits_loss)) < 1e-5
+        losses.append(float(logits_loss))
+        opt.zero_grad()
+        logits_loss.float().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return losses
+
+
+def run_trainer(model: nn.Module, data: list[dict], steps: int, bs: int, lr: float, out_dir: str,
+                **args) -> tuple[list[float], object]:
+    """Trainer with the plain loop's settings; returns the loss of each step and the trainer."""
+    import transformers as tf
+
+    losses: list[float] = []
+
+    class Recording(tf.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            losses.append(float(loss[0] if isinstance(loss, tuple) else loss))
+            return loss
+
+    targs = tf.TrainingArguments(
+        output_dir=out_dir, max_steps=steps, per_device_train_batch_size=bs, learning_rate=lr,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        train_sampling_strategy="sequential", report_to=[], use_cpu=True, logging_steps=1,
+        save_strategy="no", disable_tqdm=True, seed=0, **args)
+    trainer = Recording(model=model, args=targs, train_dataset=data)
+    return losses, trainer
+
+
+@pytest.mark.slow
+def test_trainer_matches_a_plain_loop(tmp_path) -> None:
+    """20 Trainer steps on the preconditioned GPT-2 equal 20 steps of a plain loop (losses and
+    final parameters), and the losses start where the output scale puts them (log V)."""
+    pytest.importorskip("accelerate")
+    model, batch = hf_tiny.build("gpt2", dropout=False)
+    pre, _ = precondfx.precondition(model, {"input_ids": batch["input_ids"]}, use_cache=False)
+    import copy
+    a, b = copy.deepcopy(pre), copy.deepcopy(pre)
+    data = _lm_data(20 * 4)
+    plain = _plain_loop(a, data, 20, 4, 1e-2)
+    losses, trainer = run_trainer(b, data, 20, 4, 1e-2, str(tmp_path))
+    trainer.train()
+    assert len(losses) == 20
+    assert max(abs(x - y) for x, y in zip(losses, plain)) < 1e-4, (losses, plain)
+    assert abs(losses[0] - math.log(hf_tiny.VOCAB)) < 0.05
+    assert losses[-1] < losses[0] - 0.05, losses
+    # AdamW divides by sqrt(v): float-rounding differences in near-zero gradients move a few
+    # parameters by a fraction of lr; compare with how far training moved them
+    diff = max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+    moved = max(float((p - q).abs().max()) for p, q in zip(a.parameters(), pre.parameters()))
+    assert diff < 0.02 * moved, (diff, moved)
