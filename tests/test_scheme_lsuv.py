@@ -17,13 +17,17 @@ TOL = 0.1
 
 def site_variances(model: nn.Module, sample) -> list[tuple[str, float]]:
     """(module path, population variance of its output) for every call of a Conv/Linear
-    module, in the order the calls happen (train mode, dropout off, buffers restored)."""
+    module, in the order the calls happen (train mode, dropout off, buffers restored).  The
+    module producing the main output carries the output scale (so that a loss computed inside
+    forward sees it); its variance is read before that scale."""
     got: list[tuple[str, float]] = []
     hooks = []
     for name, mod in model.named_modules():
         if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)):
+            out_scale = float(getattr(mod, "precondfx_output_scale", 1.0))
             hooks.append(mod.register_forward_hook(
-                lambda m, i, o, name=name: got.append((name, float(o.double().var(correction=0))))))
+                lambda m, i, o, name=name, c=out_scale:
+                got.append((name, float((o / c).double().var(correction=0))))))
     try:
         with frozen(model, True):
             call(model, sample)
