@@ -31,11 +31,13 @@ class InplaceCNN(nn.Module):
 
 
 def hooked_variances(model: nn.Module, x: torch.Tensor) -> dict[str, float]:
-    """Population variance of each Conv/Linear output, cloned in a forward hook."""
+    """Population variance of each Conv/Linear output, cloned in a forward hook.  The layer
+    producing the main output carries the output scale (a loss computed inside forward must
+    see it); its variance is read before that scale, as LSUV fits it."""
     got: dict[str, float] = {}
     hs = [m.register_forward_hook(
-        lambda mod, i, o, n=n: got.__setitem__(n, float(o.detach().clone().double()
-                                                        .var(correction=0))))
+        lambda mod, i, o, n=n, c=float(getattr(m, "precondfx_output_scale", 1.0)):
+        got.__setitem__(n, float((o.detach().clone().double() / c).var(correction=0))))
           for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
     try:
         with torch.no_grad():
