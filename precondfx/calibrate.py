@@ -68,12 +68,17 @@ def _renormed(model: nn.Module) -> dict[str, torch.Tensor]:
 def preserved(model: nn.Module) -> Iterator[None]:
     """Restore, on exit and whatever runs inside, every module's train/eval flag, every buffer
     (BatchNorm running statistics, counters), every plain Python attribute of a module (numbers,
-    strings, flags: a ``self.calls += 1`` in forward), the weights a forward renormalizes
+    strings, flags: a ``self.calls += 1`` in forward; the content of the module's own lists,
+    dicts and sets: a ``self.cache.append(y)``), the weights a forward renormalizes
     (``nn.Embedding(max_norm=...)``) and the global random generators (a forward that draws
     noise): a measurement or calibration run leaves no trace."""
     mods = list(model.modules())
     modes = {m: m.training for m in mods}
     attrs = {m: {k: v for k, v in vars(m).items() if _plain(v)} for m in mods}
+    # the user's own containers (not torch's ``_parameters``, hooks...): a forward that
+    # appends to ``self.cache`` gets its list back as it was, in place
+    boxes = [(v, type(v)(v)) for m in mods for k, v in vars(m).items()
+             if not k.startswith("_") and type(v) in (list, dict, set)]
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
     params = {name: p.detach().clone() for name, p in _renormed(model).items()}
     rng = torch.get_rng_state()
@@ -91,6 +96,9 @@ def preserved(model: nn.Module) -> Iterator[None]:
             for k in [k for k, v in d.items() if k not in old and _plain(v)]:
                 del d[k]  # a plain attribute the run added
             d.update(old)
+        for box, content in boxes:  # no == (tensors inside would compare elementwise)
+            box.clear()
+            box.update(content) if isinstance(box, (dict, set)) else box.extend(content)
         with torch.no_grad():
             for name, b in model.named_buffers():
                 if name in saved and saved[name].shape == b.shape:

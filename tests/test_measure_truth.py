@@ -86,8 +86,8 @@ def test_sample_changed_in_place_by_forward_is_not_the_users_tensor():
 
 
 class Stateful(nn.Module):
-    """A max_norm embedding (forward renormalizes its rows in place), a Python counter, a
-    BatchNorm the user put in eval inside a training model."""
+    """A max_norm embedding (forward renormalizes its rows in place), a Python counter and a
+    list the forward appends to, a BatchNorm the user put in eval inside a training model."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -96,16 +96,18 @@ class Stateful(nn.Module):
         self.bn = nn.BatchNorm1d(8)
         self.out = nn.Linear(8, 3)
         self.calls = 0
+        self.cache: list[torch.Tensor] = []
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self.calls += 1
+        self.cache.append(ids[:1])
         h = self.emb(ids).mean(1)
         return self.out(self.bn(torch.relu(self.fc(h))))
 
 
 def _state(m: nn.Module) -> tuple:
     return ({k: v.clone() for k, v in m.state_dict().items()},
-            {n: x.training for n, x in m.named_modules()}, m.calls)
+            {n: x.training for n, x in m.named_modules()}, (m.calls, len(m.cache)))
 
 
 def _same(a: tuple, b: tuple) -> None:
