@@ -147,7 +147,7 @@ class Options:
                         "(measured; PyTorch models only)", cli=True)
     balance_threshold: float = _opt(2.0, number("a number >= 1", lambda x: x >= 1.0),
                                     "balance='auto' changes the alphas only when the measured "
-                                    "spread is significantly above this factor")
+                                    "spread is significantly above this factor", cli="X")
     residual: str = _opt("auto", one_of(*RESIDUAL_MODES),
                          "branch scale s on residual joins (auto: branches without "
                          "normalization)", cli=True)
@@ -170,15 +170,15 @@ class Options:
                         "constants", cli=True, keyword="reinit_weights")
     scheme: str = _opt("geometric", text, "initialization scheme (geometric, lsuv, gne, wn, "
                        "tat, dks); its name and scheme_options are checked by the scheme "
-                       "registry (precondfx.schemes.base.get_scheme)")
+                       "registry (precondfx.schemes.base.get_scheme)", cli="NAME")
     scheme_options: dict | None = _opt(None, mapping, "keyword arguments of the scheme",
                                        plan=False)
     balance_samples: int = _opt(16, integer(1), "samples measured by measured balancing and "
-                                "measure=True", plan=False)
+                                "measure=True", plan=False, cli="N")
     measure: bool = _opt(False, flag, "measure the conditioning before and after",
                          plan=False)
     calibration: str = _opt("train", one_of(*CALIBRATION_MODES),
-                            "mode the model runs in for calibration", plan=False)
+                            "mode the model runs in for calibration", plan=False, cli=True)
     capture: tuple[str, ...] = _opt(CAPTURE_METHODS, capture_methods,
                                     "capture methods, tried in order", plan=False)
 

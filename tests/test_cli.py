@@ -298,6 +298,25 @@ def test_pytorch_entry_state_dict_and_onnx(tmp_path, capsys):
     assert "cannot import module" in one_error_line(capsys.readouterr().err)
 
 
+def test_flags_come_from_the_option_definition(tmp_path, capsys):
+    """Every CLI option flag is built from precondfx.options; a scheme's override is noted and
+    the ONNX back end refuses what needs PyTorch, before reading the file."""
+    rep = tmp_path / "r.json"
+    assert main(["precondition", "precondfx.zoo:mlp", "-o", str(tmp_path / "m.pt"), "--quiet",
+                 "--scheme", "gne", "--calibration", "eval", "--report", str(rep)]) == 0
+    d = json.loads(rep.read_text())
+    assert d["plan"]["options"]["balance"] == "none" and d["plan"]["options"]["scheme"] == "gne"
+    assert any("balance='auto' -> 'none' (scheme gne)" in n for n in d["capture_notes"])
+    capsys.readouterr()
+    src = mlp2(tmp_path / "m.onnx")
+    assert main(["precondition", src, "-o", str(tmp_path / "o.onnx"), "--scheme", "lsuv"]) == 2
+    assert "scheme= other than 'geometric'" in one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "o.onnx").exists()
+    assert main(["precondition", "precondfx.zoo:mlp", "-o", str(tmp_path / "m.pt"),
+                 "--seed", "1.5"]) == 2
+    assert "pass an int" in capsys.readouterr().err
+
+
 def test_module_entry_point(tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     r = subprocess.run([sys.executable, "-m", "precondfx", "demo", "--quiet"],
