@@ -183,6 +183,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=C.RESULTS)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--family", action="append", choices=("mlp", "conv", "resnet50"),
+                    help="only these model families (repeatable; default all)")
     args = ap.parse_args(argv)
     C.setup(args.threads)
     tag = args.tag or ("quick" if args.quick else "")
@@ -200,6 +202,8 @@ def main(argv=None) -> dict:
     precondfx.precondition(m0, s0, balance="hessian", measure=True)
     rows = []
     for family, name, builder, modes in models(args.quick, not args.no_resnet):
+        if args.family and family not in args.family:
+            continue
         step_s, step_mb, n_params = train_step_cost(builder, args.steps)
         say(f"{name}: {n_params:,} params; training step {step_s * 1e3:.1f} ms, first-step peak +"
             f"{step_mb if step_mb is None else round(step_mb, 1)} MB")

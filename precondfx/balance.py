@@ -226,7 +226,9 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
     target = geometric_mean(list(before.values()))
     factors = {w: (target / v) ** 0.25 for w, v in before.items()}
     y0 = _output(model, sample, output_key, mode)
-    noise = _rel_change(_output(model, sample, output_key, mode), y0)
+    one = sample.take(0) if b > 1 else sample   # two identical runs must agree: no random op
+    noise = _rel_change(_output(model, one, output_key, mode),
+                        _output(model, one, output_key, mode))
     saved = {w: (model.get_parameter(w).detach().clone(),
                  [model.get_buffer(b_).detach().clone() for b_ in ok[w]]) for w in factors}
     for w, c in factors.items():

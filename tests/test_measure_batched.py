@@ -39,6 +39,10 @@ def _cases():
         nn.Conv2d(8, 8, 3, stride=2, groups=2, padding=2, dilation=2), nn.ReLU(),
         nn.Flatten(), nn.Linear(8 * 8 * 8, 5)), torch.randn(4, 3, 16, 16), \
         ["0.weight", "3.weight", "6.weight"]
+    yield "conv-few-positions", nn.Sequential(   # Gram over positions (L=16 < channels)
+        nn.Conv2d(3, 32, 3, stride=4, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(), nn.Flatten(), nn.Linear(512, 5)), torch.randn(4, 3, 16, 16), \
+        ["0.weight", "2.weight", "5.weight"]
     yield "conv1d", nn.Sequential(nn.Conv1d(3, 6, 5, padding=2, stride=2), nn.ReLU(),
                                   nn.Flatten(), nn.Linear(6 * 8, 4)), torch.randn(5, 3, 16), \
         ["0.weight", "3.weight"]
@@ -53,7 +57,7 @@ def test_batched_equals_loop(case):
     net.train()
     a, b = _both(net, x, weights)
     assert b.engine == "batched" and a.engine == "per-sample loop"
-    assert _rel(a, b) < 1e-6
+    assert _rel(a, b) < 1e-5  # float32 Gram of the per-sample gradients
     assert b.per_sample.shape == (10, len(weights))
 
 

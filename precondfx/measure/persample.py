@@ -98,6 +98,7 @@ class _Site:
         self.module, self.kind = module, kind
         self.xs: list[torch.Tensor] = []
         self.ys: list[torch.Tensor] = []
+        self.cache: dict[tuple, torch.Tensor] = {}
         self.on = True
 
     def __call__(self, module: nn.Module, args: tuple, out: Any) -> Any:
@@ -151,8 +152,11 @@ def _gram_embedding(site: _Site, dys: list[list[torch.Tensor]], rows: slice) -> 
     return torch.einsum("bactu,btu->bac", kd, same.double())
 
 
-def _conv_grads(site: _Site, dys: list[list[torch.Tensor]], rows: slice) -> torch.Tensor:
-    """Per-sample weight gradients (B, P, numel) of a Conv1d/Conv2d, summed over its calls."""
+def _conv_parts(site: _Site, dys: list[list[torch.Tensor]], rows: slice
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unfolded inputs U (B, groups, K, L) and output gradients D (B, P, groups, C_out/groups,
+    L) of a Conv1d/Conv2d, every call's positions concatenated: the per-sample weight gradient
+    of group g is ``D[b, a, g] @ U[b, g]^T``."""
     m = site.module
     two = isinstance(m, nn.Conv2d)
     k = m.kernel_size if two else (1, m.kernel_size[0])
@@ -160,20 +164,40 @@ def _conv_grads(site: _Site, dys: list[list[torch.Tensor]], rows: slice) -> torc
     pd = m.padding if two else (0, m.padding[0])
     dl = m.dilation if two else (1, m.dilation[0])
     g, ci, co = m.groups, m.in_channels, m.out_channels
-    out = None
-    for c, x in enumerate(site.xs):
-        x = x[rows]
-        if not two:
-            x = x.unsqueeze(2)
-        b = x.shape[0]
-        u = F.unfold(x, k, dilation=dl, padding=pd, stride=st)          # (B, Ci*k, L)
-        u = u.reshape(b, g, ci // g * k[0] * k[1], -1).double()
+    key = ("u", rows.start, rows.stop)
+    if key not in site.cache:  # the same inputs in every round: unfold them once
+        us = []
+        for x in site.xs:
+            x = x[rows]
+            x = x if two else x.unsqueeze(2)
+            u = F.unfold(x, k, dilation=dl, padding=pd, stride=st)      # (B, Ci*k, L)
+            us.append(u.reshape(x.shape[0], g, ci // g * k[0] * k[1], -1))
+        site.cache[key] = us[0] if len(us) == 1 else torch.cat(us, dim=-1)
+    ds = []
+    for c in range(len(site.xs)):
         d = torch.stack([per_call[c][rows] for per_call in dys], dim=1)   # (B, P, Co, ...)
-        p = d.shape[1]
-        d = d.reshape(b, p, g, co // g, -1).double()
-        gw = torch.einsum("bpgol,bgkl->bpgok", d, u).reshape(b, p, -1)
-        out = gw if out is None else out + gw
-    return out
+        ds.append(d.reshape(d.shape[0], d.shape[1], g, co // g, -1))
+    return site.cache[key], ds[0] if len(ds) == 1 else torch.cat(ds, dim=-1)
+
+
+def _gram_conv(site: _Site, dys: list[list[torch.Tensor]], rows: slice) -> torch.Tensor:
+    """(B, P, P) Gram of the per-sample weight gradients: over positions (``D D^T . U^T U``)
+    when the layer has few output positions, else from the materialized gradients."""
+    u, d = _conv_parts(site, dys, rows)
+    b, g, k, n = u.shape
+    p, c = d.shape[1], d.shape[3]
+    if g * n * n * (k + p * p * c) < g * p * c * k * n + p * p * g * c * k:
+        key = ("ku", rows.start, rows.stop)
+        if key not in site.cache:
+            site.cache[key] = u.transpose(2, 3) @ u                         # (B, g, L, L)
+        ku = site.cache[key]
+        dd = d.permute(0, 2, 1, 4, 3).reshape(b, g, p * n, c)              # (B, g, P*L, C)
+        kd = (dd @ dd.transpose(2, 3)).reshape(b, g, p, n, p, n)
+        return torch.einsum("bgalcm,bglm->bac", kd, ku).double()
+    dd = d.permute(0, 2, 1, 3, 4).reshape(b, g, p * c, n)                  # (B, g, P*C, L)
+    gw = (dd @ u.transpose(2, 3)).reshape(b, g, p, c * k)                  # (B, g, P, C*K)
+    gw = gw.permute(0, 2, 1, 3).reshape(b, p, g * c * k)
+    return (gw @ gw.transpose(1, 2)).double()
 
 
 def _gram(site: _Site, dys: list[list[torch.Tensor]], rows: slice) -> torch.Tensor:
@@ -181,8 +205,7 @@ def _gram(site: _Site, dys: list[list[torch.Tensor]], rows: slice) -> torch.Tens
         return _gram_linear(site, dys, rows)
     if site.kind == "embedding":
         return _gram_embedding(site, dys, rows)
-    g = _conv_grads(site, dys, rows)
-    return g @ g.transpose(1, 2)
+    return _gram_conv(site, dys, rows)
 
 
 def _grad_sum(site: _Site, dy: list[torch.Tensor]) -> torch.Tensor:
@@ -200,7 +223,8 @@ def _grad_sum(site: _Site, dy: list[torch.Tensor]) -> torch.Tensor:
         if m.padding_idx is not None:
             d = d * (ids != m.padding_idx)[:, None]
         return torch.zeros(w.shape, dtype=d.dtype, device=d.device).index_add_(0, ids, d)
-    return _conv_grads(site, [dy], slice(None)).sum(0)[0].reshape(w.shape)
+    u, d = _conv_parts(site, [dy], slice(0, site.xs[0].shape[0]))
+    return torch.einsum("bgcl,bgkl->gck", d[:, 0], u).reshape(w.shape)
 
 
 def batched_sketch(model: nn.Module, smp: Sample, batch: int, params: Sequence[torch.Tensor],
@@ -231,7 +255,9 @@ def batched_sketch(model: nn.Module, smp: Sample, batch: int, params: Sequence[t
         if len({id(s) for s in owners[id(p)]}) > 1:
             raise Unsupported(f"{name} is shared by several modules")
     nb = min(batch, n_samples)
-    handles = [s.module.register_forward_hook(s) for s in sites.values()]
+    # prepend: see the module's own output, before any hook of the user's or of precondfx
+    # (an output scale on the last layer) transforms it
+    handles = [s.module.register_forward_hook(s, prepend=True) for s in sites.values()]
     try:
         with _PerSampleBatchNorm():
             y = output_fn(smp.take(0, nb).call(model))
