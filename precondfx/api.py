@@ -268,6 +268,7 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
     if low and inplace:
         raise PrecondError(f"inplace=True is not supported for {dt} models (the pass computes in "
                            f"float32 on a copy): drop inplace=True and use the returned model")
+    modes = {name: m.training for name, m in model.named_modules()}
     work = model if inplace else _copy_model(model)
     if low:
         work = work.float()
@@ -382,7 +383,7 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
                 model, result, s, plan, output_key=output_key, mode=calibration, seed=seed,
                 n_samples=opts.balance_samples, say=say, verbose=verbose)
         record_constants(result, planned, read=not on_meta)
-        result.train(model.training)
+        _restore_modes(result, modes)
         if low:
             result = result.to(dt)
     except BaseException:
@@ -396,6 +397,16 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
         raise
     say("done")
     return Result(result, report)
+
+
+def _restore_modes(result: nn.Module, modes: dict[str, bool]) -> None:
+    """Give every module of the result the train/eval flag its namesake has in the user's
+    model (a BatchNorm the user froze in eval stays in eval); modules the plan added follow
+    the root."""
+    result.train(modes[""])
+    for name, m in result.named_modules():
+        if name in modes:
+            m.training = modes[name]
 
 
 def _normalized_before_first_layer(g: Graph, plan: Plan) -> str | None:

@@ -3,17 +3,28 @@
 Leaf modules of ``torch.nn`` (Conv2d, Linear, BatchNorm...) stay ``call_module`` nodes; user
 modules are traced through.  Shapes come from running the traced module on the sample
 (``ShapeProp``).
+
+A GraphModule keeps only the tensor operations a trace records.  Constructs whose meaning lies
+elsewhere are detected while tracing and make the trace fail with :class:`Unkeepable`, so that
+the plan is applied to the user's own module instead (the eager back end): a custom
+``torch.autograd.Function`` (its backward), a grad-mode change inside forward (``torch.no_grad``
+blocks), ``torch.utils.checkpoint`` (recomputation), and any difference between the graphs traced
+in train and in eval mode (``if self.training`` branches).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any
+import sys
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
+from torch.utils._pytree import tree_leaves
 
 from precondfx import optable
 from precondfx.calibrate import is_stochastic
@@ -22,12 +33,64 @@ from precondfx.capture.common import (Act, Const, Param, Sample, build_node, lea
 from precondfx.graph import Graph, Node
 
 
+class Unkeepable(Exception):
+    """The forward uses a construct that a traced GraphModule would silently drop."""
+
+
+_CHECKPOINT_CODES = {inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__}
+_KEEP = ("the plan is applied to the model's own module instead (hooks and buffers), "
+         "which keeps it")
+
+
 class _Tracer(fx.Tracer):
     """fx's tracer, with stochastic modules (DropPath, StochasticDepth...) kept as leaves: traced
-    through, their ``if self.training`` would be frozen into the graph in the trace's mode."""
+    through, their ``if self.training`` would be frozen into the graph in the trace's mode.
+    Every node it records is checked for constructs a GraphModule cannot keep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._grad = torch.is_grad_enabled()
+        self._inference = torch.is_inference_mode_enabled()
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         return is_stochastic(m) or super().is_leaf_module(m, qualname)
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        f = sys._getframe(1)
+        while f is not None:
+            if f.f_code in _CHECKPOINT_CODES:
+                raise Unkeepable(f"the forward calls torch.utils.checkpoint, whose recomputation "
+                                 f"a traced graph drops: {_KEEP}")
+            f = f.f_back
+        if torch.is_grad_enabled() != self._grad or \
+                torch.is_inference_mode_enabled() != self._inference:
+            raise Unkeepable(f"the forward changes the grad mode (a torch.no_grad / "
+                             f"set_grad_enabled / inference_mode block), which a traced graph "
+                             f"drops: {_KEEP}")
+        return super().create_node(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _refuse_autograd_functions() -> Iterator[None]:
+    """While tracing, a custom ``torch.autograd.Function`` called on traced values raises
+    :class:`Unkeepable`: fx would record its forward and lose its backward."""
+    orig = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(a, fx.Proxy) for a in tree_leaves((args, kwargs))):
+            if cls is torch.utils.checkpoint.CheckpointFunction:
+                what = "torch.utils.checkpoint (use_reentrant=True), whose recomputation"
+            else:
+                what = (f"the custom torch.autograd.Function {cls.__module__}."
+                        f"{cls.__qualname__}, whose backward")
+            raise Unkeepable(f"the forward calls {what} a traced graph drops: {_KEEP}")
+        return orig.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = orig  # type: ignore[method-assign]
 
 
 _FUNCTIONAL_DROPOUT = {F.dropout: nn.Dropout, F.dropout1d: nn.Dropout1d,
@@ -35,21 +98,70 @@ _FUNCTIONAL_DROPOUT = {F.dropout: nn.Dropout, F.dropout1d: nn.Dropout1d,
                        F.alpha_dropout: nn.AlphaDropout}
 
 
+def _trace_once(model: torch.nn.Module, concrete: dict) -> fx.GraphModule:
+    tracer = _Tracer()
+    with _refuse_autograd_functions():
+        graph = tracer.trace(model, concrete_args=concrete or None)
+    name = model.__class__.__name__ if isinstance(model, torch.nn.Module) else "module"
+    return fx.GraphModule(tracer.root, graph, name)
+
+
+def _dropout_training(n: fx.Node) -> Any:
+    return n.kwargs.get("training", n.args[2] if len(n.args) > 2 else True)
+
+
+def _mode_following(gm: fx.GraphModule, other: fx.GraphModule) -> set[str]:
+    """Compare the graphs traced in train (``gm``) and eval (``other``) mode.  Returns the
+    functional dropout nodes whose ``training`` argument follows the mode; raises
+    :class:`Unkeepable` when anything else differs (a ``self.training`` branch)."""
+    a, b = list(gm.graph.nodes), list(other.graph.nodes)
+    follow: set[str] = set()
+    why = f"the forward traces differently in train and eval mode (a self.training branch), " \
+          f"and a traced graph would freeze one of them: {_KEEP}"
+    if len(a) != len(b):
+        raise Unkeepable(why)
+    for x, y in zip(a, b):
+        if (x.op, x.target, x.name) != (y.op, y.target, y.name):
+            raise Unkeepable(why)
+        if repr((x.args, x.kwargs)) == repr((y.args, y.kwargs)):
+            continue
+        if x.op == "call_function" and x.target in _FUNCTIONAL_DROPOUT and \
+                _dropout_training(x) is True and _dropout_training(y) is False:
+            follow.add(x.name)
+            continue
+        raise Unkeepable(why)
+    return follow
+
+
 def trace(model: torch.nn.Module, sample: Sample) -> fx.GraphModule:
     """Symbolically trace ``model``; non-tensor keyword inputs become concrete arguments.
 
-    Functional dropout calls (``F.dropout(x, p, training=self.training)``) are traced with the
-    trace-time mode frozen in; they are replaced by dropout modules so that the result still
-    switches between train and eval."""
+    The model is traced in train and in eval mode (each module's own flag is restored after);
+    the two graphs must agree.  Functional dropout calls whose ``training`` argument follows the
+    mode (``F.dropout(x, p, training=self.training)``) are replaced by dropout modules so that
+    the result still switches between train and eval; those with a fixed ``training`` stay as
+    written.  Raises :class:`Unkeepable` for constructs a GraphModule cannot keep."""
     concrete = {k: v for k, v in sample.kwargs.items() if not isinstance(v, torch.Tensor)}
-    tracer = _Tracer()
-    graph = tracer.trace(model, concrete_args=concrete or None)
-    name = model.__class__.__name__ if isinstance(model, torch.nn.Module) else "module"
-    gm = fx.GraphModule(tracer.root, graph, name)
+    flags = {m: m.training for m in model.modules()}
+    try:
+        model.train(True)
+        gm = _trace_once(model, concrete)
+        model.train(False)
+        follow = _mode_following(gm, _trace_once(model, concrete))
+    finally:
+        for m, t in flags.items():
+            m.training = t
+    if not flags[model]:  # the graph returned is the one of the mode the caller set
+        model.train(False)
+        try:
+            gm = _trace_once(model, concrete)
+        finally:
+            for m, t in flags.items():
+                m.training = t
     count = 0
     for n in list(gm.graph.nodes):
         cls = _FUNCTIONAL_DROPOUT.get(n.target) if n.op == "call_function" else None
-        if cls is None:
+        if cls is None or n.name not in follow:
             continue
         p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5)
         if not isinstance(p, (int, float)):

@@ -59,6 +59,13 @@ def _silenced():
             lg.setLevel(lv)
 
 
+def unseen_parameters(model: torch.nn.Module, graph: Graph) -> list[str]:
+    """Parameters (by every name they go by) that no captured node reads."""
+    read = {p for n in graph for p in n.params.values()}
+    ids = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name in read}
+    return [name for name, p in model.named_parameters() if id(p) not in ids]
+
+
 def capture(model: torch.nn.Module, sample: Sample, methods: tuple[str, ...] | list[str] = METHODS,
             mode: str = "train") -> Captured:
     """Try each capture method in turn; raise PrecondError if none works."""
@@ -90,13 +97,24 @@ def capture(model: torch.nn.Module, sample: Sample, methods: tuple[str, ...] | l
                     result = Captured(graph)
         except PrecondError:
             raise
+        except fx_capture.Unkeepable as e:  # traced fine, but the graph would lose a construct
+            attempts.append((method, f"not used: {e}"))
+            continue
         except Exception as e:  # a capture method failed: record why and try the next
-            attempts.append((method, _first_line(e)))
+            attempts.append((method, f"failed: {_first_line(e)}"))
             if on_meta and method == "eager" and meta.data_dependent(e):
                 value_error = e
             continue
         result.attempts = attempts
-        result.graph.notes[:0] = [f"{m} failed: {why}" for m, why in attempts]
+        result.graph.notes[:0] = [f"{m} {why}" for m, why in attempts]
+        unseen = unseen_parameters(model, result.graph)
+        if unseen:
+            shown = ", ".join(unseen[:8]) + (f" and {len(unseen) - 8} more" if len(unseen) > 8
+                                              else "")
+            result.graph.notes.append(
+                f"{len(unseen)} parameter(s) never used on the sample's path through the model "
+                f"(a branch the sample did not take, or a module not called): {shown}; they "
+                f"keep their current values (not re-initialized, not scaled)")
         return result
     if value_error is not None:
         raise meta.explain(value_error, "no capture method worked (" + "; ".join(
