@@ -56,7 +56,53 @@ def reinit(model: nn.Module, plan: Plan, seed: int) -> list[str]:
         new = draw(pi, tuple(p.shape), gen)
         if new is None:
             continue
+        if p.is_complex():
+            new = _complex(pi, new, draw(pi, tuple(p.shape), gen))
+        keep = _padding_rows(model, name, p)
+        if keep is not None:  # the padding row keeps its value (zero), as PyTorch's init does
+            new = _keep_row(pi, new, keep, p.detach()[keep].to(new.dtype).cpu())
         p.copy_(new.to(dtype=p.dtype, device=p.device))
         changed.append(name)
     distributed.restore_constants(model)
     return changed
+
+
+_RANDOM = ("keep", "zeros", "ones", "constant", "scale")
+
+
+def _complex(pi: ParamInit, re: torch.Tensor, im: torch.Tensor) -> torch.Tensor:
+    """A complex parameter gets random real and imaginary parts with E[|w|^2] = std^2 (a second
+    draw for the imaginary part); deterministic rules keep their real value."""
+    if pi.rule in _RANDOM:
+        return re.to(torch.complex64)
+    z = torch.complex(re, im)
+    m2 = float(z.abs().double().pow(2).mean())
+    target = float(re.double().pow(2).mean())
+    return z * (target / m2) ** 0.5 if m2 > 0 else z
+
+
+def _keep_row(pi: ParamInit, new: torch.Tensor, row: int, value: torch.Tensor) -> torch.Tensor:
+    """``new`` with row ``row`` set to ``value``; a random draw's other rows are rescaled so
+    that their second moment is still the planned one."""
+    m2 = float(new.abs().double().pow(2).mean())
+    new[row] = value
+    if pi.rule not in _RANDOM and new.shape[0] > 1:
+        rest = torch.ones(new.shape[0], dtype=torch.bool)
+        rest[row] = False
+        got = float(new[rest].abs().double().pow(2).mean())
+        if got > 0:
+            new[rest] = new[rest] * (m2 / got) ** 0.5
+    return new
+
+
+def _padding_rows(model: nn.Module, name: str, p: torch.Tensor) -> int | None:
+    """The padding row of an embedding weight (``padding_idx``), which must stay as it is."""
+    path, _, leaf = name.rpartition(".")
+    try:
+        mod = model.get_submodule(path) if path else model
+    except AttributeError:
+        return None
+    idx = getattr(mod, "padding_idx", None)
+    if leaf != "weight" or not isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) or idx is None:
+        return None
+    return int(idx) % p.shape[0]
