@@ -37,14 +37,30 @@ _DROPOUT_FNS = {f for f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.
                             if hasattr(torch.Tensor, "dropout") else F.dropout)}
 
 
+# Attention ops with their own dropout: position of ``dropout_p`` in their signature.  The mode
+# sees only calls made from Python code outside torch functions, so nn.MultiheadAttention's
+# call of F.multi_head_attention_forward (which then calls scaled_dot_product_attention) is
+# caught at the outer call.
+_ATTENTION_DROPOUT = {F.scaled_dot_product_attention: 4, F.multi_head_attention_forward: 10}
+
+
 class NoDropout(TorchFunctionMode):
     """Turns functional dropout into the identity (transformers call F.dropout with
-    ``training=self.training``, which module-level ``eval()`` of Dropout layers cannot reach)."""
+    ``training=self.training``, which module-level ``eval()`` of Dropout layers cannot reach),
+    and sets the attention dropout (``dropout_p`` of scaled_dot_product_attention and of
+    nn.MultiheadAttention) to zero, so that a calibration run is deterministic."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func in _DROPOUT_FNS:
             return args[0] if args else kwargs["input"]
-        return func(*args, **(kwargs or {}))
+        pos = _ATTENTION_DROPOUT.get(func)
+        if pos is not None:
+            if len(args) > pos:
+                args = tuple(args[:pos]) + (0.0,) + tuple(args[pos + 1:])
+            else:
+                kwargs = {**kwargs, "dropout_p": 0.0}
+        return func(*args, **kwargs)
 
 
 _PLAIN = (int, float, bool, complex, str, bytes, type(None))
