@@ -127,11 +127,15 @@ def preserved(model: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def quiet_run(model: nn.Module, mode: str = "train") -> Iterator[None]:
-    """Run in ``mode`` ('train' or 'eval') with dropout off; restore modes and buffers after."""
+    """Run in ``mode`` ('train' or 'eval') with dropout off; restore modes and buffers after.
+
+    In 'train' mode a model that is already in train mode keeps each module's own flag: a
+    module the user put in eval (a frozen BatchNorm) is calibrated as it will train."""
     if mode not in ("train", "eval"):
         raise PrecondError(f"calibration mode must be 'train' or 'eval', got {mode!r}")
     with preserved(model):
-        model.train(mode == "train")
+        if mode == "eval" or not model.training:
+            model.train(mode == "train")
         for m in model.modules():
             if is_stochastic(m):
                 m.eval()

@@ -196,6 +196,9 @@ def test_module_left_in_eval_stays_in_eval():
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(res.model.get_submodule("1").running_mean, ref[1].running_mean)
+    # calibrated in the modes it trains in: the output std is the target there
+    with torch.no_grad():
+        assert float(res.model(x).double().std(correction=0)) == pytest.approx(0.05, rel=1e-5)
     # a BatchNorm flipped to train mode would normalize with the batch's statistics instead
     res.model.get_submodule("1").train()
     assert (res.model(x) - _run(ref, x)).abs().max() > 1e-3
