@@ -24,7 +24,7 @@ from precondfx.apply.reinit import reinit
 from precondfx.capture import meta
 from precondfx.capture.ladder import Captured, capture
 from precondfx.capture.common import Sample, make_sample
-from precondfx.balance import balance_measured
+from precondfx.balance import balance_measured, held_out
 from precondfx.checks import check_model, guarded
 from precondfx.classify import classify
 from precondfx.distributed import record_constants
@@ -382,6 +382,7 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
             report.conditioning["measure"] = measure_report(
                 model, result, s, plan, output_key=output_key, mode=calibration, seed=seed,
                 n_samples=opts.balance_samples, say=say, verbose=verbose)
+            held_out(report.conditioning.get("hessian"), report.conditioning["measure"])
         record_constants(result, planned, read=not on_meta)
         _restore_modes(result, modes)
         if low:

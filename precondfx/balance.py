@@ -145,10 +145,21 @@ def summary_line(section: dict[str, Any]) -> str:
     if left:
         head += f", {len(left)} left out (see NOT APPLIED)"
     if section.get("applied"):
+        held = section.get("held_out")
+        tail = (f"; held-out half of the batch: {held:.3g}x" if isinstance(held, float)
+                else " (held-out check: measure=True)")
         return (f"{head}; Hessian-block spread {section['spread_before']:.3g}x -> "
                 f"{spread_of(section['after_fit']):.3g}x on the {section['samples']} balancing "
-                f"samples (held-out check: measure=True)")
+                f"samples{tail}")
     return f"{head}: {section.get('decision') or section.get('note') or 'not applied'}"
+
+
+def held_out(section: dict[str, Any] | None, measured: dict[str, Any]) -> None:
+    """Record the held-out spread that ``measure=True`` took on the rewritten model in the
+    balancing section (and its summary line)."""
+    if isinstance(section, dict) and section.get("applied") and "after" in measured:
+        section["held_out"] = float(measured["after"]["spread"])
+        section["summary"] = summary_line(section)
 
 
 def _finish(section: dict[str, Any], n_layers: int, left: dict[str, str]) -> dict[str, Any]:
@@ -257,8 +268,7 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
     return _finish({
         **base, "after_fit": after, "factors": factors, "applied": True,
         "output_change": change, "output_std": float(y1.std(correction=0)),
-        "held_out": "not measured here: precondition(..., measure=True) measures the rewritten "
-                    "model on the held-out half of the batch",
+        "held_out": None,   # filled by held_out() when precondition(..., measure=True)
     }, n_layers, left)
 
 

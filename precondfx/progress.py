@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import time
 from types import TracebackType
@@ -46,8 +47,11 @@ class Progress:
         self.bar: Any = None
         if showing(verbose):
             from tqdm import tqdm
+            # the terminal's size, else 100 x 20 (tqdm hides its bar on a pty of size 0)
+            size = shutil.get_terminal_size((100, 20))
             self.bar = tqdm(total=self.total, desc=f"precondfx: {desc}", unit=unit,
-                            file=sys.stderr, dynamic_ncols=True, mininterval=0.25, leave=True)
+                            file=sys.stderr, ncols=size.columns, nrows=max(size.lines, 2),
+                            mininterval=0.25, leave=True)
         log.info("%s: %d %ss", desc, self.total, unit)
 
     def eta(self, now: float | None = None) -> float:

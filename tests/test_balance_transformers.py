@@ -100,3 +100,15 @@ def test_balanceable_counts_what_can_be_rescaled():
                            "applied": True, "spread_before": 4.0, "after_fit": {"c": 1.0},
                            "samples": 16})
     assert line.startswith("measured balancing: 1 of 5 weighted layers rebalanced, 3 left out")
+
+
+def test_held_out_spread_recorded_with_measure():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 5, padding=2), torch.nn.ReLU(),
+                              torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 8, 4))
+    _, rep = precondfx.precondition(net, torch.randn(8, 3, 8, 8), balance="hessian",
+                                    measure=True)
+    h, m = rep.conditioning["hessian"], rep.conditioning["measure"]
+    assert h["held_out"] == m["after"]["spread"]
+    assert f"held-out half of the batch: {m['after']['spread']:.3g}x" in rep.table()

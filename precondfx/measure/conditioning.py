@@ -665,8 +665,10 @@ def measure_conditioning(
     try:
         what = (f"Hessian block matrix ({nb} x {nb}, {method})" if want_h
                 else f"conditioning statistics ({nl} layers)")
+        per_block = method == "hvp" and n_blocks_hvp > 1  # ETA per block: a sample is slow
         with measurement_state(model, all_params), torch.enable_grad(), one_thread(model), \
-                Progress(n_samples, what, verbose=verbose) as bar:
+                Progress(n_samples * (n_blocks_hvp if per_block else 1), what,
+                         unit="block" if per_block else "sample", verbose=verbose) as bar:
             for c in caps:
                 if c.module is not None:
                     handles.append(c.module.register_forward_hook(c))
@@ -707,6 +709,8 @@ def measure_conditioning(
                                 tot += float(g.detach().double().pow(2).sum())
                         dy2[s, l] = tot / cnt if cnt else float("nan")
                     for b in range(n_blocks_hvp):
+                        if b:
+                            bar.step()
                         gb = g_blocks[b]
                         if gb is None or not gb.requires_grad:
                             continue  # no curvature through this block
@@ -796,7 +800,7 @@ def measure_conditioning(
                     rho2b[s, l] = c.rho2_bias
                     c.reset()
                 del out, y
-                bar.step()
+                bar.step()  # the sample (or its last block)
     finally:
         for h in handles:
             h.remove()
