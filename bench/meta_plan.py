@@ -84,11 +84,14 @@ def main() -> None:
         print(json.dumps(child(*args.child)))
         return
     from precondfx.compare import differences
+    load0 = os.getloadavg()[0]
     rows = [run(size, entry) for size in ("7b", "small") for entry in ("analyze", "precondition")]
+    load = (load0 + os.getloadavg()[0]) / 2
     small = next(r for r in rows if r["size"] == "small" and r["entry"] == "analyze")
     lines = ["# Planning a Llama-7B configuration on the meta device", "",
              "`python bench/meta_plan.py` (one thread, each row a fresh process; peak = "
-             "`ru_maxrss`, baseline = after imports).", "",
+             f"`ru_maxrss`, baseline = after imports; machine load average {load:.1f} on "
+             f"{os.cpu_count()} cores during the run).", "",
              "| config | call | parameters | capture | nodes | wall (s) | baseline RSS (MB) | "
              "peak RSS (MB) | Eq. 7 stds | width-invariant part = small width |",
              "|---|---|---|---|---|---|---|---|---|---|"]

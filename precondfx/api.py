@@ -326,7 +326,7 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
         out_buf = None
         if target_std is not None:
             out_buf = applier.output_scale(path) if isinstance(applier, FxApplier) else \
-                applier.output_scale(path, run=lambda m: cal.forward(m, s, "eval"))
+                applier.output_scale(path, run=lambda m: _run(m, s, "eval"))
         if out_buf is not None:
             planned[out_buf] = 1.0
         applier.finish()

@@ -136,3 +136,31 @@ def test_restore_constants_after_to_empty() -> None:
             b.fill_(float("nan"))
     assert sorted(restore_constants(pm)) == sorted(want)
     assert {n: float(b) for n, b in pm.named_buffers() if "precondfx_" in n} == want
+
+
+@needs_hf
+def test_llama_meta_precondition_materializes_to_the_real_result() -> None:
+    """The eager back end (your own class, hooks and buffers) on a meta Llama: after to_empty,
+    the user's own init of what the plan keeps (norm weights, rotary frequencies: taken here
+    from a real model), reinit and calibrate give the real run's model."""
+    kw = dict(balance="analytic", seed=5, use_cache=False)
+    real = _llama(32, meta=False)
+    ref, rref = precondfx.precondition(real, _ids(), **kw)
+    pm, rep = precondfx.precondition(_llama(32, meta=True), _ids(), **kw)
+    assert type(pm).__name__ == "LlamaForCausalLM"
+    assert pm.precondfx_constants["lm_head.precondfx_output_scale"] == 1.0
+    pm.to_empty(device="cpu")
+    params, bufs = dict(pm.named_parameters()), dict(pm.named_buffers())
+    with torch.no_grad():       # what the user's own init does for what the plan keeps
+        for n, t in real.named_parameters():
+            if rep.plan.inits.get(n) is None or rep.plan.inits[n].rule == "keep":
+                params[n].copy_(t)
+        for n, t in real.named_buffers():   # rotary frequencies
+            bufs[n].copy_(t)
+    precondfx.reinit(pm, rep.plan, seed=5)
+    stats = precondfx.distributed.calibrate(pm, _ids(), target_std=0.05)
+    assert stats["scale"] == pytest.approx(rref.output_scale, rel=1e-5)
+    with torch.no_grad():
+        a, b = ref(**_ids(), use_cache=False).logits, pm(**_ids(), use_cache=False).logits
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert float(b.double().std(correction=0)) == pytest.approx(0.05, rel=1e-5)
