@@ -119,17 +119,24 @@ def _key(seed: int, name: str) -> list[int]:
     return [int.from_bytes(h[:8], "little"), int.from_bytes(h[8:], "little")]
 
 
-def counter_normal(seed: int, name: str, start: int, n: int) -> np.ndarray:
-    """Standard normals at flat positions ``start .. start+n-1`` of parameter ``name``'s full
-    tensor: Philox4x64-10 keyed by (seed, name), one 64-bit word per element, Box-Muller on its
-    two 32-bit halves (float64).  Any slice equals the same slice of the full draw."""
+def counter_normal(seed: int, name: str, start: int, n: int) -> torch.Tensor:
+    """Standard normals (float32) at flat positions ``start .. start+n-1`` of parameter
+    ``name``'s full tensor: Philox4x64-10 keyed by (seed, name); elements 2j and 2j+1 are the
+    Box-Muller pair of words 2j and 2j+1 (uniforms in float64, the transform in float32 as
+    ``torch.randn`` does).  Any slice equals the same slice of the full draw."""
     if n <= 0:
-        return np.zeros(0)
-    bg = np.random.Philox(key=_key(seed, name), counter=[start // 4, 0, 0, 0])
-    raw = bg.random_raw(n + start % 4)[start % 4:]
-    u1 = ((raw >> np.uint64(32)).astype(np.float64) + 0.5) * 2.0 ** -32
-    u2 = (raw & np.uint64(0xFFFFFFFF)).astype(np.float64) * 2.0 ** -32
-    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * math.pi * u2)
+        return torch.zeros(0)
+    p0 = start // 2
+    pairs = (start + n + 1) // 2 - p0
+    w0 = 2 * p0
+    gen = np.random.Generator(np.random.Philox(key=_key(seed, name), counter=[w0 // 4, 0, 0, 0]))
+    if w0 % 4:
+        gen.bit_generator.random_raw(w0 % 4)
+    u = gen.random(2 * pairs)                                  # [0, 1), one word each
+    r = torch.from_numpy(1.0 - u[0::2]).float().log_().mul_(-2.0).sqrt_()   # 1-u in (0, 1]
+    theta = torch.from_numpy(u[1::2]).float().mul_(2.0 * math.pi)
+    z = torch.stack([r * theta.cos(), r * theta.sin()], 1).flatten()
+    return z[start % 2: start % 2 + n]
 
 
 def _counter_block(seed: int, name: str, full: tuple[int, ...], shape: tuple[int, ...],
@@ -148,7 +155,7 @@ def _counter_block(seed: int, name: str, full: tuple[int, ...], shape: tuple[int
         start = sum((outer[d][i]) * strides[d] for d, i in enumerate(idx)) + \
             (off[last] * strides[last] if sharded else 0)
         runs.append(counter_normal(seed, name, start, run))
-    return torch.from_numpy(np.concatenate(runs).astype(np.float32)).reshape(shape)
+    return torch.cat(runs).reshape(shape)
 
 
 def _sum_all(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

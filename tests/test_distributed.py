@@ -160,12 +160,16 @@ def test_distributed_calibration_same_constant_on_every_rank(sharded: list[dict]
 def test_counter_normal_slices_and_statistics() -> None:
     from precondfx.distributed import counter_normal
     full = counter_normal(3, "w", 0, 10_007)
-    for a, b in ((0, 1), (5, 4099), (4096, 10_007), (10_003, 10_007)):
-        assert (counter_normal(3, "w", a, b - a) == full[a:b]).all()
+    for a, b in ((0, 1), (1, 2), (5, 4099), (6, 9), (4096, 10_007), (10_003, 10_007)):
+        assert torch.equal(counter_normal(3, "w", a, b - a), full[a:b])
     assert not (counter_normal(3, "v", 0, 100) == full[:100]).any()
-    big = counter_normal(0, "x", 0, 200_000)
-    assert abs(big.mean()) < 4 / 200_000 ** 0.5 and abs(big.var() - 1) < 4 * (2 / 200_000) ** 0.5
-    assert abs(float(((big - big.mean()) ** 4).mean() / big.var() ** 2) - 3) < 0.1   # kurtosis
+    assert not (counter_normal(4, "w", 0, 100) == full[:100]).any()
+    n = 200_000
+    big = counter_normal(0, "x", 0, n).double()
+    assert abs(float(big.mean())) < 4 / n ** 0.5
+    assert abs(float(big.var()) - 1) < 4 * (2 / n) ** 0.5
+    assert abs(float(((big - big.mean()) ** 4).mean() / big.var() ** 2) - 3) < 0.1  # kurtosis
+    assert abs(float((big[0::2] * big[1::2]).mean())) < 4 / (n / 2) ** 0.5  # pairs uncorrelated
 
 
 def test_reinit_counter_on_plain_module_matches_moments() -> None:
