@@ -386,3 +386,21 @@ def test_cli_torch_model_huge_sample_shape_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "out of memory" in lines[0], r.stderr
+
+
+def test_large_output_scale_applied_with_a_warning_and_a_report_line():
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(10, 16), nn.Linear(16, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x))) * 1e-6  # the signal shrinks a millionfold
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 10)
+    with pytest.warns(RuntimeWarning, match="output scale"):
+        res = precondfx.precondition(Tiny(), x, balance="none")
+    assert 1e4 < res.report.output_scale < 1e8
+    assert any(k == "warning: output scale" for k, _ in res.report.skipped)
+    assert out_std(res.model, x) == pytest.approx(0.05, rel=1e-4)

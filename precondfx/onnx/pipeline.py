@@ -11,6 +11,7 @@ error the output path is left as it was.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -262,6 +263,10 @@ def precondition_onnx(in_path: str, out_path: str, *,
         if std is not None:
             report.output_std_before, report.target_std, report.output_scale = \
                 std, target_std, scale
+            warn = core_cal.scale_warning(std, scale)
+            if warn:
+                warnings.warn(f"precondfx: {warn}", RuntimeWarning, stacklevel=2)
+                report.skipped.append(("warning: output scale", warn))
             report.output_std_after = std * scale
             plan.scales.append(Scale("output", "output", "output", 0, scale,
                                      f"output std {std:.4g} -> {target_std}"))
