@@ -19,7 +19,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _hook_kinds(m: nn.Module) -> list[str]:
-    """'weight_norm' / 'prune' for the old-style reparametrizations hooked onto ``m``."""
+    """'weight_norm' / 'spectral_norm' / 'prune' (with the tensor's name) for the old-style
+    reparametrizations hooked onto ``m``."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
     from torch.nn.utils.weight_norm import WeightNorm
     try:
         from torch.nn.utils.prune import BasePruningMethod
@@ -29,6 +31,8 @@ def _hook_kinds(m: nn.Module) -> list[str]:
     for h in m._forward_pre_hooks.values():
         if isinstance(h, WeightNorm):
             kinds.append(f"weight_norm:{h.name}")
+        elif isinstance(h, SpectralNorm):
+            kinds.append(f"spectral_norm:{h.name}")
         elif BasePruningMethod and isinstance(h, BasePruningMethod):
             kinds.append(f"prune:{getattr(h, '_tensor_name', 'weight')}")
     return kinds
@@ -39,7 +43,7 @@ def check_model(model: nn.Module) -> None:
 
     * old-style ``torch.nn.utils.weight_norm`` (``weight_g``/``weight_v`` and a hook that
       recomputes ``weight``): use ``torch.nn.utils.parametrizations.weight_norm``, which
-      precondfx keeps, or ``remove_weight_norm``;
+      precondfx keeps, or ``remove_weight_norm``; the same for old-style ``spectral_norm``;
     * ``torch.nn.utils.prune`` (``weight_orig``/``weight_mask``): re-initializing
       ``weight_orig`` ignores the mask's effect on the fans; make the pruning permanent with
       ``prune.remove`` or prune after preconditioning;
@@ -48,15 +52,16 @@ def check_model(model: nn.Module) -> None:
     * parameters with no elements (``nn.Linear(0, 4)``): nothing to initialize or scale, and
       every fan-based rule divides by zero.
     """
-    wn, pr, computed, empty = [], [], [], []
+    wn, sn, pr, computed, empty = [], [], [], [], []
     for path, m in model.named_modules():
         where = path or type(m).__name__
         for k in _hook_kinds(m):
             kind, _, name = k.partition(":")
-            (wn if kind == "weight_norm" else pr).append(f"{where}.{name}")
+            {"weight_norm": wn, "spectral_norm": sn, "prune": pr}[kind].append(
+                f"{where}.{name}")
         for k, v in vars(m).items():
             if isinstance(v, torch.Tensor) and v.grad_fn is not None and \
-                    not any(x.endswith(f"{where}.{k}") for x in wn + pr):
+                    not any(x.endswith(f"{where}.{k}") for x in wn + sn + pr):
                 computed.append(f"{where}.{k}")
         for k, p in m.named_parameters(recurse=False):
             if isinstance(p, nn.parameter.UninitializedParameter):
@@ -70,6 +75,13 @@ def check_model(model: nn.Module) -> None:
             f"copy. Use torch.nn.utils.parametrizations.weight_norm (supported: the weight is "
             f"kept as parametrized), or call torch.nn.utils.remove_weight_norm on those modules "
             f"first")
+    if sn:
+        raise PrecondError(
+            f"old-style torch.nn.utils.spectral_norm on {sn}: its hook recomputes the weight as "
+            f"weight_orig / sigma in every forward (and updates weight_u/weight_v), so an init "
+            f"scale or alpha on weight_orig has no effect. Use "
+            f"torch.nn.utils.parametrizations.spectral_norm (supported: the weight is kept as "
+            f"parametrized), or call torch.nn.utils.remove_spectral_norm first")
     if pr:
         raise PrecondError(
             f"torch.nn.utils.prune is active on {pr}: the weight is weight_orig * weight_mask, "

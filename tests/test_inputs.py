@@ -209,6 +209,10 @@ def test_old_style_weight_norm_and_prune_refused_with_the_fix():
     with pytest.raises(PrecondError, match="old-style"):
         precondfx.analyze(m, x)
     m = _mlp()
+    nn.utils.spectral_norm(m[0])
+    with pytest.raises(PrecondError, match=r"parametrizations\.spectral_norm"):
+        precondfx.precondition(m, x)
+    m = _mlp()
     prune.l1_unstructured(m[0], "weight", 0.3)
     with pytest.raises(PrecondError, match=r"prune\.remove"):
         precondfx.precondition(m, x)
