@@ -34,7 +34,7 @@ from precondfx.options import DEFAULTS as D
 from precondfx.options import REFUSE, Options, Resolved, Rule, Support, flag
 from precondfx.plan import ParamInfo, Plan, make_plan
 from precondfx.report import Report
-from precondfx.verify import measure_report
+from precondfx.verify import measure_report, verify_result
 from precondfx.schemes.base import Scheme, SchemeContext, resolve_options
 
 log = logging.getLogger("precondfx")
@@ -254,6 +254,15 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
         if verbose:
             print(f"[precondfx {time.perf_counter() - t0:6.2f}s] {msg}", flush=True)
 
+    times: dict[str, float] = {}
+    current = ["prepare", t0]
+
+    def stage(name: str) -> None:
+        """Close the running stage's timer and start ``name`` (report.stage_seconds)."""
+        now = time.perf_counter()
+        times[current[0]] = times.get(current[0], 0.0) + now - current[1]
+        current[0], current[1] = name, now
+
     model, s, notes = _prepare(model, sample, forward_kwargs, opts, capture, calibration)
     notes.extend(r.notes())
     on_meta = _on_meta(model)
@@ -280,6 +289,7 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
     snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()} if inplace else None
     applier: FxApplier | EagerApplier | None = None
     try:
+        stage("capture")
         say("capturing the graph")
         cap, infos = _capture_classify(work, s, capture, calibration, notes)
         g = cap.graph
@@ -288,6 +298,7 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
                                "matmul with a parameter...) in the captured graph: there is "
                                "nothing to precondition")
         say(f"captured with {g.method}: {len(g)} nodes; planning")
+        stage("plan")
         plan = make_plan(g, infos, opts, alpha_sites=sch.needs_alpha_sites)
         plan.notes.extend(r.notes())
         sch.plan(g, plan, infos, opts)
@@ -298,6 +309,7 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
         else:
             applier = EagerApplier(work, g)
             result = work
+        stage("apply")
         say("applying the plan")
         applier.pools(plan)
         sch.model = result
@@ -330,12 +342,14 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
         if out_buf is not None:
             planned[out_buf] = 1.0
         applier.finish()
+        stage("reinit")
         say("re-initializing parameters" if opts.reinit else "rescaling weights for alpha")
         reinit(result, plan, seed)
         report = Report.from_graph(g, plan)
         report.applied, report.skipped = applier.applied, applier.skipped
         report.input_scale = in_scale
         if type(sch).calibrate is not Scheme.calibrate:
+            stage(sch.name)
             say(f"scheme {sch.name}: data-driven step")
             ctx = SchemeContext(result, s, g, plan, applier, opts, calibration, site_buffers,
                                 say)
@@ -347,6 +361,7 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
                                    "the output scale is 1 until precondfx.distributed.calibrate("
                                    "model, batch) runs on the materialized model"))
         elif target_std is not None and out_buf is not None:
+            stage("calibrate")
             say("calibrating the output scale")
             std = cal.output_std(cal.forward(result, s, calibration), output_key)
             scale = cal.solve_output_scale(std, target_std)
@@ -361,6 +376,7 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
             report.target_std, report.output_scale = target_std, scale
             plan.scales.append(_scale("output", scale, f"output std {std:.4g} -> {target_std}"))
         if opts.balance in ("hessian", "auto"):
+            stage("balance")
             say(f"measured balancing ({opts.balance})")
             try:
                 report.conditioning["hessian"] = h = balance_measured(
@@ -379,10 +395,16 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
                 report.skipped.append(("balance='auto'", f"measurement failed, alphas left "
                                        f"as planned: {e}"))
         if opts.measure:
-            report.conditioning["measure"] = measure_report(
+            stage("measure")
+            report.conditioning["measure"] = mr = measure_report(
                 model, result, s, plan, output_key=output_key, mode=calibration, seed=seed,
                 n_samples=opts.balance_samples, say=say, verbose=verbose)
-            held_out(report.conditioning.get("hessian"), report.conditioning["measure"])
+            held_out(report.conditioning.get("hessian"), mr)
+        if not on_meta:
+            stage("verify")
+            report.verification = verify_result(result, s, output_key=output_key,
+                                                mode=calibration, target_std=target_std
+                                                if out_buf is not None else None)
         record_constants(result, planned, read=not on_meta)
         _restore_modes(result, modes)
         if low:
@@ -396,6 +418,8 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
                     if k in snapshot:
                         v.copy_(snapshot[k])
         raise
+    stage("done")
+    report.stage_seconds = {**times, "total": sum(times.values())}
     say("done")
     return Result(result, report)
 

@@ -222,14 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 # commands
 # ---------------------------------------------------------------------------------------------
 def _write_report(report: Any, path: str) -> None:
-    d = report.to_dict()
-    for extra in ("stage_seconds", "verification"):
-        if hasattr(report, extra):
-            d[extra] = getattr(report, extra)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(d, f, indent=2, default=str)
-    os.replace(tmp, path)
+    report.save(path)
 
 
 def _check_plot_available(path: str | None, onnx_model: bool) -> None:

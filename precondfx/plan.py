@@ -117,7 +117,8 @@ class Plan:
                    layers=[Layer(**x) for x in d.get("layers", [])],
                    inits={k: ParamInit(**v) for k, v in d.get("inits", {}).items()},
                    scales=[Scale(**x) for x in d.get("scales", [])],
-                   pools=[PoolChange(**x) for x in d.get("pools", [])],
+                   pools=[PoolChange(**{**x, "geometry": _geometry(x.get("geometry", {}))})
+                          for x in d.get("pools", [])],
                    residuals=[Residual(**x) for x in d.get("residuals", [])],
                    notes=list(d.get("notes", [])))
 
@@ -175,6 +176,13 @@ def _tuple(v: Any, d: int) -> tuple[int, ...]:
             return ()
         return tuple(int(x) for x in v) if len(v) == d else tuple(int(v[0]) for _ in range(d))
     return tuple(int(v) for _ in range(d))
+
+
+def _geometry(g: dict) -> dict:
+    """A pool geometry read back from JSON: its per-dimension entries are tuples again, as
+    ``pool_geometry`` makes them (so a loaded plan equals the one saved)."""
+    return {k: tuple(v) if k in ("kernel", "stride", "padding", "dilation")
+            and isinstance(v, list) else v for k, v in g.items()}
 
 
 def pool_geometry(n: Node) -> dict | None:

@@ -61,6 +61,43 @@ def measure_report(original: nn.Module, result: nn.Module, sample: Sample, plan:
     return out
 
 
+def verify_result(result: nn.Module, sample: Sample, *, output_key: Any = None,
+                  mode: str = "train", target_std: float | None = None) -> dict[str, Any]:
+    """Run the finished model on the sample in the calibration mode and in the other one
+    (dropout off, buffers restored): every floating-point output finite, and the main output's
+    std against the target, measured after every step that changed a constant (measured
+    balancing and LSUV must leave the function as calibrated).  Returns the report's
+    ``verification`` section."""
+    import torch
+
+    from precondfx import calibrate as cal
+    from precondfx.capture.common import leaves
+    res: dict[str, Any] = {"mode": mode}
+    for m in (mode, "eval" if mode == "train" else "train"):
+        out = cal.forward(result, sample, m)
+        bad = [tuple(t.shape) for t in leaves(out) if isinstance(t, torch.Tensor)
+               and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:
+            res.setdefault("not_finite", {})[m] = [list(b) for b in bad]
+        if m == mode:
+            try:
+                res["std"] = cal.output_std(out, output_key)
+            except PrecondError:
+                pass
+    res["finite"] = "not_finite" not in res
+    std = res.get("std")
+    if std is not None and target_std is not None:
+        res["target_std"] = target_std
+        res["relative_error"] = abs(std / target_std - 1.0)
+    where = f", output std {std:.4g}" + (f" (target {target_std:g})" if target_std else "") \
+        if std is not None else ""
+    fin = "outputs finite" if res["finite"] else \
+        f"NaN/inf in outputs {res['not_finite']} (the original model's too? check it)"
+    res["note"] = (f"verified: the rewritten model ran on the sample in train and eval mode "
+                   f"(dropout off), {fin}{where}")
+    return res
+
+
 def plot_report(conditioning: dict[str, Any], path: str) -> list[str]:
     """Write the PNGs for a report's measurements; returns the paths written."""
     from precondfx.measure.plots import plot_bars, plot_heatmap
