@@ -54,7 +54,7 @@ def _labels(graph: Graph) -> dict[str, str]:
         if not n.module:
             # a functional call reading a module's parameter (GPT-2's Conv1D as addmm): that
             # module's path, with the op
-            w = n.params.get("weight") or next(iter(n.params.values()), None)
+            w = n.params.get("weight")
             owner = w.rpartition(".")[0] if w else ""
             out[n.name] = f"{owner}:{n.target.rsplit('.', 1)[-1]}" if owner else n.name
             continue
