@@ -153,3 +153,32 @@ def test_same_plan_as_pytorch(exported, name, exporter):
         assert {k: (v.rule, v.std) for k, v in pt.inits.items()} == \
             {k: (v.rule, v.std) for k, v in ox.inits.items()}
         assert pt.alphas() == ox.alphas()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not zoo.HAS_TRANSFORMERS, reason="needs transformers")
+def test_bert_embeddings_at_constant_ids_same_plan_as_pytorch(tmp_path):
+    """BERT's position ids and default token-type ids are buffers: the exported file looks the
+    embeddings up at constant ids (Gather of an initializer), which the PyTorch path sees as
+    nn.Embedding calls.  Both paths plan the three embeddings and every layer alike (analytic
+    constants: 'auto' measures on PyTorch only)."""
+    model, sample = zoo.build("hf_bert")
+    model.eval()
+    path = str(tmp_path / "bert.onnx")
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (), path, kwargs=sample, dynamo=True)
+    pt = precondfx.analyze(model, sample, balance="analytic").plan
+    ox = inspect_onnx(path, balance="analytic").plan
+    emb = {f"bert.embeddings.{k}_embeddings" for k in ("word", "position", "token_type")}
+
+    def layers(plan):    # the exporter writes Linear as MatMul of a transposed copy
+        return {m: ("linear" if k == "matmul" else k, *rest)
+                for m, (k, *rest) in _by_module(plan).items()}
+    assert emb <= set(layers(ox))
+    assert layers(pt) == layers(ox)
+    for name in ("position", "token_type"):
+        w = f"bert.embeddings.{name}_embeddings.weight"
+        assert ox.inits[w].rule == pt.inits[w].rule == "geometric"
+        assert ox.inits[w].std == pt.inits[w].std

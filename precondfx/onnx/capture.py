@@ -273,6 +273,27 @@ def _geometry(node: ir.Node, d: int, kernel: list[int] | None, what: str
     return attrs, problem
 
 
+_INDEX_TYPES = (ir.DataType.INT64, ir.DataType.INT32)
+
+
+def _constant_lookup(node: ir.Node, ins: list, is_param: Callable[[ir.Value, bool], bool]
+                     ) -> bool:
+    """``Gather`` of rows of a 2-D float parameter at constant integer ids of rank >= 1: an
+    embedding looked up at ids the model holds (BERT's position ids and default token-type
+    ids are buffers; the exporters make them initializers or constant subgraphs).  The PyTorch
+    path sees the same lookup as an ``nn.Embedding`` call and plans it as an embedding, so the
+    ONNX path does too (a scalar index, e.g. a class token picked from a table, stays a
+    constant)."""
+    if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(ins) != 2:
+        return False
+    table, ids = ins
+    if table is None or ids is None or _int(node, "axis", 0) != 0:
+        return False
+    if table.shape is None or len(table.shape) != 2 or not is_param(table, True):
+        return False
+    return ids.dtype in _INDEX_TYPES and ids.shape is not None and len(ids.shape) >= 1
+
+
 def to_graph(model: ir.Model, shapes: dict[str, tuple], symbolic: set[str],
              norm: NormalizeInfo | None = None) -> Captured:
     """Build the neutral graph; ``shapes`` from :func:`infer_shapes`, ``symbolic``: names of
@@ -339,6 +360,8 @@ def to_graph(model: ir.Model, shapes: dict[str, tuple], symbolic: set[str],
         op = node.op_type
         ins = list(node.inputs)
         is_data = op not in _SHAPE_OPS and any(v is not None and id(v) in data for v in ins)
+        if not is_data and _constant_lookup(node, ins, is_param):
+            is_data = True      # an embedding read at constant ids (positions, token types)
         spec = optable.for_onnx(op) if node.domain in ("", "ai.onnx", "com.microsoft") else None
         target = op if node.domain in ("", "ai.onnx") else f"{node.domain}::{op}"
         if not is_data:   # computed from constants and shapes only
@@ -446,7 +469,8 @@ def to_graph(model: ir.Model, shapes: dict[str, tuple], symbolic: set[str],
         elif is_data and op == "Gather" and len(ins) == 2 and _int(node, "axis", 0) == 0 \
                 and ins[0] is not None and id(ins[0]) not in data and is_param(ins[0], True) \
                 and ins[0].shape is not None and len(ins[0].shape) == 2 \
-                and ins[1] is not None and id(ins[1]) in data:
+                and ins[1] is not None \
+                and (id(ins[1]) in data or _constant_lookup(node, ins, is_param)):
             spec, kind = optable.BY_KIND["embedding"], "embedding"
             args = [marker(ins[1]), marker(ins[0], True)]
         elif is_data and op == "LeakyRelu":
