@@ -141,14 +141,14 @@ def _join(parts: list[str | None]) -> str:
 
 def _cut(text: str, width: int) -> str:
     """``text`` in at most ``width`` characters, cut in the middle.  A dotted module path
-    loses its longest inner names first (layer indices and the last name are what tell rows
-    apart: ``bert\u2026layer.0\u2026self.query``); anything else keeps its head and tail."""
+    loses its inner names from the left (the root name, layer indices and the names near the
+    end are what tell rows apart: ``bert\u20260.attention.self.query``); anything else keeps
+    its head and tail."""
     if len(text) <= width:
         return text
     parts: list[str | None] = list(text.split("."))
     if len(parts) > 2:
-        inner = sorted((i for i in range(1, len(parts) - 1) if not parts[i].isdigit()),
-                       key=lambda i: (-len(parts[i]), i))
+        inner = [i for i in range(1, len(parts) - 1) if not parts[i].isdigit()]
         for i in inner:
             parts[i] = None
             cand = _join(parts)
