@@ -100,6 +100,9 @@ def test_precondition_npz_by_name_and_report(tmp_path, capsys):
     assert set(d["stage_seconds"]) >= {"load", "capture", "plan", "apply", "reinit",
                                        "calibrate", "save", "verify", "total"}
     assert {r["name"]: r["status"] for r in d["nodes"]}["fa"] == "weighted"
+    back = Report.load(rep)            # the ONNX report reads back to the same JSON
+    assert json.loads(back.to_json()) == d
+    assert back.output_scale == pytest.approx(0.1 / back.output_std_before)
 
 
 def test_calib_positional_npz_and_calib_input(tmp_path, capsys):
