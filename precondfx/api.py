@@ -27,6 +27,7 @@ from precondfx.capture.common import Sample, make_sample
 from precondfx.balance import balance_measured, held_out
 from precondfx.checks import check_model, guarded
 from precondfx.classify import classify
+from precondfx import distributed
 from precondfx.distributed import record_constants
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
@@ -86,10 +87,30 @@ META = Support("meta device", (
 ))
 
 
+#: a sharded model (DTensor parameters, FSDP2): each rank sees its own batch, so only what
+#: all-reduces its statistics applies (the output scale, ``precondfx.distributed.calibrate``)
+SHARDED = Support("sharded model", (
+    Rule("balance", lambda v: v in ("auto", "hessian"), REFUSE,
+         "measured balancing is not distributed (each rank would set alphas from its own "
+         "batch): pass balance='analytic' or 'none'"),
+    Rule("input_scale", lambda v: v == "auto", REFUSE,
+         "input_scale='auto' would differ between ranks (each sees its own batch): pass a "
+         "number or None"),
+    Rule("scheme", _measures_data, REFUSE,
+         "this scheme measures the model on each rank's own batch: use scheme='geometric'"),
+))
+
+
 def resolve_torch(user: Options, model: nn.Module) -> Resolved:
-    """The user's options resolved for the PyTorch back ends (and the meta device)."""
-    on = isinstance(model, nn.Module) and _on_meta(model)
-    return resolve_options(user, TORCH, *((META,) if on else ()))
+    """The user's options resolved for the PyTorch back ends (the meta device and sharded
+    models refuse what they cannot do)."""
+    extra = []
+    if isinstance(model, nn.Module):
+        if _on_meta(model):
+            extra.append(META)
+        if distributed.is_sharded(model):
+            extra.append(SHARDED)
+    return resolve_options(user, TORCH, *extra)
 
 
 def _run(model: nn.Module, s: Sample, mode: str) -> Any:
@@ -360,6 +381,14 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
             report.skipped.append(("output scale", "the model is on the meta device (no data): "
                                    "the output scale is 1 until precondfx.distributed.calibrate("
                                    "model, batch) runs on the materialized model"))
+        elif target_std is not None and out_buf is not None and distributed.is_sharded(result):
+            say("calibrating the output scale (statistics all-reduced over the ranks)")
+            st = distributed.calibrate(result, s, target_std, output_key=output_key,
+                                       mode=calibration)
+            report.output_std_before, report.output_std_after = st["std_before"], st["std_after"]
+            report.target_std, report.output_scale = target_std, st["scale"]
+            plan.scales.append(_scale("output", st["scale"], f"output std {st['std_before']:.4g} "
+                                      f"-> {target_std} (all ranks' batches)"))
         elif target_std is not None and out_buf is not None:
             stage("calibrate")
             say("calibrating the output scale")

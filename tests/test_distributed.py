@@ -40,6 +40,10 @@ def _models() -> dict[str, tuple[nn.Module, torch.Tensor, nn.Module]]:
     return out
 
 
+def _fresh_mlp() -> tuple[nn.Module, torch.Tensor]:
+    return zoo.build("mlp", n_out=5, batch=32)
+
+
 def _plan(m: nn.Module, x: torch.Tensor) -> tuple[nn.Module, precondfx.Plan]:
     pm, rep = precondfx.precondition(m, x, balance="analytic", seed=SEED)
     return pm, rep.plan
@@ -76,6 +80,18 @@ def _worker(rank: int, port: int, out: str) -> None:
             precondfx.distributed.reinit(pm, plan, SEED, rng="counter")
             r["counter"] = {n: p.full_tensor() for n, p in pm.named_parameters()}
             res[name] = r
+        # the pass itself on a model sharded before preconditioning (inplace: FSDP2 modules
+        # cannot be deep-copied), each rank calibrating on its own half of the batch
+        real, x = _fresh_mlp()
+        _shard(real, mesh)
+        try:
+            precondfx.precondition(real, x[rank::WORLD], inplace=True)
+        except precondfx.PrecondError as e:
+            res["refusal"] = str(e)
+        _, rep = precondfx.precondition(real, x[rank::WORLD], balance="analytic", seed=SEED,
+                                        inplace=True)
+        res["pass"] = {"scale": rep.output_scale, "std_after": rep.output_std_after,
+                       "full": {n: p.full_tensor() for n, p in real.named_parameters()}}
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -132,7 +148,7 @@ def test_counter_rng_shards_equal_single_process(sharded: list[dict], name: str)
     plan = _plan(*_models()[name][:2])[1]
     diff = 0.0
     for n, p in ref.named_parameters():
-        diff = max(diff, float((sharded[0][name]["counter"][n] - p).abs().max()))
+        diff = max(diff, float((sharded[0][name]["counter"][n] - p).detach().abs().max()))
         pi = plan.inits.get(n)
         if pi is not None and pi.rule == "geometric":   # moment matched over the full tensor
             m2 = float(sharded[0][name]["counter"][n].double().pow(2).mean())
@@ -201,3 +217,18 @@ def test_fsdp_torchrun_example_trains(tmp_path, monkeypatch) -> None:
     assert all(abs(r["calib"]["std_after"] / TARGET - 1) < 0.02 for r in res)
     assert res[0]["losses"] == res[1]["losses"]              # all-reduced, the same on each
     assert res[0]["losses"][-1] < res[0]["losses"][0]
+
+
+@pytest.mark.slow
+def test_precondition_on_a_sharded_model(sharded: list[dict]) -> None:
+    """precondition(inplace=True) on an FSDP2 model: the same weights and output scale as the
+    single-process pass on the whole batch; measured balancing is refused (not distributed)."""
+    assert all("measured balancing is not distributed" in r["refusal"] for r in sharded)
+    real, x = _fresh_mlp()
+    ref, rep = precondfx.precondition(real, x, balance="analytic", seed=SEED, capture="eager")
+    got = [r["pass"] for r in sharded]
+    assert got[0]["scale"] == got[1]["scale"]
+    assert got[0]["scale"] == pytest.approx(rep.output_scale, rel=1e-5)
+    assert all(abs(g["std_after"] / TARGET - 1) < 1e-5 for g in got)
+    for n, p in ref.named_parameters():
+        assert torch.equal(got[0]["full"][n], p.detach()), n
