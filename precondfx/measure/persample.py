@@ -78,16 +78,10 @@ class _PerSampleBatchNorm(TorchFunctionMode):
                 if x.dim() < 3:
                     raise Unsupported("train-mode BatchNorm on (N, C) inputs cannot run on one "
                                       "sample")
-                dims = tuple(range(2, x.dim()))
-                mean = x.mean(dims, keepdim=True)
-                var = x.var(dims, unbiased=False, keepdim=True)
-                y = (x - mean) * torch.rsqrt(var + p.get("eps", 1e-5))
-                shape = (1, -1) + (1,) * (x.dim() - 2)
-                if p.get("weight") is not None:
-                    y = y * p["weight"].reshape(shape)
-                if p.get("bias") is not None:
-                    y = y + p["bias"].reshape(shape)
-                return y
+                # statistics over each sample's positions, per channel: instance norm (one
+                # fused kernel); running statistics are not updated (they are restored anyway)
+                return F.instance_norm(x, weight=p.get("weight"), bias=p.get("bias"),
+                                       use_input_stats=True, eps=p.get("eps", 1e-5))
         return func(*args, **kwargs)
 
 
