@@ -16,7 +16,9 @@ PyTorch's C++ ones included (tracemalloc would see only Python's).  For the trai
 is the first step (which allocates gradients, momentum buffers and activations); for
 ``precondition`` the first call (which includes its copy of the model: ``inplace=False``).
 
-Issue targets (ResNet-50, 224x224, batch 8): analytic <= 2 training steps, hessian <= 10.
+Issue targets (ResNet-50, 224x224, batch 8): analytic <= 2 training steps, hessian <= 5 (issue
+14); on large models the ratio is also taken to a training step timed right before and after
+the call in the same child (``ratio_steps_around``), which a drifting machine load moves less.
 Also checks whether the ``lsuv`` and ``unit_scaling`` PyPI packages are importable (they are
 compared only if so; nothing is installed).
 
@@ -133,11 +135,31 @@ def train_step_cost(builder, steps):
     return in_child(child)
 
 
-def precondition_cost(builder, kw, repeats):
+def _one_step_time(builder):
+    """The time of one training step (after a warm-up step) of a fresh copy of the model."""
+    torch.manual_seed(0)
+    model, x, n_classes = builder()
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    y = torch.randint(0, n_classes, (x.shape[0],), generator=torch.Generator().manual_seed(0))
+    ts = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        ts.append(time.perf_counter() - t0)
+    return ts[-1]
+
+
+def precondition_cost(builder, kw, repeats, around=False):
     """In a fresh child: wall time (median of ``repeats`` calls) and peak memory above the
-    built model (first call) of ``precondition``; the report's balancing decision."""
+    built model (first call) of ``precondition``; the report's balancing decision; with
+    ``around``, the mean time of one training step taken right before and right after (on a
+    shared machine whose load drifts, the ratio to those is the one to quote)."""
     def child():
         times, mems, rep = [], [], None
+        before = _one_step_time(builder) if around else None
         for r in range(repeats):
             torch.manual_seed(0)
             m, smp, _ = builder()
@@ -146,9 +168,11 @@ def precondition_cost(builder, kw, repeats):
             mems.append(mem)
             rep = out.report
             out = None
+        step = (before + _one_step_time(builder)) / 2 if around else None
         hd = rep.conditioning.get("hessian", {}) if isinstance(rep.conditioning, dict) else {}
         return (statistics.median(times), mems[0],
-                hd.get("decision") if isinstance(hd, dict) else None)
+                hd.get("decision") if isinstance(hd, dict) else None, step,
+                hd.get("engine") if isinstance(hd, dict) else None)
     return in_child(child)
 
 
@@ -209,22 +233,29 @@ def main(argv=None) -> dict:
             f"{step_mb if step_mb is None else round(step_mb, 1)} MB")
         big = step_s > 0.5
         for mode in modes:
-            t, mem, decision = precondition_cost(builder, MODES[mode], 1 if big else args.repeats)
+            t, mem, decision, around, engine = precondition_cost(
+                builder, MODES[mode], 1 if big else args.repeats, around=big)
             row = {"family": family, "model": name, "params": n_params, "mode": mode,
                    "precondition_s": t, "step_s": step_s, "ratio_steps": t / step_s,
+                   "step_around_s": around,
+                   "ratio_steps_around": t / around if around else None,
+                   "engine": engine,
                    "precondition_peak_mb": mem, "step_peak_mb": step_mb,
                    "mem_ratio": (mem / step_mb) if (mem is not None and step_mb) else None,
                    "balance_decision": decision}
             rows.append(row)
             say(f"   {mode:13} {t:8.3f}s = {t / step_s:7.2f} steps; peak +"
-                f"{mem if mem is None else round(mem, 1)} MB")
+                f"{mem if mem is None else round(mem, 1)} MB" + (
+                    f"; {t / around:.2f} steps of the training step timed right before and "
+                    f"after ({around:.2f} s)" if around else ""))
     targets = {}
     for r in rows:
         if r["family"] == "resnet50":
-            lim = {"analytic": 2.0, "hessian": 10.0}.get(r["mode"])
+            lim = {"analytic": 2.0, "hessian": 5.0}.get(r["mode"])  # issue 14: hessian <= 5
+            ratio = r["ratio_steps_around"] or r["ratio_steps"]
             if lim:
-                targets[f"{r['model']} {r['mode']}"] = {"ratio": r["ratio_steps"], "target": lim,
-                                                        "met": r["ratio_steps"] <= lim}
+                targets[f"{r['model']} {r['mode']}"] = {"ratio": ratio, "target": lim,
+                                                        "met": ratio <= lim}
     payload = {"rows": rows, "targets": targets, "peers": peers,
                "memory_method": "each measurement in a forked child (after the parent warmed up "
                                 "the imports); peak RSS (VmHWM, reset via clear_refs=5) above "
