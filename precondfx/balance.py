@@ -62,10 +62,10 @@ def _measure_per(model: nn.Module, s: Sample, weights: list[str], n_samples: int
         return hessian_sketch(model, data, weights, n_samples=n_samples, n_cotangents=n_cot,
                               seed=seed, output_fn=fn, verbose=verbose, desc=desc,
                               first=first, stop=stop)
-    from precondfx.calibrate import preserved
+    from precondfx.calibrate import preserved, set_mode
     note = ""
     with preserved(model):  # every module's own mode back afterwards, not one flag for all
-        model.train(mode == "train")
+        set_mode(model, mode)  # measured in the mode calibration uses
         try:
             res = sketch(s)
         except (RuntimeError, ValueError) as e:

@@ -125,6 +125,13 @@ def preserved(model: nn.Module) -> Iterator[None]:
                     p.copy_(v)
 
 
+def set_mode(model: nn.Module, mode: str) -> None:
+    """Put ``model`` in the calibration mode: 'eval' everywhere, or 'train' where a model
+    already in train mode keeps each module's own flag (a frozen BatchNorm stays in eval)."""
+    if mode == "eval" or not model.training:
+        model.train(mode == "train")
+
+
 @contextlib.contextmanager
 def quiet_run(model: nn.Module, mode: str = "train") -> Iterator[None]:
     """Run in ``mode`` ('train' or 'eval') with dropout off; restore modes and buffers after.
@@ -134,8 +141,7 @@ def quiet_run(model: nn.Module, mode: str = "train") -> Iterator[None]:
     if mode not in ("train", "eval"):
         raise PrecondError(f"calibration mode must be 'train' or 'eval', got {mode!r}")
     with preserved(model):
-        if mode == "eval" or not model.training:
-            model.train(mode == "train")
+        set_mode(model, mode)
         for m in model.modules():
             if is_stochastic(m):
                 m.eval()

@@ -176,3 +176,28 @@ def test_runs_leave_the_global_random_generator_where_it_was():
         torch.manual_seed(123)
         run()
         assert torch.equal(torch.rand(3), expected)
+
+
+def test_measured_statistics_respect_a_frozen_batchnorm_in_a_training_model():
+    from precondfx.balance import measured_statistics
+    from precondfx.capture.common import make_sample
+
+    torch.manual_seed(3)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                      nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+    with torch.no_grad():  # running statistics far from a sample's own: the modes differ
+        m[1].running_mean.fill_(0.7)
+        m[1].running_var.fill_(5.0)
+    m.train()
+    m[1].eval()  # the user froze the BatchNorm
+    s = make_sample(torch.randn(8, 3, 6, 6))
+    w = ["0.weight", "4.weight"]
+    got = measured_statistics(m, s, w, n_samples=4, mode="train")["values"]
+    ref_model = copy.deepcopy(m).eval()  # every module as it will train: BN in eval
+    ref = measured_statistics(ref_model, s, w, n_samples=4, mode="eval")["values"]
+    flat = copy.deepcopy(m).train()  # the flattened mode the measurement must not use
+    other = measured_statistics(flat, s, w, n_samples=4, mode="train")
+    for k in w:
+        assert got[k] == pytest.approx(ref[k], rel=1e-6), k
+    assert abs(other["values"]["0.weight"] / got["0.weight"] - 1) > 0.05
+    assert not m[1].training and m[0].training  # modes left as the user set them
