@@ -157,6 +157,8 @@ def _cut(text: str, width: int) -> str:
         text = _join(parts)
         if len(text) <= width:
             return text
+        if width > 3:    # the tail of a path is its most specific part
+            return "\u2026" + text[len(text) - width + 1:]
     if width <= 3:
         return text[:width]
     tail = (width - 1) * 3 // 5
@@ -252,7 +254,7 @@ class Report:
             wn, wr = wn_nat, wr_nat
         else:
             wr_min = min(wr_nat, 16)
-            wn = min(wn_nat, max(24, avail * 2 // 5))
+            wn = min(wn_nat, max(24, avail * 3 // 5))
             if avail - wn < wr_min:
                 wn = max(12, avail - wr_min)
             wn = _fit_unique(labels, wn)
