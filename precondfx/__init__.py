@@ -10,9 +10,10 @@ from precondfx.api import Result, analyze, precondition
 from precondfx.apply.reinit import reinit
 from precondfx.capture.common import Sample
 from precondfx.errors import PrecondError
+from precondfx.folding import fold, fold_problems
 from precondfx.plan import Options, Plan
 from precondfx.report import Report
 
 __version__ = "0.1.0"
-__all__ = ["precondition", "analyze", "reinit", "Sample", "PrecondError", "Plan", "Options", "Report", "Result",
-           "distributed", "__version__"]
+__all__ = ["precondition", "analyze", "reinit", "fold", "fold_problems", "Sample", "PrecondError",
+           "Plan", "Options", "Report", "Result", "distributed", "__version__"]

@@ -30,6 +30,7 @@ from precondfx.classify import classify
 from precondfx import distributed
 from precondfx.distributed import record_constants
 from precondfx.errors import PrecondError
+from precondfx.folding import record
 from precondfx.graph import Graph
 from precondfx.options import DEFAULTS as D
 from precondfx.options import REFUSE, Options, Resolved, Rule, Support, flag
@@ -436,6 +437,8 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
                                                 if out_buf is not None else None)
         record_constants(result, planned, read=not on_meta)
         _restore_modes(result, modes)
+        say("recording how to fold the constants back into the weights")
+        record(result, work, applier, g, lambda m: cal.forward(m, s, "eval"), report)
         if low:
             result = result.to(dt)
     except BaseException:

@@ -5,6 +5,7 @@ scale must act before that loss (issue 15).  Every check compares the model's lo
 computed independently from the returned logits."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -121,7 +122,7 @@ def _plain_loop(model: nn.Module, data: list[dict], steps: int, bs: int, lr: flo
         batch = {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
         out = model(**batch, use_cache=False)
         logits_loss = hf_tiny.causal_lm_loss(out.logits, batch["labels"])
-        assert abs(float(out.loss) - float(logits_loss)) < 1e-5
+        assert abs(float(out.loss.detach()) - float(logits_loss.detach())) < 1e-5
         losses.append(float(logits_loss))
         opt.zero_grad()
         logits_loss.float().backward()
@@ -147,7 +148,7 @@ def run_trainer(model: nn.Module, data: list[dict], steps: int, bs: int, lr: flo
         output_dir=out_dir, max_steps=steps, per_device_train_batch_size=bs, learning_rate=lr,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         train_sampling_strategy="sequential", report_to=[], use_cpu=True, logging_steps=1,
-        save_strategy="no", disable_tqdm=True, seed=0, **args)
+        disable_tqdm=True, seed=0, **{"save_strategy": "no", **args})
     trainer = Recording(model=model, args=targs, train_dataset=data)
     return losses, trainer
 
@@ -173,4 +174,130 @@ def test_trainer_matches_a_plain_loop(tmp_path) -> None:
     # parameters by a fraction of lr; compare with how far training moved them
     diff = max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
     moved = max(float((p - q).abs().max()) for p, q in zip(a.parameters(), pre.parameters()))
+    assert diff < 0.02 * moved, (diff, moved)
+
+
+# -- checkpoints: save_pretrained / from_pretrained, Trainer checkpoint and resume -------------
+def _logits(model: nn.Module, batch: dict, fwd: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(**batch, **fwd).logits.double()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_save_pretrained_from_pretrained_keeps_the_function(name: str, tmp_path) -> None:
+    """The preconditioned model and its fold both save as plain checkpoints: transformers
+    alone reloads them with the same logits, and the config records the preconditioning."""
+    model, batch = hf_tiny.build(name)
+    fwd = hf_tiny.FORWARD[name]
+    pre, _ = precondfx.precondition(model, batch, **fwd)
+    ref = _logits(pre, batch, fwd)
+    pre.save_pretrained(tmp_path / "pre")
+    back = type(model).from_pretrained(tmp_path / "pre")
+    assert not any("precondfx" in n for n, _ in back.named_buffers())
+    assert float((_logits(back, batch, fwd) - ref).abs().max()) < 1e-6 * float(ref.abs().max())
+    assert back.config.precondfx["checkpoints"] == "folded"
+    assert set(back.config.precondfx["constants"]) == \
+        {n for n, _ in pre.named_buffers() if "precondfx" in n}
+    folded = precondfx.fold(pre)
+    folded.save_pretrained(tmp_path / "folded")
+    assert "precondfx" not in (tmp_path / "folded" / "config.json").read_text()
+    back = type(model).from_pretrained(tmp_path / "folded")
+    assert float((_logits(back, batch, fwd) - ref).abs().max()) < 1e-6 * float(ref.abs().max())
+
+
+def test_reattach_restores_the_preconditioned_parametrization(tmp_path) -> None:
+    from precondfx.integrations.hf import reattach
+    model, batch = hf_tiny.build("gpt2", dropout=False)
+    pre, _ = precondfx.precondition(model, batch, use_cache=False)
+    pre.save_pretrained(tmp_path)
+    back = reattach(type(model).from_pretrained(tmp_path))
+    consts = {n: float(b) for n, b in pre.named_buffers() if "precondfx" in n}
+    assert consts == {n: float(b) for n, b in back.named_buffers() if "precondfx" in n}
+    for (n, p), (_, q) in zip(pre.named_parameters(), back.named_parameters()):
+        assert float((p - q).norm()) <= 1e-6 * float(p.norm()), n
+    for m in (pre, back):
+        m.train().zero_grad()
+        m(**batch, use_cache=False).loss.backward()
+    for (n, p), (_, q) in zip(pre.named_parameters(), back.named_parameters()):
+        assert float((p.grad - q.grad).norm()) <= 1e-5 * float(p.grad.norm()) + 1e-12, n
+    with pytest.raises(PrecondError, match="already carries"):
+        reattach(back)
+
+
+class _StopAt:
+    """Build a TrainerCallback that stops training after ``step`` steps (an interruption)."""
+
+    def __new__(cls, step: int):
+        import transformers as tf
+
+        class Stop(tf.TrainerCallback):
+            def on_step_end(self, args, state, control, **kw):
+                if state.global_step >= step:
+                    control.should_training_stop = True
+                    control.should_save = True
+        return Stop()
+
+
+def _trained(model: nn.Module, data: list[dict], out: str, callbacks=(), resume=None,
+             **args) -> tuple[list[float], nn.Module]:
+    losses, trainer = run_trainer(model, data, 20, 4, 1e-2, out, **args)
+    for cb in callbacks:
+        trainer.add_callback(cb)
+    trainer.train(resume_from_checkpoint=resume)
+    return losses, trainer.model
+
+
+def _gpt2_pre() -> tuple[nn.Module, nn.Module]:
+    model, _ = hf_tiny.build("gpt2", dropout=False)
+    first = _lm_data(4)
+    batch = {k: torch.stack([r[k] for r in first]) for k in first[0]}
+    return model, precondfx.precondition(copy.deepcopy(model), batch, use_cache=False)[0]
+
+
+@pytest.mark.slow
+def test_trainer_checkpoint_and_resume_ends_where_an_uninterrupted_run_does(tmp_path) -> None:
+    pytest.importorskip("accelerate")
+    data = _lm_data(20 * 4)
+    _, pre = _gpt2_pre()
+    full_losses, full = _trained(copy.deepcopy(pre), data, str(tmp_path / "a"))
+    # interrupted after 10 steps (checkpoint written), resumed on a model preconditioned the
+    # same way in a new "process"
+    _trained(copy.deepcopy(pre), data, str(tmp_path / "b"), [_StopAt(10)],
+             save_strategy="steps", save_steps=10)
+    ckpt = tmp_path / "b" / "checkpoint-10"
+    assert "precondfx" not in "".join(p.name for p in ckpt.iterdir())
+    _, fresh = _gpt2_pre()
+    res_losses, resumed = _trained(fresh, data, str(tmp_path / "b"), resume=str(ckpt))
+    assert len(res_losses) == 10
+    assert max(abs(a - b) for a, b in zip(res_losses, full_losses[10:])) < 1e-4
+    diff = max(float((p - q).abs().max()) for p, q in zip(full.parameters(),
+                                                          resumed.parameters()))
+    moved = max(float((p - q).abs().max()) for p, q in zip(full.parameters(),
+                                                           pre.parameters()))
+    assert diff < 0.02 * moved, (diff, moved)
+
+
+@pytest.mark.slow
+def test_trainer_callback_preconditions_on_the_first_batch_and_resumes(tmp_path) -> None:
+    pytest.importorskip("accelerate")
+    from precondfx.integrations.hf import precondition_callback
+    data = _lm_data(20 * 4)
+    plain, pre = _gpt2_pre()
+    ref_losses, ref = _trained(copy.deepcopy(pre), data, str(tmp_path / "a"))
+    cb = precondition_callback(use_cache=False)
+    losses, model = _trained(copy.deepcopy(plain), data, str(tmp_path / "c"), [cb])
+    assert cb.report is not None and cb.report.output_scale is not None
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-4
+    # interrupted, then resumed on a fresh plain model with the callback
+    _trained(copy.deepcopy(plain), data, str(tmp_path / "d"),
+             [precondition_callback(use_cache=False), _StopAt(10)],
+             save_strategy="steps", save_steps=10)
+    res_losses, resumed = _trained(copy.deepcopy(plain), data, str(tmp_path / "d"),
+                                   [precondition_callback(use_cache=False)],
+                                   resume=str(tmp_path / "d" / "checkpoint-10"))
+    assert max(abs(a - b) for a, b in zip(res_losses, ref_losses[10:])) < 1e-4
+    diff = max(float((p - q).abs().max()) for p, q in zip(ref.parameters(),
+                                                          resumed.parameters()))
+    moved = max(float((p - q).abs().max()) for p, q in zip(ref.parameters(),
+                                                           pre.parameters()))
     assert diff < 0.02 * moved, (diff, moved)

@@ -1,0 +1,212 @@
+"""transformers: checkpoints that keep the preconditioned function, the preconditioning recorded
+in the model's config, and a ``TrainerCallback`` that preconditions on the first batch.
+
+**Checkpoints.**  ``from_pretrained`` builds a fresh model of the config's class and drops
+every ``precondfx_*`` buffer ("UNEXPECTED"), so the constants cannot travel as buffers.  For a
+transformers model, ``precondition`` therefore makes them non-persistent buffers and folds them
+into the weights whenever ``state_dict()`` is taken (``save_pretrained``, Trainer checkpoints):
+
+* a checkpoint is a *plain* model computing the preconditioned function: ``from_pretrained``
+  with transformers alone gives the same logits (no precondfx needed);
+* ``load_state_dict`` on a preconditioned model divides the constants back out, so Trainer's
+  ``resume_from_checkpoint`` restores the trained weights exactly (to float rounding) on a model
+  preconditioned the same way (same seed and calibration batch, or this module's callback);
+* ``reattach(model)`` puts the preconditioning recorded in ``model.config.precondfx`` back on a
+  model loaded with ``from_pretrained`` (constants, hooks, weights divided back), to go on
+  training it preconditioned.
+
+When a constant cannot fold (see ``precondfx.fold``), ``state_dict()`` raises ``PrecondError``
+instead of writing a checkpoint that would silently lose it.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from precondfx.apply.common import PREFIX, scalar_buffer
+from precondfx.errors import PrecondError
+
+CONFIG_KEY = "precondfx"
+
+
+def is_transformers_model(model: Any) -> bool:
+    """A ``transformers.PreTrainedModel`` (checked by class name, without importing it)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+               for c in type(model).__mro__)
+
+
+def _constants(model: nn.Module) -> dict[str, float]:
+    return {name: float(b) for name, b in model.named_buffers() if PREFIX in name.split(".")[-1]}
+
+
+def prepare(model: nn.Module, report: Any = None) -> None:
+    """Record the preconditioning in ``model.config.precondfx`` and make checkpoints fold the
+    constants (called by ``precondition`` on transformers models)."""
+    from precondfx import __version__
+    from precondfx.folding import fold_problems, recipe_of
+    problems = fold_problems(model)
+    rec = recipe_of(model)
+    entry = {
+        "version": __version__,
+        "constants": _constants(model),
+        "output_path": list(getattr(model, PREFIX + "output_path", ()) or ()),
+        "upstream": dict(rec.upstream) if rec else {},
+        "checkpoints": "folded" if not problems else "refused",
+        "problems": [f"{w}: {why}" for w, why in problems],
+    }
+    if report is not None and report.plan is not None:
+        entry["options"] = {k: v for k, v in report.plan.options.items()
+                            if isinstance(v, (str, int, float, bool, type(None)))}
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        setattr(cfg, CONFIG_KEY, entry)
+    _install(model)
+
+
+def _install(model: nn.Module) -> None:
+    for mod in model.modules():
+        for name in mod._buffers:
+            if name.startswith(PREFIX):
+                mod._non_persistent_buffers_set.add(name)
+    model.register_state_dict_post_hook(_fold_state_dict)
+    model.register_load_state_dict_pre_hook(_unfold_state_dict)
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Every name of each parameter (tied parameters have several), by its first name."""
+    first: dict[int, str] = {}
+    out: dict[str, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        f = first.setdefault(id(p), name)
+        out.setdefault(f, []).append(name)
+    return out
+
+
+def _factors(model: nn.Module) -> dict[str, float]:
+    from precondfx.folding import fold_factors, fold_problems
+    problems = fold_problems(model)
+    if problems:
+        raise PrecondError(
+            "this preconditioned transformers model has constants that cannot be folded into "
+            "its weights, so a checkpoint (state_dict, save_pretrained, Trainer) would lose "
+            "them when reloaded: " + "; ".join(f"{w}: {why}" for w, why in problems) +
+            ". Save it with torch.save(model) (pickle keeps the constants), or precondition "
+            "without the constants listed")
+    return fold_factors(model)
+
+
+def _fold_state_dict(module: nn.Module, state_dict: dict, prefix: str, meta: Any) -> None:
+    factors = _factors(module)
+    for first, names in _aliases(module).items():
+        f = factors.get(first)
+        if f is None:
+            continue
+        for n in names:
+            k = prefix + n
+            if k in state_dict:
+                state_dict[k] = state_dict[k] * f
+
+
+def _unfold_state_dict(module: nn.Module, state_dict: dict, prefix: str, meta: Any,
+                       strict: bool, missing: list, unexpected: list, errors: list) -> None:
+    factors = _factors(module)
+    for first, names in _aliases(module).items():
+        f = factors.get(first)
+        if f is None:
+            continue
+        for n in names:
+            k = prefix + n
+            if k in state_dict:
+                state_dict[k] = state_dict[k] / f
+
+
+@torch.no_grad()
+def reattach(model: nn.Module) -> nn.Module:
+    """Put back the preconditioning recorded in ``model.config.precondfx`` on a model loaded
+    with ``from_pretrained`` from a folded checkpoint: the constants as buffers with their
+    hooks, and the weights divided by what folding multiplied them by, so that the function is
+    unchanged and training goes on in the preconditioned parametrization.  In place; returns
+    the model."""
+    from precondfx.apply import eager_apply as ea
+    from precondfx.folding import Recipe, attach, fold_factors
+    entry = getattr(getattr(model, "config", None), CONFIG_KEY, None)
+    if not isinstance(entry, dict) or "constants" not in entry:
+        raise PrecondError("the model's config records no preconditioning (config.precondfx): "
+                           "it was not saved from a precondition result")
+    if any(PREFIX in n for n, _ in model.named_buffers()):
+        raise PrecondError("the model already carries precondfx constants: nothing to reattach")
+    like = next(iter(model.parameters()), None)
+    for fqn, value in entry["constants"].items():
+        path, _, name = fqn.rpartition(".")
+        mod = model.get_submodule(path) if path else model
+        mod.register_buffer(name, scalar_buffer(value, like))
+        if name == PREFIX + "in_scale":
+            mod.register_forward_pre_hook(ea._scale_input_hook)
+        elif name == PREFIX + "out_scale":
+            mod.register_forward_hook(ea._scale_output_hook)
+        elif name == PREFIX + "output_scale" and path:
+            mod.register_forward_hook(ea._module_output_scale_hook)
+        elif name == PREFIX + "output_scale":
+            setattr(model, PREFIX + "output_path", tuple(entry.get("output_path", ())))
+            model.register_forward_hook(ea._root_output_hook)
+        elif name == PREFIX + "input_scale":
+            model.register_forward_pre_hook(ea._root_input_hook, with_kwargs=True, prepend=True)
+        else:
+            raise PrecondError(f"config.precondfx records an unknown constant {fqn}")
+    attach(model, Recipe(None, [], dict(entry.get("upstream", {}))))
+    factors = fold_factors(model)
+    named = dict(model.named_parameters())
+    for name, f in factors.items():
+        named[name].div_(f)
+    _install(model)
+    return model
+
+
+def _batch_sample(batch: Any, model: nn.Module, drop: tuple[str, ...]) -> Any:
+    if isinstance(batch, dict) or hasattr(batch, "keys"):
+        return {k: v for k, v in dict(batch).items() if k not in drop}
+    return batch
+
+
+def precondition_callback(**options: Any) -> Any:
+    """A ``transformers.TrainerCallback`` that preconditions the Trainer's model in place on the
+    first training batch (``options`` go to ``precondition``, e.g. ``use_cache=False``).
+
+    On ``resume_from_checkpoint`` the Trainer has already loaded the checkpoint (a folded,
+    plain model) when training begins: the callback preconditions again, which with the same
+    seed and first batch gives the same constants, then loads the checkpoint's weights back
+    through the unfolding hook, so training resumes where it stopped."""
+    try:
+        from transformers import TrainerCallback
+    except ImportError as e:
+        raise PrecondError("precondition_callback needs transformers: pip install "
+                           "'precondfx[models]'") from e
+    from precondfx.api import precondition
+
+    drop = tuple(options.pop("drop_keys", ()))
+
+    class PreconditionCallback(TrainerCallback):
+        """Preconditions the model on the first training batch (see ``precondition_callback``)."""
+
+        def __init__(self) -> None:
+            self.report = None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module = None,
+                           train_dataloader: Any = None, **kw: Any) -> None:
+            if model is None or train_dataloader is None:
+                raise PrecondError("the Trainer passed no model or train dataloader to the "
+                                   "callback")
+            if any(PREFIX in n for n, _ in model.named_buffers()):
+                return   # already preconditioned (e.g. by the user before the Trainer)
+            batch = next(iter(train_dataloader))
+            sample = _batch_sample(batch, model, drop)
+            resumed = state.global_step > 0
+            saved = copy.deepcopy(model.state_dict()) if resumed else None
+            _, self.report = precondition(model, sample, inplace=True, **options)
+            if resumed:
+                model.load_state_dict(saved)
+
+    return PreconditionCallback()
