@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from precondfx import draw as drawing
+from precondfx.draw import torch_ops
 from precondfx.errors import PrecondError
 from precondfx.fans import Fans, second_moment, weight_fans
 
@@ -59,12 +61,9 @@ def _fill(tensor: torch.Tensor, std: float, generator: torch.Generator | None,
         raise PrecondError(f"cannot initialize a {tensor.dtype} tensor: it must be floating-point")
     if tensor.device.type == "meta":
         return tensor
-    draw = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
-    if moment_matched:
-        m2 = float(draw.double().pow(2).mean())
-        draw = draw * (std / m2 ** 0.5) if m2 > 0 else draw
-    else:
-        draw = draw * std
+    ops = torch_ops(generator)
+    draw = ops.normal(tuple(tensor.shape))
+    draw = drawing.moment_matched(draw, std, ops) if moment_matched else draw * std
     tensor.copy_(draw.to(dtype=tensor.dtype, device=tensor.device))
     return tensor
 

@@ -39,7 +39,9 @@ def is_transformers_model(model: Any) -> bool:
 
 
 def _constants(model: nn.Module) -> dict[str, float]:
-    return {name: float(b) for name, b in model.named_buffers() if PREFIX in name.split(".")[-1]}
+    planned = model.__dict__.get(PREFIX + "constants") or {}   # meta device: planned values
+    return {name: float(planned.get(name, 1.0)) if b.device.type == "meta" else float(b)
+            for name, b in model.named_buffers() if name.split(".")[-1].startswith(PREFIX)}
 
 
 def prepare(model: nn.Module, report: Any = None) -> None:
@@ -100,6 +102,9 @@ def _factors(model: nn.Module) -> dict[str, float]:
 
 def _fold_state_dict(module: nn.Module, state_dict: dict, prefix: str, meta: Any) -> None:
     factors = _factors(module)
+    entry = getattr(getattr(module, "config", None), CONFIG_KEY, None)
+    if isinstance(entry, dict):   # constants set after precondition (meta-device calibration)
+        entry["constants"] = _constants(module)
     for first, names in _aliases(module).items():
         f = factors.get(first)
         if f is None:
