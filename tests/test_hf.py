@@ -301,3 +301,24 @@ def test_trainer_callback_preconditions_on_the_first_batch_and_resumes(tmp_path)
     moved = max(float((p - q).abs().max()) for p, q in zip(ref.parameters(),
                                                            pre.parameters()))
     assert diff < 0.02 * moved, (diff, moved)
+
+
+def test_unfoldable_constants_keep_raw_checkpoints_and_warn(tmp_path) -> None:
+    """An input scale cannot fold: the checkpoint keeps the constants as buffers, says so in
+    the config, and warns that from_pretrained would drop them."""
+    from precondfx.integrations.hf import reattach
+    model, batch = hf_tiny.build("vit")
+    pre, _ = precondfx.precondition(model, batch, input_scale=0.5)
+    assert pre.config.precondfx["checkpoints"] == "raw"
+    assert any("input scale" in p for p in pre.config.precondfx["problems"])
+    with pytest.warns(UserWarning, match="from_pretrained drops"):
+        sd = pre.state_dict()
+    assert "precondfx_input_scale" in sd
+    # the same rewrite loads it back exactly
+    again, _ = precondfx.precondition(hf_tiny.build("vit", seed=3)[0], batch, input_scale=0.5)
+    again.load_state_dict(sd)
+    assert float((_logits(again, batch, {}) - _logits(pre, batch, {})).abs().max()) < 1e-6
+    with pytest.warns(UserWarning):
+        pre.save_pretrained(tmp_path)
+    with pytest.raises(PrecondError, match="unfolded"):
+        reattach(type(model).from_pretrained(tmp_path))

@@ -15,12 +15,16 @@ into the weights whenever ``state_dict()`` is taken (``save_pretrained``, Traine
   model loaded with ``from_pretrained`` (constants, hooks, weights divided back), to go on
   training it preconditioned.
 
-When a constant cannot fold (see ``precondfx.fold``), ``state_dict()`` raises ``PrecondError``
-instead of writing a checkpoint that would silently lose it.
+When a constant cannot fold (see ``precondfx.fold``: a max-pool turned into a strided
+convolution, an input scale...), the constants stay persistent ``precondfx_*`` buffers (loading
+into a model preconditioned the same way keeps working), the config says
+``"checkpoints": "raw"`` with the reasons, and every ``state_dict()`` warns that
+``from_pretrained`` would drop them.
 """
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import torch
@@ -56,7 +60,7 @@ def prepare(model: nn.Module, report: Any = None) -> None:
         "constants": _constants(model),
         "output_path": list(getattr(model, PREFIX + "output_path", ()) or ()),
         "upstream": dict(rec.upstream) if rec else {},
-        "checkpoints": "folded" if not problems else "refused",
+        "checkpoints": "folded" if not problems else "raw",
         "problems": [f"{w}: {why}" for w, why in problems],
     }
     if report is not None and report.plan is not None:
@@ -65,7 +69,22 @@ def prepare(model: nn.Module, report: Any = None) -> None:
     cfg = getattr(model, "config", None)
     if cfg is not None:
         setattr(cfg, CONFIG_KEY, entry)
-    _install(model)
+    if problems:
+        model.register_state_dict_post_hook(_warn_raw)
+    else:
+        _install(model)
+
+
+def _warn_raw(module: nn.Module, state_dict: dict, prefix: str, meta: Any) -> None:
+    """A checkpoint of a model whose constants cannot fold keeps them as ``precondfx_*``
+    entries, which ``from_pretrained`` drops: say so when one is taken."""
+    entry = getattr(getattr(module, "config", None), CONFIG_KEY, None) or {}
+    warnings.warn(
+        "this preconditioned transformers model has constants that cannot be folded into its "
+        "weights (" + "; ".join(entry.get("problems", [])) + "): its state_dict keeps them as "
+        "precondfx_* entries, which from_pretrained drops as unexpected. Load such a checkpoint "
+        "into a model preconditioned the same way (load_state_dict), or keep it with "
+        "torch.save(model)", UserWarning, stacklevel=2)
 
 
 def _install(model: nn.Module) -> None:
@@ -143,6 +162,11 @@ def reattach(model: nn.Module) -> nn.Module:
                            "it was not saved from a precondition result")
     if any(PREFIX in n for n, _ in model.named_buffers()):
         raise PrecondError("the model already carries precondfx constants: nothing to reattach")
+    if entry.get("checkpoints") != "folded":
+        raise PrecondError("the checkpoint was saved unfolded (" +
+                           "; ".join(entry.get("problems", [])) + "): from_pretrained dropped "
+                           "its constants; load it with load_state_dict into a model "
+                           "preconditioned the same way")
     like = next(iter(model.parameters()), None)
     for fqn, value in entry["constants"].items():
         path, _, name = fqn.rpartition(".")
