@@ -438,7 +438,7 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
         record_constants(result, planned, read=not on_meta)
         _restore_modes(result, modes)
         say("recording how to fold the constants back into the weights")
-        record(result, work, applier, g, lambda m: cal.forward(m, s, "eval"), report)
+        record(result, work, applier, g, lambda m: _run(m, s, "eval"), report)
         if low:
             result = result.to(dt)
     except BaseException:
