@@ -913,33 +913,40 @@ def lr_movement(results: dict, family: dict[str, str]) -> dict:
 
 
 def claims(results: dict, tasks: list[str], move: dict) -> dict:
-    """The checks of issue 11's 'What it must show', evaluated on what was run."""
+    """The checks of issue 11's 'What it must show', evaluated on what was run: for precondfx's
+    default (``pfx``) and for every ``pfx_std*`` variant present (candidate defaults)."""
     out: dict = {}
-    for opt in ("sgd", "adamw"):
-        worse, better, lower, n = [], [], [], 0
-        for t in tasks:
-            r = results.get(t, {}).get(opt, {})
-            if "pfx" not in r or "default" not in r:
-                continue
-            n += 1
-            c = compare(r["pfx"], r["default"])
-            if c > 0:
-                worse.append(t)
-            if c < 0:
-                better.append(t)
-            if _num(r["pfx"]["best"]) < _num(r["default"]["best"]):
-                lower.append(t)
-        out[f"default_vs_framework_{opt}"] = {
-            "tasks": n, "worse_beyond_noise": worse, "better_beyond_noise": better,
-            "lower": lower, "never_worse": not worse, "better_on_half": 2 * len(better) >= n > 0}
-    g = results.get("gpt2", {})
-    out["gpt2"] = {opt: ({"pfx": g[opt]["pfx"]["best"], "pfx_se": g[opt]["pfx"]["se"],
-                          "transformers_default": g[opt]["default"]["best"],
-                          "transformers_default_se": g[opt]["default"]["se"],
-                          "pfx_at_least_as_low": _num(g[opt]["pfx"]["best"]) <=
-                          _num(g[opt]["default"]["best"])}
-                         if "pfx" in g.get(opt, {}) and "default" in g.get(opt, {}) else None)
-                   for opt in ("sgd", "adamw")}
+    cands = ["pfx"] + sorted({m for per in results.values() for cells in per.values()
+                              for m in cells if m.startswith("pfx_std")})
+    for cand in cands:
+        sfx = "" if cand == "pfx" else f"[{cand}]"
+        for opt in ("sgd", "adamw"):
+            worse, better, lower, n = [], [], [], 0
+            for t in tasks:
+                r = results.get(t, {}).get(opt, {})
+                if cand not in r or "default" not in r:
+                    continue
+                n += 1
+                c = compare(r[cand], r["default"])
+                if c > 0:
+                    worse.append(t)
+                if c < 0:
+                    better.append(t)
+                if _num(r[cand]["best"]) < _num(r["default"]["best"]):
+                    lower.append(t)
+            if n:
+                out[f"default_vs_framework_{opt}{sfx}"] = {
+                    "tasks": n, "worse_beyond_noise": worse, "better_beyond_noise": better,
+                    "lower": lower, "never_worse": not worse, "better_on_half": 2 * len(better) >= n}
+        g = results.get("gpt2", {})
+        for opt in ("sgd", "adamw"):
+            c = g.get(opt, {})
+            if cand in c and "default" in c:
+                out[f"gpt2_{opt}{sfx}"] = {
+                    "pfx": c[cand]["best"], "pfx_se": c[cand]["se"],
+                    "transformers_default": c["default"]["best"],
+                    "transformers_default_se": c["default"]["se"],
+                    "pfx_at_least_as_low": _num(c[cand]["best"]) <= _num(c["default"]["best"])}
     lim = {"mlp_width": 1, "mlp_depth": 2}
     out["lr_transfer"] = {f: {opt: {m: {"octaves": v["octaves"], "limit": lim[f],
                                         "holds": v["octaves"] <= lim[f]}
@@ -964,7 +971,12 @@ def fmt(r: dict | None) -> str:
 def markdown(payload: dict) -> str:
     res, lines = payload["results"], []
     methods = payload["methods"]
-    lines.append(f"Size `{payload['size']}`, seeds {payload['seeds']}, device "
+    if payload.get("merged_from"):
+        lines.append(f"Merged from {', '.join(payload['merged_from'])}; commands: "
+                     + "; ".join(f"`{c}`" for c in payload["command"]) + "\n")
+    nseeds = sorted({len(r["losses"][r["metric"]][0]) for per in res.values()
+                     for cells in per.values() for r in cells.values() if "losses" in r})
+    lines.append(f"Size `{payload['size']}`, seeds per cell {nseeds}, device "
                  f"{payload['env']['device']}, wall {payload['wall_s']:.0f} s. Cells: median "
                  f"final loss at the best learning rate ± standard error over seeds @ log2 of "
                  f"that rate (`!`: still at the grid's edge after widening).\n")
@@ -1090,6 +1102,39 @@ def replot(path: str) -> dict:
     return payload
 
 
+def merge(paths: list[str], out_base: str) -> dict:
+    """One result from several runs of the suite (for example the CPU-reduced runs, each with
+    its own tasks and methods): results, tasks, methods and notes united (a later file's cell
+    replaces an earlier one), LR movement and claims recomputed."""
+    import json
+    payloads = []
+    for p in paths:
+        with open(p) as f:
+            payloads.append(json.load(f))
+    out = dict(payloads[0])
+    out["results"], out["tasks"], out["notes"] = {}, {}, {}
+    methods: list[str] = []
+    opts: list[str] = []
+    for p in payloads:
+        for t, per in p["results"].items():
+            for o, cells in per.items():
+                out["results"].setdefault(t, {}).setdefault(o, {}).update(cells)
+        out["tasks"].update(p["tasks"])
+        out["notes"].update(p.get("notes", {}))
+        methods += [m for m in p["methods"] if m not in methods]
+        opts += [o for o in p["optimizers"] if o not in opts]
+    out["methods"], out["optimizers"] = methods, opts
+    out["command"] = [p.get("command") for p in payloads]
+    out["wall_s"] = sum(p.get("wall_s", 0) for p in payloads)
+    out["merged_from"] = [os.path.basename(p) for p in paths]
+    fam = {t: v["family"] for t, v in out["tasks"].items()}
+    out["lr_movement"] = lr_movement(out["results"], fam)
+    out["claims"] = claims(out["results"], list(fam), out["lr_movement"])
+    C.write_json(out_base + ".json", out)
+    write_outputs(C.clean(out), out_base)
+    return out
+
+
 def select(tasks: list[Task], spec: list[str]) -> list[Task]:
     out = []
     for t in tasks:
@@ -1114,10 +1159,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--engine", default="auto", choices=["auto", "vmap", "loop"])
     ap.add_argument("--list", action="store_true", help="print the tasks and exit")
     ap.add_argument("--replot", default="", help="re-make the .md and figures of a result JSON")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="unite result JSONs into OUT/train_suite_TAG.*")
     C.add_run_args(ap)
     args = C.parse_run_args(ap, argv)
     if args.replot:
         return replot(args.replot)
+    if args.merge:
+        return merge(args.merge, os.path.join(args.out, "train_suite_" + (args.tag or "merged")))
     size = "quick" if args.quick else "cpu_small" if args.cpu_small else "full"
     cfg = SIZES[size]
     if args.device.startswith("cuda"):
