@@ -1067,6 +1067,8 @@ def plot_bars(payload: dict, path: str) -> None:
                            fontsize=7)
         if "default" in per and per["default"].get("best") is not None:
             ax.axvline(per["default"]["best"], color="C0", ls="--", lw=0.8)
+        if v and min(v) > 0.5 * max(v):          # losses far from 0: zoom on the differences
+            ax.set_xlim(left=0.95 * min(x - y for x, y in zip(v, e)))
         ax.invert_yaxis()
         ax.set_xlabel(f"median final {per[ms[0]]['metric'] if ms else ''} loss at the best LR")
         ax.set_title(f"{t} — {o}", fontsize=9)
