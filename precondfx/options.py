@@ -154,7 +154,7 @@ class Options:
     residual_scale: float | str = _opt("auto", number("a number in (0, 1]",
                                                       lambda x: 0 < x <= 1, ("auto",)),
                                        "value of s (auto: 1/sqrt(number of joins))", cli="S")
-    target_std: float | None = _opt(0.05, number("a positive number", lambda x: x > 0, (None,)),
+    target_std: float | None = _opt(1.0, number("a positive number", lambda x: x > 0, (None,)),
                                     "output std after calibration (None, on the command "
                                     "line 'none': no output scale)", cli="STD")
     input_scale: float | str | None = _opt(None, number("a positive number", lambda x: x > 0,

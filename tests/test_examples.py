@@ -4,6 +4,8 @@ import pathlib
 
 import pytest
 
+from precondfx.options import DEFAULTS
+
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -18,7 +20,7 @@ def test_quickstart_runs_and_trains(capsys):
     report, losses = _load("quickstart").main(steps=15)
     out = capsys.readouterr().out
     assert "precondfx report" in out and "folded into" in out
-    assert report.output_std_after == pytest.approx(0.05, rel=0.02)
+    assert report.output_std_after == pytest.approx(DEFAULTS.target_std, rel=0.02)
     assert losses[-1] < losses[0]
 
 
@@ -26,5 +28,5 @@ def test_transformers_example(capsys):
     pytest.importorskip("transformers")
     report = _load("transformers_bert").main()
     assert report.capture == "export"
-    assert report.output_std_after == pytest.approx(0.05, rel=0.02)
+    assert report.output_std_after == pytest.approx(DEFAULTS.target_std, rel=0.02)
     assert "SequenceClassifierOutput" in capsys.readouterr().out

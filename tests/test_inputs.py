@@ -41,7 +41,8 @@ def test_single_dict_or_list_argument_is_measured_without_unpacking(kind):
     torch.manual_seed(0)
     x, z = torch.randn(24, 6), torch.randn(24, 4)
     m, batch = (DictMLP(), {"x": x, "z": z}) if kind == "dict" else (ListMLP(), [x, z])
-    res = precondfx.precondition(m, (batch,), balance="hessian", balance_samples=4)
+    res = precondfx.precondition(m, (batch,), balance="hessian", balance_samples=4,
+                                 target_std=0.05)
     h = res.report.conditioning["hessian"]
     assert h["applied"] is True or "decision" in h
     assert set(h["before"]) == {"a.weight", "b.weight", "c.weight"}
@@ -74,7 +75,7 @@ def test_neg_inf_attention_mask_accepted_and_shared_by_per_sample_passes():
     one = s.take(3)
     assert one.args[0] is mask and torch.equal(one.args[1], x[3:4])
     res = precondfx.precondition(CausalEncoder(), (mask, x), balance="hessian",
-                                 balance_samples=4)
+                                 balance_samples=4, target_std=0.05)
     assert res.report.conditioning["hessian"]["before"]
     assert out_std(res.model, mask, x) == pytest.approx(0.05, rel=1e-4)
 
@@ -110,7 +111,7 @@ def test_embedding_bag_ids_offsets_layout_cannot_be_guessed_and_can_be_told():
     with pytest.raises(PrecondError, match="batched="):
         batch_layout(s)
     # the default pipeline does not fail: measured balancing says why it was not measured
-    res = precondfx.precondition(Bag(), (ids, offsets))
+    res = precondfx.precondition(Bag(), (ids, offsets), target_std=0.05)
     assert res.report.conditioning["hessian"]["applied"] is False
     assert "batch dimension" in res.report.conditioning["hessian"]["decision"]
     assert out_std(res.model, ids, offsets) == pytest.approx(0.05, rel=1e-4)
@@ -154,7 +155,7 @@ def test_packed_sequence_sample_kept_and_sliced_per_sample():
     from precondfx.measure.sketch import hessian_sketch
     sk = hessian_sketch(m, s, ["gru.weight_ih_l0", "fc.weight"], n_samples=6)
     assert all(v > 0 for v in sk.means().values())
-    res = precondfx.precondition(m, packed)
+    res = precondfx.precondition(m, packed, target_std=0.05)
     assert out_std(res.model, packed) == pytest.approx(0.05, rel=1e-4)
 
 
@@ -173,7 +174,8 @@ def test_namedtuple_sample_is_one_argument_and_stays_a_namedtuple():
     s = make_sample(b)
     assert len(s.args) == 1 and isinstance(s.args[0], Batch)
     assert isinstance(s.take(0, 3).args[0], Batch) and s.take(0, 3).args[0].x.shape == (3, 6)
-    res = precondfx.precondition(NTNet(), b, balance="hessian", balance_samples=4)
+    res = precondfx.precondition(NTNet(), b, balance="hessian", balance_samples=4,
+                                 target_std=0.05)
     assert out_std(res.model, b) == pytest.approx(0.05, rel=1e-4)
     assert set(res.report.conditioning["hessian"]["before"]) == {"a.weight", "b.weight",
                                                                  "c.weight"}
@@ -219,7 +221,7 @@ def test_old_style_weight_norm_and_prune_refused_with_the_fix():
     # the supported spelling works and keeps the parametrization
     m = _mlp()
     nn.utils.parametrizations.weight_norm(m[0])
-    res = precondfx.precondition(m, x)
+    res = precondfx.precondition(m, x, target_std=0.05)
     assert "0.parametrizations.weight.original1" in res.model.state_dict()
     assert out_std(res.model, x) == pytest.approx(0.05, rel=1e-4)
 
@@ -313,13 +315,14 @@ def test_lazy_module_and_sparse_input():
     torch.manual_seed(0)
     x = torch.randn(8, 10)
     lazy = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.Linear(16, 3))
-    res = precondfx.precondition(lazy, x)
+    res = precondfx.precondition(lazy, x, target_std=0.05)
     assert out_std(res.model, x) == pytest.approx(0.05, rel=1e-4)
     # the user's lazy module was not materialized (the pass runs on a copy)
     assert isinstance(lazy[0].weight, nn.parameter.UninitializedParameter)
     xs = x.to_sparse()
     m = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
-    res = precondfx.precondition(m, xs, balance="hessian", balance_samples=4)
+    res = precondfx.precondition(m, xs, balance="hessian", balance_samples=4,
+                                 target_std=0.05)
     assert out_std(res.model, xs) == pytest.approx(0.05, rel=1e-4)
     one = make_sample(xs).take(2).args[0]
     assert torch.equal(one.to_dense(), x[2:3])
@@ -350,7 +353,7 @@ def test_onnx_calibration_accepts_the_same_neg_inf_mask(tmp_path):
         warnings.simplefilter("ignore")
         torch.onnx.export(Att(), (mask, x), src, dynamo=False, input_names=["mask", "x"])
     np.savez(calib, mask=mask.numpy(), x=x.numpy())
-    precondition_onnx(src, out, calib=calib)
+    precondition_onnx(src, out, calib=calib, target_std=0.05)
     y = ort.InferenceSession(out).run(None, {"mask": mask.numpy(), "x": x.numpy()})[0]
     assert float(np.std(y.astype(np.float64))) == pytest.approx(0.05, rel=1e-4)
     bad = mask.clone()
@@ -376,7 +379,7 @@ def test_model_that_cannot_be_copied_asks_for_inplace():
     with pytest.raises(PrecondError, match="inplace=True"):
         precondfx.precondition(Locked(), x)
     m = Locked()
-    res = precondfx.precondition(m, x, inplace=True)
+    res = precondfx.precondition(m, x, inplace=True, target_std=0.05)
     assert out_std(res.model, x) == pytest.approx(0.05, rel=1e-4)
 
 

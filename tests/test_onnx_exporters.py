@@ -78,7 +78,8 @@ def _run(path: str, feeds: dict) -> list[np.ndarray]:
 def test_rewritten_export(exported, tmp_path, name, exporter):
     src = exported(name, exporter)
     out = str(tmp_path / "out.onnx")
-    rep = precondition_onnx(src, out, feeds=_feeds(src, 256, seed=1), seed=0)
+    rep = precondition_onnx(src, out, feeds=_feeds(src, 256, seed=1), seed=0,
+                            target_std=0.05)
     onnx.checker.check_model(out, full_check=True)
     m = onnx.load(out, load_external_data=False)
     assert "MaxPool" not in [n.op_type for n in m.graph.node]

@@ -18,7 +18,7 @@ def _std(model, x):
 def test_dtypes(dtype):
     model, x = zoo.build("strided_cnn")
     model = model.to(dtype)
-    pm, rep = precondfx.precondition(model, x.to(dtype))
+    pm, rep = precondfx.precondition(model, x.to(dtype), target_std=0.05)
     assert all(p.dtype == dtype for p in pm.parameters())
     assert all(b.dtype == dtype for b in pm.buffers() if b.is_floating_point())
     out = main(call(pm, x.to(dtype)))
@@ -54,7 +54,7 @@ def test_meta_device_plans_from_shapes():
 def test_compiled_model_preconditions_the_original():
     model, x = zoo.build("mlp")
     compiled = torch.compile(model)
-    pm, rep = precondfx.precondition(compiled, x)
+    pm, rep = precondfx.precondition(compiled, x, target_std=0.05)
     assert any("torch.compile" in n for n in rep.capture_notes)
     assert abs(_std(pm, x) / 0.05 - 1) < 0.02
 
@@ -64,7 +64,7 @@ def test_batch_of_one_with_batchnorm_gets_advice():
     with pytest.raises(PrecondError, match="at least two samples|calibration='eval'"):
         precondfx.precondition(model, torch.randn(1, 4))
     pm, rep = precondfx.precondition(model, torch.randn(1, 4), calibration="eval",
-                                     balance="none")
+                                     balance="none", target_std=0.05)
     assert rep.output_std_after == pytest.approx(0.05, rel=0.02)
 
 
@@ -111,7 +111,7 @@ def test_parametrized_weights_are_reported(wrap):
     lin = nn.Linear(8, 8)
     lin = getattr(P, wrap)(lin)
     model = nn.Sequential(lin, nn.ReLU(), nn.Linear(8, 3))
-    pm, rep = precondfx.precondition(model, torch.randn(16, 8))
+    pm, rep = precondfx.precondition(model, torch.randn(16, 8), target_std=0.05)
     row = next(r for r in rep.nodes if r.kind == "linear" and "parametrized" in r.reason)
     assert row is not None
     assert abs(_std(pm, torch.randn(16, 8)) / 0.05 - 1) < 0.5

@@ -134,7 +134,8 @@ def test_depth_aware_selu_coefficients(eps):
     torch.manual_seed(0)
     x = torch.randn(32, 64)
     res = precondfx.precondition(SeluNet(), x, scheme="gne",
-                                 scheme_options={"selu": "depth", "selu_epsilon": eps})
+                                 scheme_options={"selu": "depth", "selu_epsilon": eps},
+                                 target_std=0.05)
     lam, alpha = SELU_TABLE[eps]
     acts = [m for m in res.model.modules() if type(m).__name__ == "ScaledSELU"]
     assert acts and not any(isinstance(m, nn.SELU) for m in res.model.modules())
@@ -155,7 +156,8 @@ def test_depth_aware_selu_coefficients(eps):
 def test_smn_replaces_batchnorm_and_trains():
     model, x = zoo.build("vgg_bn", batch=8)
     n_bn = sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
-    res = precondfx.precondition(model, x, scheme="gne", scheme_options={"norm": "smn"})
+    res = precondfx.precondition(model, x, scheme="gne", scheme_options={"norm": "smn"},
+                                 target_std=0.05)
     out = res.model
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in out.modules())
     smn = [m for m in out.modules() if type(m).__name__ == "SecondMomentNorm"]

@@ -141,7 +141,7 @@ def test_output_scale_on_wn_zoo_model():
     for mod in model.modules():
         if isinstance(mod, nn.Linear):
             weight_norm(mod)
-    res = precondfx.precondition(model, x, scheme="wn")
+    res = precondfx.precondition(model, x, scheme="wn", target_std=0.05)
     rows = res.report.conditioning["wn"]["layers"]
     assert len(rows) == 3 and all("g =" in r["action"] for r in rows)
     with frozen(res.model, True):
