@@ -259,7 +259,7 @@ def _global_std(t: torch.Tensor, group: Any) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, sample: Any, target_std: float = 1.0, *,
+def calibrate(model: nn.Module, sample: Any, target_std: float = 0.05, *,
               output_key: str | int | None = None, mode: str = "train", group: Any = None,
               forward_kwargs: dict | None = None) -> dict[str, float]:
     """Set the output scale from a distributed forward: every rank runs its own calibration

@@ -24,7 +24,7 @@ from tests import hf_tiny  # noqa: E402
 def test_model_loss_sees_the_output_scale(name: str) -> None:
     model, batch = hf_tiny.build(name)
     fwd = hf_tiny.FORWARD[name]
-    result, report = precondfx.precondition(model, batch, **fwd)
+    result, report = precondfx.precondition(model, batch, target_std=0.05, **fwd)
     assert abs(report.output_std_after - 0.05) < 5e-3  # measured balancing may move it a bit
     result.eval()
     with torch.no_grad():
@@ -39,7 +39,8 @@ def test_model_loss_sees_the_output_scale(name: str) -> None:
 def test_labels_not_in_the_calibration_batch() -> None:
     """Preconditioned without labels, then trained with them: the loss still sees the scale."""
     model, batch = hf_tiny.build("gpt2")
-    result, _ = precondfx.precondition(model, {"input_ids": batch["input_ids"]}, use_cache=False)
+    result, _ = precondfx.precondition(model, {"input_ids": batch["input_ids"]}, use_cache=False,
+                                       target_std=0.05)
     with torch.no_grad():
         out = result.eval()(**batch, use_cache=False)
     assert float(out.logits.std()) < 0.2
@@ -64,7 +65,8 @@ class _LossInside(nn.Module):
 def test_loss_inside_forward_both_back_ends(method: str) -> None:
     torch.manual_seed(0)
     batch = {"x": torch.randn(32, 8), "labels": torch.randint(0, 6, (32,))}
-    result, report = precondfx.precondition(_LossInside(), batch, capture=method)
+    result, report = precondfx.precondition(_LossInside(), batch, capture=method,
+                                            target_std=0.05)
     assert isinstance(result, torch.fx.GraphModule) == (method == "fx")
     with torch.no_grad():
         out = result(**batch)
@@ -94,7 +96,8 @@ def test_refuses_when_the_scale_cannot_reach_the_loss() -> None:
     with pytest.raises(PrecondError, match="loss"):
         precondfx.precondition(_FunctionalHead(), {"ids": ids, "labels": ids}, capture="eager")
     # without labels the pass works, and a later call with labels fails loudly, not silently
-    result, _ = precondfx.precondition(_FunctionalHead(), {"ids": ids}, capture="eager")
+    result, _ = precondfx.precondition(_FunctionalHead(), {"ids": ids}, capture="eager",
+                                       target_std=0.05)
     with torch.no_grad():
         assert float(result(ids)["logits"].std()) < 0.2
     with pytest.raises(PrecondError, match="loss"):
@@ -159,7 +162,8 @@ def test_trainer_matches_a_plain_loop(tmp_path) -> None:
     final parameters), and the losses start where the output scale puts them (log V)."""
     pytest.importorskip("accelerate")
     model, batch = hf_tiny.build("gpt2", dropout=False)
-    pre, _ = precondfx.precondition(model, {"input_ids": batch["input_ids"]}, use_cache=False)
+    pre, _ = precondfx.precondition(model, {"input_ids": batch["input_ids"]}, use_cache=False,
+                                    target_std=0.05)
     import copy
     a, b = copy.deepcopy(pre), copy.deepcopy(pre)
     data = _lm_data(20 * 4)
