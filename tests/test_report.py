@@ -28,7 +28,7 @@ def cnn():
     torch.manual_seed(0)
     model, sample = zoo.build("maxpool_cnn")
     return model, sample, precondfx.precondition(model, sample, balance="hessian",
-                                                 measure=True)
+                                                 measure=True, target_std=0.05)
 
 
 def test_round_trip_field_by_field(cnn, tmp_path):
