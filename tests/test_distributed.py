@@ -89,7 +89,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         except precondfx.PrecondError as e:
             res["refusal"] = str(e)
         _, rep = precondfx.precondition(real, x[rank::WORLD], balance="analytic", seed=SEED,
-                                        inplace=True)
+                                        inplace=True, target_std=TARGET)
         res["pass"] = {"scale": rep.output_scale, "std_after": rep.output_std_after,
                        "full": {n: p.full_tensor() for n, p in real.named_parameters()}}
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
@@ -225,7 +225,8 @@ def test_precondition_on_a_sharded_model(sharded: list[dict]) -> None:
     single-process pass on the whole batch; measured balancing is refused (not distributed)."""
     assert all("measured balancing is not distributed" in r["refusal"] for r in sharded)
     real, x = _fresh_mlp()
-    ref, rep = precondfx.precondition(real, x, balance="analytic", seed=SEED, capture="eager")
+    ref, rep = precondfx.precondition(real, x, balance="analytic", seed=SEED, capture="eager",
+                                      target_std=TARGET)
     got = [r["pass"] for r in sharded]
     assert got[0]["scale"] == got[1]["scale"]
     assert got[0]["scale"] == pytest.approx(rep.output_scale, rel=1e-5)
