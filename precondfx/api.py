@@ -459,11 +459,12 @@ def _precondition(model: nn.Module, sample: Any, r: Resolved, *, inplace: bool, 
 def _restore_modes(result: nn.Module, modes: dict[str, bool]) -> None:
     """Give every module of the result the train/eval flag its namesake has in the user's
     model (a BatchNorm the user froze in eval stays in eval); modules the plan added follow
-    the root."""
-    result.train(modes[""])
+    their parent."""
+    flags: dict[str, bool] = {}
     for name, m in result.named_modules():
-        if name in modes:
-            m.training = modes[name]
+        parent = name.rpartition(".")[0]
+        flags[name] = modes.get(name, flags.get(parent, modes[""]))
+        m.training = flags[name]
 
 
 def _normalized_before_first_layer(g: Graph, plan: Plan) -> str | None:

@@ -52,6 +52,18 @@ class Distill(nn.Module):
         return self.student(h)
 
 
+class EnergyGrad(nn.Module):
+    """Computes with grad on even when called under no_grad (e.g. an input-gradient model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        with torch.enable_grad():
+            return self.b(torch.relu(self.a(x)))
+
+
 class TrainBranch(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -151,6 +163,23 @@ def test_no_grad_block_stays_no_grad():
     assert any("grad mode" in n for n in res.report.capture_notes)
 
 
+def test_enable_grad_block_stays_enabled():
+    torch.manual_seed(0)
+    model, x = EnergyGrad(), torch.randn(16, 6)
+    res = precondfx.precondition(model, x, balance="none", target_std=None)
+    assert not res.report.plan.scales
+    ref = _expected(model, res.model, 1.0)
+    t = torch.randn(16, 3)
+    for m in (ref, res.model):
+        with torch.no_grad():  # the user's model still builds a graph here
+            out = m(x)
+        (out * t).sum().backward()
+    for (name, p), q in zip(ref.named_parameters(), res.model.parameters()):
+        assert p.grad is not None and p.grad.abs().max() > 0
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7)
+    assert any("grad mode" in n for n in res.report.capture_notes)
+
+
 def test_training_branch_follows_the_mode():
     torch.manual_seed(0)
     model, x = TrainBranch(), torch.randn(16, 6)
@@ -202,6 +231,43 @@ def test_module_left_in_eval_stays_in_eval():
     # a BatchNorm flipped to train mode would normalize with the batch's statistics instead
     res.model.get_submodule("1").train()
     assert (res.model(x) - _run(ref, x)).abs().max() > 1e-3
+
+
+class NoisyBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return F.dropout(torch.relu(self.lin(x)), 0.5, training=self.training)
+
+
+class TwoBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.frozen, self.live, self.out = (nn.Linear(6, 16), NoisyBlock(), NoisyBlock(),
+                                                      nn.Linear(16, 3))
+
+    def forward(self, x):
+        return self.out(self.live(self.frozen(self.inp(x))))
+
+
+def test_functional_dropout_follows_its_own_module():
+    torch.manual_seed(0)
+    model, x = TwoBlocks(), torch.randn(64, 6)
+    model.train()
+    model.frozen.eval()  # the user switched this block's dropout off
+    res = _precondition(model, x)
+    assert isinstance(res.model, torch.fx.GraphModule)
+    ref = _expected(model, res.model, res.report.output_scale)
+    # `live` drops half its units in both, `frozen` none: same draws, same outputs
+    torch.manual_seed(1)
+    want = _run(ref, x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(res.model(x), want, rtol=1e-5, atol=1e-6)
+    ref.live.eval()
+    res.model.get_submodule("live").eval()
+    torch.testing.assert_close(res.model(x), _run(ref, x), rtol=1e-5, atol=1e-6)
 
 
 class Branchy(nn.Module):

@@ -65,7 +65,7 @@ class _Tracer(fx.Tracer):
         if torch.is_grad_enabled() != self._grad or \
                 torch.is_inference_mode_enabled() != self._inference:
             raise Unkeepable(f"the forward changes the grad mode (a torch.no_grad / "
-                             f"set_grad_enabled / inference_mode block), which a traced graph "
+                             f"enable_grad / inference_mode block), which a traced graph "
                              f"drops: {_KEEP}")
         return super().create_node(*args, **kwargs)
 
@@ -116,8 +116,8 @@ def _mode_following(gm: fx.GraphModule, other: fx.GraphModule) -> set[str]:
     :class:`Unkeepable` when anything else differs (a ``self.training`` branch)."""
     a, b = list(gm.graph.nodes), list(other.graph.nodes)
     follow: set[str] = set()
-    why = f"the forward traces differently in train and eval mode (a self.training branch), " \
-          f"and a traced graph would freeze one of them: {_KEEP}"
+    why = f"the forward traces differently in train and eval mode (a self.training branch) " \
+          f"or with grad on and off, and a traced graph would freeze one of them: {_KEEP}"
     if len(a) != len(b):
         raise Unkeepable(why)
     for x, y in zip(a, b):
@@ -136,8 +136,8 @@ def _mode_following(gm: fx.GraphModule, other: fx.GraphModule) -> set[str]:
 def trace(model: torch.nn.Module, sample: Sample) -> fx.GraphModule:
     """Symbolically trace ``model``; non-tensor keyword inputs become concrete arguments.
 
-    The model is traced in train and in eval mode (each module's own flag is restored after);
-    the two graphs must agree.  Functional dropout calls whose ``training`` argument follows the
+    The model is traced in train mode with grad on and in eval mode with grad off (each
+    module's own flag is restored after); the two graphs must agree.  Functional dropout calls whose ``training`` argument follows the
     mode (``F.dropout(x, p, training=self.training)``) are replaced by dropout modules so that
     the result still switches between train and eval; those with a fixed ``training`` stay as
     written.  Raises :class:`Unkeepable` for constructs a GraphModule cannot keep."""
@@ -147,7 +147,8 @@ def trace(model: torch.nn.Module, sample: Sample) -> fx.GraphModule:
         model.train(True)
         gm = _trace_once(model, concrete)
         model.train(False)
-        follow = _mode_following(gm, _trace_once(model, concrete))
+        with torch.no_grad():  # also shows torch.enable_grad() blocks and is_grad_enabled() tests
+            follow = _mode_following(gm, _trace_once(model, concrete))
     finally:
         for m, t in flags.items():
             m.training = t
@@ -165,8 +166,12 @@ def trace(model: torch.nn.Module, sample: Sample) -> fx.GraphModule:
             continue
         p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5)
         if not isinstance(p, (int, float)):
-            continue
-        path = f"precondfx_dropout_{count}"
+            raise Unkeepable(f"functional dropout {n.name} follows the train/eval mode with a "
+                             f"traced probability, which a dropout module cannot take: {_KEEP}")
+        # under the module that called it, so it follows that module's own train/eval flag
+        stack = n.meta.get("nn_module_stack") or {}
+        owner = list(stack.values())[-1][0] if stack else ""
+        path = f"{owner}.precondfx_dropout_{count}" if owner else f"precondfx_dropout_{count}"
         count += 1
         gm.add_submodule(path, cls(float(p)))
         with gm.graph.inserting_before(n):
