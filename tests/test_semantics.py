@@ -270,6 +270,34 @@ def test_functional_dropout_follows_its_own_module():
     torch.testing.assert_close(res.model(x), _run(ref, x), rtol=1e-5, atol=1e-6)
 
 
+class Counting(nn.Module):
+    """Python-side state updated by forward (a step counter, a log)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 16), nn.Linear(16, 3)
+        self.steps, self.seen = 0, []
+
+    def forward(self, x):
+        self.steps += 1
+        self.seen.append(x.shape[0])
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_python_side_effects_are_kept():
+    torch.manual_seed(0)
+    model, x = Counting(), torch.randn(16, 6)
+    res = _precondition(model, x)
+    assert (model.steps, model.seen) == (0, [])  # precondition left the user's model alone
+    _same_training(model, res, x)
+    m = res.model
+    start = m.steps
+    for n in (3, 5):
+        m(x[:n])
+    assert m.steps == start + 2 and m.seen[-2:] == [3, 5]
+    assert any("Python state" in n for n in res.report.capture_notes)
+
+
 class Branchy(nn.Module):
     def __init__(self) -> None:
         super().__init__()

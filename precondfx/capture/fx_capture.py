@@ -9,7 +9,8 @@ elsewhere are detected while tracing and make the trace fail with :class:`Unkeep
 the plan is applied to the user's own module instead (the eager back end): a custom
 ``torch.autograd.Function`` (its backward), a grad-mode change inside forward (``torch.no_grad``
 blocks), ``torch.utils.checkpoint`` (recomputation), and any difference between the graphs traced
-in train and in eval mode (``if self.training`` branches).
+in train and in eval mode (``if self.training`` branches), and changes to the modules' Python
+attributes (counters, caches).
 """
 from __future__ import annotations
 
@@ -133,6 +134,34 @@ def _mode_following(gm: fx.GraphModule, other: fx.GraphModule) -> set[str]:
     return follow
 
 
+def _python_state(model: torch.nn.Module) -> dict[tuple[str, str], Any]:
+    """A fingerprint of every module's plain Python attributes (not parameters, buffers,
+    submodules, hooks or the train flag): values of scalars, identities of other objects and
+    of the items of containers."""
+    out: dict[tuple[str, str], Any] = {}
+    for name, m in model.named_modules():
+        for k, v in vars(m).items():
+            if k.startswith("_") or k == "training":
+                continue
+            if isinstance(v, (bool, int, float, str, type(None))):
+                out[(name, k)] = ("value", v)
+            elif isinstance(v, dict):
+                out[(name, k)] = ("dict", id(v), tuple((kk, id(vv)) for kk, vv in v.items()))
+            elif isinstance(v, (list, set)):
+                out[(name, k)] = (type(v).__name__, id(v), tuple(id(x) for x in v))
+            else:
+                out[(name, k)] = ("object", id(v))
+    return out
+
+
+def _check_python_state(before: dict, after: dict) -> None:
+    changed = sorted({k for k in before.keys() | after.keys() if before.get(k) != after.get(k)})
+    if changed:
+        where = ", ".join(f"{attr} of {mod or 'the model'}" for mod, attr in changed[:5])
+        raise Unkeepable(f"the forward changes Python state ({where}: a counter, a cache, a "
+                         f"log...), which a traced graph drops: {_KEEP}")
+
+
 def trace(model: torch.nn.Module, sample: Sample) -> fx.GraphModule:
     """Symbolically trace ``model``; non-tensor keyword inputs become concrete arguments.
 
@@ -143,12 +172,14 @@ def trace(model: torch.nn.Module, sample: Sample) -> fx.GraphModule:
     written.  Raises :class:`Unkeepable` for constructs a GraphModule cannot keep."""
     concrete = {k: v for k, v in sample.kwargs.items() if not isinstance(v, torch.Tensor)}
     flags = {m: m.training for m in model.modules()}
+    state = _python_state(model)
     try:
         model.train(True)
         gm = _trace_once(model, concrete)
         model.train(False)
         with torch.no_grad():  # also shows torch.enable_grad() blocks and is_grad_enabled() tests
             follow = _mode_following(gm, _trace_once(model, concrete))
+        _check_python_state(state, _python_state(model))
     finally:
         for m, t in flags.items():
             m.training = t
