@@ -1,6 +1,6 @@
 """Time ``precondfx.onnx.precondition_onnx`` on a ResNet-50-sized ONNX model.
 
-The model is ``precondfx.zoo.resnet50(norm=True, width=64, layers=(3, 4, 6, 3),
+The model is ``tests/zoo.py: resnet50(norm=True, width=64, layers=(3, 4, 6, 3),
 num_classes=1000)`` (25.56 M parameters), exported once with ``torch.onnx.export`` (dynamo
 exporter, dynamic batch; BatchNorm is folded into the convolutions by the exporter) into a cache
 folder, then preconditioned with a batch-8 224x224 calibration batch.  The script prints the
@@ -34,7 +34,7 @@ import onnxruntime  # noqa: E402
 import torch  # noqa: E402
 
 import precondfx  # noqa: E402
-from precondfx import zoo  # noqa: E402
+from tests import zoo  # noqa: E402
 from precondfx.onnx import STAGES, precondition_onnx  # noqa: E402
 IMPORT_S = time.perf_counter() - t_import
 

@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
 import precondfx  # noqa: E402
-from precondfx import zoo  # noqa: E402
+from tests import zoo  # noqa: E402
 
 MODES = {
     "none": dict(balance="none"),

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
-from precondfx import zoo  # noqa: E402
+from tests import zoo  # noqa: E402
 
 METHODS = ["default", "fan_in", "precondfx", "lsuv", "tat"]
 

@@ -13,13 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 import traceback
 
 import torch
 
 import precondfx
-from precondfx import zoo
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests import zoo  # noqa: E402
 
 
 def _sync() -> None:

@@ -40,7 +40,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
-from precondfx import zoo  # noqa: E402
+from tests import zoo  # noqa: E402
 
 MAIN_METHODS = ["default", "fan_in", "fan_out", "xavier", "geometric", "precondfx",
                 "precondfx_hessian", "fan_in_hessian", "lsuv"]

@@ -172,10 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    d = sub.add_parser("demo", help="precondition a zoo model and print the report",
-                       description="Build a small model from precondfx.zoo, run "
+    d = sub.add_parser("demo", help="precondition a built-in model and print the report",
+                       description="Build a small model from precondfx.demo, run "
                                    "precondfx.precondition on it and print the report.")
-    d.add_argument("--model", default="maxpool_cnn", help="zoo model name (default maxpool_cnn)")
+    d.add_argument("--model", default="maxpool_cnn",
+                   help="built-in model: maxpool_cnn (default) or mlp")
     _plan_options(d, only=("seed", "balance"))
     d.add_argument("--all", action="store_true", help="show structural nodes too")
     d.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -250,11 +251,11 @@ def _plot(report: Any, path: str) -> list[str]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     progress = _Progress(args.quiet)
-    progress(f"building zoo model {args.model!r}")
+    progress(f"building demo model {args.model!r}")
     import precondfx
-    from precondfx import zoo
+    from precondfx import demo
     try:
-        model, sample = zoo.build(args.model)
+        model, sample = demo.build(args.model)
     except KeyError as e:
         raise UsageError(str(e.args[0]) if e.args else str(e)) from None
     progress("preconditioning")

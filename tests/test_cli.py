@@ -258,7 +258,7 @@ def test_plot_flag(tmp_path, capsys):
     if not callable(getattr(Report, "plot", None)):
         return
     pytest.importorskip("matplotlib")
-    code = main(["precondition", "precondfx.zoo:mlp", "-o", str(tmp_path / "m.pt"), "--quiet",
+    code = main(["precondition", "tests.zoo:mlp", "-o", str(tmp_path / "m.pt"), "--quiet",
                  "--balance", "analytic", "--plot", str(tmp_path / "p.png")])
     assert code == 0, capsys.readouterr().err
     assert (tmp_path / "p.png").stat().st_size > 1000
@@ -283,7 +283,7 @@ def test_usage_errors_and_internal_error(tmp_path, capsys, monkeypatch):
 
 def test_pytorch_entry_state_dict_and_onnx(tmp_path, capsys):
     pt = tmp_path / "m.pt"
-    assert main(["precondition", "precondfx.zoo:maxpool_cnn", "-o", str(pt), "--quiet",
+    assert main(["precondition", "tests.zoo:maxpool_cnn", "-o", str(pt), "--quiet",
                  "--balance", "analytic"]) == 0
     sd = torch.load(pt)
     assert sd["conv2.weight"].shape == (16, 8, 3, 3)
@@ -291,7 +291,7 @@ def test_pytorch_entry_state_dict_and_onnx(tmp_path, capsys):
     expected = (2 / (9 * (8 * 16) ** 0.5)) ** 0.5 * 9 ** 0.25
     assert float(sd["conv2.weight"].std()) == pytest.approx(expected, rel=0.1)
     ox = tmp_path / "m.onnx"
-    assert main(["precondition", "precondfx.zoo:mlp", "--sample-shape", "64x100", "-o",
+    assert main(["precondition", "tests.zoo:mlp", "--sample-shape", "64x100", "-o",
                  str(ox), "--quiet", "--balance", "none"]) == 0
     assert "random N(0,1) inputs of shape 64x100" in capsys.readouterr().err
     y = run(ox, {ort.InferenceSession(str(ox)).get_inputs()[0].name:
@@ -305,7 +305,7 @@ def test_flags_come_from_the_option_definition(tmp_path, capsys):
     """Every CLI option flag is built from precondfx.options; a scheme's override is noted and
     the ONNX back end refuses what needs PyTorch, before reading the file."""
     rep = tmp_path / "r.json"
-    assert main(["precondition", "precondfx.zoo:mlp", "-o", str(tmp_path / "m.pt"), "--quiet",
+    assert main(["precondition", "tests.zoo:mlp", "-o", str(tmp_path / "m.pt"), "--quiet",
                  "--scheme", "gne", "--calibration", "eval", "--report", str(rep)]) == 0
     d = json.loads(rep.read_text())
     assert d["plan"]["options"]["balance"] == "none" and d["plan"]["options"]["scheme"] == "gne"
@@ -315,7 +315,7 @@ def test_flags_come_from_the_option_definition(tmp_path, capsys):
     assert main(["precondition", src, "-o", str(tmp_path / "o.onnx"), "--scheme", "lsuv"]) == 2
     assert "scheme= other than 'geometric'" in one_error_line(capsys.readouterr().err)
     assert not (tmp_path / "o.onnx").exists()
-    assert main(["precondition", "precondfx.zoo:mlp", "-o", str(tmp_path / "m.pt"),
+    assert main(["precondition", "tests.zoo:mlp", "-o", str(tmp_path / "m.pt"),
                  "--seed", "1.5"]) == 2
     assert "pass an int" in capsys.readouterr().err
 
@@ -370,9 +370,9 @@ def test_onnxruntime_log_lines_stay_out(tmp_path, monkeypatch):
 
 def test_pt_output_loads_with_weights_only_and_says_how(tmp_path, capsys):
     import precondfx
-    from precondfx import zoo
+    from tests import zoo
     pt = tmp_path / "m.pt"
-    assert main(["precondition", "precondfx.zoo:maxpool_cnn", "-o", str(pt),
+    assert main(["precondition", "tests.zoo:maxpool_cnn", "-o", str(pt),
                  "--balance", "analytic", "--seed", "4"]) == 0
     err = capsys.readouterr().err
     assert "state_dict" in err and "weights_only=False" in err

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import precondfx
-from precondfx import optable, zoo
+from precondfx import optable
+from tests import zoo
 from tests.helpers import all_tensors, call, frozen, main, train_std
 
 NAMES = zoo.names()

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import precondfx
-from precondfx import zoo
+from tests import zoo
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 

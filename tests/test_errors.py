@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 import precondfx
-from precondfx import PrecondError, zoo
+from precondfx import PrecondError
+from tests import zoo
 
 
 def _snapshot(m):

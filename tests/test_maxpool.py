@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import precondfx
-from precondfx import zoo
+from tests import zoo
 from tests.helpers import call, frozen, main
 
 MAXPOOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import precondfx
-from precondfx import zoo
+from tests import zoo
 from precondfx.measure.sketch import hessian_sketch
 
 

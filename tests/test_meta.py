@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import precondfx
-from precondfx import zoo
+from tests import zoo
 from precondfx.compare import differences, width_invariant
 from precondfx.distributed import restore_constants
 

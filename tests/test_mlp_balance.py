@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import precondfx
-from precondfx import zoo
+from tests import zoo
 from tests.helpers import per_sample_ratios
 
 N = 4000

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import precondfx
-from precondfx import zoo
+from tests import zoo
 from precondfx.onnx import inspect_onnx, precondition_onnx
 
 MODELS = ["mlp", "strided_cnn", "maxpool_cnn", "resnet_bottleneck", "vgg_bn",

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import precondfx
-from precondfx import zoo
+from tests import zoo
 from precondfx.plan import Plan
 from tests.helpers import call, frozen, main
 

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 import precondfx
-from precondfx import PrecondError, zoo
+from precondfx import PrecondError
+from tests import zoo
 from tests.helpers import call, main, train_std
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import precondfx
-from precondfx import zoo
+from tests import zoo
 from precondfx.errors import PrecondError
 from precondfx.report import SCHEMA_VERSION, Report, _cut, _fit_unique
 

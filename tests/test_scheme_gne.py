@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import precondfx
-from precondfx import zoo
+from tests import zoo
 from tests.helpers import call, frozen, main
 
 

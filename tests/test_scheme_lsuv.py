@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import precondfx
-from precondfx import zoo
+from tests import zoo
 from tests.helpers import call, frozen, main
 
 TOL = 0.1

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
 import precondfx
-from precondfx import zoo
+from tests import zoo
 from tests.helpers import call, frozen, main
 
 

@@ -1,4 +1,4 @@
-"""Tests for precondfx.zoo: every entry builds, runs forward/backward, is seeded."""
+"""Tests for the test zoo (tests/zoo.py): every entry builds, runs forward/backward, is seeded."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from precondfx import zoo
+from tests import zoo
 
 ALL = zoo.names()
 

@@ -1,4 +1,5 @@
-"""A zoo of small PyTorch models for precondfx's tests, examples, benchmarks and demo.
+"""A zoo of small PyTorch models for precondfx's tests and benchmarks (not shipped: the
+demo's own models are in ``precondfx.demo``, registered here too).
 
 Every builder is a function ``builder(seed: int = 0, **options) -> (model, sample)``:
 
@@ -23,7 +24,7 @@ weights, several inputs, keyword inputs, dict outputs and data-dependent
 control flow.  Hugging Face ``transformers`` models (built from tiny configs,
 no downloads) are registered only when ``transformers`` can be imported.
 
->>> from precondfx import zoo
+>>> from tests import zoo
 >>> model, sample = zoo.build("mlp")
 >>> zoo.main_tensor(zoo.call(model, sample)).shape
 torch.Size([32, 10])
@@ -37,6 +38,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from precondfx import demo
 
 __all__ = [
     "ZOO",
@@ -79,11 +82,7 @@ def _register(name: str, *tags: str) -> Callable[[Builder], Builder]:
     return deco
 
 
-def _seeded(fn: Callable[[], tuple[nn.Module, Any]], seed: int) -> tuple[nn.Module, Any]:
-    """Run ``fn`` with the CPU RNG seeded to ``seed``, restoring the caller's RNG."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return fn()
+_seeded = demo._seeded
 
 
 # ---------------------------------------------------------------------------
@@ -149,29 +148,8 @@ def main_tensor(out: Any) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 
 
-class MLP(nn.Module):
-    def __init__(self, n_in: int = 100, n_out: int = 10, hidden: Sequence[int] = (384, 64)) -> None:
-        super().__init__()
-        layers: list[nn.Module] = []
-        prev = n_in
-        for h in hidden:
-            layers += [nn.Linear(prev, h), nn.ReLU()]
-            prev = h
-        layers.append(nn.Linear(prev, n_out))
-        self.net = nn.Sequential(*layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
-@_register("mlp", "linear")
-def mlp(seed: int = 0, *, n_in: int = 100, n_out: int = 10, batch: int = 32) -> tuple[nn.Module, Any]:
-    """Paper's LIBSVM MLP: Linear(n_in,384)-ReLU-Linear(384,64)-ReLU-Linear(64,n_out)."""
-
-    def make() -> tuple[nn.Module, Any]:
-        return MLP(n_in, n_out), torch.randn(batch, n_in)
-
-    return _seeded(make, seed)
+MLP = demo.MLP
+mlp = _register("mlp", "linear")(demo.mlp)
 
 
 # ---------------------------------------------------------------------------
@@ -210,44 +188,8 @@ def strided_cnn(seed: int = 0, *, image: int = 32, batch: int = 4, num_classes: 
 # ---------------------------------------------------------------------------
 
 
-class MaxPoolCNN(nn.Module):
-    """conv-relu-MaxPool2d(2) x2 (foldable), conv-relu-MaxPool2d(3,2,1) (not
-    foldable), conv-relu-F.max_pool2d(2) (functional, foldable), linear."""
-
-    def __init__(self, in_ch: int = 3, width: int = 8, image: int = 32, num_classes: int = 10) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(in_ch, width, 3, padding=1)
-        self.relu1 = nn.ReLU()
-        self.pool1 = nn.MaxPool2d(2)
-        self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1)
-        self.relu2 = nn.ReLU()
-        self.pool2 = nn.MaxPool2d(2)
-        self.conv3 = nn.Conv2d(2 * width, 2 * width, 3, padding=1)
-        self.relu3 = nn.ReLU()
-        self.pool3 = nn.MaxPool2d(3, stride=2, padding=1)  # overlapping windows: not foldable
-        self.conv4 = nn.Conv2d(2 * width, 2 * width, 3, padding=1)
-        self.relu4 = nn.ReLU()
-        side = image // 16
-        self.fc = nn.Linear(2 * width * side * side, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.pool1(self.relu1(self.conv1(x)))
-        x = self.pool2(self.relu2(self.conv2(x)))
-        x = self.pool3(self.relu3(self.conv3(x)))
-        x = F.max_pool2d(self.relu4(self.conv4(x)), 2)
-        return self.fc(torch.flatten(x, 1))
-
-
-@_register("maxpool_cnn", "conv", "maxpool")
-def maxpool_cnn(seed: int = 0, *, image: int = 32, batch: int = 4, num_classes: int = 10) -> tuple[nn.Module, Any]:
-    """CNN with two foldable MaxPool2d(2), one unfoldable MaxPool2d(3,2,1) and one F.max_pool2d."""
-    if image % 16:
-        raise ValueError("image must be a multiple of 16")
-
-    def make() -> tuple[nn.Module, Any]:
-        return MaxPoolCNN(image=image, num_classes=num_classes), torch.randn(batch, 3, image, image)
-
-    return _seeded(make, seed)
+MaxPoolCNN = demo.MaxPoolCNN
+maxpool_cnn = _register("maxpool_cnn", "conv", "maxpool")(demo.maxpool_cnn)
 
 
 # ---------------------------------------------------------------------------
