@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from precondfx import draw as core
+from precondfx.apply import shards
+from precondfx.errors import PrecondError
 from precondfx.plan import ParamInit, Plan
 
 
@@ -27,30 +29,33 @@ def moment_matched(t: torch.Tensor, std: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reinit(model: nn.Module, plan: Plan, seed: int) -> list[str]:
+def reinit(model: nn.Module, plan: Plan, seed: int, rng: str = "stream") -> list[str]:
     """Apply the plan's parameter inits to ``model``; returns the names changed.
 
     Sharded models (DTensor parameters, FSDP2 ``fully_shard``) get the same full tensors, each
-    rank writing its shard (``precondfx.distributed.reinit``).  Constants recorded by
-    ``precondition`` are written back into their buffers (a no-op unless the model went
-    through ``to_empty``)."""
-    from precondfx import distributed
-    if distributed.is_sharded(model):
-        return distributed.reinit(model, plan, seed)
-    if all(p.device.type == "meta" for p in model.parameters()):
+    rank writing its shard; ``rng="counter"`` draws each shard alone (see
+    :mod:`precondfx.distributed`).  Constants recorded by ``precondition`` are written back into
+    their buffers (a no-op unless the model went through ``to_empty``)."""
+    if rng not in shards.RNGS:
+        raise PrecondError(f"rng={rng!r} is not one of {shards.RNGS}")
+    sharded = shards.is_sharded(model)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    if not sharded and all(p.device.type == "meta" for p in model.parameters()):
         # Shapes only: nothing to write (drawing a 7B model's tensors to discard them took
         # minutes); the draw happens when reinit runs again after model.to_empty(...).
-        named = dict(model.named_parameters(remove_duplicate=False))
         return [n for n, pi in plan.inits.items() if n in named and pi.rule != "keep"]
     gen = torch.Generator().manual_seed(int(seed))
-    named = dict(model.named_parameters(remove_duplicate=False))
     changed = []
     for name, pi in plan.inits.items():
         p = named.get(name)
         if p is None:
             continue
         if pi.rule == "scale":
-            p.mul_(float(pi.std))
+            shards.local(p).mul_(float(pi.std))
+            changed.append(name)
+            continue
+        if rng == "counter" and pi.rule in shards.COUNTER_RULES:
+            shards.counter_param(p, pi, seed, name)
             changed.append(name)
             continue
         new = draw(pi, tuple(p.shape), gen)
@@ -60,10 +65,12 @@ def reinit(model: nn.Module, plan: Plan, seed: int) -> list[str]:
             new = _complex(pi, new, draw(pi, tuple(p.shape), gen))
         keep = _padding_rows(model, name, p)
         if keep is not None:  # the padding row keeps its value (zero), as PyTorch's init does
-            new = _keep_row(pi, new, keep, p.detach()[keep].to(new.dtype).cpu())
-        p.copy_(new.to(dtype=p.dtype, device=p.device))
+            # (a shard's row after to_empty holds no value yet: PyTorch's zero)
+            row = torch.zeros(new[keep].shape) if sharded else p.detach()[keep].cpu()
+            new = _keep_row(pi, new, keep, row.to(new.dtype))
+        shards.write(p, new)
         changed.append(name)
-    distributed.restore_constants(model)
+    shards.restore_constants(model)
     return changed
 
 
