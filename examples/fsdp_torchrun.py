@@ -98,7 +98,7 @@ def train(steps: int = 30, seed: int = 0) -> dict:
             losses.append(float(mean) / world)
         if rank == 0:
             print(f"output scale {calib['scale']:.4g}: output std {calib['std_after']:.4f} "
-                  f"over all ranks' batches (target 0.05)")
+                  f"over all ranks' batches (target {calib['target_std']:g})")
             print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps on {world} ranks")
         return {"rank": rank, "calib": calib, "losses": losses}
     finally:

@@ -75,14 +75,18 @@ def _global_std(t: torch.Tensor, group: Any) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, sample: Any, target_std: float = 0.05, *,
+def calibrate(model: nn.Module, sample: Any, target_std: float | None = None, *,
               output_key: str | int | None = None, mode: str = "train", group: Any = None,
               forward_kwargs: dict | None = None) -> dict[str, float]:
     """Set the output scale from a distributed forward: every rank runs its own calibration
     batch, the output's sum, sum of squares and count are all-reduced, so the std is that of
     the global batch and every rank sets the same constant.  Works without a process group
-    (one process).  Returns the stds before and after and the scale."""
+    (one process).  ``target_std=None`` takes precondition's default.  Returns the stds
+    before and after and the scale."""
     from precondfx import calibrate as cal
+    if target_std is None:
+        from precondfx.options import Options
+        target_std = Options().target_std
     if not (target_std and target_std > 0 and math.isfinite(target_std)):
         raise PrecondError(f"target_std={target_std!r} must be a positive number")
     s = make_sample(sample, forward_kwargs)
@@ -101,4 +105,4 @@ def calibrate(model: nn.Module, sample: Any, target_std: float = 0.05, *,
         rec[buf_name] = scale
     after, local = _global_std(main_output(cal.forward(model, s, mode), output_key), group)
     return {"std_before": before / current, "scale": scale, "std_after": after,
-            "local_std_after": local}
+            "target_std": target_std, "local_std_after": local}
