@@ -32,13 +32,17 @@ def _scale_input_hook(module: nn.Module, args: tuple) -> tuple:
     return args
 
 
-def _scale_output_hook(module: nn.Module, args: tuple, out: Any) -> Any:
-    s = getattr(module, PREFIX + "out_scale")
+def _times_first(out: Any, s: torch.Tensor) -> Any:
+    """``out`` with its tensor (or a tuple's first tensor) multiplied by ``s``."""
     if isinstance(out, torch.Tensor):
         return out * s
     if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
         return (out[0] * s,) + tuple(out[1:])
     return out
+
+
+def _scale_output_hook(module: nn.Module, args: tuple, out: Any) -> Any:
+    return _times_first(out, getattr(module, PREFIX + "out_scale"))
 
 
 def _root_input_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
@@ -54,12 +58,7 @@ def _root_input_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
 def _module_output_scale_hook(module: nn.Module, args: tuple, out: Any) -> Any:
     """The output scale on the module that produces the main output (e.g. ``lm_head``), so
     that everything the model computes from it inside forward (its own loss) sees it."""
-    s = getattr(module, PREFIX + "output_scale")
-    if isinstance(out, torch.Tensor):
-        return out * s
-    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-        return (out[0] * s,) + tuple(out[1:])
-    return out
+    return _times_first(out, getattr(module, PREFIX + "output_scale"))
 
 
 def _root_output_hook(module: nn.Module, args: tuple, out: Any) -> Any:

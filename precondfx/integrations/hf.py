@@ -119,11 +119,10 @@ def _factors(model: nn.Module) -> dict[str, float]:
     return fold_factors(model)
 
 
-def _fold_state_dict(module: nn.Module, state_dict: dict, prefix: str, meta: Any) -> None:
+def _rescale_state_dict(module: nn.Module, state_dict: dict, prefix: str, fold: bool) -> None:
+    """Multiply (``fold``) or divide every entry of a folded parameter (and its aliases) by
+    its factor, in place."""
     factors = _factors(module)
-    entry = getattr(getattr(module, "config", None), CONFIG_KEY, None)
-    if isinstance(entry, dict):   # constants set after precondition (meta-device calibration)
-        entry["constants"] = _constants(module)
     for first, names in _aliases(module).items():
         f = factors.get(first)
         if f is None:
@@ -131,20 +130,19 @@ def _fold_state_dict(module: nn.Module, state_dict: dict, prefix: str, meta: Any
         for n in names:
             k = prefix + n
             if k in state_dict:
-                state_dict[k] = state_dict[k] * f
+                state_dict[k] = state_dict[k] * f if fold else state_dict[k] / f
+
+
+def _fold_state_dict(module: nn.Module, state_dict: dict, prefix: str, meta: Any) -> None:
+    entry = getattr(getattr(module, "config", None), CONFIG_KEY, None)
+    if isinstance(entry, dict):   # constants set after precondition (meta-device calibration)
+        entry["constants"] = _constants(module)
+    _rescale_state_dict(module, state_dict, prefix, fold=True)
 
 
 def _unfold_state_dict(module: nn.Module, state_dict: dict, prefix: str, meta: Any,
                        strict: bool, missing: list, unexpected: list, errors: list) -> None:
-    factors = _factors(module)
-    for first, names in _aliases(module).items():
-        f = factors.get(first)
-        if f is None:
-            continue
-        for n in names:
-            k = prefix + n
-            if k in state_dict:
-                state_dict[k] = state_dict[k] / f
+    _rescale_state_dict(module, state_dict, prefix, fold=False)
 
 
 @torch.no_grad()

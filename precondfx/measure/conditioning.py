@@ -400,6 +400,17 @@ def sample_failed(e: Exception, s: Sample) -> PrecondError:
         f"precondfx.Sample(args, kwargs, batched=[...])")
 
 
+def run_sample(model: nn.Module, smp: Sample, i: int, output_fn: Callable[[Any], Any]) -> Any:
+    """``output_fn`` of the model run on sample ``i`` alone; a failure becomes
+    :func:`sample_failed`'s error (a PrecondError passes through)."""
+    try:
+        return output_fn(smp.take(i).call(model))
+    except PrecondError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised with advice
+        raise sample_failed(e, smp) from e
+
+
 # --------------------------------------------------------------------------------------------
 # model state
 # --------------------------------------------------------------------------------------------
@@ -676,12 +687,7 @@ def measure_conditioning(
                 i = s % batch
                 for c in caps:
                     c.reset()
-                try:
-                    out = output_fn(smp.take(i).call(model))
-                except PrecondError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - re-raised with advice
-                    raise sample_failed(e, smp) from e
+                out = run_sample(model, smp, i, output_fn)
                 if not isinstance(out, torch.Tensor) or not out.is_floating_point():
                     raise PrecondError("output_fn must return a floating-point tensor")
                 y = out.reshape(-1)

@@ -29,7 +29,7 @@ from torch import nn
 
 from precondfx.errors import PrecondError
 from precondfx.measure.conditioning import (Estimate, _mean_estimate, default_output_fn,
-                                            measurement_state, per_sample, sample_failed)
+                                            measurement_state, per_sample, run_sample)
 from precondfx.measure.persample import batched_sketch
 from precondfx.measure.runtime import one_thread
 from precondfx.progress import Progress
@@ -98,12 +98,7 @@ def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_s
                 return SketchResult(vals, len(per), n_cotangents, "pairs", "batched", per)
         for s in range(n_samples):
             i = s % batch
-            try:
-                y = output_fn(smp.take(i).call(model))
-            except PrecondError:
-                raise
-            except Exception as e:  # noqa: BLE001 - re-raised with advice
-                raise sample_failed(e, smp) from e
+            y = run_sample(model, smp, i, output_fn)
             grads: list[list[torch.Tensor]] = []
             for k in range(n_cotangents):
                 v = torch.randn(y.shape, generator=gen, dtype=torch.float32).to(y.device, y.dtype)
