@@ -8,6 +8,7 @@ import copy
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -15,10 +16,12 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
+from precondfx.apply.backend import Backend, conforms, contract, key_of
 from precondfx.apply.eager_apply import EagerApplier
 from precondfx.apply.fx_apply import FxApplier
+from precondfx.capture.common import make_sample
 from precondfx.graph import Graph, Node
-from precondfx.plan import Plan, PoolChange, Scale
+from precondfx.plan import ParamInit, Plan, PoolChange, Scale
 
 ALPHA, IN_SCALE, OUT_SCALE = 0.5, 2.0, 3.0
 
@@ -127,3 +130,86 @@ def test_onnx_applier_scales_and_output_constant():
     (y,) = sess.run(None, {"x": x.numpy()})
     np.testing.assert_allclose(y, _expected(model, x).numpy(), rtol=1e-5, atol=1e-6)
     assert [o.name for o in sess.get_outputs()] == ["y"]          # public names kept
+
+
+# -- the written-down contract (precondfx.apply.backend.Backend) ------------------------------
+def _onnx_applier_cls():
+    from precondfx.onnx.apply import OnnxApplier
+    return OnnxApplier
+
+
+@pytest.mark.parametrize("get", [lambda: FxApplier, lambda: EagerApplier, _onnx_applier_cls],
+                         ids=["fx", "eager", "onnx"])
+def test_each_back_end_implements_the_contract(get):
+    cls = get()
+    assert conforms(cls) == []
+    assert set(contract()) >= {"pools", "replace", "scale", "input_scale", "output_scale",
+                               "finish", "reinit", "run", "output_std", "set_constant", "probe",
+                               "rollback", "placed", "made_good"}
+    # the check itself notices a missing method and a changed signature
+    bad = type("Bad", (cls,), {"scale": lambda self, node: None, "rollback": None})
+    assert len(conforms(bad)) == 2
+
+
+def _fx_backend(model, x):
+    gm = fx.symbolic_trace(copy.deepcopy(model))
+    ShapeProp(gm).propagate(x)
+    return FxApplier(gm), make_sample(x), {"fc2": "_2", "act": "_1", "w1": "0.weight", "b1": "0.bias"}, gm
+
+
+def _eager_backend(model, x):
+    return EagerApplier(model, _graph_of_mlp()), make_sample(x), \
+        {"fc2": "fc2", "act": "act", "w1": "0.weight", "b1": "0.bias"}, model
+
+
+def _onnx_backend(model, x):
+    from precondfx.onnx.apply import OnnxApplier
+    from precondfx.onnx.normalize import normalize
+    from precondfx.onnx.pipeline import capture_model
+    m = _onnx_mlp(model)
+    cap = capture_model(m, normalize(m), {}, 5)
+    return OnnxApplier(m, cap), {"x": x.numpy()}, {"fc2": "fc2", "act": "act", "w1": "fc1.weight", "b1": "fc1.bias"}, m
+
+
+@pytest.mark.parametrize("make", [_fx_backend, _eager_backend, _onnx_backend],
+                         ids=["fx", "eager", "onnx"])
+def test_same_sequence_on_every_back_end(make):
+    """The driver's sequence on each back end: a scale, the input and output constants,
+    re-initialization from a plan (deterministic rules), a run, the output std, setting the
+    output constant, a probe and a rollback; values against plain torch."""
+    model, x = _mlp()
+    w1, b1, w2, b2 = (t.detach().clone() for t in (model[0].weight, model[0].bias,
+                                                     model[2].weight, model[2].bias))
+    be, sample, names, _ = make(model, x)
+    assert isinstance(be, Backend)
+    w, b = names["w1"], names["b1"]
+    plan = Plan({}, inits={w: ParamInit(w, "scale", 2.0, ""), b: ParamInit(b, "zeros", None, "")})
+    be.pools(plan)
+    sc = Scale("alpha", names["fc2"], "input", 0, ALPHA, "")
+    const = be.scale(sc)
+    assert const is not None and be.placed(key_of(sc)) == const
+    assert be.scale(Scale("alpha", "nope", "input", 0, 2.0, "")) is None
+    assert be.missed("alpha:nope:input:0") and be.skipped
+    assert be.input_scale(IN_SCALE)
+    out = be.output_scale([])
+    assert out is not None and be.placed("output") == out
+    be.finish()
+    assert sorted(be.reinit(plan, seed=0)) == sorted([w, b])
+
+    h = torch.relu((IN_SCALE * x) @ (2 * w1).T)            # re-initialized: W1 * 2, b1 = 0
+    want = (ALPHA * h) @ w2.T + b2
+    std = be.output_std(sample, "eval")
+    assert std == pytest.approx(float(want.double().std(correction=0)), rel=1e-5)
+    be.set_constant(out, OUT_SCALE)
+    got = be.run(sample, "eval")
+    got = got["y"] if isinstance(got, dict) else got
+    np.testing.assert_allclose(np.asarray(got), (OUT_SCALE * want).numpy(), rtol=1e-5,
+                               atol=1e-6)
+    call = (lambda fn: fn(x)) if be.name != "onnx" else (lambda fn: fn(sample))
+    probed = be.probe(call, [names["act"]])
+    np.testing.assert_allclose(np.asarray(probed[names["act"]]), h.numpy(), rtol=1e-5,
+                               atol=1e-6)
+    be.rollback()
+    if be.name == "eager":                 # the user's module is back as it was
+        assert not [b for b, _ in model.named_buffers() if "precondfx" in b]
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

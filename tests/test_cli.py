@@ -273,7 +273,7 @@ def test_usage_errors_and_internal_error(tmp_path, capsys, monkeypatch):
 
     def boom(*a, **k):
         raise RuntimeError("simulated bug")
-    monkeypatch.setattr("precondfx.onnx.pipeline.reinit", boom)
+    monkeypatch.setattr("precondfx.onnx.reinit.reinit", boom)
     assert main(["precondition", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "o.onnx"),
                  "--quiet"]) == 1
     err = capsys.readouterr().err

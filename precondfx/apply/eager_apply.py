@@ -15,7 +15,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from precondfx.apply.common import PREFIX, replacement_pool, scalar_buffer, scale_at_path
+from precondfx.apply.backend import Records, key_of
+from precondfx.apply.common import (PREFIX, TorchBackend, replacement_pool, scalar_buffer,
+                                    scale_at_path)
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
 from precondfx.plan import Plan, Scale
@@ -94,14 +96,20 @@ def _at_path(out: Any, path: list) -> Any:
     return out
 
 
-class EagerApplier:
-    """Applies pools and scales to a live module through hooks and module replacement."""
+class EagerApplier(TorchBackend, Records):
+    """The eager back end (``precondfx.apply.backend.Backend``): applies pools and scales to a
+    live module through hooks and module replacement, every change undoable (``rollback``).
+    ``run(model)`` runs the model on the sample (to find the module producing the main
+    output)."""
 
-    def __init__(self, model: nn.Module, graph: Graph) -> None:
-        self.model = model
+    name = "eager"
+
+    def __init__(self, model: nn.Module, graph: Graph,
+                 run: Callable[[nn.Module], Any] | None = None) -> None:
+        self.model = self.module = model
         self.graph = graph
-        self.applied: list[str] = []
-        self.skipped: list[tuple[str, str]] = []
+        self.runner = run
+        self._records()
         self.undo: list[Any] = []
         self.calls: dict[str, int] = {}
         for n in graph:
@@ -122,14 +130,15 @@ class EagerApplier:
     def _hook(self, handle: Any) -> None:
         self.undo.append(("hook", handle))
 
-    def _module_scale(self, path: str, where: str, value: float, what: str) -> str | None:
+    def _module_scale(self, path: str, where: str, value: float, what: str,
+                      skey: str | None = None) -> str | None:
         key = (path, where)
         bname = PREFIX + ("in_scale" if where == "input" else "out_scale")
         fqn = f"{path}.{bname}" if path else bname
         if key in self._done_modules:
             if abs(self._done_modules[key] - value) > 1e-12 * max(1.0, abs(value)):
-                self.skipped.append((what, f"module {path} already carries a different {where} "
-                                     f"scale from another call site"))
+                self._skip(skey, what, f"module {path} already carries a different {where} "
+                           f"scale from another call site")
                 return None
             return fqn
         mod = self.model.get_submodule(path)
@@ -179,31 +188,37 @@ class EagerApplier:
         return path if uses == 1 and self.calls.get(path, 0) == 0 else None
 
     def scale(self, sc: Scale) -> str | None:
-        node = self.graph.get(sc.node)
+        node, key = self.graph.get(sc.node), key_of(sc)
         what = f"{sc.tag} at {sc.where} of {sc.node}"
         if node is None:
-            self.skipped.append((what, "node not in the captured graph"))
+            self._skip(key, what, "node not in the captured graph")
             return None
         if sc.where == "operand":
             src = node.inputs[sc.index] if sc.index < len(node.inputs) else None
             path = self._upstream_module(src) if src else None
             if path is None or len(self.users.get(src, [])) != 1:
-                self.skipped.append((what, f"the {sc.tag} operand is produced by a functional op "
-                                     f"with no module to hook (capture: {self.graph.method})"))
+                self._skip(key, what, f"the {sc.tag} operand is produced by a functional op "
+                           f"with no module to hook (capture: {self.graph.method})")
                 return None
-            fqn = self._module_scale(path, "output", sc.value, what)
+            fqn = self._module_scale(path, "output", sc.value, what, key)
         elif node.module is None and sc.where in ("input", "output") and \
                 self._linear_owner(node) is not None:
-            fqn = self._module_scale(self._linear_owner(node), sc.where, sc.value, what)
+            fqn = self._module_scale(self._linear_owner(node), sc.where, sc.value, what, key)
         elif node.module is None:
-            self.skipped.append((what, f"functional call: no module to hook and no editable "
-                                 f"graph (capture: {self.graph.method})"))
+            self._skip(key, what, f"functional call: no module to hook and no editable "
+                       f"graph (capture: {self.graph.method})")
             return None
         else:
-            fqn = self._module_scale(node.module, sc.where, sc.value, what)
+            fqn = self._module_scale(node.module, sc.where, sc.value, what, key)
         if fqn is not None:
-            self.applied.append(f"{what}: {sc.value:.4g}")
+            self._done(key, f"{what}: {sc.value:.4g}", fqn)
         return fqn
+
+    def upstream_module(self, node: str) -> str | None:
+        """The module whose output is node ``node``'s value up to a positive factor (the
+        nearest single-call module upstream through homogeneous single-user ops): a scale on
+        its output is a scale on the node's (None when there is none)."""
+        return self._upstream_module(node)
 
     def pools(self, plan: Plan) -> None:
         for pc in plan.pools:
@@ -211,15 +226,15 @@ class EagerApplier:
                 continue
             node = self.graph.get(pc.node)
             if node is None or node.module is None:
-                self.skipped.append((f"maxpool {pc.node}", "functional max-pool: no module to "
-                                     f"replace and no editable graph (capture: "
-                                     f"{self.graph.method})"))
-                pc.action, pc.reason = "keep", pc.reason + "; NOT APPLIED: functional call"
+                self._skip(f"pool:{pc.node}", f"maxpool {pc.node}", "functional max-pool: no "
+                           f"module to replace and no editable graph (capture: "
+                           f"{self.graph.method})")
+                self.pool_notes[pc.node] = "NOT APPLIED: functional call"
                 continue
             if self.calls.get(node.module, 0) > 1 and pc.action != "avgpool":
-                self.skipped.append((f"maxpool {pc.node}", "the pool module is called more "
-                                     "than once"))
-                pc.action, pc.reason = "keep", pc.reason + "; NOT APPLIED: module called twice"
+                self._skip(f"pool:{pc.node}", f"maxpool {pc.node}", "the pool module is called "
+                           "more than once")
+                self.pool_notes[pc.node] = "NOT APPLIED: module called twice"
                 continue
             if pc.action == "fold":
                 conv_node = self.graph[pc.into]
@@ -227,11 +242,12 @@ class EagerApplier:
                 self.undo.append(("attr", conv, "stride", conv.stride))
                 conv.stride = tuple(pc.geometry["conv_stride"])
                 self._replace(node.module, nn.Identity())
-                self.applied.append(f"maxpool {pc.node} folded into {conv_node.module}")
+                self._done(f"pool:{pc.node}", f"maxpool {pc.node} folded into {conv_node.module}")
             else:
                 mod = replacement_pool(pc, self._like())
                 self._replace(node.module, mod)
-                self.applied.append(f"maxpool {pc.node} replaced by {type(mod).__name__}")
+                self._done(f"pool:{pc.node}",
+                           f"maxpool {pc.node} replaced by {type(mod).__name__}")
 
     def replace(self, name: str, mod: nn.Module, path: str | None = None,
                 all_calls: bool = False) -> bool:
@@ -239,16 +255,17 @@ class EagerApplier:
         be swapped, unless ``all_calls`` says every call of it gets the same replacement."""
         node = self.graph.get(name)
         if node is None or node.module is None:
-            self.skipped.append((name, f"replacement: functional call, no module to swap and no "
-                                 f"editable graph (capture: {self.graph.method})"))
+            self._skip(f"replace:{name}", name, f"replacement: functional call, no module to swap "
+                       f"and no editable graph (capture: {self.graph.method})")
             return False
         if self.calls.get(node.module, 0) > 1 and not all_calls:
-            self.skipped.append((name, f"replacement: module {node.module} is called more than "
-                                 f"once"))
+            self._skip(f"replace:{name}", name, f"replacement: module {node.module} is called "
+                       f"more than once")
             return False
         if node.module not in self._swapped:
             self._replace(node.module, mod)
             self._swapped.add(node.module)
+        self._done(f"replace:{name}", None)
         return True
 
     def _replace(self, path: str, mod: nn.Module) -> None:
@@ -261,22 +278,25 @@ class EagerApplier:
         self._register(self.model, PREFIX + "input_scale", value)
         self._hook(self.model.register_forward_pre_hook(_root_input_hook, with_kwargs=True,
                                                         prepend=True))
+        self._done("input", None, PREFIX + "input_scale")
         return [PREFIX + "input_scale"]
 
     def output_scale(self, path: list, run: Callable[[nn.Module], Any] | None = None
                      ) -> str | None:
         """The output scale, on the module whose output *is* the main output (found by running
         ``run(model)``), so that a loss the model computes from it inside forward sees the
-        scale; on the returned value otherwise (refused when the model returns a loss)."""
+        scale; on the returned value otherwise (refused when the model returns a loss).
+        ``run`` defaults to the one given to the constructor."""
+        run = run or self.runner
         found, out = self._output_module(path, run) if run is not None else (None, None)
         if found is not None:
             mod = self.model.get_submodule(found)
             self._register(mod, PREFIX + "output_scale", 1.0)
             self._hook(mod.register_forward_hook(_module_output_scale_hook))
             self.output_module = found
-            self.applied.append(f"output scale on the output of {found} (the main output): "
-                                f"everything forward computes from it, its own loss included, "
-                                f"sees the scale")
+            self._done("output", f"output scale on the output of {found} (the main output): "
+                       f"everything forward computes from it, its own loss included, sees the "
+                       f"scale", f"{found}.{PREFIX}output_scale")
             return f"{found}.{PREFIX}output_scale"
         if out is not None and internal_loss(out, path):
             raise PrecondError(LOSS_BEFORE_SCALE.replace("this preconditioned model computed",
@@ -285,6 +305,7 @@ class EagerApplier:
         setattr(self.model, PREFIX + "output_path", tuple(path))
         self.undo.append(("attrdel", self.model, PREFIX + "output_path"))
         self._hook(self.model.register_forward_hook(_root_output_hook))
+        self._done("output", None, PREFIX + "output_scale")
         return PREFIX + "output_scale"
 
     def _output_module(self, path: list, run: Callable[[nn.Module], Any]

@@ -12,7 +12,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from precondfx.apply.common import buffer_name, replacement_pool, scalar_buffer
+from precondfx.apply.backend import Records, key_of
+from precondfx.apply.common import TorchBackend, buffer_name, replacement_pool, scalar_buffer
 from precondfx.plan import Plan, Scale
 
 
@@ -51,15 +52,17 @@ def _is_tensor(n: fx.Node) -> bool:
     return tm is not None and hasattr(tm, "shape")
 
 
-class FxApplier:
-    """Applies pools and scales to a GraphModule; records what was applied and what was not."""
+class FxApplier(TorchBackend, Records):
+    """The fx back end (``precondfx.apply.backend.Backend``): applies pools and scales to a
+    GraphModule; records what was applied and what was not."""
+
+    name = "fx"
 
     def __init__(self, gm: fx.GraphModule, graph: Any = None) -> None:
-        self.gm = gm
+        self.gm = self.module = gm
         self.kinds: dict[str, str] = {n.name: n.kind for n in graph} if graph is not None else {}
         self.nodes = {n.name: n for n in gm.graph.nodes}
-        self.applied: list[str] = []
-        self.skipped: list[tuple[str, str]] = []
+        self._records()
 
     def _buffer(self, name: str, value: float) -> fx.Node:
         self.gm.register_buffer(name, scalar_buffer(value, _like(self.gm)))
@@ -73,15 +76,15 @@ class FxApplier:
 
     def scale(self, sc: Scale) -> str | None:
         """Insert one scale; returns the buffer name (None if it could not be placed)."""
-        node = self.nodes.get(sc.node)
+        node, key = self.nodes.get(sc.node), key_of(sc)
         if node is None:
-            self.skipped.append((sc.node, f"{sc.tag}: node not found in the traced graph"))
+            self._skip(key, sc.node, f"{sc.tag}: node not found in the traced graph")
             return None
         bname = buffer_name(sc.tag, sc.node, sc.index if sc.where == "operand" else None)
         if sc.where in ("input", "operand"):
             acts = _activation_args(node)
             if sc.index >= len(acts):
-                self.skipped.append((sc.node, f"{sc.tag}: operand {sc.index} not found"))
+                self._skip(key, sc.node, f"{sc.tag}: operand {sc.index} not found")
                 return None
             src = acts[sc.index]
             self._buffer(bname, sc.value)
@@ -94,7 +97,7 @@ class FxApplier:
             with self.gm.graph.inserting_after(c):
                 m = self.gm.graph.call_function(operator.mul, (node, c))
             node.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
-        self.applied.append(f"{sc.tag} {sc.value:.4g} at {sc.where} of {sc.node} ({bname})")
+        self._done(key, f"{sc.tag} {sc.value:.4g} at {sc.where} of {sc.node} ({bname})", bname)
         return bname
 
     def pools(self, plan: Plan) -> None:
@@ -113,28 +116,32 @@ class FxApplier:
                         n.op == "call_module" and n.target == node.target
                         for n in self.gm.graph.nodes):
                     self.gm.delete_submodule(str(node.target))
-                self.applied.append(f"maxpool {pc.node} folded into {conv_node.target}")
+                self._done(f"pool:{pc.node}", f"maxpool {pc.node} folded into {conv_node.target}")
                 continue
             mod = replacement_pool(pc, _like(self.gm))
             path = pc.new_param[:-len(".weight")] if pc.new_param else \
                 (str(node.target) if node.op == "call_module" else f"precondfx_pool_{pc.node}")
             self.replace(pc.node, mod, path)
-            self.applied.append(f"maxpool {pc.node} replaced by {type(mod).__name__} at {path}")
+            self._done(f"pool:{pc.node}",
+                       f"maxpool {pc.node} replaced by {type(mod).__name__} at {path}")
 
-    def replace(self, name: str, mod: torch.nn.Module, path: str, all_calls: bool = True
-                ) -> bool:
-        """Make node ``name`` a call of ``mod`` (a new submodule at ``path``) on its first
-        activation operand; the old submodule is dropped when nothing else calls it.  Each
-        call site is its own node here, so ``all_calls`` (an eager-path notion) is moot."""
+    def replace(self, name: str, mod: torch.nn.Module, path: str | None = None,
+                all_calls: bool = False) -> bool:
+        """Make node ``name`` a call of ``mod`` (a new submodule at ``path``; default: the
+        node's own module path) on its first activation operand; the old submodule is dropped
+        when nothing else calls it.  Each call site is its own node here, so ``all_calls`` (an
+        eager-path notion) is moot."""
         node = self.nodes.get(name)
         if node is None:
-            self.skipped.append((name, "replacement: node not found in the traced graph"))
+            self._skip(f"replace:{name}", name, "replacement: node not found in the traced graph")
             return False
         src = _activation_args(node)[0]
         old = str(node.target) if node.op == "call_module" else None
+        path = path or old or f"precondfx_{name}"
         if old == path:
             _set_submodule(self.gm, path, mod)
             node.args, node.kwargs = (src,), {}
+            self._done(f"replace:{name}", None)
             return True
         self.gm.add_submodule(path, mod)
         with self.gm.graph.inserting_before(node):
@@ -145,6 +152,7 @@ class FxApplier:
         if old is not None and not any(n.op == "call_module" and n.target == old
                                        for n in self.gm.graph.nodes):
             self.gm.delete_submodule(old)
+        self._done(f"replace:{name}", None)
         return True
 
     def input_scale(self, value: float) -> list[str]:
@@ -167,6 +175,7 @@ class FxApplier:
                 m = self.gm.graph.call_function(operator.mul, (n, c))
             n.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
             names.append(b)
+        self._done("input", None, names[0] if names else None)
         return names
 
     def output_scale(self, path: list) -> str | None:
@@ -179,7 +188,7 @@ class FxApplier:
         for k in path:
             target = target[k]
         if not isinstance(target, fx.Node):
-            self.skipped.append(("output", "main output is not a graph value"))
+            self._skip("output", "output", "main output is not a graph value")
             return None
         node = self._producer(target)
         b = buffer_name("output", "scale")
@@ -189,9 +198,9 @@ class FxApplier:
         with self.gm.graph.inserting_after(c):
             m = self.gm.graph.call_function(operator.mul, (node, c))
         node.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
-        self.applied.append(f"output scale at the output of {node.name} (the main output"
-                            f"{'' if node is target else ' up to ' + target.name}): every use "
-                            f"inside forward sees it")
+        self._done("output", f"output scale at the output of {node.name} (the main output"
+                   f"{'' if node is target else ' up to ' + target.name}): every use inside "
+                   f"forward sees it", b)
         return b
 
     def _producer(self, node: fx.Node) -> fx.Node:
@@ -240,3 +249,6 @@ class FxApplier:
             n.type = None
         self.gm.graph.lint()
         self.gm.recompile()
+
+    def rollback(self) -> None:
+        """Nothing to undo: the fx back end edits a new GraphModule, never the user's model."""

@@ -1,7 +1,6 @@
-"""Carry a plan out on an ONNX graph (onnx-ir), with the PyTorch appliers' interface.
-
-``pools(plan)``, ``scale(sc)``, ``input_scale(v)``, ``output_scale(path)``, ``finish()``, and the
-``applied``/``skipped`` lists, as in ``apply/fx_apply.py`` and ``apply/eager_apply.py``.
+"""Carry a plan out on an ONNX graph (onnx-ir): the ONNX back end of
+``precondfx.apply.backend.Backend``, the contract ``apply/fx_apply.py`` and
+``apply/eager_apply.py`` implement too.
 
 * A scale is a ``Mul`` by a 0-d initializer in the dtype of the value it scales, inserted on the
   node's activation operand (alpha, residual s), after a graph input (input scale) or before a
@@ -24,6 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from precondfx.outputs import pick_main
+from precondfx.apply.backend import Records, key_of
 from precondfx.apply.common import PREFIX
 from precondfx.errors import PrecondError
 from precondfx.onnx.capture import Captured
@@ -43,17 +43,24 @@ def _safe(s: str) -> str:
     return re.sub(r"[^0-9a-zA-Z_.]", "_", s).strip("_") or "v"
 
 
-class OnnxApplier:
-    """Applies pools and scales to an onnx-ir model; records what was applied and what not."""
+class OnnxApplier(Records):
+    """The ONNX back end: applies pools and scales to an onnx-ir model; records what was
+    applied and what not.  Its samples are feeds (input name -> numpy array); it runs the
+    in-memory model with onnxruntime (Dropout training off)."""
+
+    name = "onnx"
+    #: the output constant is a Mul on the graph output: its std scales exactly with it
+    rerun_after_scale = False
 
     def __init__(self, model: ir.Model, cap: Captured, seed: int = 0) -> None:
         self.model = model
         self.g = model.graph
         self.cap = cap
         self.nodes: dict[str, ir.Node] = dict(cap.nodes)
-        self.applied: list[str] = []
-        self.skipped: list[tuple[str, str]] = []
+        self._records()
         self.seed = seed
+        #: shape of the main output on the calibration feed (``output_std``), for ``verify``
+        self.calib_shape: tuple[int, ...] | None = None
         self.output_scale_name: str | None = None
         self.output_value: ir.Value | None = None
         self.new_params: list[str] = []
@@ -113,21 +120,21 @@ class OnnxApplier:
     # -- scales ------------------------------------------------------------------------------
     def scale(self, sc: Scale) -> str | None:
         """Insert one scale; returns the constant's initializer name (None if not placed)."""
-        node = self.nodes.get(sc.node)
+        node, key = self.nodes.get(sc.node), key_of(sc)
         what = f"{sc.tag} at {sc.where} of {sc.node}"
         if node is None:
-            self.skipped.append((what, "node not found in the ONNX graph"))
+            self._skip(key, what, "node not found in the ONNX graph")
             return None
         base = f"{PREFIX}{sc.tag}_{_safe(sc.node)}"
         if sc.where in ("input", "operand"):
             slots = self.cap.act_index.get(sc.node, [])
             if sc.index >= len(slots):
-                self.skipped.append((what, f"activation operand {sc.index} not found"))
+                self._skip(key, what, f"activation operand {sc.index} not found")
                 return None
             slot = slots[sc.index]
             x = node.inputs[slot]
             if x is None:
-                self.skipped.append((what, f"input {slot} is empty"))
+                self._skip(key, what, f"input {slot} is empty")
                 return None
             c = self._const(base + (f"_{sc.index}" if sc.where == "operand" else ""), sc.value,
                             x)
@@ -140,7 +147,8 @@ class OnnxApplier:
             m = self._mul_node(out, c, f"{out.name}_{sc.tag}", f"{base}_mul")
             self.g.insert_after(node, m)
             self._redirect(out, m.outputs[0], exclude=m)
-        self.applied.append(f"{sc.tag} {sc.value:.4g} at {sc.where} of {sc.node} ({c.name})")
+        self._done(key, f"{sc.tag} {sc.value:.4g} at {sc.where} of {sc.node} ({c.name})",
+                   c.name)
         return c.name
 
     def _redirect(self, old: ir.Value, new: ir.Value, exclude: ir.Node | None = None) -> None:
@@ -176,7 +184,9 @@ class OnnxApplier:
             names.append(c.name)
             self.applied.append(f"input scale {value:.4g} on {v.name} ({c.name})")
         if not names:
-            self.skipped.append(("input scale", "no floating-point input to scale"))
+            self._skip("input", "input scale", "no floating-point input to scale")
+        else:
+            self._done("input", None, names[0])
         return names
 
     def main_output(self, path: list) -> tuple[int, ir.Value]:
@@ -208,8 +218,8 @@ class OnnxApplier:
     def output_scale(self, path: list) -> str | None:
         i, out = self.main_output(path)
         if out.is_graph_input() or out.is_initializer() or out.producer() is None:
-            self.skipped.append(("output scale", f"output {out.name!r} is a graph input or a "
-                                 f"constant, not computed by a node"))
+            self._skip("output", "output scale", f"output {out.name!r} is a graph input or a "
+                       f"constant, not computed by a node")
             return None
         public = out.name
         c = self._const(f"{PREFIX}output_scale", 1.0, out)
@@ -223,6 +233,7 @@ class OnnxApplier:
         new.name = public
         self.output_scale_name = c.name
         self.output_value = new
+        self._done("output", None, c.name)
         return c.name
 
     # -- pools -------------------------------------------------------------------------------
@@ -232,8 +243,8 @@ class OnnxApplier:
                 continue
             node = self.nodes.get(pc.node)
             if node is None:
-                self.skipped.append((f"maxpool {pc.node}", "node not in the ONNX graph"))
-                pc.action, pc.reason = "keep", pc.reason + "; NOT APPLIED: node not found"
+                self._skip(f"pool:{pc.node}", f"maxpool {pc.node}", "node not in the ONNX graph")
+                self.pool_notes[pc.node] = "NOT APPLIED: node not found"
                 continue
             if pc.action == "fold":
                 self._fold(pc, node)
@@ -263,8 +274,8 @@ class OnnxApplier:
         else:
             self._redirect(out, x)
         self.g.remove(pool, safe=True)
-        self.applied.append(f"maxpool {pc.node} folded into {pc.into} (strides "
-                            f"{list(pc.geometry['conv_stride'])})")
+        self._done(f"pool:{pc.node}", f"maxpool {pc.node} folded into {pc.into} (strides "
+                   f"{list(pc.geometry['conv_stride'])})")
 
     def _replace_output_value(self, old: ir.Value, new: ir.Value) -> None:
         """``old`` is a graph output produced by a node that goes away: ``new`` takes its
@@ -344,8 +355,8 @@ class OnnxApplier:
         new = ir.Node("", "Conv", [x, vals[0], vals[1]], attributes=attrs,
                       outputs=[ir.Value()], name=self._fresh(f"{pool.name}.conv", self._names))
         self._swap_node(pool, new)
-        self.applied.append(f"maxpool {pc.node} replaced by a strided Conv {c}->{c} "
-                            f"(weight {wname})")
+        self._done(f"pool:{pc.node}", f"maxpool {pc.node} replaced by a strided Conv {c}->{c} "
+                   f"(weight {wname})")
 
     def _replace_avg(self, pc: PoolChange, pool: ir.Node) -> None:
         geo = pc.geometry
@@ -359,18 +370,75 @@ class OnnxApplier:
         new = ir.Node("", "AveragePool", [pool.inputs[0]], attributes=attrs,
                       outputs=[ir.Value()], name=self._fresh(f"{pool.name}.avg", self._names))
         self._swap_node(pool, new)
-        self.applied.append(f"maxpool {pc.node} replaced by AveragePool")
+        self._done(f"pool:{pc.node}", f"maxpool {pc.node} replaced by AveragePool")
+
+    def replace(self, name: str, mod: Any, path: str | None = None,
+                all_calls: bool = False) -> bool:
+        """Module replacements (schemes) need the PyTorch model: never done here."""
+        self._skip(f"replace:{name}", name, "replacement: a module replacement needs the PyTorch "
+                   "model (schemes run on the PyTorch back ends only)")
+        return False
 
     def finish(self) -> None:
         """Nothing to recompile: the graph stays topologically sorted by construction."""
         return None
 
-    # -- after calibration -------------------------------------------------------------------
+    def rollback(self) -> None:
+        """Nothing to undo: the model is an in-memory copy of the file, which is not written
+        until every stage has passed (``precondfx.onnx.io.Staging``)."""
+        return None
+
+    # -- re-initialization and runs ----------------------------------------------------------
+    def reinit(self, plan: Plan, seed: int) -> list[str]:
+        """``precondfx.onnx.reinit.reinit``: the plan's inits drawn with numpy."""
+        from precondfx.onnx.reinit import reinit
+        return reinit(self.model, plan, seed)
+
+    def run(self, sample: Any, mode: str) -> dict[str, np.ndarray]:
+        """Every graph output on the feed ``sample`` (name -> array); ``mode`` does not apply
+        (an ONNX graph runs as exported, Dropout training off)."""
+        from precondfx.onnx import calibrate as cal
+        sess = cal.session_for_model(self.model)
+        names = [o.name for o in sess.get_outputs()]
+        return dict(zip(names, cal.run(sess, sample, names)))
+
+    def output_std(self, sample: Any, mode: str, key: Any = None) -> float:
+        """Std of the output the output constant scales (the main output)."""
+        from precondfx.onnx import calibrate as cal
+        name = self.output_value.name if self.output_value is not None else \
+            self.main_output([key] if key is not None else [])[1].name
+        std, self.calib_shape = cal.measure_model(self.model, sample, name)
+        return std
+
+    def set_constant(self, name: str, value: float) -> None:
+        v = self.g.initializers[name]
+        v.const_value = scalar_tensor(value, v.dtype, name)
+
     def set_output_scale(self, value: float) -> None:
-        if self.output_scale_name is None:
-            return
-        v = self.g.initializers[self.output_scale_name]
-        v.const_value = scalar_tensor(value, v.dtype, self.output_scale_name)
+        """The output constant (``output_scale``) set to ``value``."""
+        if self.output_scale_name is not None:
+            self.set_constant(self.output_scale_name, value)
+
+    def probe(self, run: Any, names: list[str]) -> dict[str, np.ndarray]:
+        """Values of the named nodes' (first) outputs while ``run(fn)`` calls ``fn(feeds)``:
+        the model is run with those values as extra graph outputs (then removed again)."""
+        from precondfx.onnx import calibrate as cal
+        want = {n: self.nodes[n].outputs[0] for n in names if n in self.nodes}
+        extra = [v for v in want.values() if not v.is_graph_output()]
+        self.g.outputs.extend(extra)
+        try:
+            sess = cal.session_for_model(self.model)
+        finally:
+            for _ in extra:
+                self.g.outputs.pop()
+        got: dict[str, np.ndarray] = {}
+
+        def fn(feeds: Any) -> Any:
+            outs = cal.run(sess, feeds, [v.name for v in want.values()])
+            got.update(zip(want, outs))
+            return outs
+        run(fn)
+        return got
 
 
 def dropout_training_off(model: ir.Model) -> Any:

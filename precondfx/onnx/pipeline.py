@@ -1,58 +1,39 @@
-"""The ONNX pipeline: load -> normalize -> capture -> classify -> plan -> apply -> reinit ->
-calibrate -> save -> verify -> report, the stages of ``precondfx.api.precondition``.
+"""The ONNX pipeline: the stage list ``precondition_onnx`` runs, and its ONNX-only stages.
 
-The classification, the plan and the report are the shared ones (``precondfx.classify``,
-``precondfx.plan.make_plan``, ``precondfx.report.Report``); only reading the graph, carrying the
-plan out and running the model are ONNX-specific.  Nothing is written until the rewritten model
-has been calibrated, saved to a temporary folder next to the output, checked with
-``onnx.checker`` (full check) and run again by onnxruntime; then it is moved into place.  On any
-error the output path is left as it was.
+    load -> normalize -> capture -> plan -> apply -> reinit -> calibrate -> save -> verify
+    -> commit
+
+``plan``, ``apply``, ``reinit`` and ``calibrate`` are the shared stages of ``precondfx.driver``
+(the PyTorch pipeline runs them too, over ``precondfx.apply.backend.Backend``; here the back
+end is ``precondfx.onnx.apply.OnnxApplier``); the classification, the plan and the report are
+the shared ones.  Only reading the graph, the calibration data, saving and checking the file
+are ONNX-specific.  Nothing is written until the rewritten model has been calibrated, saved to
+a temporary folder next to the output, checked with ``onnx.checker`` (full check) and run again
+by onnxruntime; then it is moved into place.  On any error the output path is left as it was.
 """
 from __future__ import annotations
 
-import time
-import warnings
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 
-from precondfx import calibrate as core_cal
+from precondfx import driver
 from precondfx.classify import classify
+from precondfx.driver import Stage, State
 from precondfx.errors import PrecondError
 from precondfx.onnx import calibrate as cal
 from precondfx.onnx import io
 from precondfx.onnx.apply import OnnxApplier
 from precondfx.onnx.capture import Captured, infer_shapes, symbolic_values, to_graph
 from precondfx.onnx.normalize import NormalizeInfo, normalize
-from precondfx.onnx.reinit import reinit
 from precondfx.options import DEFAULTS as D
 from precondfx.options import REFUSE, Options, Resolved, Rule, Support
-from precondfx.plan import Plan, Scale, make_plan
+from precondfx.plan import make_plan
 from precondfx.schemes.base import resolve_options
 from precondfx.report import Report
-
-STAGES = ("load", "normalize", "capture", "plan", "apply", "reinit", "calibrate", "save",
-          "verify")
-
-
-class _Clock:
-    def __init__(self, progress: Callable[[str, float], None] | None) -> None:
-        self.t0 = time.perf_counter()
-        self.last = self.t0
-        self.times: dict[str, float] = {}
-        self.progress = progress
-
-    def start(self, stage: str) -> None:
-        if self.progress is not None:
-            self.progress(stage, time.perf_counter() - self.t0)
-        self.last = time.perf_counter()
-
-    def stop(self, stage: str) -> None:
-        now = time.perf_counter()
-        self.times[stage] = self.times.get(stage, 0.0) + now - self.last
-        self.last = now
 
 
 AUTO_NOTE = ("balance='auto' measures Hessian blocks through the PyTorch model; for an ONNX "
@@ -111,20 +92,6 @@ def capture_model(model: ir.Model, norm: NormalizeInfo, bindings: dict[str, int]
     return cap
 
 
-def _input_scale(opts: Options, plan: Plan, feeds: io.Feeds | None) -> float | None:
-    """Sec. 6.3 input scale: a number, or 'auto' from the first layer's fans and the feed
-    (the same rule as ``precondfx.api._input_scale``, applied to the numpy feed)."""
-    if opts.input_scale is None:
-        return None
-    from precondfx.api import _input_scale as core_input_scale
-    from precondfx.capture.common import Sample
-    import torch
-    arrays = [] if feeds is None else [a for a in feeds.arrays.values()
-                                       if a.dtype.kind == "f" or a.dtype.kind == "V"]
-    tensors = tuple(torch.from_numpy(np.asarray(a, dtype=np.float32)) for a in arrays)
-    return core_input_scale(opts, plan, Sample(tensors, {}))
-
-
 def _notes(model: ir.Model, norm: NormalizeInfo) -> list[str]:
     notes = []
     prod = " ".join(x for x in (model.producer_name, model.producer_version) if x)
@@ -154,6 +121,114 @@ def inspect_onnx(path: str, *, dims: Mapping[str, int] | None = None, batch: int
     return Report.from_graph(cap.graph, plan)
 
 
+@dataclass
+class OnnxState(State):
+    """The ONNX run: the paths, the calibration data, the in-memory model, the staged file."""
+
+    in_path: str = ""
+    out_path: str = ""
+    given: dict = field(default_factory=dict)        # feeds given as arrays
+    calib: str | None = None
+    calib_inputs: Any = None
+    dims: Any = None
+    batch: int | None = None
+    external_data: str = "auto"
+    check: bool = True                               # verify the saved file
+    model: ir.Model | None = None
+    had_external: bool = False
+    norm: NormalizeInfo | None = None
+    specs: list = field(default_factory=list)        # the real graph inputs
+    feeds: io.Feeds | None = None
+    captured: Captured | None = None
+    staging: io.Staging | None = None
+
+
+def load(st: OnnxState) -> None:
+    st.model = io.load(st.in_path)
+    io.check_paths(st.in_path, st.out_path, st.model)
+    st.had_external = io.has_external_data(st.model)
+
+
+def normalize_stage(st: OnnxState) -> None:
+    """Normalize the graph; the calibration feeds (random N(0, 1) for inputs without data)."""
+    st.norm = normalize(st.model)
+    st.specs = io.real_inputs(st.model)
+    dimmap = io.parse_dims(st.dims)
+    io.check_dims(st.specs, dimmap)
+    given = io.load_calibration(st.specs, st.calib, st.calib_inputs)
+    given.update(st.given)
+    try:
+        st.feeds = io.resolve_feeds(st.specs, given, dims=dimmap, batch=st.batch,
+                                    seed=st.opts.seed)
+    except PrecondError:
+        if st.opts.target_std is not None or st.opts.input_scale == "auto":
+            raise
+    st.sample = st.feeds.arrays if st.feeds is not None else None
+    if st.feeds is not None and st.opts.input_scale == "auto":
+        import torch
+        st.input_tensors = [torch.from_numpy(np.asarray(a, dtype=np.float32))
+                            for a in st.feeds.arrays.values() if a.dtype.kind in "fV"]
+
+
+def capture_stage(st: OnnxState) -> None:
+    b, leading = _bindings(st.model, st.feeds, io.parse_dims(st.dims), st.batch)
+    st.captured = capture_model(st.model, st.norm, b, leading)
+    st.graph, st.params = st.captured.graph, st.captured.params
+    st.graph.notes.extend(_notes(st.model, st.norm) + st.resolved.notes())
+    if st.feeds is not None:
+        st.graph.notes.extend(st.feeds.notes)
+    driver.has_work(st.graph, "Conv, Gemm, MatMul with a weight initializer...")
+
+
+def backend(st: OnnxState) -> None:
+    st.backend = OnnxApplier(st.model, st.captured, st.opts.seed)
+    st.result = st.model
+    key = st.opts.output_key
+    st.main_path = [key] if key is not None else []
+
+
+def save(st: OnnxState) -> None:
+    """Save into a temporary folder next to the output (removed again on failure)."""
+    st.staging = io.Staging(st.out_path)
+    st.undo.append(st.staging.cleanup)
+    st.staging.save(st.model, io.save_policy(st.model, st.external_data, st.had_external))
+
+
+def verify(st: OnnxState) -> None:
+    """``onnx.checker`` and an onnxruntime run of the saved file."""
+    be = st.backend
+    out_name = be.output_value.name if be.output_value is not None else None
+    check = verify_saved(st.staging.path, st.specs, st.feeds, out_name, in_path=st.in_path,
+                         calib_shape=be.calib_shape)
+    st.report.capture_notes.append(check["note"])
+    st.report.verification = check
+
+
+def commit(st: OnnxState) -> None:
+    """Move the checked file into place."""
+    st.staging.commit()
+    st.staging.cleanup()
+
+
+#: what ``precondition_onnx`` runs (``driver.run``)
+PIPELINE = (
+    Stage("load", load, ensures=("model",)),
+    Stage("normalize", normalize_stage),
+    Stage("capture", capture_stage, ensures=("graph",)),
+    driver.PLAN,
+    Stage("apply", backend, ensures=("backend",)),
+    driver.APPLY,
+    driver.REINIT,
+    Stage("input", driver.record_input_scale),
+    driver.CALIBRATE,
+    Stage("save", save),
+    Stage("verify", verify, when=lambda st: st.check),
+    Stage("commit", commit),
+)
+#: the stage names, in order (``report.stage_seconds``)
+STAGES = tuple(dict.fromkeys(s.name for s in PIPELINE))
+
+
 def precondition_onnx(in_path: str, out_path: str, *,
                       feeds: Mapping[str, Any] | None = None,
                       calib: str | None = None,
@@ -162,7 +237,7 @@ def precondition_onnx(in_path: str, out_path: str, *,
                       batch: int | None = None, external_data: str = "auto",
                       verify: bool = True,
                       progress: Callable[[str, float], None] | None = None,
-                      **options: Any) -> Report:
+                      verbose: bool = False, **options: Any) -> Report:
     """Rewrite the ONNX model at ``in_path`` so that it starts well conditioned and write it to
     ``out_path``; returns the report.
 
@@ -175,112 +250,15 @@ def precondition_onnx(in_path: str, out_path: str, *,
     (``balance='hessian'``, ``measure``, other schemes and capture methods need PyTorch and are
     refused; ``'auto'`` uses the analytic constants, with a note).  ``external_data``: 'auto' (as the
     input, or when the weights exceed 1.8 GB), 'always' or 'never'.  The stage timings are in
-    ``report.stage_seconds``.
+    ``report.stage_seconds``; ``progress(stage, seconds)`` is called as each stage starts, and
+    ``verbose`` prints the progress lines.
     """
-    clock = _Clock(progress)
     r = _options(options)
-    opts, opt_notes = r.options, r.notes()
-    target_std, input_scale, output_key, seed = (opts.target_std, opts.input_scale,
-                                                 opts.output_key, opts.seed)
     io.check_output_name(out_path)
-    clock.start("load")
-    model = io.load(in_path)
-    io.check_paths(in_path, out_path, model)
-    had_external = io.has_external_data(model)
-    clock.stop("load")
-
-    clock.start("normalize")
-    norm = normalize(model)
-    inputs = io.real_inputs(model)
-    need_data = target_std is not None or input_scale == "auto"
-    dimmap = io.parse_dims(dims)
-    io.check_dims(inputs, dimmap)
-    given = io.load_calibration(inputs, calib, calib_inputs)
-    given.update(feeds or {})
-    if need_data:
-        fe = io.resolve_feeds(inputs, given, dims=dimmap, batch=batch, seed=seed)
-    else:
-        try:
-            fe = io.resolve_feeds(inputs, given, dims=dimmap, batch=batch, seed=seed)
-        except PrecondError:
-            fe = None
-    clock.stop("normalize")
-
-    clock.start("capture")
-    b, leading = _bindings(model, fe, dimmap, batch)
-    cap = capture_model(model, norm, b, leading)
-    g = cap.graph
-    g.notes.extend(_notes(model, norm) + opt_notes)
-    if fe is not None:
-        g.notes.extend(fe.notes)
-    if not any(n.status == "weighted" for n in g) and not any(n.kind == "maxpool" for n in g):
-        raise PrecondError("the model has no weighted layer (Conv, Gemm, MatMul with a weight "
-                           "initializer...): there is nothing to precondition")
-    clock.stop("capture")
-
-    clock.start("plan")
-    plan = make_plan(g, cap.params, opts)
-    plan.notes.extend(opt_notes)
-    clock.stop("plan")
-
-    clock.start("apply")
-    applier = OnnxApplier(model, cap, seed)
-    applier.pools(plan)
-    for sc in plan.scales:
-        applier.scale(sc)
-    in_scale = _input_scale(opts, plan, fe)
-    if in_scale is not None:
-        applier.input_scale(in_scale)
-    out_const = applier.output_scale([output_key] if output_key is not None else []) \
-        if target_std is not None else None
-    applier.finish()
-    clock.stop("apply")
-
-    clock.start("reinit")
-    # always: with reinit=False the plan holds 'scale' rules (weights divided by their alpha)
-    reinit(model, plan, seed)
-    clock.stop("reinit")
-
-    report = Report.from_graph(g, plan)
-    report.applied, report.skipped = applier.applied, applier.skipped
-    report.input_scale = in_scale
-    if in_scale is not None:
-        plan.scales.append(Scale("input", "input", "input", 0, in_scale, "input scale (Sec. 6.3)"))
-
-    external = io.save_policy(model, external_data, had_external)
-    out_name = applier.output_value.name if applier.output_value is not None else None
-    with io.Staging(out_path) as st:
-        std = scale = calib_shape = None
-        if out_const is not None:
-            clock.start("calibrate")
-            std, calib_shape = cal.measure_model(model, fe.arrays, out_name)
-            scale = core_cal.solve_output_scale(std, target_std)
-            applier.set_output_scale(scale)
-            clock.stop("calibrate")
-        clock.start("save")
-        st.save(model, external)
-        clock.stop("save")
-        if std is not None:
-            report.output_std_before, report.target_std, report.output_scale = \
-                std, target_std, scale
-            warn = core_cal.scale_warning(std, scale)
-            if warn:
-                warnings.warn(f"precondfx: {warn}", RuntimeWarning, stacklevel=2)
-                report.skipped.append(("warning: output scale", warn))
-            report.output_std_after = std * scale
-            plan.scales.append(Scale("output", "output", "output", 0, scale,
-                                     f"output std {std:.4g} -> {target_std}"))
-        if verify:
-            clock.start("verify")
-            check = verify_saved(st.path, inputs, fe, out_name, in_path=in_path,
-                                 calib_shape=calib_shape)
-            clock.stop("verify")
-            report.capture_notes.append(check["note"])
-            report.verification = check
-        st.commit()
-    report.stage_seconds = dict(clock.times)
-    report.stage_seconds["total"] = sum(clock.times.values())
-    return report
+    st = OnnxState(r, verbose=verbose, progress=progress, in_path=in_path, out_path=out_path,
+                   given=dict(feeds or {}), calib=calib, calib_inputs=calib_inputs, dims=dims,
+                   batch=batch, external_data=external_data, check=verify)
+    return driver.run(PIPELINE, st).report
 
 
 def verify_saved(path: str, inputs: list[io.InputSpec], fe: io.Feeds | None,

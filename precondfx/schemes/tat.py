@@ -1077,13 +1077,13 @@ def architecture(model: nn.Module, sample: Any, *, maxpool: str = "stride",
                                                                "eager")) -> Analysis:
     """The TAT/DKS analysis of a model without changing it: its per-location architecture
     expression(s), activations and joins (raises what ``scheme='tat'`` would refuse)."""
-    from precondfx.api import _capture_classify, _prepare
     from precondfx import calibrate as cal
+    from precondfx.pipeline import capture_classify, prepare_sample
     from precondfx.plan import make_plan
     opts = Options(maxpool=maxpool, balance="none", residual="none")
-    model, s, notes = _prepare(model, sample, {}, opts, capture, "train")
+    model, s, notes = prepare_sample(model, sample, {})
     cal.forward(model, s, "train")
-    cap, infos = _capture_classify(model, s, capture, "train", notes)
+    cap, infos = capture_classify(model, s, capture, "train", notes)
     plan = make_plan(cap.graph, infos, opts)
     return analyze_graph(cap.graph, plan, shortcut_weight)
 

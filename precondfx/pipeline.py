@@ -1,0 +1,364 @@
+"""The PyTorch pipeline: the stage list ``precondition`` runs, and its PyTorch-only stages.
+
+    prepare -> capture -> plan -> backend -> apply -> reinit -> scheme -> calibrate
+    -> balance -> measure -> verify -> record
+
+``plan``, ``apply``, ``reinit``, ``scheme`` and ``calibrate`` are the shared stages of
+``precondfx.driver`` (the ONNX pipeline runs them too); the others need the PyTorch model.
+``driver.run`` times each stage, prints progress and, when a stage fails with
+``inplace=True``, puts the user's module back as it was.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from precondfx import calibrate as cal
+from precondfx import distributed, driver
+from precondfx.apply.common import output_path
+from precondfx.apply.eager_apply import EagerApplier
+from precondfx.apply.fx_apply import FxApplier
+from precondfx.balance import balance_measured, held_out
+from precondfx.capture import meta
+from precondfx.capture.common import Sample, make_sample
+from precondfx.capture.ladder import Captured, capture
+from precondfx.checks import check_model
+from precondfx.classify import classify
+from precondfx.driver import Stage, State
+from precondfx.errors import PrecondError
+from precondfx.folding import record
+from precondfx.plan import ParamInfo, Scale
+from precondfx.report import Report
+from precondfx.verify import measure_report, verify_result
+
+
+@dataclass
+class TorchState(State):
+    """The PyTorch run: the user's model, the working copy, what a rollback restores."""
+
+    model: Any = None                # the user's model (unwrapped)
+    raw_sample: Any = None
+    forward_kwargs: dict = field(default_factory=dict)
+    inplace: bool = False
+    work: nn.Module | None = None    # the module rewritten (a copy unless inplace)
+    captured: Captured | None = None
+    dtype: torch.dtype | None = None  # a float16/bfloat16 model's dtype (computed in float32)
+    modes: dict[str, bool] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def unwrap(model: Any) -> tuple[nn.Module, list[str]]:
+    """The module to precondition (a ``torch.compile`` wrapper's original), with notes."""
+    notes = []
+    if not isinstance(model, nn.Module):
+        raise PrecondError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+        notes.append("model was wrapped by torch.compile: the original module was preconditioned "
+                     "(compile the result again)")
+        model = model._orig_mod
+    return model, notes
+
+
+def float_dtype(model: nn.Module) -> torch.dtype | None:
+    dts = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return dts.pop() if len(dts) == 1 else None
+
+
+def prepare_sample(model: Any, sample: Any, forward_kwargs: dict | None
+                   ) -> tuple[nn.Module, Sample, list[str]]:
+    """The unwrapped, checked model and the sample in the dtype and device the pass computes
+    in, with notes."""
+    model, notes = unwrap(model)
+    check_model(model)
+    s = make_sample(sample, forward_kwargs)
+    cal.check_finite_sample(s)
+    dt = float_dtype(model)
+    if meta.on_meta(model):     # resolve_torch refused the modes that need data
+        s = s.map(lambda t: t.to("meta"))
+    if dt is not None:  # float samples in the dtype the pipeline computes in
+        work_dt = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
+        s = s.map(lambda t: t.to(work_dt) if t.is_floating_point() else t)
+    return model, s, notes
+
+
+def param_infos(model: nn.Module) -> tuple[dict[str, ParamInfo], dict[str, str]]:
+    """ParamInfo per canonical parameter name, and the alias -> canonical map for tied ones."""
+    infos: dict[str, ParamInfo] = {}
+    canon: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        c = first.setdefault(id(p), name)
+        canon[name] = c
+        if c == name:
+            infos[name] = ParamInfo(tuple(p.shape), p.requires_grad,
+                                    ".parametrizations." in name)
+    return infos, canon
+
+
+def capture_classify(model: nn.Module, s: Sample, methods: Any, mode: str, notes: list[str]
+                     ) -> tuple[Captured, dict[str, ParamInfo]]:
+    """Capture (the ladder of methods), classify, and name tied parameters canonically."""
+    cap = capture(model, s, (methods,) if isinstance(methods, str) else tuple(methods), mode)
+    cap.graph.notes.extend(notes)
+    classify(cap.graph)
+    infos, canon = param_infos(model)
+    for n in cap.graph:
+        n.params = {k: canon.get(v, v) for k, v in n.params.items()}
+    return cap, infos
+
+
+def run_on(model: nn.Module, s: Sample, mode: str) -> Any:
+    """The check forward: a real run, or a fake-tensor run for a model on the meta device."""
+    if meta.on_meta(model):
+        return meta.forward(model, lambda m: cal.forward(m, s, mode), "checking the model")
+    return cal.forward(model, s, mode)
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """The copy ``precondition`` rewrites; a model that cannot be deep-copied is an error that
+    says to pass ``inplace=True``."""
+    try:
+        return copy.deepcopy(model)
+    except RecursionError:
+        raise
+    except Exception as e:  # noqa: BLE001 - e.g. a module holding a lock or an open file
+        raise PrecondError(
+            f"the model cannot be deep-copied ({type(e).__name__}: {str(e)[:120]}); precondfx "
+            f"rewrites a copy so that your model stays unchanged. Pass inplace=True to rewrite "
+            f"this module itself (hooks and buffers), or make it copyable (define __deepcopy__ "
+            f"or keep the offending attribute outside the module)") from e
+
+
+def already_preconditioned(model: nn.Module) -> bool:
+    return any("precondfx_" in name for name, _ in model.named_buffers())
+
+
+def restore_modes(result: nn.Module, modes: dict[str, bool]) -> None:
+    """Give every module of the result the train/eval flag its namesake has in the user's
+    model (a BatchNorm the user froze in eval stays in eval); modules the plan added follow
+    their parent."""
+    flags: dict[str, bool] = {}
+    for name, m in result.named_modules():
+        parent = name.rpartition(".")[0]
+        flags[name] = modes.get(name, flags.get(parent, modes[""]))
+        m.training = flags[name]
+
+
+def restore_unused(gm: nn.Module, work: nn.Module) -> None:
+    """fx keeps only what the traced forward reads; put the other parameters and buffers back
+    at their own names so the result keeps every state_dict key of the original."""
+    have = set(gm.state_dict())
+    for name, t in list(work.named_parameters()) + list(work.named_buffers()):
+        if name in have:
+            continue
+        path, _, leaf = name.rpartition(".")
+        try:
+            owner = gm.get_submodule(path) if path else gm
+        except AttributeError:
+            gm.add_submodule(path, work.get_submodule(path))
+            have |= {f"{path}.{k}" for k in work.get_submodule(path).state_dict()}
+            continue
+        if isinstance(t, nn.Parameter):
+            owner.register_parameter(leaf, t)
+        elif leaf not in getattr(owner, "_non_persistent_buffers_set", set()):
+            owner.register_buffer(leaf, t)
+        have.add(name)
+
+
+# -- the PyTorch-only stages -------------------------------------------------------------------
+def prepare(st: TorchState) -> None:
+    """Check the model and the sample, stop early on a model that is already preconditioned,
+    make the working copy (float32 for a half-precision model), run it once on the sample,
+    and keep what a rollback needs (``inplace=True``)."""
+    model, s, notes = prepare_sample(st.model, st.raw_sample, st.forward_kwargs)
+    st.model, st.sample, st.notes = model, s, notes + st.resolved.notes()
+    st.data = not meta.on_meta(model)
+    if already_preconditioned(model):
+        cap, _ = capture_classify(model, s, st.opts.capture, st.opts.calibration, st.notes)
+        st.report = Report.from_graph(cap.graph)
+        st.report.capture_notes.append("the model is already preconditioned (it holds "
+                                       "precondfx_* buffers): nothing was done; pass the "
+                                       "original model to re-plan")
+        st.result, st.stop = (model if st.inplace else copy_model(model)), True
+        return
+    dt = float_dtype(model)
+    if dt in (torch.float16, torch.bfloat16):
+        if st.inplace:
+            raise PrecondError(f"inplace=True is not supported for {dt} models (the pass "
+                               f"computes in float32 on a copy): drop inplace=True and use the "
+                               f"returned model")
+        st.dtype = dt
+    st.modes = {name: m.training for name, m in model.named_modules()}
+    st.work = model if st.inplace else copy_model(model)
+    if st.dtype is not None:
+        st.work = st.work.float()
+        st.notes.append(f"model in {dt}: preconditioned and calibrated in float32, result cast "
+                        f"back to {dt}")
+    st.say("checking that the model runs on the sample")
+    out0 = run_on(st.work, s, st.opts.calibration)
+    st.main_path = output_path(out0, st.opts.output_key) if st.opts.target_std is not None \
+        else []
+    st.input_tensors = list(s.tensors())
+    if st.inplace:
+        snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        st.undo.append(lambda: _restore_state(model, snapshot))
+
+
+def _restore_state(model: nn.Module, snapshot: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            if k in snapshot:
+                v.copy_(snapshot[k])
+
+
+def capture_stage(st: TorchState) -> None:
+    """Capture and classify the working model; refuse one with nothing to precondition."""
+    st.captured, st.params = capture_classify(st.work, st.sample, st.opts.capture,
+                                              st.opts.calibration, st.notes)
+    st.graph = st.captured.graph
+    driver.has_work(st.graph, "convolution, linear, embedding, matmul with a parameter... in "
+                              "the captured graph")
+    st.say(f"captured with {st.graph.method}: {len(st.graph)} nodes; planning")
+
+
+def backend(st: TorchState) -> None:
+    """The fx back end on the traced GraphModule, else the eager one on the module itself
+    (``inplace=True``, or a forward fx cannot keep)."""
+    gm = st.captured.gm
+    if gm is not None and not st.inplace:
+        restore_unused(gm, st.work)
+        st.backend, st.result = FxApplier(gm, st.graph), gm
+    else:
+        st.backend = EagerApplier(st.work, st.graph,
+                                  run=lambda m: run_on(m, st.sample, "eval"))
+        st.result = st.work
+
+
+def meta_note(st: TorchState) -> None:
+    st.report.skipped.append(("output scale", "the model is on the meta device (no data): "
+                              "the output scale is 1 until precondfx.distributed.calibrate("
+                              "model, batch) runs on the materialized model"))
+
+
+def calibrate_sharded(st: TorchState) -> None:
+    """The output scale from every rank's batch (statistics all-reduced)."""
+    o, rep = st.opts, st.report
+    r = distributed.calibrate(st.result, st.sample, o.target_std, output_key=o.output_key,
+                              mode=o.calibration)
+    rep.output_std_before, rep.output_std_after = r["std_before"], r["std_after"]
+    rep.target_std, rep.output_scale = o.target_std, r["scale"]
+    st.plan.scales.append(Scale("output", "output", "output", 0, r["scale"],
+                                f"output std {r['std_before']:.4g} -> {o.target_std} (all "
+                                f"ranks' batches)"))
+
+
+def balance(st: TorchState) -> None:
+    """Measured balancing (``balance='auto'``/``'hessian'``)."""
+    o, rep = st.opts, st.report
+    try:
+        rep.conditioning["hessian"] = h = balance_measured(
+            st.result, st.sample, st.plan, st.alpha_buffers, verbose=st.verbose, seed=o.seed,
+            output_key=o.output_key, mode=o.calibration, log=st.say,
+            n_samples=o.balance_samples, balance=o.balance, threshold=o.balance_threshold)
+        rep.skipped += [(f"balance {w}", why) for w, why in h["left_out"].items()]
+        if h.get("output_std") is not None and rep.output_std_after is not None:
+            rep.output_std_after = h["output_std"]
+    except PrecondError as e:
+        if o.balance == "hessian":
+            raise
+        rep.conditioning["hessian"] = {"applied": False, "decision": f"not measured: {e}"}
+        rep.skipped.append(("balance='auto'", f"measurement failed, alphas left as planned: "
+                            f"{e}"))
+
+
+def measure(st: TorchState) -> None:
+    """``measure=True``: Hessian statistics of the original and the rewritten model."""
+    o = st.opts
+    st.report.conditioning["measure"] = mr = measure_report(
+        st.model, st.result, st.sample, st.plan, output_key=o.output_key, mode=o.calibration,
+        seed=o.seed, n_samples=o.balance_samples, say=st.say, verbose=st.verbose)
+    held_out(st.report.conditioning.get("hessian"), mr)
+
+
+def verify(st: TorchState) -> None:
+    """Run the finished model in both modes: finite outputs, the output std at its target."""
+    st.report.verification = verify_result(
+        st.result, st.sample, output_key=st.opts.output_key, mode=st.opts.calibration,
+        target_std=st.opts.target_std if st.out_const is not None else None)
+
+
+def finish(st: TorchState) -> None:
+    """Constants recorded for materializing, train/eval flags as the user's, what ``fold``
+    needs, the original dtype back."""
+    distributed.record_constants(st.result, st.constants, read=st.data)
+    restore_modes(st.result, st.modes)
+    st.say("recording how to fold the constants back into the weights")
+    record(st.result, st.work, st.backend, st.graph, lambda m: run_on(m, st.sample, "eval"),
+           st.report)
+    if st.dtype is not None:
+        st.result = st.result.to(st.dtype)
+
+
+def _sharded(st: TorchState) -> bool:
+    return distributed.is_sharded(st.result)
+
+
+#: what ``precondition`` runs (``driver.run``)
+STAGES = (
+    Stage("prepare", prepare, ensures=("sample",)),
+    Stage("capture", capture_stage, "capturing the graph", ensures=("graph",)),
+    driver.PLAN,
+    Stage("apply", backend, ensures=("backend", "result")),
+    driver.APPLY,
+    driver.REINIT,
+    driver.SCHEME,
+    Stage("input", driver.record_input_scale, requires=("plan",)),
+    Stage("calibrate", meta_note, when=lambda st: st.opts.target_std is not None
+          and st.out_const is not None and not st.data),
+    Stage("calibrate", calibrate_sharded, "calibrating the output scale (statistics "
+          "all-reduced over the ranks)", when=lambda st: driver.calibrates(st) and _sharded(st)),
+    Stage("calibrate", driver.calibrate, "calibrating the output scale",
+          when=lambda st: driver.calibrates(st) and not _sharded(st)),
+    Stage("balance", balance, lambda st: f"measured balancing ({st.opts.balance})",
+          when=lambda st: st.opts.balance in ("hessian", "auto")),
+    Stage("measure", measure, when=lambda st: st.opts.measure),
+    Stage("verify", verify, when=lambda st: st.data),
+    Stage("verify", finish),
+)
+
+
+def precondition(model: nn.Module, sample: Any, resolved: Any, *, inplace: bool,
+                 verbose: bool, forward_kwargs: dict) -> tuple[nn.Module, Report]:
+    """Run :data:`STAGES` over resolved options; the rewritten model and its report."""
+    st = driver.run(STAGES, TorchState(resolved, verbose=verbose, model=model,
+                                       raw_sample=sample, forward_kwargs=forward_kwargs,
+                                       inplace=inplace))
+    if not st.stop:
+        st.say("done")
+    return st.result, st.report
+
+
+def analyze(model: nn.Module, sample: Any, resolved: Any, forward_kwargs: dict) -> Report:
+    """Capture, classify and plan on a private copy; the report of what ``precondition``
+    would do."""
+    model, s, notes = prepare_sample(model, sample, forward_kwargs)
+    notes.extend(resolved.notes())
+    try:
+        work = copy.deepcopy(model)
+    except Exception:  # noqa: BLE001 - e.g. a module holding a non-copyable handle
+        work = model
+    if float_dtype(work) in (torch.float16, torch.bfloat16):
+        work = work.float()
+    with cal.preserved(work):
+        run_on(work, s, resolved.options.calibration)
+        cap, infos = capture_classify(work, s, resolved.options.capture,
+                                      resolved.options.calibration, notes)
+    st = State(resolved, graph=cap.graph, params=infos)
+    driver.plan(st)
+    return Report.from_graph(cap.graph, st.plan)
+
