@@ -21,7 +21,7 @@ from torch import nn
 from precondfx.capture.common import Sample, main_output
 from precondfx.errors import PrecondError
 from precondfx.measure.conditioning import _mean_estimate
-from precondfx.measure.sketch import geometric_mean, hessian_sketch, spread_of
+from precondfx.measure.sketch import RTOL, geometric_mean, hessian_sketch, precise, spread_of
 
 STATISTICS = {
     "hessian": "E[(G_l r)^2]/numel: Gauss-Newton (= Hessian for ReLU nets) diagonal block, random "
@@ -174,13 +174,16 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
                      n_samples: int = 16, n_cotangents: int = 4, seed: int = 0,
                      output_key: Any = None, mode: str = "train", balance: str = "hessian",
                      threshold: float = 2.0, log: Callable[[str], None] = lambda m: None,
-                     verbose: bool | None = None) -> dict[str, Any]:
+                     verbose: bool | None = None, rtol: float = RTOL) -> dict[str, Any]:
     """Balance a measured statistic (``STATISTICS``) of every weight whose every call site has
     an alpha buffer (it scales exactly as alpha^4); the other weighted layers of the plan are
     listed in ``left_out`` with why.  ``balance='hessian'`` always balances (and raises if it
     cannot); with ``balance='auto'`` the alphas are only changed when the measured spread is
     significantly above ``threshold`` (lower bound at 2 standard errors): below, the estimate's
-    own noise is comparable to the imbalance it would correct.
+    own noise is comparable to the imbalance it would correct.  The measurement stops early
+    (from a quarter of ``n_samples`` on) once every layer's statistic is known to ``rtol``
+    (95% interval, :func:`precondfx.measure.sketch.precise`), and for ``auto`` once even the
+    upper bound of the spread is below ``threshold``.
     On the paper's MLP the per-sample statistic is heavy-tailed, and balancing 16 samples
     without this test moved one seed's held-out weight-to-gradient spread from 1.1x to 2.2x.
 
@@ -203,23 +206,29 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
                                 f"on every call site: nothing to balance"}, n_layers, left)
     fit, held, b = _split(sample)
     n_fit = n_samples
-    # balance='auto': once a quarter of the samples is measured, stop there when even the
-    # upper bound of the spread (2 standard errors) is below the threshold; the samples are
-    # the same draws a full run would make, so a run that goes on is the full estimate
-    n_first = min(n_fit, max(4, n_fit // 4)) if gated else 0
+    # once a quarter of the samples is measured, stop when every statistic is precise enough
+    # (or, for 'auto', when even the upper bound of the spread at 2 standard errors is below
+    # the threshold); the samples are the same draws a full run would make, so a run that
+    # goes on is the full estimate
+    n_first = min(n_fit, max(4, n_fit // 4))
 
     def clear(per_: np.ndarray) -> bool:
-        return _upper_spread(*_estimates(per_, weights)) <= threshold
+        return gated and _upper_spread(*_estimates(per_, weights)) <= threshold
+
+    def enough(per_: np.ndarray) -> bool:
+        return clear(per_) or precise(per_, rtol)
     log(f"measuring the {stat} statistic of {len(weights)} layers on {n_fit} samples")
     per, engine, note = _measure_per(model, fit, weights, n_fit, n_cotangents, seed,
-                                     output_key, mode, verbose, first=n_first,
-                                     stop=clear if n_first else None)
+                                     output_key, mode, verbose, first=n_first, stop=enough)
     before, before_se = _estimates(per, weights)
     early = ""
     if len(per) < n_fit:
         n_fit = len(per)
         early = (f"decided on the first {n_fit} samples: even the upper bound of the spread "
-                 f"({_upper_spread(before, before_se):.3g}x) is below the threshold; ")
+                 f"({_upper_spread(before, before_se):.3g}x) is below the threshold; "
+                 if clear(per) else
+                 f"stopped after {n_fit} samples: every layer's statistic known to +-{rtol:g} "
+                 f"(95% interval); ")
     bad = [w for w, v in before.items() if not (v > 0 and math.isfinite(v))]
     if bad:
         raise PrecondError(f"the {stat} statistic of {bad[:3]} is zero or not finite (the output "
@@ -227,7 +236,8 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
                            f"balance='analytic'")
     base = {"statistic": STATISTICS[stat], "samples": n_fit, "cotangents": n_cotangents,
             "batch": b, "before": before, "stderr_before": before_se,
-            "spread_before": spread_of(before), "note": note, "engine": engine}
+            "spread_before": spread_of(before), "note": note, "engine": engine,
+            "stopped_early": early.rstrip("; ")}
     low = significant_spread(before, before_se)
     if gated and low <= threshold:
         return _finish({**base, "spread_lower_bound": low, "applied": False,

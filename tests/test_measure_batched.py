@@ -43,6 +43,10 @@ def _cases():
         nn.Conv2d(3, 32, 3, stride=4, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1),
         nn.ReLU(), nn.Flatten(), nn.Linear(512, 5)), torch.randn(4, 3, 16, 16), \
         ["0.weight", "2.weight", "5.weight"]
+    yield "conv-1x1", nn.Sequential(   # 1x1 convs: the (strided) input is the unfolding
+        nn.Conv2d(3, 8, 1), nn.ReLU(), nn.Conv2d(8, 8, 1, stride=2, groups=2), nn.ReLU(),
+        nn.Conv2d(8, 4, 1, stride=(1, 2)), nn.Flatten(), nn.Linear(4 * 4 * 2, 5)), \
+        torch.randn(4, 3, 8, 8), ["0.weight", "2.weight", "4.weight", "6.weight"]
     yield "conv1d", nn.Sequential(nn.Conv1d(3, 6, 5, padding=2, stride=2), nn.ReLU(),
                                   nn.Flatten(), nn.Linear(6 * 8, 4)), torch.randn(5, 3, 16), \
         ["0.weight", "3.weight"]

@@ -28,7 +28,6 @@ module would break it).
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -80,19 +79,26 @@ class _PerSampleBatchNorm(TorchFunctionMode):
                                       "sample")
                 # statistics over each sample's positions, per channel: instance norm (one
                 # fused kernel); running statistics are not updated (they are restored anyway)
+                # (a copy, not instance_norm's view of its reshaped result: an in-place op
+                # downstream, such as ReLU(inplace=True), would otherwise make autograd rebuild
+                # the whole base gradient at every backward pass (CopySlices))
                 return F.instance_norm(x, weight=p.get("weight"), bias=p.get("bias"),
-                                       use_input_stats=True, eps=p.get("eps", 1e-5))
+                                       use_input_stats=True, eps=p.get("eps", 1e-5)).clone()
         return func(*args, **kwargs)
 
 
 class _Site:
-    """Forward hook on one module: keeps each call's input and (differentiable) output."""
+    """Forward hook on one module: keeps each call's input and (differentiable) output; during
+    a round it turns each cotangent's output gradient into what the Gram needs (``absorb``), so
+    that no backward pass's gradients outlive it."""
 
     def __init__(self, module: nn.Module, kind: str) -> None:
         self.module, self.kind = module, kind
         self.xs: list[torch.Tensor] = []
         self.ys: list[torch.Tensor] = []
         self.cache: dict[tuple, torch.Tensor] = {}
+        self.feats: list[torch.Tensor] = []   # one per cotangent of the current round
+        self.materialize = False              # feats are per-sample gradients, else dy
         self.on = True
 
     def __call__(self, module: nn.Module, args: tuple, out: Any) -> Any:
@@ -104,121 +110,192 @@ class _Site:
         self.ys.append(out)
         return out.clone()  # an in-place op downstream cannot overwrite what we differentiate
 
+    # -- the parts of the per-sample gradient ------------------------------------------------
+    def _x(self, rows: slice) -> torch.Tensor:
+        """Linear: inputs (B, T, n), every call's positions concatenated (cached)."""
+        key = ("x", rows.start, rows.stop)
+        if key not in self.cache:
+            m = self.module
+            n = m.in_features if isinstance(m, nn.Linear) else m.weight.shape[0]
+            self.cache[key] = torch.cat([_rows(x[rows], n) for x in self.xs], dim=1)
+        return self.cache[key]
+
+    def _u(self, rows: slice) -> torch.Tensor:
+        """Conv: unfolded inputs (B, groups, K, L), every call's positions concatenated (the
+        same in every round: unfolded once)."""
+        key = ("u", rows.start, rows.stop)
+        if key not in self.cache:
+            m = self.module
+            two = isinstance(m, nn.Conv2d)
+            k = m.kernel_size if two else (1, m.kernel_size[0])
+            st = m.stride if two else (1, m.stride[0])
+            pd = m.padding if two else (0, m.padding[0])
+            dl = m.dilation if two else (1, m.dilation[0])
+            g, ci = m.groups, m.in_channels
+            us = []
+            for x in self.xs:
+                x = x[rows] if two else x[rows].unsqueeze(2)
+                if k == (1, 1) and pd == (0, 0):   # 1x1: the (strided) input is its unfolding
+                    u = x[:, :, ::st[0], ::st[1]].reshape(x.shape[0], ci, -1)
+                else:
+                    u = F.unfold(x, k, dilation=dl, padding=pd, stride=st)  # (B, Ci*k, L)
+                us.append(u.reshape(x.shape[0], g, ci // g * k[0] * k[1], -1))
+            self.cache[key] = us[0] if len(us) == 1 else torch.cat(us, dim=-1)
+        return self.cache[key]
+
+    def _d(self, dy: list[torch.Tensor], rows: slice) -> torch.Tensor:
+        """One cotangent's output gradients: (B, T, m) for Linear/Embedding, (B, groups,
+        C_out/groups, L) for a conv, every call's positions concatenated."""
+        m = self.module
+        if self.kind == "conv":
+            g, co = m.groups, m.out_channels
+            ds = [d[rows].reshape(d[rows].shape[0], g, co // g, -1) for d in dy]
+            return ds[0] if len(ds) == 1 else torch.cat(ds, dim=-1)
+        dim = m.embedding_dim if self.kind == "embedding" else dy[0].shape[-1]
+        return torch.cat([_rows(d[rows], dim) for d in dy], dim=1)
+
+    # -- one round ---------------------------------------------------------------------------
+    def start(self, p: int, rows: slice) -> None:
+        """A new round of ``p`` cotangents on the samples ``rows``: decide whether the Gram
+        comes from the materialized per-sample gradients or from a Gram over positions,
+        whichever costs fewer multiply-adds."""
+        self.feats = []
+        if self.kind == "embedding":
+            self.materialize = False
+        elif self.kind == "linear":
+            t, n = self._x(rows).shape[1:]
+            m = self.module
+            mo = m.out_features if isinstance(m, nn.Linear) else m.nf
+            self.materialize = not (t * t * (p * p * mo + n) <= t * p * mo * n + p * p * mo * n)
+        else:
+            _, g, k, n = self._u(rows).shape
+            c = self.module.out_channels // g
+            self.materialize = not (g * n * n * (k + p * p * c) <
+                                    g * p * c * k * n + p * p * g * c * k)
+
+    def absorb(self, dy: list[torch.Tensor], rows: slice) -> None:
+        """Keep what the Gram needs from one cotangent's output gradients ``dy`` (one per
+        call): the per-sample weight gradients (B, numel) or the output gradients."""
+        d = self._d(dy, rows)
+        if not self.materialize:
+            self.feats.append(d)
+        elif self.kind == "linear":
+            self.feats.append((d.transpose(1, 2) @ self._x(rows)).flatten(1))       # (B, m*n)
+        else:
+            self.feats.append((d @ self._u(rows).transpose(2, 3)).flatten(1))       # (B, g*C*K)
+
+    def gram(self, rows: slice) -> torch.Tensor:
+        """(B, P, P): inner products of the per-sample gradients of the round's cotangents."""
+        if self.materialize:
+            f = torch.stack(self.feats, dim=1).double()                             # (B, P, D)
+            return f @ f.transpose(1, 2)
+        if self.kind == "linear":
+            x, d = self._x(rows).double(), torch.stack(self.feats, dim=1).double()
+            kx = x @ x.transpose(1, 2)                                         # (B, T, T)
+            kd = torch.einsum("bato,bcuo->bactu", d, d)                        # (B, P, P, T, T)
+            return torch.einsum("bactu,btu->bac", kd, kx)
+        if self.kind == "embedding":
+            return self._gram_embedding(rows)
+        u, d = self._u(rows), torch.stack(self.feats, dim=1)              # d: (B, P, g, C, L)
+        b, g, _, n = u.shape
+        p, c = d.shape[1], d.shape[3]
+        key = ("ku", rows.start, rows.stop)
+        if key not in self.cache:
+            self.cache[key] = u.transpose(2, 3) @ u                         # (B, g, L, L)
+        dd = d.permute(0, 2, 1, 4, 3).reshape(b, g, p * n, c)              # (B, g, P*L, C)
+        kd = (dd @ dd.transpose(2, 3)).reshape(b, g, p, n, p, n)
+        return torch.einsum("bgalcm,bglm->bac", kd, self.cache[key]).double()
+
+    def _gram_embedding(self, rows: slice) -> torch.Tensor:
+        m = self.module
+        ids = torch.cat([x.reshape(x.shape[0], -1) for x in self.xs], dim=1)[rows]
+        d = torch.stack(self.feats, dim=1).double()                          # (B, P, T, dim)
+        same = ids[:, :, None] == ids[:, None, :]
+        if m.padding_idx is not None:
+            keep = ids != m.padding_idx
+            same = same & keep[:, :, None] & keep[:, None, :]
+        kd = torch.einsum("bato,bcuo->bactu", d, d)
+        return torch.einsum("bactu,btu->bac", kd, same.double())
+
+    def grad_sum(self, rows: slice) -> torch.Tensor:
+        """Sum over the samples of the per-sample gradients for the round's first cotangent,
+        in the weight's layout (autograd's gradient of the batch when the weight is used only
+        by this module)."""
+        m, f = self.module, self.feats[0]
+        w = m.weight
+        if self.materialize and self.kind == "linear":
+            gs = f.sum(0).reshape(-1, self._x(rows).shape[-1])
+            return gs if isinstance(m, nn.Linear) else gs.T
+        if self.materialize:
+            return f.sum(0).reshape(w.shape)
+        if self.kind == "linear":
+            gs = torch.einsum("bto,bti->oi", f, self._x(rows))
+            return gs if isinstance(m, nn.Linear) else gs.T
+        if self.kind == "embedding":
+            ids = torch.cat([x.reshape(x.shape[0], -1) for x in self.xs], dim=1)[rows].reshape(-1)
+            d = f.reshape(-1, m.embedding_dim)
+            if m.padding_idx is not None:
+                d = d * (ids != m.padding_idx)[:, None]
+            return torch.zeros(w.shape, dtype=d.dtype, device=d.device).index_add_(0, ids, d)
+        return torch.einsum("bgcl,bgkl->gck", f, self._u(rows)).reshape(w.shape)
+
 
 def _rows(x: torch.Tensor, d: int) -> torch.Tensor:
     """(B, T, d): positions of one sample flattened (dim 0 is the batch)."""
     return x.reshape(x.shape[0], -1, d)
 
 
-def _linear_parts(site: _Site, dys: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (B, T, n) and dy (B, P, T, m) with every call's positions concatenated."""
-    m = site.module
-    n = m.in_features if isinstance(m, nn.Linear) else m.weight.shape[0]
-    xs = torch.cat([_rows(x, n) for x in site.xs], dim=1)
-    ds = torch.stack([torch.cat([_rows(d, d.shape[-1]) for d in per_call], dim=1)
-                      for per_call in dys], dim=1)
-    return xs, ds
+def _sites(model: nn.Module, params: Sequence[torch.Tensor], names: Sequence[str]
+           ) -> tuple[dict[int, _Site], dict[int, _Site]]:
+    """The hooked modules, and the one that owns each measured weight (by ``id``)."""
+    owners: dict[int, list[_Site]] = {id(p): [] for p in params}
+    sites: dict[int, _Site] = {}
+    ids = [id(p) for p in params]
+    for _, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor) and id(w) in owners:
+            kind = _kind(m)
+            if kind is None:
+                raise Unsupported(f"{names[ids.index(id(w))]} is used by a "
+                                  f"{type(m).__name__} module")
+            if id(m) not in sites:
+                sites[id(m)] = _Site(m, kind)
+            owners[id(w)].append(sites[id(m)])
+    for p, name in zip(params, names):
+        if not owners[id(p)]:
+            raise Unsupported(f"{name} belongs to no Linear/Conv/Embedding module")
+        if len({id(s) for s in owners[id(p)]}) > 1:
+            raise Unsupported(f"{name} is shared by several modules")
+    return sites, {k: v[0] for k, v in owners.items()}
 
 
-def _gram_linear(site: _Site, dys: list[list[torch.Tensor]], rows: slice) -> torch.Tensor:
-    x, d = _linear_parts(site, dys)
-    x, d = x[rows].double(), d[rows].double()
-    b, p, t, mo = d.shape
-    n = x.shape[-1]
-    if t * t * (p * p * mo + n) <= t * p * mo * n + p * p * mo * n:  # Gram over positions
-        kx = x @ x.transpose(1, 2)                                         # (B, T, T)
-        kd = torch.einsum("bato,bcuo->bactu", d, d)                        # (B, P, P, T, T)
-        return torch.einsum("bactu,btu->bac", kd, kx)
-    g = torch.einsum("bato,bti->baoi", d, x).reshape(b, p, -1)
-    return g @ g.transpose(1, 2)
-
-
-def _gram_embedding(site: _Site, dys: list[list[torch.Tensor]], rows: slice) -> torch.Tensor:
-    m = site.module
-    ids = torch.cat([x.reshape(x.shape[0], -1) for x in site.xs], dim=1)[rows]
-    d = torch.stack([torch.cat([_rows(dd, m.embedding_dim) for dd in per_call], dim=1)
-                     for per_call in dys], dim=1)[rows].double()
-    same = ids[:, :, None] == ids[:, None, :]
-    if m.padding_idx is not None:
-        keep = ids != m.padding_idx
-        same = same & keep[:, :, None] & keep[:, None, :]
-    kd = torch.einsum("bato,bcuo->bactu", d, d)
-    return torch.einsum("bactu,btu->bac", kd, same.double())
-
-
-def _conv_parts(site: _Site, dys: list[list[torch.Tensor]], rows: slice
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unfolded inputs U (B, groups, K, L) and output gradients D (B, P, groups, C_out/groups,
-    L) of a Conv1d/Conv2d, every call's positions concatenated: the per-sample weight gradient
-    of group g is ``D[b, a, g] @ U[b, g]^T``."""
-    m = site.module
-    two = isinstance(m, nn.Conv2d)
-    k = m.kernel_size if two else (1, m.kernel_size[0])
-    st = m.stride if two else (1, m.stride[0])
-    pd = m.padding if two else (0, m.padding[0])
-    dl = m.dilation if two else (1, m.dilation[0])
-    g, ci, co = m.groups, m.in_channels, m.out_channels
-    key = ("u", rows.start, rows.stop)
-    if key not in site.cache:  # the same inputs in every round: unfold them once
-        us = []
-        for x in site.xs:
-            x = x[rows]
-            x = x if two else x.unsqueeze(2)
-            u = F.unfold(x, k, dilation=dl, padding=pd, stride=st)      # (B, Ci*k, L)
-            us.append(u.reshape(x.shape[0], g, ci // g * k[0] * k[1], -1))
-        site.cache[key] = us[0] if len(us) == 1 else torch.cat(us, dim=-1)
-    ds = []
-    for c in range(len(site.xs)):
-        d = torch.stack([per_call[c][rows] for per_call in dys], dim=1)   # (B, P, Co, ...)
-        ds.append(d.reshape(d.shape[0], d.shape[1], g, co // g, -1))
-    return site.cache[key], ds[0] if len(ds) == 1 else torch.cat(ds, dim=-1)
-
-
-def _gram_conv(site: _Site, dys: list[list[torch.Tensor]], rows: slice) -> torch.Tensor:
-    """(B, P, P) Gram of the per-sample weight gradients: over positions (``D D^T . U^T U``)
-    when the layer has few output positions, else from the materialized gradients."""
-    u, d = _conv_parts(site, dys, rows)
-    b, g, k, n = u.shape
-    p, c = d.shape[1], d.shape[3]
-    if g * n * n * (k + p * p * c) < g * p * c * k * n + p * p * g * c * k:
-        key = ("ku", rows.start, rows.stop)
-        if key not in site.cache:
-            site.cache[key] = u.transpose(2, 3) @ u                         # (B, g, L, L)
-        ku = site.cache[key]
-        dd = d.permute(0, 2, 1, 4, 3).reshape(b, g, p * n, c)              # (B, g, P*L, C)
-        kd = (dd @ dd.transpose(2, 3)).reshape(b, g, p, n, p, n)
-        return torch.einsum("bgalcm,bglm->bac", kd, ku).double()
-    dd = d.permute(0, 2, 1, 3, 4).reshape(b, g, p * c, n)                  # (B, g, P*C, L)
-    gw = (dd @ u.transpose(2, 3)).reshape(b, g, p, c * k)                  # (B, g, P, C*K)
-    gw = gw.permute(0, 2, 1, 3).reshape(b, p, g * c * k)
-    return (gw @ gw.transpose(1, 2)).double()
-
-
-def _gram(site: _Site, dys: list[list[torch.Tensor]], rows: slice) -> torch.Tensor:
-    if site.kind == "linear":
-        return _gram_linear(site, dys, rows)
-    if site.kind == "embedding":
-        return _gram_embedding(site, dys, rows)
-    return _gram_conv(site, dys, rows)
-
-
-def _grad_sum(site: _Site, dy: list[torch.Tensor]) -> torch.Tensor:
-    """Sum over the batch of the per-sample gradients for one cotangent, in the weight's layout
-    (autograd's gradient of the batch when the weight is used only by this module)."""
-    m = site.module
-    w = m.weight
-    if site.kind == "linear":
-        x, d = _linear_parts(site, [dy])
-        gs = torch.einsum("bto,bti->oi", d[:, 0], x)
-        return gs if isinstance(m, nn.Linear) else gs.T
-    if site.kind == "embedding":
-        ids = torch.cat([x.reshape(-1) for x in site.xs])
-        d = torch.cat([dd.reshape(-1, m.embedding_dim) for dd in dy])
-        if m.padding_idx is not None:
-            d = d * (ids != m.padding_idx)[:, None]
-        return torch.zeros(w.shape, dtype=d.dtype, device=d.device).index_add_(0, ids, d)
-    u, d = _conv_parts(site, [dy], slice(0, site.xs[0].shape[0]))
-    return torch.einsum("bgcl,bgkl->gck", d[:, 0], u).reshape(w.shape)
+def _forward(model: nn.Module, smp: Sample, nb: int, sites: dict[int, _Site],
+             output_fn: Callable[[Any], torch.Tensor]) -> tuple[torch.Tensor, torch.Size]:
+    """The batched forward of the first ``nb`` samples (hooks recording), checked against the
+    first sample run alone; returns the output and one sample's output shape."""
+    with _PerSampleBatchNorm():
+        y = output_fn(smp.take(0, nb).call(model))
+    for s in sites.values():
+        s.on = False
+    with torch.no_grad():
+        y1 = output_fn(smp.take(0).call(model))
+    if y.shape[0] != nb or tuple(y.shape[1:]) != tuple(y1.shape[1:]):
+        raise Unsupported(f"the batched output {tuple(y.shape)} does not stack the "
+                          f"per-sample outputs {tuple(y1.shape)}")
+    ref = y1.detach().double()
+    err = float((y[:1].detach().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+    if not err < 1e-4:
+        raise Unsupported(f"the batched forward changes a sample's output by {err:.2g} "
+                          f"(relative): the model mixes samples")
+    for s in sites.values():
+        if not s.ys:
+            raise Unsupported(f"a {type(s.module).__name__} was not called")
+        for x, yy in zip(s.xs, s.ys):
+            if x.dim() == 0 or x.shape[0] != nb or yy.dim() == 0 or yy.shape[0] != nb:
+                raise Unsupported(f"a {type(s.module).__name__} runs on a tensor without "
+                                  f"the batch dimension (input {tuple(x.shape)}), shared "
+                                  f"by the samples")
+    return y, y1.shape
 
 
 def batched_sketch(model: nn.Module, smp: Sample, batch: int, params: Sequence[torch.Tensor],
@@ -228,89 +305,45 @@ def batched_sketch(model: nn.Module, smp: Sample, batch: int, params: Sequence[t
                    stop: Callable[[np.ndarray], bool] | None = None) -> np.ndarray:
     """Per-sample statistic ``(sum over pairs of G_aa G_bb + G_ab^2) / pairs / (2 numel)``
     (``n_samples`` x ``len(params)``), the same estimator with the same cotangents as the
-    per-sample loop; raises :class:`Unsupported` when it cannot be exact.  After the round
-    that reaches ``first`` samples, ``stop(values so far)`` may end the measurement early (the
-    rows returned are the samples measured)."""
-    owners: dict[int, list[_Site]] = {id(p): [] for p in params}
-    sites: dict[int, _Site] = {}
-    for path, m in model.named_modules():
-        w = getattr(m, "weight", None)
-        if isinstance(w, torch.Tensor) and id(w) in owners:
-            kind = _kind(m)
-            name = names[[id(p) for p in params].index(id(w))]
-            if kind is None:
-                raise Unsupported(f"{name} is used by a {type(m).__name__} module")
-            if id(m) not in sites:
-                sites[id(m)] = _Site(m, kind)
-            owners[id(w)].append(sites[id(m)])
-    for p, name in zip(params, names):
-        if not owners[id(p)]:
-            raise Unsupported(f"{name} belongs to no Linear/Conv/Embedding module")
-        if len({id(s) for s in owners[id(p)]}) > 1:
-            raise Unsupported(f"{name} is shared by several modules")
+    per-sample loop; raises :class:`Unsupported` when it cannot be exact.  The samples run in
+    rounds of ``batch``; after each round that has reached ``first`` samples, ``stop(values so
+    far)`` may end the measurement (the rows returned are the samples measured)."""
+    sites, owner = _sites(model, params, names)
     nb = min(batch, n_samples)
     # prepend: see the module's own output, before any hook of the user's or of precondfx
     # (an output scale on the last layer) transforms it
     handles = [s.module.register_forward_hook(s, prepend=True) for s in sites.values()]
     try:
-        with _PerSampleBatchNorm():
-            y = output_fn(smp.take(0, nb).call(model))
-        for s in sites.values():
-            s.on = False
-        with torch.no_grad():
-            y1 = output_fn(smp.take(0).call(model))
-        if y.shape[0] != nb or tuple(y.shape[1:]) != tuple(y1.shape[1:]):
-            raise Unsupported(f"the batched output {tuple(y.shape)} does not stack the "
-                              f"per-sample outputs {tuple(y1.shape)}")
-        ref = y1.detach().double()
-        err = float((y[:1].detach().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-        if not err < 1e-4:
-            raise Unsupported(f"the batched forward changes a sample's output by {err:.2g} "
-                              f"(relative): the model mixes samples")
-        for s in sites.values():
-            if not s.ys:
-                raise Unsupported(f"a {type(s.module).__name__} was not called")
-            for x, yy in zip(s.xs, s.ys):
-                if x.dim() == 0 or x.shape[0] != nb or yy.dim() == 0 or yy.shape[0] != nb:
-                    raise Unsupported(f"a {type(s.module).__name__} runs on a tensor without "
-                                      f"the batch dimension (input {tuple(x.shape)}), shared "
-                                      f"by the samples")
+        y, shape1 = _forward(model, smp, nb, sites, output_fn)
         outs = [(s, c) for s in sites.values() for c in range(len(s.ys))]
-        targets = [s.ys[c] for s, c in outs]
         # cotangents in the per-sample loop's order: sample by sample, P each
-        vs = torch.stack([torch.stack([torch.randn(y1.shape, generator=gen, dtype=torch.float32)
+        vs = torch.stack([torch.stack([torch.randn(shape1, generator=gen, dtype=torch.float32)
                                        for _ in range(n_cotangents)])
                           for _ in range(n_samples)])
         per = np.zeros((n_samples, len(params)))
         iu = [(a, b) for a in range(n_cotangents) for b in range(a + 1, n_cotangents)]
         rounds = [(r, min(nb, n_samples - r)) for r in range(0, n_samples, nb)]
         for ri, (s0, cnt) in enumerate(rounds):
-            dys: dict[int, list[list[torch.Tensor]]] = {id(s): [] for s in sites.values()}
+            rows = slice(0, cnt)
+            for s in sites.values():
+                s.start(n_cotangents, rows)
             for a in range(n_cotangents):
                 v = torch.zeros(y.shape, dtype=y.dtype, device=y.device)
                 v[:cnt] = vs[s0:s0 + cnt, a].reshape((cnt,) + tuple(y.shape[1:])).to(v)
-                last = ri == len(rounds) - 1 and a == n_cotangents - 1
                 check = ri == 0 and a == 0
-                want = targets + (list(params) if check else [])
-                g = torch.autograd.grad(y, want, v, retain_graph=not last, allow_unused=True)
-                per_site: dict[int, list[torch.Tensor]] = {id(s): [] for s in sites.values()}
-                for (s, c), gi in zip(outs, g[:len(targets)]):
-                    per_site[id(s)].append(torch.zeros_like(s.ys[c]) if gi is None
-                                           else gi.detach())
-                for k, lst in per_site.items():
-                    dys[k].append(lst)
-                if check:
-                    _check_sums(params, names, owners, per_site, g[len(targets):])
+                _backward(y, v, outs, sites, rows, params if check else (),
+                          keep_graph=not (ri == len(rounds) - 1 and a == n_cotangents - 1),
+                          names=names, owner=owner)
             for j, p in enumerate(params):
-                site = owners[id(p)][0]
-                gram = _gram(site, dys[id(site)], slice(0, cnt))
+                gram = owner[id(p)].gram(rows)
                 sq = torch.diagonal(gram, dim1=1, dim2=2)
                 acc = sum(sq[:, a] * sq[:, b] + gram[:, a, b] ** 2 for a, b in iu)
                 per[s0:s0 + cnt, j] = (acc / len(iu) / (2 * p.numel())).cpu().numpy()
+            for s in sites.values():
+                s.feats = []
             step(cnt)
             done = s0 + cnt
-            if stop is not None and first and done >= first and done < n_samples and \
-                    stop(per[:done]):
+            if stop is not None and done >= first and done < n_samples and stop(per[:done]):
                 return per[:done]
         return per
     finally:
@@ -318,13 +351,31 @@ def batched_sketch(model: nn.Module, smp: Sample, batch: int, params: Sequence[t
             h.remove()
 
 
+def _backward(y: torch.Tensor, v: torch.Tensor, outs: list[tuple[_Site, int]],
+              sites: dict[int, _Site], rows: slice, check: Sequence[torch.Tensor],
+              keep_graph: bool, names: Sequence[str], owner: dict[int, _Site]) -> None:
+    """One backward pass of the cotangent ``v``: each site absorbs its output gradients (and,
+    with ``check`` parameters, their batch gradients are compared with the per-sample sums)."""
+    targets = [s.ys[c] for s, c in outs]
+    g = torch.autograd.grad(y, targets + list(check), v, retain_graph=keep_graph,
+                            allow_unused=True)
+    per_site: dict[int, list[torch.Tensor]] = {id(s): [] for s in sites.values()}
+    for (s, c), gi in zip(outs, g[:len(targets)]):
+        per_site[id(s)].append(torch.zeros_like(s.ys[c]) if gi is None else gi.detach())
+    refs = g[len(targets):]
+    del g
+    for s in sites.values():
+        s.absorb(per_site.pop(id(s)), rows)
+    if check:
+        _check_sums(check, names, owner, refs, rows)
+
+
 def _check_sums(params: Sequence[torch.Tensor], names: Sequence[str],
-                owners: dict[int, list[_Site]], per_site: dict[int, list[torch.Tensor]],
-                grads: Sequence[torch.Tensor | None]) -> None:
+                owner: dict[int, _Site], grads: Sequence[torch.Tensor | None],
+                rows: slice) -> None:
     """The per-sample gradients must add up to autograd's gradient of the batch."""
     for p, name, g in zip(params, names, grads):
-        site = owners[id(p)][0]
-        tot = _grad_sum(site, per_site[id(site)]).reshape(p.shape)
+        tot = owner[id(p)].grad_sum(rows).reshape(p.shape)
         ref = torch.zeros_like(tot) if g is None else g.detach().to(tot.dtype)
         err = float(torch.linalg.vector_norm(tot - ref))
         scale = float(torch.linalg.vector_norm(ref))

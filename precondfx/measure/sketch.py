@@ -34,7 +34,8 @@ from precondfx.measure.persample import batched_sketch
 from precondfx.measure.runtime import one_thread
 from precondfx.progress import Progress
 
-__all__ = ["hessian_sketch", "SketchResult", "spread_of", "geometric_mean", "one_thread"]
+__all__ = ["hessian_sketch", "SketchResult", "spread_of", "geometric_mean", "one_thread",
+           "precise", "RTOL"]
 
 
 @dataclass
@@ -69,8 +70,9 @@ def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_s
     With ``batched`` (default) the samples run together (:mod:`precondfx.measure.persample`:
     same cotangents, same estimator, one batched forward and P batched backward passes); models
     it cannot measure exactly fall back to one sample at a time (``engine`` says which ran).
-    ``stop(values)``, called once ``first`` samples are measured with their per-sample values,
-    can end the measurement there (a cheap first estimate that already decides).
+    ``stop(values)``, called with the per-sample values after each sample (batched: each round
+    of samples) from the ``first`` on, can end the measurement there (an estimate that already
+    decides, or is already precise enough: :func:`precise`).
     Progress (ETA per sample) goes to stderr on a terminal unless ``verbose=False``
     (:mod:`precondfx.progress`)."""
     if n_cotangents < 2:
@@ -112,11 +114,31 @@ def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_s
                 acc = sum(sq[a] * sq[b] + float(flat[a] @ flat[b]) ** 2 for a, b in iu)
                 per[s, j] = acc / len(iu) / (2 * p.numel())
             bar.step()
-            if stop is not None and s + 1 == first < n_samples and stop(per[:first]):
-                per = per[:first]
+            if stop is not None and first <= s + 1 < n_samples and stop(per[:s + 1]):
+                per = per[:s + 1]
                 break
     vals = {w: _mean_estimate(per[:, j]) for j, w in enumerate(weights)}
     return SketchResult(vals, len(per), n_cotangents, "pairs", note or "per-sample loop", per)
+
+
+#: default precision of measured balancing: stop once every layer's statistic has a 95%
+#: interval within +-20% of its mean.  Balancing sets alpha ~ statistic^(-1/4), so every alpha
+#: is then known to about +-5%, far inside the 2x spread that ``balance='auto'`` acts on.
+RTOL = 0.2
+
+
+def precise(per: np.ndarray, rtol: float = RTOL) -> bool:
+    """Whether every column's mean (per-sample values, samples x weights) is known to ``rtol``:
+    the half-width of its 95% t interval is at most ``rtol`` times the mean (at least 2 rows;
+    a column with a mean that is not positive is never precise)."""
+    if per.ndim != 2 or per.shape[0] < 2:
+        return False
+    for j in range(per.shape[1]):
+        e = _mean_estimate(per[:, j])
+        if not (e.mean > 0 and math.isfinite(e.ci_high) and
+                (e.ci_high - e.ci_low) / 2 <= rtol * e.mean):
+            return False
+    return True
 
 
 def spread_of(values: Mapping[str, float]) -> float:
