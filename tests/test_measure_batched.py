@@ -47,6 +47,11 @@ def _cases():
         nn.Conv2d(3, 8, 1), nn.ReLU(), nn.Conv2d(8, 8, 1, stride=2, groups=2), nn.ReLU(),
         nn.Conv2d(8, 4, 1, stride=(1, 2)), nn.Flatten(), nn.Linear(4 * 4 * 2, 5)), \
         torch.randn(4, 3, 8, 8), ["0.weight", "2.weight", "4.weight", "6.weight"]
+    yield "conv-circular-same", nn.Sequential(   # padded as the module pads, then unfolded
+        nn.Conv2d(3, 6, 3, padding=1, padding_mode="circular"), nn.ReLU(),
+        nn.Conv2d(6, 6, (3, 2), padding="same", padding_mode="reflect"), nn.ReLU(),
+        nn.Conv2d(6, 4, 3, padding="valid"), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)), \
+        torch.randn(4, 3, 8, 8), ["0.weight", "2.weight", "4.weight", "6.weight"]
     yield "conv1d", nn.Sequential(nn.Conv1d(3, 6, 5, padding=2, stride=2), nn.ReLU(),
                                   nn.Flatten(), nn.Linear(6 * 8, 4)), torch.randn(5, 3, 16), \
         ["0.weight", "3.weight"]
@@ -108,3 +113,29 @@ def test_falls_back_to_the_loop_when_not_exact(cls, why):
         return
     assert b.engine.startswith("per-sample loop (Unsupported") and why in b.engine
     assert _rel(a, b) == 0.0
+
+
+def _hf(name, seq):
+    import tests.hf_tiny as H
+    model, batch = H.build(name, dropout=False)
+    batch.pop("labels")
+    batch["input_ids"] = batch["input_ids"][:, :seq]
+    return model.train(), batch, H.FORWARD[name]
+
+
+@pytest.mark.parametrize("name,seq", [("gpt2", 12), ("gpt2", 3), ("bert", 12), ("llama", 12)])
+def test_transformers_take_the_batched_path(name, seq):
+    """Position embeddings looked up on (1, T) position ids (shared by the samples) and GPT-2's
+    word embedding tied to its LM head (one parameter, two modules; seq 12: per-sample
+    gradients, seq 3: Gram over positions) are measured batched, with the loop's numbers."""
+    pytest.importorskip("transformers")
+    model, batch, kw = _hf(name, seq)
+    weights = [n for n, p in model.named_parameters() if p.dim() == 2]
+    args = dict(n_samples=6, seed=5, forward_kwargs=kw, output_fn=lambda o: o.logits)
+    a = hessian_sketch(model, batch, weights, batched=False, **args)
+    b = hessian_sketch(model, batch, weights, **args)
+    assert b.engine == "batched" and a.engine == "per-sample loop"
+    assert _rel(a, b) < 1e-5
+    if name == "gpt2":   # the tied weight's value includes the cross terms of its two uses
+        assert "transformer.wte.weight" in weights and "lm_head.weight" not in weights
+        assert model.lm_head.weight is model.transformer.wte.weight

@@ -56,8 +56,9 @@ def _kind(m: nn.Module) -> str | None:
         return "linear"
     if isinstance(m, nn.Embedding):
         return None if (m.scale_grad_by_freq or m.sparse) else "embedding"
-    if isinstance(m, (nn.Conv1d, nn.Conv2d)) and m.padding_mode == "zeros" and \
-            not isinstance(m.padding, str):
+    if isinstance(m, (nn.Conv1d, nn.Conv2d)) and (
+            m.padding_mode == "zeros" and not isinstance(m.padding, str) or
+            isinstance(getattr(m, "_reversed_padding_repeated_twice", None), (list, tuple))):
         return "conv"
     return None
 
@@ -100,13 +101,22 @@ class _Site:
         self.feats: list[torch.Tensor] = []   # one per cotangent of the current round
         self.materialize = False              # feats are per-sample gradients, else dy
         self.on = True
+        self.nb = 1                           # the batch of the recorded forward
 
     def __call__(self, module: nn.Module, args: tuple, out: Any) -> Any:
         if not self.on:
             return None
         if not isinstance(out, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
             raise Unsupported(f"{type(module).__name__} called with a non-tensor input or output")
-        self.xs.append(args[0].detach().clone())
+        x = args[0]
+        if self.nb > 1 and x.dim() >= 1 and x.shape[0] == 1 and out.dim() >= 2 and \
+                out.shape[0] == 1:
+            # shared by the samples (position embeddings on position ids of shape (1, T)):
+            # every sample gets its own copy, so that its gradient is its own; a model that
+            # does not broadcast the output fails the forward or the output check
+            x = x.expand((self.nb,) + tuple(x.shape[1:]))
+            out = out.expand((self.nb,) + tuple(out.shape[1:]))
+        self.xs.append(x.detach().clone())
         self.ys.append(out)
         return out.clone()  # an in-place op downstream cannot overwrite what we differentiate
 
@@ -134,7 +144,14 @@ class _Site:
             g, ci = m.groups, m.in_channels
             us = []
             for x in self.xs:
-                x = x[rows] if two else x[rows].unsqueeze(2)
+                x = x[rows]
+                if m.padding_mode != "zeros" or isinstance(m.padding, str):
+                    # circular/reflect/replicate or 'same'/'valid': pad as the module does
+                    pads = list(m._reversed_padding_repeated_twice)
+                    x = F.pad(x, pads, mode="constant" if m.padding_mode == "zeros"
+                              else m.padding_mode)
+                    pd = (0, 0)
+                x = x if two else x.unsqueeze(2)
                 if k == (1, 1) and pd == (0, 0):   # 1x1: the (strided) input is its unfolding
                     u = x[:, :, ::st[0], ::st[1]].reshape(x.shape[0], ci, -1)
                 else:
@@ -246,8 +263,9 @@ def _rows(x: torch.Tensor, d: int) -> torch.Tensor:
 
 
 def _sites(model: nn.Module, params: Sequence[torch.Tensor], names: Sequence[str]
-           ) -> tuple[dict[int, _Site], dict[int, _Site]]:
-    """The hooked modules, and the one that owns each measured weight (by ``id``)."""
+           ) -> tuple[dict[int, _Site], dict[int, list[_Site]]]:
+    """The hooked modules, and the ones that use each measured weight (by ``id``): one, or an
+    Embedding and a Linear sharing it (tied input and output embeddings)."""
     owners: dict[int, list[_Site]] = {id(p): [] for p in params}
     sites: dict[int, _Site] = {}
     ids = [id(p) for p in params]
@@ -264,9 +282,48 @@ def _sites(model: nn.Module, params: Sequence[torch.Tensor], names: Sequence[str
     for p, name in zip(params, names):
         if not owners[id(p)]:
             raise Unsupported(f"{name} belongs to no Linear/Conv/Embedding module")
-        if len({id(s) for s in owners[id(p)]}) > 1:
+        own = owners[id(p)]
+        if len(own) > 1 and not _tied(own):
             raise Unsupported(f"{name} is shared by several modules")
-    return sites, {k: v[0] for k, v in owners.items()}
+    return sites, owners
+
+
+def _tied(own: list[_Site]) -> bool:
+    """An Embedding and an ``nn.Linear`` with the same (V, d) weight: GPT-2's tied word
+    embedding and language-model head."""
+    kinds = sorted(s.kind for s in own)
+    return kinds == ["embedding", "linear"] and all(
+        isinstance(s.module, (nn.Embedding, nn.Linear)) for s in own)
+
+
+def _gram_param(own: list[_Site], rows: slice) -> torch.Tensor:
+    """(B, P, P) Gram of one weight's per-sample gradients: its module's, or for a tied
+    weight the sum over its two modules with the cross terms."""
+    if len(own) == 1:
+        return own[0].gram(rows)
+    emb, lin = sorted(own, key=lambda s: s.kind)
+    c = _cross(emb, lin, rows)
+    return emb.gram(rows) + lin.gram(rows) + c + c.transpose(1, 2)
+
+
+def _cross(emb: _Site, lin: _Site, rows: slice) -> torch.Tensor:
+    """``<E_a, L_b>`` for the embedding's per-sample gradient ``E_a = sum_t e_{id_t} dE_t^T``
+    and the Linear's ``L_b`` (same (V, d) layout): ``sum_t dE_{a,t} . L_b[id_t]``."""
+    m = emb.module
+    ids = torch.cat([x.reshape(x.shape[0], -1) for x in emb.xs], dim=1)[rows]      # (B, T)
+    de = torch.stack(emb.feats, dim=1).double()                                  # (B, P, T, d)
+    if m.padding_idx is not None:
+        de = de * (ids != m.padding_idx)[:, None, :, None]
+    b, p, t, d = de.shape
+    if lin.materialize:
+        lg = torch.stack(lin.feats, dim=1).double().reshape(b, p, -1, d)          # (B, P, V, d)
+        at = torch.take_along_dim(lg, ids[:, None, :, None].expand(b, p, t, d), dim=2)
+        return torch.einsum("batd,bctd->bac", de, at)
+    dl = torch.stack(lin.feats, dim=1).double()                                  # (B, P, U, V)
+    x = lin._x(rows).double()                                                    # (B, U, d)
+    g1 = torch.einsum("batd,bud->batu", de, x)
+    g2 = torch.take_along_dim(dl, ids[:, None, None, :].expand(b, p, dl.shape[2], t), dim=3)
+    return torch.einsum("batu,bcut->bac", g1, g2)
 
 
 def _forward(model: nn.Module, smp: Sample, nb: int, sites: dict[int, _Site],
@@ -310,6 +367,8 @@ def batched_sketch(model: nn.Module, smp: Sample, batch: int, params: Sequence[t
     far)`` may end the measurement (the rows returned are the samples measured)."""
     sites, owner = _sites(model, params, names)
     nb = min(batch, n_samples)
+    for s in sites.values():
+        s.nb = nb
     # prepend: see the module's own output, before any hook of the user's or of precondfx
     # (an output scale on the last layer) transforms it
     handles = [s.module.register_forward_hook(s, prepend=True) for s in sites.values()]
@@ -335,7 +394,7 @@ def batched_sketch(model: nn.Module, smp: Sample, batch: int, params: Sequence[t
                           keep_graph=not (ri == len(rounds) - 1 and a == n_cotangents - 1),
                           names=names, owner=owner)
             for j, p in enumerate(params):
-                gram = owner[id(p)].gram(rows)
+                gram = _gram_param(owner[id(p)], rows)
                 sq = torch.diagonal(gram, dim1=1, dim2=2)
                 acc = sum(sq[:, a] * sq[:, b] + gram[:, a, b] ** 2 for a, b in iu)
                 per[s0:s0 + cnt, j] = (acc / len(iu) / (2 * p.numel())).cpu().numpy()
@@ -353,7 +412,8 @@ def batched_sketch(model: nn.Module, smp: Sample, batch: int, params: Sequence[t
 
 def _backward(y: torch.Tensor, v: torch.Tensor, outs: list[tuple[_Site, int]],
               sites: dict[int, _Site], rows: slice, check: Sequence[torch.Tensor],
-              keep_graph: bool, names: Sequence[str], owner: dict[int, _Site]) -> None:
+              keep_graph: bool, names: Sequence[str], owner: dict[int, list[_Site]]
+              ) -> None:
     """One backward pass of the cotangent ``v``: each site absorbs its output gradients (and,
     with ``check`` parameters, their batch gradients are compared with the per-sample sums)."""
     targets = [s.ys[c] for s, c in outs]
@@ -371,11 +431,11 @@ def _backward(y: torch.Tensor, v: torch.Tensor, outs: list[tuple[_Site, int]],
 
 
 def _check_sums(params: Sequence[torch.Tensor], names: Sequence[str],
-                owner: dict[int, _Site], grads: Sequence[torch.Tensor | None],
+                owner: dict[int, list[_Site]], grads: Sequence[torch.Tensor | None],
                 rows: slice) -> None:
     """The per-sample gradients must add up to autograd's gradient of the batch."""
     for p, name, g in zip(params, names, grads):
-        tot = owner[id(p)].grad_sum(rows).reshape(p.shape)
+        tot = sum(s.grad_sum(rows).reshape(p.shape) for s in owner[id(p)])
         ref = torch.zeros_like(tot) if g is None else g.detach().to(tot.dtype)
         err = float(torch.linalg.vector_norm(tot - ref))
         scale = float(torch.linalg.vector_norm(ref))
