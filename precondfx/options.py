@@ -30,6 +30,8 @@ MEASURED = ("hessian", "auto")
 RESIDUAL_MODES = ("auto", "all", "none")
 CALIBRATION_MODES = ("train", "eval")
 CAPTURE_METHODS = ("fx", "export", "draft_export", "eager")
+#: lr_scale values (precondfx.lr_transfer): the optimizer the model will be trained with
+LR_SCALE_MODES = ("sgd", "adam")
 #: seeds are handed to torch and numpy generators: a non-negative 63-bit integer
 SEED_MAX = 2 ** 63 - 1
 
@@ -54,6 +56,17 @@ def one_of(*values: str) -> Check:
             return v
         raise PrecondError(f"{name}={v!r} is not one of {values}: pass one of these strings")
     check.choices = values  # type: ignore[attr-defined]
+    return check
+
+
+def one_of_or_none(*values: str) -> Check:
+    """One of ``values`` or None (the command line's 'none')."""
+    def check(name: str, v: Any) -> str | None:
+        if v is None or (isinstance(v, str) and v in values):
+            return v
+        raise PrecondError(f"{name}={v!r} is not one of {values} or None: pass one of these "
+                           f"strings, or None")
+    check.words = (None,) + values  # type: ignore[attr-defined]
     return check
 
 
@@ -164,6 +177,12 @@ class Options:
     output_key: str | int | None = _opt(None, output_key,
                                         "output to scale (name or index; default 'logits' or "
                                         "the first floating-point output)", cli="KEY")
+    lr_scale: str | None = _opt(None, one_of_or_none(*LR_SCALE_MODES),
+                                "function-preserving per-layer scales (alpha x c, weights / c) "
+                                "so that one learning rate suits all widths and depths: 'adam' "
+                                "(muP fan-in rule and depth rule for Adam/AdamW), 'sgd' (depth "
+                                "rule for SGD); None (on the command line 'none'): off "
+                                "(precondfx.lr_transfer)", cli="OPT")
     seed: int = _opt(0, integer(0, SEED_MAX), "seed of the re-initialization", cli="N")
     reinit: bool = _opt(True, flag, "re-initialize the weights; reinit_weights=False "
                         "(--no-reinit) keeps them, divided by their alpha, and only inserts "

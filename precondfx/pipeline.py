@@ -276,6 +276,14 @@ def balance(st: TorchState) -> None:
                             f"{e}"))
 
 
+def lr_scale(st: TorchState) -> None:
+    """``lr_scale=``: per-layer scales for learning-rate transfer (``precondfx.lr_transfer``),
+    after balancing, which would undo them."""
+    from precondfx import lr_transfer
+    st.report.conditioning["lr_scale"] = lr_transfer.apply(
+        st.result, st.graph, st.plan, st.alpha_buffers, st.opts.lr_scale, st.constants)
+
+
 def measure(st: TorchState) -> None:
     """``measure=True``: Hessian statistics of the original and the rewritten model."""
     o = st.opts
@@ -326,6 +334,8 @@ STAGES = (
           when=lambda st: driver.calibrates(st) and not _sharded(st)),
     Stage("balance", balance, lambda st: f"measured balancing ({st.opts.balance})",
           when=lambda st: st.opts.balance in ("hessian", "auto")),
+    Stage("lr_scale", lr_scale, lambda st: f"lr_scale={st.opts.lr_scale!r}",
+          when=lambda st: st.opts.lr_scale is not None),
     Stage("measure", measure, when=lambda st: st.opts.measure),
     Stage("verify", verify, when=lambda st: st.data),
     Stage("verify", finish),

@@ -155,6 +155,10 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
     _plan_residuals(graph, plan, opts)
     if opts.balance == "analytic":
         _analytic_alphas(plan)
+    lr_scale = getattr(opts, "lr_scale", None)
+    if lr_scale is not None:    # precondfx.lr_transfer scales every layer's alpha afterwards
+        from precondfx.lr_transfer import check_scheme
+        check_scheme(opts.scheme)
     _plan_inits(graph, params, plan, opts)
     for lay in plan.layers:
         info = params.get(lay.weight or "")
@@ -162,7 +166,8 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
             lay.alpha, lay.alpha_reason = 1.0, "frozen weight: no alpha (it would change the " \
                                                 "function without a compensating weight)"
             continue
-        if lay.alpha == 1.0 and opts.balance not in MEASURED and not alpha_sites:
+        if lay.alpha == 1.0 and opts.balance not in MEASURED and not alpha_sites and \
+                lr_scale is None:
             continue
         where = "input" if lay.kind in ("conv", "conv_transpose", "linear", "matmul") else "output"
         plan.scales.append(Scale("alpha", lay.node, where, 0, lay.alpha,
