@@ -89,10 +89,18 @@ PFX: dict[str, dict] = {
     "pfx_defbias": {},          # pfx, then the biases of PyTorch's default init put back
     "pfx_none_stdNone": {"balance": "none", "target_std": None},
     "pfx_fan_in_stdNone": {"init": "fan_in", "target_std": None},
+    "pfx_lr": {},               # pfx with lr_scale= matching the optimizer (see OPT_LR_SCALE)
+    "pfx_lr_sgd": {"lr_scale": "sgd"},
+    "pfx_lr_adam": {"lr_scale": "adam"},
 }
 
+#: ``pfx_lr``: the lr_scale of each optimizer of the suite (the model depends on the optimizer)
+OPT_LR_SCALE = {"sgd": "sgd", "adamw": "adam"}
+#: methods whose model depends on the optimizer
+PER_OPTIMIZER = ("mup", "pfx_lr")
+
 BASELINES = ["default", "torch_default", "default_std0.05", "default_zb", "fan_in", "lsuv", "mup"]
-MAIN_METHODS = ["default", "torch_default", "fan_in", "lsuv", "mup", "pfx"]
+MAIN_METHODS = ["default", "torch_default", "fan_in", "lsuv", "mup", "pfx", "pfx_lr"]
 ABLATIONS = ["default_std0.05", "default_zb", "pfx_std0.5", "pfx_stdNone", "pfx_in_auto",
              "pfx_fan_in", "pfx_none", "pfx_analytic", "pfx_hessian", "pfx_res_none",
              "pfx_defbias"]
@@ -110,6 +118,8 @@ LABELS = {
     "pfx_res_all": "pfx residual=all", "pfx_defbias": "pfx + default biases",
     "pfx_none_stdNone": "pfx balance=none, target_std=None",
     "pfx_fan_in_stdNone": "pfx init=fan_in, target_std=None",
+    "pfx_lr": "pfx lr_scale=<optimizer>", "pfx_lr_sgd": "pfx lr_scale=sgd",
+    "pfx_lr_adam": "pfx lr_scale=adam",
 }
 
 
@@ -407,6 +417,13 @@ SIZES: dict[str, dict] = {
                       gpt2=dict(n_embd=64, n_layer=2, n_head=4, ctx=32, batch=8, steps=150,
                                 max_bytes=2_000_000),
                       vit=dict(hidden=32, layers=2), seeds=3, n_lr=8),
+    # learning-rate transfer on CPU: the MLP family over the full suite's widths and depths
+    "cpu_lr": dict(epochs=3, mlp_widths=[32, 128, 512, 2048], mlp_depths=[1, 2, 4, 8, 16],
+                   mlp_w0=128, mlp_d0=2, cnn_widths=[16, 32, 64], cnn_depths=[1, 2, 4, 8],
+                   cnn_w0=32, cnn_d0=2, libsvm=False,
+                   gpt2=dict(n_embd=64, n_layer=2, n_head=4, ctx=32, batch=8, steps=150,
+                             max_bytes=2_000_000),
+                   vit=dict(hidden=32, layers=2), seeds=3, n_lr=8),
     "quick": dict(epochs=0.25, mlp_widths=[32, 64], mlp_depths=[1, 2], mlp_w0=32, mlp_d0=1,
                   cnn_widths=[8], cnn_depths=[1], cnn_w0=8, cnn_d0=1, libsvm=False,
                   gpt2=dict(n_embd=32, n_layer=1, n_head=2, ctx=16, batch=8, steps=6,
@@ -418,6 +435,7 @@ SIZES: dict[str, dict] = {
 DEFAULT_TASKS = {
     "full": ["libsvm", "mlp", "cnn", "conv_bn", "conv_nobn", "nf_resnet", "gpt2", "vit"],
     "cpu_small": ["mlp_w512_d1", "gpt2", "mlp"],
+    "cpu_lr": ["mlp"],
     "quick": ["mlp_w32_d1", "gpt2"],
 }
 
@@ -534,7 +552,8 @@ def build(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str
         return out.train(), {}
     if method not in PFX:
         raise ValueError(f"unknown method {method!r}; known: {BASELINES + list(PFX)}")
-    out, _ = precondfx.precondition(model, calib, seed=seed, **PFX[method])
+    kw = dict(PFX[method], lr_scale=OPT_LR_SCALE[opt]) if method == "pfx_lr" else PFX[method]
+    out, _ = precondfx.precondition(model, calib, seed=seed, **kw)
     if method == "pfx_defbias":
         with torch.no_grad():
             ref = dict(model.named_parameters())
@@ -799,7 +818,7 @@ def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device
     task.data.update(_to_cpu_data)
     built = {}
     for s in seeds:        # every method but muP builds the same model for both optimizers
-        key = (task.name, method, s, opt if method == "mup" else "")
+        key = (task.name, method, s, opt if method in PER_OPTIMIZER else "")
         if key not in _BUILT:
             _BUILT.clear() if len(_BUILT) > 64 else None
             _BUILT[key] = build(task, method, s, calib[s], opt)
@@ -1151,6 +1170,8 @@ def main(argv: list[str] | None = None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="CI smoke run (< 30 s)")
     ap.add_argument("--cpu-small", action="store_true", help="the CPU-reduced configuration")
+    ap.add_argument("--cpu-lr", action="store_true", help="the CPU learning-rate transfer "
+                    "configuration (MLP widths 32-2048, depths 1-16)")
     ap.add_argument("--tasks", default="", help="comma list of task names or family prefixes")
     ap.add_argument("--methods", default="", help="comma list (default: main methods; "
                     "'ablation' adds ABLATIONS)")
@@ -1169,7 +1190,8 @@ def main(argv: list[str] | None = None) -> dict:
         return replot(args.replot)
     if args.merge:
         return merge(args.merge, os.path.join(args.out, "train_suite_" + (args.tag or "merged")))
-    size = "quick" if args.quick else "cpu_small" if args.cpu_small else "full"
+    size = ("quick" if args.quick else "cpu_small" if args.cpu_small else
+            "cpu_lr" if args.cpu_lr else "full")
     cfg = SIZES[size]
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
