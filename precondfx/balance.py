@@ -18,16 +18,18 @@ import numpy as np
 import torch
 from torch import nn
 
+from precondfx.apply.backend import key_of
 from precondfx.capture.common import Sample, main_output
 from precondfx.errors import PrecondError
 from precondfx.measure.conditioning import _mean_estimate
 from precondfx.measure.sketch import RTOL, geometric_mean, hessian_sketch, precise, spread_of
+from precondfx.measured import Measured
+from precondfx.plan import Plan
 
 STATISTICS = {
     "hessian": "E[(G_l r)^2]/numel: Gauss-Newton (= Hessian for ReLU nets) diagonal block, random "
                "quadratic loss, batch size 1 (Sec. 3.1)",
 }
-from precondfx.plan import Plan
 
 
 def _split(s: Sample) -> tuple[Sample, Sample | None, int]:
@@ -194,7 +196,7 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
 
     Returns the report section: statistics before/after on the balancing samples, their
     spreads, the factor applied to each alpha, counts of layers balanced and left out and a
-    ``summary`` line."""
+    ``summary`` line.  The plan is not changed: :func:`record_factors` records the factors."""
     if balance not in ("auto", "hessian"):
         raise PrecondError(f"balance={balance!r}: measured balancing is 'auto' or 'hessian'")
     gated = balance == "auto"
@@ -273,7 +275,6 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
         if not gated:
             raise PrecondError(f"measured balancing failed: {msg}")
         return _finish({**base, "applied": False, "decision": msg}, n_layers, left)
-    _update_plan(plan, factors)
     after = {w: v * factors[w] ** 4 for w, v in before.items()}  # exact: stat scales alpha^4
     return _finish({
         **base, "after_fit": after, "factors": factors, "applied": True,
@@ -303,19 +304,19 @@ def significant_spread(means: dict[str, float], se: dict[str, float], z: float =
     return max(1.0, max(lo.values()) / min(hi.values()))
 
 
-def _update_plan(plan: Plan, factors: dict[str, float]) -> None:
-    """Keep the plan equal to what the model now holds (alphas up, weight stds down)."""
+def record_factors(measured: Measured, plan: Plan, factors: dict[str, float]) -> None:
+    """Record in ``measured`` what balancing set (the plan stays as planned): each rescaled
+    weight's alphas times its factor, its std divided by it."""
     for lay in plan.layers:
         c = factors.get(lay.weight or "")
         if c is not None:
-            lay.alpha *= c
-            lay.alpha_reason = (lay.alpha_reason + "; " if lay.alpha_reason else "") + \
-                f"measured balancing x{c:.4g}"
+            measured.add("balance", "alpha", lay.node, c, op="mul",
+                         note=f"measured balancing x{c:.4g}")
     node_w = {lay.node: lay.weight for lay in plan.layers}
     for sc in plan.scales:
         if sc.tag == "alpha" and node_w.get(sc.node) in factors:
-            sc.value *= factors[node_w[sc.node]]
+            measured.add("balance", "scale", key_of(sc), factors[node_w[sc.node]], op="mul")
     for w, c in factors.items():
         pi = plan.inits.get(w)
         if pi is not None and pi.std is not None:
-            pi.std = pi.std / c
+            measured.add("balance", "std", w, c, op="div")

@@ -26,11 +26,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from precondfx import calibrate as cal
-from precondfx.apply.backend import Backend
+from precondfx.apply.backend import Backend, key_of
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
+from precondfx.measured import Measured
 from precondfx.options import Options, Resolved
-from precondfx.plan import ParamInfo, Plan, Scale, make_plan
+from precondfx.plan import ParamInfo, Plan, make_plan, plan_io
 from precondfx.report import Report
 from precondfx.schemes.base import Scheme, SchemeContext
 
@@ -59,6 +60,7 @@ class State:
     alpha_buffers: dict[str, list[str]] = field(default_factory=dict)  # weight -> constants
     site_buffers: dict[str, str] = field(default_factory=dict)         # node -> alpha constant
     in_scale: float | None = None
+    measured: Measured = field(default_factory=Measured)   # what the stages set after apply
     data: bool = True                # the model can run on data (not on the meta device)
     stop: bool = False               # a stage ended the run early (nothing to do)
     times: dict[str, float] = field(default_factory=dict)
@@ -137,26 +139,36 @@ def has_work(g: Graph, what: str) -> None:
 
 
 def plan(st: State) -> None:
-    """The plan: ``make_plan`` on the classified graph, then the scheme's changes."""
-    st.plan = make_plan(st.graph, st.params, st.opts, alpha_sites=st.scheme.needs_alpha_sites)
-    st.plan.notes.extend(st.resolved.notes())
-    st.scheme.plan(st.graph, st.plan, st.params, st.opts)
+    """The whole plan, before anything is applied: ``make_plan`` on the classified graph, the
+    scheme's changes, the input and output scales (``plan_io``)."""
+    p = make_plan(st.graph, st.params, st.opts, alpha_sites=st.scheme.needs_alpha_sites)
+    p.notes.extend(st.resolved.notes())
+    st.scheme.plan(st.graph, p, st.params, st.opts)
+    st.in_scale = input_scale(st.opts, p, st.input_tensors)
+    plan_io(p, st.opts, st.in_scale)
+    st.plan = p
+
+
+#: the scales the back ends place with ``input_scale`` / ``output_scale``
+IO_TAGS = ("input", "output")
 
 
 def apply(st: State) -> None:
     """Carry the plan out on the back end: pools, the scheme's replacements, every scale, the
-    input and output scales; then ``finish``."""
+    input and output scales; then ``finish``.  A pool left as it was is recorded in
+    ``st.measured`` (the plan stays as planned)."""
     be, p, g = st.backend, st.plan, st.graph
     be.pools(p)
-    for pc in p.pools:
-        if pc.node in be.pool_notes:
-            pc.action, pc.reason = "keep", f"{pc.reason}; {be.pool_notes[pc.node]}"
+    for node, why in be.pool_notes.items():
+        st.measured.add("apply", "pool", node, "keep", note=why)
     st.scheme.model = st.result
     for node, mod, path in st.scheme.replacements(g, p):
         if be.replace(node, mod, path, all_calls=True):
             be.applied.append(f"{st.scheme.name}: {node} replaced by {mod}")
     weight_of = {lay.node: lay.weight for lay in p.layers}
     for sc in p.scales:
+        if sc.tag in IO_TAGS:
+            continue
         name = be.scale(sc)
         if name is None:
             continue
@@ -164,15 +176,15 @@ def apply(st: State) -> None:
         if sc.tag == "alpha" and weight_of.get(sc.node):
             st.alpha_buffers.setdefault(weight_of[sc.node], []).append(name)
             st.site_buffers[sc.node] = name
-    st.in_scale = input_scale(st.opts, p, st.input_tensors)
-    if st.in_scale is not None:
-        st.constants.update({b: st.in_scale for b in be.input_scale(st.in_scale) or []})
+    inp = p.scale("input")
+    if inp is not None:
+        st.constants.update({b: inp.value for b in be.input_scale(inp.value) or []})
         normed = normalized_before_first_layer(g, p)
         if normed:
             be.skipped.append(("input scale", f"normalization {normed} sits between the input "
                                f"and the first weighted layer and undoes the input scale "
                                f"(Sec. 6.3 has no effect here)"))
-    if st.opts.target_std is not None:
+    if p.scale("output") is not None:
         st.out_const = be.output_scale(st.main_path)
         if st.out_const is not None:
             st.constants[st.out_const] = 1.0
@@ -196,14 +208,8 @@ def scheme_step(st: State) -> None:
     """The scheme's data-driven step (LSUV's layer-sequential scaling, TAT's checks)."""
     sch = st.scheme
     ctx = SchemeContext(st.result, st.sample, st.graph, st.plan, st.backend, st.opts,
-                        st.opts.calibration, st.site_buffers, st.say)
+                        st.opts.calibration, st.site_buffers, st.say, measured=st.measured)
     st.report.conditioning[sch.name] = sch.calibrate(ctx)
-
-
-def record_input_scale(st: State) -> None:
-    if st.in_scale is not None:
-        st.plan.scales.append(Scale("input", "input", "input", 0, st.in_scale,
-                                    "input scale (Sec. 6.3)"))
 
 
 def calibrates(st: State) -> bool:
@@ -224,8 +230,19 @@ def calibrate(st: State) -> None:
         if be.rerun_after_scale else std * scale
     rep.output_std_before, rep.output_std_after = std, after
     rep.target_std, rep.output_scale = opts.target_std, scale
-    st.plan.scales.append(Scale("output", "output", "output", 0, scale,
-                                f"output std {std:.4g} -> {opts.target_std}"))
+    st.measured.add("calibrate", "scale", OUTPUT, scale,
+                    reason=f"output std {std:.4g} -> {opts.target_std}")
+
+
+def record(st: State) -> None:
+    """The report's plans: ``planned`` (the intent), ``measured`` (what the stages set after
+    applying it) and ``plan``, the two together: the values the model holds."""
+    st.report.planned, st.report.measured = st.plan, st.measured
+    st.report.plan = st.measured.final(st.plan)
+
+
+#: the key of the planned output scale (``backend.key_of``)
+OUTPUT = "output:output:output:0"
 
 
 # -- rules the stages use ----------------------------------------------------------------------
@@ -268,3 +285,4 @@ SCHEME = Stage("scheme", scheme_step, lambda st: f"scheme {st.scheme.name}: data
                when=has_scheme_step, requires=("report",))
 CALIBRATE = Stage("calibrate", calibrate, "calibrating the output scale", when=calibrates,
                   requires=("report", "out_const"))
+RECORD = Stage("record", record, requires=("report", "plan"))

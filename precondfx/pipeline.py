@@ -22,7 +22,7 @@ from precondfx import distributed, driver
 from precondfx.apply.common import output_path
 from precondfx.apply.eager_apply import EagerApplier
 from precondfx.apply.fx_apply import FxApplier
-from precondfx.balance import balance_measured, held_out
+from precondfx.balance import balance_measured, held_out, record_factors
 from precondfx.capture import meta
 from precondfx.capture.common import Sample, make_sample
 from precondfx.capture.ladder import Captured, capture
@@ -31,7 +31,7 @@ from precondfx.classify import classify
 from precondfx.driver import Stage, State
 from precondfx.errors import PrecondError
 from precondfx.folding import record
-from precondfx.plan import ParamInfo, Scale
+from precondfx.plan import ParamInfo
 from precondfx.report import Report
 from precondfx.verify import measure_report, verify_result
 
@@ -252,9 +252,9 @@ def calibrate_sharded(st: TorchState) -> None:
                               mode=o.calibration)
     rep.output_std_before, rep.output_std_after = r["std_before"], r["std_after"]
     rep.target_std, rep.output_scale = o.target_std, r["scale"]
-    st.plan.scales.append(Scale("output", "output", "output", 0, r["scale"],
-                                f"output std {r['std_before']:.4g} -> {o.target_std} (all "
-                                f"ranks' batches)"))
+    st.measured.add("calibrate", "scale", driver.OUTPUT, r["scale"],
+                    reason=f"output std {r['std_before']:.4g} -> {o.target_std} (all ranks' "
+                    f"batches)")
 
 
 def balance(st: TorchState) -> None:
@@ -266,6 +266,8 @@ def balance(st: TorchState) -> None:
             output_key=o.output_key, mode=o.calibration, log=st.say,
             n_samples=o.balance_samples, balance=o.balance, threshold=o.balance_threshold)
         rep.skipped += [(f"balance {w}", why) for w, why in h["left_out"].items()]
+        if h.get("applied"):
+            record_factors(st.measured, st.plan, h["factors"])
         if h.get("output_std") is not None and rep.output_std_after is not None:
             rep.output_std_after = h["output_std"]
     except PrecondError as e:
@@ -325,7 +327,6 @@ STAGES = (
     driver.APPLY,
     driver.REINIT,
     driver.SCHEME,
-    Stage("input", driver.record_input_scale, requires=("plan",)),
     Stage("calibrate", meta_note, when=lambda st: st.opts.target_std is not None
           and st.out_const is not None and not st.data),
     Stage("calibrate", calibrate_sharded, "calibrating the output scale (statistics "
@@ -338,7 +339,8 @@ STAGES = (
           when=lambda st: st.opts.lr_scale is not None),
     Stage("measure", measure, when=lambda st: st.opts.measure),
     Stage("verify", verify, when=lambda st: st.data),
-    Stage("verify", finish),
+    driver.RECORD,
+    Stage("record", finish),
 )
 
 
@@ -368,7 +370,9 @@ def analyze(model: nn.Module, sample: Any, resolved: Any, forward_kwargs: dict) 
         run_on(work, s, resolved.options.calibration)
         cap, infos = capture_classify(work, s, resolved.options.capture,
                                       resolved.options.calibration, notes)
-    st = State(resolved, graph=cap.graph, params=infos)
+    st = State(resolved, graph=cap.graph, params=infos, input_tensors=list(s.tensors()))
     driver.plan(st)
-    return Report.from_graph(cap.graph, st.plan)
+    rep = Report.from_graph(cap.graph, st.plan)
+    rep.planned = st.plan
+    return rep
 

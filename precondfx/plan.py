@@ -21,7 +21,8 @@ from precondfx.options import (BALANCE_MODES, MAXPOOL_MODES, MEASURED, RESIDUAL_
 
 # the options are defined in precondfx.options (re-exported here for older imports)
 __all__ = ["Options", "MAXPOOL_MODES", "BALANCE_MODES", "MEASURED", "RESIDUAL_MODES", "Plan",
-           "ParamInit", "ParamInfo", "Layer", "Scale", "PoolChange", "Residual", "make_plan"]
+           "ParamInit", "ParamInfo", "Layer", "Scale", "PoolChange", "Residual", "make_plan",
+           "plan_io"]
 
 
 @dataclass
@@ -104,6 +105,9 @@ class Plan:
     pools: list[PoolChange] = field(default_factory=list)
     residuals: list[Residual] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: what a scheme's plan says about a node (a replacement, a normalized sum), shown as the
+    #: node's reason in the report instead of the classification's
+    reasons: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,7 +124,7 @@ class Plan:
                    pools=[PoolChange(**{**x, "geometry": _geometry(x.get("geometry", {}))})
                           for x in d.get("pools", [])],
                    residuals=[Residual(**x) for x in d.get("residuals", [])],
-                   notes=list(d.get("notes", [])))
+                   notes=list(d.get("notes", [])), reasons=dict(d.get("reasons", {})))
 
     def alphas(self) -> dict[str, float]:
         """alpha per weight parameter name (first call site)."""
@@ -173,6 +177,19 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
         plan.scales.append(Scale("alpha", lay.node, where, 0, lay.alpha,
                                  lay.alpha_reason or "alpha site for measured balancing"))
     return plan
+
+
+def plan_io(plan: Plan, opts: Options, input_value: float | None) -> None:
+    """The input and output scales, planned with the rest (before anything is applied): the
+    input scale's value is known now (Sec. 6.3; ``precondfx.driver.input_scale``), the output
+    scale's is measured by calibration (Sec. 6.4), which records it in ``report.measured``."""
+    if input_value is not None:
+        plan.scales.append(Scale("input", "input", "input", 0, float(input_value),
+                                 "input scale (Sec. 6.3)"))
+    if opts.target_std is not None:
+        plan.scales.append(Scale("output", "output", "output", 0, 1.0,
+                                 f"output std -> {opts.target_std} on the calibration batch "
+                                 f"(Sec. 6.4): the value is set by calibration"))
 
 
 def _tuple(v: Any, d: int) -> tuple[int, ...]:

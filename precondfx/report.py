@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from precondfx.graph import Graph
+from precondfx.measured import Measured
 from precondfx.plan import Plan
 
 #: version of the JSON layout written by ``Report.save`` (README: "The report's JSON").
@@ -193,12 +194,18 @@ class Report:
     conditioning: dict[str, Any] = field(default_factory=dict)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     verification: dict[str, Any] = field(default_factory=dict)
+    #: the plan as planned, before anything was applied (``plan`` is it with ``measured``
+    #: applied: the values the model holds)
+    planned: Plan | None = None
+    #: what calibration, balancing and the schemes set after the plan was applied
+    measured: Measured = field(default_factory=Measured)
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def from_graph(cls, graph: Graph, plan: Plan | None = None) -> "Report":
         labels = _labels(graph)
-        rows = [NodeRow(n.name, n.kind, n.status, n.reason, n.target, n.module,
+        said = plan.reasons if plan is not None else {}
+        rows = [NodeRow(n.name, n.kind, n.status, said.get(n.name, n.reason), n.target, n.module,
                         list(n.out_shape) if n.out_shape else None, [], labels[n.name])
                 for n in graph]
         rep = cls(graph.method, list(graph.notes), rows, plan)
@@ -206,8 +213,9 @@ class Report:
         return rep
 
     def refresh(self) -> None:
-        """Re-derive each row's actions from the plan (measured balancing and LSUV change the
-        alphas after the report is built; the table and the JSON show the final values)."""
+        """Re-derive each row's actions from the plan (the driver replaces it at the end with
+        the planned values plus what was measured; the table and the JSON show the final
+        values)."""
         if self.plan is None:
             return
         acts = _plan_actions(self.plan)
@@ -378,6 +386,8 @@ class Report:
             "output_scale": self.output_scale, "input_scale": self.input_scale,
             "conditioning": self.conditioning,
             "stage_seconds": self.stage_seconds, "verification": self.verification,
+            "planned": self.planned.to_dict() if self.planned is not None else None,
+            "measured": self.measured.to_dict(),
         }
 
     @classmethod
@@ -392,10 +402,11 @@ class Report:
         row_fields = {f.name for f in fields(NodeRow)}
         rows = [NodeRow(**{k: v for k, v in r.items() if k in row_fields}) for r in d["nodes"]]
         plan = Plan.from_dict(d["plan"]) if d.get("plan") is not None else None
-        kw = {f.name: d[f.name] for f in fields(cls)
-              if f.name not in ("nodes", "plan", "skipped") and f.name in d}
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d and f.name not in
+              ("nodes", "plan", "skipped", "planned", "measured")}
+        planned = Plan.from_dict(d["planned"]) if d.get("planned") is not None else None
         rep = cls(nodes=rows, plan=plan, skipped=[(a, b) for a, b in d.get("skipped", [])],
-                  **kw)
+                  planned=planned, measured=Measured.from_dict(d.get("measured")), **kw)
         return rep
 
     @classmethod

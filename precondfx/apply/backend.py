@@ -79,7 +79,7 @@ class Records:
         o = self.outcomes.get(key)
         return o is not None and not o.done
 
-    def made_good(self, key: str, line: str, constant: str | None = None) -> None:
+    def made_good(self, key: str, line: str | None, constant: str | None = None) -> None:
         """A change that could not be applied as planned was carried out another way (a scheme
         put an equivalent constant elsewhere): its ``skipped`` entry goes, ``line`` is
         applied."""
@@ -148,7 +148,7 @@ class Backend(Protocol):
     def placed(self, key: str) -> str | None:
         """The constant carrying plan entry ``key`` (see :class:`Records`)."""
 
-    def made_good(self, key: str, line: str, constant: str | None = None) -> None:
+    def made_good(self, key: str, line: str | None, constant: str | None = None) -> None:
         """Record that entry ``key`` was carried out another way (see :class:`Records`)."""
 
 

@@ -31,7 +31,6 @@ from precondfx.onnx.capture import Captured, infer_shapes, symbolic_values, to_g
 from precondfx.onnx.normalize import NormalizeInfo, normalize
 from precondfx.options import DEFAULTS as D
 from precondfx.options import REFUSE, Options, Resolved, Rule, Support
-from precondfx.plan import make_plan
 from precondfx.schemes.base import resolve_options
 from precondfx.report import Report
 
@@ -109,7 +108,7 @@ def inspect_onnx(path: str, *, dims: Mapping[str, int] | None = None, batch: int
     ``precondition_onnx`` would do with the same ``options`` (symbolic dims: ``dims``, leading
     dims: ``batch``, default 1)."""
     r = _options(options, INSPECT)
-    opts, opt_notes = r.options, r.notes()
+    opt_notes = r.notes()
     model = io.load(path)
     norm = normalize(model)
     dimmap = io.parse_dims(dims)
@@ -117,9 +116,11 @@ def inspect_onnx(path: str, *, dims: Mapping[str, int] | None = None, batch: int
     b, leading = _bindings(model, None, dimmap, batch)
     cap = capture_model(model, norm, b, leading)
     cap.graph.notes.extend(_notes(model, norm) + opt_notes)
-    plan = make_plan(cap.graph, cap.params, opts)
-    plan.notes.extend(opt_notes)
-    return Report.from_graph(cap.graph, plan)
+    st = State(r, graph=cap.graph, params=cap.params)
+    driver.plan(st)
+    rep = Report.from_graph(cap.graph, st.plan)
+    rep.planned = st.plan
+    return rep
 
 
 @dataclass
@@ -220,8 +221,8 @@ PIPELINE = (
     Stage("apply", backend, ensures=("backend",)),
     driver.APPLY,
     driver.REINIT,
-    Stage("input", driver.record_input_scale),
     driver.CALIBRATE,
+    driver.RECORD,
     Stage("save", save),
     Stage("verify", verify, when=lambda st: st.check),
     Stage("commit", commit),

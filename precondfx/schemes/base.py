@@ -1,10 +1,13 @@
 """The scheme interface: how an initialization method plugs into the shared pipeline.
 
-Every scheme runs over the same capture -> classify -> plan -> apply machinery; it may change the
-plan before it is applied (parameter init rules, activation replacements, alpha sites) and run
+Every scheme runs over the same capture -> classify -> plan -> apply machinery (the stages of
+``precondfx.driver``); it may change the plan before it is applied (parameter init rules,
+activation replacements, alpha sites, what the report says of a node: ``plan.reasons``) and run
 data-driven steps after re-initialization (LSUV's layer-sequential scaling), through a
-:class:`SchemeContext` that measures node outputs on the calibration batch.  The output scale
-(``target_std``) is fixed after the scheme's steps, for every scheme.
+:class:`SchemeContext` that measures node outputs on the calibration batch.  What such a step
+sets goes into ``ctx.measured`` (``precondfx.measured``), never into the plan; it talks to the
+back end through ``precondfx.apply.backend.Backend``.  The output scale (``target_std``) is
+fixed after the scheme's steps, for every scheme.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from precondfx.calibrate import quiet_run
 from precondfx.capture.common import Sample
 from precondfx.graph import Graph
 from precondfx.errors import PrecondError
+from precondfx.measured import Measured
 from precondfx.options import Options, Override, Resolved, Support, resolve
 from precondfx.plan import ParamInfo, Plan
 
@@ -30,14 +34,15 @@ class SchemeContext:
     model: nn.Module
     sample: Sample
     graph: Graph
-    plan: Plan
-    applier: Any
+    plan: Plan                              # as planned: read it, do not change it
+    applier: Any                            # the back end (``apply.backend.Backend``)
     opts: Options
     mode: str
     site_buffers: dict[str, str]            # node name -> its alpha buffer (fully qualified)
     say: Callable[[str], None] = lambda m: None
     forwards: int = 0                       # forward passes run through ``outputs``
     notes: list[str] = field(default_factory=list)
+    measured: Measured = field(default_factory=Measured)   # what the step sets
 
     def outputs(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Outputs of the named nodes on the calibration batch (no grad, no side effects)."""
@@ -46,8 +51,9 @@ class SchemeContext:
             return self.applier.probe(lambda fn: self.sample.call(fn), names)
 
     def unreplaced(self, repl: list[tuple[str, nn.Module, str]]) -> list[str]:
-        """Nodes whose planned replacement module is not in the model (the applier's skipped
-        list says why); clears the skipped entries of those that were made."""
+        """Nodes whose planned replacement module is not in the model (the back end's skipped
+        list says why); a replacement the back end reported missed at one call site but that
+        is in the model (a module called at several sites) is recorded as made."""
         missing = []
         for node, mod, path in repl:
             try:
@@ -56,9 +62,8 @@ class SchemeContext:
                 ok = False
             if not ok:
                 missing.append(node)
-        done = {node for node, _, _ in repl if node not in missing}
-        self.applier.skipped[:] = [s for s in self.applier.skipped
-                                   if not (s[0] in done and "replacement" in str(s[1]))]
+            elif self.applier.missed(f"replace:{node}"):
+                self.applier.made_good(f"replace:{node}", None)
         return missing
 
     def buffer(self, node: str) -> torch.Tensor | None:

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from precondfx.apply.backend import key_of
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
 from precondfx.options import Options, Override
@@ -209,7 +210,7 @@ class LSUV(Scheme):
                              f"input scale per module): fitted to the geometric mean of their "
                              f"variances, {[round(rows[n]['variance'], 4) for n in names]}")
         folded = self._fold(ctx, sites, rows) if self.fold else []
-        self._update_plan(ctx, rows)
+        self._record(ctx, rows)
         return {
             "target_var": tgt, "tol": self.tol, "max_iter": self.max_iter,
             "order": "execution order of call sites (plan.layers)",
@@ -246,8 +247,8 @@ class LSUV(Scheme):
                 p.mul_(a)
                 for b in names:
                     ctx.model.get_buffer(b).div_(a)
-            pi.std = float(pi.std) * a
-            pi.reason += f"; LSUV scale {a:.4g} folded into the weight"
+            ctx.measured.add("lsuv", "std", w, a, op="mul",
+                             note=f"LSUV scale {a:.4g} folded into the weight")
             for n in nodes:
                 rows[n]["scale"] = float(ctx.buffer(n))
                 rows[n]["folded_into_weight"] = a
@@ -255,13 +256,14 @@ class LSUV(Scheme):
         return folded
 
     @staticmethod
-    def _update_plan(ctx: SchemeContext, rows: dict[str, dict]) -> None:
-        """Keep the plan equal to what the model holds: each call site's alpha."""
+    def _record(ctx: SchemeContext, rows: dict[str, dict]) -> None:
+        """Record what the model now holds at each call site: its alpha (``ctx.measured``;
+        the plan stays as planned)."""
+        why = "LSUV: unit output variance on the calibration batch"
         for lay in ctx.plan.layers:
             if lay.node in rows:
-                lay.alpha = rows[lay.node]["scale"]
-                lay.alpha_reason = "LSUV: unit output variance on the calibration batch"
+                ctx.measured.add("lsuv", "alpha", lay.node, rows[lay.node]["scale"], reason=why)
         for sc in ctx.plan.scales:
             if sc.tag == "alpha" and sc.node in rows:
-                sc.value = rows[sc.node]["scale"]
-                sc.reason = "LSUV: unit output variance on the calibration batch"
+                ctx.measured.add("lsuv", "scale", key_of(sc), rows[sc.node]["scale"],
+                                 reason=why)

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace, field
 from typing import Any, Callable
 
 import torch
@@ -566,6 +566,7 @@ class TatScheme(Scheme):
         self.info: dict[str, Any] = {}
         self._repl: list[tuple[str, nn.Module, str]] = []
         self._redraw: set[str] = set()
+        self._reasons: dict[str, str] = {}     # node -> what the plan does there
 
     # -- pipeline hooks ----------------------------------------------------------------------
     def overrides(self, opts: Options) -> list[Override]:
@@ -583,6 +584,7 @@ class TatScheme(Scheme):
                                f"data path, so there is no kernel to shape; use "
                                f"scheme='geometric'")
         self._solve(graph, an, params, notes)
+        plan.reasons.update(self._reasons)
         self._plan_joins(graph, plan, an)
         self._plan_inits(graph, plan, params, opts, notes)
         self.info["notes"] = notes
@@ -667,16 +669,15 @@ class TatScheme(Scheme):
         else:
             mod, path = make(), f"precondfx_{self.name}_{_safe(n.name)}"
         self._repl.append((n.name, mod, path))
-        n.reason = f"{self.name}: replaced by {what}"
+        self._reasons[n.name] = f"{self.name}: replaced by {what}"
 
     # -- joins and inits -----------------------------------------------------------------------
     def _plan_joins(self, graph: Graph, plan: Plan, an: Analysis) -> None:
         nsum = 0
         for j in an.joins:
-            n = graph[j.node]
             if j.kind == "concat":
-                n.reason = (f"{self.name}: concatenation, channel-weighted average of its "
-                            f"branches' C maps (weights {j.weights})")
+                plan.reasons[j.node] = (f"{self.name}: concatenation, channel-weighted average "
+                                        f"of its branches' C maps (weights {j.weights})")
                 continue
             nsum += 1
             for pos, (idx, w) in enumerate(zip(j.indices, j.weights)):
@@ -686,9 +687,9 @@ class TatScheme(Scheme):
                           f"{w:.4g}" if tag == "shortcut" else f"times {w:.4g}")
                        + " so that the sum of squared weights is 1 (spec §3.2)")
                 plan.scales.append(Scale(tag, j.node, "operand", idx, w, why))
-            n.reason = (f"{self.name}: normalized sum from fork {j.fork}: weights "
-                        f"{[round(w, 4) for w in j.weights]} (affine layers per operand "
-                        f"{j.affine_counts})")
+            plan.reasons[j.node] = (f"{self.name}: normalized sum from fork {j.fork}: weights "
+                                    f"{[round(w, 4) for w in j.weights]} (affine layers per "
+                                    f"operand {j.affine_counts})")
         self.info["normalized_sums"] = nsum
         self.info["shortcut_weight"] = self.shortcut_weight
 
@@ -726,13 +727,15 @@ class TatScheme(Scheme):
                                          if redraw else "Haar orthogonal by QR with sign fix")
                                       + " (spec §2.9)", list(shape))
             if lay.bias and lay.bias in plan.inits and plan.inits[lay.bias].rule != "keep":
-                plan.inits[lay.bias].reason = f"{self.name}: biases start at zero (spec §2.9)"
+                plan.inits[lay.bias] = replace(plan.inits[lay.bias], reason=f"{self.name}: "
+                                               f"biases start at zero (spec §2.9)")
         for v in (self.analysis.activations if self.analysis else []):
             n = graph[v]
             w = n.params.get("weight")
             if w and w in plan.inits and self.method == "TReLU":
-                plan.inits[w].reason = (f"{self.name}: PReLU slope starts at the TAT negative "
-                                        f"slope (set by the replacement module, spec §3.3)")
+                plan.inits[w] = replace(plan.inits[w], reason=f"{self.name}: PReLU slope starts "
+                                        f"at the TAT negative slope (set by the replacement "
+                                        f"module, spec §3.3)")
 
     def _headline(self) -> str:
         an = self.analysis
@@ -783,43 +786,38 @@ class TatScheme(Scheme):
                         p.data = p.data.to(ref.dtype)
 
     def _check_sums(self, ctx: SchemeContext, notes: list[str]) -> None:
-        """Every normalized-sum constant must be in place; in the eager back end a shortcut
-        operand usually has no module of its own to hook: a TReLU network (positively
-        homogeneous, zero biases) is then fixed exactly by putting w' = sqrt(1-w^2)/w on the
-        branch alone (the sum is the normalized one times 1/w)."""
+        """Every normalized-sum constant must be in place (the back end's outcome for each
+        planned scale says); in the eager back end a shortcut operand usually has no module of
+        its own to hook: a TReLU network (positively homogeneous, zero biases) is then fixed
+        exactly by putting w' = sqrt(1-w^2)/w on the branch's constant alone (the sum is the
+        normalized one times 1/w), recorded in ``ctx.measured``."""
         an = self.analysis
         assert an is not None
-        skipped = {s[0] for s in ctx.applier.skipped} | {
-            f"{s[1].split(':')[0]} at operand of {s[0]}" for s in ctx.applier.skipped}
+        be = ctx.applier
         bad = []
         for j in an.joins:
             if j.kind != "sum":
                 continue
-            miss = [pos for pos in range(len(j.indices))
-                    if f"{'shortcut' if pos == j.shortcut else 'residual'} at operand of "
-                       f"{j.node}" in skipped]
+            keys = [f"{'shortcut' if pos == j.shortcut else 'residual'}:{j.node}:operand:{idx}"
+                    for pos, idx in enumerate(j.indices)]
+            miss = [pos for pos, k in enumerate(keys) if be.missed(k)]
             if not miss:
                 continue
             w = j.weights[j.shortcut] if j.shortcut is not None else 0.0
             fixed = False
-            if (self.method == "TReLU" and j.shortcut is not None and miss == [j.shortcut]
-                    and w > 0 and hasattr(ctx.applier, "_upstream_module")):
+            if self.method == "TReLU" and j.shortcut is not None and miss == [j.shortcut] \
+                    and w > 0:
                 bpos = 1 - j.shortcut
-                src = ctx.graph[j.node].inputs[j.indices[bpos]]
-                path = ctx.applier._upstream_module(src)
-                name = f"{path}.precondfx_out_scale" if path else None
-                try:
-                    buf = ctx.model.get_buffer(name) if name else None
-                except AttributeError:
-                    buf = None
-                if buf is not None:
-                    with torch.no_grad():
-                        buf.fill_(j.weights[bpos] / w)
-                    drop = f"shortcut at operand of {j.node}"
-                    ctx.applier.skipped[:] = [x for x in ctx.applier.skipped if x[0] != drop]
-                    ctx.applier.applied.append(f"{self.name}: {j.node}: branch multiplier "
-                                               f"sqrt(1-w^2)/w = {j.weights[bpos] / w:.4g} "
-                                               f"(shortcut operand has no module to hook)")
+                name = be.placed(keys[bpos])
+                if name is not None:
+                    value = j.weights[bpos] / w
+                    be.set_constant(name, value)
+                    ctx.measured.add(self.name, "scale", keys[bpos], value,
+                                     note=f"times 1/w: the shortcut operand has no module to "
+                                          f"hook")
+                    be.made_good(keys[j.shortcut], f"{self.name}: {j.node}: branch multiplier "
+                                 f"sqrt(1-w^2)/w = {value:.4g} (shortcut operand has no module "
+                                 f"to hook)")
                     notes.append(f"{j.node}: shortcut multiplier could not be placed (capture "
                                  f"{ctx.graph.method}); the branch carries "
                                  f"sqrt(1-w^2)/w = {j.weights[bpos] / w:.4g} instead (exact "

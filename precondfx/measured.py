@@ -1,0 +1,94 @@
+"""What the data-driven stages set after the plan was applied, kept apart from the plan.
+
+The plan (``precondfx.plan``) states intent and is complete before it is applied; calibration
+(the output scale), measured balancing, LSUV and TAT then measure the model and set constants
+and weights from what they measure.  Each such change is a :class:`Change` in one
+:class:`Measured` record (``report.measured``): which stage, which entry of the plan (a scale by
+``precondfx.apply.backend.key_of``, a layer's alpha by node, a parameter's std by name, a pool by
+node), the new value or factor, and the words it adds to the entry's reason.
+``Measured.final(plan)`` replays them on a copy of the plan: the values the model holds
+(``report.plan``; the intent stays in ``report.planned``).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+
+from precondfx.plan import Plan
+
+KINDS = ("scale", "alpha", "std", "pool")
+OPS = ("set", "mul", "div")
+
+
+@dataclass
+class Change:
+    """One value a stage set after the plan was applied."""
+
+    stage: str                   # calibrate | balance | lsuv | tat | apply
+    kind: str                    # scale | alpha | std | pool (see KINDS)
+    key: str                     # scale key, layer node, parameter name, pool node
+    value: float | str | None    # new value, or the factor (op 'mul'/'div'); a pool's action
+    op: str = "set"              # set | mul | div
+    reason: str | None = None    # replaces the entry's reason
+    note: str | None = None      # appended to the entry's reason ("; " + note)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS or self.op not in OPS:
+            raise ValueError(f"Change({self.kind!r}, op={self.op!r})")
+
+
+def _value(old: float | None, ch: Change) -> float | str | None:
+    if ch.op == "set" or old is None:
+        return ch.value if ch.op == "set" else old
+    return old * ch.value if ch.op == "mul" else old / ch.value
+
+
+def _reason(old: str, ch: Change) -> str:
+    if ch.reason is not None:
+        return ch.reason
+    if ch.note is not None:
+        return f"{old}; {ch.note}" if old else ch.note
+    return old
+
+
+@dataclass
+class Measured:
+    """Every change the data-driven stages made, in order."""
+
+    changes: list[Change] = field(default_factory=list)
+
+    def add(self, stage: str, kind: str, key: str, value: float | str | None, *,
+            op: str = "set", reason: str | None = None, note: str | None = None) -> None:
+        self.changes.append(Change(stage, kind, key, value, op, reason, note))
+
+    def of(self, stage: str) -> list[Change]:
+        return [c for c in self.changes if c.stage == stage]
+
+    def final(self, plan: Plan) -> Plan:
+        """A copy of ``plan`` with every change applied: what the model now holds."""
+        from precondfx.apply.backend import key_of
+        out = copy.deepcopy(plan)
+        scales = {key_of(sc): sc for sc in out.scales}
+        layers = {lay.node: lay for lay in out.layers}
+        pools = {pc.node: pc for pc in out.pools}
+        for ch in self.changes:
+            if ch.kind == "scale" and ch.key in scales:
+                sc = scales[ch.key]
+                sc.value, sc.reason = _value(sc.value, ch), _reason(sc.reason, ch)
+            elif ch.kind == "alpha" and ch.key in layers:
+                lay = layers[ch.key]
+                lay.alpha, lay.alpha_reason = _value(lay.alpha, ch), _reason(lay.alpha_reason, ch)
+            elif ch.kind == "std" and ch.key in out.inits:
+                pi = out.inits[ch.key]
+                pi.std, pi.reason = _value(pi.std, ch), _reason(pi.reason, ch)
+            elif ch.kind == "pool" and ch.key in pools:
+                pc = pools[ch.key]
+                pc.action, pc.reason = str(ch.value), _reason(pc.reason, ch)
+        return out
+
+    def to_dict(self) -> dict:
+        return {"changes": [asdict(c) for c in self.changes]}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "Measured":
+        return cls([Change(**c) for c in (d or {}).get("changes", [])])
