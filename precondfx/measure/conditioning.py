@@ -621,6 +621,32 @@ def measure_conditioning(
     ``verbose=False`` (:mod:`precondfx.progress`).
     """
     stats = tuple(stats)
+    _check_arguments(stats, method, quadratic, n_samples, n_probes)
+    refs = resolve_layers(model, layers)
+    smp, batch = per_sample(sample, forward_kwargs)
+    weights = [model.get_parameter(r.weight) for r in refs]
+    blocks = _Blocks.of(model, refs, weights, include_bias)
+    caps = [_Capture(r, _submodule(model, r.module), w) for r, w in zip(refs, weights)]
+    run = _Run(model, smp, output_fn or default_output_fn, blocks, caps,
+               torch.Generator().manual_seed(int(seed)), want_h="hessian" in stats,
+               probe=probe, n_probes=n_probes, quadratic=quadratic, dense_max=dense_max,
+               ggn_max_outputs=ggn_max_outputs, ggn_max_bytes=ggn_max_bytes)
+    rec = _Records(n_samples, len(blocks.params), len(refs))
+    _measure_samples(run, rec, method, n_samples, batch, verbose)
+    rng = np.random.default_rng(seed)
+    results = [_layer_result(r, w, c, rec, l, stats, rng)
+               for l, (r, w, c) in enumerate(zip(refs, weights, caps))]
+    matrix = _block_matrix(rec, blocks, results, method) if run.want_h else None
+    notes = [f"n_samples={n_samples} > batch size {batch}: inputs reused with fresh R/probes"
+             ] if n_samples > batch else []
+    return ConditioningResult(layers=results, blocks=matrix, n_samples=n_samples,
+                              n_distinct_inputs=min(n_samples, batch), n_probes=n_probes,
+                              seed=int(seed), method=method, probe=probe, loss=rec.loss_kind,
+                              notes=notes)
+
+
+def _check_arguments(stats: tuple[str, ...], method: str, quadratic: Any, n_samples: int,
+                     n_probes: int) -> None:
     for s in stats:
         if s not in ("hessian", "ratio", "gr"):
             raise PrecondError(f"unknown statistic {s!r}; choose from 'hessian', 'ratio', 'gr'")
@@ -631,249 +657,307 @@ def measure_conditioning(
                            "it cannot use another quadratic (use method='hvp')")
     if n_samples < 1 or n_probes < 1:
         raise PrecondError("n_samples and n_probes must be at least 1")
-    refs = resolve_layers(model, layers)
-    output_fn = output_fn or default_output_fn
-    smp, batch = per_sample(sample, forward_kwargs)
 
-    weights = [model.get_parameter(r.weight) for r in refs]
-    biases = [model.get_parameter(r.bias) if r.bias else None for r in refs]
-    # blocks probed by HVPs: all weights, then the biases when asked
-    block_params: list[torch.Tensor] = list(weights)
-    block_names: list[str] = [r.name for r in refs]
-    block_layer: list[tuple[int, str]] = [(i, "weight") for i in range(len(refs))]
-    if include_bias:
-        for i, (r, b) in enumerate(zip(refs, biases)):
-            if b is not None:
-                block_params.append(b)
-                block_names.append(r.name + ".bias")
-                block_layer.append((i, "bias"))
-    nb, nl = len(block_params), len(refs)
-    modules = {}
-    for r in refs:
-        try:
-            modules[r.name] = model.get_submodule(r.module) if r.module is not None else None
-        except AttributeError:
-            modules[r.name] = None
-    caps = [_Capture(r, modules[r.name], w) for r, w in zip(refs, weights)]
 
-    gen = torch.Generator().manual_seed(int(seed))
-    want_h, want_ratio, want_gr = "hessian" in stats, "ratio" in stats, "gr" in stats
-    n_blocks_hvp = nb if want_h else 0
-
-    # per-sample records
-    blk = np.zeros((n_samples, nb, nb))          # B[m, l] per sample
-    grad_sq = np.zeros((n_samples, nl))
-    x2 = np.zeros((n_samples, nl))
-    y2 = np.zeros((n_samples, nl))
-    dy2 = np.zeros((n_samples, nl))
-    rho2 = np.zeros((n_samples, nl))
-    rho2b = np.zeros((n_samples, nl))
-    loss_kind = ""
-    notes: list[str] = []
-
-    handles = []
-    all_params = list(dict.fromkeys(block_params + [b for b in biases if b is not None]))
+def _submodule(model: nn.Module, path: str | None) -> nn.Module | None:
     try:
-        what = (f"Hessian block matrix ({nb} x {nb}, {method})" if want_h
-                else f"conditioning statistics ({nl} layers)")
-        per_block = method == "hvp" and n_blocks_hvp > 1  # ETA per block: a sample is slow
-        with measurement_state(model, all_params), torch.enable_grad(), one_thread(model), \
-                Progress(n_samples * (n_blocks_hvp if per_block else 1), what,
+        return model.get_submodule(path) if path is not None else None
+    except AttributeError:
+        return None
+
+
+@dataclass
+class _Blocks:
+    """The Hessian blocks: every layer's weight, then (``include_bias``) the biases."""
+
+    params: list[torch.Tensor]
+    names: list[str]
+    layer: list[tuple[int, str]]           # (layer index, "weight" or "bias") per block
+    biases: list[torch.Tensor | None]
+
+    @classmethod
+    def of(cls, model: nn.Module, refs: list[LayerRef], weights: list[torch.Tensor],
+           include_bias: bool) -> "_Blocks":
+        biases = [model.get_parameter(r.bias) if r.bias else None for r in refs]
+        blocks = cls(list(weights), [r.name for r in refs],
+                     [(i, "weight") for i in range(len(refs))], biases)
+        if include_bias:
+            for i, (r, b) in enumerate(zip(refs, biases)):
+                if b is not None:
+                    blocks.params.append(b)
+                    blocks.names.append(r.name + ".bias")
+                    blocks.layer.append((i, "bias"))
+        return blocks
+
+
+class _Records:
+    """Per-sample records: the block matrix, E[dW^2] and the hooked moments per layer."""
+
+    def __init__(self, n: int, nb: int, nl: int) -> None:
+        self.blk = np.zeros((n, nb, nb))          # B[m, l] per sample
+        self.grad_sq, self.x2, self.y2, self.dy2, self.rho2, self.rho2b = (
+            np.zeros((n, nl)) for _ in range(6))
+        self.loss_kind = ""
+
+    def moments(self, s: int, caps: list["_Capture"]) -> None:
+        """Sample ``s``'s hooked input/output moments and geometry."""
+        for l, c in enumerate(caps):
+            self.x2[s, l] = c.x_sum / c.x_cnt if c.x_cnt else float("nan")
+            self.y2[s, l] = c.y_sum / c.y_cnt if c.y_cnt else float("nan")
+            self.rho2[s, l] = c.rho2
+            self.rho2b[s, l] = c.rho2_bias
+            c.reset()
+
+
+@dataclass
+class _Run:
+    """What one measurement needs in every sample."""
+
+    model: nn.Module
+    smp: Sample
+    output_fn: Callable[[Any], torch.Tensor]
+    blocks: _Blocks
+    caps: list["_Capture"]
+    gen: torch.Generator
+    want_h: bool
+    probe: str
+    n_probes: int
+    quadratic: Any
+    dense_max: int
+    ggn_max_outputs: int
+    ggn_max_bytes: int
+
+
+def _measure_samples(run: _Run, rec: _Records, method: str, n_samples: int, batch: int,
+                     verbose: bool | None) -> None:
+    """One forward per sample (cycling over the batch), hooks recording, then the method's
+    backward passes; the model's state is restored afterwards."""
+    nb = len(run.blocks.params)
+    n_hvp = nb if run.want_h else 0
+    per_block = method == "hvp" and n_hvp > 1  # ETA per block: a sample is slow
+    what = (f"Hessian block matrix ({nb} x {nb}, {method})" if run.want_h
+            else f"conditioning statistics ({len(run.caps)} layers)")
+    all_params = list(dict.fromkeys(run.blocks.params +
+                                    [b for b in run.blocks.biases if b is not None]))
+    handles = []
+    try:
+        with measurement_state(run.model, all_params), torch.enable_grad(), \
+                one_thread(run.model), \
+                Progress(n_samples * (n_hvp if per_block else 1), what,
                          unit="block" if per_block else "sample", verbose=verbose) as bar:
-            for c in caps:
-                if c.module is not None:
-                    handles.append(c.module.register_forward_hook(c))
+            handles = [c.module.register_forward_hook(c) for c in run.caps
+                       if c.module is not None]
             for s in range(n_samples):
-                i = s % batch
-                for c in caps:
+                for c in run.caps:
                     c.reset()
-                out = run_sample(model, smp, i, output_fn)
+                out = run_sample(run.model, run.smp, s % batch, run.output_fn)
                 if not isinstance(out, torch.Tensor) or not out.is_floating_point():
                     raise PrecondError("output_fn must return a floating-point tensor")
-                y = out.reshape(-1)
-                n_out = y.numel()
-                outs = [c.outputs for c in caps]
-                flat_outs = [o for os_ in outs for o in os_]
                 if method == "hvp":
-                    ry, loss_kind = _quadratic(quadratic, s, n_out, gen, y, dense_max)
-                    L = 0.5 * torch.dot(y, ry(y))
-                    grads = torch.autograd.grad(L, block_params + flat_outs, create_graph=want_h,
-                                                allow_unused=True)
-                    g_blocks, g_outs = grads[:nb], grads[nb:]
-                    for l in range(nl):
-                        g = g_blocks[l]
-                        grad_sq[s, l] = 0.0 if g is None else float(g.detach().double().pow(2).mean())
-                    # dy moments
-                    k = 0
-                    for l, os_ in enumerate(outs):
-                        tot, cnt = 0.0, 0
-                        for o in os_:
-                            g = g_outs[k]
-                            k += 1
-                            cnt += o.numel()
-                            if g is not None:
-                                tot += float(g.detach().double().pow(2).sum())
-                        dy2[s, l] = tot / cnt if cnt else float("nan")
-                    for b in range(n_blocks_hvp):
-                        if b:
-                            bar.step()
-                        gb = g_blocks[b]
-                        if gb is None or not gb.requires_grad:
-                            continue  # no curvature through this block
-                        vs, wgt = _probes(probe, block_params[b].shape, n_probes, gen, block_params[b])
-                        for v in vs:
-                            try:
-                                hv = torch.autograd.grad(gb, block_params, grad_outputs=v,
-                                                         retain_graph=True, allow_unused=True)
-                            except RuntimeError as e:
-                                raise PrecondError(
-                                    f"Hessian-vector product failed ({e}); an op of the model may "
-                                    "lack double backward: use method='ggn' or "
-                                    "stats=('ratio', 'gr')") from e
-                            for m in range(nb):
-                                if hv[m] is not None:
-                                    blk[s, m, b] += wgt * float(hv[m].detach().double().pow(2).mean())
-                    del grads, g_blocks, g_outs, L
+                    _hvp_sample(run, rec, s, out.reshape(-1), bar if per_block else None)
                 else:
-                    loss_kind = "dense (exact expectation)"
-                    if n_out > ggn_max_outputs:
-                        raise PrecondError(
-                            f"method='ggn' needs one backward pass per output element; the output "
-                            f"has {n_out} > ggn_max_outputs={ggn_max_outputs}: use method='hvp'")
-                    targets = block_params + flat_outs
-                    need = n_out * sum(t.numel() * t.element_size() for t in targets)
-                    if need > ggn_max_bytes:
-                        raise PrecondError(
-                            f"method='ggn' would hold {need / 2**30:.1f} GiB of per-output "
-                            f"gradients (> ggn_max_bytes={ggn_max_bytes}): use method='hvp'")
-                    rows: list[list[torch.Tensor | None]] = [[] for _ in targets]
-                    for a in range(n_out):
-                        g = torch.autograd.grad(y[a], targets, retain_graph=a < n_out - 1,
-                                                allow_unused=True)
-                        for t, gt in enumerate(g):
-                            rows[t].append(None if gt is None else gt.detach().reshape(-1))
-                    yd = y.detach().double()
-                    yy = float(yd @ yd)
-
-                    def gram(rs: list[torch.Tensor | None]) -> torch.Tensor | None:
-                        if all(r_ is None for r_ in rs):
-                            return None
-                        ref_ = next(r_ for r_ in rs if r_ is not None)
-                        J = torch.stack([r_ if r_ is not None else torch.zeros_like(ref_)
-                                         for r_ in rs]).double()
-                        return J @ J.T
-
-                    Ks = [gram(rows[t]) for t in range(nb)]
-                    for l in range(nl):
-                        K = Ks[l]
-                        numel = weights[l].numel()
-                        if K is not None:
-                            grad_sq[s, l] = (yy * float(K.trace()) + float(yd @ K @ yd)) / (2 * numel)
-                    if want_h:
-                        tr = [float(K.trace()) if K is not None else 0.0 for K in Ks]
-                        for m in range(nb):
-                            for b in range(nb):
-                                if Ks[m] is None or Ks[b] is None:
-                                    continue
-                                blk[s, m, b] = (float((Ks[m] * Ks[b]).sum()) + tr[m] * tr[b]) / \
-                                    (2 * block_params[m].numel())
-                    k = nb
-                    for l, os_ in enumerate(outs):
-                        rs_all: list[torch.Tensor] = []
-                        cnt = 0
-                        for o in os_:
-                            cnt += o.numel()
-                            rs = rows[k]
-                            k += 1
-                            if any(r_ is not None for r_ in rs):
-                                rs_all.append(torch.stack([
-                                    r_.double() if r_ is not None else
-                                    torch.zeros(o.numel(), dtype=torch.float64, device=o.device)
-                                    for r_ in rs]))
-                        if cnt and rs_all:
-                            A = torch.cat(rs_all, dim=1)
-                            M = A @ A.T
-                            dy2[s, l] = (yy * float(M.trace()) + float(yd @ M @ yd)) / (2 * cnt)
-                        elif cnt:
-                            dy2[s, l] = 0.0
-                        else:
-                            dy2[s, l] = float("nan")
-                    del rows
-                for l, c in enumerate(caps):
-                    x2[s, l] = c.x_sum / c.x_cnt if c.x_cnt else float("nan")
-                    y2[s, l] = c.y_sum / c.y_cnt if c.y_cnt else float("nan")
-                    rho2[s, l] = c.rho2
-                    rho2b[s, l] = c.rho2_bias
-                    c.reset()
-                del out, y
+                    _ggn_sample(run, rec, s, out.reshape(-1))
+                rec.moments(s, run.caps)
+                del out
                 bar.step()  # the sample (or its last block)
     finally:
         for h in handles:
             h.remove()
-        for c in caps:
+        for c in run.caps:
             c.reset()
 
-    rng = np.random.default_rng(seed)
-    results: list[LayerConditioning] = []
-    for l, (r, w, c) in enumerate(zip(refs, weights, caps)):
-        w2 = float(w.detach().double().pow(2).mean())
-        lc = LayerConditioning(name=r.name, weight=r.weight, bias=r.bias, module=r.module,
-                               module_type=c.kind, numel=w.numel(), weight_sq=w2, alpha=r.alpha)
-        notes_l = []
-        if want_h:
-            lc.hessian = _mean_estimate(blk[:, l, l])
-        if want_ratio:
-            lc.grad_sq = _mean_estimate(grad_sq[:, l])
-            lc.ratio = _mean_estimate(grad_sq[:, l], 1.0 / w2) if w2 > 0 else None
-            if w2 == 0:
-                notes_l.append("weights are all zero: ratio undefined")
-        captured = np.all(np.isfinite(y2[:, l])) and np.all(np.isfinite(x2[:, l]))
-        if want_gr or want_ratio:
-            if captured:
-                lc.x_sq = _mean_estimate(x2[:, l])
-                lc.y_sq = _mean_estimate(y2[:, l])
-                lc.dy_sq = _mean_estimate(dy2[:, l])
-        if want_gr:
-            if not c.supported:
-                notes_l.append(c.note)
-            elif not captured:
-                notes_l.append("the layer's module was not called in the forward pass; gr not computed")
-            else:
-                n_in, k2 = c.geometry()
-                lc.n_in, lc.k2 = n_in, k2
-                lc.rho2 = float(rho2[:, l].mean())
-                lc.rho2_bias = float(rho2b[:, l].mean())
-                a4 = r.alpha ** 4
-                cols = np.stack([x2[:, l], y2[:, l], dy2[:, l], rho2[:, l], rho2b[:, l]], axis=1)
 
-                def gamma(m: np.ndarray, a4: float = a4, n_in: int = n_in, k2: float = k2) -> np.ndarray:
-                    with np.errstate(divide="ignore", invalid="ignore"):
-                        return a4 * n_in * k2 * m[:, 3] * m[:, 0] ** 2 * m[:, 2] / m[:, 1]
+def _dy_moments(rec: _Records, s: int, outs: list[list[torch.Tensor]],
+                g_outs: Sequence[torch.Tensor | None]) -> None:
+    """E[dy^2] per layer from the gradients of its hooked outputs (every call pooled)."""
+    k = 0
+    for l, os_ in enumerate(outs):
+        tot, cnt = 0.0, 0
+        for o in os_:
+            g = g_outs[k]
+            k += 1
+            cnt += o.numel()
+            if g is not None:
+                tot += float(g.detach().double().pow(2).sum())
+        rec.dy2[s, l] = tot / cnt if cnt else float("nan")
 
-                def gamma_b(m: np.ndarray) -> np.ndarray:
-                    with np.errstate(divide="ignore", invalid="ignore"):
-                        return m[:, 4] * m[:, 2] / m[:, 1]
 
-                lc.gr = _ratio_estimate(gamma, cols, rng)
-                if r.bias is not None:
-                    lc.gr_bias = _ratio_estimate(gamma_b, cols, rng)
-        lc.note = "; ".join(n for n in notes_l if n)
-        results.append(lc)
-    blocks = None
-    if want_h:
-        mean = blk.mean(axis=0)
-        se = blk.std(axis=0, ddof=1) / math.sqrt(n_samples) if n_samples > 1 else \
-            np.full_like(mean, np.nan)
-        blocks = BlockMatrix(block_names, mean, se, "ggn" if method == "ggn" else "hessian")
-        for b, (l, kind) in enumerate(block_layer):
-            if kind == "bias":
-                results[l].hessian_bias = _mean_estimate(blk[:, b, b])
-    if n_samples > batch:
-        notes.append(f"n_samples={n_samples} > batch size {batch}: inputs reused with fresh R/probes")
-    return ConditioningResult(layers=results, blocks=blocks, n_samples=n_samples,
-                              n_distinct_inputs=min(n_samples, batch), n_probes=n_probes,
-                              seed=int(seed), method=method, probe=probe, loss=loss_kind,
-                              notes=notes)
+def _hvp_sample(run: _Run, rec: _Records, s: int, y: torch.Tensor, bar: Progress | None) -> None:
+    """One sample under the random quadratic loss: the first backward (``create_graph`` when
+    the Hessian is wanted) gives E[dW^2] and E[dy^2]; the HVPs of every block's probes give the
+    block matrix row by row."""
+    params = run.blocks.params
+    nb, nl = len(params), len(run.caps)
+    ry, rec.loss_kind = _quadratic(run.quadratic, s, y.numel(), run.gen, y, run.dense_max)
+    L = 0.5 * torch.dot(y, ry(y))
+    outs = [c.outputs for c in run.caps]
+    grads = torch.autograd.grad(L, params + [o for os_ in outs for o in os_],
+                                create_graph=run.want_h, allow_unused=True)
+    g_blocks = grads[:nb]
+    for l in range(nl):
+        g = g_blocks[l]
+        rec.grad_sq[s, l] = 0.0 if g is None else float(g.detach().double().pow(2).mean())
+    _dy_moments(rec, s, outs, grads[nb:])
+    for b in range(nb if run.want_h else 0):
+        if b and bar is not None:
+            bar.step()
+        gb = g_blocks[b]
+        if gb is None or not gb.requires_grad:
+            continue  # no curvature through this block
+        vs, wgt = _probes(run.probe, params[b].shape, run.n_probes, run.gen, params[b])
+        for v in vs:
+            try:
+                hv = torch.autograd.grad(gb, params, grad_outputs=v, retain_graph=True,
+                                         allow_unused=True)
+            except RuntimeError as e:
+                raise PrecondError(
+                    f"Hessian-vector product failed ({e}); an op of the model may "
+                    "lack double backward: use method='ggn' or "
+                    "stats=('ratio', 'gr')") from e
+            for m in range(nb):
+                if hv[m] is not None:
+                    rec.blk[s, m, b] += wgt * float(hv[m].detach().double().pow(2).mean())
+
+
+def _ggn_rows(run: _Run, y: torch.Tensor, targets: list[torch.Tensor]
+              ) -> list[list[torch.Tensor | None]]:
+    """Per target, the gradient of every output element (one backward pass each)."""
+    n_out = y.numel()
+    if n_out > run.ggn_max_outputs:
+        raise PrecondError(
+            f"method='ggn' needs one backward pass per output element; the output "
+            f"has {n_out} > ggn_max_outputs={run.ggn_max_outputs}: use method='hvp'")
+    need = n_out * sum(t.numel() * t.element_size() for t in targets)
+    if need > run.ggn_max_bytes:
+        raise PrecondError(
+            f"method='ggn' would hold {need / 2**30:.1f} GiB of per-output "
+            f"gradients (> ggn_max_bytes={run.ggn_max_bytes}): use method='hvp'")
+    rows: list[list[torch.Tensor | None]] = [[] for _ in targets]
+    for a in range(n_out):
+        g = torch.autograd.grad(y[a], targets, retain_graph=a < n_out - 1, allow_unused=True)
+        for t, gt in enumerate(g):
+            rows[t].append(None if gt is None else gt.detach().reshape(-1))
+    return rows
+
+
+def _jacobian_gram(rs: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """``J J^T`` from the per-output gradient rows (None when no row depends on the target)."""
+    if all(r_ is None for r_ in rs):
+        return None
+    ref_ = next(r_ for r_ in rs if r_ is not None)
+    J = torch.stack([r_ if r_ is not None else torch.zeros_like(ref_) for r_ in rs]).double()
+    return J @ J.T
+
+
+def _ggn_sample(run: _Run, rec: _Records, s: int, y: torch.Tensor) -> None:
+    """One sample, exact expectation over the dense R: Gram matrices of the Jacobians of the
+    output w.r.t. each block and each hooked output (one backward per output element)."""
+    rec.loss_kind = "dense (exact expectation)"
+    params = run.blocks.params
+    nb = len(params)
+    outs = [c.outputs for c in run.caps]
+    rows = _ggn_rows(run, y, params + [o for os_ in outs for o in os_])
+    yd = y.detach().double()
+    yy = float(yd @ yd)
+    Ks = [_jacobian_gram(rows[t]) for t in range(nb)]
+    for l in range(len(run.caps)):
+        K = Ks[l]
+        if K is not None:
+            rec.grad_sq[s, l] = (yy * float(K.trace()) + float(yd @ K @ yd)) / \
+                (2 * params[l].numel())
+    if run.want_h:
+        tr = [float(K.trace()) if K is not None else 0.0 for K in Ks]
+        for m in range(nb):
+            for b in range(nb):
+                if Ks[m] is not None and Ks[b] is not None:
+                    rec.blk[s, m, b] = (float((Ks[m] * Ks[b]).sum()) + tr[m] * tr[b]) / \
+                        (2 * params[m].numel())
+    k = nb
+    for l, os_ in enumerate(outs):
+        rs_all: list[torch.Tensor] = []
+        cnt = 0
+        for o in os_:
+            cnt += o.numel()
+            rs = rows[k]
+            k += 1
+            if any(r_ is not None for r_ in rs):
+                rs_all.append(torch.stack([
+                    r_.double() if r_ is not None else
+                    torch.zeros(o.numel(), dtype=torch.float64, device=o.device)
+                    for r_ in rs]))
+        if cnt and rs_all:
+            A = torch.cat(rs_all, dim=1)
+            M = A @ A.T
+            rec.dy2[s, l] = (yy * float(M.trace()) + float(yd @ M @ yd)) / (2 * cnt)
+        else:
+            rec.dy2[s, l] = 0.0 if cnt else float("nan")
+
+
+def _layer_result(r: LayerRef, w: torch.Tensor, c: "_Capture", rec: _Records, l: int,
+                  stats: tuple[str, ...], rng: np.random.Generator) -> LayerConditioning:
+    """Layer ``l``'s estimates from the per-sample records."""
+    w2 = float(w.detach().double().pow(2).mean())
+    lc = LayerConditioning(name=r.name, weight=r.weight, bias=r.bias, module=r.module,
+                           module_type=c.kind, numel=w.numel(), weight_sq=w2, alpha=r.alpha)
+    notes_l = []
+    if "hessian" in stats:
+        lc.hessian = _mean_estimate(rec.blk[:, l, l])
+    if "ratio" in stats:
+        lc.grad_sq = _mean_estimate(rec.grad_sq[:, l])
+        lc.ratio = _mean_estimate(rec.grad_sq[:, l], 1.0 / w2) if w2 > 0 else None
+        if w2 == 0:
+            notes_l.append("weights are all zero: ratio undefined")
+    captured = np.all(np.isfinite(rec.y2[:, l])) and np.all(np.isfinite(rec.x2[:, l]))
+    if ("gr" in stats or "ratio" in stats) and captured:
+        lc.x_sq = _mean_estimate(rec.x2[:, l])
+        lc.y_sq = _mean_estimate(rec.y2[:, l])
+        lc.dy_sq = _mean_estimate(rec.dy2[:, l])
+    if "gr" in stats:
+        if not c.supported:
+            notes_l.append(c.note)
+        elif not captured:
+            notes_l.append("the layer's module was not called in the forward pass; gr not computed")
+        else:
+            _gr_estimates(lc, r, c, rec, l, rng)
+    lc.note = "; ".join(n for n in notes_l if n)
+    return lc
+
+
+def _gr_estimates(lc: LayerConditioning, r: LayerRef, c: "_Capture", rec: _Records, l: int,
+                  rng: np.random.Generator) -> None:
+    """The GR scaling of Eq. 1 (and of the bias) as ratios of means, bootstrapped."""
+    n_in, k2 = c.geometry()
+    lc.n_in, lc.k2 = n_in, k2
+    lc.rho2 = float(rec.rho2[:, l].mean())
+    lc.rho2_bias = float(rec.rho2b[:, l].mean())
+    a4 = r.alpha ** 4
+    cols = np.stack([rec.x2[:, l], rec.y2[:, l], rec.dy2[:, l], rec.rho2[:, l],
+                     rec.rho2b[:, l]], axis=1)
+
+    def gamma(m: np.ndarray) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return a4 * n_in * k2 * m[:, 3] * m[:, 0] ** 2 * m[:, 2] / m[:, 1]
+
+    def gamma_b(m: np.ndarray) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return m[:, 4] * m[:, 2] / m[:, 1]
+
+    lc.gr = _ratio_estimate(gamma, cols, rng)
+    if r.bias is not None:
+        lc.gr_bias = _ratio_estimate(gamma_b, cols, rng)
+
+
+def _block_matrix(rec: _Records, blocks: _Blocks, results: list[LayerConditioning],
+                  method: str) -> BlockMatrix:
+    """Means and standard errors over samples of the block matrix; bias blocks' diagonal goes
+    to their layer's ``hessian_bias``."""
+    n = rec.blk.shape[0]
+    mean = rec.blk.mean(axis=0)
+    se = rec.blk.std(axis=0, ddof=1) / math.sqrt(n) if n > 1 else np.full_like(mean, np.nan)
+    for b, (l, kind) in enumerate(blocks.layer):
+        if kind == "bias":
+            results[l].hessian_bias = _mean_estimate(rec.blk[:, b, b])
+    return BlockMatrix(blocks.names, mean, se, "ggn" if method == "ggn" else "hessian")
 
 
 def hessian_block_matrix(
