@@ -183,11 +183,13 @@ class _Site:
             t, n = self._x(rows).shape[1:]
             m = self.module
             mo = m.out_features if isinstance(m, nn.Linear) else m.nf
-            self.materialize = not (t * t * (p * p * mo + n) <= t * p * mo * n + p * p * mo * n)
+            # Gram over positions: x x^T, then (x x^T) dy per cotangent, then the pairs
+            self.materialize = not (t * t * n + p * t * t * mo + p * p * t * mo <=
+                                    t * p * mo * n + p * p * mo * n)
         else:
             _, g, k, n = self._u(rows).shape
             c = self.module.out_channels // g
-            self.materialize = not (g * n * n * (k + p * p * c) <
+            self.materialize = not (g * (n * n * k + p * n * n * c + p * p * c * n) <
                                     g * p * c * k * n + p * p * g * c * k)
 
     def absorb(self, dy: list[torch.Tensor], rows: slice) -> None:
@@ -206,33 +208,31 @@ class _Site:
         if self.materialize:
             f = torch.stack(self.feats, dim=1).double()                             # (B, P, D)
             return f @ f.transpose(1, 2)
-        if self.kind == "linear":
-            x, d = self._x(rows).double(), torch.stack(self.feats, dim=1).double()
-            kx = x @ x.transpose(1, 2)                                         # (B, T, T)
-            kd = torch.einsum("bato,bcuo->bactu", d, d)                        # (B, P, P, T, T)
-            return torch.einsum("bactu,btu->bac", kd, kx)
-        if self.kind == "embedding":
-            return self._gram_embedding(rows)
-        u, d = self._u(rows), torch.stack(self.feats, dim=1)              # d: (B, P, g, C, L)
-        b, g, _, n = u.shape
-        p, c = d.shape[1], d.shape[3]
+        # over positions: g_a . g_c = sum_{t,u} (dy_a,t . dy_c,u) k(t, u) with k the inputs'
+        # Gram (Linear, conv) or [id_t = id_u] (Embedding): k dy_c once per cotangent, then
+        # one inner product per pair
+        if self.kind in ("linear", "embedding"):
+            k = self._same(rows) if self.kind == "embedding" else \
+                (lambda x: x @ x.transpose(1, 2))(self._x(rows).double())      # (B, T, T)
+            d = torch.stack(self.feats, dim=1).double()                      # (B, P, T, m)
+            return torch.einsum("batm,bctm->bac", d, k[:, None] @ d)
+        u = self._u(rows)
+        d = torch.stack(self.feats, dim=2)                                   # (B, g, P, C, L)
         key = ("ku", rows.start, rows.stop)
         if key not in self.cache:
             self.cache[key] = u.transpose(2, 3) @ u                         # (B, g, L, L)
-        dd = d.permute(0, 2, 1, 4, 3).reshape(b, g, p * n, c)              # (B, g, P*L, C)
-        kd = (dd @ dd.transpose(2, 3)).reshape(b, g, p, n, p, n)
-        return torch.einsum("bgalcm,bglm->bac", kd, self.cache[key]).double()
+        kd = d @ self.cache[key][:, :, None]                                # (B, g, P, C, L)
+        return torch.einsum("bgacl,bgecl->bae", d, kd).double()
 
-    def _gram_embedding(self, rows: slice) -> torch.Tensor:
-        m = self.module
+    def _same(self, rows: slice) -> torch.Tensor:
+        """Embedding: ``[id_t = id_u]`` over the sample's positions (padding rows out)."""
         ids = torch.cat([x.reshape(x.shape[0], -1) for x in self.xs], dim=1)[rows]
-        d = torch.stack(self.feats, dim=1).double()                          # (B, P, T, dim)
         same = ids[:, :, None] == ids[:, None, :]
-        if m.padding_idx is not None:
-            keep = ids != m.padding_idx
+        pad = self.module.padding_idx
+        if pad is not None:
+            keep = ids != pad
             same = same & keep[:, :, None] & keep[:, None, :]
-        kd = torch.einsum("bato,bcuo->bactu", d, d)
-        return torch.einsum("bactu,btu->bac", kd, same.double())
+        return same.double()
 
     def grad_sum(self, rows: slice) -> torch.Tensor:
         """Sum over the samples of the per-sample gradients for the round's first cotangent,
