@@ -17,6 +17,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from precondfx.capture.common import Sample, main_output
+from precondfx.checks import is_out_of_memory
 from precondfx.errors import PrecondError
 
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
@@ -156,6 +157,8 @@ def forward(model: nn.Module, sample: Sample, mode: str = "train") -> object:
         except (PrecondError, RecursionError):  # RecursionError: see checks.guarded
             raise
         except Exception as e:  # the user's model raised: say so, keep the cause
+            if is_out_of_memory(e):  # checks.guarded says what to do
+                raise
             shapes = [tuple(t.shape) for t in sample.tensors()]
             if "more than 1 value per channel" in str(e):
                 raise PrecondError(

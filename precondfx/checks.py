@@ -102,13 +102,44 @@ def check_model(model: nn.Module) -> None:
             f"Remove the layer or give it a non-zero width")
 
 
+def is_out_of_memory(e: BaseException) -> bool:
+    """An allocation failure: ``MemoryError``, ``torch.OutOfMemoryError`` on accelerators, or
+    the RuntimeError of torch's CPU allocator."""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return True
+    msg = str(e)
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in msg or
+                                            "out of memory" in msg.lower())
+
+
+def out_of_memory(e: BaseException) -> PrecondError:
+    """The PrecondError for an allocation failure, saying what to do (raise it ``from e``)."""
+    detail = " ".join(str(e).split())
+    if "can't allocate" in detail:
+        detail = detail[detail.find("can't allocate"):]
+    detail = f" ({type(e).__name__}: {detail[:120]})" if detail else f" ({type(e).__name__})"
+    return PrecondError(
+        f"out of memory while preconditioning{detail}: precondfx runs the model on the sample "
+        f"(forward and backward passes, calibration and measurements). Pass a smaller sample "
+        f"batch (a few examples are enough to calibrate), use balance='analytic' (no "
+        f"measurement), or plan on the meta device (build the model under "
+        f"torch.device('meta'), balance='analytic') and materialize it afterwards")
+
+
 def guarded(fn: F) -> F:
     """Turn Python's recursion limit into a PrecondError saying how to raise it (deeply nested
-    modules: a chain of 300 ``nn.Sequential`` already exceeds the default limit)."""
+    modules: a chain of 300 ``nn.Sequential`` already exceeds the default limit), and running
+    out of memory into one saying what to do (the original error is its ``__cause__``)."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except PrecondError:
+            raise
+        except (MemoryError, RuntimeError) as e:
+            if not is_out_of_memory(e):
+                raise
+            raise out_of_memory(e) from e
         except RecursionError as e:
             lim = sys.getrecursionlimit()
             raise PrecondError(

@@ -135,7 +135,8 @@ def has_work(g: Graph, what: str) -> None:
     """Refuse a graph with nothing to precondition."""
     if not any(n.status == "weighted" for n in g) and not any(n.kind == "maxpool" for n in g):
         raise PrecondError(f"the model has no weighted layer ({what}): there is nothing to "
-                           f"precondition")
+                           f"precondition. Train this model as it is, or pass the model that "
+                           f"holds the layers (its parameters)")
 
 
 def plan(st: State) -> None:

@@ -233,6 +233,9 @@ def backend(st: TorchState) -> None:
     if gm is not None and not st.inplace:
         restore_unused(gm, st.work)
         st.backend, st.result = FxApplier(gm, st.graph), gm
+        # a new GraphModule is in train mode: give it the user's flags before any calibration
+        # run, so that a model the user left in eval is calibrated as it will train
+        restore_modes(gm, st.modes)
     else:
         st.backend = EagerApplier(st.work, st.graph,
                                   run=lambda m: run_on(m, st.sample, "eval"))

@@ -186,7 +186,7 @@ class FxApplier(TorchBackend, Records):
         out = next(n for n in self.gm.graph.nodes if n.op == "output")
         target = out.args[0]
         for k in path:
-            target = target[k]
+            target = _select(target, k)
         if not isinstance(target, fx.Node):
             self._skip("output", "output", "main output is not a graph value")
             return None
@@ -252,3 +252,19 @@ class FxApplier(TorchBackend, Records):
 
     def rollback(self) -> None:
         """Nothing to undo: the fx back end edits a new GraphModule, never the user's model."""
+
+
+def _select(value: Any, key: Any) -> Any:
+    """``value[key]`` on the traced output: a tuple, list or dict of nodes, or a node that
+    builds a namedtuple (fx records ``Out(logits, hidden)`` as a call); None where the traced
+    graph does not tell which value it is."""
+    if isinstance(value, fx.Node):
+        cls = value.target if value.op == "call_function" else None
+        fields = getattr(cls, "_fields", None) if isinstance(cls, type) else None
+        if fields is None:
+            return None
+        vals = list(value.args) + [value.kwargs.get(f) for f in fields[len(value.args):]]
+        return vals[fields.index(key) if isinstance(key, str) else key]
+    if value is None:
+        return None
+    return value[key]

@@ -19,6 +19,7 @@ import torch.fx as fx
 from precondfx.calibrate import quiet_run
 from precondfx.capture import eager_capture, export_capture, fx_capture, meta
 from precondfx.capture.common import Sample
+from precondfx.checks import is_out_of_memory
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
 
@@ -101,6 +102,8 @@ def capture(model: torch.nn.Module, sample: Sample, methods: tuple[str, ...] | l
             attempts.append((method, f"not used: {e}"))
             continue
         except Exception as e:  # a capture method failed: record why and try the next
+            if is_out_of_memory(e):  # the next method would run out too (checks.guarded)
+                raise
             attempts.append((method, f"failed: {_first_line(e)}"))
             if on_meta and method == "eager" and meta.data_dependent(e):
                 value_error = e

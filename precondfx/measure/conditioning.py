@@ -391,6 +391,9 @@ def per_sample(sample: Any, forward_kwargs: Mapping[str, Any] | None = None
 
 def sample_failed(e: Exception, s: Sample) -> PrecondError:
     """The error for a model that raised on one sample (batch size 1), with what to do."""
+    from precondfx.checks import is_out_of_memory, out_of_memory
+    if is_out_of_memory(e):
+        return out_of_memory(e)
     parts = ", ".join(f"{n} {tuple(t.shape)}" for n, t in s.inputs()
                       if isinstance(t, torch.Tensor))
     return PrecondError(

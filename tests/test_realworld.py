@@ -1,0 +1,946 @@
+"""Adversarial battery: models written the way people really write them.
+
+Each case builds a tiny model and a sample and checks what the contract says, for the result of
+``precondfx.precondition`` against the user's model (not against the result's own numbers):
+
+* the output's structure is identical (types, keys, None positions, tensor shapes and dtypes);
+* the state_dict keys are identical (apart from the ``precondfx_*`` constants);
+* the user's model is unchanged (state_dict bitwise equal, requires_grad flags, train flag);
+* gradients reach exactly the same parameters (non-None grads after one backward);
+* train and eval outputs differ in the result iff they differ in the user's model;
+* the main output's std on the sample is within 2% of ``target_std`` where it was calibrated;
+* one SGD step changes the loss by a finite amount;
+
+or ``precondition`` raises a ``PrecondError`` whose message says what to do (cases marked so).
+Checks are written independently of the code under test (tests/helpers.py).
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import math
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as ckpt
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import precondfx
+from precondfx.errors import PrecondError
+from tests.helpers import NoDropout as _NoDropout
+from tests.helpers import main
+
+B = 6
+
+
+def _x(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _ids(*shape: int, hi: int = 20, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, hi, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------- the contract, checked
+
+
+class NoDropout(_NoDropout):
+    """Functional dropout off, and the dropout of scaled_dot_product_attention too."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is F.scaled_dot_product_attention:
+            if len(args) > 4:
+                args = args[:4] + (0.0,) + tuple(args[5:])
+            kwargs.pop("dropout_p", None)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def call(model: nn.Module, sample: Any, fwd: dict) -> Any:
+    if isinstance(sample, precondfx.Sample):
+        return model(*sample.args, **sample.kwargs, **fwd)
+    if isinstance(sample, torch.Tensor) or (isinstance(sample, tuple) and
+                                            hasattr(sample, "_fields")) or \
+            type(sample).__name__ == "PackedSequence":
+        return model(sample, **fwd)
+    if isinstance(sample, (tuple, list)):
+        return model(*sample, **fwd)
+    return model(**sample, **fwd)
+
+
+def clone_sample(sample: Any) -> Any:
+    if isinstance(sample, torch.Tensor):
+        return sample.clone()
+    if type(sample).__name__ == "PackedSequence":
+        return sample
+    if isinstance(sample, precondfx.Sample):
+        return precondfx.Sample(clone_sample(sample.args), clone_sample(sample.kwargs),
+                                sample.batched)
+    if isinstance(sample, tuple) and hasattr(sample, "_fields"):
+        return type(sample)(*[clone_sample(v) for v in sample])
+    if isinstance(sample, (tuple, list)):
+        return type(sample)(clone_sample(v) for v in sample)
+    if isinstance(sample, dict):
+        return {k: clone_sample(v) for k, v in sample.items()}
+    return sample
+
+
+def structure(o: Any) -> Any:
+    """Types, keys, None positions, shapes and dtypes of an output (not its values)."""
+    if isinstance(o, torch.Tensor):
+        return ("T", tuple(o.shape), o.dtype)
+    if o is None or isinstance(o, (bool, int, float, str)):
+        return type(o).__name__
+    if hasattr(o, "keys") and hasattr(o, "__getitem__"):
+        return (type(o).__name__, [(k, structure(o[k])) for k in o.keys()])
+    if isinstance(o, (tuple, list)):
+        return (type(o).__name__, [structure(v) for v in o])
+    if type(o).__name__ == "PackedSequence":
+        return ("packed", structure(o.data), o.batch_sizes.tolist())
+    return type(o).__name__
+
+
+def floats(o: Any) -> list[torch.Tensor]:
+    """Every floating-point tensor in an output."""
+    if isinstance(o, torch.Tensor):
+        return [o] if o.is_floating_point() else []
+    if type(o).__name__ == "PackedSequence":
+        return floats(o.data)
+    if hasattr(o, "keys") and hasattr(o, "__getitem__"):
+        return [t for k in o.keys() for t in floats(o[k])]
+    if isinstance(o, (tuple, list)):
+        return [t for v in o for t in floats(v)]
+    return []
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    ts = [t for t in floats(out) if t.requires_grad]
+    return sum(t.float().pow(2).mean() for t in ts) if ts else torch.zeros(())
+
+
+def run(model: nn.Module, sample: Any, fwd: dict, train: bool, seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    model.train(train)
+    return call(model, clone_sample(sample), fwd)
+
+
+def grad_set(model: nn.Module, sample: Any, fwd: dict) -> set[str]:
+    m = copy.deepcopy(model)
+    m.zero_grad(set_to_none=True)
+    loss = loss_of(run(m, sample, fwd, True))
+    if loss.requires_grad:
+        loss.backward()
+    return {k for k, p in m.named_parameters() if p.grad is not None}
+
+
+def differs(a: Any, b: Any) -> bool:
+    fa, fb = floats(a), floats(b)
+    return any(x.shape != y.shape or not torch.allclose(x.float(), y.float(), rtol=1e-4,
+                                                        atol=1e-5)
+               for x, y in zip(fa, fb))
+
+
+def main_std(model: nn.Module, sample: Any, fwd: dict) -> float:
+    """Population std of the main output in train mode, dropout off, buffers restored."""
+    m = copy.deepcopy(model)
+    m.train()
+    for mod in m.modules():
+        if isinstance(mod, nn.modules.dropout._DropoutNd):
+            mod.eval()
+    with torch.no_grad(), NoDropout():
+        out = call(m, clone_sample(sample), fwd)
+    return float(main(out).double().std(correction=0))
+
+
+def check(model: nn.Module, sample: Any, *, fwd: dict | None = None, may_refuse: bool = False,
+          must_refuse: bool = False, ref: nn.Module | None = None, target: float = 1.0,
+          **opts: Any) -> tuple[nn.Module, Any] | None:
+    """Precondition ``model`` and check the contract (see the module docstring); ``ref`` is the
+    module the result must behave like (the user's model unless it is a wrapper)."""
+    fwd = fwd or {}
+    ref = model if ref is None else ref
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()
+              if not isinstance(v, nn.parameter.UninitializedTensorMixin)}
+    flags = {k: p.requires_grad for k, p in model.named_parameters()}
+    modes = [m.training for m in model.modules()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            res, rep = precondfx.precondition(model, clone_sample(sample), **fwd, **opts)
+        except PrecondError as e:
+            assert may_refuse or must_refuse, f"refused: {e}"
+            msg = str(e)
+            assert len(msg) > 50 and any(w in msg for w in ("pass", "use", "call", "set", "make",
+                                                            "give", "remove", "try")), msg
+            _unchanged(model, before, flags, modes)
+            return None
+    assert not must_refuse, "expected a PrecondError"
+    _unchanged(model, before, flags, modes)
+    # maxpool="stride" (default) may replace a pooling layer by a strided convolution: its
+    # weights are planned ones, under the pooling layer's own name
+    pools = tuple(f"{n}." for n, m in ref.named_modules()
+                  if isinstance(m, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)))
+    keys = {k for k in res.state_dict() if "precondfx_" not in k and not k.startswith(pools)}
+    assert keys == set(ref.state_dict()), (set(ref.state_dict()) ^ keys)
+    assert {k: p.requires_grad for k, p in res.named_parameters() if not k.startswith(pools)} \
+        == {k: p.requires_grad for k, p in ref.named_parameters()}
+    ref_c, res_c = copy.deepcopy(ref), copy.deepcopy(res)
+    o_ref, o_res = run(ref_c, sample, fwd, True), run(res_c, sample, fwd, True)
+    assert structure(o_res) == structure(o_ref)
+    e_ref, e_res = run(ref_c, sample, fwd, False), run(res_c, sample, fwd, False)
+    assert structure(e_res) == structure(e_ref)
+    assert differs(o_res, e_res) == differs(o_ref, e_ref), "train/eval behaviour changed"
+    assert {k for k in grad_set(res, sample, fwd) if not k.startswith(pools)} == \
+        grad_set(ref, sample, fwd)
+    if rep.output_scale is not None and target is not None:
+        std = main_std(res, sample, fwd)
+        assert abs(std / target - 1) < 0.02, (std, rep.output_scale)
+    # one SGD step moves the loss by a finite amount
+    m = copy.deepcopy(res)
+    params = [p for p in m.parameters() if p.requires_grad]
+    if params:
+        opt = torch.optim.SGD(params, lr=1e-2)
+        l0 = loss_of(run(m, sample, fwd, True))
+        if l0.requires_grad:
+            l0.backward()
+            opt.step()
+            with torch.no_grad():
+                l1 = loss_of(run(m, sample, fwd, True))
+            assert math.isfinite(float(l0)) and math.isfinite(float(l1))
+            assert float(l0) != float(l1)
+    return res, rep
+
+
+def _unchanged(model: nn.Module, before: dict, flags: dict, modes: list) -> None:
+    after = {k: v for k, v in model.state_dict().items()
+             if not isinstance(v, nn.parameter.UninitializedTensorMixin)}
+    assert set(after) == set(before)
+    for k, v in before.items():
+        w = after[k]
+        assert v.dtype == w.dtype and v.shape == w.shape, k
+        if v.device.type != "meta":
+            assert torch.equal(v, w) or (v.is_floating_point() and
+                                         torch.equal(v.isnan(), w.isnan()) and
+                                         torch.equal(v.nan_to_num(), w.nan_to_num())), k
+    assert {k: p.requires_grad for k, p in model.named_parameters()} == flags
+    assert [m.training for m in model.modules()] == modes
+
+
+# ---------------------------------------------------------------- models
+
+
+class LSTMClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.rnn = nn.LSTM(8, 16, num_layers=2, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, ids):
+        out, (h, c) = self.rnn(self.emb(ids))
+        return self.head(out[:, -1])
+
+
+class GRUPacked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(5, 12, batch_first=True)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, packed):
+        out, h = self.rnn(packed)
+        return self.head(h[-1])
+
+
+class RNNSeq(nn.Module):
+    """Returns (logits, hidden): a tuple, as seq2seq code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.RNN(5, 12, bidirectional=True)
+        self.head = nn.Linear(24, 3)
+
+    def forward(self, x, h0=None):
+        out, h = self.rnn(x, h0)
+        return self.head(out), h
+
+
+class MHA(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x, key_padding_mask=None, attn_mask=None):
+        h = self.proj(x)
+        a, w = self.attn(h, h, h, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        return self.head(a), w
+
+
+def _kpm() -> torch.Tensor:
+    m = torch.zeros(B, 7, dtype=torch.bool)
+    m[:, 5:] = True
+    return m
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 20)
+
+    def forward(self, ids, pad):
+        t = ids.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(t)
+        return self.head(self.enc(self.emb(ids), mask=mask, src_key_padding_mask=pad,
+                                  is_causal=True))
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.dec = nn.TransformerDecoder(layer, 2)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, tgt, memory, tgt_mask, memory_key_padding_mask):
+        return self.head(self.dec(tgt, memory, tgt_mask=tgt_mask,
+                                  memory_key_padding_mask=memory_key_padding_mask))
+
+
+def mlp(d_in: int = 8, d_out: int = 4) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(d_in, 16), nn.ReLU(), nn.Linear(16, d_out))
+
+
+class DictOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return {"hidden": h, "logits": self.head(h), "aux_loss": None,
+                "preds": self.head(h).argmax(-1)}
+
+
+Out = collections.namedtuple("Out", "logits hidden")
+
+
+class NamedOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return Out(self.head(h), h)
+
+
+class TupleNone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, return_attn: bool = False):
+        h = torch.relu(self.body(x))
+        return self.head(h), None, (h if return_attn else None)
+
+
+class Kwargs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, mask=None, temperature: float = 1.0, **kwargs):
+        h = torch.relu(self.a(x))
+        if mask is not None:
+            h = h * mask.unsqueeze(-1)
+        if kwargs.get("double"):
+            h = h * 2
+        return self.b(h) / temperature
+
+
+class Flags(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, x, head: str = "b", repeat: int = 1, normalize: bool = False):
+        h = torch.relu(self.a(x))
+        for _ in range(repeat):
+            h = h + 0.5 * h
+        if normalize:
+            h = F.normalize(h, dim=-1)
+        return getattr(self, head)(h)
+
+
+class EMA(nn.Module):
+    """Buffers updated in forward: running mean (EMA), a step counter, in train mode only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.register_buffer("running", torch.zeros(16))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.training:
+            with torch.no_grad():
+                self.running.mul_(0.9).add_(0.1 * h.mean(0))
+                self.steps += 1
+        return self.b(torch.relu(h - self.running))
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.mid = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 20, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.mid(self.emb(ids))))
+
+
+class Shared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        h = torch.relu(self.block(h))
+        h = torch.relu(self.block(h)) + h
+        return self.out(h)
+
+
+class Symmetric(nn.Module):
+    def forward(self, w):
+        return w.triu() + w.triu(1).transpose(-1, -2)
+
+
+def parametrized() -> nn.Module:
+    m = mlp(8, 4)
+    m.insert(2, nn.Linear(16, 16))
+    parametrize.register_parametrization(m[2], "weight", Symmetric())
+    return m
+
+
+def weight_norm_new() -> nn.Module:
+    m = mlp(8, 4)
+    nn.utils.parametrizations.weight_norm(m[0])
+    return m
+
+
+def spectral_norm_new() -> nn.Module:
+    m = mlp(8, 4)
+    nn.utils.parametrizations.spectral_norm(m[2])
+    return m
+
+
+class SDPA(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1 if
+                                           self.training else 0.0)
+        return self.o(a.transpose(1, 2).reshape(b, t, 16))
+
+
+def norms() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU(),
+                         nn.Flatten(2), nn.LayerNorm(64), nn.Linear(64, 16), nn.RMSNorm(16),
+                         nn.Linear(16, 4))
+
+
+def convs() -> nn.Module:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c1 = nn.Conv1d(3, 8, 3, padding="same")
+            self.c3 = nn.Conv3d(1, 4, 3, padding=1)
+            self.ct = nn.ConvTranspose2d(4, 4, 4, stride=2, padding=1, output_padding=0)
+            self.head = nn.Linear(8 + 4, 5)
+
+        def forward(self, seq, vol):
+            a = F.relu(self.c1(seq)).mean(-1)
+            v = F.relu(self.c3(vol)).mean(2)               # (B, 4, H, W)
+            v = F.relu(self.ct(v)).mean((2, 3))
+            return self.head(torch.cat([a, v], 1))
+    return M()
+
+
+def grouped() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU(),
+                         nn.Conv2d(8, 16, 1, groups=4), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(), nn.Linear(16, 3))
+
+
+def maxpools() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(),
+                         nn.MaxPool2d(3, stride=2, padding=1, dilation=2, ceil_mode=True),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True),
+                         nn.Flatten(), nn.LazyLinear(3))
+
+
+def pixel_shuffle() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 12, 3,
+                                                                              padding=1),
+                         nn.PixelShuffle(2), nn.Conv2d(3, 3, 3, padding=1))
+
+
+class MaxNormEmb(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8, max_norm=1.0)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(1))
+
+
+class Bag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 8, mode="mean")
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, ids, offsets=None):
+        return self.head(self.bag(ids, offsets))
+
+
+class Einsum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x, mask):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        s = torch.einsum("btd,bsd->bts", q, k) / 4.0
+        s = torch.where(mask[:, None, :], s, torch.finfo(s.dtype).min)
+        return self.o(torch.einsum("bts,bsd->btd", s.softmax(-1), v))
+
+
+class InplaceViews(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        h[:, :4].mul_(2.0)
+        h.view(-1)[::3] += 1.0
+        h.relu_()
+        return self.b(h)
+
+
+class GradReverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, lam):
+        ctx.lam = lam
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -ctx.lam * g, None
+
+
+class DANN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.feat, self.cls, self.dom = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(16, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.feat(x))
+        return self.cls(h), self.dom(GradReverse.apply(h, 0.5))
+
+
+class Teacher(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher, self.student = mlp(8, 4), mlp(8, 4)
+        for p in self.teacher.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            t = self.teacher(x)
+        s = self.student(x)
+        return {"logits": s, "distill": F.mse_loss(s, t)}
+
+
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.blk, self.b = nn.Linear(8, 16), mlp(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = ckpt.checkpoint(self.blk, h, use_reentrant=False)
+        return self.b(torch.relu(h))
+
+
+class TrainFlag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if self.training:
+            h = h + 0.1 * torch.randn_like(h)
+        return self.b(h)
+
+
+class DataDep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.pos, self.neg, self.out = (nn.Linear(8, 16), nn.Linear(16, 16),
+                                                nn.Linear(16, 16), nn.Linear(16, 4))
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        h = self.pos(h) if h.sum() > 0 else self.neg(h)
+        return self.out(h)
+
+
+class ItemNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        scale = h.abs().max().item()
+        return self.b(h / max(scale, 1e-6))
+
+
+class ListInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, xs):
+        return self.head(sum(torch.relu(self.enc(x)) for x in xs))
+
+
+class NoParams(nn.Module):
+    def forward(self, x):
+        return torch.tanh(x) * 2
+
+
+class ReturnsLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 4)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.net(x), y)
+
+
+class LossAndLogits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(8, 4)
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        loss = F.cross_entropy(logits, labels) if labels is not None else None
+        return {"loss": loss, "logits": logits}
+
+
+class ViTish(nn.Module):
+    """cls token and position embedding as bare Parameters; BatchNorm and Dropout."""
+
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, 16, 4, stride=4)
+        self.cls = nn.Parameter(torch.zeros(1, 1, 16))
+        self.pos = nn.Parameter(torch.randn(1, 5, 16) * 0.02)
+        self.bn = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, img):
+        t = self.patch(img).flatten(2).transpose(1, 2)
+        t = torch.cat([self.cls.expand(t.shape[0], -1, -1), t], 1) + self.pos
+        return self.head(self.drop(self.bn(t.mean(1))))
+
+
+class Hooked(nn.Module):
+    """A user forward hook that changes a submodule's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.a.register_forward_hook(lambda m, i, o: torch.relu(o) * 2)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+class Frozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.a.requires_grad_(False)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+class PReLUBilinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.act = nn.Linear(8, 16), nn.PReLU(16)
+        self.bil = nn.Bilinear(16, 8, 4)
+
+    def forward(self, x):
+        return self.bil(self.act(self.a(x)), x)
+
+
+class Upsample(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1, padding_mode="reflect")
+        self.b = nn.Conv2d(8, 2, 3, padding=1, padding_mode="circular")
+
+    def forward(self, x):
+        h = F.interpolate(F.relu(self.a(x)), scale_factor=2, mode="bilinear",
+                          align_corners=False)
+        return self.b(h)
+
+
+class ModuleDictRoute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleDict({"cls": nn.Linear(16, 4), "reg": nn.Linear(16, 1)})
+        self.blocks = nn.ModuleList([nn.Linear(8, 16), nn.Linear(16, 16)])
+
+    def forward(self, x, task: str = "cls"):
+        for i, blk in enumerate(self.blocks):
+            x = torch.relu(blk(x)) if i == 0 else x + torch.relu(blk(x))
+        return self.heads[task](x)
+
+
+class Positions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(20, 16), nn.Embedding(16, 16)
+        self.head = nn.Linear(16, 20)
+
+    def forward(self, ids):
+        p = torch.arange(ids.shape[1], device=ids.device)
+        h = self.tok(ids) + self.pos(p)[None]
+        return self.head(F.gelu(h))
+
+
+class Raises(nn.Module):
+    """Runs out of memory, as a too-large batch does."""
+
+    def __init__(self, exc: type[BaseException]) -> None:
+        super().__init__()
+        self.a, self.exc = nn.Linear(8, 4), exc
+
+    def forward(self, x):
+        if x.shape[0] > 3:
+            raise self.exc("cannot allocate 90 GB")
+        return self.a(x)
+
+
+# ---------------------------------------------------------------- cases
+
+
+def _packed() -> Any:
+    x = _x(B, 7, 5)
+    lengths = torch.tensor([7, 7, 5, 4, 3, 2])
+    return pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=True)
+
+
+def _causal(t: int) -> torch.Tensor:
+    return nn.Transformer.generate_square_subsequent_mask(t)
+
+
+CASES: dict[str, Callable[[], dict]] = {
+    "lstm": lambda: dict(model=LSTMClassifier(), sample=_ids(B, 9)),
+    "gru_packed": lambda: dict(model=GRUPacked(), sample=_packed()),
+    "rnn_tuple_h0_none": lambda: dict(model=RNNSeq(), sample=_x(7, B, 5)),
+    "mha_masks": lambda: dict(model=MHA(), sample={"x": _x(B, 7, 8), "key_padding_mask": _kpm(),
+                                                   "attn_mask": _causal(7)}),
+    "transformer_encoder": lambda: dict(model=Encoder(), sample=(_ids(B, 7), _kpm())),
+    "transformer_decoder": lambda: dict(model=Decoder(), sample=(
+        _x(B, 5, 16), _x(B, 7, 16, seed=3), _causal(5), _kpm())),
+    "dict_out": lambda: dict(model=DictOut(), sample=_x(B, 8)),
+    "namedtuple_out": lambda: dict(model=NamedOut(), sample=_x(B, 8)),
+    "tuple_with_none": lambda: dict(model=TupleNone(), sample=_x(B, 8)),
+    "kwargs_none": lambda: dict(model=Kwargs(), sample={"x": _x(B, 8), "mask": None},
+                                fwd={"double": True}),
+    "kwargs_mask": lambda: dict(model=Kwargs(), sample={"x": _x(B, 8), "mask": torch.ones(B)}),
+    "flags_int_bool_str": lambda: dict(model=Flags(), sample={"x": _x(B, 8)},
+                                       fwd={"head": "c", "repeat": 2, "normalize": True}),
+    "ema_buffers": lambda: dict(model=EMA(), sample=_x(B, 8)),
+    "tied_weights": lambda: dict(model=Tied(), sample=_ids(B, 5)),
+    "shared_module": lambda: dict(model=Shared(), sample=_x(B, 8)),
+    "parametrize": lambda: dict(model=parametrized(), sample=_x(B, 8)),
+    "weight_norm_new": lambda: dict(model=weight_norm_new(), sample=_x(B, 8)),
+    "spectral_norm_new": lambda: dict(model=spectral_norm_new(), sample=_x(B, 8)),
+    "sdpa_causal": lambda: dict(model=SDPA(), sample=_x(B, 5, 16)),
+    "group_layer_rms_norm": lambda: dict(model=norms(), sample=_x(B, 3, 8, 8)),
+    "conv1d_3d_transpose": lambda: dict(model=convs(), sample=(_x(B, 3, 10),
+                                                                _x(B, 1, 4, 6, 6, seed=2))),
+    "grouped_depthwise_adaptive": lambda: dict(model=grouped(), sample=_x(B, 4, 9, 9)),
+    "maxpool_ceil_dilation": lambda: dict(model=maxpools(), sample=_x(B, 3, 15, 15)),
+    "pixel_shuffle": lambda: dict(model=pixel_shuffle(), sample=_x(B, 3, 6, 6)),
+    "embedding_max_norm": lambda: dict(model=MaxNormEmb(), sample=_ids(B, 5)),
+    "embedding_bag_2d": lambda: dict(model=Bag(), sample=_ids(B, 4)),
+    "embedding_bag_offsets": lambda: dict(model=Bag(), sample=precondfx.Sample(
+        (_ids(15), torch.tensor([0, 2, 5, 9, 11, 12])), {}, batched=[])),
+    "einsum_where_mask": lambda: dict(model=Einsum(), sample=(_x(B, 6, 16), _kpm()[:, :6] == 0)),
+    "inplace_on_views": lambda: dict(model=InplaceViews(), sample=_x(B, 8)),
+    "grad_reverse_function": lambda: dict(model=DANN(), sample=_x(B, 8)),
+    "no_grad_teacher": lambda: dict(model=Teacher(), sample=_x(B, 8)),
+    "checkpoint": lambda: dict(model=Checkpointed(), sample=_x(B, 8)),
+    "training_branch_noise": lambda: dict(model=TrainFlag(), sample=_x(B, 8)),
+    "float64": lambda: dict(model=mlp().double(), sample=_x(B, 8, dtype=torch.float64)),
+    "bfloat16": lambda: dict(model=mlp().to(torch.bfloat16), sample=_x(B, 8,
+                                                                       dtype=torch.bfloat16)),
+    "half": lambda: dict(model=mlp().half(), sample=_x(B, 8, dtype=torch.half)),
+    "channels_last": lambda: dict(model=grouped().to(memory_format=torch.channels_last),
+                                  sample=_x(B, 4, 9, 9).to(memory_format=torch.channels_last)),
+    "list_of_tensors": lambda: dict(model=ListInput(), sample=([_x(B, 8), _x(B, 8, seed=5)],)),
+    "data_dependent_if": lambda: dict(model=DataDep(), sample=_x(B, 8)),
+    "item_in_forward": lambda: dict(model=ItemNorm(), sample=_x(B, 8)),
+    "no_parameters": lambda: dict(model=NoParams(), sample=_x(B, 8), must_refuse=True),
+    "returns_loss": lambda: dict(model=ReturnsLoss(), sample=(_x(B, 8), _ids(B, hi=4)),
+                                 may_refuse=True),
+    "loss_and_logits": lambda: dict(model=LossAndLogits(), sample={"x": _x(B, 8),
+                                                                   "labels": _ids(B, hi=4)}),
+    "vit_params_bn_dropout": lambda: dict(model=ViTish(), sample=_x(B, 3, 8, 8)),
+    "user_forward_hook": lambda: dict(model=Hooked(), sample=_x(B, 8)),
+    "frozen_layer": lambda: dict(model=Frozen(), sample=_x(B, 8)),
+    "prelu_bilinear": lambda: dict(model=PReLUBilinear(), sample=_x(B, 8)),
+    "interpolate_padding_modes": lambda: dict(model=Upsample(), sample=_x(B, 3, 6, 6)),
+    "moduledict_route": lambda: dict(model=ModuleDictRoute(), sample=_x(B, 8),
+                                     fwd={"task": "reg"}),
+    "arange_positions": lambda: dict(model=Positions(), sample=_ids(B, 7)),
+    "dataparallel": lambda: dict(model=nn.DataParallel(mlp()), sample=_x(B, 8)),
+    "eval_mode_model": lambda: dict(model=ViTish().eval(), sample=_x(B, 3, 8, 8)),
+    "inplace_true": lambda: dict(model=Shared(), sample=_x(B, 8), inplace=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_case(name: str) -> None:
+    torch.manual_seed(0)
+    case = CASES[name]()
+    model, sample = case.pop("model"), case.pop("sample")
+    if case.get("inplace"):
+        # inplace=True edits the user's module: compare with a copy taken before
+        ref = copy.deepcopy(model)
+        res, _ = precondfx.precondition(model, sample, inplace=True)
+        assert res is model
+        assert {k for k in res.state_dict() if "precondfx_" not in k} == set(ref.state_dict())
+        assert grad_set(res, sample, {}) == grad_set(ref, sample, {})
+        return
+    check(model, sample, **case)
+
+
+# ---------------------------------------------------------------- wrappers, devices, resources
+
+
+def test_torch_compiled_model_is_preconditioned_as_its_original() -> None:
+    torch.manual_seed(0)
+    inner = Shared()
+    compiled = torch.compile(inner, backend="eager")
+    out = check(compiled, _x(B, 8), ref=inner)
+    assert out is not None
+    assert any("torch.compile" in n for n in out[1].capture_notes)
+
+
+def test_meta_device_model_plans_without_data() -> None:
+    with torch.device("meta"):
+        m = Tied()
+    res, rep = precondfx.precondition(m, _ids(B, 5), balance="analytic")
+    assert all(p.device.type == "meta" for p in m.parameters())
+    assert {k for k in res.state_dict() if "precondfx_" not in k} == set(m.state_dict())
+    assert any("meta" in why for _, why in rep.skipped)
+    # materialized and calibrated afterwards, the output std reaches the target
+    res = res.to_empty(device="cpu")
+    res.out.weight = res.emb.weight     # to_empty unties weights (as for any model): re-tie
+    precondfx.reinit(res, rep.plan, seed=0)
+    precondfx.distributed.calibrate(res, _ids(B, 5))
+    assert main_std(res, _ids(B, 5), {}) == pytest.approx(1.0, rel=0.02)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 12])
+@pytest.mark.parametrize("exc", [MemoryError("cannot allocate 90 GB"),
+                                 RuntimeError("[enforce fail at alloc_cpu.cpp:117] "
+                                              "DefaultCPUAllocator: can't allocate memory: you "
+                                              "tried to allocate 96000000000 bytes")])
+def test_out_of_memory_is_a_precond_error_saying_what_to_do(n: int, exc: BaseException,
+                                                            monkeypatch) -> None:
+    """Wherever the pass runs out of memory (the n-th linear layer call: first check, capture,
+    calibration, balancing), the user gets a PrecondError with what to do, and the allocation
+    failure as its cause; the model is left as it was."""
+    calls = [0]
+    plain = nn.Linear.forward
+
+    def forward(self, x):
+        calls[0] += 1
+        if calls[0] >= n:
+            raise exc
+        return plain(self, x)
+
+    m = mlp()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    monkeypatch.setattr(nn.Linear, "forward", forward)
+    with pytest.raises(PrecondError, match="out of memory") as info:
+        precondfx.precondition(m, _x(B, 8), balance="hessian", balance_samples=4)
+    assert info.value.__cause__ is exc
+    assert "smaller sample" in str(info.value) and "meta" in str(info.value)
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())
+    calls[0] = n - 1    # analyze runs the model fewer times: fail on its first call
+    with pytest.raises(PrecondError, match="out of memory") as info:
+        precondfx.analyze(m, _x(B, 8))
+    assert info.value.__cause__ is exc
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_hf_model_saved_and_reloaded_after_precondition(name: str, tmp_path) -> None:
+    pytest.importorskip("transformers")
+    from tests import hf_tiny
+    model, batch = hf_tiny.build(name, dropout=False)
+    ref = copy.deepcopy(model)
+    res, rep = precondfx.precondition(model, batch, balance="analytic")
+    assert {k: v for k, v in model.state_dict().items()}.keys() == ref.state_dict().keys()
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
+    res.eval()
+    with torch.no_grad():
+        out = res(**batch)
+    assert structure(out) == structure(ref.eval()(**batch))
+    # the loss the model computes is the loss of the logits it returns (the scale acts first)
+    loss = hf_tiny.LOSS[name](out.logits, batch["labels"])
+    assert float(out.loss) == pytest.approx(float(loss), rel=1e-5)
+    assert float(out.logits.double().std(correction=0)) == pytest.approx(1.0, rel=0.02)
+    res.save_pretrained(tmp_path)
+    back = type(model).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        again = back(**batch)
+    assert torch.allclose(again.logits, out.logits, atol=1e-5, rtol=1e-5)
