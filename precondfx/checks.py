@@ -134,12 +134,6 @@ def guarded(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except PrecondError:
-            raise
-        except (MemoryError, RuntimeError) as e:
-            if not is_out_of_memory(e):
-                raise
-            raise out_of_memory(e) from e
         except RecursionError as e:
             lim = sys.getrecursionlimit()
             raise PrecondError(
@@ -147,4 +141,8 @@ def guarded(fn: F) -> F:
                 f"modules are nested too deeply for copying, tracing or calling it at this "
                 f"limit. Raise it before calling precondfx, e.g. sys.setrecursionlimit("
                 f"{max(10 * lim, 10000)}), or flatten the nesting") from None
+        except (MemoryError, RuntimeError) as e:  # after RecursionError, a RuntimeError
+            if not is_out_of_memory(e):
+                raise
+            raise out_of_memory(e) from e
     return wrapper  # type: ignore[return-value]
