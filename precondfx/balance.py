@@ -22,7 +22,7 @@ from precondfx.apply.backend import key_of
 from precondfx.capture.common import Sample, main_output
 from precondfx.errors import PrecondError
 from precondfx.measure.conditioning import _mean_estimate
-from precondfx.measure.sketch import RTOL, geometric_mean, hessian_sketch, precise, spread_of
+from precondfx.measure.sketch import geometric_mean, hessian_sketch, precise, rtol_for, spread_of
 from precondfx.measured import Measured
 from precondfx.plan import Plan
 
@@ -176,7 +176,7 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
                      n_samples: int = 16, n_cotangents: int = 4, seed: int = 0,
                      output_key: Any = None, mode: str = "train", balance: str = "hessian",
                      threshold: float = 2.0, log: Callable[[str], None] = lambda m: None,
-                     verbose: bool | None = None, rtol: float = RTOL) -> dict[str, Any]:
+                     verbose: bool | None = None, rtol: float | None = None) -> dict[str, Any]:
     """Balance a measured statistic (``STATISTICS``) of every weight whose every call site has
     an alpha buffer (it scales exactly as alpha^4); the other weighted layers of the plan are
     listed in ``left_out`` with why.  ``balance='hessian'`` always balances (and raises if it
@@ -184,7 +184,9 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
     significantly above ``threshold`` (lower bound at 2 standard errors): below, the estimate's
     own noise is comparable to the imbalance it would correct.  The measurement stops early
     (from a quarter of ``n_samples`` on) once every layer's statistic is known to ``rtol``
-    (95% interval, :func:`precondfx.measure.sketch.precise`), and for ``auto`` once even the
+    (95% interval, :func:`precondfx.measure.sketch.precise`; default
+    :func:`~precondfx.measure.sketch.rtol_for` the threshold: the noise left after balancing
+    cannot leave two layers further apart than ``threshold``), and for ``auto`` once even the
     upper bound of the spread is below ``threshold``.
     On the paper's MLP the per-sample statistic is heavy-tailed, and balancing 16 samples
     without this test moved one seed's held-out weight-to-gradient spread from 1.1x to 2.2x.
@@ -214,6 +216,8 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
     # goes on is the full estimate
     n_first = min(n_fit, max(4, n_fit // 4))
 
+    rtol = rtol_for(threshold) if rtol is None else rtol
+
     def clear(per_: np.ndarray) -> bool:
         return gated and _upper_spread(*_estimates(per_, weights)) <= threshold
 
@@ -229,8 +233,9 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
         early = (f"decided on the first {n_fit} samples: even the upper bound of the spread "
                  f"({_upper_spread(before, before_se):.3g}x) is below the threshold; "
                  if clear(per) else
-                 f"stopped after {n_fit} samples: every layer's statistic known to +-{rtol:g} "
-                 f"(95% interval); ")
+                 f"stopped after {n_fit} samples: every layer's statistic known to "
+                 f"+-{rtol:.0%} (95% interval): the noise cannot leave two layers more than "
+                 f"{threshold:g}x apart; ")
     bad = [w for w, v in before.items() if not (v > 0 and math.isfinite(v))]
     if bad:
         raise PrecondError(f"the {stat} statistic of {bad[:3]} is zero or not finite (the output "

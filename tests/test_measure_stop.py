@@ -37,3 +37,11 @@ def test_stops_at_the_first_precise_prefix(batched):
     np.testing.assert_allclose(got.per_sample, full[:ns[0]], rtol=1e-6)
     for j, name in enumerate(w):                     # the estimate is the prefix's mean
         assert got.values[name].mean == pytest.approx(full[:ns[0], j].mean(), rel=1e-6)
+
+
+def test_rtol_keeps_the_noise_below_the_threshold():
+    from precondfx.measure.sketch import RTOL, rtol_for
+    for thr in (1.5, 2.0, 4.0):
+        r = rtol_for(thr)
+        assert (1 + r) / (1 - r) == pytest.approx(thr)   # two layers' worst-case errors
+    assert RTOL == pytest.approx(1 / 3) and rtol_for(1.0) == 0.0 and rtol_for(0.5) == 0.0

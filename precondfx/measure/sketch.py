@@ -35,7 +35,7 @@ from precondfx.measure.runtime import one_thread
 from precondfx.progress import Progress
 
 __all__ = ["hessian_sketch", "SketchResult", "spread_of", "geometric_mean", "one_thread",
-           "precise", "RTOL"]
+           "precise", "RTOL", "rtol_for"]
 
 
 @dataclass
@@ -121,10 +121,17 @@ def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_s
     return SketchResult(vals, len(per), n_cotangents, "pairs", note or "per-sample loop", per)
 
 
-#: default precision of measured balancing: stop once every layer's statistic has a 95%
-#: interval within +-20% of its mean.  Balancing sets alpha ~ statistic^(-1/4), so every alpha
-#: is then known to about +-5%, far inside the 2x spread that ``balance='auto'`` acts on.
-RTOL = 0.2
+def rtol_for(threshold: float) -> float:
+    """The precision at which measured balancing stops: every layer's statistic within +-r of
+    its mean (95% interval) with ``(1 + r) / (1 - r) = threshold``.  Balancing divides each
+    layer's statistic by its estimate, so two layers' errors could leave them at most
+    ``(1 + r) / (1 - r)`` apart: no further than the spread ``balance='auto'`` acts on.  It
+    also bounds every alpha (``~ statistic^(-1/4)``) to about ``+-r/4``."""
+    return max((threshold - 1.0) / (threshold + 1.0), 0.0)
+
+
+#: the precision at the default threshold (2x): +-1/3, alphas to about +-8%
+RTOL = rtol_for(2.0)
 
 
 def precise(per: np.ndarray, rtol: float = RTOL) -> bool:
