@@ -56,6 +56,7 @@ class Measured:
     """Every change the data-driven stages made, in order."""
 
     changes: list[Change] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)     # added to the plan's notes
 
     def add(self, stage: str, kind: str, key: str, value: float | str | None, *,
             op: str = "set", reason: str | None = None, note: str | None = None) -> None:
@@ -63,6 +64,32 @@ class Measured:
 
     def of(self, stage: str) -> list[Change]:
         return [c for c in self.changes if c.stage == stage]
+
+    def record_diff(self, stage: str, before: Plan, after: Plan) -> None:
+        """Record as changes of ``stage`` how ``after`` (a copy of ``final(plan)`` a step
+        edited) differs from ``before`` (that copy as it was): alphas, scale values, stds, pool
+        actions, their reasons, and notes added."""
+        from precondfx.apply.backend import key_of
+        old_sc = {key_of(sc): sc for sc in before.scales}
+        for sc in after.scales:
+            o = old_sc.get(key_of(sc))
+            if o is not None and (o.value, o.reason) != (sc.value, sc.reason):
+                self.add(stage, "scale", key_of(sc), sc.value, reason=sc.reason)
+        old_lay = {lay.node: lay for lay in before.layers}
+        for lay in after.layers:
+            o = old_lay.get(lay.node)
+            if o is not None and (o.alpha, o.alpha_reason) != (lay.alpha, lay.alpha_reason):
+                self.add(stage, "alpha", lay.node, lay.alpha, reason=lay.alpha_reason)
+        for name, pi in after.inits.items():
+            o = before.inits.get(name)
+            if o is not None and (o.std, o.reason) != (pi.std, pi.reason):
+                self.add(stage, "std", name, pi.std, reason=pi.reason)
+        old_pool = {pc.node: pc for pc in before.pools}
+        for pc in after.pools:
+            o = old_pool.get(pc.node)
+            if o is not None and (o.action, o.reason) != (pc.action, pc.reason):
+                self.add(stage, "pool", pc.node, pc.action, reason=pc.reason)
+        self.notes.extend(after.notes[len(before.notes):])
 
     def final(self, plan: Plan) -> Plan:
         """A copy of ``plan`` with every change applied: what the model now holds."""
@@ -84,11 +111,13 @@ class Measured:
             elif ch.kind == "pool" and ch.key in pools:
                 pc = pools[ch.key]
                 pc.action, pc.reason = str(ch.value), _reason(pc.reason, ch)
+        out.notes.extend(self.notes)
         return out
 
     def to_dict(self) -> dict:
-        return {"changes": [asdict(c) for c in self.changes]}
+        return {"changes": [asdict(c) for c in self.changes], "notes": list(self.notes)}
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "Measured":
-        return cls([Change(**c) for c in (d or {}).get("changes", [])])
+        d = d or {}
+        return cls([Change(**c) for c in d.get("changes", [])], list(d.get("notes", [])))

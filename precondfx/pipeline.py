@@ -1,7 +1,7 @@
 """The PyTorch pipeline: the stage list ``precondition`` runs, and its PyTorch-only stages.
 
     prepare -> capture -> plan -> backend -> apply -> reinit -> scheme -> calibrate
-    -> balance -> measure -> verify -> record
+    -> balance -> lr_scale -> measure -> verify -> record
 
 ``plan``, ``apply``, ``reinit``, ``scheme`` and ``calibrate`` are the shared stages of
 ``precondfx.driver`` (the ONNX pipeline runs them too); the others need the PyTorch model.
@@ -285,8 +285,11 @@ def lr_scale(st: TorchState) -> None:
     """``lr_scale=``: per-layer scales for learning-rate transfer (``precondfx.lr_transfer``),
     after balancing, which would undo them."""
     from precondfx import lr_transfer
+    now = st.measured.final(st.plan)        # what the model holds (after balancing)
+    edited = copy.deepcopy(now)
     st.report.conditioning["lr_scale"] = lr_transfer.apply(
-        st.result, st.graph, st.plan, st.alpha_buffers, st.opts.lr_scale, st.constants)
+        st.result, st.graph, edited, st.alpha_buffers, st.opts.lr_scale, st.constants)
+    st.measured.record_diff("lr_scale", now, edited)      # the plan stays as planned
 
 
 def measure(st: TorchState) -> None:
