@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from precondfx.apply.backend import key_of
 from precondfx.capture.common import Sample, main_output
 from precondfx.errors import PrecondError
 from precondfx.measure.conditioning import _mean_estimate
@@ -320,7 +319,7 @@ def record_factors(measured: Measured, plan: Plan, factors: dict[str, float]) ->
     node_w = {lay.node: lay.weight for lay in plan.layers}
     for sc in plan.scales:
         if sc.tag == "alpha" and node_w.get(sc.node) in factors:
-            measured.add("balance", "scale", key_of(sc), factors[node_w[sc.node]], op="mul")
+            measured.add("balance", "scale", sc.key(), factors[node_w[sc.node]], op="mul")
     for w, c in factors.items():
         pi = plan.inits.get(w)
         if pi is not None and pi.std is not None:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from precondfx import calibrate as cal
-from precondfx.apply.backend import Backend, key_of
+from precondfx.apply.backend import Backend
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
 from precondfx.measured import Measured

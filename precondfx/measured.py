@@ -69,12 +69,11 @@ class Measured:
         """Record as changes of ``stage`` how ``after`` (a copy of ``final(plan)`` a step
         edited) differs from ``before`` (that copy as it was): alphas, scale values, stds, pool
         actions, their reasons, and notes added."""
-        from precondfx.apply.backend import key_of
-        old_sc = {key_of(sc): sc for sc in before.scales}
+        old_sc = {sc.key(): sc for sc in before.scales}
         for sc in after.scales:
-            o = old_sc.get(key_of(sc))
+            o = old_sc.get(sc.key())
             if o is not None and (o.value, o.reason) != (sc.value, sc.reason):
-                self.add(stage, "scale", key_of(sc), sc.value, reason=sc.reason)
+                self.add(stage, "scale", sc.key(), sc.value, reason=sc.reason)
         old_lay = {lay.node: lay for lay in before.layers}
         for lay in after.layers:
             o = old_lay.get(lay.node)
@@ -93,9 +92,8 @@ class Measured:
 
     def final(self, plan: Plan) -> Plan:
         """A copy of ``plan`` with every change applied: what the model now holds."""
-        from precondfx.apply.backend import key_of
         out = copy.deepcopy(plan)
-        scales = {key_of(sc): sc for sc in out.scales}
+        scales = {sc.key(): sc for sc in out.scales}
         layers = {lay.node: lay for lay in out.layers}
         pools = {pc.node: pc for pc in out.pools}
         for ch in self.changes:

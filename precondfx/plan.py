@@ -69,6 +69,10 @@ class Scale:
     value: float
     reason: str
 
+    def key(self) -> str:
+        """The scale's name in the back ends' outcomes and in ``report.measured``."""
+        return f"{self.tag}:{self.node}:{self.where}:{self.index}"
+
 
 @dataclass
 class PoolChange:

@@ -31,8 +31,9 @@ from precondfx.plan import Plan, Scale
 
 
 def key_of(sc: Scale) -> str:
-    """The key of a planned scale in the back ends' ``outcomes`` (and the measured record)."""
-    return f"{sc.tag}:{sc.node}:{sc.where}:{sc.index}"
+    """The key of a planned scale in the back ends' ``outcomes`` (and the measured record):
+    ``Scale.key``."""
+    return sc.key()
 
 
 @dataclass

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from precondfx.apply.backend import Records, key_of
-from precondfx.apply.common import (PREFIX, TorchBackend, replacement_pool, scalar_buffer,
-                                    scale_at_path)
+from precondfx.apply.common import PREFIX, replacement_pool, scalar_buffer, scale_at_path
+from precondfx.apply.torch_backend import TorchBackend
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
 from precondfx.plan import Plan, Scale

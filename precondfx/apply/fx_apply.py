@@ -13,7 +13,8 @@ import torch
 import torch.fx as fx
 
 from precondfx.apply.backend import Records, key_of
-from precondfx.apply.common import TorchBackend, buffer_name, replacement_pool, scalar_buffer
+from precondfx.apply.common import buffer_name, replacement_pool, scalar_buffer
+from precondfx.apply.torch_backend import TorchBackend
 from precondfx.plan import Plan, Scale
 
 

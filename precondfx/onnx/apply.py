@@ -440,32 +440,3 @@ class OnnxApplier(Records):
         run(fn)
         return got
 
-
-def dropout_training_off(model: ir.Model) -> Any:
-    """Context manager for the calibration copy: every Dropout with a ``training_mode`` input
-    reads a constant False while it is active (ORT otherwise may or may not drop)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def cm():
-        changed: list[tuple[ir.Node, ir.Value]] = []
-        false = None
-        try:
-            for node in ir.traversal.RecursiveGraphIterator(model.graph):
-                if node.op_type != "Dropout" or len(node.inputs) < 3 or node.inputs[2] is None:
-                    continue
-                if false is None:
-                    t = ir.tensor(np.array(False), dtype=ir.DataType.BOOL,
-                                  name=f"{PREFIX}calibration_false")
-                    false = ir.Value(name=f"{PREFIX}calibration_false", shape=ir.Shape([]),
-                                     type=ir.TensorType(ir.DataType.BOOL), const_value=t)
-                    model.graph.register_initializer(false)
-                changed.append((node, node.inputs[2]))
-                node.replace_input_with(2, false)
-            yield len(changed)
-        finally:
-            for node, old in changed:
-                node.replace_input_with(2, old)
-            if false is not None:
-                model.graph.initializers.pop(false.name)
-    return cm()

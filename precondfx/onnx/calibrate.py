@@ -13,13 +13,13 @@ ORT as OrtValues sharing the numpy (or memory-mapped) buffers, so there is neith
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import onnx_ir as ir
 
+from precondfx.apply.common import PREFIX
 from precondfx.errors import PrecondError
-from precondfx.onnx.apply import dropout_training_off
 
 PROVIDERS = ["CPUExecutionProvider"]
 
@@ -123,3 +123,33 @@ def measure_model(model: ir.Model, feeds: Mapping[str, np.ndarray], output: str
     sess = session_for_model(model)
     y = run(sess, feeds, [output])[0]
     return output_std(y), tuple(np.shape(y))
+
+
+def dropout_training_off(model: ir.Model) -> Any:
+    """Context manager for the calibration copy: every Dropout with a ``training_mode`` input
+    reads a constant False while it is active (ORT otherwise may or may not drop)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def cm():
+        changed: list[tuple[ir.Node, ir.Value]] = []
+        false = None
+        try:
+            for node in ir.traversal.RecursiveGraphIterator(model.graph):
+                if node.op_type != "Dropout" or len(node.inputs) < 3 or node.inputs[2] is None:
+                    continue
+                if false is None:
+                    t = ir.tensor(np.array(False), dtype=ir.DataType.BOOL,
+                                  name=f"{PREFIX}calibration_false")
+                    false = ir.Value(name=f"{PREFIX}calibration_false", shape=ir.Shape([]),
+                                     type=ir.TensorType(ir.DataType.BOOL), const_value=t)
+                    model.graph.register_initializer(false)
+                changed.append((node, node.inputs[2]))
+                node.replace_input_with(2, false)
+            yield len(changed)
+        finally:
+            for node, old in changed:
+                node.replace_input_with(2, old)
+            if false is not None:
+                model.graph.initializers.pop(false.name)
+    return cm()

@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 
-from precondfx.apply.backend import key_of
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
 from precondfx.options import Options, Override
@@ -265,5 +264,5 @@ class LSUV(Scheme):
                 ctx.measured.add("lsuv", "alpha", lay.node, rows[lay.node]["scale"], reason=why)
         for sc in ctx.plan.scales:
             if sc.tag == "alpha" and sc.node in rows:
-                ctx.measured.add("lsuv", "scale", key_of(sc), rows[sc.node]["scale"],
+                ctx.measured.add("lsuv", "scale", sc.key(), rows[sc.node]["scale"],
                                  reason=why)

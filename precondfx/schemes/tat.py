@@ -813,8 +813,8 @@ class TatScheme(Scheme):
                     value = j.weights[bpos] / w
                     be.set_constant(name, value)
                     ctx.measured.add(self.name, "scale", keys[bpos], value,
-                                     note=f"times 1/w: the shortcut operand has no module to "
-                                          f"hook")
+                                     note="times 1/w: the shortcut operand has no module to "
+                                          "hook")
                     be.made_good(keys[j.shortcut], f"{self.name}: {j.node}: branch multiplier "
                                  f"sqrt(1-w^2)/w = {value:.4g} (shortcut operand has no module "
                                  f"to hook)")
