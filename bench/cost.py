@@ -299,7 +299,8 @@ def main(argv=None) -> dict:
                               "whose step takes > 0.5 s: the ratio is to the mean of a step "
                               "timed right before and right after the call in the same child; "
                               "balancing_steps = ratio(auto or hessian) - ratio(analytic)",
-               "env": C.env_info(), "wall_s": say.elapsed()}
+               "env": {**C.env_info(), "loadavg_1min_end": os.getloadavg()[0]},
+               "wall_s": say.elapsed()}
     name = "cost" + (f"_{tag}" if tag else "")
     jpath = C.write_json(os.path.join(args.out, name + ".json"), payload)
     try:
@@ -381,8 +382,8 @@ def _document(table: str, payload: dict, argv) -> str:
     return (
         "# What does `precondition` cost, in training steps of the same model?\n\n"
         f"Written by `{cmd}` (torch {env['torch']}, {env['threads']} thread(s), "
-        f"{env['cpu_count']} CPUs, {env['device']}; the machine may be shared: compare ratios "
-        f"within one run).\n\n"
+        f"{env['cpu_count']} CPUs, {env['device']}; load average {env['loadavg_1min_end']:.1f} "
+        f"at the end: the machine may be shared, compare ratios within one run).\n\n"
         "Each cell is the wall time of `precondfx.precondition(model, sample, **mode)` divided "
         "by one training step of the same model on the same batch (SGD momentum 0.9; median of "
         "steps after a warm-up; for models whose step takes over 0.5 s, a step timed right "
