@@ -11,7 +11,7 @@ Three back ends carry a plan out, each on its own kind of model:
 The driver calls them in this order, whatever the back end::
 
     pools(plan); replace(node, module, path)*; scale(sc)* ; input_scale(v); output_scale(path)
-    finish(); reinit(plan, seed)
+    finish(); reinit(plan, seed); input_module(name, module) (a scheme's step)
     run(sample, mode) / output_std(...) / probe(...) / set_constant(name, v)   (measurements)
     rollback()                                                                 (on failure)
 
@@ -122,6 +122,11 @@ class Backend(Protocol):
     def output_scale(self, path: list) -> str | None:
         """Multiply the main output (``path`` into the output structure; [] = the rule of
         ``precondfx.outputs``) by a constant set to 1, which calibration sets later."""
+
+    def input_module(self, name: str, mod: Any) -> bool:
+        """Run module ``mod`` (a submodule ``name`` of the result) on the model's
+        floating-point input before everything else (a scheme's input normalization); False,
+        with a ``skipped`` entry, where the back end cannot."""
 
     def finish(self) -> None:
         """Make the edited model runnable (recompile a graph; nothing for hooks)."""

@@ -9,6 +9,7 @@ Every change is logged so that it can be undone if a later stage fails.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -55,6 +56,13 @@ def _root_input_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
             return x * s
         return x
     return tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
+
+
+def _input_module_hook(module: nn.Module, args: tuple, kwargs: dict, name: str = "") -> tuple:
+    """Run the submodule ``name`` on every floating-point positional input."""
+    m = getattr(module, name)
+    return tuple(m(a) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in args), kwargs
 
 
 def _module_output_scale_hook(module: nn.Module, args: tuple, out: Any) -> Any:
@@ -418,6 +426,24 @@ class EagerApplier(TorchBackend, Records):
             for h in handles:
                 h.remove()
         return got
+
+    def input_module(self, name: str, mod: nn.Module) -> bool:
+        """``mod`` becomes submodule ``name`` of the model, run on its floating-point
+        positional inputs by a forward pre-hook (undone by ``rollback``).  Refused for a
+        container whose forward runs every child in turn (``nn.Sequential``): the module
+        would run on the output too."""
+        if isinstance(self.model, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            self._skip(f"module:{name}", name, f"the model is an {type(self.model).__name__}, "
+                       f"whose forward runs every child: a module added at the input would run "
+                       f"at the end too (wrap the model in a module of your own)")
+            return False
+        self.model.add_module(name, mod)
+        self._hook(self.model.register_forward_pre_hook(
+            functools.partial(_input_module_hook, name=name), with_kwargs=True, prepend=True))
+        self.undo.append(("attrdel", self.model, name))
+        self._done(f"module:{name}", f"{type(mod).__name__} applied at the input ({name}, "
+                   f"pre-hook)")
+        return True
 
     def finish(self) -> None:
         pass

@@ -243,6 +243,17 @@ class FxApplier(TorchBackend, Records):
         run(call)
         return got
 
+    def input_module(self, name: str, mod: torch.nn.Module) -> bool:
+        """A call of ``mod`` (submodule ``name``) on the first input, before every use of it."""
+        self.gm.add_submodule(name, mod)
+        ph = next(n for n in self.gm.graph.nodes if n.op == "placeholder")
+        with self.gm.graph.inserting_after(ph):
+            new = self.gm.graph.call_module(name, (ph,))
+        ph.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+        self.finish()
+        self._done(f"module:{name}", f"{type(mod).__name__} inserted at the input ({name})")
+        return True
+
     def finish(self) -> None:
         # Type annotations copied from the user's forward can be strings (``from __future__
         # import annotations``), which GraphModule pickling cannot resolve: drop them.

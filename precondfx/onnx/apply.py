@@ -379,6 +379,12 @@ class OnnxApplier(Records):
                    "model (schemes run on the PyTorch back ends only)")
         return False
 
+    def input_module(self, name: str, mod: Any) -> bool:
+        """A PyTorch module cannot run inside an ONNX graph: never done here."""
+        self._skip(f"module:{name}", name, "a PyTorch module cannot be inserted into an ONNX "
+                   "graph")
+        return False
+
     def finish(self) -> None:
         """Nothing to recompile: the graph stays topologically sorted by construction."""
         return None

@@ -1012,6 +1012,7 @@ def _init_affine(p: torch.Tensor, kind: str, n: Node | None, gen: torch.Generato
 
 
 def _pln_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """The input hook of models preconditioned by earlier versions (kept so they unpickle)."""
     pln = module.precondfx_pln
     args = tuple(pln(a) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                  for a in args)
@@ -1019,23 +1020,9 @@ def _pln_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
 
 
 def _insert_pln(ctx: SchemeContext, cdim: int) -> None:
-    from precondfx.apply.fx_apply import FxApplier
-    mod = PerLocationNorm(cdim)
-    if isinstance(ctx.applier, FxApplier):
-        gm = ctx.applier.gm
-        gm.add_submodule("precondfx_pln", mod)
-        ph = next(n for n in gm.graph.nodes if n.op == "placeholder")
-        with gm.graph.inserting_after(ph):
-            new = gm.graph.call_module("precondfx_pln", (ph,))
-        ph.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
-        ctx.applier.finish()
-        ctx.applier.applied.append("tat: PerLocationNorm inserted at the input")
-        return
-    ctx.model.add_module("precondfx_pln", mod)
-    h = ctx.model.register_forward_pre_hook(_pln_pre_hook, with_kwargs=True, prepend=True)
-    ctx.applier.undo.append(("hook", h))
-    ctx.applier.undo.append(("attrdel", ctx.model, "precondfx_pln"))
-    ctx.applier.applied.append("tat: PerLocationNorm applied at the input (pre-hook)")
+    """PerLocationNorm on the input, through the back end (``Backend.input_module``)."""
+    if not ctx.applier.input_module("precondfx_pln", PerLocationNorm(cdim)):
+        raise PrecondError("input_norm='pln' needs a PyTorch back end: use input_norm='scale'")
 
 
 def _describe(a: tm.Arch, limit: int = 400) -> str:
