@@ -28,9 +28,11 @@ _STOCHASTIC_NAMES = ("Dropout", "DropPath", "StochasticDepth", "DropBlock")
 
 
 def is_stochastic(m: nn.Module) -> bool:
-    """Dropout and its relatives (timm's DropPath, torchvision's StochasticDepth, DropBlock):
-    random in train mode, identity in eval mode."""
-    return isinstance(m, _DROPOUT) or any(k in type(m).__name__ for k in _STOCHASTIC_NAMES)
+    """Dropout and its relatives (timm's DropPath, torchvision's StochasticDepth, DropBlock,
+    the dropout between the layers of nn.LSTM/GRU/RNN): random in train mode, identity in eval
+    mode."""
+    return isinstance(m, _DROPOUT) or any(k in type(m).__name__ for k in _STOCHASTIC_NAMES) \
+        or (isinstance(m, nn.RNNBase) and m.dropout > 0 and m.num_layers > 1)
 
 
 _DROPOUT_FNS = {f for f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,

@@ -1,23 +1,33 @@
 """Which output is "the" output: the one rule every back end uses to pick the tensor that the
 output scale (``target_std``) applies to and that calibration and measurements read.
 
-Given the model's outputs as ``(key, is_floating_point_tensor)`` entries in order: the entry
-named ``logits`` when it is a floating-point tensor, else the first floating-point one.  An
+Given the model's outputs as ``(key, is_floating_point_tensor[, has_several_elements])``
+entries in order: the entry named ``logits`` when it is a floating-point tensor, else the first
+floating-point one that is not a single number (a loss), else the first floating-point one.
+Outputs nested in containers (``{"out": {"logits": ...}}``) are searched level by level.  An
 explicit ``output_key`` overrides the rule (each back end checks that it selects a tensor).
 PyTorch adapters: ``precondfx.capture.common.output_path``/``main_output``; ONNX:
 ``precondfx.onnx.apply.OnnxApplier.main_output``.
 """
 from __future__ import annotations
 
-from typing import Hashable, Iterable
+from typing import Callable, Hashable, Iterable
 
 MAIN_NAME = "logits"
 
 
-def pick_main(entries: Iterable[tuple[Hashable, bool]]) -> Hashable | None:
-    """The key of the main output among ``(key, is_float_tensor)`` entries, or None."""
-    entries = list(entries)
-    for key, is_float in entries:
-        if key == MAIN_NAME and is_float:
+def pick_main(entries: Iterable[tuple], name_of: Callable[[Hashable], Hashable] = lambda k: k
+              ) -> Hashable | None:
+    """The key of the main output among ``(key, is_float_tensor)`` or ``(key, is_float_tensor,
+    has_several_elements)`` entries, or None: the floating-point entry named ``logits`` (by
+    ``name_of(key)``), else the first floating-point one with several elements (a scalar loss
+    returned before the logits, ``(loss, logits)``, is not the output to scale), else the
+    first floating-point one."""
+    entries = [(e[0], e[1], e[2] if len(e) > 2 else True) for e in entries]
+    for key, is_float, _ in entries:
+        if name_of(key) == MAIN_NAME and is_float:
             return key
-    return next((key for key, is_float in entries if is_float), None)
+    for key, is_float, several in entries:
+        if is_float and several:
+            return key
+    return next((key for key, is_float, _ in entries if is_float), None)

@@ -33,7 +33,6 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 import precondfx
 from precondfx.errors import PrecondError
 from tests.helpers import NoDropout as _NoDropout
-from tests.helpers import main
 
 B = 6
 
@@ -145,12 +144,36 @@ def differs(a: Any, b: Any) -> bool:
                for x, y in zip(fa, fb))
 
 
+def main(out: Any) -> torch.Tensor:
+    """The output the scale applies to (README): ``logits``, else the first floating-point
+    tensor that is not a single number, else the first floating-point one; nested containers
+    searched level by level."""
+    level = [out]
+    while level:
+        items: list = []
+        for o in level:
+            if isinstance(o, torch.Tensor):
+                return o
+            if hasattr(o, "keys") and hasattr(o, "__getitem__"):
+                items += [(k, o[k]) for k in o.keys()]
+            elif isinstance(o, (tuple, list)):
+                items += list(enumerate(o))
+        fl = [(k, v) for k, v in items if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        for pick in ([v for k, v in fl if k == "logits"], [v for k, v in fl if v.numel() > 1],
+                     [v for k, v in fl]):
+            if pick:
+                return pick[0]
+        level = [v for k, v in items if isinstance(v, (tuple, list, dict))]
+    raise AssertionError("no floating-point output")
+
+
 def main_std(model: nn.Module, sample: Any, fwd: dict) -> float:
     """Population std of the main output in train mode, dropout off, buffers restored."""
     m = copy.deepcopy(model)
     m.train()
-    for mod in m.modules():
-        if isinstance(mod, nn.modules.dropout._DropoutNd):
+    for mod in m.modules():   # dropout modules, and the dropout between an RNN's layers
+        if isinstance(mod, nn.modules.dropout._DropoutNd) or \
+                (isinstance(mod, nn.RNNBase) and mod.dropout > 0):
             mod.eval()
     with torch.no_grad(), NoDropout():
         out = call(m, clone_sample(sample), fwd)
@@ -846,6 +869,262 @@ CASES: dict[str, Callable[[], dict]] = {
 }
 
 
+# ---------------------------------------------------------------- more of them
+
+
+class FullTransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Transformer(16, 2, 1, 1, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, 5)
+    def forward(self, src, tgt, tgt_mask, src_key_padding_mask):
+        return self.head(self.t(src, tgt, tgt_mask=tgt_mask, src_key_padding_mask=src_key_padding_mask,
+                                memory_key_padding_mask=src_key_padding_mask))
+
+class PackedOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(5, 8, batch_first=True, proj_size=4)
+    def forward(self, packed):
+        out, _ = self.rnn(packed)
+        return out
+
+class GRUh0(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(5, 8, num_layers=2, dropout=0.2)
+        self.head = nn.Linear(8, 3)
+    def forward(self, x, h0):
+        out, h = self.rnn(x, h0)
+        return self.head(out), h
+
+class NestedOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return {"feats": [h, h * 2], "out": {"logits": self.b(h)}}
+
+class IntFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = mlp()
+    def forward(self, x):
+        y = self.a(x)
+        return y.argmax(-1), y
+
+class NonPersistent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mask", torch.tril(torch.ones(5, 5)).bool(), persistent=False)
+        self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 16)
+    def forward(self, x):
+        s = self.q(x) @ x.transpose(1, 2)
+        s = s.masked_fill(~self.mask, float("-inf"))
+        return self.o(s.softmax(-1) @ x)
+
+class RootHook(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+FIRED: collections.Counter = collections.Counter()
+
+
+def _fire(kind: str, out: Any = None) -> Any:
+    FIRED[kind] += 1
+    return out
+
+
+def root_hook() -> nn.Module:
+    m = RootHook()
+    m.register_forward_hook(lambda mod, i, o: _fire("root", torch.tanh(o) * 3))
+    return m
+
+
+def root_prehook() -> nn.Module:
+    m = RootHook()
+    m.register_forward_pre_hook(lambda mod, args: _fire("root_pre", (args[0].abs(),)))
+    return m
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + torch.relu(self.l(x))
+
+
+class BwHook(nn.Module):
+    """A full backward hook on a user module (gradient surgery: blocks the gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.blk, self.b = nn.Linear(8, 16), Block(), nn.Linear(16, 4)
+        self.blk.register_full_backward_hook(
+            lambda mod, gin, gout: _fire("backward", tuple(None if g is None else g * 0
+                                                           for g in gin)))
+
+    def forward(self, x):
+        return self.b(self.blk(self.a(x)))
+
+
+class InnerFwHook(nn.Module):
+    """A forward hook on a user module that fx would trace through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.blk, self.b = nn.Linear(8, 16), Block(), nn.Linear(16, 4)
+        self.blk.register_forward_hook(lambda m, i, o: _fire("inner", o))
+
+    def forward(self, x):
+        return self.b(self.blk(self.a(x)))
+
+
+class Autocast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.b(torch.relu(self.a(x)))
+
+class TensorAttr(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.scale = torch.tensor(2.0)
+        self.anchors = [torch.ones(16)]
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)) * self.scale + self.anchors[0])
+
+class FunctionalParams(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(16, 8) * 0.1)
+        self.b1 = nn.Parameter(torch.zeros(16))
+        self.w2 = nn.Parameter(torch.randn(4, 16) * 0.1)
+    def forward(self, x):
+        return F.linear(torch.relu(F.linear(x, self.w1, self.b1)), self.w2)
+
+class LSTMCellLoop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.LSTMCell(5, 8)
+        self.head = nn.Linear(8, 3)
+    def forward(self, x):
+        h = torch.zeros(x.shape[1], 8)
+        c = torch.zeros_like(h)
+        for t in range(x.shape[0]):
+            h, c = self.cell(x[t], (h, c))
+        return self.head(h)
+
+class DictIn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = mlp()
+    def forward(self, batch):
+        return self.a(batch["x"]) * batch["mask"][:, None]
+
+class TupleState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(5, 8)
+        self.head = nn.Linear(8, 3)
+    def forward(self, x, state):
+        out, (h, c) = self.rnn(x, state)
+        return self.head(out), (h, c)
+
+class StarArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+    def forward(self, *xs):
+        return self.a(torch.stack(xs).sum(0))
+
+class NoiseAlways(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = mlp()
+    def forward(self, x):
+        return self.a(x + 0.01 * torch.randn_like(x))
+
+class Orthogonal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        nn.utils.parametrizations.orthogonal(self.b)
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+class SparseEmb(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = nn.Embedding(20, 8, sparse=True)
+        self.h = nn.Linear(8, 3)
+    def forward(self, ids):
+        return self.h(self.e(ids).mean(1))
+
+class ScalarAndLogits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = mlp()
+    def forward(self, x):
+        y = self.a(x)
+        return y.pow(2).mean(), y
+
+class BN2dResNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1, bias=False); self.bn1 = nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1, bias=False); self.bn2 = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 3)
+    def forward(self, x):
+        h = F.relu(self.bn1(self.c1(x)))
+        h = F.relu(h + self.bn2(self.c2(h)))
+        return self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))
+
+class Cumsum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16); self.b = nn.Linear(16, 4)
+    def forward(self, x):
+        h = self.a(x).cumsum(1)
+        h = torch.clamp(h, -1, 1)
+        return self.b(h.flip(-1))
+
+CASES.update({
+    "nn_transformer": lambda: dict(model=FullTransformer(), sample=(_x(B, 7, 16), _x(B, 5, 16, seed=2), _causal(5), _kpm())),
+    "packed_out": lambda: dict(model=PackedOut(), sample=torch.nn.utils.rnn.pack_padded_sequence(_x(B, 7, 5), torch.tensor([7,7,5,4,3,2]), batch_first=True)),
+    "gru_h0_dropout": lambda: dict(model=GRUh0(), sample=(_x(7, B, 5), torch.zeros(2, B, 8))),
+    "nested_out": lambda: dict(model=NestedOut(), sample=_x(B, 8)),
+    "int_first_out": lambda: dict(model=IntFirst(), sample=_x(B, 8)),
+    "non_persistent_buffer": lambda: dict(model=NonPersistent(), sample=_x(B, 5, 16)),
+    "root_forward_hook": lambda: dict(model=root_hook(), sample=_x(B, 8)),
+    "root_pre_hook": lambda: dict(model=root_prehook(), sample=_x(B, 8)),
+    "inner_forward_hook": lambda: dict(model=InnerFwHook(), sample=_x(B, 8)),
+    "backward_hook": lambda: dict(model=BwHook(), sample=_x(B, 8)),
+    "autocast_inside": lambda: dict(model=Autocast(), sample=_x(B, 8)),
+    "tensor_attrs": lambda: dict(model=TensorAttr(), sample=_x(B, 8)),
+    "functional_params": lambda: dict(model=FunctionalParams(), sample=_x(B, 8)),
+    "lstmcell_loop": lambda: dict(model=LSTMCellLoop(), sample=_x(6, B, 5)),
+    "dict_input": lambda: dict(model=DictIn(), sample=({"x": _x(B, 8), "mask": torch.ones(B)},)),
+    "tuple_state_input": lambda: dict(model=TupleState(), sample=(_x(6, B, 5), (torch.zeros(1, B, 8), torch.zeros(1, B, 8)))),
+    "star_args": lambda: dict(model=StarArgs(), sample=(_x(B, 8), _x(B, 8, seed=4))),
+    "noise_always": lambda: dict(model=NoiseAlways(), sample=_x(B, 8)),
+    "orthogonal": lambda: dict(model=Orthogonal(), sample=_x(B, 8)),
+    "sparse_embedding": lambda: dict(model=SparseEmb(), sample=_ids(B, 4)),
+    "scalar_then_logits": lambda: dict(model=ScalarAndLogits(), sample=_x(B, 8)),
+    "bn_resnet": lambda: dict(model=BN2dResNet(), sample=_x(B, 3, 6, 6)),
+    "cumsum_clamp_flip": lambda: dict(model=Cumsum(), sample=_x(B, 8)),
+})
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_case(name: str) -> None:
     torch.manual_seed(0)
@@ -944,3 +1223,29 @@ def test_hf_model_saved_and_reloaded_after_precondition(name: str, tmp_path) -> 
     with torch.no_grad():
         again = back(**batch)
     assert torch.allclose(again.logits, out.logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("build, kind", [(root_hook, "root"), (root_prehook, "root_pre"),
+                                         (InnerFwHook, "inner"), (BwHook, "backward")])
+def test_user_hooks_run_on_the_result(build: Callable[[], nn.Module], kind: str) -> None:
+    """Hooks the user registered (on the model itself, or on a module a trace would go through)
+    still run on the result, once per call, and still act: the backward hook that blocks the
+    gradient leaves the layer before it without one."""
+    torch.manual_seed(0)
+    res, _ = precondfx.precondition(build(), _x(B, 8))
+    FIRED.clear()
+    out = res(_x(B, 8))
+    if kind == "backward":
+        out.pow(2).sum().backward()
+        assert float(res.a.weight.grad.abs().max()) == 0.0
+        assert float(res.b.weight.grad.abs().max()) > 0.0
+    assert FIRED[kind] == 1
+    if kind == "root":   # tanh * 3, then the output scale
+        assert float(out.abs().max()) <= 3 * float(res.precondfx_output_scale) + 1e-6
+
+
+def test_autocast_in_forward_keeps_its_dtype() -> None:
+    torch.manual_seed(0)
+    res, rep = precondfx.precondition(Autocast(), _x(B, 8))
+    assert res(_x(B, 8)).dtype == torch.bfloat16
+    assert any("autocast" in n for n in rep.capture_notes)

@@ -333,24 +333,37 @@ def output_path(out: Any, key: str | int | None = None) -> list:
         return [key]
     if isinstance(out, torch.Tensor):
         return []
-    items: list = []
-    if isinstance(out, Mapping) or hasattr(out, "keys"):
-        items = [(k, out[k]) for k in out.keys()]
-    elif isinstance(out, (tuple, list)):
-        items = list(enumerate(out))
-    k = pick_main((k, isinstance(v, torch.Tensor) and v.is_floating_point()) for k, v in items)
-    if k is None:
-        raise PrecondError(
-            f"cannot find a floating-point tensor in the model's output ({type(out).__name__}); "
-            f"pass output_key= to name the output to scale, or target_std=None to skip output "
-            f"scaling")
-    return [k]
+    level: list[tuple[list, Any]] = [([], out)]
+    while level:  # outputs nested in containers: one level at a time, the rule at each
+        items = [(path + [k], v) for path, o in level for k, v in _items(o)]
+        k = pick_main(((i, isinstance(v, torch.Tensor) and v.is_floating_point(),
+                        isinstance(v, torch.Tensor) and v.numel() > 1)
+                       for i, (_, v) in enumerate(items)), lambda i: items[i][0][-1])
+        if k is not None:
+            return items[k][0]
+        level = [(p, v) for p, v in items if _items(v)]
+    raise PrecondError(
+        f"cannot find a floating-point tensor in the model's output ({type(out).__name__}); "
+        f"pass output_key= to name the output to scale, or target_std=None to skip output "
+        f"scaling")
+
+
+def _items(out: Any) -> list[tuple[Any, Any]]:
+    """(key, value) of a dict, ModelOutput, tuple or list output; [] for anything else."""
+    if isinstance(out, torch.Tensor):
+        return []
+    if isinstance(out, Mapping) or (hasattr(out, "keys") and hasattr(out, "__getitem__")):
+        return [(k, out[k]) for k in out.keys()]
+    if isinstance(out, (tuple, list)):
+        return list(enumerate(out))
+    return []
 
 
 def main_output(out: Any, key: str | int | None = None) -> torch.Tensor:
     """The tensor the output scale applies to (the one at :func:`output_path`)."""
-    path = output_path(out, key)
-    return out[path[0]] if path else out
+    for k in output_path(out, key):
+        out = out[k]
+    return out
 
 
 def module_attrs(mod: nn.Module) -> dict[str, Any]:

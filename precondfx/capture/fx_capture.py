@@ -52,6 +52,7 @@ class _Tracer(fx.Tracer):
         super().__init__()
         self._grad = torch.is_grad_enabled()
         self._inference = torch.is_inference_mode_enabled()
+        self._autocast = _autocast_state()
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         return is_stochastic(m) or super().is_leaf_module(m, qualname)
@@ -68,7 +69,51 @@ class _Tracer(fx.Tracer):
             raise Unkeepable(f"the forward changes the grad mode (a torch.no_grad / "
                              f"enable_grad / inference_mode block), which a traced graph "
                              f"drops: {_KEEP}")
+        if _autocast_state() != self._autocast:
+            raise Unkeepable(f"the forward runs under torch.autocast, which a traced graph "
+                             f"drops (it would compute in the default dtype): {_KEEP}")
         return super().create_node(*args, **kwargs)
+
+
+def _autocast_state() -> tuple:
+    """Whether autocast is on, and its dtype, for the CPU and CUDA."""
+    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                 for d in ("cpu", "cuda"))
+
+
+_HOOKS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward pre-hook",
+          "_backward_hooks": "backward hook", "_backward_pre_hooks": "backward pre-hook"}
+
+
+def _check_hooks(model: torch.nn.Module, gm: fx.GraphModule) -> None:
+    """Raise :class:`Unkeepable` for hooks a GraphModule would drop: those of the root module
+    (the GraphModule is a new root) and those of modules the trace went through (their forward
+    is inlined: a forward hook would be frozen into the graph as traced, a backward hook lost).
+    Modules kept as calls (leaves) keep their hooks: the GraphModule calls the same object."""
+    leaves = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    found = []
+    for name, m in model.named_modules():
+        if name and (name in leaves or any(name.startswith(f"{leaf}.") for leaf in leaves)):
+            continue
+        kinds = [what for attr, what in _HOOKS.items() if getattr(m, attr, None)]
+        if kinds:
+            found.append(f"{'/'.join(kinds)} on {name or 'the model itself'}")
+    if found:
+        raise Unkeepable(f"the model has {', '.join(found[:4])}, which a traced graph drops: "
+                         f"{_KEEP}")
+
+
+def _tensor_constants_not_saved(model: torch.nn.Module, gm: fx.GraphModule) -> None:
+    """fx registers every tensor the forward reads that is neither a parameter nor a buffer (a
+    plain tensor attribute, a tensor in a list, a literal) as a persistent buffer of the
+    GraphModule; keep them out of its state_dict, as they are out of the model's."""
+    saved = set(model.state_dict())
+    for name, _ in list(gm.named_buffers()):
+        if name in saved:
+            continue
+        path, _, leaf = name.rpartition(".")
+        owner = gm.get_submodule(path) if path else gm
+        owner._non_persistent_buffers_set.add(leaf)
 
 
 @contextlib.contextmanager
@@ -211,7 +256,58 @@ def trace(model: torch.nn.Module, sample: Sample) -> fx.GraphModule:
         gm.graph.erase_node(n)
     if count:
         gm.recompile()
+    _check_hooks(model, gm)
+    _tensor_constants_not_saved(model, gm)
     return gm
+
+
+def check_same(gm: fx.GraphModule, model: torch.nn.Module, sample: Sample) -> None:
+    """Run the model and the GraphModule on the sample (the same random seed, dropout off, the
+    state restored after each run) and raise :class:`Unkeepable` when their outputs differ in
+    structure or values: the trace missed a construct none of the checks above names (a
+    context manager, a hook, Python-level randomness, a global flag)."""
+    from torch.utils._pytree import tree_flatten
+
+    from precondfx.calibrate import NoDropout, preserved
+
+    def once(m: torch.nn.Module) -> Any:
+        with preserved(m), torch.no_grad(), NoDropout():
+            torch.manual_seed(0)
+            return tree_flatten(sample.call(m))
+
+    (a, spec_a), (b, spec_b) = once(model), once(gm)
+    why = None
+    if spec_a != spec_b or len(a) != len(b):
+        why = "its output has another structure"
+    for x, y in zip(a, b):
+        if why is not None:
+            break
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            why = "its output has another structure"
+        elif not isinstance(x, torch.Tensor):
+            why = None if x == y or (x != x and y != y) else f"an output differs ({x!r}, {y!r})"
+        elif x.shape != y.shape or x.dtype != y.dtype:
+            why = (f"an output has shape {tuple(y.shape)} {y.dtype} instead of "
+                   f"{tuple(x.shape)} {x.dtype}")
+        elif not _same_values(x, y):
+            why = "an output's values differ"
+    if why is not None:
+        raise Unkeepable(f"the traced graph does not compute what the model computes on the "
+                         f"sample ({why}): the forward uses a construct the trace does not "
+                         f"record (a context manager, a hook, Python-level state or "
+                         f"randomness): {_KEEP}")
+
+
+def _same_values(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Equal integer/bool tensors; floating ones equal to float rounding (relative to the
+    largest magnitude), NaN where NaN."""
+    if x.layout != torch.strided:
+        x, y = x.to_dense(), y.to_dense()
+    if not (x.is_floating_point() or x.is_complex()):
+        return torch.equal(x, y)
+    fin = x[torch.isfinite(x)]
+    atol = 1e-6 * float(fin.abs().max()) if fin.numel() else 0.0
+    return bool(torch.allclose(y, x, rtol=1e-4, atol=atol, equal_nan=True))
 
 
 def run_shape_prop(gm: fx.GraphModule, sample: Sample) -> None:

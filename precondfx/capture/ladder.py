@@ -87,6 +87,8 @@ def capture(model: torch.nn.Module, sample: Sample, methods: tuple[str, ...] | l
                     gm = fx_capture.trace(model, sample)
                     with fake():
                         fx_capture.run_shape_prop(gm, sample)
+                    if not on_meta:
+                        fx_capture.check_same(gm, model, sample)
                     graph = fx_capture.to_graph(gm)
                     result = Captured(graph, gm)
                 elif method in ("export", "draft_export"):

@@ -106,8 +106,9 @@ def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_s
                 v = torch.randn(y.shape, generator=gen, dtype=torch.float32).to(y.device, y.dtype)
                 g = torch.autograd.grad(y, params, v, retain_graph=k < n_cotangents - 1,
                                         allow_unused=True)
-                grads.append([torch.zeros_like(p) if gi is None else gi.detach()
-                              for gi, p in zip(g, params)])
+                grads.append([torch.zeros_like(p) if gi is None else gi.detach().to_dense()
+                              if gi.layout != torch.strided else gi.detach()
+                              for gi, p in zip(g, params)])   # sparse: Embedding(sparse=True)
             for j, p in enumerate(params):
                 flat = [grads[k][j].double().flatten() for k in range(n_cotangents)]
                 sq = [float(f @ f) for f in flat]
