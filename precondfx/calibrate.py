@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 from typing import Iterator
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -102,9 +104,12 @@ def preserved(model: nn.Module) -> Iterator[None]:
     params = {name: p.detach().clone() for name, p in _renormed(model).items()}
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    py_rng, np_rng = random.getstate(), np.random.get_state()
     try:
         yield
     finally:
+        random.setstate(py_rng)   # Python-level draws (a layer dropped at random) too
+        np.random.set_state(np_rng)
         torch.set_rng_state(rng)  # a forward that draws random numbers leaves the user's
         if cuda_rng is not None:  # generator where it was
             torch.cuda.set_rng_state_all(cuda_rng)

@@ -102,6 +102,22 @@ def check_model(model: nn.Module) -> None:
             f"Remove the layer or give it a non-zero width")
 
 
+def check_copy(model: nn.Module, copied: nn.Module) -> None:
+    """Refuse a deep copy whose parameters are no longer leaves where the model's are (a
+    TorchScript submodule: PyTorch copies its parameters with ``clone()``, which records
+    autograd history, so no optimizer could train them)."""
+    bad = [name for (name, p), (_, q) in zip(model.named_parameters(),
+                                             copied.named_parameters())
+           if p.is_leaf and not q.is_leaf]
+    if bad:
+        raise PrecondError(
+            f"deep-copying the model gives parameters {bad[:5]} that are not leaves (PyTorch "
+            f"copies TorchScript modules this way), so the copy precondfx rewrites could not "
+            f"be trained. Precondition the plain (unscripted) module and call "
+            f"torch.jit.script on the result, or pass inplace=True to rewrite this module "
+            f"itself")
+
+
 def is_out_of_memory(e: BaseException) -> bool:
     """An allocation failure: ``MemoryError``, ``torch.OutOfMemoryError`` on accelerators, or
     the RuntimeError of torch's CPU allocator."""

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ from precondfx.balance import balance_measured, held_out, record_factors
 from precondfx.capture import meta
 from precondfx.capture.common import Sample, make_sample
 from precondfx.capture.ladder import Captured, capture
-from precondfx.checks import check_model
+from precondfx.checks import check_copy, check_model
 from precondfx.classify import classify
 from precondfx.driver import Stage, State
 from precondfx.errors import PrecondError
@@ -123,7 +124,7 @@ def copy_model(model: nn.Module) -> nn.Module:
     """The copy ``precondition`` rewrites; a model that cannot be deep-copied is an error that
     says to pass ``inplace=True``."""
     try:
-        return copy.deepcopy(model)
+        work = copy.deepcopy(model)
     except RecursionError:
         raise
     except Exception as e:  # noqa: BLE001 - e.g. a module holding a lock or an open file
@@ -132,6 +133,8 @@ def copy_model(model: nn.Module) -> nn.Module:
             f"rewrites a copy so that your model stays unchanged. Pass inplace=True to rewrite "
             f"this module itself (hooks and buffers), or make it copyable (define __deepcopy__ "
             f"or keep the offending attribute outside the module)") from e
+    check_copy(model, work)
+    return work
 
 
 def already_preconditioned(model: nn.Module) -> bool:
@@ -238,7 +241,8 @@ def backend(st: TorchState) -> None:
         restore_modes(gm, st.modes)
     else:
         st.backend = EagerApplier(st.work, st.graph,
-                                  run=lambda m: run_on(m, st.sample, "eval"))
+                                  run=lambda m: run_on(m, st.sample, "eval"),
+                                  run_train=lambda m: run_on(m, st.sample, "train"))
         st.result = st.work
 
 
@@ -303,9 +307,15 @@ def measure(st: TorchState) -> None:
 
 def verify(st: TorchState) -> None:
     """Run the finished model in both modes: finite outputs, the output std at its target."""
-    st.report.verification = verify_result(
+    st.report.verification = v = verify_result(
         st.result, st.sample, output_key=st.opts.output_key, mode=st.opts.calibration,
         target_std=st.opts.target_std if st.out_const is not None else None)
+    if v.get("relative_error", 0.0) > 1e-3:   # never silently off target
+        why = (f"the output std is {v['std']:.4g} after calibration, not the target "
+               f"{v['target_std']:g}: the output scale does not act on the main output as "
+               f"measured (please report this model)")
+        warnings.warn(f"precondfx: {why}", RuntimeWarning, stacklevel=2)
+        st.report.skipped.append(("warning: output scale", why))
 
 
 def finish(st: TorchState) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import copy
 import math
+import random
 import warnings
 from typing import Any, Callable
 
@@ -124,6 +125,7 @@ def loss_of(out: Any) -> torch.Tensor:
 
 def run(model: nn.Module, sample: Any, fwd: dict, train: bool, seed: int = 0) -> Any:
     torch.manual_seed(seed)
+    random.seed(seed)
     model.train(train)
     return call(model, clone_sample(sample), fwd)
 
@@ -1122,6 +1124,137 @@ CASES.update({
     "scalar_then_logits": lambda: dict(model=ScalarAndLogits(), sample=_x(B, 8)),
     "bn_resnet": lambda: dict(model=BN2dResNet(), sample=_x(B, 3, 6, 6)),
     "cumsum_clamp_flip": lambda: dict(model=Cumsum(), sample=_x(B, 8)),
+})
+
+
+class LayerDrop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+        self.out = nn.Linear(16, 4)
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        for l in self.layers:
+            if self.training and random.random() < 0.3:
+                continue
+            h = h + torch.relu(l(h))
+        return self.out(h)
+
+class GradHookInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if h.requires_grad:
+            h.register_hook(lambda g: g * 0)
+        return self.b(h)
+
+class TopK(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = mlp(8, 10)
+    def forward(self, x):
+        return torch.topk(self.a(x), 3)
+
+class LogSoftmax(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = mlp(8, 10)
+    def forward(self, x):
+        return F.log_softmax(self.a(x), dim=1)
+
+class Normalized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = mlp(8, 10)
+    def forward(self, x):
+        return F.normalize(self.a(x), dim=-1)
+
+class EvalOnlyParam(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.calib = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(4, 4)
+    def forward(self, x):
+        y = self.b(torch.relu(self.a(x)))
+        if not self.training:
+            y = self.calib(y)
+        return y
+
+class Scripted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.jit.script(nn.Linear(8, 16))
+        self.b = nn.Linear(16, 4)
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+class FrozenPretrained(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding.from_pretrained(torch.randn(20, 8), freeze=True)
+        self.head = nn.Linear(8, 4)
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(1))
+
+def softmax_seq():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.Softmax(-1))
+
+class Batch1BN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+    def forward(self, x):
+        return self.b(torch.relu(self.bn(self.a(x))))
+
+class ComplexW(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8, dtype=torch.cfloat) * 0.1)
+        self.o = nn.Linear(8, 4)
+    def forward(self, x):
+        z = x.to(torch.cfloat) @ self.w
+        return self.o(z.abs())
+
+class Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
+    def forward(self, x):
+        return self.a(x)
+
+class GeluTanh(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.act = nn.GELU(approximate="tanh")
+    def forward(self, x):
+        return self.b(self.act(self.a(x))).float()
+
+class ExpandAs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16); self.g = nn.Parameter(torch.ones(16)); self.b = nn.Linear(16, 4)
+    def forward(self, x):
+        h = self.a(x) * self.g.expand_as(self.a(x))
+        return self.b(h)
+
+CASES.update({
+    "python_random_layerdrop": lambda: dict(model=LayerDrop(), sample=_x(B, 8), target=None),
+    "grad_hook_in_forward": lambda: dict(model=GradHookInForward(), sample=_x(B, 8)),
+    "topk_out": lambda: dict(model=TopK(), sample=_x(B, 8)),
+    "log_softmax_out": lambda: dict(model=LogSoftmax(), sample=_x(B, 8)),
+    "normalize_out": lambda: dict(model=Normalized(), sample=_x(B, 8)),
+    "eval_only_param": lambda: dict(model=EvalOnlyParam(), sample=_x(B, 8)),
+    "scripted_sub": lambda: dict(model=Scripted(), sample=_x(B, 8), must_refuse=True),
+    "frozen_pretrained": lambda: dict(model=FrozenPretrained(), sample=_ids(B, 4)),
+    "softmax_seq": lambda: dict(model=softmax_seq(), sample=_x(B, 8)),
+    "batch1_bn": lambda: dict(model=Batch1BN(), sample=_x(1, 8), may_refuse=True),
+    "complex_w": lambda: dict(model=ComplexW(), sample=_x(B, 8)),
+    "unused_module": lambda: dict(model=Unused(), sample=_x(B, 8)),
+    "gelu_tanh_float": lambda: dict(model=GeluTanh(), sample=_x(B, 8)),
+    "expand_as_param": lambda: dict(model=ExpandAs(), sample=_x(B, 8)),
 })
 
 

@@ -113,10 +113,12 @@ class EagerApplier(TorchBackend, Records):
     name = "eager"
 
     def __init__(self, model: nn.Module, graph: Graph,
-                 run: Callable[[nn.Module], Any] | None = None) -> None:
+                 run: Callable[[nn.Module], Any] | None = None,
+                 run_train: Callable[[nn.Module], Any] | None = None) -> None:
         self.model = self.module = model
         self.graph = graph
         self.runner = run
+        self.train_runner = run_train   # the same run in train mode (where it differs)
         self._records()
         self.undo: list[Any] = []
         self.calls: dict[str, int] = {}
@@ -297,6 +299,9 @@ class EagerApplier(TorchBackend, Records):
         ``run`` defaults to the one given to the constructor."""
         run = run or self.runner
         found, out = self._output_module(path, run) if run is not None else (None, None)
+        if found is not None and self.train_runner is not None and \
+                self._output_module(path, self.train_runner)[0] != found:
+            found = None    # another module produces it in train mode (a self.training branch)
         if found is not None:
             mod = self.model.get_submodule(found)
             self._register(mod, PREFIX + "output_scale", 1.0)

@@ -55,7 +55,10 @@ class _Tracer(fx.Tracer):
         self._autocast = _autocast_state()
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        return is_stochastic(m) or super().is_leaf_module(m, qualname)
+        # a TorchScript module cannot be traced through (fx would call its compiled method
+        # and lose its parameters): it stays a call
+        return is_stochastic(m) or isinstance(m, torch.jit.ScriptModule) or \
+            super().is_leaf_module(m, qualname)
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         f = sys._getframe(1)
@@ -144,9 +147,48 @@ _FUNCTIONAL_DROPOUT = {F.dropout: nn.Dropout, F.dropout1d: nn.Dropout1d,
                        F.alpha_dropout: nn.AlphaDropout}
 
 
+#: Python-level random draws a trace would freeze (a layer dropped when
+#: ``random.random() < p``): the functions of ``random`` and ``numpy.random`` models call
+_PY_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "choices", "sample",
+              "shuffle", "gauss", "normalvariate", "betavariate", "expovariate", "triangular")
+_NP_RANDOM = ("rand", "randn", "random", "random_sample", "uniform", "randint", "choice",
+              "binomial", "normal", "permutation", "shuffle", "beta", "bernoulli")
+
+
+@contextlib.contextmanager
+def _refuse_python_random() -> Iterator[None]:
+    """While tracing, a draw from Python's ``random`` or ``numpy.random`` raises
+    :class:`Unkeepable`: the trace would freeze the value drawn at trace time."""
+    import random
+    mods: list[tuple[Any, tuple[str, ...]]] = [(random, _PY_RANDOM)]
+    try:
+        import numpy.random as npr
+        mods.append((npr, _NP_RANDOM))
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    saved = []
+    for mod, names in mods:
+        for name in names:
+            f = getattr(mod, name, None)
+            if f is None:
+                continue
+
+            def refuse(*a: Any, _name: str = f"{mod.__name__}.{name}", **k: Any) -> Any:
+                raise Unkeepable(f"the forward draws Python-level random numbers ({_name}), "
+                                 f"which a traced graph would freeze at the values drawn "
+                                 f"while tracing: {_KEEP}")
+            saved.append((mod, name, f))
+            setattr(mod, name, refuse)
+    try:
+        yield
+    finally:
+        for mod, name, f in saved:
+            setattr(mod, name, f)
+
+
 def _trace_once(model: torch.nn.Module, concrete: dict) -> fx.GraphModule:
     tracer = _Tracer()
-    with _refuse_autograd_functions():
+    with _refuse_autograd_functions(), _refuse_python_random():
         graph = tracer.trace(model, concrete_args=concrete or None)
     name = model.__class__.__name__ if isinstance(model, torch.nn.Module) else "module"
     return fx.GraphModule(tracer.root, graph, name)
