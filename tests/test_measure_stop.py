@@ -45,3 +45,31 @@ def test_rtol_keeps_the_noise_below_the_threshold():
         r = rtol_for(thr)
         assert (1 + r) / (1 - r) == pytest.approx(thr)   # two layers' worst-case errors
     assert RTOL == pytest.approx(1 / 3) and rtol_for(1.0) == 0.0 and rtol_for(0.5) == 0.0
+
+
+def _bn_net(n_out=200):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                        nn.Conv2d(16, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                        nn.Flatten(), nn.Linear(16 * 8 * 8, n_out))
+    return net, torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+
+
+def test_balancing_stops_once_precise_enough_for_its_threshold():
+    import precondfx
+    from precondfx.measure.conditioning import _t975
+    from precondfx.measure.sketch import rtol_for
+    net, x = _bn_net()
+    seen = {}
+    for thr in (2.0, 1.1):
+        _, rep = precondfx.precondition(net, x, balance="hessian", seed=0, verbose=False,
+                                        balance_threshold=thr)
+        h = rep.conditioning["hessian"]
+        n = seen[thr] = h["samples"]
+        if n < 16:   # stopped: every layer's 95% half-width within rtol_for(threshold)
+            assert h["stopped_early"].startswith(f"stopped after {n} samples")
+            for w, m in h["before"].items():
+                assert _t975(n - 1) * h["stderr_before"][w] / m <= rtol_for(thr) + 1e-12
+        else:
+            assert h["stopped_early"] == ""
+    assert seen[2.0] < 16 and seen[1.1] > seen[2.0]   # a tighter threshold measures longer
