@@ -115,6 +115,24 @@ def test_falls_back_to_the_loop_when_not_exact(cls, why):
     assert _rel(a, b) == 0.0
 
 
+class _ViewFlatten(nn.Module):
+    """``x.view(n, -1)`` after a conv: needs contiguous activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.l = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.c(x))
+        return self.l(h.view(h.shape[0], -1))
+
+
+def test_contiguous_only_forward_stays_batched():
+    torch.manual_seed(0)
+    a, b = _both(_ViewFlatten(), torch.randn(5, 3, 6, 6), ["c.weight", "l.weight"])
+    assert b.engine == "batched" and _rel(a, b) < 1e-5
+
+
 def _hf(name, seq):
     import tests.hf_tiny as H
     model, batch = H.build(name, dropout=False)

@@ -337,8 +337,18 @@ def _forward(model: nn.Module, smp: Sample, nb: int, sites: dict[int, _Site],
              output_fn: Callable[[Any], torch.Tensor]) -> tuple[torch.Tensor, torch.Size]:
     """The batched forward of the first ``nb`` samples (hooks recording), checked against the
     first sample run alone; returns the output and one sample's output shape."""
-    with _PerSampleBatchNorm():
-        y = output_fn(_channels_last(smp.take(0, nb)).call(model))
+    batch = smp.take(0, nb)
+    try:
+        with _PerSampleBatchNorm():
+            y = output_fn(_channels_last(batch).call(model))
+    except Unsupported:
+        raise
+    except Exception:  # noqa: BLE001 - a forward that needs contiguous images (x.view(n, -1))
+        for s in sites.values():
+            s.xs.clear()
+            s.ys.clear()
+        with _PerSampleBatchNorm():
+            y = output_fn(batch.call(model))
     for s in sites.values():
         s.on = False
     with torch.no_grad():
