@@ -31,3 +31,28 @@ def pick_main(entries: Iterable[tuple], name_of: Callable[[Hashable], Hashable] 
         if is_float and several:
             return key
     return next((key for key, is_float, _ in entries if is_float), None)
+
+
+#: op kinds (``precondfx.optable``) whose output has a fixed range or normalization, which a
+#: scale after them would break: probabilities that no longer sum to 1 or exceed 1
+#: (``BCELoss`` raises), log-probabilities that are no longer normalized, a tanh-bounded
+#: action outside its bounds
+BOUNDED = {"softmax": "softmax/log_softmax (a probability vector)",
+           "saturating": "a sigmoid/tanh (a bounded range)",
+           "clipped_relu": "a clipped activation (a bounded range)"}
+
+
+def bounded_output(kind: str | None, target: str = "") -> str | None:
+    """Why the main output cannot take the output scale (None when it can): it comes out of
+    an op with a fixed range or normalization (by kind, or ``F.normalize`` by name)."""
+    if kind in BOUNDED:
+        what = BOUNDED[kind]
+    elif target.rpartition(".")[2] == "normalize":
+        what = "F.normalize (unit-norm vectors)"
+    else:
+        return None
+    return (f"the main output comes out of {what}: a scale after it would break that range "
+            f"(probabilities above 1, log-probabilities that no longer normalize), so the "
+            f"output scale is not applied. To get it, return the values before that op (the "
+            f"logits) and apply the op in the loss (CrossEntropyLoss, BCEWithLogitsLoss), or "
+            f"pass target_std=None to turn output scaling off")

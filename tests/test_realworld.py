@@ -29,11 +29,12 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import pack_padded_sequence
 
 import precondfx
 from precondfx.errors import PrecondError
 from tests.helpers import NoDropout as _NoDropout
+
 
 B = 6
 
@@ -880,8 +881,10 @@ class FullTransformer(nn.Module):
         self.t = nn.Transformer(16, 2, 1, 1, 32, dropout=0.0, batch_first=True)
         self.head = nn.Linear(16, 5)
     def forward(self, src, tgt, tgt_mask, src_key_padding_mask):
-        return self.head(self.t(src, tgt, tgt_mask=tgt_mask, src_key_padding_mask=src_key_padding_mask,
+        return self.head(self.t(src, tgt, tgt_mask=tgt_mask,
+                                src_key_padding_mask=src_key_padding_mask,
                                 memory_key_padding_mask=src_key_padding_mask))
+
 
 class PackedOut(nn.Module):
     def __init__(self):
@@ -890,6 +893,7 @@ class PackedOut(nn.Module):
     def forward(self, packed):
         out, _ = self.rnn(packed)
         return out
+
 
 class GRUh0(nn.Module):
     def __init__(self):
@@ -900,6 +904,7 @@ class GRUh0(nn.Module):
         out, h = self.rnn(x, h0)
         return self.head(out), h
 
+
 class NestedOut(nn.Module):
     def __init__(self):
         super().__init__()
@@ -908,6 +913,7 @@ class NestedOut(nn.Module):
         h = torch.relu(self.a(x))
         return {"feats": [h, h * 2], "out": {"logits": self.b(h)}}
 
+
 class IntFirst(nn.Module):
     def __init__(self):
         super().__init__()
@@ -915,6 +921,7 @@ class IntFirst(nn.Module):
     def forward(self, x):
         y = self.a(x)
         return y.argmax(-1), y
+
 
 class NonPersistent(nn.Module):
     def __init__(self):
@@ -925,6 +932,7 @@ class NonPersistent(nn.Module):
         s = self.q(x) @ x.transpose(1, 2)
         s = s.masked_fill(~self.mask, float("-inf"))
         return self.o(s.softmax(-1) @ x)
+
 
 class RootHook(nn.Module):
     def __init__(self):
@@ -996,6 +1004,7 @@ class Autocast(nn.Module):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return self.b(torch.relu(self.a(x)))
 
+
 class TensorAttr(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1005,6 +1014,7 @@ class TensorAttr(nn.Module):
     def forward(self, x):
         return self.b(torch.relu(self.a(x)) * self.scale + self.anchors[0])
 
+
 class FunctionalParams(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1013,6 +1023,7 @@ class FunctionalParams(nn.Module):
         self.w2 = nn.Parameter(torch.randn(4, 16) * 0.1)
     def forward(self, x):
         return F.linear(torch.relu(F.linear(x, self.w1, self.b1)), self.w2)
+
 
 class LSTMCellLoop(nn.Module):
     def __init__(self):
@@ -1026,12 +1037,14 @@ class LSTMCellLoop(nn.Module):
             h, c = self.cell(x[t], (h, c))
         return self.head(h)
 
+
 class DictIn(nn.Module):
     def __init__(self):
         super().__init__()
         self.a = mlp()
     def forward(self, batch):
         return self.a(batch["x"]) * batch["mask"][:, None]
+
 
 class TupleState(nn.Module):
     def __init__(self):
@@ -1042,6 +1055,7 @@ class TupleState(nn.Module):
         out, (h, c) = self.rnn(x, state)
         return self.head(out), (h, c)
 
+
 class StarArgs(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1049,12 +1063,14 @@ class StarArgs(nn.Module):
     def forward(self, *xs):
         return self.a(torch.stack(xs).sum(0))
 
+
 class NoiseAlways(nn.Module):
     def __init__(self):
         super().__init__()
         self.a = mlp()
     def forward(self, x):
         return self.a(x + 0.01 * torch.randn_like(x))
+
 
 class Orthogonal(nn.Module):
     def __init__(self):
@@ -1064,6 +1080,7 @@ class Orthogonal(nn.Module):
     def forward(self, x):
         return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
 
+
 class SparseEmb(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1072,6 +1089,7 @@ class SparseEmb(nn.Module):
     def forward(self, ids):
         return self.h(self.e(ids).mean(1))
 
+
 class ScalarAndLogits(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1079,6 +1097,7 @@ class ScalarAndLogits(nn.Module):
     def forward(self, x):
         y = self.a(x)
         return y.pow(2).mean(), y
+
 
 class BN2dResNet(nn.Module):
     def __init__(self):
@@ -1091,6 +1110,7 @@ class BN2dResNet(nn.Module):
         h = F.relu(h + self.bn2(self.c2(h)))
         return self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))
 
+
 class Cumsum(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1100,9 +1120,11 @@ class Cumsum(nn.Module):
         h = torch.clamp(h, -1, 1)
         return self.b(h.flip(-1))
 
+
 CASES.update({
-    "nn_transformer": lambda: dict(model=FullTransformer(), sample=(_x(B, 7, 16), _x(B, 5, 16, seed=2), _causal(5), _kpm())),
-    "packed_out": lambda: dict(model=PackedOut(), sample=torch.nn.utils.rnn.pack_padded_sequence(_x(B, 7, 5), torch.tensor([7,7,5,4,3,2]), batch_first=True)),
+    "nn_transformer": lambda: dict(model=FullTransformer(), sample=(
+        _x(B, 7, 16), _x(B, 5, 16, seed=2), _causal(5), _kpm())),
+    "packed_out": lambda: dict(model=PackedOut(), sample=_packed()),
     "gru_h0_dropout": lambda: dict(model=GRUh0(), sample=(_x(7, B, 5), torch.zeros(2, B, 8))),
     "nested_out": lambda: dict(model=NestedOut(), sample=_x(B, 8)),
     "int_first_out": lambda: dict(model=IntFirst(), sample=_x(B, 8)),
@@ -1116,7 +1138,8 @@ CASES.update({
     "functional_params": lambda: dict(model=FunctionalParams(), sample=_x(B, 8)),
     "lstmcell_loop": lambda: dict(model=LSTMCellLoop(), sample=_x(6, B, 5)),
     "dict_input": lambda: dict(model=DictIn(), sample=({"x": _x(B, 8), "mask": torch.ones(B)},)),
-    "tuple_state_input": lambda: dict(model=TupleState(), sample=(_x(6, B, 5), (torch.zeros(1, B, 8), torch.zeros(1, B, 8)))),
+    "tuple_state_input": lambda: dict(model=TupleState(), sample=(
+        _x(6, B, 5), (torch.zeros(1, B, 8), torch.zeros(1, B, 8)))),
     "star_args": lambda: dict(model=StarArgs(), sample=(_x(B, 8), _x(B, 8, seed=4))),
     "noise_always": lambda: dict(model=NoiseAlways(), sample=_x(B, 8)),
     "orthogonal": lambda: dict(model=Orthogonal(), sample=_x(B, 8)),
@@ -1141,6 +1164,7 @@ class LayerDrop(nn.Module):
             h = h + torch.relu(l(h))
         return self.out(h)
 
+
 class GradHookInForward(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1151,12 +1175,14 @@ class GradHookInForward(nn.Module):
             h.register_hook(lambda g: g * 0)
         return self.b(h)
 
+
 class TopK(nn.Module):
     def __init__(self):
         super().__init__()
         self.a = mlp(8, 10)
     def forward(self, x):
         return torch.topk(self.a(x), 3)
+
 
 class LogSoftmax(nn.Module):
     def __init__(self):
@@ -1165,12 +1191,14 @@ class LogSoftmax(nn.Module):
     def forward(self, x):
         return F.log_softmax(self.a(x), dim=1)
 
+
 class Normalized(nn.Module):
     def __init__(self):
         super().__init__()
         self.a = mlp(8, 10)
     def forward(self, x):
         return F.normalize(self.a(x), dim=-1)
+
 
 class EvalOnlyParam(nn.Module):
     def __init__(self):
@@ -1182,6 +1210,7 @@ class EvalOnlyParam(nn.Module):
             y = self.calib(y)
         return y
 
+
 class Scripted(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1189,6 +1218,7 @@ class Scripted(nn.Module):
         self.b = nn.Linear(16, 4)
     def forward(self, x):
         return self.b(torch.relu(self.a(x)))
+
 
 class FrozenPretrained(nn.Module):
     def __init__(self):
@@ -1198,8 +1228,10 @@ class FrozenPretrained(nn.Module):
     def forward(self, ids):
         return self.head(self.emb(ids).mean(1))
 
+
 def softmax_seq():
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.Softmax(-1))
+
 
 class Batch1BN(nn.Module):
     def __init__(self):
@@ -1207,6 +1239,7 @@ class Batch1BN(nn.Module):
         self.a, self.bn, self.b = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
     def forward(self, x):
         return self.b(torch.relu(self.bn(self.a(x))))
+
 
 class ComplexW(nn.Module):
     def __init__(self):
@@ -1217,12 +1250,14 @@ class ComplexW(nn.Module):
         z = x.to(torch.cfloat) @ self.w
         return self.o(z.abs())
 
+
 class Unused(nn.Module):
     def __init__(self):
         super().__init__()
         self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
     def forward(self, x):
         return self.a(x)
+
 
 class GeluTanh(nn.Module):
     def __init__(self):
@@ -1232,6 +1267,7 @@ class GeluTanh(nn.Module):
     def forward(self, x):
         return self.b(self.act(self.a(x))).float()
 
+
 class ExpandAs(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1239,6 +1275,7 @@ class ExpandAs(nn.Module):
     def forward(self, x):
         h = self.a(x) * self.g.expand_as(self.a(x))
         return self.b(h)
+
 
 CASES.update({
     "python_random_layerdrop": lambda: dict(model=LayerDrop(), sample=_x(B, 8), target=None),
@@ -1255,6 +1292,84 @@ CASES.update({
     "unused_module": lambda: dict(model=Unused(), sample=_x(B, 8)),
     "gelu_tanh_float": lambda: dict(model=GeluTanh(), sample=_x(B, 8)),
     "expand_as_param": lambda: dict(model=ExpandAs(), sample=_x(B, 8)),
+})
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16); self.b = nn.Linear(16, 4).double()
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)).double())
+
+
+class KwOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = mlp()
+    def forward(self, x, *, scale: float = 1.0, mask=None):
+        y = self.a(x) * scale
+        return y if mask is None else y * mask[:, None]
+
+
+class InputGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = mlp()
+    def forward(self, x):
+        return self.a(x)
+
+
+class BufferMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16); self.b = nn.Linear(16, 4)
+        self.register_buffer("keep", (torch.arange(16) % 2).float())
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)) * self.keep)
+
+
+class ReturnsList(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList([nn.Linear(8, 3) for _ in range(3)])
+    def forward(self, x):
+        return [h(x) for h in self.heads]
+
+
+class StateDictHook(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = mlp()
+        self._register_state_dict_hook(
+            lambda m, sd, prefix, local: sd.update({prefix + "version": torch.tensor(2)}) or sd)
+    def forward(self, x):
+        return self.a(x)
+
+
+class LinearNoBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16, bias=False); self.b = nn.Linear(16, 4, bias=False)
+    def forward(self, x):
+        return self.b(F.silu(self.a(x)))
+
+
+CASES.update({
+    "mixed_dtype": lambda: dict(model=Mixed(), sample=_x(B, 8)),
+    "kw_only": lambda: dict(model=KwOnly(), sample={"x": _x(B, 8), "mask": torch.ones(B)},
+                            fwd={"scale": 2.0}),
+    "input_requires_grad": lambda: dict(model=InputGrad(),
+                                        sample=_x(B, 8).requires_grad_()),
+    "buffer_mask": lambda: dict(model=BufferMask(), sample=_x(B, 8)),
+    "returns_list": lambda: dict(model=ReturnsList(), sample=_x(B, 8)),
+    "state_dict_hook": lambda: dict(model=StateDictHook(), sample=_x(B, 8)),
+    "no_bias_silu": lambda: dict(model=LinearNoBias(), sample=_x(B, 8)),
+    "batch_of_one": lambda: dict(model=mlp(), sample=_x(1, 8)),
+    "int_input_to_linear": lambda: dict(model=mlp(), sample=torch.ones(B, 8, dtype=torch.long),
+                                        must_refuse=True),
+    "wrong_shape": lambda: dict(model=mlp(), sample=_x(B, 9), must_refuse=True),
+    "numpy_sample": lambda: dict(model=mlp(), sample=_x(B, 8).numpy(), must_refuse=True),
 })
 
 
@@ -1382,3 +1497,42 @@ def test_autocast_in_forward_keeps_its_dtype() -> None:
     res, rep = precondfx.precondition(Autocast(), _x(B, 8))
     assert res(_x(B, 8)).dtype == torch.bfloat16
     assert any("autocast" in n for n in rep.capture_notes)
+
+
+class LogSoftmaxCounted(LogSoftmax):
+    """The MNIST example's model ending, on the eager back end (a Python counter)."""
+
+    calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1), nn.Sigmoid()),
+    lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2), nn.Tanh()),
+    LogSoftmax, LogSoftmaxCounted, softmax_seq, Normalized])
+def test_bounded_output_is_not_scaled(build: Callable[[], nn.Module]) -> None:
+    """A model whose output comes out of a sigmoid, tanh, softmax, log_softmax or normalize
+    keeps that range (a scale after it gave probabilities up to 4.1, and BCELoss raised in the
+    user's loop); the report says why no output scale was applied and what to do."""
+    torch.manual_seed(0)
+    model, x = build(), _x(32, 8)
+    with pytest.warns(RuntimeWarning, match="not applied"):
+        res, rep = precondfx.precondition(model, x)
+    assert rep.output_scale is None
+    assert any("logits" in why for _, why in rep.skipped)
+    with torch.no_grad():
+        y, ref = res(x), build()(x)
+    if isinstance(model, (LogSoftmax, nn.Sequential)) and y.shape[-1] > 2 and \
+            bool((ref <= 0).all()):
+        assert torch.allclose(y.logsumexp(-1), torch.zeros(32), atol=1e-5)   # log-probs
+    if bool((ref >= 0).all()) and bool((ref <= 1).all()):
+        assert bool((y >= 0).all()) and bool((y <= 1).all())
+        if ref.shape[-1] > 1:
+            assert torch.allclose(y.sum(-1), torch.ones(32), atol=1e-5)     # probabilities
+    if bool((ref.abs() <= 1).all()):
+        assert bool((y.abs() <= 1).all())
+    if isinstance(model, Normalized):
+        assert torch.allclose(y.norm(dim=-1), torch.ones(32), atol=1e-5)

@@ -10,6 +10,7 @@ Every change is logged so that it can be undone if a later stage fails.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -21,6 +22,7 @@ from precondfx.apply.common import PREFIX, replacement_pool, scalar_buffer, scal
 from precondfx.apply.torch_backend import TorchBackend
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
+from precondfx.outputs import bounded_output
 from precondfx.plan import Plan, Scale
 
 _PASS_THROUGH = ("relu", "leaky_relu", "prelu", "dropout", "avgpool", "mean", "neg", "reshape",
@@ -302,6 +304,11 @@ class EagerApplier(TorchBackend, Records):
         if found is not None and self.train_runner is not None and \
                 self._output_module(path, self.train_runner)[0] != found:
             found = None    # another module produces it in train mode (a self.training branch)
+        bounded = self._bounded(found, out, path)
+        if bounded is not None:
+            warnings.warn(f"precondfx: {bounded}", RuntimeWarning, stacklevel=2)
+            self._skip("output", "output scale", bounded)
+            return None
         if found is not None:
             mod = self.model.get_submodule(found)
             self._register(mod, PREFIX + "output_scale", 1.0)
@@ -359,6 +366,29 @@ class EagerApplier(TorchBackend, Records):
                     self._scales_output(cand, path, run, target):
                 return cand, out
         return None, out
+
+    def _bounded(self, found: str | None, out: Any, path: list) -> str | None:
+        """Why the main output cannot take a scale (``outputs.bounded_output``): the op of the
+        module that produces it, or of the graph node the model's output comes from."""
+        if found is not None:
+            nodes = [n for n in self.graph if n.module == found]
+            return bounded_output(nodes[-1].kind, nodes[-1].target) if nodes else None
+        try:
+            target = _at_path(out, path) if out is not None else None
+        except (KeyError, IndexError, TypeError):
+            return None
+        if not isinstance(target, torch.Tensor):
+            return None
+        same = [self.graph.get(o) for o in self.graph.outputs]
+        same = [n for n in same if n is not None and n.out_shape is not None and
+                tuple(n.out_shape) == tuple(target.shape)]
+        if len(same) != 1:      # which output is the main one cannot be told from the graph
+            return None
+        node = same[0]
+        while node is not None and node.kind in ("reshape", "cast", "select") and \
+                len(node.inputs) == 1:
+            node = self.graph.get(node.inputs[0])
+        return bounded_output(node.kind, node.target) if node is not None else None
 
     def _unique(self, path: str) -> bool:
         mod = self.model.get_submodule(path)

@@ -85,7 +85,10 @@ def _autocast_state() -> tuple:
 
 
 _HOOKS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward pre-hook",
-          "_backward_hooks": "backward hook", "_backward_pre_hooks": "backward pre-hook"}
+          "_backward_hooks": "backward hook", "_backward_pre_hooks": "backward pre-hook",
+          "_state_dict_hooks": "state_dict hook", "_state_dict_pre_hooks": "state_dict hook",
+          "_load_state_dict_pre_hooks": "load_state_dict hook",
+          "_load_state_dict_post_hooks": "load_state_dict hook"}
 
 
 def _check_hooks(model: torch.nn.Module, gm: fx.GraphModule) -> None:
@@ -98,7 +101,8 @@ def _check_hooks(model: torch.nn.Module, gm: fx.GraphModule) -> None:
     for name, m in model.named_modules():
         if name and (name in leaves or any(name.startswith(f"{leaf}.") for leaf in leaves)):
             continue
-        kinds = [what for attr, what in _HOOKS.items() if getattr(m, attr, None)]
+        kinds = list(dict.fromkeys(what for attr, what in _HOOKS.items()
+                                   if getattr(m, attr, None)))
         if kinds:
             found.append(f"{'/'.join(kinds)} on {name or 'the model itself'}")
     if found:
