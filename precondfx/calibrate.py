@@ -181,6 +181,11 @@ def forward(model: nn.Module, sample: Sample, mode: str = "train") -> object:
 def output_std(out: object, key: str | int | None = None) -> float:
     """Population std (correction 0) over all elements of the main output, in float64."""
     t = main_output(out, key).detach()
+    if t.numel() == 1 and t.dim() == 0:
+        raise PrecondError("the model returns a single number (a loss?), which has no std to "
+                           "calibrate: the output scale acts on the model's predictions. Return "
+                           "them too (loss, logits) or in a dict under 'logits', name them with "
+                           "output_key=, or pass target_std=None to skip output scaling")
     if t.numel() < 2:
         raise PrecondError(f"the main output has {t.numel()} element(s): its std is undefined; "
                            f"use a calibration batch with more samples or pass target_std=None")

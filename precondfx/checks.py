@@ -50,8 +50,16 @@ def check_model(model: nn.Module) -> None:
     * other tensors computed from parameters and kept as module attributes (they cannot be
       copied, and are recomputed behind the graph's back);
     * parameters with no elements (``nn.Linear(0, 4)``): nothing to initialize or scale, and
-      every fan-based rule divides by zero.
+      every fan-based rule divides by zero;
+    * TorchScript modules (no hooks, no faithful deep copy): script the result instead.
     """
+    scripted = [path or "the model itself" for path, m in model.named_modules()
+                if isinstance(m, torch.jit.ScriptModule)]
+    if scripted:
+        raise PrecondError(
+            f"TorchScript modules {scripted[:5]}: precondfx needs the Python module (it copies "
+            f"it, traces it and hooks its layers, which TorchScript does not allow). "
+            f"Precondition the plain module and call torch.jit.script on the result")
     wn, sn, pr, computed, empty = [], [], [], [], []
     for path, m in model.named_modules():
         where = path or type(m).__name__

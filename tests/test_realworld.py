@@ -855,7 +855,9 @@ CASES: dict[str, Callable[[], dict]] = {
     "item_in_forward": lambda: dict(model=ItemNorm(), sample=_x(B, 8)),
     "no_parameters": lambda: dict(model=NoParams(), sample=_x(B, 8), must_refuse=True),
     "returns_loss": lambda: dict(model=ReturnsLoss(), sample=(_x(B, 8), _ids(B, hi=4)),
-                                 may_refuse=True),
+                                 must_refuse=True),
+    "returns_loss_no_output_scale": lambda: dict(model=ReturnsLoss(), sample=(
+        _x(B, 8), _ids(B, hi=4)), target_std=None),
     "loss_and_logits": lambda: dict(model=LossAndLogits(), sample={"x": _x(B, 8),
                                                                    "labels": _ids(B, hi=4)}),
     "vit_params_bn_dropout": lambda: dict(model=ViTish(), sample=_x(B, 3, 8, 8)),
@@ -1370,6 +1372,106 @@ CASES.update({
                                         must_refuse=True),
     "wrong_shape": lambda: dict(model=mlp(), sample=_x(B, 9), must_refuse=True),
     "numpy_sample": lambda: dict(model=mlp(), sample=_x(B, 8).numpy(), must_refuse=True),
+})
+
+
+class EncEvalFast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(8, 16)
+        self.enc = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
+        self.head = nn.Linear(16, 3)
+    def forward(self, x, pad):
+        return self.head(self.enc(self.emb(x), src_key_padding_mask=pad))
+
+
+class MHAkv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 4, kdim=8, vdim=6)
+        self.head = nn.Linear(16, 3)
+    def forward(self, q, k, v):
+        a, _ = self.attn(q, k, v, need_weights=False)
+        return self.head(a)
+
+
+class BiGRUUnsorted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(5, 8, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(16, 3)
+    def forward(self, packed):
+        _, h = self.rnn(packed)
+        return self.head(torch.cat([h[0], h[1]], -1))
+
+
+class ConvZoo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding="same", dilation=2)
+        self.inorm = nn.InstanceNorm2d(8, affine=True, track_running_stats=True)
+        self.lrn = nn.LocalResponseNorm(2)
+        self.up = nn.Upsample(scale_factor=2, mode="nearest")
+        self.t1 = nn.ConvTranspose1d(8, 4, 3, stride=2)
+        self.head = nn.Linear(4, 3)
+    def forward(self, x):
+        h = self.up(self.lrn(F.relu(self.inorm(self.a(x)))))
+        h = h.flatten(2).mean(-1, keepdim=True).expand(-1, -1, 5)
+        return self.head(F.relu(self.t1(h)).mean(-1))
+
+
+class UnfoldGrid(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4 * 9, 3)
+    def forward(self, x):
+        h = F.relu(self.a(x))
+        theta = torch.eye(2, 3).expand(x.shape[0], 2, 3)
+        grid = F.affine_grid(theta, list(h.shape), align_corners=False)
+        h = F.grid_sample(h, grid, align_corners=False)
+        p = F.unfold(h, 3).mean(-1)
+        return self.head(p)
+
+
+class GetAttr(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = mlp()
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("inner"), name)
+    def forward(self, x):
+        return self.inner(x)
+
+
+class PadMaxNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = nn.Embedding(20, 8, padding_idx=0, max_norm=2.0)
+        self.h = nn.Linear(8, 3)
+    def forward(self, ids):
+        return self.h(self.e(ids).sum(1))
+
+
+def packed_unsorted():
+    return pack_padded_sequence(_x(B, 7, 5), torch.tensor([3, 7, 2, 5, 7, 4]), batch_first=True,
+                                enforce_sorted=False)
+
+
+CASES.update({
+    "encoder_eval_fastpath": lambda: dict(model=EncEvalFast().eval(),
+                                          sample=(_x(B, 7, 8), _kpm())),
+    "mha_kdim_vdim_seqfirst": lambda: dict(model=MHAkv(), sample=(
+        _x(5, B, 16), _x(7, B, 8, seed=2), _x(7, B, 6, seed=3))),
+    "bigru_packed_unsorted": lambda: dict(model=BiGRUUnsorted(), sample=packed_unsorted()),
+    "conv_zoo": lambda: dict(model=ConvZoo(), sample=_x(B, 3, 6, 6)),
+    "unfold_grid_sample": lambda: dict(model=UnfoldGrid(), sample=_x(B, 3, 6, 6)),
+    "getattr_override": lambda: dict(model=GetAttr(), sample=_x(B, 8)),
+    "embedding_pad_maxnorm": lambda: dict(model=PadMaxNorm(), sample=_ids(B, 5)),
 })
 
 

@@ -56,7 +56,8 @@ def scale_at_path(out: Any, path: list, scale: torch.Tensor) -> Any:
     if isinstance(out, tuple) and not hasattr(out, "_fields"):
         lst = list(out)
         lst[k] = scale_at_path(lst[k], rest, scale)
-        return tuple(lst)
+        # a structseq (torch.return_types.topk, .max...) keeps its type
+        return tuple(lst) if type(out) is tuple else type(out)(lst)
     if isinstance(out, tuple):  # namedtuple
         return out._replace(**{out._fields[k]: scale_at_path(out[k], rest, scale)})
     if isinstance(out, list):

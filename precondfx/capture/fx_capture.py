@@ -55,10 +55,7 @@ class _Tracer(fx.Tracer):
         self._autocast = _autocast_state()
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        # a TorchScript module cannot be traced through (fx would call its compiled method
-        # and lose its parameters): it stays a call
-        return is_stochastic(m) or isinstance(m, torch.jit.ScriptModule) or \
-            super().is_leaf_module(m, qualname)
+        return is_stochastic(m) or super().is_leaf_module(m, qualname)
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         f = sys._getframe(1)
