@@ -190,8 +190,9 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
     On the paper's MLP the per-sample statistic is heavy-tailed, and balancing 16 samples
     without this test moved one seed's held-out weight-to-gradient spread from 1.1x to 2.2x.
 
-    The rescaling must not change the function: the main output on the whole calibration batch
-    is computed before and after, and the change undone (exactly: saved tensors copied back)
+    The rescaling must not change the function: the main output on the balancing half of the
+    calibration batch (the rescaling is exact sample by sample; half the forwards) is computed
+    before and after, and the change undone (exactly: saved tensors copied back)
     when it exceeds ``1e-4`` relative, or when two identical forwards already differ (a random
     op the calibration could not turn off).
 
@@ -252,7 +253,7 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
                                     f"{threshold:g}x: alphas left as planned"}, n_layers, left)
     target = geometric_mean(list(before.values()))
     factors = {w: (target / v) ** 0.25 for w, v in before.items()}
-    y0 = _output(model, sample, output_key, mode)
+    y0 = _output(model, fit, output_key, mode)
     one = sample.take(0) if b > 1 else sample   # two identical runs must agree: no random op
     noise = _rel_change(_output(model, one, output_key, mode),
                         _output(model, one, output_key, mode))
@@ -260,7 +261,7 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
                  [model.get_buffer(b_).detach().clone() for b_ in ok[w]]) for w in factors}
     for w, c in factors.items():
         _rescale(model, w, ok[w], c)
-    y1 = _output(model, sample, output_key, mode)
+    y1 = _output(model, fit, output_key, mode)
     change = _rel_change(y1, y0)
     if noise > 1e-5 or not change < 1e-4 + noise:  # the function must not change: check, undo exactly
         with torch.no_grad():
@@ -282,7 +283,7 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
     after = {w: v * factors[w] ** 4 for w, v in before.items()}  # exact: stat scales alpha^4
     return _finish({
         **base, "after_fit": after, "factors": factors, "applied": True,
-        "output_change": change, "output_std": float(y1.std(correction=0)),
+        "output_change": change,
         "held_out": None,   # filled by held_out() when precondition(..., measure=True)
     }, n_layers, left)
 
