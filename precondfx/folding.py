@@ -600,18 +600,14 @@ def _doubles(model: nn.Module, up: str, down: str, run: Callable[[nn.Module], An
 
 
 def record(result: nn.Module, traced: nn.Module, applier: Any, graph: Any,
-           run: Callable[[nn.Module], Any], report: Any = None) -> Recipe:
+           run: Callable[[nn.Module], Any]) -> Recipe:
     """Attach to a ``precondition`` result what ``fold`` needs (called by ``precondition``):
     the traced model of the user's class (fx), the structural changes, the producers of tied
-    layers' inputs (eager); and, for a transformers model, the preconditioning in its config
-    plus checkpoint folding (``precondfx.integrations.hf``)."""
+    layers' inputs (eager)."""
     structural = [a for a in applier.applied if " replaced by " in a or " folded into " in a]
     if isinstance(result, fx.GraphModule):
         rec = Recipe(traced, structural)
     else:
         rec = Recipe(None, structural, tied_upstream(result, graph, run))
     attach(result, rec)
-    from precondfx.integrations import hf
-    if hf.is_transformers_model(result):
-        hf.prepare(result, report)
     return rec

@@ -205,6 +205,10 @@ class Options:
         for f in fields(self):
             object.__setattr__(self, f.name, f.metadata["check"](keyword_of(f), getattr(self,
                                                                                      f.name)))
+        if self.lr_scale is not None and self.scheme != "geometric":
+            raise PrecondError(f"lr_scale= works with scheme='geometric' (scheme={self.scheme!r} "
+                               f"sets its own per-layer constants from data after the plan): "
+                               f"drop lr_scale or use the geometric scheme")
 
     @classmethod
     def from_keywords(cls, **kwargs: Any) -> "Options":

@@ -32,6 +32,7 @@ from precondfx.classify import classify
 from precondfx.driver import Stage, State
 from precondfx.errors import PrecondError
 from precondfx.folding import record
+from precondfx.integrations import hf_checkpoints
 from precondfx.plan import ParamInfo
 from precondfx.report import Report
 from precondfx.verify import measure_report, verify_result
@@ -320,12 +321,14 @@ def verify(st: TorchState) -> None:
 
 def finish(st: TorchState) -> None:
     """Constants recorded for materializing, train/eval flags as the user's, what ``fold``
-    needs, the original dtype back."""
+    needs (for a transformers model also its config entry and checkpoint folding), the
+    original dtype back."""
     distributed.record_constants(st.result, st.constants, read=st.data)
     restore_modes(st.result, st.modes)
     st.say("recording how to fold the constants back into the weights")
-    record(st.result, st.work, st.backend, st.graph, lambda m: run_on(m, st.sample, "eval"),
-           st.report)
+    record(st.result, st.work, st.backend, st.graph, lambda m: run_on(m, st.sample, "eval"))
+    if hf_checkpoints.is_transformers_model(st.result):   # config entry, checkpoint folding
+        hf_checkpoints.prepare(st.result, st.report)
     if st.dtype is not None:
         st.result = st.result.to(st.dtype)
 

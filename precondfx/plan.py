@@ -163,10 +163,7 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
     _plan_residuals(graph, plan, opts)
     if opts.balance == "analytic":
         _analytic_alphas(plan)
-    lr_scale = getattr(opts, "lr_scale", None)
-    if lr_scale is not None:    # precondfx.lr_transfer scales every layer's alpha afterwards
-        from precondfx.lr_transfer import check_scheme
-        check_scheme(opts.scheme)
+    lr_scale = getattr(opts, "lr_scale", None)   # lr_transfer scales every alpha afterwards
     _plan_inits(graph, params, plan, opts)
     for lay in plan.layers:
         info = params.get(lay.weight or "")

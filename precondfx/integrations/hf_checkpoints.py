@@ -1,0 +1,169 @@
+"""transformers checkpoints that keep the preconditioned function, and the preconditioning
+recorded in the model's config (the pipeline's last stage calls ``prepare``; ``reattach`` is
+public through ``precondfx.integrations.hf``, which says how checkpoints work)."""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from precondfx.apply.common import PREFIX, scalar_buffer
+from precondfx.errors import PrecondError
+from precondfx.folding import Recipe, attach, fold_factors, fold_problems, recipe_of
+
+CONFIG_KEY = "precondfx"
+
+
+def is_transformers_model(model: Any) -> bool:
+    """A ``transformers.PreTrainedModel`` (checked by class name, without importing it)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+               for c in type(model).__mro__)
+
+
+def _constants(model: nn.Module) -> dict[str, float]:
+    planned = model.__dict__.get(PREFIX + "constants") or {}   # meta device: planned values
+    return {name: float(planned.get(name, 1.0)) if b.device.type == "meta" else float(b)
+            for name, b in model.named_buffers() if name.split(".")[-1].startswith(PREFIX)}
+
+
+def prepare(model: nn.Module, report: Any = None) -> None:
+    """Record the preconditioning in ``model.config.precondfx`` and make checkpoints fold the
+    constants (called by ``precondition`` on transformers models)."""
+    from precondfx import __version__
+    problems = fold_problems(model)
+    rec = recipe_of(model)
+    entry = {
+        "version": __version__,
+        "constants": _constants(model),
+        "output_path": list(getattr(model, PREFIX + "output_path", ()) or ()),
+        "upstream": dict(rec.upstream) if rec else {},
+        "checkpoints": "folded" if not problems else "raw",
+        "problems": [f"{w}: {why}" for w, why in problems],
+    }
+    if report is not None and report.plan is not None:
+        entry["options"] = {k: v for k, v in report.plan.options.items()
+                            if isinstance(v, (str, int, float, bool, type(None)))}
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        setattr(cfg, CONFIG_KEY, entry)
+    if problems:
+        model.register_state_dict_post_hook(_warn_raw)
+    else:
+        _install(model)
+
+
+def _warn_raw(module: nn.Module, state_dict: dict, prefix: str, meta: Any) -> None:
+    """A checkpoint of a model whose constants cannot fold keeps them as ``precondfx_*``
+    entries, which ``from_pretrained`` drops: say so when one is taken."""
+    entry = getattr(getattr(module, "config", None), CONFIG_KEY, None) or {}
+    warnings.warn(
+        "this preconditioned transformers model has constants that cannot be folded into its "
+        "weights (" + "; ".join(entry.get("problems", [])) + "): its state_dict keeps them as "
+        "precondfx_* entries, which from_pretrained drops as unexpected. Load such a checkpoint "
+        "into a model preconditioned the same way (load_state_dict), or keep it with "
+        "torch.save(model)", UserWarning, stacklevel=2)
+
+
+def _install(model: nn.Module) -> None:
+    for mod in model.modules():
+        for name in mod._buffers:
+            if name.startswith(PREFIX):
+                mod._non_persistent_buffers_set.add(name)
+    model.register_state_dict_post_hook(_fold_state_dict)
+    model.register_load_state_dict_pre_hook(_unfold_state_dict)
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Every name of each parameter (tied parameters have several), by its first name."""
+    first: dict[int, str] = {}
+    out: dict[str, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        f = first.setdefault(id(p), name)
+        out.setdefault(f, []).append(name)
+    return out
+
+
+def _factors(model: nn.Module) -> dict[str, float]:
+    problems = fold_problems(model)
+    if problems:
+        raise PrecondError(
+            "this preconditioned transformers model has constants that cannot be folded into "
+            "its weights, so a checkpoint (state_dict, save_pretrained, Trainer) would lose "
+            "them when reloaded: " + "; ".join(f"{w}: {why}" for w, why in problems) +
+            ". Save it with torch.save(model) (pickle keeps the constants), or precondition "
+            "without the constants listed")
+    return fold_factors(model)
+
+
+def _rescale_state_dict(module: nn.Module, state_dict: dict, prefix: str, fold: bool) -> None:
+    """Multiply (``fold``) or divide every entry of a folded parameter (and its aliases) by
+    its factor, in place."""
+    factors = _factors(module)
+    for first, names in _aliases(module).items():
+        f = factors.get(first)
+        if f is None:
+            continue
+        for n in names:
+            k = prefix + n
+            if k in state_dict:
+                state_dict[k] = state_dict[k] * f if fold else state_dict[k] / f
+
+
+def _fold_state_dict(module: nn.Module, state_dict: dict, prefix: str, meta: Any) -> None:
+    entry = getattr(getattr(module, "config", None), CONFIG_KEY, None)
+    if isinstance(entry, dict):   # constants set after precondition (meta-device calibration)
+        entry["constants"] = _constants(module)
+    _rescale_state_dict(module, state_dict, prefix, fold=True)
+
+
+def _unfold_state_dict(module: nn.Module, state_dict: dict, prefix: str, meta: Any,
+                       strict: bool, missing: list, unexpected: list, errors: list) -> None:
+    _rescale_state_dict(module, state_dict, prefix, fold=False)
+
+
+@torch.no_grad()
+def reattach(model: nn.Module) -> nn.Module:
+    """Put back the preconditioning recorded in ``model.config.precondfx`` on a model loaded
+    with ``from_pretrained`` from a folded checkpoint: the constants as buffers with their
+    hooks, and the weights divided by what folding multiplied them by, so that the function is
+    unchanged and training goes on in the preconditioned parametrization.  In place; returns
+    the model."""
+    from precondfx.apply import eager_apply as ea
+    entry = getattr(getattr(model, "config", None), CONFIG_KEY, None)
+    if not isinstance(entry, dict) or "constants" not in entry:
+        raise PrecondError("the model's config records no preconditioning (config.precondfx): "
+                           "it was not saved from a precondition result")
+    if any(PREFIX in n for n, _ in model.named_buffers()):
+        raise PrecondError("the model already carries precondfx constants: nothing to reattach")
+    if entry.get("checkpoints") != "folded":
+        raise PrecondError("the checkpoint was saved unfolded (" +
+                           "; ".join(entry.get("problems", [])) + "): from_pretrained dropped "
+                           "its constants; load it with load_state_dict into a model "
+                           "preconditioned the same way")
+    like = next(iter(model.parameters()), None)
+    for fqn, value in entry["constants"].items():
+        path, _, name = fqn.rpartition(".")
+        mod = model.get_submodule(path) if path else model
+        mod.register_buffer(name, scalar_buffer(value, like))
+        if name == PREFIX + "in_scale":
+            mod.register_forward_pre_hook(ea._scale_input_hook)
+        elif name == PREFIX + "out_scale":
+            mod.register_forward_hook(ea._scale_output_hook)
+        elif name == PREFIX + "output_scale" and path:
+            mod.register_forward_hook(ea._module_output_scale_hook)
+        elif name == PREFIX + "output_scale":
+            setattr(model, PREFIX + "output_path", tuple(entry.get("output_path", ())))
+            model.register_forward_hook(ea._root_output_hook)
+        elif name == PREFIX + "input_scale":
+            model.register_forward_pre_hook(ea._root_input_hook, with_kwargs=True, prepend=True)
+        else:
+            raise PrecondError(f"config.precondfx records an unknown constant {fqn}")
+    attach(model, Recipe(None, [], dict(entry.get("upstream", {}))))
+    factors = fold_factors(model)
+    named = dict(model.named_parameters())
+    for name, f in factors.items():
+        named[name].div_(f)
+    _install(model)
+    return model
