@@ -185,18 +185,47 @@ def _fresh(a: tm.Arch) -> bool:
 
 
 _MAX_TREE = 200_000
+_TOO_LARGE = ("the architecture expression grows too large (densely connected blocks are "
+              "expanded into a tree, spec §3.2): TAT/DKS analysis is not available for this "
+              "model")
+#: a node the method does not cover (it gets no element)
+_REFUSED = object()
 
 
-def analyze_graph(graph: Graph, plan: Plan, shortcut_weight: float = 0.8) -> Analysis:
-    """Build the per-location architecture expression of a classified graph (spec §3.1-3.2).
+class _Findings:
+    """What the pass finds on its way: notes (each once) and the nodes it refuses, grouped by
+    reason; ``raise_refusals`` turns the refusals into one PrecondError."""
 
-    Raises :class:`PrecondError` listing every node the method does not cover, grouped by
-    reason, with what to do about it."""
-    if not 0.0 <= shortcut_weight <= 1.0:
-        raise PrecondError(f"shortcut_weight={shortcut_weight!r} must be in [0, 1] (the weight w "
-                           f"of the normalized sum w*x + sqrt(1-w^2)*F(x))")
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+        self._noted: set[str] = set()
+        self.problems: dict[str, list[str]] = {}
+
+    def note(self, key: str, text: str) -> None:
+        if key not in self._noted:
+            self._noted.add(key)
+            self.notes.append(text)
+
+    def refuse(self, cat: str, n: Node, what: str) -> Any:
+        self.problems.setdefault(cat, []).append(f"{n.name} ({what})")
+        return _REFUSED
+
+    def raise_refusals(self) -> None:
+        if not self.problems:
+            return
+        lines = []
+        for cat, items in self.problems.items():
+            shown = ", ".join(items[:8]) + (f" and {len(items) - 8} more" if len(items) > 8
+                                             else "")
+            lines.append(f"  - {shown}: {_REFUSE_HELP[cat]}")
+        raise PrecondError("TAT/DKS cannot handle this model; it contains what the method does "
+                           "not cover:\n" + "\n".join(lines))
+
+
+def _data_path(graph: Graph) -> tuple[list[str], list[str], set[str]]:
+    """The nodes reachable from an input that reach an output (execution order), the output
+    nodes, and that set."""
     nodes = list(graph)
-    # --- the data path: reachable from an input and reaching an output ----------------------
     reach: set[str] = set()
     for n in nodes:
         if n.kind == "input" or any(i in reach for i in n.inputs):
@@ -213,13 +242,12 @@ def analyze_graph(graph: Graph, plan: Plan, shortcut_weight: float = 0.8) -> Ana
         co.add(v)
         stack.extend(i for i in graph[v].inputs if i in reach)
     data = reach & co
-    order = [n.name for n in nodes if n.name in data]
+    return [n.name for n in nodes if n.name in data], outs, data
+
+
+def _data_root(graph: Graph, order: list[str]) -> str:
+    """The one input on the data path (the per-location theory has one, spec §3.2)."""
     roots = [v for v in order if graph[v].kind == "input"]
-    problems: dict[str, list[str]] = {}
-
-    def refuse(cat: str, n: Node, what: str) -> None:
-        problems.setdefault(cat, []).append(f"{n.name} ({what})")
-
     if not roots:
         raise PrecondError("no path from a model input to the output was found in the captured "
                            "graph: TAT/DKS need the network's data path")
@@ -227,122 +255,107 @@ def analyze_graph(graph: Graph, plan: Plan, shortcut_weight: float = 0.8) -> Ana
         raise PrecondError(f"scheme cannot handle this model: {len(roots)} inputs "
                            f"({', '.join(roots)}) feed the output; "
                            + _REFUSE_HELP["inputs"])
-    root = roots[0]
-    preds = {v: [i for i in graph[v].inputs if i in data] for v in order}
-    pools = {pc.node: pc for pc in plan.pools}
-    notes: list[str] = []
-    noted: set[str] = set()
+    return roots[0]
 
-    def note(key: str, text: str) -> None:
-        if key not in noted:
-            noted.add(key)
-            notes.append(text)
 
-    # --- per node: an element (Arch leaf / None = transparent) or a join ----------------------
-    elem: dict[str, Any] = {}
-    acts: list[str] = []
-    act_names: dict[str, str] = {}
-    for v in order:
-        n = graph[v]
-        k = n.kind
-        nin = len(preds[v])
-        what = n.attrs.get("class") or n.target.rsplit(".", 1)[-1]
-        if v == root:
-            elem[v] = None
-        elif k in ("conv", "conv_transpose", "linear") or (k == "matmul" and "weight" in n.params):
-            if n.status != optable.WEIGHTED:
-                refuse("multiplicative", n, f"{k} whose weight is an activation")
-            elif k == "conv" and int(n.attrs.get("groups", 1) or 1) > 1:
-                note("groups", "grouped/depthwise convolutions: their Delta init makes the "
-                     "channel maps near-deterministic, so the random-feature assumption is weak "
-                     "(spec §5); treated as affine")
-                elem[v] = tm.Affine()
-            else:
-                elem[v] = tm.Affine()
-            if k == "conv_transpose" and any(int(s) > 1 for s in
-                                             _as_tuple(n.attrs.get("stride", 1))):
-                note("convT", f"{v}: a strided transposed convolution with a Delta kernel leaves "
-                     f"zeros between its outputs (q = 0 there): the per-location theory is "
-                     f"approximate after it")
-        elif k == "matmul":
-            refuse("multiplicative", n, "product of two activations (attention scores)")
-        elif k == "maxpool":
-            pc = pools.get(v)
-            action = pc.action if pc is not None else "keep"
-            if action == "conv":
-                elem[v] = tm.Affine()
-            elif action in ("fold", "avgpool"):
-                elem[v] = None
-            else:
-                why = f"kept: {pc.reason}" if pc is not None else "not replaced"
-                refuse("maxpool", n, why)
-        elif k == "adaptive_maxpool":
-            refuse("maxpool", n, "adaptive max pooling has no stride to fold")
-        elif k in _ACT_KINDS:
-            name = _act_name(n)
-            if name is None:
-                refuse("activation", n, what)
-            else:
-                elem[v] = tm.Act(name)
-                acts.append(v)
-                act_names[v] = name
-        elif k in ("add", "sub"):
-            elem[v] = ("join", "sum") if nin >= 2 else None
-        elif k == "concat":
-            elem[v] = ("join", "concat") if nin >= 2 else None
-        elif k == "mul":
-            if nin >= 2:
-                refuse("multiplicative", n, "product of two activations (gating)")
-            else:
-                elem[v] = None
-                note("mul", "a multiplication by a constant or learned scalar was treated as the "
-                     "identity in the C map (exact for cosines; it changes q, which matters "
-                     "for smooth activations and for the weights of a following sum)")
-        elif k in ("avgpool", "mean"):
-            elem[v] = None
-            note("avgpool", "average pooling / means over positions were treated as the identity "
-                 "(approximate: they mix locations; the reference does the same, spec §5)")
-        elif k in ("dropout", "reshape", "select", "pad", "cast", "constant"):
-            elem[v] = None
-        elif k == "neg":
-            if "abs" in n.target.rsplit(".", 1)[-1]:
-                refuse("elementwise", n, "abs")
-            else:
-                elem[v] = None
-        elif k == "resize":
-            elem[v] = None
-            note("resize", "upsampling copies locations: treated as the identity in the C map")
-        elif k == "sum":
-            elem[v] = None
-            note("sum", f"{v}: a sum over elements was treated as the identity in the C map")
-        elif k == "normalization":
-            refuse("normalization", n, what)
-        elif k in ("softmax", "sdpa", "attention", "gating"):
-            refuse("multiplicative", n, what)
-        elif k == "embedding":
-            refuse("embedding", n, what)
-        elif k == "recurrent":
-            refuse("recurrent", n, what)
-        elif k in ("elementwise", "reduce_other"):
-            refuse("elementwise", n, what)
-        elif k == "output":
-            elem[v] = None
-        else:
-            refuse("unknown", n, f"{k}: {n.target}")
-        if v in elem and elem[v] is not None and not isinstance(elem[v], tuple) and nin > 1:
-            refuse("elementwise", n, f"{what} combines {nin} activations")
-        if v in elem and elem[v] is None and nin > 1 and k not in ("output",):
-            refuse("elementwise", n, f"{what} combines {nin} activations")
-    if problems:
-        lines = []
-        for cat, items in problems.items():
-            shown = ", ".join(items[:8]) + (f" and {len(items) - 8} more" if len(items) > 8
-                                             else "")
-            lines.append(f"  - {shown}: {_REFUSE_HELP[cat]}")
-        raise PrecondError("TAT/DKS cannot handle this model; it contains what the method does "
-                           "not cover:\n" + "\n".join(lines))
+# -- per node: an element of the expression (an Arch leaf; None: transparent; ("join", kind))
+def _affine_element(n: Node, f: _Findings) -> Any:
+    """A weighted layer: an affine map (its weight must be a parameter)."""
+    k, v = n.kind, n.name
+    e: Any = tm.Affine()
+    if n.status != optable.WEIGHTED:
+        e = f.refuse("multiplicative", n, f"{k} whose weight is an activation")
+    elif k == "conv" and int(n.attrs.get("groups", 1) or 1) > 1:
+        f.note("groups", "grouped/depthwise convolutions: their Delta init makes the channel "
+               "maps near-deterministic, so the random-feature assumption is weak (spec §5); "
+               "treated as affine")
+    if k == "conv_transpose" and any(int(s) > 1 for s in _as_tuple(n.attrs.get("stride", 1))):
+        f.note("convT", f"{v}: a strided transposed convolution with a Delta kernel leaves "
+               f"zeros between its outputs (q = 0 there): the per-location theory is "
+               f"approximate after it")
+    return e
 
-    # --- immediate dominators over the data path (execution order is topological) -------------
+
+def _maxpool_element(n: Node, pc: Any, f: _Findings) -> Any:
+    """A max-pool: what the plan turns it into (a convolution, a fold, an average)."""
+    action = pc.action if pc is not None else "keep"
+    if action == "conv":
+        return tm.Affine()
+    if action in ("fold", "avgpool"):
+        return None
+    return f.refuse("maxpool", n, f"kept: {pc.reason}" if pc is not None else "not replaced")
+
+
+#: kinds the C map passes through unchanged, with the note that says it is an approximation
+#: (None: exact, no note)
+_TRANSPARENT = {
+    "avgpool": ("avgpool", "average pooling / means over positions were treated as the identity "
+                "(approximate: they mix locations; the reference does the same, spec §5)"),
+    "resize": ("resize", "upsampling copies locations: treated as the identity in the C map"),
+    **{k: None for k in ("dropout", "reshape", "select", "pad", "cast", "constant", "output")},
+}
+_TRANSPARENT["mean"] = _TRANSPARENT["avgpool"]
+#: kinds refused outright: the reason's category
+_REFUSED_KINDS = {"normalization": "normalization", "softmax": "multiplicative",
+                  "sdpa": "multiplicative", "attention": "multiplicative",
+                  "gating": "multiplicative", "embedding": "embedding",
+                  "recurrent": "recurrent", "elementwise": "elementwise",
+                  "reduce_other": "elementwise"}
+
+
+def _other_element(n: Node, nin: int, what: str, f: _Findings) -> Any:
+    """Joins, transparent ops and refused ones."""
+    k, v = n.kind, n.name
+    if k in ("add", "sub", "concat"):
+        return ("join", "concat" if k == "concat" else "sum") if nin >= 2 else None
+    if k == "mul":
+        if nin >= 2:
+            return f.refuse("multiplicative", n, "product of two activations (gating)")
+        f.note("mul", "a multiplication by a constant or learned scalar was treated as the "
+               "identity in the C map (exact for cosines; it changes q, which matters for "
+               "smooth activations and for the weights of a following sum)")
+        return None
+    if k in _TRANSPARENT:
+        if _TRANSPARENT[k] is not None:
+            f.note(*_TRANSPARENT[k])
+        return None
+    if k == "neg":
+        abs_ = "abs" in n.target.rsplit(".", 1)[-1]
+        return f.refuse("elementwise", n, "abs") if abs_ else None
+    if k == "sum":
+        f.note("sum", f"{v}: a sum over elements was treated as the identity in the C map")
+        return None
+    if k in _REFUSED_KINDS:
+        return f.refuse(_REFUSED_KINDS[k], n, what)
+    return f.refuse("unknown", n, f"{k}: {n.target}")
+
+
+def _element(n: Node, nin: int, pc: Any, f: _Findings) -> Any:
+    """The element of node ``n`` (``nin`` inputs on the data path; ``pc`` its pool plan)."""
+    k = n.kind
+    what = n.attrs.get("class") or n.target.rsplit(".", 1)[-1]
+    if k in ("conv", "conv_transpose", "linear") or (k == "matmul" and "weight" in n.params):
+        e = _affine_element(n, f)
+    elif k == "matmul":
+        e = f.refuse("multiplicative", n, "product of two activations (attention scores)")
+    elif k == "maxpool":
+        e = _maxpool_element(n, pc, f)
+    elif k == "adaptive_maxpool":
+        e = f.refuse("maxpool", n, "adaptive max pooling has no stride to fold")
+    elif k in _ACT_KINDS:
+        name = _act_name(n)
+        e = f.refuse("activation", n, what) if name is None else tm.Act(name)
+    else:
+        e = _other_element(n, nin, what, f)
+    if e is not _REFUSED and not isinstance(e, tuple) and nin > 1 and \
+            (e is not None or k != "output"):
+        f.refuse("elementwise", n, f"{what} combines {nin} activations")
+    return e
+
+
+def _dominators(order: list[str], root: str, preds: dict[str, list[str]]
+                ) -> dict[str, str | None]:
+    """Immediate dominators over the data path (execution order is topological)."""
     idom: dict[str, str | None] = {root: None}
     depth: dict[str, int] = {root: 0}
 
@@ -363,97 +376,128 @@ def analyze_graph(graph: Graph, plan: Plan, shortcut_weight: float = 0.8) -> Ana
             d = lca(d, p)
         idom[v] = d
         depth[v] = depth[d] + 1
+    return idom
 
-    # --- architecture expression by recursion over fork/join pairs ------------------------------
-    joins: dict[str, tuple[tm.Arch, Join]] = {}
-    memo: dict[tuple[str, str], tm.Arch] = {}
-    size = [0]
 
-    def join_arch(v: str) -> tm.Arch:
-        if v in joins:
-            return joins[v][0]
-        n = graph[v]
-        d = idom[v]
-        ops = preds[v]
-        idx = [n.inputs.index(p) for p in ops]
-        branches = [seg(p, d) for p in ops]  # type: ignore[arg-type]
-        counts = [_count_affine(b) for b in branches]
-        fresh = [_fresh(b) for b in branches]
-        if elem[v][1] == "concat":
-            sizes = _concat_sizes(graph, n, ops, note)
-            arch: tm.Arch = tm.Concat(branches, sizes)
-            j = Join(v, "concat", d, idx, [float(s) for s in sizes], None, counts, fresh)
-        else:
-            if len(ops) == 2 and counts[0] != counts[1]:
-                sc = 0 if counts[0] < counts[1] else 1
-                w = float(shortcut_weight)
-                ws = [w if i == sc else math.sqrt(1.0 - w * w) for i in range(2)]
-                perm = [sc, 1 - sc]
-            else:
-                sc = None
-                ws = [1.0 / math.sqrt(len(ops))] * len(ops)
-                perm = list(range(len(ops)))
-            arch = tm.Sum([branches[i] for i in perm], [ws[i] for i in perm])
-            j = Join(v, "sum", d, idx, ws, sc, counts, fresh)
-            if sum(1 for f in fresh if not f) > 1:
-                note(f"corr{v}", f"{v}: more than one operand of this sum does not end in a "
-                     f"fresh weighted layer, so the operands are correlated at initialization "
-                     f"and the normalized-sum rule of the C map is approximate there (spec §2.5)")
-        joins[v] = (arch, j)
-        return arch
+class _Expression:
+    """The architecture expression, by recursion over fork/join pairs: ``seg(v, stop)`` is the
+    path from ``stop`` (a dominator of ``v``) to ``v``; a join is the sum or concatenation of
+    its branches from the fork (its immediate dominator)."""
 
-    def seg(v: str, stop: str) -> tm.Arch:
+    def __init__(self, graph: Graph, elem: dict[str, Any], preds: dict[str, list[str]],
+                 idom: dict[str, str | None], shortcut_weight: float, f: _Findings) -> None:
+        self.graph, self.elem, self.preds, self.idom = graph, elem, preds, idom
+        self.w, self.f = float(shortcut_weight), f
+        self.joins: dict[str, tuple[tm.Arch, Join]] = {}
+        self.memo: dict[tuple[str, str], tm.Arch] = {}
+        self.size = 0
+
+    def seg(self, v: str, stop: str) -> tm.Arch:
         key = (v, stop)
-        if key in memo:
-            return memo[key]
+        if key in self.memo:
+            return self.memo[key]
         parts: list[tm.Arch] = []
         cur: str | None = v
         while cur != stop:
             if cur is None:
                 raise PrecondError(f"internal error: {stop} does not dominate {v}")
-            e = elem[cur]
-            size[0] += 1
-            if size[0] > _MAX_TREE:
-                raise PrecondError("the architecture expression grows too large (densely "
-                                   "connected blocks are expanded into a tree, spec §3.2): "
-                                   "TAT/DKS analysis is not available for this model")
+            e = self.elem[cur]
+            self.size += 1
+            if self.size > _MAX_TREE:
+                raise PrecondError(_TOO_LARGE)
             if isinstance(e, tuple):
-                parts.append(join_arch(cur))
-                cur = idom[cur]
+                parts.append(self.join(cur))
+                cur = self.idom[cur]
             else:
                 if e is not None:
                     parts.append(e)
-                cur = preds[cur][0] if preds[cur] else None
+                cur = self.preds[cur][0] if self.preds[cur] else None
         parts.reverse()
         arch = tm.Seq(parts) if len(parts) > 1 else (parts[0] if parts else tm.Identity())
-        memo[key] = arch
+        self.memo[key] = arch
         return arch
 
-    archs: list[tm.Arch] = []
-    for o in outs:
-        if o in data:
-            a = seg(o, root)
-            if a not in archs:
-                archs.append(a)
-    if not archs:
-        raise PrecondError("no model output depends on the input in the captured graph")
+    def join(self, v: str) -> tm.Arch:
+        if v not in self.joins:
+            n, d, ops = self.graph[v], self.idom[v], self.preds[v]
+            idx = [n.inputs.index(p) for p in ops]
+            branches = [self.seg(p, d) for p in ops]  # type: ignore[arg-type]
+            counts = [_count_affine(b) for b in branches]
+            fresh = [_fresh(b) for b in branches]
+            if self.elem[v][1] == "concat":
+                sizes = _concat_sizes(self.graph, n, ops, self.f.note)
+                self.joins[v] = (tm.Concat(branches, sizes),
+                                 Join(v, "concat", d, idx, [float(s) for s in sizes], None,
+                                      counts, fresh))
+            else:
+                self.joins[v] = self._sum(v, d, idx, branches, counts, fresh)
+        return self.joins[v][0]
+
+    def _sum(self, v: str, d: Any, idx: list[int], branches: list[tm.Arch], counts: list[int],
+             fresh: list[bool]) -> tuple[tm.Arch, Join]:
+        """A sum join: the shortcut (the branch with fewer weighted layers, of two) gets w, the
+        other sqrt(1 - w^2); otherwise equal weights."""
+        m = len(branches)
+        if m == 2 and counts[0] != counts[1]:
+            sc: int | None = 0 if counts[0] < counts[1] else 1
+            ws = [self.w if i == sc else math.sqrt(1.0 - self.w * self.w) for i in range(2)]
+            perm = [sc, 1 - sc]                                           # type: ignore[operator]
+        else:
+            sc, ws, perm = None, [1.0 / math.sqrt(m)] * m, list(range(m))
+        if sum(1 for fr in fresh if not fr) > 1:
+            self.f.note(f"corr{v}", f"{v}: more than one operand of this sum does not end in a "
+                        f"fresh weighted layer, so the operands are correlated at initialization "
+                        f"and the normalized-sum rule of the C map is approximate there "
+                        f"(spec §2.5)")
+        return (tm.Sum([branches[i] for i in perm], [ws[i] for i in perm]),
+                Join(v, "sum", d, idx, ws, sc, counts, fresh))
+
+
+def _tree_size(archs: list[tm.Arch]) -> int:
+    """Nodes of the expressions as trees (shared subexpressions counted once per use)."""
     sizes: dict[int, int] = {}
 
-    def tree_size(a: tm.Arch) -> int:
+    def size(a: tm.Arch) -> int:
         k = id(a)
         if k not in sizes:
             kids = a.parts if isinstance(a, tm.Seq) else \
                 a.branches if isinstance(a, (tm.Sum, tm.Concat)) else ()
-            sizes[k] = 1 + sum(tree_size(b) for b in kids)
+            sizes[k] = 1 + sum(size(b) for b in kids)
         return sizes[k]
+    return sum(size(a) for a in archs)
 
-    if sum(tree_size(a) for a in archs) > _MAX_TREE:
-        raise PrecondError("the architecture expression grows too large (densely connected "
-                           "blocks are expanded into a tree, spec §3.2): TAT/DKS analysis is "
-                           "not available for this model")
+
+def analyze_graph(graph: Graph, plan: Plan, shortcut_weight: float = 0.8) -> Analysis:
+    """Build the per-location architecture expression of a classified graph (spec §3.1-3.2).
+
+    Raises :class:`PrecondError` listing every node the method does not cover, grouped by
+    reason, with what to do about it."""
+    if not 0.0 <= shortcut_weight <= 1.0:
+        raise PrecondError(f"shortcut_weight={shortcut_weight!r} must be in [0, 1] (the weight w "
+                           f"of the normalized sum w*x + sqrt(1-w^2)*F(x))")
+    order, outs, data = _data_path(graph)
+    root = _data_root(graph, order)
+    preds = {v: [i for i in graph[v].inputs if i in data] for v in order}
+    pools = {pc.node: pc for pc in plan.pools}
+    f = _Findings()
+    elem: dict[str, Any] = {root: None}
+    for v in order:
+        if v != root:
+            elem[v] = _element(graph[v], len(preds[v]), pools.get(v), f)
+    f.raise_refusals()
+    acts = [v for v in order if isinstance(elem[v], tm.Act)]
+    expr = _Expression(graph, elem, preds, _dominators(order, root, preds), shortcut_weight, f)
+    archs: list[tm.Arch] = []
+    for a in (expr.seg(o, root) for o in outs if o in data):
+        if a not in archs:
+            archs.append(a)
+    if not archs:
+        raise PrecondError("no model output depends on the input in the captured graph")
+    if _tree_size(archs) > _MAX_TREE:
+        raise PrecondError(_TOO_LARGE)
     order_pos = {v: i for i, v in enumerate(order)}
-    jl = [j for _, j in sorted(joins.values(), key=lambda aj: order_pos[aj[1].node])]
-    return Analysis(archs, root, acts, act_names, jl, notes)
+    joins = sorted((j for _, j in expr.joins.values()), key=lambda j: order_pos[j.node])
+    return Analysis(archs, root, acts, {v: elem[v].kind for v in acts}, joins, f.notes)
 
 
 def _as_tuple(v: Any) -> tuple:
