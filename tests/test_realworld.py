@@ -1475,6 +1475,40 @@ CASES.update({
 })
 
 
+INPLACE = ["dict_out", "namedtuple_out", "nested_out", "scalar_then_logits", "topk_out",
+           "tied_weights", "ema_buffers", "lstm", "mha_masks", "eval_only_param",
+           "scripted_sub", "returns_loss", "state_dict_hook", "backward_hook"]
+
+
+@pytest.mark.parametrize("name", INPLACE)
+def test_case_inplace(name: str) -> None:
+    """inplace=True: the user's own module is the result, with the same contract against a
+    copy taken before; a refusal leaves it as it was."""
+    torch.manual_seed(0)
+    random.seed(0)
+    case = CASES[name]()
+    model, sample = case.pop("model"), case.pop("sample")
+    fwd, refuse = case.pop("fwd", {}), case.pop("must_refuse", False)
+    ref = copy.deepcopy(model) if not refuse else None
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            res, rep = precondfx.precondition(model, clone_sample(sample), inplace=True, **fwd)
+        except PrecondError:
+            assert refuse
+            assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+            return
+    assert not refuse and res is model
+    assert {k for k in res.state_dict() if "precondfx_" not in k} == set(ref.state_dict())
+    assert grad_set(res, sample, fwd) == grad_set(ref, sample, fwd)
+    for train in (True, False):
+        assert structure(run(copy.deepcopy(res), sample, fwd, train)) == \
+            structure(run(copy.deepcopy(ref), sample, fwd, train))
+    if rep.output_scale is not None:
+        assert main_std(res, sample, fwd) == pytest.approx(1.0, rel=0.02)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_case(name: str) -> None:
     torch.manual_seed(0)
