@@ -26,9 +26,14 @@ def measure_report(original: nn.Module, result: nn.Module, sample: Sample, plan:
                    verbose: bool | None = None) -> dict[str, Any]:
     """Before/after Hessian statistics, and the block matrix and GR ratios of the result."""
     weights = list(dict.fromkeys(lay.weight for lay in plan.layers if lay.weight))
+    original = _comparable(original, sample)
     orig_names = dict(original.named_parameters())
     common = [w for w in weights if w in orig_names]
     out: dict[str, Any] = {}
+    if not weights or not common:
+        out["note"] = ("not measured: no weighted layer with one weight matrix to measure "
+                       "(recurrent layers hold several)")
+        return out
     say("measuring the conditioning of the original model")
     before = measured_statistics(original, sample, common, n_samples=n_samples, seed=seed,
                                  output_key=output_key, mode=mode, verbose=verbose,
@@ -56,9 +61,35 @@ def measure_report(original: nn.Module, result: nn.Module, sample: Sample, plan:
                 if lay.gr is not None and lay.hessian is not None and lay.hessian.mean > 0:
                     ratios[lay.name] = lay.gr.mean / lay.hessian.mean
             out["gr_over_hessian"] = ratios
-        except (PrecondError, RuntimeError) as e:
-            out["blocks_note"] = f"block matrix not measured: {str(e)[:160]}"
+        except Exception as e:  # noqa: BLE001 - an optional figure: say why it is missing
+            out["blocks_note"] = (f"block matrix not measured: {type(e).__name__}: "
+                                  f"{str(e)[:160]}")
     return out
+
+
+def _comparable(original: nn.Module, sample: Sample) -> nn.Module:
+    """The user's model as the pass computes with it: a copy in the sample's floating dtype
+    (a bfloat16/float16 model is worked on in float32) with lazy modules materialized by one
+    run; the model itself when nothing needs changing (or it cannot be copied)."""
+    import copy
+
+    import torch
+
+    from precondfx import calibrate as cal
+    dts = {t.dtype for t in sample.tensors() if t.is_floating_point()}
+    lazy = any(isinstance(p, nn.parameter.UninitializedParameter) for p in original.parameters())
+    low = any(p.dtype in (torch.float16, torch.bfloat16) for p in original.parameters())
+    if not lazy and not low:
+        return original
+    try:
+        work = copy.deepcopy(original)
+    except Exception:  # noqa: BLE001 - measured as it is
+        return original
+    if low and len(dts) == 1:
+        work = work.to(dts.pop())
+    if lazy:
+        cal.forward(work, sample)
+    return work
 
 
 def verify_result(result: nn.Module, sample: Sample, *, output_key: Any = None,

@@ -1672,3 +1672,28 @@ def test_bounded_output_is_not_scaled(build: Callable[[], nn.Module]) -> None:
         assert bool((y.abs() <= 1).all())
     if isinstance(model, Normalized):
         assert torch.allclose(y.norm(dim=-1), torch.ones(32), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["checkpoint", "no_grad_teacher", "packed_out",
+                                  "maxpool_ceil_dilation", "bfloat16", "half"])
+def test_measure_on_real_world_cases(name: str) -> None:
+    """measure=True (Hessian statistics of the user's model and of the result) on models that
+    raised IndexError, RuntimeError or ValueError from inside the measurement: a lazy model
+    (the user's copy is not materialized), a bfloat16 one (measured in float32, as the pass
+    computes), checkpointing, a frozen teacher, a model with only an LSTM."""
+    torch.manual_seed(0)
+    case = CASES[name]()
+    model, sample = case.pop("model"), case.pop("sample")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res, rep = precondfx.precondition(model, sample, measure=True, balance_samples=4)
+    m = rep.conditioning["measure"]
+    if "note" in m:
+        assert name == "packed_out" and "not measured" in m["note"]
+        return
+    before, after = m["before"]["values"], m["after"]["values"]
+    assert set(before) <= set(after) and before
+    # finite; zero only for layers no gradient reaches (the frozen teacher under no_grad)
+    vals = list(before.values()) + list(after.values())
+    assert all(math.isfinite(v) and v >= 0 for v in vals) and max(vals) > 0
+    assert "blocks" in m or "blocks_note" in m
