@@ -215,6 +215,14 @@ def check(model: nn.Module, sample: Any, *, fwd: dict | None = None, may_refuse:
     assert keys == set(ref.state_dict()), (set(ref.state_dict()) ^ keys)
     assert {k: p.requires_grad for k, p in res.named_parameters() if not k.startswith(pools)} \
         == {k: p.requires_grad for k, p in ref.named_parameters()}
+    # dtypes, devices and memory formats (channels_last) of the parameters are kept
+    ref_sd = {k: v for k, v in ref.state_dict().items()
+              if not isinstance(v, nn.parameter.UninitializedTensorMixin)}
+    for k, v in res.state_dict().items():
+        if k in ref_sd:
+            w = ref_sd[k]
+            assert (v.dtype, v.device, v.stride() if v.dim() == 4 else None) == \
+                (w.dtype, w.device, w.stride() if w.dim() == 4 else None), k
     ref_c, res_c = copy.deepcopy(ref), copy.deepcopy(res)
     o_ref, o_res = run(ref_c, sample, fwd, True), run(res_c, sample, fwd, True)
     assert structure(o_res) == structure(o_ref)
