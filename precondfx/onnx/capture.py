@@ -294,248 +294,334 @@ def _constant_lookup(node: ir.Node, ins: list, is_param: Callable[[ir.Value, boo
     return ids.dtype in _INDEX_TYPES and ids.shape is not None and len(ids.shape) >= 1
 
 
-def to_graph(model: ir.Model, shapes: dict[str, tuple], symbolic: set[str],
-             norm: NormalizeInfo | None = None) -> Captured:
-    """Build the neutral graph; ``shapes`` from :func:`infer_shapes`, ``symbolic``: names of
-    values whose spatial dims depend on symbolic input dims."""
-    g = model.graph
-    inits = g.initializers
-    lifted = norm.lifted if norm is not None else set()
-    modules = _Modules(model)
-    nodes: list[Node] = []
-    ir_nodes: dict[str, ir.Node] = {}
-    act_index: dict[str, list[int]] = {}
-    input_nodes: dict[str, ir.Value] = {}
-    producer: dict[int, str] = {}       # id(ir.Value) -> neutral node name
-    data: set[int] = set()              # ids of values that carry activations
-    taken: set[str] = {n.name for n in g if n.name}
-    params: dict[str, ParamInfo] = {}
-    param_shapes: dict[str, tuple[int, ...]] = {}
-    module_calls: dict[str, int] = {}
-    cap = Captured(Graph([], "onnx"), params, ir_nodes, act_index, input_nodes)
+@dataclass
+class _Call:
+    """One ONNX node read as a functional PyTorch call: operand markers and attributes for
+    ``build_node``, the op table entry when the operands decide it (``kind``: Gemm as linear or
+    matmul, Gather as embedding), and what the neutral node gets beyond what ``build_node``
+    derives (``extra`` attributes, ``post_params``: parameter roles of a recurrent layer)."""
 
-    def shape_of(v: ir.Value | None) -> tuple[int, ...] | None:
+    args: list[Any] = field(default_factory=list)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    post_params: dict[str, str] | None = None
+    kind: str | None = None
+
+
+#: node attributes carried over from ``_Call.extra``
+_EXTRA_ATTRS = ("gemm", "training_mode", "keep_reason", "no_fold_reason", "symbolic_spatial")
+
+
+class _Builder:
+    """The state of one :func:`to_graph` pass: which values carry activations, which neutral
+    node produced each value, the parameters found so far."""
+
+    def __init__(self, model: ir.Model, shapes: dict[str, tuple], symbolic: set[str],
+                 norm: NormalizeInfo | None) -> None:
+        self.model, self.g, self.shapes, self.symbolic = model, model.graph, shapes, symbolic
+        self.inits = self.g.initializers
+        self.lifted = norm.lifted if norm is not None else set()
+        self.modules = _Modules(model)
+        self.nodes: list[Node] = []
+        self.ir_nodes: dict[str, ir.Node] = {}
+        self.act_index: dict[str, list[int]] = {}
+        self.input_nodes: dict[str, ir.Value] = {}
+        self.producer: dict[int, str] = {}       # id(ir.Value) -> neutral node name
+        self.data: set[int] = set()              # ids of values that carry activations
+        self.taken: set[str] = {n.name for n in self.g if n.name}
+        self.params: dict[str, ParamInfo] = {}
+        self.param_shapes: dict[str, tuple[int, ...]] = {}
+        self.module_calls: dict[str, int] = {}
+
+    # -- values ---------------------------------------------------------------------------------
+    def shape_of(self, v: ir.Value | None) -> tuple[int, ...] | None:
         if v is None or v.name is None:
             return None
-        s = shapes.get(v.name)
+        s = self.shapes.get(v.name)
         return _static(s[0]) if s is not None else None
 
-    for spec_in in real_inputs(model):
-        v = next(x for x in g.inputs if x.name == spec_in.name)
-        name = spec_in.name if spec_in.name not in taken else f"input:{spec_in.name}"
-        taken.add(name)
-        nodes.append(Node(name, "input", f"input {spec_in.name}", out_shape=shape_of(v)))
-        input_nodes[name] = v
-        producer[id(v)] = name
-        data.add(id(v))
+    def carries(self, v: ir.Value | None) -> bool:
+        """Does ``v`` carry an activation?"""
+        return v is not None and id(v) in self.data
 
-    def is_param(v: ir.Value, slot_is_weight: bool) -> bool:
-        if v.name not in inits or inits[v.name] is not v:
+    def is_param(self, v: ir.Value, slot_is_weight: bool) -> bool:
+        if v.name not in self.inits or self.inits[v.name] is not v:
             return False
         if v.dtype not in FLOAT_TYPES:
             return False
         if slot_is_weight:
             return True
         n = _numel(v)
-        return v.name not in lifted and (n is None or n > 1)
+        return v.name not in self.lifted and (n is None or n > 1)
 
-    def add_param(v: ir.Value, shape: tuple[int, ...] | None = None) -> None:
+    def add_param(self, v: ir.Value, shape: tuple[int, ...] | None = None) -> None:
         file_shape = tuple(int(x) for x in (v.shape if v.shape is not None
                                             else v.const_value.shape))
-        params.setdefault(v.name, ParamInfo(shape or file_shape))
-        param_shapes.setdefault(v.name, file_shape)
+        self.params.setdefault(v.name, ParamInfo(shape or file_shape))
+        self.param_shapes.setdefault(v.name, file_shape)
 
-    def marker(v: ir.Value | None, weight_slot: bool = False) -> Any:
+    def marker(self, v: ir.Value | None, weight_slot: bool = False) -> Any:
         if v is None:
             return None
-        if id(v) in data:
-            return Act(producer[id(v)])
-        if is_param(v, weight_slot):
-            add_param(v)
+        if id(v) in self.data:
+            return Act(self.producer[id(v)])
+        if self.is_param(v, weight_slot):
+            self.add_param(v)
             return Param(v.name)
         return Const(None)
 
-    for node in g:
-        name = node.name
-        op = node.op_type
+    # -- the graph's inputs and outputs ---------------------------------------------------------
+    def add_inputs(self) -> None:
+        for spec_in in real_inputs(self.model):
+            v = next(x for x in self.g.inputs if x.name == spec_in.name)
+            name = spec_in.name if spec_in.name not in self.taken else f"input:{spec_in.name}"
+            self.taken.add(name)
+            self.nodes.append(Node(name, "input", f"input {spec_in.name}",
+                                   out_shape=self.shape_of(v)))
+            self.input_nodes[name] = v
+            self.producer[id(v)] = name
+            self.data.add(id(v))
+
+    def captured(self) -> Captured:
+        """The output node, and everything collected as a :class:`Captured`."""
+        _matmul_biases(self.nodes, self.ir_nodes, self.inits, self.params, self.add_param)
+        outs: list[str] = []
+        for o in self.g.outputs:
+            src = self.producer.get(id(o))
+            if src is not None and src not in outs:
+                outs.append(src)
+        out_name = "output" if "output" not in self.taken else "output:graph"
+        self.nodes.append(Node(out_name, "output", "output", inputs=outs))
+        return Captured(Graph(self.nodes, "onnx", outputs=outs), self.params, self.ir_nodes,
+                        self.act_index, self.input_nodes,
+                        dtypes={k: v[1] for k, v in self.shapes.items()},
+                        param_shapes=self.param_shapes)
+
+    # -- one node -------------------------------------------------------------------------------
+    def add_node(self, node: ir.Node) -> None:
         ins = list(node.inputs)
-        is_data = op not in _SHAPE_OPS and any(v is not None and id(v) in data for v in ins)
-        if not is_data and _constant_lookup(node, ins, is_param):
+        is_data = node.op_type not in _SHAPE_OPS and any(self.carries(v) for v in ins)
+        if not is_data and _constant_lookup(node, ins, self.is_param):
             is_data = True      # an embedding read at constant ids (positions, token types)
-        spec = optable.for_onnx(op) if node.domain in ("", "ai.onnx", "com.microsoft") else None
-        target = op if node.domain in ("", "ai.onnx") else f"{node.domain}::{op}"
         if not is_data:   # computed from constants and shapes only
             spec = optable.BY_KIND["constant"]
-        args: list[Any] = []
-        kwargs: dict[str, Any] = {}
-        extra: dict[str, Any] = {}
-        post_params: dict[str, str] | None = None
-        kind = spec.kind if spec is not None else "unknown"
-        out0 = node.outputs[0] if node.outputs else None
-        in_shapes = [shape_of(v) for v in ins]
-
-        if is_data and op in ("Conv", "ConvTranspose") and len(ins) >= 2:
-            w = ins[1]
-            wshape = shape_of(w) or (tuple(w.shape) if w is not None and w.shape else None)
-            d = max(1, len(wshape) - 2) if wshape else 2
-            kernel = _ints(node, "kernel_shape") or (list(wshape[2:]) if wshape else None)
-            geo, problem = _geometry(node, d, kernel, op)
-            kwargs = {k: Const(v) for k, v in geo.items()}
-            kwargs["groups"] = Const(_int(node, "group", 1))
-            if op == "ConvTranspose":
-                kwargs["output_padding"] = Const(_ints(node, "output_padding") or [0] * d)
-            args = [marker(ins[0]), marker(w, True), marker(ins[2] if len(ins) > 2 else None,
-                                                           True)]
-            if ins[0] is not None and ins[0].name in symbolic and op == "Conv":
-                extra["no_fold_reason"] = SYMBOLIC_NO_FOLD
-                extra["symbolic_spatial"] = True
-        elif is_data and op == "Gemm" and len(ins) >= 2:
-            a_, b_ = ins[0], ins[1]
-            ta, tb = _int(node, "transA", 0), _int(node, "transB", 0)
-            c_ = ins[2] if len(ins) > 2 else None
-            if tb == 1 and ta == 0 and is_param(b_, True) and id(a_) in data:
-                spec, kind = optable.BY_KIND["linear"], "linear"
-                args = [marker(a_), marker(b_, True), marker(c_, True)]
-            else:
-                spec, kind = optable.BY_KIND["matmul"], "matmul"
-                args = [marker(a_, id(a_) not in data), marker(b_, id(b_) not in data)]
-                side = None
-                if id(b_) not in data and is_param(b_, True):
-                    side = "right" if tb == 0 else "left"
-                elif id(a_) not in data and is_param(a_, True):
-                    side = "left" if ta == 0 else "right"
-                if side:
-                    extra["weight_side"] = side
-                if c_ is not None and is_param(c_, True):
-                    add_param(c_)
-                    extra["_bias"] = c_.name
-                elif c_ is not None:
-                    args.append(marker(c_))
-            extra["gemm"] = {"transA": ta, "transB": tb, "alpha": _float(node, "alpha", 1.0),
-                             "beta": _float(node, "beta", 1.0)}
-        elif is_data and op == "MatMul" and len(ins) == 2:
-            args = [marker(ins[0], id(ins[0]) not in data), marker(ins[1], id(ins[1]) not in data)]
-        elif is_data and op == "MaxPool":
-            x = ins[0]
-            xs = shape_of(x)
-            d = (len(xs) - 2) if xs else len(_ints(node, "kernel_shape") or [0, 0])
-            geo, problem = _geometry(node, d, _ints(node, "kernel_shape"), op)
-            ceil = bool(_int(node, "ceil_mode", 0))
-            idx_used = len(node.outputs) > 1 and bool(list(node.outputs[1].uses())) or (
-                len(node.outputs) > 1 and node.outputs[1].is_graph_output())
-            why = None
-            if problem:
-                why = f"its {problem} cannot be reproduced by a symmetric replacement"
-            elif ceil and x is not None and x.name in symbolic:
-                why = "ceil_mode=1 with symbolic spatial dims: no replacement matches its " \
-                      "output size for every input size"
-            elif _int(node, "storage_order", 0) == 1 and idx_used:
-                why = "its indices output (column-major) is used"
-            if why:
-                extra["keep_reason"] = f"kept: {why}"
-            if isinstance(geo["padding"], str):  # kept anyway; the planner wants numbers
-                geo["padding"] = (_ints(node, "pads") or [0] * (2 * d))[:d]
-            kwargs = {k: Const(v) for k, v in geo.items()}
-            kwargs["ceil_mode"] = Const(ceil)
-            kwargs["return_indices"] = Const(bool(idx_used))
-            args = [marker(x)]
-        elif is_data and op in _NORM_OPS and len(ins) >= 1:
-            args = [marker(ins[0])]
-            if len(ins) > 1 and ins[1] is not None:
-                kwargs["weight"] = marker(ins[1], True)
-            if len(ins) > 2 and ins[2] is not None:
-                kwargs["bias"] = marker(ins[2], True)
-            for extra_in in ins[3:]:                 # running statistics: buffers
-                if extra_in is not None and id(extra_in) in data:
-                    args.append(marker(extra_in))
-            extra["training_mode"] = _int(node, "training_mode", 0)
-        elif is_data and op in ("LSTM", "GRU", "RNN"):
-            gates = {"LSTM": 4, "GRU": 3, "RNN": 1}[op]
-            args = [marker(ins[0])]
-            post_params = {}
-            for slot, role in ((1, "weight_ih_l0"), (2, "weight_hh_l0"), (3, "bias_l0")):
-                v = ins[slot] if len(ins) > slot else None
-                if v is not None and is_param(v, True):
-                    shp = tuple(int(x) for x in v.shape)
-                    # one direction: present the torch layout (gates*H, in) to the planner
-                    logical = shp[1:] if len(shp) == 3 and shp[0] == 1 else shp
-                    add_param(v, logical)
-                    post_params[role] = v.name
-            for v in ins[4:]:
-                if v is not None and id(v) in data:
-                    args.append(marker(v))
-            extra["class"] = op
-            extra["gates"] = gates
-        elif is_data and op == "Gather" and len(ins) == 2 and _int(node, "axis", 0) == 0 \
-                and ins[0] is not None and id(ins[0]) not in data and is_param(ins[0], True) \
-                and ins[0].shape is not None and len(ins[0].shape) == 2 \
-                and ins[1] is not None \
-                and (id(ins[1]) in data or _constant_lookup(node, ins, is_param)):
-            spec, kind = optable.BY_KIND["embedding"], "embedding"
-            args = [marker(ins[1]), marker(ins[0], True)]
-        elif is_data and op == "LeakyRelu":
-            args = [marker(ins[0])]
-            kwargs["negative_slope"] = Const(_float(node, "alpha", 0.01))
+        elif node.domain in ("", "ai.onnx", "com.microsoft"):
+            spec = optable.for_onnx(node.op_type)
         else:
-            args = [marker(v) for v in ins]
+            spec = None
+        target = node.op_type if node.domain in ("", "ai.onnx") else \
+            f"{node.domain}::{node.op_type}"
+        call = self.call_of(node, ins) if is_data else _Call([self.marker(v) for v in ins])
+        if call.kind is not None:
+            spec = optable.BY_KIND[call.kind]
+        kind = spec.kind if spec is not None else "unknown"
+        mod, call_index = self.module_of(node, spec, kind, call.args)
+        nn_ = build_node(node.name, spec, target, call.args, call.kwargs, module=mod,
+                         call_index=call_index, out_shape=self.shape_of(
+                             node.outputs[0] if node.outputs else None),
+                         in_shapes=[self.shape_of(v) for v in ins])
+        _annotate(nn_, node, kind, call)
+        self.act_index[node.name] = self.act_slots(ins, nn_)
+        self.nodes.append(nn_)
+        self.ir_nodes[node.name] = node
+        for o in node.outputs:
+            self.producer[id(o)] = node.name
+            if is_data:
+                self.data.add(id(o))
 
-        mod = None
-        if spec is not None and kind not in ("constant", "unknown"):
-            w = None
-            if kind in ("conv", "conv_transpose", "linear", "embedding", "matmul"):
-                w = next((a.name for a in args if isinstance(a, Param)), None)
-            mod = modules.of(node, kind, w)
-            if kind == "maxpool" and mod and f"{mod}.weight" in inits:
-                mod = None
-        call_index = 0
-        if mod:
-            call_index = module_calls.get(mod, 0)
-            module_calls[mod] = call_index + 1
-        nn_ = build_node(name, spec, target, args, kwargs, module=mod, call_index=call_index,
-                         out_shape=shape_of(out0), in_shapes=in_shapes)
-        if kind == "unknown":
-            nn_.kind = "unknown"
-        if "weight_side" in extra and "weight" in nn_.params:
-            nn_.attrs["weight_side"] = extra["weight_side"]
-        if "_bias" in extra:
-            nn_.params["bias"] = extra["_bias"]
-        if post_params is not None:
-            nn_.params = {k: v for k, v in nn_.params.items() if v not in post_params.values()}
-            nn_.params.update(post_params)
-            nn_.attrs["class"] = extra["class"]
-        for k in ("gemm", "training_mode", "keep_reason", "no_fold_reason", "symbolic_spatial"):
-            if k in extra:
-                nn_.attrs[k] = extra[k]
-        if node.domain not in ("", "ai.onnx"):
-            nn_.attrs["domain"] = node.domain
-        # ONNX input slots of the activation operands, in the order build_node listed them
+    def module_of(self, node: ir.Node, spec: Any, kind: str, args: list[Any]
+                  ) -> tuple[str | None, int]:
+        """The module path of a node, and which call of that module it is."""
+        if spec is None or kind in ("constant", "unknown"):
+            return None, 0
+        w = None
+        if kind in ("conv", "conv_transpose", "linear", "embedding", "matmul"):
+            w = next((a.name for a in args if isinstance(a, Param)), None)
+        mod = self.modules.of(node, kind, w)
+        if kind == "maxpool" and mod and f"{mod}.weight" in self.inits:
+            mod = None
+        if not mod:
+            return mod, 0
+        call_index = self.module_calls.get(mod, 0)
+        self.module_calls[mod] = call_index + 1
+        return mod, call_index
+
+    def act_slots(self, ins: list, nn_: Node) -> list[int]:
+        """ONNX input slots of the activation operands, in the order build_node listed them."""
         slots: list[int] = []
         seen: list[str] = []
         for i, v in enumerate(ins):
-            if v is not None and id(v) in data and producer[id(v)] not in seen:
-                seen.append(producer[id(v)])
+            if self.carries(v) and self.producer[id(v)] not in seen:
+                seen.append(self.producer[id(v)])
                 slots.append(i)
-        act_index[name] = [slots[seen.index(src)] for src in nn_.inputs if src in seen]
-        nodes.append(nn_)
-        ir_nodes[name] = node
-        for o in node.outputs:
-            producer[id(o)] = name
-            if is_data:
-                data.add(id(o))
+        return [slots[seen.index(src)] for src in nn_.inputs if src in seen]
 
-    _matmul_biases(nodes, ir_nodes, inits, params, add_param)
-    outs: list[str] = []
-    for o in g.outputs:
-        src = producer.get(id(o))
-        if src is not None and src not in outs:
-            outs.append(src)
-    out_name = "output" if "output" not in taken else "output:graph"
-    nodes.append(Node(out_name, "output", "output", inputs=outs))
-    graph = Graph(nodes, "onnx", outputs=outs)
-    cap.graph = graph
-    cap.param_shapes = param_shapes
-    cap.dtypes = {k: v[1] for k, v in shapes.items()}
-    return cap
+    # -- operands and attributes, by op ---------------------------------------------------------
+    def call_of(self, node: ir.Node, ins: list) -> _Call:
+        """A node on the data path as a call."""
+        op = node.op_type
+        if op in ("Conv", "ConvTranspose") and len(ins) >= 2:
+            return self.conv(node, ins)
+        if op == "Gemm" and len(ins) >= 2:
+            return self.gemm(node, ins)
+        if op == "MatMul" and len(ins) == 2:
+            return _Call([self.marker(ins[0], not self.carries(ins[0])),
+                          self.marker(ins[1], not self.carries(ins[1]))])
+        if op == "MaxPool":
+            return self.maxpool(node, ins)
+        if op in _NORM_OPS and len(ins) >= 1:
+            return self.norm(node, ins)
+        if op in ("LSTM", "GRU", "RNN"):
+            return self.recurrent(node, ins)
+        if self.is_lookup(node, ins):
+            return _Call([self.marker(ins[1]), self.marker(ins[0], True)], kind="embedding")
+        if op == "LeakyRelu":
+            return _Call([self.marker(ins[0])],
+                         {"negative_slope": Const(_float(node, "alpha", 0.01))})
+        return _Call([self.marker(v) for v in ins])
+
+    def conv(self, node: ir.Node, ins: list) -> _Call:
+        op, w = node.op_type, ins[1]
+        wshape = self.shape_of(w) or (tuple(w.shape) if w is not None and w.shape else None)
+        d = max(1, len(wshape) - 2) if wshape else 2
+        kernel = _ints(node, "kernel_shape") or (list(wshape[2:]) if wshape else None)
+        geo, _ = _geometry(node, d, kernel, op)
+        c = _Call(kwargs={k: Const(v) for k, v in geo.items()})
+        c.kwargs["groups"] = Const(_int(node, "group", 1))
+        if op == "ConvTranspose":
+            c.kwargs["output_padding"] = Const(_ints(node, "output_padding") or [0] * d)
+        c.args = [self.marker(ins[0]), self.marker(w, True),
+                  self.marker(ins[2] if len(ins) > 2 else None, True)]
+        if ins[0] is not None and ins[0].name in self.symbolic and op == "Conv":
+            c.extra["no_fold_reason"] = SYMBOLIC_NO_FOLD
+            c.extra["symbolic_spatial"] = True
+        return c
+
+    def gemm(self, node: ir.Node, ins: list) -> _Call:
+        """``transB=1`` with a weight initializer: linear; else a matmul layer, its weight on
+        the side whose fans apply, C its bias when an initializer."""
+        a_, b_ = ins[0], ins[1]
+        ta, tb = _int(node, "transA", 0), _int(node, "transB", 0)
+        c_ = ins[2] if len(ins) > 2 else None
+        if tb == 1 and ta == 0 and self.is_param(b_, True) and self.carries(a_):
+            c = _Call([self.marker(a_), self.marker(b_, True), self.marker(c_, True)],
+                      kind="linear")
+        else:
+            c = _Call([self.marker(a_, not self.carries(a_)),
+                       self.marker(b_, not self.carries(b_))], kind="matmul")
+            side = None
+            if not self.carries(b_) and self.is_param(b_, True):
+                side = "right" if tb == 0 else "left"
+            elif not self.carries(a_) and self.is_param(a_, True):
+                side = "left" if ta == 0 else "right"
+            if side:
+                c.extra["weight_side"] = side
+            if c_ is not None and self.is_param(c_, True):
+                self.add_param(c_)
+                c.extra["_bias"] = c_.name
+            elif c_ is not None:
+                c.args.append(self.marker(c_))
+        c.extra["gemm"] = {"transA": ta, "transB": tb, "alpha": _float(node, "alpha", 1.0),
+                           "beta": _float(node, "beta", 1.0)}
+        return c
+
+    def maxpool(self, node: ir.Node, ins: list) -> _Call:
+        """A max-pool's geometry, and why it must be kept (the planner's ``keep_reason``)."""
+        x = ins[0]
+        xs = self.shape_of(x)
+        d = (len(xs) - 2) if xs else len(_ints(node, "kernel_shape") or [0, 0])
+        geo, problem = _geometry(node, d, _ints(node, "kernel_shape"), "MaxPool")
+        ceil = bool(_int(node, "ceil_mode", 0))
+        idx_used = len(node.outputs) > 1 and bool(list(node.outputs[1].uses())) or (
+            len(node.outputs) > 1 and node.outputs[1].is_graph_output())
+        why = None
+        if problem:
+            why = f"its {problem} cannot be reproduced by a symmetric replacement"
+        elif ceil and x is not None and x.name in self.symbolic:
+            why = "ceil_mode=1 with symbolic spatial dims: no replacement matches its " \
+                  "output size for every input size"
+        elif _int(node, "storage_order", 0) == 1 and idx_used:
+            why = "its indices output (column-major) is used"
+        c = _Call()
+        if why:
+            c.extra["keep_reason"] = f"kept: {why}"
+        if isinstance(geo["padding"], str):  # kept anyway; the planner wants numbers
+            geo["padding"] = (_ints(node, "pads") or [0] * (2 * d))[:d]
+        c.kwargs = {k: Const(v) for k, v in geo.items()}
+        c.kwargs["ceil_mode"] = Const(ceil)
+        c.kwargs["return_indices"] = Const(bool(idx_used))
+        c.args = [self.marker(x)]
+        return c
+
+    def norm(self, node: ir.Node, ins: list) -> _Call:
+        c = _Call([self.marker(ins[0])])
+        if len(ins) > 1 and ins[1] is not None:
+            c.kwargs["weight"] = self.marker(ins[1], True)
+        if len(ins) > 2 and ins[2] is not None:
+            c.kwargs["bias"] = self.marker(ins[2], True)
+        for extra_in in ins[3:]:                 # running statistics: buffers
+            if self.carries(extra_in):
+                c.args.append(self.marker(extra_in))
+        c.extra["training_mode"] = _int(node, "training_mode", 0)
+        return c
+
+    def recurrent(self, node: ir.Node, ins: list) -> _Call:
+        """LSTM/GRU/RNN: the weights under torch's parameter names and layout."""
+        op = node.op_type
+        c = _Call([self.marker(ins[0])], post_params={})
+        for slot, role in ((1, "weight_ih_l0"), (2, "weight_hh_l0"), (3, "bias_l0")):
+            v = ins[slot] if len(ins) > slot else None
+            if v is not None and self.is_param(v, True):
+                shp = tuple(int(x) for x in v.shape)
+                # one direction: present the torch layout (gates*H, in) to the planner
+                logical = shp[1:] if len(shp) == 3 and shp[0] == 1 else shp
+                self.add_param(v, logical)
+                c.post_params[role] = v.name             # type: ignore[index]
+        for v in ins[4:]:
+            if self.carries(v):
+                c.args.append(self.marker(v))
+        c.extra["class"] = op
+        c.extra["gates"] = {"LSTM": 4, "GRU": 3, "RNN": 1}[op]
+        return c
+
+    def is_lookup(self, node: ir.Node, ins: list) -> bool:
+        """``Gather`` of rows of a 2-D float parameter at activation or constant ids."""
+        return node.op_type == "Gather" and len(ins) == 2 and _int(node, "axis", 0) == 0 \
+            and ins[0] is not None and not self.carries(ins[0]) \
+            and self.is_param(ins[0], True) and ins[0].shape is not None \
+            and len(ins[0].shape) == 2 and ins[1] is not None \
+            and (self.carries(ins[1]) or _constant_lookup(node, ins, self.is_param))
+
+
+def _annotate(nn_: Node, node: ir.Node, kind: str, call: _Call) -> None:
+    """What the neutral node gets beyond what ``build_node`` derives."""
+    extra = call.extra
+    if kind == "unknown":
+        nn_.kind = "unknown"
+    if "weight_side" in extra and "weight" in nn_.params:
+        nn_.attrs["weight_side"] = extra["weight_side"]
+    if "_bias" in extra:
+        nn_.params["bias"] = extra["_bias"]
+    if call.post_params is not None:
+        nn_.params = {k: v for k, v in nn_.params.items() if v not in call.post_params.values()}
+        nn_.params.update(call.post_params)
+        nn_.attrs["class"] = extra["class"]
+    for k in _EXTRA_ATTRS:
+        if k in extra:
+            nn_.attrs[k] = extra[k]
+    if node.domain not in ("", "ai.onnx"):
+        nn_.attrs["domain"] = node.domain
+
+
+def to_graph(model: ir.Model, shapes: dict[str, tuple], symbolic: set[str],
+             norm: NormalizeInfo | None = None) -> Captured:
+    """Build the neutral graph; ``shapes`` from :func:`infer_shapes`, ``symbolic``: names of
+    values whose spatial dims depend on symbolic input dims."""
+    b = _Builder(model, shapes, symbolic, norm)
+    b.add_inputs()
+    for node in model.graph:
+        b.add_node(node)
+    return b.captured()
 
 
 def _matmul_biases(nodes: list[Node], ir_nodes: dict[str, ir.Node], inits: dict,
