@@ -176,6 +176,36 @@ def _fit_unique(labels: list[str], width: int) -> int:
     return w
 
 
+def _name_reason_widths(labels: list[str], reasons: list[str], avail: int) -> tuple[int, int]:
+    """Widths of the node and reason columns in ``avail`` characters: as long as the longest
+    when both fit; else the node names cut (still unique) and the reasons cut, and 0 for the
+    reasons when fewer than 10 characters are left for them."""
+    wn_nat = max([len("node")] + [len(x) for x in labels])
+    wr_nat = max([len("reason")] + [len(r) for r in reasons])
+    if wn_nat + wr_nat <= avail:
+        return wn_nat, wr_nat
+    wr_min = min(wr_nat, 16)
+    wn = min(wn_nat, max(24, avail * 3 // 5))
+    if avail - wn < wr_min:
+        wn = max(12, avail - wr_min)
+    wn = _fit_unique(labels, wn)
+    wr = avail - wn
+    return wn, (wr if wr >= 10 else 0)
+
+
+def _wrap_prose(lines: list[str], width: int) -> str:
+    """Table rows as laid out; prose wrapped to the width."""
+    out: list[str] = []
+    for ln in lines:
+        if isinstance(ln, _Row) or len(ln) <= width:
+            out.append(str(ln))
+        else:
+            ind = " " * (len(ln) - len(ln.lstrip()) + 4)
+            out.extend(textwrap.wrap(ln, width, subsequent_indent=ind,
+                                     break_on_hyphens=False))
+    return "\n".join(out)
+
+
 @dataclass
 class Report:
     """Result of ``analyze`` or ``precondition``."""
@@ -242,11 +272,19 @@ class Report:
         if width is None:
             width = shutil.get_terminal_size(fallback=(150, 24)).columns
         width = max(int(width), 60)
-        lines = [f"precondfx report  (capture: {self.capture})"]
+        lines: list[str] = [f"precondfx report  (capture: {self.capture})"]
         for note in self.capture_notes:
             lines.append(f"  note: {note}")
         c = self.counts()
         lines.append("  nodes: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
+        rename = {r.name: r.label for r in self.nodes if r.label and r.label != r.name}
+        lines += self._node_rows(width, all_nodes, rename)
+        lines += self._plan_lines(rename)
+        lines += self._measured_lines()
+        return _wrap_prose(lines, width)
+
+    def _node_rows(self, width: int, all_nodes: bool, rename: dict[str, str]) -> list[str]:
+        """The node table (header, rule, one row a node) and what it leaves out."""
         shown = [r for r in self.nodes
                  if all_nodes or r.status != "structural" or r.actions]
         labels = [r.label or r.name for r in shown]
@@ -254,38 +292,29 @@ class Report:
         wk = max([len("kind")] + [len(r.kind) for r in shown])
         ws = max([len("status")] + [len(r.status) for r in shown])
         wc = min(60, max([len("change")] + [len(x) for x in changes]))
-        wn_nat = max([len("node")] + [len(x) for x in labels])
-        wr_nat = max([len("reason")] + [len(r.reason) for r in shown])
-        avail = width - wk - ws - wc - 4
-        note_hidden = False
-        if wn_nat + wr_nat <= avail:
-            wn, wr = wn_nat, wr_nat
-        else:
-            wr_min = min(wr_nat, 16)
-            wn = min(wn_nat, max(24, avail * 3 // 5))
-            if avail - wn < wr_min:
-                wn = max(12, avail - wr_min)
-            wn = _fit_unique(labels, wn)
-            wr = avail - wn
-            if wr < 10:     # no room left for prose: leave the reasons to a wider table
-                wr = 0
-                note_hidden = True
-        lines += ["", f"{'node':{wn}} {'kind':{wk}} {'status':{ws}} {'change':{wc}} "
-                      f"{'reason' if wr else ''}".rstrip(),
-                  "-" * min(width, wn + wk + ws + wc + wr + 4)]
-        rename = {r.name: r.label for r in self.nodes if r.label and r.label != r.name}
+        wn, wr = _name_reason_widths(labels, [r.reason for r in shown], width - wk - ws - wc - 4)
+        lines: list[str] = [
+            "", f"{'node':{wn}} {'kind':{wk}} {'status':{ws}} {'change':{wc}} "
+                f"{'reason' if wr else ''}".rstrip(),
+            "-" * min(width, wn + wk + ws + wc + wr + 4)]
         for r, lab, act in zip(shown, labels, changes):
             act = act if len(act) <= wc else act[: wc - 3] + "..."
             reason = _relabel(r.reason, rename)
             reason = reason if len(reason) <= wr else reason[: wr - 3] + "..." if wr else ""
             lines.append(_Row(f"{_cut(lab, wn):{wn}} {r.kind:{wk}} {r.status:{ws}} {act:{wc}} "
                               f"{reason}".rstrip()))
-        if note_hidden:
+        if not wr:      # no room was left for prose
             lines.append(f"(reasons left out at width {width}: report.table(width=...) or "
                          f"report.save(path) for the full text)")
         hidden = sum(1 for r in self.nodes if r.status == "structural" and not r.actions)
         if hidden and not all_nodes:
             lines.append(f"({hidden} structural nodes not shown: report.table(all_nodes=True))")
+        return lines
+
+    def _plan_lines(self, rename: dict[str, str]) -> list[str]:
+        """Parameters re-initialized and kept, the scales, the constants, what was not
+        applied."""
+        lines: list[str] = []
         if self.plan is not None:
             nre = sum(1 for p in self.plan.inits.values() if p.rule != "keep")
             nkeep = sum(1 for p in self.plan.inits.values() if p.rule == "keep")
@@ -307,6 +336,11 @@ class Report:
             lines.append("NOT APPLIED:")
             for what, why in self.skipped:
                 lines.append(f"  {_relabel(what, rename)}: {_relabel(why, rename)}")
+        return lines
+
+    def _measured_lines(self) -> list[str]:
+        """Balancing, the measured conditioning, other stages' sections, verification, time."""
+        lines: list[str] = []
         h = self.conditioning.get("hessian")
         if isinstance(h, dict):  # the line balance.summary_line wrote (counts what was done)
             if h.get("summary"):
@@ -330,15 +364,7 @@ class Report:
             st = ", ".join(f"{k} {v:.2f}" for k, v in self.stage_seconds.items() if k != "total")
             tot = self.stage_seconds.get("total")
             lines.append(f"time: {tot:.2f} s ({st})" if tot is not None else f"time: {st}")
-        out: list[str] = []
-        for ln in lines:        # table rows as laid out; prose wrapped to the width
-            if isinstance(ln, _Row) or len(ln) <= width:
-                out.append(str(ln))
-            else:
-                ind = " " * (len(ln) - len(ln.lstrip()) + 4)
-                out.extend(textwrap.wrap(ln, width, subsequent_indent=ind,
-                                         break_on_hyphens=False))
-        return "\n".join(out)
+        return lines
 
     def constants_line(self) -> str:
         """Every constant the plan set, in one line: alphas by origin and range, residual
