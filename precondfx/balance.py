@@ -227,20 +227,9 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
     per, engine, note = _measure_per(model, fit, weights, n_fit, n_cotangents, seed,
                                      output_key, mode, verbose, first=n_first, stop=enough)
     before, before_se = _estimates(per, weights)
-    early = ""
-    if len(per) < n_fit:
-        n_fit = len(per)
-        early = (f"decided on the first {n_fit} samples: even the upper bound of the spread "
-                 f"({_upper_spread(before, before_se):.3g}x) is below the threshold; "
-                 if clear(per) else
-                 f"stopped after {n_fit} samples: every layer's statistic known to "
-                 f"+-{rtol:.0%} (95% interval): the noise cannot leave two layers more than "
-                 f"{threshold:g}x apart; ")
-    bad = [w for w, v in before.items() if not (v > 0 and math.isfinite(v))]
-    if bad:
-        raise PrecondError(f"the {stat} statistic of {bad[:3]} is zero or not finite (the output "
-                           f"does not depend on these weights on the calibration batch); use "
-                           f"balance='analytic'")
+    early = _stop_note(per, n_fit, clear, before, before_se, rtol, threshold)
+    n_fit = min(n_fit, len(per))
+    _check_positive(before, stat)
     base = {"statistic": STATISTICS[stat], "samples": n_fit, "cotangents": n_cotangents,
             "batch": b, "before": before, "stderr_before": before_se,
             "spread_before": spread_of(before), "note": note, "engine": engine,
@@ -253,30 +242,10 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
                                     f"{threshold:g}x: alphas left as planned"}, n_layers, left)
     target = geometric_mean(list(before.values()))
     factors = {w: (target / v) ** 0.25 for w, v in before.items()}
-    y0 = _output(model, fit, output_key, mode)
     one = sample.take(0) if b > 1 else sample   # two identical runs must agree: no random op
-    noise = _rel_change(_output(model, one, output_key, mode),
-                        _output(model, one, output_key, mode))
-    saved = {w: (model.get_parameter(w).detach().clone(),
-                 [model.get_buffer(b_).detach().clone() for b_ in ok[w]]) for w in factors}
-    for w, c in factors.items():
-        _rescale(model, w, ok[w], c)
-    y1 = _output(model, fit, output_key, mode)
-    change = _rel_change(y1, y0)
-    if noise > 1e-5 or not change < 1e-4 + noise:  # the function must not change: check, undo exactly
-        with torch.no_grad():
-            for w, (wt, bufs) in saved.items():
-                model.get_parameter(w).copy_(wt)
-                for b_, v in zip(ok[w], bufs):
-                    model.get_buffer(b_).copy_(v)
-        if noise > 1e-5:
-            msg = (f"two identical forwards of the calibration batch differ by {noise:.2g} "
-                   f"(relative): a random op is active that the calibration run could not turn "
-                   f"off, so whether rescaling keeps the function cannot be checked; alphas "
-                   f"left as planned (calibration='eval' or a deterministic forward)")
-        else:
-            msg = (f"rescaling changed the output by {change:.2g} (relative; the statistics "
-                   f"span {spread_of(before):.3g}x); alphas left as planned")
+    change, msg = _rescale_checked(model, fit, one, ok, factors, output_key, mode,
+                                   spread_of(before))
+    if msg is not None:
         if not gated:
             raise PrecondError(f"measured balancing failed: {msg}")
         return _finish({**base, "applied": False, "decision": msg}, n_layers, left)
@@ -286,6 +255,61 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
         "output_change": change,
         "held_out": None,   # filled by held_out() when precondition(..., measure=True)
     }, n_layers, left)
+
+
+def _stop_note(per: np.ndarray, n_fit: int, clear: Callable[[np.ndarray], bool],
+               before: dict[str, float], before_se: dict[str, float], rtol: float,
+               threshold: float) -> str:
+    """Why the measurement stopped before ``n_fit`` samples ('' when it did not)."""
+    if len(per) >= n_fit:
+        return ""
+    n = len(per)
+    return (f"decided on the first {n} samples: even the upper bound of the spread "
+            f"({_upper_spread(before, before_se):.3g}x) is below the threshold; "
+            if clear(per) else
+            f"stopped after {n} samples: every layer's statistic known to "
+            f"+-{rtol:.0%} (95% interval): the noise cannot leave two layers more than "
+            f"{threshold:g}x apart; ")
+
+
+def _check_positive(before: dict[str, float], stat: str) -> None:
+    bad = [w for w, v in before.items() if not (v > 0 and math.isfinite(v))]
+    if bad:
+        raise PrecondError(f"the {stat} statistic of {bad[:3]} is zero or not finite (the output "
+                           f"does not depend on these weights on the calibration batch); use "
+                           f"balance='analytic'")
+
+
+def _rescale_checked(model: nn.Module, fit: Sample, one: Sample, ok: dict[str, list[str]],
+                     factors: dict[str, float], output_key: Any, mode: str, spread: float
+                     ) -> tuple[float, str | None]:
+    """Rescale each weight's alphas by its factor and check that the main output on ``fit``
+    is unchanged; if not (or if two identical forwards of ``one`` already differ: a random
+    op), undo exactly (saved tensors copied back).  Returns the output's relative change and
+    why the rescaling was undone (None: kept)."""
+    y0 = _output(model, fit, output_key, mode)
+    noise = _rel_change(_output(model, one, output_key, mode),
+                        _output(model, one, output_key, mode))
+    saved = {w: (model.get_parameter(w).detach().clone(),
+                 [model.get_buffer(b_).detach().clone() for b_ in ok[w]]) for w in factors}
+    for w, c in factors.items():
+        _rescale(model, w, ok[w], c)
+    change = _rel_change(_output(model, fit, output_key, mode), y0)
+    if noise <= 1e-5 and change < 1e-4 + noise:
+        return change, None
+    with torch.no_grad():
+        for w, (wt, bufs) in saved.items():
+            model.get_parameter(w).copy_(wt)
+            for b_, v in zip(ok[w], bufs):
+                model.get_buffer(b_).copy_(v)
+    if noise > 1e-5:
+        return change, (f"two identical forwards of the calibration batch differ by "
+                        f"{noise:.2g} (relative): a random op is active that the calibration "
+                        f"run could not turn off, so whether rescaling keeps the function "
+                        f"cannot be checked; alphas left as planned (calibration='eval' or a "
+                        f"deterministic forward)")
+    return change, (f"rescaling changed the output by {change:.2g} (relative; the statistics "
+                    f"span {spread:.3g}x); alphas left as planned")
 
 
 def _rel_change(y: torch.Tensor, ref: torch.Tensor) -> float:

@@ -289,6 +289,28 @@ def _fx_up(node: fx.Node, gm: fx.GraphModule) -> fx.Node:
 # -- resolving factors per parameter -----------------------------------------------------------
 def _param_factors(model: nn.Module, sc: _Scales) -> dict[str, float]:
     """Factor per parameter name (first name of tied parameters); problems go to ``sc``."""
+    _settle_scales(sc)
+    owners, names, tensors = _owners(model, sc)
+    for _ in range(8):
+        if not _untie(sc, owners, names):
+            break
+    factors: dict[str, float] = {}
+    for pid, own in owners.items():
+        rs = [_request(sc, mid, pn) for mid, pn in own]
+        if not _all_close(rs):
+            continue   # reported above
+        if not _close(rs[0], 1.0):
+            if not tensors[pid].is_floating_point():
+                sc.problems.append((names[pid], "not a floating-point parameter"))
+                continue
+            factors[names[pid]] = rs[0]
+    return factors
+
+
+def _settle_scales(sc: _Scales) -> None:
+    """Each module's input and output scale where its parameters can carry it: an output scale
+    of a parameter-free module moves to the module upstream, an MHA's to its out_proj; what
+    cannot move is a problem (and dropped)."""
     queue = list(dict.fromkeys(list(sc.inp) + list(sc.out)))
     while queue:
         mid = queue.pop(0)
@@ -316,6 +338,11 @@ def _param_factors(model: nn.Module, sc: _Scales) -> dict[str, float]:
             sc.inp.pop(mid, None)
             sc.out.pop(mid, None)
 
+
+def _owners(model: nn.Module, sc: _Scales) -> tuple[dict[int, list[tuple[int, str]]],
+                                                    dict[int, str], dict[int, torch.Tensor]]:
+    """Per parameter (by id): the (module id, name) pairs that hold it, its first name, the
+    tensor."""
     owners: dict[int, list[tuple[int, str]]] = {}
     names: dict[int, str] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -329,63 +356,59 @@ def _param_factors(model: nn.Module, sc: _Scales) -> dict[str, float]:
                 owners[id(p)].append((id(mod), pname))
             names.setdefault(id(p), f"{path}.{pname}" if path else pname)
             tensors[id(p)] = p
+    return owners, names, tensors
 
-    def request(mid: int, pname: str) -> float:
-        i, o = sc.inp.get(mid, 1.0), sc.out.get(mid, 1.0)
-        k = kind(sc.mods[mid][1])
-        if k == "linear":
-            return i * o if pname == "weight" else o
-        return o
 
-    def movable(mid: int, pname: str) -> bool:
-        mod = sc.mods[mid][1]
-        return kind(mod) == "linear" and pname == "weight" and \
-            getattr(mod, "bias", None) is None and mid in sc.upstream
+def _request(sc: _Scales, mid: int, pname: str) -> float:
+    """The factor module ``mid`` needs on its parameter ``pname``."""
+    i, o = sc.inp.get(mid, 1.0), sc.out.get(mid, 1.0)
+    if kind(sc.mods[mid][1]) == "linear":
+        return i * o if pname == "weight" else o
+    return o
 
-    for _ in range(8):
-        moved = False
-        for pid, own in owners.items():
-            reqs = [(mid, pn, request(mid, pn)) for mid, pn in own]
-            if len(own) < 2 or _all_close([r for *_, r in reqs]):
-                continue
-            fixed = [r for mid, pn, r in reqs if not movable(mid, pn)]
-            if not _all_close(fixed):
-                users = ", ".join(f"{sc.mods[m][0] or 'model'} x{r:.6g}" for m, _, r in reqs)
-                sc.problems.append((names[pid], f"a tied weight whose users need different "
-                                    f"scales ({users}): one tensor cannot carry both"))
-                for mid, _pn, _r in reqs:
-                    sc.inp.pop(mid, None)
-                    sc.out.pop(mid, None)
-                moved = True
-                break
-            f = fixed[0] if fixed else reqs[0][2]
-            for mid, pn, r in reqs:
-                if _close(r, f):
-                    continue
-                up = sc.upstream[mid]
-                upath, umod = sc.mods[up]
-                if kind(umod) not in ("linear", "norm", "embedding"):
-                    sc.problems.append((names[pid], f"tied weight: the difference of scale "
-                                        f"cannot pass to {upath} ({type(umod).__name__})"))
-                    sc.inp.pop(mid, None)
-                    sc.out.pop(mid, None)
-                else:
-                    sc.add(sc.out, upath, umod, r / f)
-                    sc.inp[mid] = sc.inp.get(mid, 1.0) * f / r
-                moved = True
-        if not moved:
-            break
-    factors: dict[str, float] = {}
+
+def _movable(sc: _Scales, mid: int, pname: str) -> bool:
+    """Can a different factor on this (tied) weight move upstream (a bias-free linear with a
+    known producer of its input)?"""
+    mod = sc.mods[mid][1]
+    return kind(mod) == "linear" and pname == "weight" and \
+        getattr(mod, "bias", None) is None and mid in sc.upstream
+
+
+def _untie(sc: _Scales, owners: dict[int, list[tuple[int, str]]], names: dict[int, str]
+           ) -> bool:
+    """One pass over tied parameters whose users need different factors: move the difference
+    upstream where it can go, else report it; True when anything changed."""
+    moved = False
     for pid, own in owners.items():
-        rs = [request(mid, pn) for mid, pn in own]
-        if not _all_close(rs):
-            continue   # reported above
-        if not _close(rs[0], 1.0):
-            if not tensors[pid].is_floating_point():
-                sc.problems.append((names[pid], "not a floating-point parameter"))
+        reqs = [(mid, pn, _request(sc, mid, pn)) for mid, pn in own]
+        if len(own) < 2 or _all_close([r for *_, r in reqs]):
+            continue
+        fixed = [r for mid, pn, r in reqs if not _movable(sc, mid, pn)]
+        if not _all_close(fixed):
+            users = ", ".join(f"{sc.mods[m][0] or 'model'} x{r:.6g}" for m, _, r in reqs)
+            sc.problems.append((names[pid], f"a tied weight whose users need different "
+                                f"scales ({users}): one tensor cannot carry both"))
+            for mid, _pn, _r in reqs:
+                sc.inp.pop(mid, None)
+                sc.out.pop(mid, None)
+            return True
+        f = fixed[0] if fixed else reqs[0][2]
+        for mid, pn, r in reqs:
+            if _close(r, f):
                 continue
-            factors[names[pid]] = rs[0]
-    return factors
+            upath, umod = sc.mods[sc.upstream[mid]]
+            if kind(umod) not in ("linear", "norm", "embedding"):
+                sc.problems.append((names[pid], f"tied weight: the difference of scale "
+                                    f"cannot pass to {upath} ({type(umod).__name__})"))
+                sc.inp.pop(mid, None)
+                sc.out.pop(mid, None)
+            else:
+                sc.add(sc.out, upath, umod, r / f)
+                sc.inp[mid] = sc.inp.get(mid, 1.0) * f / r
+            moved = True
+    return moved
+
 
 
 def _parametrized(mod: nn.Module) -> bool:

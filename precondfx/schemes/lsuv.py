@@ -119,95 +119,26 @@ class LSUV(Scheme):
 
     # -- data-driven step ---------------------------------------------------------------------
     def calibrate(self, ctx: SchemeContext) -> dict[str, Any]:
-        plan, tgt = ctx.plan, self.target_var
-        skipped: list[tuple[str, str]] = []
-        sites = []
-        for lay in plan.layers:
-            if lay.kind not in _KINDS:
-                skipped.append((lay.node, f"{lay.kind}: not a convolution or fully-connected "
-                                          f"layer (Algorithm 1 covers only those)"))
-            elif ctx.buffer(lay.node) is None:
-                skipped.append((lay.node, "no alpha buffer could be placed at this call site "
-                                          "(see the report's skipped list)"))
-            else:
-                sites.append(lay)
-        in_plan = {lay.node for lay in plan.layers}
-        for n in ctx.graph:
-            if n.status == "weighted" and n.name not in in_plan:
-                skipped.append((n.name, f"{n.kind}: not a plain conv/linear weight of the plan "
-                                        f"(parametrized, attention or recurrent weights): its "
-                                        f"init is the core plan's, not scaled"))
+        tgt = self.target_var
+        sites, skipped = _sites(ctx)
         buf_of = {lay.node: ctx.site_buffers[lay.node] for lay in sites}
         # call sites per buffer, in execution order (eager: a shared module has one buffer)
         group: dict[str, list[str]] = {}
         for lay in sites:
             group.setdefault(buf_of[lay.node], []).append(lay.node)
-        rows: dict[str, dict[str, Any]] = {}
-        cache: dict[str, float] = {}
-
-        def measure(names: list[str]) -> dict[str, float]:
-            got = ctx.outputs(names)
-            return {k: _var(v) for k, v in got.items()}
-
-        order = [lay.node for lay in sites]
-        for i, lay in enumerate(sites):
-            node = lay.node
-            buf = ctx.buffer(node)
-            seen = [n for n in group[buf_of[node]] if order.index(n) <= i]
-            nxt = order[i + 1:i + 2]
-            iters = 0
-            first: float | None = None
-            while True:
-                if any(n not in cache for n in seen):
-                    cache = measure(seen + nxt)
-                    if any(n not in cache for n in seen):
-                        break
-                vs = [cache[n] for n in seen]
-                if first is None:
-                    first = cache[node]
-                if not all(math.isfinite(v) and v > 0 for v in vs):
-                    break
-                # one scale per buffer: the geometric mean of its call sites' variances
-                v = math.exp(sum(math.log(x) for x in vs) / len(vs))
-                if abs(v / tgt - 1.0) < self.tol or iters >= self.max_iter:
-                    break
-                with torch.no_grad():
-                    buf.mul_(math.sqrt(tgt / v))
-                iters += 1
-                cache = {}
-            if node not in cache:
-                skipped.append((node, "its output could not be probed on the calibration batch "
-                                      f"(capture: {ctx.graph.method})"))
-            else:
-                sites_row: dict[str, Any] = {"node": node, "module": lay.module, "weight": lay.weight,
-                             "variance_before": first, "variance": cache[node],
-                             "iterations": iters, "scale": float(buf),
-                             "buffer": buf_of[node]}
-                if not (math.isfinite(cache[node]) and cache[node] > 0):
-                    sites_row["note"] = "output variance is zero or not finite: not scaled"
-                rows[node] = sites_row
-            for n in seen[:-1]:  # earlier call sites sharing this buffer moved with it
-                if n in rows and n in cache:
-                    rows[n]["variance"] = cache[n]
+        rows = self._fit_sites(ctx, sites, group, buf_of, skipped)
         # Outputs only depend on the scales of earlier call sites, so each site's last measured
         # variance is final, except where call sites share a buffer (eager): re-measure then.
         lsuv_forwards = ctx.forwards
         if rows and any(len(v) > 1 for v in group.values()):
-            final = measure(list(rows))
+            final = _variances(ctx, list(rows))
             for n, r in rows.items():
                 r["variance"] = final.get(n, r["variance"])
         for n, r in rows.items():
             r["converged"] = bool(math.isfinite(r["variance"])
                                   and abs(r["variance"] / tgt - 1.0) < self.tol)
             r["scale"] = float(ctx.buffer(n))
-        notes = list(self._notes)
-        for buf, names in group.items():
-            names = [n for n in names if n in rows]
-            if len(names) > 1:
-                notes.append(f"call sites {names} share one scale buffer {buf} (module called "
-                             f"{len(names)} times; the {ctx.graph.method} back end places one "
-                             f"input scale per module): fitted to the geometric mean of their "
-                             f"variances, {[round(rows[n]['variance'], 4) for n in names]}")
+        notes = list(self._notes) + _shared_notes(group, rows, ctx.graph.method)
         folded = self._fold(ctx, sites, rows) if self.fold else []
         self._record(ctx, rows)
         return {
@@ -221,6 +152,65 @@ class LSUV(Scheme):
             "skipped": skipped,
             "notes": notes,
         }
+
+    def _fit_sites(self, ctx: SchemeContext, sites: list, group: dict[str, list[str]],
+                   buf_of: dict[str, str], skipped: list[tuple[str, str]]
+                   ) -> dict[str, dict[str, Any]]:
+        """Algorithm 1 over the call sites in execution order: scale each site's buffer until
+        its output variance is the target (one row a site; unprobed sites go to ``skipped``)."""
+        rows: dict[str, dict[str, Any]] = {}
+        cache: dict[str, float] = {}
+        order = [lay.node for lay in sites]
+        for i, lay in enumerate(sites):
+            node = lay.node
+            buf = ctx.buffer(node)
+            seen = [n for n in group[buf_of[node]] if order.index(n) <= i]
+            first, iters, cache = self._scale_site(ctx, node, buf, seen, order[i + 1:i + 2],
+                                                   cache)
+            if node not in cache:
+                skipped.append((node, "its output could not be probed on the calibration batch "
+                                      f"(capture: {ctx.graph.method})"))
+            else:
+                row: dict[str, Any] = {"node": node, "module": lay.module, "weight": lay.weight,
+                                       "variance_before": first, "variance": cache[node],
+                                       "iterations": iters, "scale": float(buf),
+                                       "buffer": buf_of[node]}
+                if not (math.isfinite(cache[node]) and cache[node] > 0):
+                    row["note"] = "output variance is zero or not finite: not scaled"
+                rows[node] = row
+            for n in seen[:-1]:  # earlier call sites sharing this buffer moved with it
+                if n in rows and n in cache:
+                    rows[n]["variance"] = cache[n]
+        return rows
+
+    def _scale_site(self, ctx: SchemeContext, node: str, buf: torch.Tensor, seen: list[str],
+                    nxt: list[str], cache: dict[str, float]
+                    ) -> tuple[float | None, int, dict[str, float]]:
+        """Scale ``buf`` (shared by the call sites ``seen``, ``node`` the last) until the
+        geometric mean of their variances is the target, within ``tol`` or ``max_iter``
+        steps; measures ``nxt`` too, for the next site.  Returns the first variance of
+        ``node``, the steps taken and the last measurements."""
+        tgt, iters = self.target_var, 0
+        first: float | None = None
+        while True:
+            if any(n not in cache for n in seen):
+                cache = _variances(ctx, seen + nxt)
+                if any(n not in cache for n in seen):
+                    break
+            vs = [cache[n] for n in seen]
+            if first is None:
+                first = cache[node]
+            if not all(math.isfinite(v) and v > 0 for v in vs):
+                break
+            # one scale per buffer: the geometric mean of its call sites' variances
+            v = math.exp(sum(math.log(x) for x in vs) / len(vs))
+            if abs(v / tgt - 1.0) < self.tol or iters >= self.max_iter:
+                break
+            with torch.no_grad():
+                buf.mul_(math.sqrt(tgt / v))
+            iters += 1
+            cache = {}
+        return first, iters, cache
 
     def _fold(self, ctx: SchemeContext, sites: list, rows: dict[str, dict]) -> list[str]:
         """Move each weight's first call-site scale into the weight (exact: the alpha multiplies
@@ -266,3 +256,45 @@ class LSUV(Scheme):
             if sc.tag == "alpha" and sc.node in rows:
                 ctx.measured.add("lsuv", "scale", sc.key(), rows[sc.node]["scale"],
                                  reason=why)
+
+
+def _sites(ctx: SchemeContext) -> tuple[list, list[tuple[str, str]]]:
+    """The plan's conv/linear layers with an alpha buffer at their call site, and every other
+    weighted node with why it is not scaled."""
+    skipped: list[tuple[str, str]] = []
+    sites = []
+    for lay in ctx.plan.layers:
+        if lay.kind not in _KINDS:
+            skipped.append((lay.node, f"{lay.kind}: not a convolution or fully-connected "
+                                      f"layer (Algorithm 1 covers only those)"))
+        elif ctx.buffer(lay.node) is None:
+            skipped.append((lay.node, "no alpha buffer could be placed at this call site "
+                                      "(see the report's skipped list)"))
+        else:
+            sites.append(lay)
+    in_plan = {lay.node for lay in ctx.plan.layers}
+    for n in ctx.graph:
+        if n.status == "weighted" and n.name not in in_plan:
+            skipped.append((n.name, f"{n.kind}: not a plain conv/linear weight of the plan "
+                                    f"(parametrized, attention or recurrent weights): its "
+                                    f"init is the core plan's, not scaled"))
+    return sites, skipped
+
+
+def _variances(ctx: SchemeContext, names: list[str]) -> dict[str, float]:
+    """Output variance of each node in ``names`` on the calibration batch (one forward)."""
+    got = ctx.outputs(names)
+    return {k: _var(v) for k, v in got.items()}
+
+
+def _shared_notes(group: dict[str, list[str]], rows: dict[str, dict[str, Any]], method: str
+                  ) -> list[str]:
+    notes = []
+    for buf, names in group.items():
+        names = [n for n in names if n in rows]
+        if len(names) > 1:
+            notes.append(f"call sites {names} share one scale buffer {buf} (module called "
+                         f"{len(names)} times; the {method} back end places one "
+                         f"input scale per module): fitted to the geometric mean of their "
+                         f"variances, {[round(rows[n]['variance'], 4) for n in names]}")
+    return notes
