@@ -1705,3 +1705,16 @@ def test_measure_on_real_world_cases(name: str) -> None:
     vals = list(before.values()) + list(after.values())
     assert all(math.isfinite(v) and v >= 0 for v in vals) and max(vals) > 0
     assert "blocks" in m or "blocks_note" in m
+
+
+def test_structseq_output_says_why_it_is_not_scaled() -> None:
+    """torch.topk's (values, indices) returned whole: the eager back end scales the values and
+    keeps the type; the GraphModule cannot edit it and says so (it used to raise TypeError)."""
+    torch.manual_seed(0)
+    res, rep = precondfx.precondition(TopK(), _x(B, 8))
+    assert type(res(_x(B, 8))).__name__ == "topk"
+    assert rep.output_scale is None and any("structseq" in why for _, why in rep.skipped)
+    res, rep = precondfx.precondition(TopK(), _x(B, 8), inplace=True)
+    out = res(_x(B, 8))
+    assert type(out).__name__ == "topk" and rep.output_scale is not None
+    assert float(out.values.double().std(correction=0)) == pytest.approx(1.0, rel=0.02)

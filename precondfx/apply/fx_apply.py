@@ -189,9 +189,15 @@ class FxApplier(TorchBackend, Records):
         out = next(n for n in self.gm.graph.nodes if n.op == "output")
         target = out.args[0]
         for k in path:
-            target = _select(target, k)
+            whole, target = target, _select(target, k)
         if not isinstance(target, fx.Node):
-            self._skip("output", "output", "main output is not a graph value")
+            why = "main output is not a graph value"
+            if path and isinstance(whole, fx.Node):   # e.g. torch.topk's (values, indices)
+                why = (f"the main output is part of the value {whole.name} returns whole (a "
+                       f"structseq such as torch.topk's), which the graph cannot edit: no "
+                       f"output scale. Return the tensor itself (values, indices = "
+                       f"torch.topk(...)) to get it")
+            self._skip("output", "output", why)
             return None
         node = self._producer(target)
         bounded = bounded_output(self.kinds.get(node.name), str(getattr(node.target, "__name__",
