@@ -40,34 +40,39 @@ def _measures_data(scheme: str) -> bool:
     return getattr(scheme_class(scheme), "calibrate", Scheme.calibrate) is not Scheme.calibrate
 
 
+def _no_data_support(name: str, balance: str, input_scale: str, scheme: str) -> Support:
+    """A setting where the model cannot be measured on the calibration batch: measured
+    balancing, ``input_scale='auto'`` and the schemes that measure data are refused, each with
+    the given why."""
+    return Support(name, (
+        Rule("balance", lambda v: v in ("auto", "hessian"), REFUSE, balance),
+        Rule("input_scale", lambda v: v == "auto", REFUSE, input_scale),
+        Rule("scheme", _measures_data, REFUSE, scheme),
+    ))
+
+
 #: a model on the meta device has shapes but no data: only data-free modes apply (the output
 #: scale is inserted at 1 and calibrated after materializing, ``precondfx.distributed``)
-META = Support("meta device", (
-    Rule("balance", lambda v: v in ("auto", "hessian"), REFUSE,
-         "balance='auto'/'hessian' measures the model on data, but it is on the meta device: "
-         "pass balance='analytic' or 'none', or materialize the model first "
-         "(model.to_empty(device='cpu'))"),
-    Rule("input_scale", lambda v: v == "auto", REFUSE,
-         "input_scale='auto' needs the input's values; the model is on the meta device: pass a "
-         "number or None"),
-    Rule("scheme", _measures_data, REFUSE,
-         "this scheme measures the model on data, but it is on the meta device: use "
-         "scheme='geometric', or materialize the model first"),
-))
+META = _no_data_support(
+    "meta device",
+    "balance='auto'/'hessian' measures the model on data, but it is on the meta device: "
+    "pass balance='analytic' or 'none', or materialize the model first "
+    "(model.to_empty(device='cpu'))",
+    "input_scale='auto' needs the input's values; the model is on the meta device: pass a "
+    "number or None",
+    "this scheme measures the model on data, but it is on the meta device: use "
+    "scheme='geometric', or materialize the model first")
 
 
 #: a sharded model (DTensor parameters, FSDP2): each rank sees its own batch, so only what
 #: all-reduces its statistics applies (the output scale, ``precondfx.distributed.calibrate``)
-SHARDED = Support("sharded model", (
-    Rule("balance", lambda v: v in ("auto", "hessian"), REFUSE,
-         "measured balancing is not distributed (each rank would set alphas from its own "
-         "batch): pass balance='analytic' or 'none'"),
-    Rule("input_scale", lambda v: v == "auto", REFUSE,
-         "input_scale='auto' would differ between ranks (each sees its own batch): pass a "
-         "number or None"),
-    Rule("scheme", _measures_data, REFUSE,
-         "this scheme measures the model on each rank's own batch: use scheme='geometric'"),
-))
+SHARDED = _no_data_support(
+    "sharded model",
+    "measured balancing is not distributed (each rank would set alphas from its own "
+    "batch): pass balance='analytic' or 'none'",
+    "input_scale='auto' would differ between ranks (each sees its own batch): pass a "
+    "number or None",
+    "this scheme measures the model on each rank's own batch: use scheme='geometric'")
 
 
 def resolve_torch(user: Options, model: nn.Module) -> Resolved:

@@ -70,6 +70,15 @@ class Records:
         if key is not None:
             self.outcomes[key] = Outcome(key, False, None, (what, why))
 
+    def _scale_node(self, nodes: Any, sc: Any, missing: str) -> tuple[Any, str, str]:
+        """The node that scale ``sc`` acts on (looked up in ``nodes``; None, with a skipped
+        entry saying ``missing``, where it is not there), its plan key, and what the report
+        calls it."""
+        node, key, what = nodes.get(sc.node), key_of(sc), f"{sc.tag} at {sc.where} of {sc.node}"
+        if node is None:
+            self._skip(key, what, missing)
+        return node, key, what
+
     def placed(self, key: str) -> str | None:
         """The constant that carries plan entry ``key`` (None where it was not applied)."""
         o = self.outcomes.get(key)

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from precondfx.apply.backend import Records, key_of
+from precondfx.apply.backend import Records
 from precondfx.apply.common import PREFIX, replacement_pool, scalar_buffer, scale_at_path
 from precondfx.apply.torch_backend import TorchBackend
 from precondfx.errors import PrecondError
@@ -200,10 +200,8 @@ class EagerApplier(TorchBackend, Records):
         return path if uses == 1 and self.calls.get(path, 0) == 0 else None
 
     def scale(self, sc: Scale) -> str | None:
-        node, key = self.graph.get(sc.node), key_of(sc)
-        what = f"{sc.tag} at {sc.where} of {sc.node}"
+        node, key, what = self._scale_node(self.graph, sc, "node not in the captured graph")
         if node is None:
-            self._skip(key, what, "node not in the captured graph")
             return None
         if sc.where == "operand":
             src = node.inputs[sc.index] if sc.index < len(node.inputs) else None

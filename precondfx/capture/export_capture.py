@@ -8,7 +8,7 @@ the sample, which the report says.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -60,15 +60,41 @@ def to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, method: s
     pmap.update(sig.inputs_to_buffers)
     pmap.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
     user_inputs = set(sig.user_inputs)
-    graph = ep.graph
+    order, groups, group_of = _group_leaf_calls(ep.graph)
+    marker = _marker(pmap, group_of)
+    nodes: list[Node] = []
+    outputs: list[str] = []
+    for what, item in order:
+        if what == "group":
+            nodes.append(_group_node(item, groups[item], model, marker, pmap))
+            continue
+        n = item
+        if n.op == "placeholder":
+            if n.name in pmap or n.name not in user_inputs:
+                continue
+            nodes.append(Node(n.name, "input", f"input {n.name}", out_shape=_out_shape(n)))
+        elif n.op == "output":
+            outputs = _output_sources(n, marker)
+            nodes.append(Node(n.name, "output", "output", inputs=outputs))
+        elif n.op == "call_function":
+            nodes.append(_function_node(n, marker))
+    notes = []
+    if method == "draft_export":
+        notes.append("draft_export specialized data-dependent branches on the sample: the "
+                     "analysis describes the path the sample took")
+    return Graph(nodes, method, notes=notes, outputs=outputs)
+
+
+def _group_leaf_calls(graph: fx.Graph) -> tuple[list[tuple[str, Any]], dict[str, dict],
+                                                 dict[str, str]]:
+    """The calls of each leaf-module call grouped: the order of groups and other nodes
+    (("group", key) or ("node", fx.Node)), the groups (scope key -> nodes, path, call index,
+    op table entry), and the group of each grouped fx node."""
     group_of: dict[str, str] = {}      # fx node name -> neutral node name
     groups: dict[str, dict] = {}        # scope key -> {nodes, path, idx, spec}
     order: list[tuple[str, Any]] = []   # ("group", key) or ("node", fx.Node)
     for n in graph.nodes:
-        if n.op != "call_function":
-            order.append(("node", n))
-            continue
-        scope = _leaf_scope(n)
+        scope = _leaf_scope(n) if n.op == "call_function" else None
         if scope is None:
             order.append(("node", n))
             continue
@@ -78,7 +104,12 @@ def to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, method: s
             order.append(("group", key))
         groups[key]["nodes"].append(n)
         group_of[n.name] = key
+    return order, groups, group_of
 
+
+def _marker(pmap: dict[str, str], group_of: dict[str, str]) -> Callable[[Any], Any]:
+    """The operand markers of an fx argument (parameters by their state_dict name,
+    activations by the neutral node that produces them)."""
     def marker(a: Any) -> Any:
         if isinstance(a, fx.Node):
             if a.op == "placeholder" and a.name in pmap:
@@ -93,66 +124,56 @@ def to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, method: s
         if isinstance(a, (int, float)) and not isinstance(a, bool):
             return Const(a)
         return a
+    return marker
 
-    nodes: list[Node] = []
+
+def _group_node(key: str, g: dict, model: torch.nn.Module, marker: Callable[[Any], Any],
+                pmap: dict[str, str]) -> Node:
+    """One leaf-module call: its operands are what its calls read from outside the group."""
+    members = {m.name for m in g["nodes"]}
+    ext_args = []
+    for m in g["nodes"]:
+        for a in m.all_input_nodes:
+            if a.name not in members:
+                ext_args.append(a)
+    args = [marker(a) for a in ext_args if not (a.op == "placeholder" and a.name in pmap)]
+    path = g["path"]
+    try:
+        mod = model.get_submodule(path)
+    except AttributeError:
+        mod = None
+    out_shape = _out_shape(g["nodes"][-1])
+    if mod is None:
+        return build_node(key, g["spec"], g["spec"].kind, args, {}, out_shape=out_shape)
+    return build_node(key, g["spec"], f"{type(mod).__module__}.{type(mod).__name__}",
+                      args, {}, module=path, module_obj=mod, call_index=g["idx"],
+                      out_shape=out_shape, in_shapes=[_out_shape(a) for a in ext_args])
+
+
+def _output_sources(n: fx.Node, marker: Callable[[Any], Any]) -> list[str]:
+    """The nodes the output node returns (activations, each once)."""
+    outs = [marker(a) for a in n.args[0]] if isinstance(n.args[0], (list, tuple)) \
+        else [marker(n.args[0])]
     outputs: list[str] = []
-    for what, item in order:
-        if what == "group":
-            g = groups[item]
-            members = {m.name for m in g["nodes"]}
-            ext_args = []
-            for m in g["nodes"]:
-                for a in m.all_input_nodes:
-                    if a.name not in members:
-                        ext_args.append(a)
-            args = [marker(a) for a in ext_args if not (a.op == "placeholder" and a.name in pmap)]
-            path = g["path"]
-            try:
-                mod = model.get_submodule(path)
-            except AttributeError:
-                mod = None
-            last = g["nodes"][-1]
-            out_shape = _out_shape(last)
-            if mod is None:
-                node = build_node(item, g["spec"], g["spec"].kind, args, {},
-                                  out_shape=out_shape)
-            else:
-                node = build_node(item, g["spec"], f"{type(mod).__module__}.{type(mod).__name__}",
-                                  args, {}, module=path, module_obj=mod, call_index=g["idx"],
-                                  out_shape=out_shape,
-                                  in_shapes=[_out_shape(a) for a in ext_args])
-            nodes.append(node)
-            continue
-        n = item
-        if n.op == "placeholder":
-            if n.name in pmap or n.name not in user_inputs:
-                continue
-            nodes.append(Node(n.name, "input", f"input {n.name}", out_shape=_out_shape(n)))
-        elif n.op == "output":
-            outs = [marker(a) for a in n.args[0]] if isinstance(n.args[0], (list, tuple)) \
-                else [marker(n.args[0])]
-            outputs = []
-            for o in outs:
-                if isinstance(o, Act) and o.src not in outputs:
-                    outputs.append(o.src)
-            nodes.append(Node(n.name, "output", "output", inputs=outputs))
-        elif n.op == "call_function":
-            tgt = n.target
-            packet = getattr(tgt, "_opname", None) or getattr(tgt, "__name__", str(tgt))
-            spec = optable.for_aten(packet) if str(tgt).startswith("aten") else \
-                optable.for_function(tgt)
-            if spec is None and packet == "getitem":
-                spec = optable.BY_KIND["select"]
-            args = [marker(a) for a in n.args]
-            kwargs = {k: marker(v) for k, v in n.kwargs.items()}
-            nodes.append(build_node(n.name, spec, f"aten.{packet}" if str(tgt).startswith("aten")
-                                    else str(tgt), args, kwargs, out_shape=_out_shape(n),
-                                    in_shapes=[_out_shape(a) for a in n.all_input_nodes]))
-    notes = []
-    if method == "draft_export":
-        notes.append("draft_export specialized data-dependent branches on the sample: the "
-                     "analysis describes the path the sample took")
-    return Graph(nodes, method, notes=notes, outputs=outputs)
+    for o in outs:
+        if isinstance(o, Act) and o.src not in outputs:
+            outputs.append(o.src)
+    return outputs
+
+
+def _function_node(n: fx.Node, marker: Callable[[Any], Any]) -> Node:
+    """A call outside any leaf module, looked up in the op table by its aten name."""
+    tgt = n.target
+    packet = getattr(tgt, "_opname", None) or getattr(tgt, "__name__", str(tgt))
+    spec = optable.for_aten(packet) if str(tgt).startswith("aten") else \
+        optable.for_function(tgt)
+    if spec is None and packet == "getitem":
+        spec = optable.BY_KIND["select"]
+    args = [marker(a) for a in n.args]
+    kwargs = {k: marker(v) for k, v in n.kwargs.items()}
+    return build_node(n.name, spec, f"aten.{packet}" if str(tgt).startswith("aten")
+                      else str(tgt), args, kwargs, out_shape=_out_shape(n),
+                      in_shapes=[_out_shape(a) for a in n.all_input_nodes])
 
 
 def _out_shape(n: fx.Node) -> tuple[int, ...] | None:

@@ -23,7 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from precondfx.outputs import pick_main
-from precondfx.apply.backend import Records, key_of
+from precondfx.apply.backend import Records
 from precondfx.apply.common import PREFIX
 from precondfx.errors import PrecondError
 from precondfx.onnx.capture import Captured
@@ -120,10 +120,8 @@ class OnnxApplier(Records):
     # -- scales ------------------------------------------------------------------------------
     def scale(self, sc: Scale) -> str | None:
         """Insert one scale; returns the constant's initializer name (None if not placed)."""
-        node, key = self.nodes.get(sc.node), key_of(sc)
-        what = f"{sc.tag} at {sc.where} of {sc.node}"
+        node, key, what = self._scale_node(self.nodes, sc, "node not found in the ONNX graph")
         if node is None:
-            self._skip(key, what, "node not found in the ONNX graph")
             return None
         base = f"{PREFIX}{sc.tag}_{_safe(sc.node)}"
         if sc.where in ("input", "operand"):
