@@ -23,6 +23,7 @@ from precondfx.errors import PrecondError
 from precondfx.measure.conditioning import _mean_estimate
 from precondfx.measure.sketch import geometric_mean, hessian_sketch, precise, rtol_for, spread_of
 from precondfx.measured import Measured
+from precondfx.options import DEFAULTS as D
 from precondfx.plan import Plan
 
 STATISTICS = {
@@ -171,10 +172,11 @@ def _finish(section: dict[str, Any], n_layers: int, left: dict[str, str]) -> dic
 
 
 def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
-                     alpha_buffers: dict[str, list[str]], *, stat: str = "hessian",
-                     n_samples: int = 16, n_cotangents: int = 4, seed: int = 0,
-                     output_key: Any = None, mode: str = "train", balance: str = "hessian",
-                     threshold: float = 2.0, log: Callable[[str], None] = lambda m: None,
+                     alpha_buffers: dict[str, list[str]], *, balance: str,
+                     stat: str = "hessian", n_samples: int = D.balance_samples,
+                     n_cotangents: int = 4, seed: int = D.seed, output_key: Any = D.output_key,
+                     mode: str = D.calibration, threshold: float = D.balance_threshold,
+                     log: Callable[[str], None] = lambda m: None,
                      verbose: bool | None = None, rtol: float | None = None) -> dict[str, Any]:
     """Balance a measured statistic (``STATISTICS``) of every weight whose every call site has
     an alpha buffer (it scales exactly as alpha^4); the other weighted layers of the plan are
