@@ -276,8 +276,6 @@ def balance(st: TorchState) -> None:
         rep.skipped += [(f"balance {w}", why) for w, why in h["left_out"].items()]
         if h.get("applied"):
             record_factors(st.measured, st.plan, h["factors"])
-        if h.get("output_std") is not None and rep.output_std_after is not None:
-            rep.output_std_after = h["output_std"]
     except PrecondError as e:
         if o.balance == "hessian":
             raise
