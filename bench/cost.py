@@ -166,10 +166,12 @@ def _one_step_time(builder):
 def precondition_cost(builder, kw, repeats, around=False):
     """In a fresh child: wall time (median of ``repeats`` calls) and peak memory above the
     built model (first call) of ``precondition``; what measured balancing did (report
-    section); with ``around``, the mean time of one training step taken right before and right
-    after (on a shared machine whose load drifts, the ratio to those is the one to quote)."""
+    section); with ``around``, every call is bracketed by training steps and the returned step
+    time is the one that makes ``time / step`` the median over calls of each call's time over
+    the mean of the steps right before and after it (on a shared machine whose load drifts,
+    that is the ratio to quote)."""
     def child():
-        times, mems, rep = [], [], None
+        times, mems, ratios, rep = [], [], [], None
         before = _one_step_time(builder) if around else None
         for r in range(repeats):
             torch.manual_seed(0)
@@ -178,13 +180,19 @@ def precondition_cost(builder, kw, repeats, around=False):
             times.append(dt)
             mems.append(mem)
             rep = out.report
-            out = None
-        step = (before + _one_step_time(builder)) / 2 if around else None
+            out = m = None
+            if around:
+                after = _one_step_time(builder)
+                ratios.append(dt / ((before + after) / 2))
+                before = after
+        t = statistics.median(times)
+        step = t / statistics.median(ratios) if around else None
         hd = rep.conditioning.get("hessian", {}) if isinstance(rep.conditioning, dict) else {}
         hd = hd if isinstance(hd, dict) else {}
         info = {k: hd.get(k) for k in ("engine", "samples", "stopped_early", "applied")}
         info["decision"] = hd.get("decision") or ("balanced" if hd.get("applied") else None)
-        return statistics.median(times), mems[0], step, info
+        info["ratios"] = ratios
+        return t, mems[0], step, info
     return in_child(child)
 
 
@@ -243,6 +251,9 @@ def main(argv=None) -> dict:
                     help="timed training steps (median; at least 0.5 s worth on small models)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="precondition calls per (model, mode) on small models (median)")
+    ap.add_argument("--big-repeats", type=int, default=2,
+                    help="calls per (model, mode) on models whose step takes > 0.5 s, each "
+                         "bracketed by training steps (median of the ratios)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=C.RESULTS)
     ap.add_argument("--threads", type=int, default=1)
@@ -270,12 +281,14 @@ def main(argv=None) -> dict:
             f"{step_mb if step_mb is None else round(step_mb, 1)} MB")
         big = step_s > 0.5
         for mode in modes:
-            t, mem, around, info = precondition_cost(builder, MODES[mode],
-                                                     1 if big else args.repeats, around=big)
+            t, mem, around, info = precondition_cost(
+                builder, MODES[mode], args.big_repeats if big else args.repeats, around=big)
+            each = info.pop("ratios")
             ratio = t / around if around else t / step_s
             row = {"family": family, "model": name, "params": n_params, "mode": mode,
                    "precondition_s": t, "step_s": step_s, "step_around_s": around,
                    "ratio_steps": ratio, "ratio_steps_median_step": t / step_s,
+                   "ratio_steps_each_call": each,
                    "precondition_peak_mb": mem, "step_peak_mb": step_mb,
                    "mem_ratio": (mem / step_mb) if (mem is not None and step_mb) else None,
                    **{f"balance_{k}": v for k, v in info.items()}}
@@ -296,8 +309,9 @@ def main(argv=None) -> dict:
                                 "precondition: the first call (includes its copy of the model)",
                "time_method": "wall time in the child (small models: median of repeats); "
                               "training step = median of --steps steps after the first; models "
-                              "whose step takes > 0.5 s: the ratio is to the mean of a step "
-                              "timed right before and right after the call in the same child; "
+                              "whose step takes > 0.5 s: the median over --big-repeats calls of "
+                              "the call's time over the mean of a step timed right before and "
+                              "right after it in the same child; "
                               "balancing_steps = ratio(auto or hessian) - ratio(analytic)",
                "env": {**C.env_info(), "loadavg_1min_end": os.getloadavg()[0]},
                "wall_s": say.elapsed()}
@@ -386,8 +400,9 @@ def _document(table: str, payload: dict, argv) -> str:
         f"at the end: the machine may be shared, compare ratios within one run).\n\n"
         "Each cell is the wall time of `precondfx.precondition(model, sample, **mode)` divided "
         "by one training step of the same model on the same batch (SGD momentum 0.9; median of "
-        "steps after a warm-up; for models whose step takes over 0.5 s, a step timed right "
-        "before and after the call in the same process). `balancing` = the auto/hessian cell "
+        "steps after a warm-up; for models whose step takes over 0.5 s, the median over "
+        "calls of each call over the steps timed right before and after it in the same "
+        "process). `balancing` = the auto/hessian cell "
         "minus the analytic one: what measured balancing itself costs.\n\n"
         + table + "\n\nWhat measured balancing did:\n\n" + "\n".join(dec) + "\n\n"
         "Peak memory above start (MB, precondition / first training step) and every field: "
