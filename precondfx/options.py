@@ -180,9 +180,10 @@ class Options:
     lr_scale: str | None = _opt(None, one_of_or_none(*LR_SCALE_MODES),
                                 "function-preserving per-layer scales (alpha x c, weights / c) "
                                 "so that one learning rate suits all widths and depths: 'adam' "
-                                "(muP fan-in rule and depth rule for Adam/AdamW), 'sgd' (depth "
-                                "rule for SGD); None (on the command line 'none'): off "
-                                "(precondfx.lr_transfer)", cli="OPT")
+                                "(each stored weight scaled to rms sqrt(fan_in)/64 (L/3)^2, L the "
+                                "main-path depth: equal relative Adam steps in every layer), "
+                                "'sgd' (every stored weight x L/3); None (on the command line "
+                                "'none'): off (precondfx.lr_transfer)", cli="OPT")
     seed: int = _opt(0, integer(0, SEED_MAX), "seed of the re-initialization", cli="N")
     reinit: bool = _opt(True, flag, "re-initialize the weights; reinit_weights=False "
                         "(--no-reinit) keeps them, divided by their alpha, and only inserts "
