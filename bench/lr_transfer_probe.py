@@ -1,0 +1,110 @@
+"""What at initialization predicts the best learning rate (issue 11, item 3)?
+
+For each member of the digits MLP family of ``bench/train_suite.py`` (widths at depth 2, depths
+at width 128), preconditioned with precondfx's defaults, this measures on the calibration batch
+(the first minibatch, 32 images, true labels):
+
+* ``lam_max``: the top eigenvalue of the Gauss-Newton matrix of the cross-entropy (power
+  iteration on Gauss-Newton-vector products): SGD is stable below 2(1+momentum)/lam_max;
+* ``greedy_sgd``: g'g / g'Gg, the rate that minimizes the quadratic model along the gradient;
+* ``greedy_adam``: |g|_1 / s'Gs with s = sign(g), the same along Adam's first step;
+* ``nu``: per layer, the relative change of the layer's output for a unit Adam step,
+  fan_in * E|x| / rms(y) (x: the layer's input, y: its output), and its median over layers.
+
+Each predictor is printed as log2 of the rate it implies (1/lam_max, the greedy rates, 1/nu);
+``lr_transfer_cpu.md`` compares their movement over widths and depths with the best rates the
+training suite measured.  Single thread, seconds per model.
+
+    python bench/lr_transfer_probe.py            # writes docs/results/lr_transfer_probe.json
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+import train_suite as TS  # noqa: E402
+
+
+def _gnvp(m: nn.Module, x: torch.Tensor, ws: list[torch.Tensor], v: list[torch.Tensor]
+          ) -> list[torch.Tensor]:
+    """G v, G = J' H_z J with H_z = (diag p - p p')/B the cross-entropy's output Hessian."""
+    z = m(x)
+    u = torch.zeros_like(z, requires_grad=True)
+    gu = torch.autograd.grad((z * u).sum(), ws, create_graph=True)
+    jv = torch.autograd.grad(sum((a * b).sum() for a, b in zip(gu, v)), u)[0]
+    p = z.detach().softmax(-1)
+    hjv = (p * jv - p * (p * jv).sum(-1, keepdim=True)) / len(x)
+    return [g.detach() for g in torch.autograd.grad((z * hjv).sum(), ws)]
+
+
+def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return sum(float((x * y).sum()) for x, y in zip(a, b))
+
+
+def probe(m: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int) -> dict:
+    ws = [p for n, p in m.named_parameters() if p.dim() > 1]
+    z = m(x)
+    g = [q.detach() for q in torch.autograd.grad(nn.functional.cross_entropy(z, y), ws)]
+    s = [q.sign() for q in g]
+    greedy_sgd = _dot(g, g) / _dot(g, _gnvp(m, x, ws, g))
+    greedy_adam = sum(float(q.abs().sum()) for q in g) / _dot(s, _gnvp(m, x, ws, s))
+    gen = torch.Generator().manual_seed(seed)
+    v = [torch.randn(q.shape, generator=gen) for q in ws]
+    for _ in range(30):
+        hv = _gnvp(m, x, ws, v)
+        n = math.sqrt(_dot(hv, hv))
+        v = [q / n for q in hv]
+    lam = _dot(v, _gnvp(m, x, ws, v))
+    nus: list[float] = []
+
+    def hook(mod: nn.Module, inp: tuple, out: torch.Tensor) -> None:
+        nus.append(mod.in_features * float(inp[0].abs().mean()) / float(out.pow(2).mean().sqrt()))
+    hs = [mod.register_forward_hook(hook) for mod in m.modules() if isinstance(mod, nn.Linear)]
+    with torch.no_grad():
+        m(x)
+    for h in hs:
+        h.remove()
+    return {"log2_inv_lam_max": -math.log2(lam), "log2_greedy_sgd": math.log2(greedy_sgd),
+            "log2_greedy_adam": math.log2(greedy_adam),
+            "log2_inv_nu_median": -math.log2(float(np.median(nus))),
+            "log2_nu_layers": [math.log2(n) for n in nus]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=2)
+    C.add_run_args(ap)
+    args = C.parse_run_args(ap, argv)
+    cfg = TS.SIZES["cpu_lr"]
+    tasks = TS.select(TS.all_tasks(dict(cfg, libsvm=False)), ["mlp"])
+    out: dict = {"tasks": {}, "command": "python bench/lr_transfer_probe.py "
+                 + " ".join(argv if argv is not None else sys.argv[1:])}
+    import precondfx
+    for t in tasks:
+        rows = []
+        for seed in range(args.seeds):
+            x, y = t.get(t.sampler(seed)[0])
+            torch.manual_seed(seed)
+            model, _ = precondfx.precondition(t.make(), x, seed=seed)
+            rows.append(probe(model.train(), x, y, seed))
+        keys = [k for k in rows[0] if not k.endswith("layers")]
+        out["tasks"][t.name] = {"family": t.family, **{k: float(np.mean([r[k] for r in rows]))
+                                                      for k in keys},
+                                "log2_nu_layers": rows[0]["log2_nu_layers"]}
+        print(f"{t.name:14s} " + " ".join(f"{k}={out['tasks'][t.name][k]:6.2f}" for k in keys),
+              flush=True)
+    C.write_json(os.path.join(args.out, f"lr_transfer_probe{'_' + args.tag if args.tag else ''}"
+                              f".json"), out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
