@@ -11,7 +11,8 @@ PyTorch adapters: ``precondfx.capture.common.output_path``/``main_output``; ONNX
 """
 from __future__ import annotations
 
-from typing import Callable, Hashable, Iterable
+import warnings
+from typing import Any, Callable, Hashable, Iterable
 
 MAIN_NAME = "logits"
 
@@ -56,3 +57,25 @@ def bounded_output(kind: str | None, target: str = "") -> str | None:
             f"output scale is not applied. To get it, return the values before that op (the "
             f"logits) and apply the op in the loss (CrossEntropyLoss, BCEWithLogitsLoss), or "
             f"pass target_std=None to turn output scaling off")
+
+
+#: op kinds that pass values through unchanged in range (a final view, a dtype cast, a slice)
+PASS_THROUGH = ("reshape", "cast", "select")
+
+
+def bounded_producer(graph: Any, name: str | None) -> str | None:
+    """Why the value of ``graph`` node ``name`` cannot take the output scale (None when it can):
+    ``bounded_output`` of the node, looked up through single-input reshapes, casts and
+    selections (``softmax(x).view(n, -1)``, an ONNX ``Identity`` after a ``Sigmoid``).  The one
+    rule the fx, eager and ONNX back ends apply to the main output's producer."""
+    node = graph.get(name) if name is not None else None
+    while node is not None and node.kind in PASS_THROUGH and len(node.inputs) == 1:
+        node = graph.get(node.inputs[0])
+    return bounded_output(node.kind, node.target) if node is not None else None
+
+
+def skip_bounded(backend: Any, why: str) -> None:
+    """The output scale is not applied (``why`` from ``bounded_output``): a ``RuntimeWarning``
+    and a ``report.skipped`` line, the same on every back end."""
+    warnings.warn(f"precondfx: {why}", RuntimeWarning, stacklevel=3)
+    backend._skip("output", "output scale", why)

@@ -10,7 +10,6 @@ Every change is logged so that it can be undone if a later stage fails.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -22,7 +21,7 @@ from precondfx.apply.common import PREFIX, replacement_pool, scalar_buffer, scal
 from precondfx.apply.torch_backend import TorchBackend
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
-from precondfx.outputs import bounded_output
+from precondfx.outputs import bounded_output, bounded_producer, skip_bounded
 from precondfx.plan import Plan, Scale
 
 _PASS_THROUGH = ("relu", "leaky_relu", "prelu", "dropout", "avgpool", "mean", "neg", "reshape",
@@ -304,8 +303,7 @@ class EagerApplier(TorchBackend, Records):
             found = None    # another module produces it in train mode (a self.training branch)
         bounded = self._bounded(found, out, path)
         if bounded is not None:
-            warnings.warn(f"precondfx: {bounded}", RuntimeWarning, stacklevel=2)
-            self._skip("output", "output scale", bounded)
+            skip_bounded(self, bounded)
             return None
         if found is not None:
             mod = self.model.get_submodule(found)
@@ -382,11 +380,7 @@ class EagerApplier(TorchBackend, Records):
                 tuple(n.out_shape) == tuple(target.shape)]
         if len(same) != 1:      # which output is the main one cannot be told from the graph
             return None
-        node = same[0]
-        while node is not None and node.kind in ("reshape", "cast", "select") and \
-                len(node.inputs) == 1:
-            node = self.graph.get(node.inputs[0])
-        return bounded_output(node.kind, node.target) if node is not None else None
+        return bounded_producer(self.graph, same[0].name)
 
     def _unique(self, path: str) -> bool:
         mod = self.model.get_submodule(path)

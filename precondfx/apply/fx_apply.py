@@ -7,7 +7,6 @@ and ONNX export.  Max-pools are folded into the convolution before them or repla
 from __future__ import annotations
 
 import operator
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -16,7 +15,7 @@ import torch.fx as fx
 from precondfx.apply.backend import Records, key_of
 from precondfx.apply.common import buffer_name, replacement_pool, scalar_buffer
 from precondfx.apply.torch_backend import TorchBackend
-from precondfx.outputs import bounded_output
+from precondfx.outputs import bounded_output, skip_bounded
 from precondfx.plan import Plan, Scale
 
 
@@ -203,8 +202,7 @@ class FxApplier(TorchBackend, Records):
         bounded = bounded_output(self.kinds.get(node.name), str(getattr(node.target, "__name__",
                                                                           node.target)))
         if bounded is not None:
-            warnings.warn(f"precondfx: {bounded}", RuntimeWarning, stacklevel=2)
-            self._skip("output", "output scale", bounded)
+            skip_bounded(self, bounded)
             return None
         b = buffer_name("output", "scale")
         self._buffer(b, 1.0)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from precondfx.outputs import pick_main
+from precondfx.outputs import bounded_producer, pick_main, skip_bounded
 from precondfx.apply.backend import Records
 from precondfx.apply.common import PREFIX
 from precondfx.errors import PrecondError
@@ -218,6 +218,10 @@ class OnnxApplier(Records):
         if out.is_graph_input() or out.is_initializer() or out.producer() is None:
             self._skip("output", "output scale", f"output {out.name!r} is a graph input or a "
                        f"constant, not computed by a node")
+            return None
+        bounded = bounded_producer(self.cap.graph, out.producer().name)
+        if bounded is not None:
+            skip_bounded(self, bounded)
             return None
         public = out.name
         c = self._const(f"{PREFIX}output_scale", 1.0, out)

@@ -21,6 +21,7 @@ import onnx
 import onnx_ir as ir
 
 from precondfx import driver
+from precondfx.apply.common import PREFIX
 from precondfx.classify import classify
 from precondfx.driver import Stage, State
 from precondfx.errors import PrecondError
@@ -149,6 +150,18 @@ def load(st: OnnxState) -> None:
     st.model = io.load(st.in_path)
     io.check_paths(st.in_path, st.out_path, st.model)
     st.had_external = io.has_external_data(st.model)
+    already_preconditioned(st.model, st.in_path)
+
+
+def already_preconditioned(model: ir.Model, path: str) -> None:
+    """Refuse a file precondfx wrote (it holds ``precondfx_*`` constants): a second pass would
+    stack a second output scale on the first and re-plan constants that are already in the
+    graph.  The PyTorch path stops early on such a model for the same reason."""
+    held = sorted(n for n in model.graph.initializers if n.startswith(PREFIX))
+    if held:
+        raise PrecondError(f"{path} is already preconditioned (it holds {', '.join(held[:3])}"
+                           f"{'...' if len(held) > 3 else ''}): run precondfx on the original "
+                           f"export instead")
 
 
 def normalize_stage(st: OnnxState) -> None:
