@@ -100,13 +100,26 @@ def in_child(fn):
     return val
 
 
+#: where models, samples and training steps run (``--device``); children are forked before
+#: CUDA is touched in the parent, so each child initializes its own context
+DEVICE = "cpu"
+
+
+def _sync() -> None:
+    """Wait for queued GPU work, so that wall times include it."""
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def measured(fn):
     """(seconds, peak RSS above the start in MB or None, result) of one call."""
     gc.collect()
     ok = _reset_peak()
     rss0 = _status_kb("VmRSS")
+    _sync()
     t0 = time.perf_counter()
     out = fn()
+    _sync()
     dt = time.perf_counter() - t0
     peak = _status_kb("VmHWM") if ok else -1
     return dt, (peak - rss0) / 1024 if ok and peak >= 0 else None, out
@@ -118,7 +131,8 @@ def _labels(n: int, n_classes: int) -> torch.Tensor:
 
 def classifier(model, x, n_classes):
     """(model, sample, loss of a training step, forward kwargs) of an image/vector classifier."""
-    y = _labels(x.shape[0], n_classes)
+    x, y = x.to(DEVICE), _labels(x.shape[0], n_classes).to(DEVICE)
+    model = model.to(DEVICE)
     return model, x, (lambda m: F.cross_entropy(m(x), y)), {}
 
 
@@ -155,10 +169,12 @@ def _one_step_time(builder):
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     ts = []
     for _ in range(2):
+        _sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
         loss_fn(model).backward()
         opt.step()
+        _sync()
         ts.append(time.perf_counter() - t0)
     return ts[-1]
 
@@ -203,8 +219,9 @@ def gpt2(n_embd: int = 64, n_layer: int = 2, seq: int = 32, batch: int = 8, voca
     cfg = transformers.GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=2, vocab_size=vocab,
                                   n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0,
                                   attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(cfg)
+    model = transformers.GPT2LMHeadModel(cfg).to(DEVICE)
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(DEVICE)
 
     def loss(m):
         logits = m(input_ids=ids, use_cache=False).logits
@@ -257,9 +274,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=C.RESULTS)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu",
+                    help="where models and training steps run, e.g. cuda (ratios stay in "
+                         "training steps on that device; peak memory columns are host RSS)")
     ap.add_argument("--family", action="append", choices=("mlp", "conv", "resnet50", "gpt2"),
                     help="only these model families (repeatable; default mlp, resnet50, gpt2)")
     args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
     C.setup(args.threads)
     tag = args.tag or ("quick" if args.quick else "")
     say = C.Progress("cost")
