@@ -52,14 +52,6 @@ DEPTH_REF = 3
 DEPTH_POWER = {"sgd": 1.0, "adam": 2.0}
 
 
-def check_scheme(scheme: str) -> None:
-    """lr_scale needs the geometric scheme (the others set per-layer constants from data)."""
-    if scheme != "geometric":
-        raise PrecondError(f"lr_scale= works with scheme='geometric' (scheme={scheme!r} sets its "
-                           f"own per-layer constants from data after the plan): drop lr_scale "
-                           f"or use the geometric scheme")
-
-
 def main_path_depth(graph: Graph, plan: Plan) -> int:
     """Weighted layers on the longest input-to-output path, residual branches cut; >= 1."""
     layer_nodes = {lay.node for lay in plan.layers}
@@ -188,5 +180,5 @@ def effective_lr_multiplier(c: float, mode: str) -> float:
     return c * c if mode == "sgd" else c
 
 
-__all__ = ["NU_REF", "DEPTH_REF", "DEPTH_POWER", "check_scheme", "main_path_depth", "fan_in",
+__all__ = ["NU_REF", "DEPTH_REF", "DEPTH_POWER", "main_path_depth", "fan_in",
            "stored_rms", "factors", "apply", "effective_lr_multiplier", "summary"]
