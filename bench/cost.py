@@ -136,23 +136,29 @@ def classifier(model, x, n_classes):
     return model, x, (lambda m: F.cross_entropy(m(x), y)), {}
 
 
+def _training(builder):
+    """A fresh model from ``builder`` (seed 0, train mode) and its SGD-momentum training step,
+    which returns the loss."""
+    torch.manual_seed(0)
+    model, _, loss_fn, _ = builder()
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = loss_fn(model)
+        loss.backward()
+        opt.step()
+        return loss.item()
+    return model, step
+
+
 def train_step_cost(builder, steps):
     """In a fresh child: peak memory of the first training step (it allocates the gradients
     and momentum buffers, and the activations) above the built model + optimizer, then the
     median time of ``steps`` further steps."""
     def child():
-        torch.manual_seed(0)
-        model, _, loss_fn, _ = builder()
-        model.train()
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-
-        def step():
-            opt.zero_grad(set_to_none=False)
-            loss = loss_fn(model)
-            loss.backward()
-            opt.step()
-            return loss.item()
-
+        model, step = _training(builder)
         _, mem, _ = measured(step)
         ts: list[float] = []
         while len(ts) < steps or (sum(ts) < 0.5 and len(ts) < 50):   # >= 0.5 s of steps
@@ -163,20 +169,8 @@ def train_step_cost(builder, steps):
 
 def _one_step_time(builder):
     """The time of one training step (after a warm-up step) of a fresh copy of the model."""
-    torch.manual_seed(0)
-    model, _, loss_fn, _ = builder()
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-    ts = []
-    for _ in range(2):
-        _sync()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=False)
-        loss_fn(model).backward()
-        opt.step()
-        _sync()
-        ts.append(time.perf_counter() - t0)
-    return ts[-1]
+    _, step = _training(builder)
+    return [measured(step)[0] for _ in range(2)][-1]
 
 
 def precondition_cost(builder, kw, repeats, around=False):
