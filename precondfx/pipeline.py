@@ -20,7 +20,7 @@ from torch import nn
 
 from precondfx import calibrate as cal
 from precondfx import distributed, driver
-from precondfx.apply.common import output_path
+from precondfx.apply.common import PREFIX, output_path
 from precondfx.apply.eager_apply import EagerApplier
 from precondfx.apply.fx_apply import FxApplier
 from precondfx.balance import balance_measured, held_out, record_factors
@@ -139,7 +139,9 @@ def copy_model(model: nn.Module) -> nn.Module:
 
 
 def already_preconditioned(model: nn.Module) -> bool:
-    return any("precondfx_" in name for name, _ in model.named_buffers())
+    """Whether the model holds constants a previous pass placed (the ONNX path's twin:
+    ``onnx.pipeline.already_preconditioned``)."""
+    return any(PREFIX in name for name, _ in model.named_buffers())
 
 
 def restore_modes(result: nn.Module, modes: dict[str, bool]) -> None:
