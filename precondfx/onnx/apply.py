@@ -39,6 +39,14 @@ def scalar_tensor(value: float, dtype: ir.DataType | None, name: str) -> ir.Tens
     return ir.tensor(arr, dtype=dtype, name=name)
 
 
+def _single(v: ir.Value) -> bool:
+    """Whether the value is declared as a single number (rank 0, or every dim 1): a loss
+    returned next to the logits, which is not the output to scale."""
+    if v.shape is None:
+        return False
+    return all(isinstance(d, int) and d == 1 for d in v.shape)
+
+
 def _safe(s: str) -> str:
     return re.sub(r"[^0-9a-zA-Z_.]", "_", s).strip("_") or "v"
 
@@ -206,7 +214,7 @@ class OnnxApplier(Records):
                     return i, o
             raise PrecondError(f"output_key={key!r} names no graph output; the outputs are "
                                f"{[o.name for o in outs]}")
-        name = pick_main((o.name, self._dtype(o) in FLOAT_TYPES) for o in outs)
+        name = pick_main((o.name, self._dtype(o) in FLOAT_TYPES, not _single(o)) for o in outs)
         if name is not None:
             i = next(i for i, o in enumerate(outs) if o.name == name)
             return i, outs[i]
@@ -228,8 +236,8 @@ class OnnxApplier(Records):
         m = self._mul_node(out, c, f"{public}_scaled", f"{PREFIX}output_scale_mul")
         self.g.append(m)
         new = m.outputs[0]
-        for k, o in enumerate(self.g.outputs):
-            if o is out and k == i:
+        for k, o in enumerate(self.g.outputs):   # every slot listing it: one public name
+            if o is out:
                 self.g.outputs[k] = new
         out.name = self._fresh(f"{public}.prescale", self._values)
         new.name = public

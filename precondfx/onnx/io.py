@@ -51,7 +51,45 @@ def load(path: str | os.PathLike) -> ir.Model:
         raise PrecondError(f"{path} holds no graph (an empty or truncated ONNX file)")
     if not model.graph.outputs:
         raise PrecondError(f"{path}: the graph has no outputs (a truncated ONNX file?)")
+    check_external_data(model, path)
     return model
+
+
+def check_external_data(model: ir.Model, path: str) -> None:
+    """Refuse a model whose external data files are missing or shorter than the tensors they
+    hold (a partial copy or download), before anything reads them: the weights the plan keeps
+    (norm gains, embeddings it does not draw) would fail half-way through, or not at all when
+    every weight is drawn anew.  Only file sizes are read."""
+    base = os.path.dirname(os.path.abspath(path))
+    sizes: dict[str, int] = {}
+    for v in _all_initializers(model):
+        t = v.const_value
+        if not isinstance(t, ir.ExternalTensor):
+            continue
+        f = os.path.join(t.base_dir or base, os.fspath(t.location))
+        if f not in sizes:
+            sizes[f] = os.path.getsize(f) if os.path.isfile(f) else -1
+        if sizes[f] < 0:
+            raise PrecondError(f"{path}: the external data file {t.location!r} of tensor "
+                               f"{v.name!r} is missing (looked for {f}); copy it next to the "
+                               f"model, as the model names it")
+        end = (t.offset or 0) + (t.length if t.length is not None else t.nbytes)
+        if end > sizes[f]:
+            raise PrecondError(f"{path}: the external data file {t.location!r} holds "
+                               f"{sizes[f]} bytes, but tensor {v.name!r} needs bytes up to "
+                               f"{end} (a truncated or partial copy?); copy the complete file")
+
+
+def _all_initializers(model: ir.Model) -> list[ir.Value]:
+    """The initializers of the main graph and of every subgraph."""
+    out = list(model.graph.initializers.values())
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for attr in node.attributes.values():
+            graphs = [attr.as_graph()] if attr.type == ir.AttributeType.GRAPH else \
+                list(attr.as_graphs()) if attr.type == ir.AttributeType.GRAPHS else []
+            for g in graphs:
+                out.extend(g.initializers.values())
+    return out
 
 
 def input_files(model: ir.Model, path: str | os.PathLike) -> list[str]:
@@ -145,6 +183,7 @@ class Staging:
         for p in (self.path, self.data):
             if os.path.exists(p):
                 os.remove(p)
+        legacy_initializer_inputs(model)
         if external:
             ir.save(model, self.path, external_data=os.path.basename(self.data),
                     size_threshold_bytes=1024)
@@ -171,6 +210,22 @@ class Staging:
 
     def __exit__(self, *exc: Any) -> None:
         self.cleanup()
+
+
+def legacy_initializer_inputs(model: ir.Model) -> int:
+    """IR version < 4 requires every initializer to be a graph input too (onnx.checker refuses
+    the file otherwise): the constants and weights precondfx adds are listed as inputs there,
+    after the real ones, as the old exporters did.  Returns how many were added."""
+    if model.ir_version is None or model.ir_version >= 4:
+        return 0
+    g = model.graph
+    listed = {id(v) for v in g.inputs}
+    added = 0
+    for v in g.initializers.values():
+        if id(v) not in listed:
+            g.inputs.append(v)
+            added += 1
+    return added
 
 
 def save(model: ir.Model, out_path: str | os.PathLike, external: bool) -> list[str]:
@@ -287,6 +342,9 @@ def load_calibration(inputs: list[InputSpec], calib: str | None = None,
                                    f"({type(e).__name__}: {e})") from None
             with z:
                 keys = list(z.keys())
+                if not keys:
+                    raise PrecondError(f"{calib}: the archive holds no arrays; save one per "
+                                       f"model input ({names}) with np.savez")
                 positional = all(k.startswith("arr_") and k[4:].isdigit() for k in keys)
                 for k in keys:
                     if k in names:
@@ -307,7 +365,12 @@ def load_calibration(inputs: list[InputSpec], calib: str | None = None,
     if calib_inputs:
         items = calib_inputs.items() if isinstance(calib_inputs, Mapping) else \
             [_split_assign(s, "--calib-input") for s in calib_inputs]
+        seen: set[str] = set()
         for name, path in items:
+            if name in seen:
+                raise PrecondError(f"--calib-input {name}=...: given twice; give each input's "
+                                   f"data once")
+            seen.add(name)
             if name not in names:
                 raise PrecondError(f"--calib-input {name}=...: no model input named {name!r}; "
                                    f"the inputs are {names}")

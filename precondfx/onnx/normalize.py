@@ -1,7 +1,8 @@
 """Bring an ONNX graph into the form the capture stage expects, or refuse it with a reason.
 
 * refuse training artifacts (gradient and optimizer ops): precondfx belongs before artifact
-  generation;
+  generation; and quantized models (QDQ pairs, QLinear/integer kernels): their fixed scales
+  would not fit the re-initialized weights;
 * refuse control flow (If/Loop/Scan) whose subgraphs hold weights: they cannot be re-initialized
   or scaled consistently;
 * inline model-local functions;
@@ -29,6 +30,14 @@ TRAINING_OPS = {
     "InPlaceAccumulatorV2", "YieldOp", "PassThrough", "GradientAccumulator",
 }
 CONTROL_FLOW = ("If", "Loop", "Scan", "SequenceMap")
+#: quantization ops (QDQ pairs, integer kernels): their scales and zero points are fixed for
+#: the trained weights and activations, which re-initialization and the inserted constants
+#: change
+QUANT_OPS = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv",
+             "QLinearMatMul", "ConvInteger", "MatMulInteger"}
+QUANT_MS = {"QGemm", "QAttention", "DynamicQuantizeMatMul", "MatMulIntegerToFloat",
+            "MatMulNBits", "MatMulBnb4", "GatherBlockQuantized", "DynamicQuantizeLSTM",
+            "QEmbedLayerNormalization"}
 
 
 @dataclass
@@ -42,6 +51,15 @@ class NormalizeInfo:
     notes: list[str] = field(default_factory=list)
 
 
+def _is_quantized_op(node: ir.Node) -> bool:
+    if node.domain in ("", "ai.onnx"):
+        return node.op_type in QUANT_OPS
+    if node.domain.startswith("com.microsoft"):
+        return node.op_type in QUANT_OPS or node.op_type in QUANT_MS or \
+            node.op_type.startswith(("QLinear", "QOrdered"))
+    return False
+
+
 def _is_training_op(node: ir.Node) -> bool:
     if node.domain in TRAINING_DOMAINS:
         return True
@@ -52,13 +70,19 @@ def _is_training_op(node: ir.Node) -> bool:
 
 
 def check_supported(model: ir.Model) -> None:
-    """Refuse training artifacts and control flow that holds weights."""
+    """Refuse training artifacts, quantized models and control flow that holds weights."""
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if _is_training_op(node):
             raise PrecondError(
                 f"node {node.name or node.op_type!r} is a training op ({node.domain}::"
                 f"{node.op_type}): this file is an ONNX Runtime training artifact; precondition "
                 f"the inference model before generating training artifacts")
+        if _is_quantized_op(node):
+            raise PrecondError(
+                f"node {node.name or node.op_type!r} ({node.op_type}) makes this a quantized "
+                f"model: its quantization scales and zero points are fixed for the trained "
+                f"weights and activations, which precondfx would re-initialize and rescale; "
+                f"precondition the float model, and quantize after training")
     inits = model.graph.initializers
     for node in model.graph:
         if node.op_type not in CONTROL_FLOW:
@@ -81,7 +105,8 @@ def check_supported(model: ir.Model) -> None:
 
 def _weights_in(g: ir.Graph, outer_inits: dict) -> str | None:
     for name, v in g.initializers.items():
-        if v.dtype in FLOAT_TYPES and v.shape is not None and v.shape.size() not in (0, 1):
+        t = v.const_value
+        if v.dtype in FLOAT_TYPES and t is not None and t.size not in (0, 1):
             return f"initializer {name}"
     for node in ir.traversal.RecursiveGraphIterator(g):
         if node.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul", "LSTM", "GRU", "RNN"):
