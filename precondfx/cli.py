@@ -168,11 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     from precondfx import __version__
     p = argparse.ArgumentParser(
         prog=PROG, description="Rewrite a neural network before training so that it starts "
-        "well conditioned (Defazio & Bottou), for ONNX files and PyTorch models.")
+        "well conditioned (Defazio & Bottou), for ONNX files and PyTorch models.",
+        allow_abbrev=False)
     p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    d = sub.add_parser("demo", help="precondition a built-in model and print the report",
+    d = sub.add_parser("demo", allow_abbrev=False,
+                       help="precondition a built-in model and print the report",
                        description="Build a small model from precondfx.demo, run "
                                    "precondfx.precondition on it and print the report.")
     d.add_argument("--model", default="maxpool_cnn",
@@ -182,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quiet", action="store_true", help="no progress lines")
     d.set_defaults(func=cmd_demo)
 
-    i = sub.add_parser("inspect", help="classify an ONNX model's nodes and show the plan",
+    i = sub.add_parser("inspect", allow_abbrev=False,
+                       help="classify an ONNX model's nodes and show the plan",
                        description="Classify every node of an ONNX model and show what "
                                    "'precondition' would do; nothing is written.")
     i.add_argument("model", metavar="IN.onnx")
@@ -196,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     _plan_options(i)
     i.set_defaults(func=cmd_inspect)
 
-    c = sub.add_parser("precondition", help="rewrite an ONNX file or a PyTorch model",
+    c = sub.add_parser("precondition", allow_abbrev=False,
+                       help="rewrite an ONNX file or a PyTorch model",
                        description="Rewrite IN (an .onnx file, or module:callable building a "
                                    "PyTorch model) and write the result to -o OUT.")
     c.add_argument("model", metavar="IN", help="model.onnx, or module:callable (returns a "
@@ -224,6 +228,37 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------------------------
 def _write_report(report: Any, path: str) -> None:
     report.save(path)
+
+
+def _check_report_path(path: str | None, model: str, output: str | None = None) -> None:
+    """Refuse a ``--report`` path before any work: in a missing folder, a directory, or the
+    input model, one of its external data files, or the output (the JSON would replace them)."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise UsageError(f"--report {path}: is a directory; give a file name (report.json)")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"--report {path}: the folder does not exist: {folder}")
+    protected = [model]
+    if os.path.isfile(model):
+        try:
+            from precondfx.onnx import io as onnx_io
+            protected = onnx_io.input_files(onnx_io.load(model), model)
+        except Exception:  # unreadable input: its own error comes from the pipeline
+            pass
+    if output is not None:
+        protected += [output, output + ".data"]
+    real = os.path.realpath(path)
+    for p in protected:
+        same = real == os.path.realpath(p)
+        if not same and os.path.exists(path) and os.path.exists(p):
+            same = os.path.samefile(path, p)
+        if same:
+            what = "the output" if output is not None and p in (output, output + ".data") \
+                else "the input model or one of its data files"
+            raise UsageError(f"--report {path}: that is {what} ({p}); give the report its own "
+                             f"name (report.json)")
 
 
 def _check_plot_available(path: str | None, onnx_model: bool) -> None:
@@ -268,6 +303,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from precondfx.onnx import inspect_onnx
     from precondfx.onnx.io import parse_dims
+    _check_report_path(args.report, args.model)
     progress = _Progress(args.quiet)
     progress(f"reading {args.model}")
     report = inspect_onnx(args.model, dims=parse_dims(args.dim), batch=args.batch,
@@ -289,6 +325,7 @@ def _is_torch_spec(s: str) -> bool:
 def cmd_precondition(args: argparse.Namespace) -> int:
     torch_model = _is_torch_spec(args.model)
     _check_plot_available(args.plot, onnx_model=not torch_model)
+    _check_report_path(args.report, args.model, args.output)
     if torch_model:
         return _precondition_torch(args)
     if args.sample_shape:

@@ -1,0 +1,263 @@
+"""The ONNX path on inputs the first battery (``test_realworld_onnx.py``) does not cover: old IR
+versions, outputs listed twice, loss-before-logits outputs, broken external data, quantized
+models, control flow with weights in a Scan body, and command lines whose side files (report,
+calibration) collide with the model or are malformed.
+
+Every case builds its model with ``onnx.helper`` (seconds each) and checks numbers that could
+fail: onnxruntime outputs of the rewritten file against the original's (the function is kept up
+to the planned output scale with ``reinit_weights=False``), the output std against
+``target_std``, ``onnx.checker``, the input's bytes, or a clear error (``PrecondError``; on the
+command line one line and exit code 2) with no output file left behind.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper, numpy_helper
+
+from precondfx.cli import main
+from precondfx.errors import PrecondError
+from precondfx.onnx import precondition_onnx
+
+RNG = np.random.default_rng(2026)
+TARGET = 1.0
+
+
+def _w(name, shape, dtype=np.float32):
+    return numpy_helper.from_array((RNG.standard_normal(shape) * 0.2).astype(dtype), name)
+
+
+def _vi(name, et, shape):
+    return helper.make_tensor_value_info(name, et, shape)
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=17, ir_version=None, **kw):
+    g = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], **kw)
+    if ir_version is not None:
+        m.ir_version = ir_version
+    return m
+
+
+def _mlp_nodes():
+    return [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1),
+            helper.make_node("Relu", ["h"], ["r"], name="relu"),
+            helper.make_node("Gemm", ["r", "w2", "b2"], ["y"], name="fc2", transB=1)]
+
+
+def _mlp_inits():
+    return [_w("w1", (16, 8)), _w("b1", (16,)), _w("w2", (4, 16)), _w("b2", (4,))]
+
+
+def _mlp(outputs=None, **kw):
+    return _model(_mlp_nodes(), [_vi("x", TP.FLOAT, ["N", 8])],
+                  outputs or [_vi("y", TP.FLOAT, ["N", 4])], _mlp_inits(), **kw)
+
+
+def _save(m, path, **kw):
+    onnx.save_model(m, str(path), **kw)
+    return str(path)
+
+
+def _x(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def _run(path, feeds):
+    s = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return {o.name: v for o, v in zip(s.get_outputs(), s.run(None, feeds))}
+
+
+def _digest(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _std(a):
+    return float(np.asarray(a, np.float64).std())
+
+
+def _one_error_line(err):
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("precondfx: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+# -- graphs --------------------------------------------------------------------------------------
+def test_ir3_initializers_listed_as_inputs(tmp_path):
+    """IR version 3 (opset 8 and older exporters) requires every initializer to be a graph
+    input: the constants precondfx adds are listed as inputs too, so the file passes the
+    checker; the callers' inputs stay the ones they feed."""
+    m = _mlp(opset=8, ir_version=3)
+    for t in m.graph.initializer:
+        m.graph.input.append(_vi(t.name, t.data_type, list(t.dims)))
+    src = _save(m, tmp_path / "ir3.onnx")
+    onnx.checker.check_model(src, full_check=True)
+    x = _x(64, 8)
+    out = tmp_path / "out.onnx"
+    rep = precondition_onnx(src, str(out), feeds={"x": x}, target_std=TARGET)
+    onnx.checker.check_model(str(out), full_check=True)
+    p = onnx.load(str(out))
+    assert {i.name for i in p.graph.initializer} <= {i.name for i in p.graph.input}
+    assert rep.output_scale is not None
+    assert _std(_run(out, {"x": x})["y"]) == pytest.approx(TARGET, rel=0.02)
+    same = tmp_path / "same.onnx"
+    rep = precondition_onnx(src, str(same), feeds={"x": x}, reinit_weights=False,
+                            target_std=TARGET)
+    ref = _run(src, {"x": x})["y"] * rep.output_scale
+    np.testing.assert_allclose(_run(same, {"x": x})["y"], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_value_listed_twice_as_output(tmp_path):
+    """One value listed twice among the graph outputs: both slots keep the public name and
+    take the same output scale (they are one tensor)."""
+    y = _vi("y", TP.FLOAT, ["N", 4])
+    src = _save(_mlp(outputs=[y, y]), tmp_path / "twice.onnx")
+    x = _x(64, 8)
+    out = tmp_path / "out.onnx"
+    precondition_onnx(src, str(out), feeds={"x": x}, target_std=TARGET)
+    onnx.checker.check_model(str(out), full_check=True)
+    assert [o.name for o in onnx.load(str(out)).graph.output] == ["y", "y"]
+    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_array_equal(got[0], got[1])
+    assert _std(got[0]) == pytest.approx(TARGET, rel=0.02)
+
+
+def test_scalar_loss_before_logits_gets_no_scale(tmp_path):
+    """``return loss, logits`` exported: the output scale goes on the logits (the PyTorch
+    path's rule: the first floating-point output that is not a single number); the loss keeps
+    its value."""
+    nodes = _mlp_nodes() + [helper.make_node("Mul", ["y", "y"], ["sq"], name="sq"),
+                            helper.make_node("ReduceMean", ["sq"], ["loss"], name="mean",
+                                             keepdims=0)]
+    m = _model(nodes, [_vi("x", TP.FLOAT, ["N", 8])],
+               [_vi("loss", TP.FLOAT, []), _vi("y", TP.FLOAT, ["N", 4])], _mlp_inits())
+    src = _save(m, tmp_path / "loss.onnx")
+    x = _x(64, 8)
+    out = tmp_path / "out.onnx"
+    rep = precondition_onnx(src, str(out), feeds={"x": x}, reinit_weights=False,
+                            maxpool="keep", target_std=TARGET)
+    before, after = _run(src, {"x": x}), _run(out, {"x": x})
+    assert _std(after["y"]) == pytest.approx(TARGET, rel=1e-4)
+    np.testing.assert_allclose(after["y"], before["y"] * rep.output_scale, rtol=1e-5)
+    np.testing.assert_allclose(after["loss"], before["loss"], rtol=1e-5)
+
+
+def test_scan_body_holding_an_initializer_is_refused(tmp_path):
+    """A Scan whose body holds its own float initializer: refused with the reason (it used to
+    crash on the initializer's shape)."""
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["xi", "g"], ["yi"]), helper.make_node("Identity", ["s"], ["s2"])],
+        "body", [_vi("s", TP.FLOAT, [1]), _vi("xi", TP.FLOAT, [16])],
+        [_vi("s2", TP.FLOAT, [1]), _vi("yi", TP.FLOAT, [16])], [_w("g", (16,))])
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["r"], name="fc1", transB=1),
+             helper.make_node("Scan", ["s0", "r"], ["sf", "y"], name="scan", body=body,
+                              num_scan_inputs=1)]
+    m = _model(nodes, [_vi("x", TP.FLOAT, ["N", 8])], [_vi("y", TP.FLOAT, ["N", 16])],
+               [_w("w1", (16, 8)), _w("b1", (16,)),
+                numpy_helper.from_array(np.zeros(1, np.float32), "s0")])
+    src = _save(m, tmp_path / "scan.onnx")
+    with pytest.raises(PrecondError, match="Scan node 'scan' holds weights.*initializer g"):
+        precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"x": _x(8, 8)})
+    assert not (tmp_path / "out.onnx").exists()
+
+
+# -- files ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_broken_external_data_is_refused_up_front(tmp_path, damage):
+    """A missing or truncated external data file is an input error that names the file, also
+    when every weight would be drawn anew (nothing would read it) and with
+    ``reinit_weights=False`` (it failed half-way with a raw ValueError before)."""
+    src = _save(_mlp(), tmp_path / "m.onnx", save_as_external_data=True,
+                location="m.bin", size_threshold=0)
+    if damage == "missing":
+        os.remove(tmp_path / "m.bin")
+    else:
+        with open(tmp_path / "m.bin", "r+b") as f:
+            f.truncate(100)
+    before = _digest(tmp_path)
+    for kw in ({}, {"reinit_weights": False}):
+        with pytest.raises(PrecondError, match="external data file 'm.bin'"):
+            precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"x": _x(8, 8)}, **kw)
+    assert _digest(tmp_path) == before
+    r = main(["precondition", src, "-o", str(tmp_path / "out.onnx"), "--quiet"])
+    assert r == 2 and _digest(tmp_path) == before
+
+
+def _qdq_conv():
+    wq = numpy_helper.from_array(RNG.integers(-100, 100, (6, 3, 3, 3)).astype(np.int8), "wq")
+    nodes = [helper.make_node("DequantizeLinear", ["wq", "ws"], ["wd"], name="dqw"),
+             helper.make_node("Conv", ["x", "wd", "b"], ["c"], name="conv1", kernel_shape=[3, 3]),
+             helper.make_node("ReduceMean", ["c"], ["y"], name="mean", axes=[2, 3], keepdims=0)]
+    return _model(nodes, [_vi("x", TP.FLOAT, ["N", 3, 8, 8])], [_vi("y", TP.FLOAT, ["N", 6])],
+                  [wq, numpy_helper.from_array(np.array(0.01, np.float32), "ws"), _w("b", (6,))])
+
+
+def _qlinear_matmul():
+    u8 = lambda v, n: numpy_helper.from_array(np.array(v, np.uint8), n)  # noqa: E731
+    f32 = lambda v, n: numpy_helper.from_array(np.array(v, np.float32), n)  # noqa: E731
+    wq = numpy_helper.from_array(RNG.integers(0, 255, (8, 4)).astype(np.uint8), "wq")
+    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"], name="qx"),
+             helper.make_node("QLinearMatMul", ["xq", "xs", "xz", "wq", "ws", "wz", "ys", "yz"],
+                              ["yq"], name="qmm"),
+             helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["y"], name="dqy")]
+    return _model(nodes, [_vi("x", TP.FLOAT, ["N", 8])], [_vi("y", TP.FLOAT, ["N", 4])],
+                  [wq, f32(0.01, "ws"), u8(128, "wz"), f32(0.05, "xs"), u8(128, "xz"),
+                   f32(0.1, "ys"), u8(128, "yz")])
+
+
+@pytest.mark.parametrize("build", [_qdq_conv, _qlinear_matmul], ids=["qdq", "qlinear"])
+def test_quantized_models_are_refused_with_the_reason(tmp_path, build):
+    """QDQ and QLinear models: their quantization scales are fixed for the trained weights; the
+    error says to precondition the float model (it said 'no weighted layer' before)."""
+    src = _save(build(), tmp_path / "q.onnx")
+    with pytest.raises(PrecondError, match="quantized model.*precondition the float model"):
+        precondition_onnx(src, str(tmp_path / "out.onnx"), batch=4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.onnx"]
+
+
+# -- command line ----------------------------------------------------------------------------------
+def test_cli_report_path_never_replaces_the_model(tmp_path, capsys):
+    """``--report`` naming the input model, its external data, or the output is refused before
+    any work (the JSON replaced the input model before); a report in a missing folder too (the
+    output was written, then the run failed with a raw errno line)."""
+    src = _save(_mlp(), tmp_path / "m.onnx", save_as_external_data=True, location="m.bin",
+                size_threshold=0)
+    before = _digest(tmp_path)
+    out = str(tmp_path / "out.onnx")
+    for report, needle in ((src, "input model"), (str(tmp_path / "m.bin"), "input model"),
+                           (out, "the output"), (str(tmp_path / "no" / "r.json"), "folder")):
+        for cmd in (["precondition", src, "-o", out], ["inspect", src]):
+            if cmd[0] == "inspect" and report == out:
+                continue
+            assert main([*cmd, "--report", report, "--quiet"]) == 2
+            assert needle in _one_error_line(capsys.readouterr().err)
+            assert _digest(tmp_path) == before
+    assert main(["precondition", src, "-o", out, "--report", str(tmp_path / "r.json"),
+                 "--quiet"]) == 0
+    assert onnx.load(out, load_external_data=False).graph.output[0].name == "y"
+
+
+def test_cli_calibration_files_and_flag_abbreviations(tmp_path, capsys):
+    """An .npz with no arrays and a --calib-input given twice are errors (the first fell back
+    to random data, the second kept the last file silently); ``inspect --calib`` is not read
+    as an abbreviation of ``--calibration``."""
+    src = _save(_mlp(), tmp_path / "m.onnx")
+    np.savez(tmp_path / "empty.npz")
+    np.save(tmp_path / "x.npy", _x(16, 8))
+    out = str(tmp_path / "out.onnx")
+    assert main(["precondition", src, "-o", out, "--calib", str(tmp_path / "empty.npz")]) == 2
+    assert "holds no arrays" in _one_error_line(capsys.readouterr().err)
+    xs = f"x={tmp_path / 'x.npy'}"
+    assert main(["precondition", src, "-o", out, "--calib-input", xs, "--calib-input", xs]) == 2
+    assert "given twice" in _one_error_line(capsys.readouterr().err)
+    assert main(["inspect", src, "--calib", str(tmp_path / "x.npy")]) == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --calib" in err and "--calibration" not in err
+    assert not os.path.exists(out)
