@@ -59,6 +59,8 @@ class State:
     constants: dict[str, float] = field(default_factory=dict)   # constant -> planned value
     alpha_buffers: dict[str, list[str]] = field(default_factory=dict)  # weight -> constants
     site_buffers: dict[str, str] = field(default_factory=dict)         # node -> alpha constant
+    #: weight -> its call sites' lr_scale multipliers (one per call site placed; ``lr`` scales)
+    lr_buffers: dict[str, list[str]] = field(default_factory=dict)
     in_scale: float | None = None
     measured: Measured = field(default_factory=Measured)   # what the stages set after apply
     data: bool = True                # the model can run on data (not on the meta device)
@@ -177,6 +179,8 @@ def apply(st: State) -> None:
         if sc.tag == "alpha" and weight_of.get(sc.node):
             st.alpha_buffers.setdefault(weight_of[sc.node], []).append(name)
             st.site_buffers[sc.node] = name
+        elif sc.tag == "lr" and weight_of.get(sc.node):
+            st.lr_buffers.setdefault(weight_of[sc.node], []).append(name)
     inp = p.scale("input")
     if inp is not None:
         st.constants.update({b: inp.value for b in be.input_scale(inp.value) or []})

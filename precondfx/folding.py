@@ -166,7 +166,8 @@ def _eager_scales(model: nn.Module, recipe: Recipe | None) -> _Scales:
             v = float(planned.get(fqn, 1.0)) if buf.device.type == "meta" else float(buf)
             if name == PREFIX + "in_scale":
                 sc.add(sc.inp, path, mod, v)
-            elif name in (PREFIX + "out_scale", PREFIX + "output_scale") and path:
+            elif name in (PREFIX + "out_scale", PREFIX + "output_scale",
+                          PREFIX + "lr_scale") and path:
                 sc.add(sc.out, path, mod, v)
             elif name == PREFIX + "output_scale":
                 sc.problems.append((fqn, "the output scale multiplies the returned value: no "

@@ -1,11 +1,27 @@
 """Learning-rate transfer (``lr_scale=``): function-preserving per-layer scales chosen so that one
 learning rate suits networks of different widths and depths.
 
-``y = alpha * W x`` computes the same function when ``alpha`` is multiplied by ``c`` and the
-stored ``W`` is divided by ``c``, but the optimizer sees the stored ``W``: its gradient shrinks
-by ``c`` and its Hessian block by ``c^2``.  So under SGD the layer's effective learning rate
-(the step of ``alpha * W``) is multiplied by ``c^2``, and under Adam, whose steps do not depend
-on the gradient's scale, by ``c``.  ``lr_scale`` picks ``c`` per layer:
+Each weighted layer ``y = W x + b`` (after the alpha balancing put on its input, if any) becomes
+``y = c * ((W / c) x + b / c)``: a multiplier ``c`` on the layer's output (a ``Scale`` of tag
+``lr`` in the plan, a ``precondfx_lr*`` buffer placed by the back end) and the stored weight
+*and bias* divided by ``c``.  The function is the same, but the optimizer sees the stored
+``W / c`` and ``b / c``:
+
+* SGD: their gradients are ``c`` times the function's, so the step of the effective ``c W'``
+  and ``c b'`` is ``c^2`` times the step without the option: the layer's effective learning
+  rate, weight and bias alike, is multiplied by ``c^2`` (its Hessian block by ``c^2``).
+* Adam: a step does not depend on the gradient's scale, so the stored ``W'`` and ``b'`` move by
+  the same amounts as without the option (about ``lr`` per entry) and the effective ``c W'``
+  and ``c b'`` by ``c`` times that: the effective rate of the weight and of the bias is
+  multiplied by ``c``.  The bias rule is therefore the weight's: stored ``b / c`` under the
+  same ``c``, so that the bias's step relative to the weight's stays what it is without the
+  option.  (When the multiplier was an alpha on the layer's input, the bias kept the raw
+  rate while the weight's moved by ``c^2``: at depth 16 under SGD the biases ran ``1/c^2 =
+  32x`` faster than the weights, which cost training; docs/results/lr_transfer_cpu.md.)
+* AdamW's decoupled weight decay shrinks ``W'`` and ``b'`` by ``lr * wd`` per step, the same
+  relative shrinkage of the effective weight as without the option.
+
+``lr_scale`` picks ``c`` per layer:
 
 * ``"adam"``: an Adam step moves each stored weight by about ``lr`` per entry, with signs that
   follow the input, so it changes the layer's output by ``lr * sqrt(fan_in) / rms(W)`` relative
@@ -26,8 +42,11 @@ stem, head and projection shortcuts for a residual network; embedding and head f
 transformer.  The measured curvature at initialization (top Gauss-Newton eigenvalue, curvature
 along the first SGD or Adam step) predicted the best rate's movement worse than these rules.
 
-The scales are applied to the rewritten model after measured balancing (which would otherwise
-undo them): every layer carries an alpha buffer when ``lr_scale`` is set.
+The factors are set on the rewritten model after measured balancing, which leaves the
+multipliers (1 until then) alone; a meta-device model gets them in its recorded constants and
+in the plan's stds (W / c drawn by ``precondfx.reinit`` after ``to_empty``).  A layer whose call
+sites do not all carry a multiplier (a functional call the eager back end cannot hook), or
+whose bias another weight's layer also reads, keeps factor 1 (``left_out``).
 """
 from __future__ import annotations
 
@@ -127,28 +146,64 @@ def _why(mode: str, c: float, L: int) -> str:
 def summary(mode: str, fac: dict[str, float], L: int) -> str:
     vals = list(fac.values()) or [1.0]
     return (f"lr_scale={mode!r}: main-path depth {L}, {len(fac)} layers scaled by "
-            f"{min(vals):.3g}..{max(vals):.3g} (alpha x c, weight / c: same function; each "
-            f"layer's effective learning rate x c{'^2' if mode == 'sgd' else ''})")
+            f"{min(vals):.3g}..{max(vals):.3g} (output x c, weight and bias / c: same function; "
+            f"each layer's effective learning rate x c{'^2' if mode == 'sgd' else ''})")
 
 
-def apply(model: nn.Module, graph: Graph, plan: Plan, alpha_buffers: dict[str, list[str]],
-          mode: str, planned: dict[str, float] | None = None) -> dict[str, Any]:
-    """Multiply each layer's alpha buffers by its factor and divide its weight by it, keeping
-    the plan (and ``planned``, the constants recorded for materializing) equal to what the
-    model holds.  Layers whose call sites do not all carry an alpha keep factor 1 and are listed
-    in ``left_out``.  Returns the report section."""
-    from precondfx.balance import _rescale, balanceable
-    ok, left = balanceable(alpha_buffers, plan)
+def carried(lr_buffers: dict[str, list[str]], plan: Plan
+            ) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The weights whose every call site carries an lr multiplier (weight -> the constants),
+    and why the others are left out (factor 1): a site with none (see NOT APPLIED), or a bias
+    also read by a layer of another weight (one stored bias cannot take two factors)."""
+    sites: dict[str, int] = {}
+    bias_users: dict[str, set[str]] = {}
+    for lay in plan.layers:
+        if lay.weight:
+            sites[lay.weight] = sites.get(lay.weight, 0) + 1
+            if lay.bias:
+                bias_users.setdefault(lay.bias, set()).add(lay.weight)
+    ok: dict[str, list[str]] = {}
+    left: dict[str, str] = {}
+    for w, n in sites.items():
+        bufs = lr_buffers.get(w, [])
+        shared = [b for lay in plan.layers if lay.weight == w and lay.bias
+                  for b in [lay.bias] if len(bias_users[b]) > 1]
+        if len(bufs) != n:
+            left[w] = (f"an lr multiplier was placed on {len(bufs)} of its {n} call sites (see "
+                       f"NOT APPLIED): factor 1")
+        elif shared:
+            left[w] = f"its bias {shared[0]} is also read by another weight's layer: factor 1"
+        else:
+            ok[w] = sorted(set(bufs))
+    return ok, left
+
+
+def apply(model: nn.Module, graph: Graph, plan: Plan, lr_buffers: dict[str, list[str]],
+          mode: str, planned: dict[str, float] | None = None,
+          set_constant: Any = None) -> dict[str, Any]:
+    """Set each layer's lr multipliers to its factor ``c`` and divide its weight and bias by
+    ``c``, keeping the plan (and ``planned``, the constants recorded for materializing) equal
+    to what the model holds.  ``set_constant(name, value)``: the back end's
+    (``Backend.set_constant``).  Layers whose call sites do not all carry a multiplier keep
+    factor 1 and are listed in ``left_out``.  Returns the report section."""
+    ok, left = carried(lr_buffers, plan)
     rms = {w: _rms_of(model, plan, w) for w in ok} if mode == "adam" else {}
     fac, L = factors(graph, plan, mode, rms)
     done = {w: c for w, c in fac.items() if w in ok and c != 1.0}
+    bias_of = {lay.weight: lay.bias for lay in plan.layers if lay.weight and lay.bias}
+    if set_constant is None:
+        def set_constant(name: str, value: float) -> None:
+            model.get_buffer(name).fill_(value)
     with torch.no_grad():
         for w, c in done.items():
-            _rescale(model, w, ok[w], c)
             for b in ok[w]:
-                if planned is not None and b in planned:
-                    planned[b] *= c
-    _record(plan, done, mode, L)
+                set_constant(b, c)
+                if planned is not None:
+                    planned[b] = c
+            model.get_parameter(w).div_(c)
+            if w in bias_of:
+                model.get_parameter(bias_of[w]).div_(c)
+    _record(plan, done, bias_of, mode, L)
     note = summary(mode, done, L)
     plan.notes.append(note)
     vals = list(done.values()) or [1.0]
@@ -156,22 +211,20 @@ def apply(model: nn.Module, graph: Graph, plan: Plan, alpha_buffers: dict[str, l
             "factors": done, "left_out": dict(left), "summary": note}
 
 
-def _record(plan: Plan, done: dict[str, float], mode: str, L: int) -> None:
-    """Keep the plan equal to what the model now holds: alphas (layers and scale entries) x c,
-    weight stds (or rescaling factors) / c."""
+def _record(plan: Plan, done: dict[str, float], bias_of: dict[str, str], mode: str, L: int
+            ) -> None:
+    """Keep the plan equal to what the model now holds: each layer's ``lr`` scale = c, its
+    weight's and bias's std (or rescaling factor) / c (a zero bias stays zero)."""
     node_w = {lay.node: lay.weight for lay in plan.layers}
-    for lay in plan.layers:
-        c = done.get(lay.weight or "")
-        if c is not None:
-            lay.alpha *= c
-            lay.alpha_reason = "; ".join(x for x in (lay.alpha_reason, _why(mode, c, L)) if x)
     for sc in plan.scales:
-        if sc.tag == "alpha" and node_w.get(sc.node) in done:
-            sc.value *= done[node_w[sc.node]]
+        c = done.get(node_w.get(sc.node) or "") if sc.tag == "lr" else None
+        if c is not None:
+            sc.value, sc.reason = c, f"{_why(mode, c, L)}: weight and bias stored / {c:.4g}"
     for w, c in done.items():
-        pi = plan.inits.get(w)
-        if pi is not None and pi.std is not None:
-            pi.std = pi.std / c
+        for name in (w, bias_of.get(w)):
+            pi = plan.inits.get(name or "")
+            if pi is not None and pi.std is not None:
+                pi.std = pi.std / c
 
 
 def effective_lr_multiplier(c: float, mode: str) -> float:
@@ -181,4 +234,4 @@ def effective_lr_multiplier(c: float, mode: str) -> float:
 
 
 __all__ = ["NU_REF", "DEPTH_REF", "DEPTH_POWER", "main_path_depth", "fan_in",
-           "stored_rms", "factors", "apply", "effective_lr_multiplier", "summary"]
+           "stored_rms", "factors", "carried", "apply", "effective_lr_multiplier", "summary"]

@@ -178,7 +178,8 @@ class Options:
                                         "output to scale (name or index; default 'logits' or "
                                         "the first floating-point output)", cli="KEY")
     lr_scale: str | None = _opt(None, one_of_or_none(*LR_SCALE_MODES),
-                                "function-preserving per-layer scales (alpha x c, weights / c) "
+                                "function-preserving per-layer scales (output x c, weight and "
+                                "bias / c) "
                                 "so that one learning rate suits all widths and depths: 'adam' "
                                 "(each stored weight scaled to rms sqrt(fan_in)/64 (L/3)^2, L the "
                                 "main-path depth: equal relative Adam steps in every layer), "

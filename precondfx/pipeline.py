@@ -293,7 +293,8 @@ def lr_scale(st: TorchState) -> None:
     now = st.measured.final(st.plan)        # what the model holds (after balancing)
     edited = copy.deepcopy(now)
     st.report.conditioning["lr_scale"] = lr_transfer.apply(
-        st.result, st.graph, edited, st.alpha_buffers, st.opts.lr_scale, st.constants)
+        st.result, st.graph, edited, st.lr_buffers, st.opts.lr_scale, st.constants,
+        st.backend.set_constant)
     st.measured.record_diff("lr_scale", now, edited)      # the plan stays as planned
 
 

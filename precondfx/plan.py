@@ -62,7 +62,8 @@ class Layer:
 class Scale:
     """A fixed scalar multiplication inserted in the graph."""
 
-    tag: str             # alpha | residual | input | output
+    tag: str             # alpha | residual | input | output | lr (lr_scale's multiplier on a
+    #                      layer's output: weight and bias stored divided by it)
     node: str            # node whose input/output/operand is scaled
     where: str           # input | output | operand
     index: int           # operand or input index
@@ -163,7 +164,7 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
     _plan_residuals(graph, plan, opts)
     if opts.balance == "analytic":
         _analytic_alphas(plan)
-    lr_scale = getattr(opts, "lr_scale", None)   # lr_transfer scales every alpha afterwards
+    lr_scale = getattr(opts, "lr_scale", None)   # lr_transfer sets the "lr" multipliers
     _plan_inits(graph, params, plan, opts)
     for lay in plan.layers:
         info = params.get(lay.weight or "")
@@ -171,13 +172,26 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
             lay.alpha, lay.alpha_reason = 1.0, "frozen weight: no alpha (it would change the " \
                                                 "function without a compensating weight)"
             continue
-        if lay.alpha == 1.0 and opts.balance not in MEASURED and not alpha_sites and \
-                lr_scale is None:
+        if lay.alpha == 1.0 and opts.balance not in MEASURED and not alpha_sites:
             continue
         where = "input" if lay.kind in ("conv", "conv_transpose", "linear", "matmul") else "output"
         plan.scales.append(Scale("alpha", lay.node, where, 0, lay.alpha,
                                  lay.alpha_reason or "alpha site for measured balancing"))
+    if lr_scale is not None:
+        _lr_sites(plan, params)
     return plan
+
+
+def _lr_sites(plan: Plan, params: dict[str, ParamInfo]) -> None:
+    """``lr_scale=``: a multiplier on the output of every weighted call site (1 here; set by
+    ``precondfx.lr_transfer`` after balancing, with the layer's weight and bias divided by it),
+    so that the weight and the bias see the same change of effective learning rate."""
+    for lay in plan.layers:
+        info = params.get(lay.weight or "")
+        if info is None or not info.trainable:
+            continue
+        plan.scales.append(Scale("lr", lay.node, "output", 0, 1.0,
+                                 "lr_scale multiplier (weight and bias stored divided by it)"))
 
 
 def plan_io(plan: Plan, opts: Options, input_value: float | None) -> None:
@@ -472,6 +486,10 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
     for lay in plan.layers:
         if lay.weight:
             alpha_of.setdefault(lay.weight, lay.alpha)
+    # lr_scale divides these afterwards: with reinit=False they get a 'scale' rule (1/alpha),
+    # whose factor lr_transfer divides, so that the plan keeps saying what the model holds
+    lr_params = {p for lay in plan.layers for p in (lay.weight, lay.bias) if p} \
+        if getattr(opts, "lr_scale", None) is not None else set()
 
     def put(name: str | None, pi: ParamInit) -> None:
         if not name or name not in params:
@@ -491,10 +509,15 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                            list(info.shape))
         elif not opts.reinit:
             alpha = alpha_of.get(name, 1.0)
-            pi = (ParamInit(name, "scale", 1.0 / alpha, f"reinit=False: existing weight divided by "
-                            f"alpha={alpha:.4g} so the function is unchanged", list(info.shape))
-                  if alpha != 1.0 else
-                  ParamInit(name, "keep", None, "reinit=False", list(info.shape)))
+            if alpha != 1.0:
+                pi = ParamInit(name, "scale", 1.0 / alpha, f"reinit=False: existing weight "
+                               f"divided by alpha={alpha:.4g} so the function is unchanged",
+                               list(info.shape))
+            elif name in lr_params:
+                pi = ParamInit(name, "scale", 1.0, "reinit=False: existing value (lr_scale "
+                               "divides it by its layer's multiplier)", list(info.shape))
+            else:
+                pi = ParamInit(name, "keep", None, "reinit=False", list(info.shape))
         inits[name] = pi
 
     layer_of = {lay.node: lay for lay in plan.layers}

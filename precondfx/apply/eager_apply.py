@@ -49,6 +49,12 @@ def _scale_output_hook(module: nn.Module, args: tuple, out: Any) -> Any:
     return _times_first(out, getattr(module, PREFIX + "out_scale"))
 
 
+def _lr_scale_hook(module: nn.Module, args: tuple, out: Any) -> Any:
+    """lr_scale's multiplier on a layer's output (its weight and bias are stored divided by
+    it); a buffer of its own, apart from a residual branch scale on the same module."""
+    return _times_first(out, getattr(module, PREFIX + "lr_scale"))
+
+
 def _root_input_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     s = getattr(module, PREFIX + "input_scale")
 
@@ -142,9 +148,12 @@ class EagerApplier(TorchBackend, Records):
         self.undo.append(("hook", handle))
 
     def _module_scale(self, path: str, where: str, value: float, what: str,
-                      skey: str | None = None) -> str | None:
-        key = (path, where)
-        bname = PREFIX + ("in_scale" if where == "input" else "out_scale")
+                      skey: str | None = None, tag: str | None = None) -> str | None:
+        """A constant on module ``path``'s input or output (one buffer per module and place;
+        ``tag="lr"``: lr_scale's output multiplier, its own buffer and hook)."""
+        lr = tag == "lr" and where == "output"
+        key = (path, "lr" if lr else where)
+        bname = PREFIX + ("lr_scale" if lr else "in_scale" if where == "input" else "out_scale")
         fqn = f"{path}.{bname}" if path else bname
         if key in self._done_modules:
             if abs(self._done_modules[key] - value) > 1e-12 * max(1.0, abs(value)):
@@ -157,7 +166,7 @@ class EagerApplier(TorchBackend, Records):
         if where == "input":
             self._hook(mod.register_forward_pre_hook(_scale_input_hook))
         else:
-            self._hook(mod.register_forward_hook(_scale_output_hook))
+            self._hook(mod.register_forward_hook(_lr_scale_hook if lr else _scale_output_hook))
         self._done_modules[key] = value
         return fqn
 
@@ -212,13 +221,14 @@ class EagerApplier(TorchBackend, Records):
             fqn = self._module_scale(path, "output", sc.value, what, key)
         elif node.module is None and sc.where in ("input", "output") and \
                 self._linear_owner(node) is not None:
-            fqn = self._module_scale(self._linear_owner(node), sc.where, sc.value, what, key)
+            fqn = self._module_scale(self._linear_owner(node), sc.where, sc.value, what, key,
+                                     sc.tag)
         elif node.module is None:
             self._skip(key, what, f"functional call: no module to hook and no editable "
                        f"graph (capture: {self.graph.method})")
             return None
         else:
-            fqn = self._module_scale(node.module, sc.where, sc.value, what, key)
+            fqn = self._module_scale(node.module, sc.where, sc.value, what, key, sc.tag)
         if fqn is not None:
             self._done(key, f"{what}: {sc.value:.4g}", fqn)
         return fqn
