@@ -42,6 +42,11 @@ from precondfx.plan import ParamInfo
 _NORM_OPS = {"BatchNormalization", "LayerNormalization", "GroupNormalization",
              "InstanceNormalization", "RMSNormalization", "SimplifiedLayerNormalization"}
 _SHAPE_OPS = {"Shape", "Size"}
+#: ops that pass a weight on with another layout or dtype: ``MatMul(x, Transpose(W))`` (the
+#: dynamo exporter without its optimizer), ``Gemm(x, Cast(W_fp16))`` (mixed-precision
+#: exports), a reshaped or squeezed kernel; the layer's weight is the initializer they read
+_VIEW_OPS = {"Identity", "Cast", "CastLike", "Transpose", "Reshape", "Squeeze", "Unsqueeze",
+             "Flatten"}
 _BIG = 1024  # initializers larger than this (bytes) are stripped for shape inference
 
 
@@ -332,6 +337,9 @@ class _Builder:
         self.params: dict[str, ParamInfo] = {}
         self.param_shapes: dict[str, tuple[int, ...]] = {}
         self.module_calls: dict[str, int] = {}
+        self.views: dict[int, ir.Value] = {}     # id(weight view) -> the initializer it reads
+        self.transposed: set[int] = set()        # ids of 2-D transposes of an initializer
+        self.viewed: set[str] = set()            # parameters registered with a view's shape
 
     # -- values ---------------------------------------------------------------------------------
     def shape_of(self, v: ir.Value | None) -> tuple[int, ...] | None:
@@ -344,7 +352,34 @@ class _Builder:
         """Does ``v`` carry an activation?"""
         return v is not None and id(v) in self.data
 
+    def note_view(self, node: ir.Node, ins: list) -> None:
+        """Record the output of a layout/dtype op on a float initializer (or on such a view)
+        as a view of that initializer."""
+        if node.op_type not in _VIEW_OPS or node.domain not in ("", "ai.onnx") or not ins \
+                or ins[0] is None or len(node.outputs) != 1:
+            return
+        src = self.views.get(id(ins[0]), ins[0])
+        if src.name not in self.inits or self.inits[src.name] is not src \
+                or src.dtype not in FLOAT_TYPES:
+            return
+        if node.op_type == "Cast":
+            try:
+                if ir.DataType(_int(node, "to", 0)) not in FLOAT_TYPES:
+                    return
+            except ValueError:
+                return
+        if node.op_type == "CastLike" and (len(ins) < 2 or ins[1] is None
+                                           or ins[1].dtype not in FLOAT_TYPES):
+            return
+        out = node.outputs[0]
+        self.views[id(out)] = src
+        if node.op_type == "Transpose" and ins[0] is src and src.shape is not None \
+                and len(src.shape) == 2 and _ints(node, "perm", [1, 0]) == [1, 0]:
+            self.transposed.add(id(out))
+
     def is_param(self, v: ir.Value, slot_is_weight: bool) -> bool:
+        if id(v) in self.views:     # a weight view is its initializer, in a weight slot
+            return slot_is_weight and self.is_param(self.views[id(v)], True)
         if v.name not in self.inits or self.inits[v.name] is not v:
             return False
         if v.dtype not in FLOAT_TYPES:
@@ -355,9 +390,16 @@ class _Builder:
         return v.name not in self.lifted and (n is None or n > 1)
 
     def add_param(self, v: ir.Value, shape: tuple[int, ...] | None = None) -> None:
+        """Register initializer ``v`` as a parameter; ``shape``: the layout its layer sees
+        (a view's), when it differs from the file's."""
         file_shape = tuple(int(x) for x in (v.shape if v.shape is not None
                                             else v.const_value.shape))
-        self.params.setdefault(v.name, ParamInfo(shape or file_shape))
+        have = self.params.get(v.name)
+        if have is None or (shape is not None and tuple(have.shape) == file_shape
+                            and v.name not in self.viewed):
+            self.params[v.name] = ParamInfo(shape or file_shape)
+            if shape is not None:
+                self.viewed.add(v.name)
         self.param_shapes.setdefault(v.name, file_shape)
 
     def marker(self, v: ir.Value | None, weight_slot: bool = False) -> Any:
@@ -366,8 +408,14 @@ class _Builder:
         if id(v) in self.data:
             return Act(self.producer[id(v)])
         if self.is_param(v, weight_slot):
-            self.add_param(v)
-            return Param(v.name)
+            src = self.views.get(id(v), v)
+            logical = None
+            if src is not v and id(v) not in self.transposed:
+                logical = self.shape_of(v)
+                if logical is None or math.prod(logical) != _numel(src):
+                    logical = None
+            self.add_param(src, logical)
+            return Param(src.name)
         return Const(None)
 
     # -- the graph's inputs and outputs ---------------------------------------------------------
@@ -411,6 +459,8 @@ class _Builder:
             spec = None
         target = node.op_type if node.domain in ("", "ai.onnx") else \
             f"{node.domain}::{node.op_type}"
+        if not is_data:
+            self.note_view(node, ins)
         call = self.call_of(node, ins) if is_data else _Call([self.marker(v) for v in ins])
         if call.kind is not None:
             spec = optable.BY_KIND[call.kind]
@@ -464,6 +514,9 @@ class _Builder:
             return self.conv(node, ins)
         if op == "Gemm" and len(ins) >= 2:
             return self.gemm(node, ins)
+        if op == "MatMul" and len(ins) == 2 and self.carries(ins[0]) \
+                and id(ins[1]) in self.transposed:       # x @ W.T: torch's linear
+            return _Call([self.marker(ins[0]), self.marker(ins[1], True), None], kind="linear")
         if op == "MatMul" and len(ins) == 2:
             return _Call([self.marker(ins[0], not self.carries(ins[0])),
                           self.marker(ins[1], not self.carries(ins[1]))])
@@ -503,7 +556,8 @@ class _Builder:
         a_, b_ = ins[0], ins[1]
         ta, tb = _int(node, "transA", 0), _int(node, "transB", 0)
         c_ = ins[2] if len(ins) > 2 else None
-        if tb == 1 and ta == 0 and self.is_param(b_, True) and self.carries(a_):
+        t_b = id(b_) in self.transposed if b_ is not None else False
+        if ta == 0 and self.carries(a_) and self.is_param(b_, True) and (tb == 1) != t_b:
             c = _Call([self.marker(a_), self.marker(b_, True), self.marker(c_, True)],
                       kind="linear")
         else:
@@ -517,8 +571,9 @@ class _Builder:
             if side:
                 c.extra["weight_side"] = side
             if c_ is not None and self.is_param(c_, True):
-                self.add_param(c_)
-                c.extra["_bias"] = c_.name
+                src = self.views.get(id(c_), c_)
+                self.add_param(src)
+                c.extra["_bias"] = src.name
             elif c_ is not None:
                 c.args.append(self.marker(c_))
         c.extra["gemm"] = {"transA": ta, "transB": tb, "alpha": _float(node, "alpha", 1.0),
@@ -626,10 +681,12 @@ def to_graph(model: ir.Model, shapes: dict[str, tuple], symbolic: set[str],
 
 def _matmul_biases(nodes: list[Node], ir_nodes: dict[str, ir.Node], inits: dict,
                    params: dict, add_param: Callable) -> None:
-    """MatMul(x, W) followed by Add(., b) with b an initializer: b is the layer's bias."""
+    """MatMul(x, W) (or x @ W.T, a linear without bias) followed by Add(., b) with b an
+    initializer: b is the layer's bias."""
     by_name = {n.name: n for n in nodes}
     for n in nodes:
-        if n.kind != "matmul" or "weight" not in n.params or "bias" in n.params:
+        if n.kind not in ("matmul", "linear") or "weight" not in n.params \
+                or "bias" in n.params:
             continue
         out = ir_nodes[n.name].outputs[0]
         uses = list(out.uses())
