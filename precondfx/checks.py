@@ -103,6 +103,11 @@ def check_model(model: nn.Module) -> None:
             f"carry autograd history), kept outside the module's parameters and buffers: "
             f"precondfx cannot copy or re-initialize what they are computed from. Compute them "
             f"inside forward, or register them with torch.nn.utils.parametrize")
+    refuse_empty(empty)
+
+
+def refuse_empty(empty: list[str]) -> None:
+    """Refuse parameters with no elements (the PyTorch and ONNX front ends both call it)."""
     if empty:
         raise PrecondError(
             f"parameters with no elements: {empty[:5]} (a layer of width 0): there is nothing "

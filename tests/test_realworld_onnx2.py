@@ -373,3 +373,81 @@ def test_unoptimized_dynamo_export_plans_as_pytorch(tmp_path):
         assert got[k].rule == ref[k].rule and list(got[k].shape) == list(ref[k].shape), k
         if ref[k].std is not None:
             assert got[k].std == pytest.approx(ref[k].std, rel=1e-9), k
+
+
+# -- graphs the exporters write that only run at one size, out of order, or with odd tensors -----
+def _fixed_batch():
+    """Declared with a symbolic batch, but a Reshape pins it to 4 (``x.view(4, -1)`` traced by
+    the legacy exporter with ``dynamic_axes``): the file runs only at batch 4."""
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("Reshape", ["r", "shp"], ["v"], name="view"),
+             helper.make_node("Gemm", ["v", "w2", "b2"], ["y"], name="fc2", transB=1)]
+    inits = _mlp_inits() + [numpy_helper.from_array(np.array([4, 16], np.int64), "shp")]
+    return _model(nodes, [_vi("x", TP.FLOAT, ["N", 8])], [_vi("y", TP.FLOAT, ["N", 4])], inits)
+
+
+def test_model_that_runs_only_at_its_export_batch(tmp_path, capfd):
+    """The verification run at another batch size fails on the input model too: the file is
+    checked at the calibration size instead and the report says why (the whole run was refused
+    before, as if the rewrite had broken the batch dim).  Without data of that size the error
+    says what to pass, and onnxruntime's own log line stays out of stderr."""
+    src = _save(_fixed_batch(), tmp_path / "fixed.onnx")
+    x = _x(4, 8)
+    out = tmp_path / "out.onnx"
+    rep = precondition_onnx(src, str(out), feeds={"x": x}, target_std=TARGET)
+    assert "runs only with 'x' dim 0 = 4" in rep.verification["note"]
+    assert _std(_run(out, {"x": x})["y"]) == pytest.approx(TARGET, rel=0.02)
+    same = tmp_path / "same.onnx"
+    rep = precondition_onnx(src, str(same), feeds={"x": x}, reinit_weights=False,
+                            target_std=TARGET)
+    np.testing.assert_allclose(_run(same, {"x": x})["y"],
+                               _run(src, {"x": x})["y"] * rep.output_scale, rtol=1e-5)
+    capfd.readouterr()
+    assert main(["precondition", src, "-o", str(tmp_path / "o2.onnx"), "--quiet"]) == 2
+    err = capfd.readouterr().err
+    assert "--batch N" in _one_error_line(err) and "[E:onnxruntime" not in err
+    assert main(["precondition", src, "-o", str(tmp_path / "o2.onnx"), "--quiet",
+                 "--batch", "4"]) == 0
+
+
+def test_nodes_out_of_topological_order_are_sorted(tmp_path):
+    """A file listing a layer before the node computing its input (onnxruntime accepts it): the
+    layer was read as a constant and kept its weights; now every layer is planned."""
+    nodes = _mlp_nodes()[::-1]
+    m = _model(nodes, [_vi("x", TP.FLOAT, ["N", 8])], [_vi("y", TP.FLOAT, ["N", 4])],
+               _mlp_inits())
+    src = _save(m, tmp_path / "unsorted.onnx")
+    x = _x(64, 8)
+    out = tmp_path / "out.onnx"
+    rep = precondition_onnx(src, str(out), feeds={"x": x}, balance="none", target_std=TARGET)
+    assert rep.plan.inits["w2"].std == pytest.approx(0.5)        # sqrt(2/sqrt(16*4))
+    assert rep.plan.inits["w1"].std == pytest.approx((2 / 128 ** 0.5) ** 0.5)
+    assert any("topological order" in n for n in rep.capture_notes)
+    assert _std(_run(out, {"x": x})["y"]) == pytest.approx(TARGET, rel=0.02)
+
+
+def test_zero_width_layer_and_sparse_initializer_refused(tmp_path):
+    """A layer of width 0 gets the PyTorch path's error (it was a ZeroDivisionError in the
+    planner); a sparse initializer, which onnx-ir does not read, is refused up front (the
+    rewritten file lost it and onnxruntime refused that file)."""
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["y"], name="fc1", transB=1)]
+    m = _model(nodes, [_vi("x", TP.FLOAT, ["N", 8])], [_vi("y", TP.FLOAT, ["N", 0])],
+               [_w("w1", (0, 8)), _w("b1", (0,))])
+    src = _save(m, tmp_path / "zero.onnx")
+    with pytest.raises(PrecondError, match="width 0"):
+        precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"x": _x(8, 8)})
+    sp = helper.make_sparse_tensor(
+        numpy_helper.from_array(np.array([1.0, 2.0], np.float32), "s"),
+        numpy_helper.from_array(np.array([0, 5], np.int64)), [16])
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1),
+             helper.make_node("Add", ["h", "s"], ["y"], name="add")]
+    g = helper.make_graph(nodes, "g", [_vi("x", TP.FLOAT, ["N", 8])],
+                          [_vi("y", TP.FLOAT, ["N", 16])], [_w("w1", (16, 8)), _w("b1", (16,))],
+                          sparse_initializer=[sp])
+    src = _save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]),
+                tmp_path / "sparse.onnx")
+    assert _run(src, {"x": _x(2, 8)})["y"].shape == (2, 16)       # a valid file
+    with pytest.raises(PrecondError, match="reads 's'.*sparse initializer"):
+        precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"x": _x(8, 8)})
+    assert not (tmp_path / "out.onnx").exists()

@@ -33,7 +33,7 @@ def session(source: str | bytes) -> "object":
     """An ORT CPU session from a path or serialized model bytes."""
     ort = _ort()
     so = ort.SessionOptions()
-    so.log_severity_level = 3
+    so.log_severity_level = 4  # errors reach the user as PrecondError
     try:
         return ort.InferenceSession(source, so, providers=PROVIDERS)
     except Exception as e:
@@ -50,7 +50,9 @@ def run(sess: "object", feeds: Mapping[str, np.ndarray], outputs: list[str] | No
         msg = " ".join(str(e).split())
         shapes = {k: list(v.shape) for k, v in feeds.items()}
         raise PrecondError(f"onnxruntime could not run the model on the calibration batch "
-                           f"(shapes {shapes}): {msg[:400]}") from None
+                           f"(shapes {shapes}): {msg[:400]} (a model that runs only at the "
+                           f"size it was exported with needs calibration data of that size, "
+                           f"or --batch N)") from None
 
 
 def output_std(arr: np.ndarray) -> float:
@@ -105,7 +107,7 @@ def session_for_model(model: ir.Model) -> "object":
             for v, t in swapped:
                 v.const_value = t
     so = ort.SessionOptions()
-    so.log_severity_level = 3
+    so.log_severity_level = 4  # errors reach the user as PrecondError
     if names:
         so.add_external_initializers(names, values)
     try:

@@ -52,7 +52,23 @@ def load(path: str | os.PathLike) -> ir.Model:
     if not model.graph.outputs:
         raise PrecondError(f"{path}: the graph has no outputs (a truncated ONNX file?)")
     check_external_data(model, path)
+    check_defined(model, path)
     return model
+
+
+def check_defined(model: ir.Model, path: str) -> None:
+    """Refuse a graph whose nodes read a value that nothing defines (no node, graph input or
+    initializer): a ``sparse_initializer``, which onnx-ir does not read (the rewritten file
+    would lose it), or a broken file."""
+    for node in model.graph:
+        for v in node.inputs:
+            if v is None or not v.name or v.producer() is not None or v.is_graph_input() \
+                    or v.is_initializer():
+                continue
+            raise PrecondError(f"{path}: node {node.name or node.op_type!r} reads {v.name!r}, "
+                               f"which no node, graph input or initializer defines (a sparse "
+                               f"initializer? they are not supported: store it as a dense "
+                               f"initializer, e.g. with onnx.numpy_helper)")
 
 
 def check_external_data(model: ir.Model, path: str) -> None:

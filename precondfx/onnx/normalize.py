@@ -11,6 +11,7 @@
   tensors, e.g. the zero biases of BN-folded convolutions): one initializer per use, so each
   layer gets its own weights.  Exporter deduplication cannot be told apart from weight tying the
   user meant; tying by direct reuse of one initializer is kept;
+* sort the nodes topologically when the file lists them out of order;
 * give every node a unique name (plans are keyed by node names).
 """
 from __future__ import annotations
@@ -131,6 +132,10 @@ def normalize(model: ir.Model) -> NormalizeInfo:
     """Run the clean-ups in place; returns what was done."""
     info = NormalizeInfo()
     check_supported(model)
+    if not _sorted(model.graph):
+        model.graph.sort()
+        info.notes.append("the graph's nodes were not in topological order (ONNX requires "
+                          "it); they were sorted")
     if model.functions:
         n_before = len(model.functions)
         common_passes.InlinePass()(model)
@@ -147,6 +152,19 @@ def normalize(model: ir.Model) -> NormalizeInfo:
                           f"is re-initialized on its own")
     info.renamed = _unique_names(model)
     return info
+
+
+def _sorted(g: ir.Graph) -> bool:
+    """Whether every node comes after the nodes producing its inputs (the capture reads the
+    graph in order: a layer listed before its input would look like a constant)."""
+    seen: set[int] = set()
+    for node in g:
+        for v in node.inputs:
+            p = v.producer() if v is not None else None
+            if p is not None and p.graph is g and id(p) not in seen:
+                return False
+        seen.add(id(node))
+    return True
 
 
 def _unshare_identity(model: ir.Model) -> int:
