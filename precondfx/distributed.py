@@ -28,8 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from precondfx.apply.common import PREFIX
-from precondfx.apply.shards import (CONSTANTS, RNGS, counter_normal, is_sharded,  # noqa: F401
-                                    record_constants, restore_constants)
+from precondfx.apply.shards import (ALIASES, CONSTANTS, RNGS, counter_normal,  # noqa: F401
+                                    is_sharded, record_aliases, record_constants,
+                                    restore_constants, untied)
+from precondfx.apply.shards import local as shards_local
 from precondfx.capture.common import main_output, make_sample
 from precondfx.errors import PrecondError
 from precondfx.plan import Plan
@@ -91,6 +93,14 @@ def calibrate(model: nn.Module, sample: Any, target_std: float | None = None, *,
         raise PrecondError(f"target_std={target_std!r} must be a positive number")
     s = make_sample(sample, forward_kwargs)
     cal.check_finite_sample(s)
+    loose = untied(model)
+    if loose:
+        pairs = ", ".join(f"{a} and {c}" for a, c in loose)
+        raise PrecondError(
+            f"tied parameters are no longer the same tensor ({pairs}; model.to_empty unties "
+            f"them, leaving the copy uninitialized): call precondfx.reinit(model, report.plan, "
+            f"seed) after to_empty (it ties them again), or model.tie_weights() and then "
+            f"reinit, before calibrating")
     buf_name = _output_buffer(model)
     buf = model.get_buffer(buf_name)
     current = float(buf.float().cpu())
@@ -98,6 +108,15 @@ def calibrate(model: nn.Module, sample: Any, target_std: float | None = None, *,
         current = 1.0
         buf.fill_(1.0)
     before, _ = _global_std(main_output(cal.forward(model, s, mode), output_key), group)
+    if not math.isfinite(before):
+        bad = [n for n, p in model.named_parameters()
+               if p.is_floating_point() and not bool(torch.isfinite(shards_local(p)).all())]
+        raise PrecondError(
+            f"the output on the calibration batch has NaN/inf values"
+            f"{' and these parameters hold NaN/inf: ' + ', '.join(bad[:5]) if bad else ''}. "
+            f"After model.to_empty every tensor is uninitialized memory: call precondfx.reinit("
+            f"model, report.plan, seed) and give the parameters and buffers the plan keeps "
+            f"(rule 'keep' in report.plan.inits; rotary frequencies) your usual init first")
     scale = current * cal.solve_output_scale(before, target_std)
     buf.fill_(scale)
     rec = getattr(model, CONSTANTS, None)

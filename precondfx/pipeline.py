@@ -81,6 +81,7 @@ def prepare_sample(model: Any, sample: Any, forward_kwargs: dict | None
     cal.check_finite_sample(s)
     dt = float_dtype(model)
     if meta.on_meta(model):     # resolve_torch refused the modes that need data
+        meta.check_ties(model)
         s = s.map(lambda t: t.to("meta"))
     if dt is not None:  # float samples in the dtype the pipeline computes in
         work_dt = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
@@ -99,6 +100,8 @@ def param_infos(model: nn.Module) -> tuple[dict[str, ParamInfo], dict[str, str]]
         if c == name:
             infos[name] = ParamInfo(tuple(p.shape), p.requires_grad,
                                     ".parametrizations." in name)
+        else:
+            infos[c].aliases += (name,)
     return infos, canon
 
 
@@ -325,6 +328,7 @@ def finish(st: TorchState) -> None:
     needs (for a transformers model also its config entry and checkpoint folding), the
     original dtype back."""
     distributed.record_constants(st.result, st.constants, read=st.data)
+    distributed.record_aliases(st.result, st.plan.aliases)
     restore_modes(st.result, st.modes)
     st.say("recording how to fold the constants back into the weights")
     record(st.result, st.work, st.backend, st.graph, lambda m: run_on(m, st.sample, "eval"))

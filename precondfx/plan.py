@@ -113,6 +113,9 @@ class Plan:
     #: what a scheme's plan says about a node (a replacement, a normalized sum), shown as the
     #: node's reason in the report instead of the classification's
     reasons: dict[str, str] = field(default_factory=dict)
+    #: tied parameters: every other name of a parameter -> the name its init is planned under
+    #: (``model.to_empty`` unties them; ``precondfx.reinit`` ties them again)
+    aliases: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -129,7 +132,8 @@ class Plan:
                    pools=[PoolChange(**{**x, "geometry": _geometry(x.get("geometry", {}))})
                           for x in d.get("pools", [])],
                    residuals=[Residual(**x) for x in d.get("residuals", [])],
-                   notes=list(d.get("notes", [])), reasons=dict(d.get("reasons", {})))
+                   notes=list(d.get("notes", [])), reasons=dict(d.get("reasons", {})),
+                   aliases=dict(d.get("aliases", {})))
 
     def alphas(self) -> dict[str, float]:
         """alpha per weight parameter name (first call site)."""
@@ -150,6 +154,7 @@ class ParamInfo:
     shape: tuple[int, ...]
     trainable: bool = True
     parametrized: bool = False
+    aliases: tuple[str, ...] = ()   # the other names of a tied parameter
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,6 +164,7 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
     ``alpha_sites`` puts an alpha (1 where no correction is planned) at every weighted call
     site, as measured balancing and LSUV need."""
     plan = Plan(options=opts.planned())
+    plan.aliases = {a: name for name, info in params.items() for a in info.aliases}
     _plan_pools(graph, params, plan, opts)
     _plan_layers(graph, params, plan)
     _plan_residuals(graph, plan, opts)

@@ -8,6 +8,9 @@ rule (normal draws moment-matched: their empirical second moment is exactly the 
 """
 from __future__ import annotations
 
+import logging
+import warnings
+
 import torch
 from torch import nn
 
@@ -15,6 +18,8 @@ from precondfx import draw as core
 from precondfx.apply import shards
 from precondfx.errors import PrecondError
 from precondfx.plan import ParamInit, Plan
+
+log = logging.getLogger("precondfx")
 
 
 def draw(pi: ParamInit, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor | None:
@@ -44,18 +49,23 @@ def reinit(model: nn.Module, plan: Plan, seed: int, rng: str = "stream") -> list
         # Shapes only: nothing to write (drawing a 7B model's tensors to discard them took
         # minutes); the draw happens when reinit runs again after model.to_empty(...).
         return [n for n, pi in plan.inits.items() if n in named and pi.rule != "keep"]
+    untied = retie(model, plan, sharded)
+    named = dict(model.named_parameters(remove_duplicate=False))
     gen = torch.Generator().manual_seed(int(seed))
     changed = []
     for name, pi in plan.inits.items():
         p = named.get(name)
         if p is None:
             continue
+        copies = [named[a] for a in untied.get(name, ())]
         if pi.rule == "scale":
-            shards.local(p).mul_(float(pi.std))
+            for q in [p, *copies]:
+                shards.local(q).mul_(float(pi.std))
             changed.append(name)
             continue
         if rng == "counter" and pi.rule in shards.COUNTER_RULES:
-            shards.counter_param(p, pi, seed, name)
+            for q in [p, *copies]:
+                shards.counter_param(q, pi, seed, name)
             changed.append(name)
             continue
         new = draw(pi, tuple(p.shape), gen)
@@ -65,13 +75,58 @@ def reinit(model: nn.Module, plan: Plan, seed: int, rng: str = "stream") -> list
             new = _complex(pi, new, draw(pi, tuple(p.shape), gen))
         keep = _padding_rows(model, name, p)
         if keep is not None:  # the padding row keeps its value (zero), as PyTorch's init does
-            # (a shard's row after to_empty holds no value yet: PyTorch's zero)
-            row = torch.zeros(new[keep].shape) if sharded else p.detach()[keep].cpu()
+            # (a shard's row, or any row of a model planned on the meta device, holds no value
+            # after to_empty: PyTorch's zero)
+            fresh = sharded or getattr(model, shards.NO_DATA, False)
+            row = torch.zeros(new[keep].shape) if fresh else p.detach()[keep].cpu()
             new = _keep_row(pi, new, keep, row.to(new.dtype))
-        shards.write(p, new)
+        for q in [p, *copies]:
+            shards.write(q, new)
         changed.append(name)
     shards.restore_constants(model)
     return changed
+
+
+def retie(model: nn.Module, plan: Plan, sharded: bool) -> dict[str, list[str]]:
+    """Tie again the parameters the plan records as one (``plan.aliases``): ``model.to_empty``
+    gives each module its own new tensor, so GPT-2's ``lm_head.weight`` stops being
+    ``transformer.wte.weight`` and would keep uninitialized memory.  A plain model gets the
+    planned parameter back under every alias (as ``model.tie_weights()`` does).  A sharded
+    model's parameters belong to their FSDP units and cannot be swapped: each copy is written
+    with the same values (returned, canonical name -> untied aliases) and a warning says that
+    they will train apart.  A name or shape that no longer matches is a PrecondError."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    left: dict[str, list[str]] = {}
+    for alias, canon in plan.aliases.items():
+        a, c = named.get(alias), named.get(canon)
+        if a is None or c is None or a is c:
+            continue
+        if a.shape != c.shape:
+            raise PrecondError(
+                f"the plan ties {alias} to {canon}, but the model's {alias} has shape "
+                f"{tuple(a.shape)} and {canon} {tuple(c.shape)}: re-initialize with the plan of "
+                f"this model (precondfx.precondition or analyze on it)")
+        if sharded:
+            left.setdefault(canon, []).append(alias)
+            continue
+        path, _, leaf = alias.rpartition(".")
+        owner = model.get_submodule(path) if path else model
+        if leaf not in owner._parameters:
+            raise PrecondError(f"cannot tie {alias} to {canon} again: {alias} is not a plain "
+                               f"parameter of its module; tie them yourself "
+                               f"(model.tie_weights()) before precondfx.reinit")
+        owner._parameters[leaf] = c
+        log.info("precondfx: %s tied to %s again (model.to_empty unties tied weights)",
+                 alias, canon)
+    if left:
+        pairs = ", ".join(f"{a} = {c}" for c, al in left.items() for a in al)
+        warnings.warn(f"precondfx: tied parameters are separate tensors in this sharded model "
+                      f"({pairs}; model.to_empty or fully_shard untied them): each copy got the "
+                      f"same values, but they will train apart. Tie them again the way your "
+                      f"model does (model.tie_weights()) before fully_shard", RuntimeWarning,
+                      stacklevel=3)
+    return left
+
 
 
 _RANDOM = ("keep", "zeros", "ones", "constant", "scale")

@@ -19,6 +19,9 @@ from precondfx.apply.common import PREFIX
 from precondfx.plan import ParamInit
 
 CONSTANTS = PREFIX + "constants"
+ALIASES = PREFIX + "aliases"
+#: set on a result planned on the meta device: its values come from ``to_empty`` + ``reinit``
+NO_DATA = PREFIX + "planned_on_meta"
 RNGS = ("stream", "counter")
 
 
@@ -37,6 +40,29 @@ def record_constants(model: nn.Module, planned: dict[str, float], read: bool = T
                     b.is_floating_point():
                 out[name] = float(b.detach().float().cpu())
     setattr(model, CONSTANTS, out)
+    setattr(model, NO_DATA, not read)
+
+
+def record_aliases(model: nn.Module, aliases: dict[str, str]) -> None:
+    """Keep the plan's tied parameters (alias -> name) as a plain attribute of the model, so
+    that :func:`untied` can tell, without the plan, that ``to_empty`` separated them."""
+    setattr(model, ALIASES, dict(aliases))
+
+
+def untied(model: nn.Module) -> list[tuple[str, str]]:
+    """The recorded tied pairs (alias, name) that are now different tensors with different
+    values (``model.to_empty`` unties them and leaves the alias uninitialized)."""
+    rec: dict[str, str] = getattr(model, ALIASES, None) or {}
+    named = dict(model.named_parameters(remove_duplicate=False))
+    out = []
+    for a, c in rec.items():
+        pa, pc = named.get(a), named.get(c)
+        if pa is None or pc is None or pa is pc or pa.shape != pc.shape:
+            continue
+        la, lc = local(pa), local(pc)
+        if la.device.type == "meta" or la.shape != lc.shape or not torch.equal(la, lc):
+            out.append((a, c))
+    return out
 
 
 def restore_constants(model: nn.Module) -> list[str]:

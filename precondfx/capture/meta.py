@@ -10,6 +10,7 @@ the operation and the line of the model that asked for it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import traceback
 from typing import Any, Callable, Iterator
 
@@ -87,3 +88,39 @@ def forward(model: nn.Module, run: Callable[[nn.Module], Any], what: str = "the 
         raise PrecondError(f"{what}: the model raised {type(e).__name__} on the meta device "
                            f"under fake tensors: {str(e).strip()[:300]} (at {_user_frame(e)}). "
                            f"Check that the sample is what the model's forward expects") from e
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    first: dict[int, str] = {}
+    return {n: first.setdefault(id(p), n) for n, p in model.named_parameters(
+        remove_duplicate=False)}
+
+
+def untied_declared(model: nn.Module) -> list[tuple[str, str]]:
+    """Parameter pairs the model's own ``tie_weights()`` (transformers models) would tie but
+    that are separate tensors: ``accelerate.init_empty_weights()`` builds GPT-2's ``lm_head``
+    untied, since every parameter it registers is a new meta tensor.  Checked on a deep copy
+    (cheap on the meta device), so the model is not changed."""
+    tie = getattr(model, "tie_weights", None)
+    if not callable(tie):
+        return []
+    try:
+        probe = copy.deepcopy(model)
+        probe.tie_weights()
+    except Exception:  # noqa: BLE001 - a tie_weights we cannot run on a copy: nothing known
+        return []
+    have, want = _aliases(model), _aliases(probe)
+    return [(a, c) for a, c in want.items() if a != c and have.get(a, a) != have.get(c, c)]
+
+
+def check_ties(model: nn.Module) -> None:
+    """Refuse a meta model whose declared tied weights are separate (see
+    :func:`untied_declared`): planned apart, they would be drawn and trained apart."""
+    pairs = untied_declared(model)
+    if pairs:
+        names = ", ".join(f"{a} and {c}" for a, c in pairs[:4])
+        raise PrecondError(
+            f"the model ties {names} (its tie_weights()), but they are separate parameters "
+            f"here: accelerate.init_empty_weights() creates them untied. Call "
+            f"model.tie_weights() before precondfx (it ties them on the meta device too), or "
+            f"build the model under torch.device('meta'), which keeps the tie")
