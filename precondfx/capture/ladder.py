@@ -92,7 +92,9 @@ def capture(model: torch.nn.Module, sample: Sample, methods: tuple[str, ...] | l
                     graph = fx_capture.to_graph(gm)
                     result = Captured(graph, gm)
                 elif method in ("export", "draft_export"):
-                    ep = export_capture.export(model, sample, draft=method == "draft_export")
+                    with meta.default_meta() if on_meta else contextlib.nullcontext():
+                        ep = export_capture.export(model, sample,
+                                                   draft=method == "draft_export")
                     result = Captured(export_capture.to_graph(ep, model, method))
                 else:
                     with fake():

@@ -30,10 +30,21 @@ def on_meta(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def fake_mode() -> Iterator[Any]:
-    """A FakeTensorMode that accepts the model's own meta tensors as inputs."""
+    """A FakeTensorMode that accepts the model's own meta tensors as inputs.  Tensors the
+    forward creates without a device (``torch.zeros(n)``, ``generate_square_subsequent_mask``)
+    are made on the meta device, where the model's own tensors are (:func:`default_meta`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with default_meta(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
         yield mode
+
+
+@contextlib.contextmanager
+def default_meta() -> Iterator[None]:
+    """The meta device as the default device: a forward that creates a tensor without
+    ``device=`` runs on any single device, so on meta its new tensors must be meta too (on the
+    CPU they would meet the model's meta tensors and fail with a device mismatch)."""
+    with torch.device("meta"):
+        yield
 
 
 def _user_frame(e: BaseException) -> str:
@@ -72,19 +83,37 @@ def explain(e: BaseException, what: str) -> PrecondError:
         f"init) and plan on real data")
 
 
+def _specific(e: BaseException, what: str) -> PrecondError | None:
+    """The meta device's own error for ``e``: a value read, or a device mismatch."""
+    if data_dependent(e):
+        return explain(e, what)
+    if type(e).__name__ == "FakeTensorDeviceMismatchError":
+        return PrecondError(
+            f"{what}: the model is on the meta device, and its forward mixes a meta tensor "
+            f"with one on another device ({str(e).strip()[:160]}) at {_user_frame(e)}: a "
+            f"plain tensor attribute made outside torch.device('meta'), or a tensor made "
+            f"with an explicit device. Build the whole model under torch.device('meta') "
+            f"(register tensors as buffers), or create tensors on the input's device "
+            f"(device=x.device)")
+    return None
+
+
 def forward(model: nn.Module, run: Callable[[nn.Module], Any], what: str = "the forward") -> Any:
-    """Run ``run(model)`` under fake tensors; value-reading operations get a clear error."""
+    """Run ``run(model)`` under fake tensors; value-reading operations and tensors on another
+    device get a clear error."""
     try:
         with torch.no_grad(), fake_mode():
             return run(model)
     except PrecondError as e:
         cause = e.__cause__
-        if cause is not None and data_dependent(cause):
-            raise explain(cause, what) from cause
+        err = _specific(cause, what) if cause is not None else None
+        if err is not None:
+            raise err from cause
         raise
     except Exception as e:
-        if data_dependent(e):
-            raise explain(e, what) from e
+        err = _specific(e, what)
+        if err is not None:
+            raise err from e
         raise PrecondError(f"{what}: the model raised {type(e).__name__} on the meta device "
                            f"under fake tensors: {str(e).strip()[:300]} (at {_user_frame(e)}). "
                            f"Check that the sample is what the model's forward expects") from e
