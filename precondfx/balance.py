@@ -20,6 +20,7 @@ from torch import nn
 
 from precondfx.capture.common import Sample, main_output
 from precondfx.errors import PrecondError
+from precondfx.measure import batchdim
 from precondfx.measure.conditioning import _mean_estimate
 from precondfx.measure.sketch import geometric_mean, hessian_sketch, precise, rtol_for, spread_of
 from precondfx.measured import Measured
@@ -210,6 +211,7 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
     if len(weights) < 2:
         return _finish({"note": f"{len(weights)} of {n_layers} weighted layers carry an alpha "
                                 f"on every call site: nothing to balance"}, n_layers, left)
+    sample, dim_note = batchdim.resolve(model, sample, lambda out: main_output(out, output_key))
     fit, held, b = _split(sample)
     n_fit = n_samples
     # once a quarter of the samples is measured, stop when every statistic is precise enough
@@ -234,7 +236,9 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
     _check_positive(before, stat)
     base = {"statistic": STATISTICS[stat], "samples": n_fit, "cotangents": n_cotangents,
             "batch": b, "before": before, "stderr_before": before_se,
-            "spread_before": spread_of(before), "note": note, "engine": engine,
+            "spread_before": spread_of(before),
+            "note": "; ".join(x for x in (dim_note, note) if x), "batch_dim": sample.dim,
+            "engine": engine,
             "stopped_early": early.rstrip("; ")}
     low = significant_spread(before, before_se)
     if gated and low <= threshold:

@@ -16,6 +16,7 @@ from torch import nn
 from precondfx.balance import measured_statistics
 from precondfx.capture.common import Sample, main_output
 from precondfx.errors import PrecondError
+from precondfx.measure import batchdim
 from precondfx.plan import Plan
 
 
@@ -34,6 +35,9 @@ def measure_report(original: nn.Module, result: nn.Module, sample: Sample, plan:
         out["note"] = ("not measured: no weighted layer with one weight matrix to measure "
                        "(recurrent layers hold several)")
         return out
+    sample, dim_note = batchdim.resolve(result, sample, lambda o: main_output(o, output_key))
+    if dim_note:
+        out["batch_dim"] = dim_note
     say("measuring the conditioning of the original model")
     before = measured_statistics(original, sample, common, n_samples=n_samples, seed=seed,
                                  output_key=output_key, mode=mode, verbose=verbose,

@@ -69,12 +69,22 @@ class Sample:
     ``batched`` names the inputs that carry the batch dimension (``"arg0"``, ``"arg1"``... for
     positional inputs, the keyword for keyword inputs, ``"arg0.x"``/``"arg1.0"`` for a part of a
     nested one); ``None`` (default) infers it from how the tensors' shapes relate
-    (:func:`batch_layout`).  Only per-sample measurements use it.
+    (:func:`batch_layout`).  ``batch_dim`` is the dimension those inputs carry the batch in:
+    1 for sequence-first inputs (``nn.LSTM``, ``nn.Transformer(batch_first=False)``: ``(T, B,
+    ...)``); ``None`` (default) is dim 0, and lets measured balancing find dim 1 where slicing
+    dim 0 would cut the sequence (``precondfx.measure.batchdim``).  Only per-sample
+    measurements use them.
     """
 
     args: tuple
     kwargs: dict
     batched: tuple[str, ...] | None = None
+    batch_dim: int | None = None
+
+    @property
+    def dim(self) -> int:
+        """The batch dimension of the batched inputs (0 unless ``batch_dim`` says)."""
+        return self.batch_dim or 0
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor in the sample (nested tuples/lists/dicts included)."""
@@ -95,7 +105,8 @@ class Sample:
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Sample":
         """A copy with ``fn`` applied to every tensor."""
-        return Sample(_map_tensors(self.args, fn), _map_tensors(self.kwargs, fn), self.batched)
+        return Sample(_map_tensors(self.args, fn), _map_tensors(self.kwargs, fn), self.batched,
+                      self.batch_dim)
 
     def inputs(self) -> list[tuple[str, Any]]:
         """(name, value) of every top-level input: ``arg0``, ``arg1``, ... then keywords."""
@@ -113,6 +124,7 @@ class Sample:
         b, paths = batch_layout(self)
         if not 0 <= lo < hi <= b:
             raise PrecondError(f"samples {lo}:{hi} are outside the batch of {b}")
+        d = self.dim
 
         def cut(path: str, t: Any) -> Any:
             if path not in paths:
@@ -120,14 +132,15 @@ class Sample:
             if _is_packed(t):
                 return _take_packed(t, lo, hi)
             if t.layout != torch.strided:  # sparse tensors cannot be viewed by slicing
-                return t.index_select(0, torch.arange(lo, hi, device=t.device))
-            return t[lo:hi]
+                return t.index_select(d, torch.arange(lo, hi, device=t.device))
+            return t.narrow(d, lo, hi - lo)
         return Sample(_map_leaves(self.args, cut, "arg"), _map_leaves(self.kwargs, cut, ""),
-                      self.batched)
+                      self.batched, self.batch_dim)
 
 
 def batch_layout(sample: Sample) -> tuple[int, frozenset[str]]:
-    """The batch size and the paths of the inputs that carry it (along dim 0).
+    """The batch size and the paths of the inputs that carry it (along dim 0, or
+    ``sample.batch_dim``: below, "leading" means that dimension).
 
     With ``sample.batched`` set, those inputs (and their parts) are batched and must agree on
     their leading size.  Otherwise each leading size ``B`` of the tensors is a candidate: the
@@ -138,7 +151,8 @@ def batch_layout(sample: Sample) -> tuple[int, frozenset[str]]:
     consistent or two tie (``EmbeddingBag(ids, offsets)``), a PrecondError names the inputs and
     says how to pass ``batched``.
     """
-    found = _batch_leaves(sample)
+    d = sample.dim
+    found = _batch_leaves(sample, d)
     if not found:
         raise PrecondError("the sample holds no tensor with a batch dimension (every tensor is a "
                            "scalar): per-sample measurement needs inputs batched along dim 0")
@@ -151,27 +165,27 @@ def batch_layout(sample: Sample) -> tuple[int, frozenset[str]]:
                                    f"tensor inputs: {sorted(known)})")
         paths = frozenset(p for p, _ in found
                           if any(p == w or p.startswith(w + ".") for w in want))
-        sizes = {_lead(v) for p, v in found if p in paths}
+        sizes = {_lead(v, d) for p, v in found if p in paths}
         if not paths:
             return 1, frozenset()
         if len(sizes) != 1:
             raise PrecondError(f"batched={list(want)}: these inputs have different leading "
                                f"sizes {sorted(sizes)}; name only inputs that share the batch "
-                               f"dimension along dim 0")
+                               f"dimension along dim {d}")
         return sizes.pop(), paths
-    cands = sorted({_lead(v) for _, v in found}, key=lambda b: -sum(_lead(v) == b
-                                                                    for _, v in found))
+    cands = sorted({_lead(v, d) for _, v in found}, key=lambda b: -sum(_lead(v, d) == b
+                                                                       for _, v in found))
     good = []
     for b in cands:
-        inside = [v for _, v in found if _lead(v) == b]
-        dims = {d for v in inside for d in _shape(v)[1:]}
-        outside = [v for _, v in found if _lead(v) != b]
-        if all(d == 1 or d in dims for v in outside for d in _shape(v)):
+        inside = [v for _, v in found if _lead(v, d) == b]
+        dims = {n for v in inside for i, n in enumerate(_shape(v)) if i != d}
+        outside = [v for _, v in found if _lead(v, d) != b]
+        if all(n == 1 or n in dims for v in outside for n in _shape(v)):
             good.append((len(inside), b))
     good.sort(reverse=True)
     if good and (len(good) == 1 or good[0][0] > good[1][0]):
         b = good[0][1]
-        return b, frozenset(p for p, v in found if _lead(v) == b)
+        return b, frozenset(p for p, v in found if _lead(v, d) == b)
     desc = ", ".join(f"{p} {tuple(_shape(v))}" for p, v in found)
     raise PrecondError(f"cannot tell which inputs carry the batch dimension ({desc}): their "
                        f"leading sizes do not relate as batch and shared inputs. Say which are "
@@ -180,8 +194,9 @@ def batch_layout(sample: Sample) -> tuple[int, frozenset[str]]:
                        f"list measures the whole batch as one sample)")
 
 
-def _lead(v: Any) -> int:
-    return _shape(v)[0]
+def _lead(v: Any, d: int = 0) -> int:
+    """The size along the batch dimension ``d`` (a PackedSequence: its batch)."""
+    return _shape(v)[0] if _is_packed(v) else _shape(v)[d]
 
 
 def _shape(v: Any) -> tuple[int, ...]:
@@ -202,12 +217,12 @@ def _take_packed(p: Any, lo: int, hi: int) -> Any:
                                 enforce_sorted=False)
 
 
-def _batch_leaves(sample: Sample) -> list[tuple[str, Any]]:
-    """(path, value) of every tensor (dim >= 1) or PackedSequence in the sample."""
+def _batch_leaves(sample: Sample, d: int = 0) -> list[tuple[str, Any]]:
+    """(path, value) of every tensor with a dimension ``d`` or PackedSequence in the sample."""
     out: list[tuple[str, Any]] = []
 
     def visit(path: str, v: Any) -> Any:
-        if _is_packed(v) or (isinstance(v, torch.Tensor) and v.dim() > 0):
+        if _is_packed(v) or (isinstance(v, torch.Tensor) and v.dim() > d):
             out.append((path, v))
         return v
     _map_leaves(sample.args, visit, "arg")
@@ -304,7 +319,7 @@ def make_sample(sample: Any, forward_kwargs: Mapping | None = None) -> Sample:
     in a tuple: ``(batch,)``); a dict holds keyword inputs."""
     extra = dict(forward_kwargs or {})
     if isinstance(sample, Sample):
-        return Sample(sample.args, {**sample.kwargs, **extra}, sample.batched)
+        return Sample(sample.args, {**sample.kwargs, **extra}, sample.batched, sample.batch_dim)
     if isinstance(sample, torch.Tensor) or _is_packed(sample) or (
             isinstance(sample, tuple) and hasattr(sample, "_fields")):
         return Sample((sample,), extra)

@@ -84,6 +84,9 @@ def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_s
     per = np.zeros((n_samples, len(params)))
     iu = [(a, b) for a in range(n_cotangents) for b in range(a + 1, n_cotangents)]
     note = ""
+    if batched and smp.dim != 0:    # the batched engine stacks the samples along dim 0
+        batched, note = False, (f"per-sample loop (inputs batched along dim {smp.dim}, "
+                                f"sequence-first)")
     with measurement_state(model, params), torch.enable_grad(), one_thread(model), \
             Progress(n_samples, desc, verbose=verbose) as bar:
         if batched:
