@@ -114,17 +114,29 @@ def test_measured_balancing_equals_batch_first_twin(cls: type, sample) -> None:
 
 
 class Mixer(nn.Module):
-    """Mixes its samples along both dims: no batch dimension to find."""
+    """A sequence-first GRU, then a mean over both dims: no batch dimension to find."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.rnn, self.b = nn.GRU(4, 8), nn.Linear(8, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.a(x))
+        h, _ = self.rnn(x)
         return self.b(h - h.mean(dim=(0, 1), keepdim=True))
 
 
 def test_model_mixing_samples_keeps_dim_0() -> None:
     s, note = batchdim.resolve(Mixer(), Sample((torch.randn(5, 6, 4),), {}), lambda o: o)
     assert s.batch_dim is None and note == ""
+
+
+def test_models_without_sequence_first_modules_pay_nothing() -> None:
+    m, calls = nn.Linear(4, 2), []
+    m.register_forward_hook(lambda *a: calls.append(1))
+    s, note = batchdim.resolve(m, Sample((torch.randn(5, 6, 4),), {}), lambda o: o)
+    assert (s.batch_dim, note, len(calls)) == (None, "", 0)
+    m2, calls2 = Mixer(), []
+    m2.register_forward_hook(lambda *a: calls2.append(1))
+    batchdim.resolve(m2, Sample((torch.randn(5, 6, 4),), {}), lambda o: o)
+    assert len(calls2) == 3      # the batch, then the first sample along dim 0 and dim 1
+    #                              (each check stops at the first mismatch)

@@ -8,7 +8,9 @@ one sample's slice, run alone, gives the same output as that sample's slice of t
 batch's output.  Samples are independent along the batch dimension; along time they are not
 (attention, recurrence), and checking the first and the last slice catches causal models,
 whose first time step alone does match.  Runs in eval mode, without dropout, so BatchNorm's
-batch statistics do not mix the samples.
+batch statistics do not mix the samples.  Only models holding a module built for sequence-first
+tensors (``batch_first=False``) are checked; others keep dim 0 at no cost, and
+``precondfx.Sample(..., batch_dim=1)`` says it for any model.
 """
 from __future__ import annotations
 
@@ -58,14 +60,22 @@ def _independent(run: Callable[[Sample], torch.Tensor], s: Sample, whole: torch.
     return True
 
 
+def sequence_first_modules(model: nn.Module) -> list[str]:
+    """Modules built for ``(T, B, ...)`` tensors: ``batch_first=False`` on an RNN/LSTM/GRU,
+    ``nn.MultiheadAttention`` or an ``nn.Transformer`` layer (their default)."""
+    return [n for n, m in model.named_modules() if getattr(m, "batch_first", None) is False]
+
+
 def resolve(model: nn.Module, s: Sample, output_fn: Callable[[Any], torch.Tensor]
             ) -> tuple[Sample, str]:
     """``s`` with its batch dimension set, and a note when it is not dim 0.
 
-    Kept as given when the user said (``batch_dim`` or ``batched`` set), when dim 0 behaves as
-    a batch dimension, or when dim 1 does not either (a model that mixes its samples: the
-    measurement says so itself)."""
-    if s.batch_dim is not None or s.batched is not None:
+    Kept as given when the user said (``batch_dim`` or ``batched`` set), when no module of the
+    model takes sequence-first tensors (:func:`sequence_first_modules`: the check costs three
+    to five forwards, which other models do not pay), when dim 0 behaves as a batch dimension,
+    or when dim 1 does not either (a model that mixes its samples: the measurement says so
+    itself)."""
+    if s.batch_dim is not None or s.batched is not None or not sequence_first_modules(model):
         return s, ""
     from precondfx.calibrate import forward
 
