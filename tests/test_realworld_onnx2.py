@@ -451,3 +451,64 @@ def test_zero_width_layer_and_sparse_initializer_refused(tmp_path):
     with pytest.raises(PrecondError, match="reads 's'.*sparse initializer"):
         precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"x": _x(8, 8)})
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_sequence_first_input_whose_length_equals_the_batch(tmp_path):
+    """A seq-first LSTM ``x[T, N, 5] -> y[N, 3]`` calibrated with T == N: the verification run
+    at another T gives the same N, as the input model does; that is not a lost dynamic dim
+    (the run was refused before)."""
+    h = 6
+    nodes = [helper.make_node("LSTM", ["x", "W", "R", "B"], ["ys", "yh"], name="lstm",
+                              hidden_size=h),
+             helper.make_node("Squeeze", ["yh", "axes"], ["hl"], name="sq"),
+             helper.make_node("Gemm", ["hl", "wo", "bo"], ["y"], name="head", transB=1)]
+    m = _model(nodes, [_vi("x", TP.FLOAT, ["T", "N", 5])], [_vi("y", TP.FLOAT, ["N", 3])],
+               [_w("W", (1, 4 * h, 5)), _w("R", (1, 4 * h, h)), _w("B", (1, 8 * h)),
+                numpy_helper.from_array(np.array([0], np.int64), "axes"), _w("wo", (3, h)),
+                _w("bo", (3,))])
+    src = _save(m, tmp_path / "lstm.onnx")
+    x = _x(16, 16, 5)
+    out = tmp_path / "out.onnx"
+    rep = precondition_onnx(src, str(out), feeds={"x": x}, target_std=TARGET)
+    assert rep.verification["outputs"]["y"] == [16, 3] and rep.verification["batch"] == 1
+    assert _std(_run(out, {"x": x})["y"]) == pytest.approx(TARGET, rel=0.02)
+
+
+def test_sequence_output_is_not_the_main_output(tmp_path):
+    """A ``seq(tensor(float))`` graph output listed first: the output scale goes on the first
+    float *tensor* output (a Mul on the sequence made a file onnxruntime refused)."""
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["y"], name="fc1", transB=1),
+             helper.make_node("SplitToSequence", ["y"], ["seq"], name="split", axis=1)]
+    m = _model(nodes, [_vi("x", TP.FLOAT, ["N", 8])],
+               [helper.make_tensor_sequence_value_info("seq", TP.FLOAT, None),
+                _vi("y", TP.FLOAT, ["N", 16])], [_w("w1", (16, 8)), _w("b1", (16,))])
+    src = _save(m, tmp_path / "seq.onnx")
+    x = _x(64, 8)
+    out = tmp_path / "out.onnx"
+    rep = precondition_onnx(src, str(out), feeds={"x": x}, reinit_weights=False,
+                            target_std=TARGET)
+    s = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    seq, y = s.run(None, {"x": x})
+    assert _std(y) == pytest.approx(TARGET, rel=1e-4)
+    y0 = _run(src, {"x": x})["y"]
+    np.testing.assert_allclose(y, y0 * rep.output_scale, rtol=1e-5)
+    np.testing.assert_allclose(np.concatenate(seq, axis=1), y0, rtol=1e-6)   # unscaled
+
+
+def test_map_typed_model_gets_a_clear_error(tmp_path):
+    """A valid file with a map-typed output (scikit-learn's ZipMap), which onnx-ir cannot
+    represent: the error says so, instead of 'is the file complete and really ONNX?'."""
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1),
+             helper.make_node("Softmax", ["h"], ["prob"], name="sm"),
+             helper.make_node("ZipMap", ["prob"], ["zm"], name="zip", domain="ai.onnx.ml",
+                              classlabels_int64s=[0, 1, 2])]
+    zm = helper.make_value_info("zm", helper.make_sequence_type_proto(helper.make_map_type_proto(
+        TP.INT64, helper.make_tensor_type_proto(TP.FLOAT, []))))
+    g = helper.make_graph(nodes, "g", [_vi("x", TP.FLOAT, ["N", 8])], [zm],
+                          [_w("w1", (3, 8)), _w("b1", (3,))])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                            helper.make_opsetid("ai.onnx.ml", 1)])
+    src = _save(m, tmp_path / "zipmap.onnx")
+    onnx.checker.check_model(src)
+    with pytest.raises(PrecondError, match="cannot represent.*[Mm]ap types"):
+        precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"x": _x(8, 8)})

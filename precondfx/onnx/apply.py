@@ -91,6 +91,10 @@ class OnnxApplier(Records):
         return name
 
     def _dtype(self, v: ir.Value) -> ir.DataType | None:
+        """The element type of a tensor value (None for sequences, maps, optionals: no scale
+        can multiply them)."""
+        if v.type is not None and not isinstance(v.type, ir.TensorType):
+            return None
         if v.dtype is not None:
             return v.dtype
         et = self.cap.dtypes.get(v.name or "")

@@ -44,6 +44,15 @@ def load(path: str | os.PathLike) -> ir.Model:
     except FileNotFoundError:
         raise
     except Exception as e:  # protobuf DecodeError, truncated files, bad external references
+        if type(e).__name__ == "SerdeError":      # parsed, but not representable
+            inner: BaseException = e
+            while inner.__cause__ is not None:
+                inner = inner.__cause__
+            what = " ".join(str(inner).split())[:300]
+            raise PrecondError(f"{path} is an ONNX model that precondfx's reader (onnx-ir) "
+                               f"cannot represent ({what}): map types, for example, are not "
+                               f"supported; remove that part (e.g. a final ZipMap) and "
+                               f"precondition the rest") from None
         msg = " ".join(str(e).split()) or type(e).__name__
         raise PrecondError(f"cannot read {path} as an ONNX model ({type(e).__name__}: "
                            f"{msg[:200]}); is the file complete and really ONNX?") from None
