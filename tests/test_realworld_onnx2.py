@@ -512,3 +512,38 @@ def test_map_typed_model_gets_a_clear_error(tmp_path):
     onnx.checker.check_model(src)
     with pytest.raises(PrecondError, match="cannot represent.*[Mm]ap types"):
         precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"x": _x(8, 8)})
+
+
+def _bf16_io():
+    """bfloat16 inputs and outputs around a float32 MLP (Cast in, Cast out)."""
+    nodes = [helper.make_node("Cast", ["x"], ["xf"], name="cin", to=TP.FLOAT)] + [
+        helper.make_node("Gemm", ["xf", "w1", "b1"], ["h"], name="fc1", transB=1),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("Gemm", ["r", "w2", "b2"], ["yf"], name="fc2", transB=1),
+        helper.make_node("Cast", ["yf"], ["y"], name="cout", to=TP.BFLOAT16)]
+    return _model(nodes, [_vi("x", TP.BFLOAT16, ["N", 8])], [_vi("y", TP.BFLOAT16, ["N", 4])],
+                  _mlp_inits())
+
+
+def test_bfloat16_io_refused_and_bfloat16_scales_multiply_in_float32(tmp_path):
+    """bfloat16 graph inputs/outputs cannot pass through onnxruntime's numpy interface: a clear
+    error up front (it said 'no kernel' or 'run only at the export size' before).  Without
+    calibration and check, the scales on bfloat16 values are float32 Muls between Casts
+    (onnxruntime has no bfloat16 Mul, so a bfloat16 constant broke files it could run)."""
+    src = _save(_bf16_io(), tmp_path / "bf16.onnx")
+    with pytest.raises(PrecondError, match=r"\['x', 'y'\] are bfloat16"):
+        precondition_onnx(src, str(tmp_path / "out.onnx"), batch=4)
+    assert not (tmp_path / "out.onnx").exists()
+    out = tmp_path / "raw.onnx"
+    precondition_onnx(src, str(out), batch=4, target_std=None, verify=False, input_scale=0.5)
+    onnx.checker.check_model(str(out), full_check=True)
+    p = onnx.load(str(out))
+    mul = next(n for n in p.graph.node if n.op_type == "Mul")
+    c = numpy_helper.to_array(next(t for t in p.graph.initializer if t.name == mul.input[1]))
+    assert c.dtype == np.float32 and float(c) == 0.5
+    prod = {o: n for n in p.graph.node for o in n.output}
+    cast_in = prod[mul.input[0]]
+    assert cast_in.op_type == "Cast" and cast_in.input == ["x"] and cast_in.attribute[0].i == \
+        TP.FLOAT
+    cast_back = next(n for n in p.graph.node if list(n.input) == [mul.output[0]])
+    assert cast_back.op_type == "Cast" and cast_back.attribute[0].i == TP.BFLOAT16

@@ -2,7 +2,8 @@
 ``precondfx.apply.backend.Backend``, the contract ``apply/fx_apply.py`` and
 ``apply/eager_apply.py`` implement too.
 
-* A scale is a ``Mul`` by a 0-d initializer in the dtype of the value it scales, inserted on the
+* A scale is a ``Mul`` by a 0-d initializer in the dtype of the value it scales (bfloat16:
+  float32 between two ``Cast`` nodes, as onnxruntime has no bfloat16 ``Mul``), inserted on the
   node's activation operand (alpha, residual s), after a graph input (input scale) or before a
   graph output (output scale).  Graph outputs keep their public names: the producer's value is
   renamed ``<name>.prescale`` and the ``Mul`` output takes the public name.
@@ -108,16 +109,33 @@ class OnnxApplier(Records):
     def _const(self, base: str, value: float, like: ir.Value) -> ir.Value:
         name = self._fresh(base, self._values)
         dtype = self._dtype(like)
+        if dtype == ir.DataType.BFLOAT16:    # multiplied in float32 (``_mul_nodes``)
+            dtype = ir.DataType.FLOAT
         t = scalar_tensor(value, dtype, name)
         c = ir.Value(name=name, shape=ir.Shape([]), type=ir.TensorType(t.dtype), const_value=t)
         self.g.register_initializer(c)
         return c
 
-    def _mul_node(self, x: ir.Value, c: ir.Value, out_name: str, node_name: str) -> ir.Node:
-        out = ir.Value(name=self._fresh(out_name, self._values), type=x.type,
-                       shape=x.shape.copy() if x.shape is not None else None)
-        return ir.Node("", "Mul", [x, c], outputs=[out],
-                       name=self._fresh(node_name, self._names))
+    def _mul_nodes(self, x: ir.Value, c: ir.Value, out_name: str, node_name: str
+                   ) -> list[ir.Node]:
+        """``x * c`` as nodes to insert in order (the last one's output is the product): one
+        ``Mul``, or for bfloat16 ``Cast`` to float32, ``Mul``, ``Cast`` back: onnxruntime's CPU
+        provider has no bfloat16 ``Mul``, and this is how bfloat16 arithmetic rounds anyway."""
+        shape = x.shape.copy() if x.shape is not None else None
+        out = ir.Value(name=self._fresh(out_name, self._values), type=x.type, shape=shape)
+        name = self._fresh(node_name, self._names)
+        if self._dtype(x) != ir.DataType.BFLOAT16:
+            return [ir.Node("", "Mul", [x, c], outputs=[out], name=name)]
+        f32 = ir.TensorType(ir.DataType.FLOAT)
+        up = ir.Value(name=self._fresh(f"{out_name}_f32", self._values), type=f32, shape=shape)
+        prod = ir.Value(name=self._fresh(f"{out_name}_f32mul", self._values), type=f32,
+                        shape=shape.copy() if shape is not None else None)
+        return [ir.Node("", "Cast", [x], attributes=[ir.AttrInt64("to", ir.DataType.FLOAT)],
+                        outputs=[up], name=self._fresh(f"{name}_to_f32", self._names)),
+                ir.Node("", "Mul", [up, c], outputs=[prod], name=name),
+                ir.Node("", "Cast", [prod],
+                        attributes=[ir.AttrInt64("to", ir.DataType.BFLOAT16)], outputs=[out],
+                        name=self._fresh(f"{name}_to_bf16", self._names))]
 
     def _insert_before(self, anchor: ir.Node | None, new: ir.Node) -> None:
         if anchor is None:
@@ -148,15 +166,16 @@ class OnnxApplier(Records):
                 return None
             c = self._const(base + (f"_{sc.index}" if sc.where == "operand" else ""), sc.value,
                             x)
-            m = self._mul_node(x, c, f"{x.name}_{sc.tag}", f"{base}_mul")
-            self._insert_before(node, m)
-            node.replace_input_with(slot, m.outputs[0])
+            ms = self._mul_nodes(x, c, f"{x.name}_{sc.tag}", f"{base}_mul")
+            for m in ms:
+                self._insert_before(node, m)
+            node.replace_input_with(slot, ms[-1].outputs[0])
         else:  # output of the node
             out = node.outputs[0]
             c = self._const(base, sc.value, out)
-            m = self._mul_node(out, c, f"{out.name}_{sc.tag}", f"{base}_mul")
-            self.g.insert_after(node, m)
-            self._redirect(out, m.outputs[0], exclude=m)
+            ms = self._mul_nodes(out, c, f"{out.name}_{sc.tag}", f"{base}_mul")
+            self.g.insert_after(node, ms)
+            self._redirect(out, ms[-1].outputs[0], exclude=ms[0])
         self._done(key, f"{sc.tag} {sc.value:.4g} at {sc.where} of {sc.node} ({c.name})",
                    c.name)
         return c.name
@@ -186,11 +205,13 @@ class OnnxApplier(Records):
             if not list(v.uses()):
                 continue
             c = self._const(f"{PREFIX}input_{_safe(v.name)}", value, v)
-            m = self._mul_node(v, c, f"{v.name}_input_scale", f"{PREFIX}input_{_safe(v.name)}_mul")
-            self._insert_before(first, m)
+            ms = self._mul_nodes(v, c, f"{v.name}_input_scale",
+                                 f"{PREFIX}input_{_safe(v.name)}_mul")
+            for m in ms:
+                self._insert_before(first, m)
             for use in list(v.uses()):
-                if use.node is not m:
-                    use.node.replace_input_with(use.idx, m.outputs[0])
+                if use.node is not ms[0]:
+                    use.node.replace_input_with(use.idx, ms[-1].outputs[0])
             names.append(c.name)
             self.applied.append(f"input scale {value:.4g} on {v.name} ({c.name})")
         if not names:
@@ -237,9 +258,9 @@ class OnnxApplier(Records):
             return None
         public = out.name
         c = self._const(f"{PREFIX}output_scale", 1.0, out)
-        m = self._mul_node(out, c, f"{public}_scaled", f"{PREFIX}output_scale_mul")
-        self.g.append(m)
-        new = m.outputs[0]
+        ms = self._mul_nodes(out, c, f"{public}_scaled", f"{PREFIX}output_scale_mul")
+        self.g.extend(ms)
+        new = ms[-1].outputs[0]
         for k, o in enumerate(self.g.outputs):   # every slot listing it: one public name
             if o is out:
                 self.g.outputs[k] = new

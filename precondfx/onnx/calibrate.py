@@ -37,8 +37,20 @@ def session(source: str | bytes) -> "object":
     try:
         return ort.InferenceSession(source, so, providers=PROVIDERS)
     except Exception as e:
-        msg = " ".join(str(e).split())
-        raise PrecondError(f"onnxruntime cannot load the rewritten model: {msg[:400]}") from None
+        raise _load_error(e) from None
+
+
+def _load_error(e: BaseException) -> PrecondError:
+    """onnxruntime's refusal to load the model, with what to do when the CPU provider has no
+    kernel for an op (bfloat16 arithmetic, most often): the input model has the same op."""
+    msg = " ".join(str(e).split())
+    if "NOT_IMPLEMENTED" in msg or "Could not find an implementation" in msg:
+        return PrecondError(f"onnxruntime's CPU provider has no kernel for an op of this model "
+                            f"({msg[:300]}), and precondfx calibrates and checks ONNX files with "
+                            f"it: convert the model to a type it runs (float32 or float16; "
+                            f"bfloat16 arithmetic is mostly unsupported), or precondition the "
+                            f"PyTorch model")
+    return PrecondError(f"onnxruntime cannot load the rewritten model: {msg[:400]}")
 
 
 def run(sess: "object", feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None
@@ -49,10 +61,12 @@ def run(sess: "object", feeds: Mapping[str, np.ndarray], outputs: list[str] | No
     except Exception as e:
         msg = " ".join(str(e).split())
         shapes = {k: list(v.shape) for k, v in feeds.items()}
+        hint = ""
+        if any(w in msg.lower() for w in ("shape", "dimension", "size", "broadcast")):
+            hint = (" (a model that runs only at the size it was exported with needs "
+                    "calibration data of that size, or --batch N)")
         raise PrecondError(f"onnxruntime could not run the model on the calibration batch "
-                           f"(shapes {shapes}): {msg[:400]} (a model that runs only at the "
-                           f"size it was exported with needs calibration data of that size, "
-                           f"or --batch N)") from None
+                           f"(shapes {shapes}): {msg[:400]}{hint}") from None
 
 
 def output_std(arr: np.ndarray) -> float:
@@ -113,8 +127,7 @@ def session_for_model(model: ir.Model) -> "object":
     try:
         sess = ort.InferenceSession(proto.SerializeToString(), so, providers=PROVIDERS)
     except Exception as e:
-        msg = " ".join(str(e).split())
-        raise PrecondError(f"onnxruntime cannot load the rewritten model: {msg[:400]}") from None
+        raise _load_error(e) from None
     sess._precondfx_keepalive = values  # the OrtValues must outlive the session
     return sess
 

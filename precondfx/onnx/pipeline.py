@@ -171,6 +171,8 @@ def normalize_stage(st: OnnxState) -> None:
     """Normalize the graph; the calibration feeds (random N(0, 1) for inputs without data)."""
     st.norm = normalize(st.model)
     st.specs = io.real_inputs(st.model)
+    if st.check or st.opts.target_std is not None:
+        _refuse_bfloat16_io(st.model, st.specs)
     dimmap = io.parse_dims(st.dims)
     io.check_dims(st.specs, dimmap)
     given = io.load_calibration(st.specs, st.calib, st.calib_inputs)
@@ -186,6 +188,21 @@ def normalize_stage(st: OnnxState) -> None:
         import torch
         st.input_tensors = [torch.from_numpy(np.asarray(a, dtype=np.float32))
                             for a in st.feeds.arrays.values() if a.dtype.kind in "fV"]
+
+
+def _refuse_bfloat16_io(model: ir.Model, specs: list[io.InputSpec]) -> None:
+    """bfloat16 graph inputs or outputs cannot go through onnxruntime's numpy interface, which
+    calibration and the check of the saved file use."""
+    bf16 = [s.name for s in specs if s.dtype == ir.DataType.BFLOAT16] + \
+        [o.name for o in model.graph.outputs if isinstance(o.type, ir.TensorType)
+         and o.dtype == ir.DataType.BFLOAT16]
+    if bf16:
+        raise PrecondError(f"graph inputs/outputs {bf16} are bfloat16, which onnxruntime's "
+                           f"Python interface cannot pass as numpy arrays, so precondfx can "
+                           f"neither calibrate nor check this file: export it with float32 (or "
+                           f"float16) inputs and outputs (bfloat16 weights behind Cast nodes "
+                           f"are fine), or from Python: precondition_onnx(..., target_std=None, "
+                           f"verify=False)")
 
 
 def capture_stage(st: OnnxState) -> None:
