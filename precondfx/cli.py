@@ -364,6 +364,8 @@ def _load_callable(spec: str) -> Any:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
         raise UsageError(f"cannot import module {mod_name!r} ({e})") from None
+    except Exception as e:  # the user's module fails to import: their code, not ours
+        raise UsageError(f"importing module {mod_name!r} raised {_user_error(e)}") from None
     obj: Any = mod
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -374,20 +376,52 @@ def _load_callable(spec: str) -> Any:
     return obj
 
 
+def _user_error(e: BaseException) -> str:
+    """``Type: message (file:line)`` of an exception raised by the user's code, the line
+    being the innermost frame of the traceback (where their code failed)."""
+    where = ""
+    tb = traceback.extract_tb(e.__traceback__)
+    here = os.path.dirname(os.path.abspath(__file__))
+    if tb and not isinstance(e, SyntaxError) and not tb[-1].filename.startswith(here):
+        where = f" ({tb[-1].filename}:{tb[-1].lineno})"
+    return f"{type(e).__name__}: {_one_line(e)}{where}"
+
+
+def _build(spec: str) -> Any:
+    """Call the user's ``module:callable``; an exception it raises is a usage error (exit 2)
+    naming where their code failed, not an internal error of precondfx."""
+    fn = _load_callable(spec)
+    try:
+        return fn()
+    except MemoryError:
+        raise
+    except Exception as e:
+        if _is_oom(e):
+            raise
+        raise UsageError(f"{spec}() raised {_user_error(e)}") from None
+
+
 def _torch_sample(args: argparse.Namespace, given: Any) -> Any:
     import numpy as np
     import torch
     if args.calib or args.calib_input:
         if args.calib_input:
             raise UsageError("--calib-input applies to ONNX models; for a PyTorch model use "
-                             "--calib FILE.npy/.npz (positional inputs) or --sample-shape")
-        if args.calib.endswith(".npz"):
-            with np.load(args.calib, allow_pickle=False) as z:
-                keys = sorted(z.keys(), key=lambda k: (len(k), k))
-                return tuple(torch.from_numpy(np.array(z[k])) for k in keys)
+                             "--calib FILE.npy, or an .npz (arr_0, arr_1...: positional inputs; "
+                             "other keys: the forward's argument names), or --sample-shape")
         if not os.path.exists(args.calib):
             raise FileNotFoundError(f"calibration file not found: {args.calib}")
-        return torch.from_numpy(np.load(args.calib, allow_pickle=False))
+        if args.calib.endswith(".npz"):
+            return _npz_sample(args.calib)
+        try:
+            arr = np.load(args.calib, allow_pickle=False)
+        except Exception as e:
+            raise UsageError(f"cannot read calibration file {args.calib} as .npy "
+                             f"({type(e).__name__}: {_one_line(e)})") from None
+        if not isinstance(arr, np.ndarray):
+            raise UsageError(f"{args.calib}: expected one array (.npy); name an .npz archive "
+                             f"*.npz")
+        return torch.from_numpy(arr)
     if args.sample_shape:
         gen = torch.Generator().manual_seed(args.seed)
         ts = tuple(torch.randn(*s, generator=gen) for s in args.sample_shape)
@@ -399,6 +433,31 @@ def _torch_sample(args: argparse.Namespace, given: Any) -> Any:
         raise UsageError("the callable returned a module without a sample: give "
                          "--sample-shape (e.g. 8x3x32x32) or --calib FILE.npy")
     return given
+
+
+def _npz_sample(path: str) -> Any:
+    """A PyTorch sample from an .npz: ``arr_0, arr_1...`` are positional inputs in that
+    order; other keys are keyword inputs by the forward's argument names."""
+    import numpy as np
+    import torch
+    from precondfx.errors import PrecondError
+    try:
+        z = np.load(path, allow_pickle=False)
+    except Exception as e:
+        raise PrecondError(f"cannot read calibration file {path} as .npz ({type(e).__name__}: "
+                           f"{_one_line(e)})") from None
+    with z:
+        keys = list(z.keys())
+        if not keys:
+            raise PrecondError(f"{path}: the archive holds no arrays")
+        positional = [k for k in keys if k.startswith("arr_") and k[4:].isdigit()]
+        if positional and len(positional) != len(keys):
+            raise PrecondError(f"{path}: keys {keys} mix positional (arr_0, arr_1...) and "
+                               f"named inputs; use one or the other")
+        if positional:
+            return tuple(torch.from_numpy(np.array(z[k]))
+                         for k in sorted(keys, key=lambda k: int(k[4:])))
+        return {k: torch.from_numpy(np.array(z[k])) for k in keys}
 
 
 def _precondition_torch(args: argparse.Namespace) -> int:
@@ -419,7 +478,7 @@ def _precondition_torch(args: argparse.Namespace) -> int:
     from torch import nn
 
     import precondfx
-    built = _load_callable(args.model)()
+    built = _build(args.model)
     model, sample = built, None
     if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module):
         model, sample = built

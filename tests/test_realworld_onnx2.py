@@ -547,3 +547,65 @@ def test_bfloat16_io_refused_and_bfloat16_scales_multiply_in_float32(tmp_path):
         TP.FLOAT
     cast_back = next(n for n in p.graph.node if list(n.input) == [mul.output[0]])
     assert cast_back.op_type == "Cast" and cast_back.attribute[0].i == TP.BFLOAT16
+
+
+# -- the command line's PyTorch entry (module:callable) ---------------------------------------------
+_USER_MODULE = '''
+import torch, torch.nn as nn
+class Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(3, 16), nn.Linear(16, 4)
+    def forward(self, feats, z):
+        return self.c(torch.relu(self.a(feats) + self.b(z)))
+def two():
+    torch.manual_seed(0)
+    return Two()
+def raises():
+    raise RuntimeError("user code failed")
+def needs_arg(width):
+    return Two()
+'''
+
+
+def test_cli_user_code_errors_and_npz_samples(tmp_path, capsys, monkeypatch):
+    """Errors raised by the user's module or builder are exit 2 with one line naming where
+    (they were exit 1, 'a bug in precondfx'); an .npz with named keys feeds the forward's
+    arguments by name (it fed them in order of key length, so ``forward(feats, z)`` got z
+    first), arr_0, arr_1... positionally; a missing or unreadable file is one line."""
+    (tmp_path / "usermods.py").write_text(_USER_MODULE)
+    (tmp_path / "broken_mod.py").write_text("def f(:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = str(tmp_path / "m.pt")
+    for spec, needle in (("usermods:raises", "RuntimeError: user code failed (" +
+                          str(tmp_path / "usermods.py")),
+                         ("usermods:needs_arg", "missing 1 required positional argument"),
+                         ("broken_mod:f", "importing module 'broken_mod' raised SyntaxError")):
+        assert main(["precondition", spec, "-o", out, "--sample-shape", "4x8"]) == 2
+        assert needle in _one_error_line(capsys.readouterr().err)
+    rng = np.random.default_rng(0)
+    x, z = rng.standard_normal((32, 8)).astype(np.float32), \
+        rng.standard_normal((32, 3)).astype(np.float32)
+    np.savez(tmp_path / "named.npz", feats=x, z=z)   # sorted by length: z first (swapped)
+    np.savez(tmp_path / "pos.npz", x, z)
+    import torch
+
+    from usermods import two
+    sds = []
+    for calib in ("named.npz", "pos.npz"):
+        assert main(["precondition", "usermods:two", "-o", out, "--quiet", "--balance",
+                     "analytic", "--calib", str(tmp_path / calib)]) == 0
+        sds.append(torch.load(out))
+    for k in sds[0]:
+        assert torch.equal(sds[0][k], sds[1][k]), k      # same sample, same constants
+    import precondfx
+    model, _ = precondfx.precondition(two(), (torch.from_numpy(x), torch.from_numpy(z)),
+                                      balance="analytic")
+    model.load_state_dict(sds[0])
+    y = model(torch.from_numpy(x), torch.from_numpy(z)).detach().double()
+    assert float(y.std(correction=0)) == pytest.approx(TARGET, rel=1e-4)
+    (tmp_path / "bad.npy").write_text("hello")
+    for calib, needle in (("missing.npz", "not found"), ("bad.npy", "cannot read")):
+        assert main(["precondition", "usermods:two", "-o", out, "--calib",
+                     str(tmp_path / calib)]) == 2
+        assert needle in _one_error_line(capsys.readouterr().err)
