@@ -609,3 +609,24 @@ def test_cli_user_code_errors_and_npz_samples(tmp_path, capsys, monkeypatch):
         assert main(["precondition", "usermods:two", "-o", out, "--calib",
                      str(tmp_path / calib)]) == 2
         assert needle in _one_error_line(capsys.readouterr().err)
+
+
+def test_opset_older_than_onnxruntime_runs_is_refused_with_the_fix(tmp_path):
+    """Opset 6 (IR 3): onnxruntime, which calibrates and checks the file, starts at opset 7; the
+    error names the opset and the converter (it blamed a missing kernel and the dtype before)."""
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["y"], name="fc1", transB=1,
+                              broadcast=1)]
+    m = _model(nodes, [_vi("x", TP.FLOAT, [4, 8])], [_vi("y", TP.FLOAT, [4, 16])],
+               [_w("w1", (16, 8)), _w("b1", (16,))], opset=6, ir_version=3)
+    for t in m.graph.initializer:
+        m.graph.input.append(_vi(t.name, t.data_type, list(t.dims)))
+    src = _save(m, tmp_path / "op6.onnx")
+    with pytest.raises(PrecondError, match="opset 6.*opset 7 and newer.*version_converter"):
+        precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"x": _x(4, 8)})
+    from onnx import version_converter
+    src13 = _save(version_converter.convert_version(onnx.load(src), 13), tmp_path / "op13.onnx")
+    x = _x(4, 8)
+    rep = precondition_onnx(src13, str(tmp_path / "out.onnx"), feeds={"x": x},
+                            target_std=TARGET)
+    assert rep.output_scale is not None
+    assert _std(_run(tmp_path / "out.onnx", {"x": x})["y"]) == pytest.approx(TARGET, rel=1e-4)

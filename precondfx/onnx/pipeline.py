@@ -173,6 +173,7 @@ def normalize_stage(st: OnnxState) -> None:
     st.specs = io.real_inputs(st.model)
     if st.check or st.opts.target_std is not None:
         _refuse_bfloat16_io(st.model, st.specs)
+        _refuse_old_opset(st.model)
     dimmap = io.parse_dims(st.dims)
     io.check_dims(st.specs, dimmap)
     given = io.load_calibration(st.specs, st.calib, st.calib_inputs)
@@ -188,6 +189,20 @@ def normalize_stage(st: OnnxState) -> None:
         import torch
         st.input_tensors = [torch.from_numpy(np.asarray(a, dtype=np.float32))
                             for a in st.feeds.arrays.values() if a.dtype.kind in "fV"]
+
+
+#: the oldest default-domain opset onnxruntime runs
+ORT_MIN_OPSET = 7
+
+
+def _refuse_old_opset(model: ir.Model) -> None:
+    """onnxruntime, which calibrates and checks the file, runs opset 7 and newer only."""
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
+    if opset is not None and opset < ORT_MIN_OPSET:
+        raise PrecondError(f"the model uses opset {opset}; onnxruntime, which precondfx "
+                           f"calibrates and checks ONNX files with, runs opset "
+                           f"{ORT_MIN_OPSET} and newer: convert it first (onnx.version_converter"
+                           f".convert_version(model, 13)) or re-export it")
 
 
 def _refuse_bfloat16_io(model: ir.Model, specs: list[io.InputSpec]) -> None:
