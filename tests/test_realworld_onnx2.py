@@ -630,3 +630,22 @@ def test_opset_older_than_onnxruntime_runs_is_refused_with_the_fix(tmp_path):
                             target_std=TARGET)
     assert rep.output_scale is not None
     assert _std(_run(tmp_path / "out.onnx", {"x": x})["y"]) == pytest.approx(TARGET, rel=1e-4)
+
+
+def test_output_key_naming_a_numeric_output(tmp_path, capsys):
+    """The legacy exporter names unnamed outputs by number ('7', '12'): ``--output-key 12``
+    (read as the integer 12) selects the output named '12' when 12 is no index (it was
+    refused: 'the model has 2 output(s)'); ``--output-key 1`` stays the index."""
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["7"], name="fc1", transB=1),
+             helper.make_node("Relu", ["7"], ["r"], name="relu"),
+             helper.make_node("Gemm", ["r", "w2", "b2"], ["12"], name="fc2", transB=1)]
+    m = _model(nodes, [_vi("x", TP.FLOAT, ["N", 8])],
+               [_vi("7", TP.FLOAT, ["N", 16]), _vi("12", TP.FLOAT, ["N", 4])], _mlp_inits())
+    src = _save(m, tmp_path / "num.onnx")
+    x = _x(32, 8)
+    np.save(tmp_path / "x.npy", x)
+    for key, scaled in (("12", "12"), ("1", "12"), ("0", "7")):
+        out = tmp_path / f"out{key}.onnx"
+        assert main(["precondition", src, "-o", str(out), "--quiet", "--output-key", key,
+                     "--calib", str(tmp_path / "x.npy")]) == 0, capsys.readouterr().err
+        assert _std(_run(out, {"x": x})[scaled]) == pytest.approx(TARGET, rel=1e-4), key

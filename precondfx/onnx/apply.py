@@ -227,8 +227,11 @@ class OnnxApplier(Records):
         outs = list(self.g.outputs)
         if path:
             key = path[0]
+            names = [o.name for o in outs]
+            if isinstance(key, int) and not 0 <= key < len(outs) and str(key) in names:
+                key = str(key)      # '--output-key 12' for the legacy exporter's output '12'
             if isinstance(key, int) or (isinstance(key, str) and key.isdigit()
-                                        and key not in [o.name for o in outs]):
+                                        and key not in names):
                 k = int(key)
                 if not 0 <= k < len(outs):
                     raise PrecondError(f"output_key={key!r}: the model has {len(outs)} "
