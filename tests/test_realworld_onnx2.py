@@ -649,3 +649,32 @@ def test_output_key_naming_a_numeric_output(tmp_path, capsys):
         assert main(["precondition", src, "-o", str(out), "--quiet", "--output-key", key,
                      "--calib", str(tmp_path / "x.npy")]) == 0, capsys.readouterr().err
         assert _std(_run(out, {"x": x})[scaled]) == pytest.approx(TARGET, rel=1e-4), key
+
+
+@pytest.mark.parametrize("alpha", [3.0, -0.5])
+def test_gemm_alpha_is_part_of_the_weight(tmp_path, alpha):
+    """``Gemm(alpha=a)`` applies ``a * W``: the drawn W is divided by a, so the weight the layer
+    applies has the planned std (Eq. 7); it had a times that std before.  With
+    ``reinit_weights=False`` the function is kept up to the output scale."""
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1,
+                              alpha=alpha),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("Gemm", ["r", "w2", "b2"], ["y"], name="fc2", transB=1)]
+    m = _model(nodes, [_vi("x", TP.FLOAT, ["N", 64])], [_vi("y", TP.FLOAT, ["N", 32])],
+               [_w("w1", (128, 64)), _w("b1", (128,)), _w("w2", (32, 128)), _w("b2", (32,))])
+    src = _save(m, tmp_path / "alpha.onnx")
+    x = _x(64, 64)
+    out = tmp_path / "out.onnx"
+    rep = precondition_onnx(src, str(out), feeds={"x": x}, balance="none", target_std=TARGET)
+    std = (2.0 / (64 * 128) ** 0.5) ** 0.5
+    assert rep.plan.inits["w1"].std == pytest.approx(std)
+    w1 = numpy_helper.to_array(next(t for t in onnx.load(str(out)).graph.initializer
+                                    if t.name == "w1"))
+    assert float(np.sqrt(np.mean((abs(alpha) * w1.astype(np.float64)) ** 2))) == \
+        pytest.approx(std, rel=1e-3)
+    same = tmp_path / "same.onnx"
+    rep = precondition_onnx(src, str(same), feeds={"x": x}, reinit_weights=False,
+                            target_std=TARGET)
+    np.testing.assert_allclose(_run(same, {"x": x})["y"],
+                               _run(src, {"x": x})["y"] * rep.output_scale, rtol=1e-4,
+                               atol=1e-6)

@@ -65,6 +65,9 @@ class Captured:
     input_nodes: dict[str, ir.Value]                # neutral input node -> graph input
     dtypes: dict[str, int] = field(default_factory=dict)    # value name -> onnx elem type
     param_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # as in the file
+    #: parameter -> the factor its layer multiplies it by (Gemm ``alpha``): a drawn weight is
+    #: divided by it, so the effective weight has the planned std
+    gains: dict[str, float] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------
@@ -336,6 +339,7 @@ class _Builder:
         self.taken: set[str] = {n.name for n in self.g if n.name}
         self.params: dict[str, ParamInfo] = {}
         self.param_shapes: dict[str, tuple[int, ...]] = {}
+        self.gains: dict[str, float] = {}
         self.module_calls: dict[str, int] = {}
         self.views: dict[int, ir.Value] = {}     # id(weight view) -> the initializer it reads
         self.transposed: set[int] = set()        # ids of 2-D transposes of an initializer
@@ -443,7 +447,7 @@ class _Builder:
         return Captured(Graph(self.nodes, "onnx", outputs=outs), self.params, self.ir_nodes,
                         self.act_index, self.input_nodes,
                         dtypes={k: v[1] for k, v in self.shapes.items()},
-                        param_shapes=self.param_shapes)
+                        param_shapes=self.param_shapes, gains=self.gains)
 
     # -- one node -------------------------------------------------------------------------------
     def add_node(self, node: ir.Node) -> None:
@@ -576,8 +580,12 @@ class _Builder:
                 c.extra["_bias"] = src.name
             elif c_ is not None:
                 c.args.append(self.marker(c_))
-        c.extra["gemm"] = {"transA": ta, "transB": tb, "alpha": _float(node, "alpha", 1.0),
+        alpha = _float(node, "alpha", 1.0)
+        c.extra["gemm"] = {"transA": ta, "transB": tb, "alpha": alpha,
                            "beta": _float(node, "beta", 1.0)}
+        w = next((a.name for a in c.args if isinstance(a, Param)), None)
+        if w is not None and alpha not in (0.0, 1.0):
+            self.gains.setdefault(w, alpha)
         return c
 
     def maxpool(self, node: ir.Node, ins: list) -> _Call:

@@ -10,6 +10,8 @@ ones, orthogonal (per gate block), scale (multiply the current value by ``std``)
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 import numpy as np
 import onnx_ir as ir
 
@@ -24,8 +26,12 @@ def draw(pi: ParamInit, shape: tuple[int, ...], rng: np.random.Generator) -> np.
     return core.draw(pi, shape, core.numpy_ops(rng))
 
 
-def reinit(model: ir.Model, plan: Plan, seed: int) -> list[str]:
-    """Apply the plan's parameter inits to the model's initializers; returns the names changed."""
+def reinit(model: ir.Model, plan: Plan, seed: int,
+           gains: Mapping[str, float] | None = None) -> list[str]:
+    """Apply the plan's parameter inits to the model's initializers; returns the names changed.
+    ``gains``: parameter -> the factor the graph multiplies it by (Gemm ``alpha``); a drawn
+    value is divided by it, so that the weight the layer applies has the planned std."""
+    gains = gains or {}
     rng = np.random.default_rng(int(seed))
     inits = model.graph.initializers
     changed = []
@@ -44,6 +50,8 @@ def reinit(model: ir.Model, plan: Plan, seed: int) -> list[str]:
             if new is None:
                 continue
             new = new.reshape(file_shape)
+            if name in gains and pi.rule not in ("zeros", "ones"):
+                new = new / np.float32(gains[name])
         v.const_value = ir.tensor(new.astype(dtype.numpy(), copy=False), dtype=dtype, name=name)
         changed.append(name)
     return changed
