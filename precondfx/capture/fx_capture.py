@@ -25,6 +25,7 @@ import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from precondfx import optable
@@ -49,7 +50,10 @@ class _Tracer(fx.Tracer):
     Every node it records is checked for constructs a GraphModule cannot keep."""
 
     def __init__(self) -> None:
+        # buffers read in forward become graph nodes (get_attr), as parameters do: computed on
+        # at trace time instead, their values would be frozen into the graph as constants
         super().__init__()
+        self.proxy_buffer_attributes = True
         self._grad = torch.is_grad_enabled()
         self._inference = torch.is_inference_mode_enabled()
         self._autocast = _autocast_state()
@@ -187,12 +191,82 @@ def _refuse_python_random() -> Iterator[None]:
             setattr(mod, name, f)
 
 
+#: Tensor methods and properties that read metadata only (no values): allowed on a
+#: parameter or buffer while tracing
+_METADATA = frozenset((
+    "shape", "size", "dim", "ndim", "ndimension", "dtype", "device", "numel", "nelement",
+    "requires_grad", "is_floating_point", "is_complex", "layout", "stride", "is_contiguous",
+    "data_ptr", "element_size", "__hash__", "is_leaf", "grad_fn", "names", "is_sparse",
+    "is_cuda", "is_meta", "is_quantized", "storage_offset", "untyped_storage", "__len__",
+    "__repr__", "__format__", "_version", "grad"))
+
+
+def _func_name(func: Any) -> str:
+    """The name of a torch function, or of the property a ``Tensor.x.__get__`` reads."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+class _TraceTimeCompute(TorchFunctionMode):
+    """While tracing, an operation on the values of one of the model's parameters or buffers
+    that does not involve a traced value raises :class:`Unkeepable`: it runs once, at trace
+    time, and its result (a norm, a penalty summed over ``self.parameters()``, a clamped copy)
+    would be frozen into the graph as a constant, or its effect (``p.data.clamp_()``) would
+    not be in the graph at all.  (Parameters and buffers read as attributes are traced values.)"""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.names = {id(t): n for n, t in list(model.named_parameters(remove_duplicate=False))
+                      + list(model.named_buffers(remove_duplicate=False))}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _func_name(func)
+        leaves_ = tree_leaves((args, kwargs))
+        if name not in _METADATA and not any(isinstance(a, fx.Proxy) for a in leaves_):
+            hit = next((self.names[id(a)] for a in leaves_
+                        if isinstance(a, torch.Tensor) and id(a) in self.names), None)
+            if hit is not None:
+                raise Unkeepable(
+                    f"the forward computes on the values of {hit} outside the traced graph "
+                    f"({name or func} on a tensor reached through self.parameters(), "
+                    f"self.buffers(), .data or a detached copy): a trace would run it once "
+                    f"and freeze the result (or drop its in-place effect): {_KEEP}")
+        return func(*args, **kwargs)
+
+
 def _trace_once(model: torch.nn.Module, concrete: dict) -> fx.GraphModule:
     tracer = _Tracer()
-    with _refuse_autograd_functions(), _refuse_python_random():
-        graph = tracer.trace(model, concrete_args=concrete or None)
-    name = model.__class__.__name__ if isinstance(model, torch.nn.Module) else "module"
-    return fx.GraphModule(tracer.root, graph, name)
+    added = {m: set(vars(m)) for m in model.modules()}
+    tensors = {m: (dict(m._parameters), dict(m._buffers)) for m in model.modules()}
+    try:
+        with _refuse_autograd_functions(), _refuse_python_random(), \
+                _TraceTimeCompute(model):
+            graph = tracer.trace(model, concrete_args=concrete or None)
+        name = model.__class__.__name__ if isinstance(model, torch.nn.Module) else "module"
+        gm = fx.GraphModule(tracer.root, graph, name)
+    finally:
+        # fx stores the constants it meets (``_tensor_constant0``...) on the traced module
+        # itself; the GraphModule holds its own references: take them off the model
+        for m, keys in added.items():
+            for k in [k for k in vars(m) if k not in keys and k.startswith("_tensor_constant")]:
+                delattr(m, k)
+        # a forward that assigns a buffer or parameter (``self.n += 1``, ``self.mu = ...``)
+        # stored a traced value in it: put the tensors back
+        changed = []
+        for m, (ps, bs) in tensors.items():
+            for store, old in ((m._parameters, ps), (m._buffers, bs)):
+                diff = [k for k in set(store) | set(old) if store.get(k) is not old.get(k)]
+                if diff:    # compared by identity: a traced value has no truth value
+                    changed += diff
+                    store.clear()
+                    store.update(old)
+    if changed:
+        raise Unkeepable(f"the forward assigns to the buffer or parameter {changed[0]} (a "
+                         f"counter, a running statistic), which a traced graph drops: {_KEEP}")
+    return gm
 
 
 def _dropout_training(n: fx.Node) -> Any:

@@ -1,0 +1,244 @@
+"""More models written the way people write them (second battery), checked against the same
+contract as ``tests/test_realworld.py`` (its ``check``), plus an independent equivalence check:
+preconditioned with ``balance="none", residual="none", maxpool="keep"`` (only the output scale
+among the constants), the result must compute, in train and eval mode and on another batch,
+what the user's model computes with the result's weights, times the output scale.
+
+The cases marked in comments failed before the fix they name (fx traces that ran a
+computation on parameter values once, at trace time, and froze it into the graph).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import random
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import precondfx
+from tests.test_realworld import call, check, clone_sample, main, structure
+
+B = 6
+
+
+def _x(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _ids(*shape: int, hi: int = 20, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, hi, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def mlp(d_in: int = 8, d_out: int = 4) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(d_in, 16), nn.ReLU(), nn.Linear(16, d_out))
+
+
+def equivalent(model: nn.Module, sample: Any, other: Any | None = None, fwd: dict | None = None,
+               **opts: Any) -> tuple[nn.Module, Any]:
+    """Precondition with only the output scale as a constant and check that the result is the
+    user's model holding the result's weights, times that scale: main output in train and eval
+    mode (same seed) on ``other`` (default: the sample), and every gradient."""
+    fwd = fwd or {}
+    other = sample if other is None else other
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res, rep = precondfx.precondition(model, clone_sample(sample), balance="none",
+                                          residual="none", maxpool="keep", **fwd, **opts)
+    assert not [s for s in rep.plan.scales if s.tag != "output"]
+    scale = rep.output_scale or 1.0
+    ref = copy.deepcopy(model)
+    ref.load_state_dict({k: v for k, v in res.state_dict().items() if "precondfx_" not in k})
+    for train in (True, False):
+        a_m, b_m = copy.deepcopy(res).train(train), copy.deepcopy(ref).train(train)
+        torch.manual_seed(1)
+        a = call(a_m, clone_sample(other), fwd)
+        torch.manual_seed(1)
+        b = call(b_m, clone_sample(other), fwd)
+        assert structure(a) == structure(b)
+        torch.testing.assert_close(main(a), main(b) * scale, rtol=1e-4, atol=1e-5)
+        if train:
+            ga = torch.autograd.grad(main(a).pow(2).sum(), list(a_m.parameters()),
+                                     allow_unused=True)
+            gb = torch.autograd.grad((main(b) * scale).pow(2).sum(), list(b_m.parameters()),
+                                     allow_unused=True)
+            for (k, _), x, y in zip(a_m.named_parameters(), ga, gb):
+                assert (x is None) == (y is None), k
+                if x is not None:
+                    torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6, msg=k)
+    return res, rep
+
+
+# ---------------------------------------------------------------- forwards a trace would freeze
+
+
+class PenaltyOverParameters(nn.Module):
+    """Returns an L2 penalty summed over ``self.parameters()`` next to the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        y = self.b(F.relu(self.a(x)))
+        return y, sum(p.pow(2).sum() for p in self.parameters())
+
+
+class NormOfWeights(nn.Module):
+    """Divides by the (detached) norm of a layer's weight, reached through parameters()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        norm = [p.detach().norm() for p in self.a.parameters()][0]
+        return self.b(F.relu(self.a(x) / norm))
+
+
+class WGANCritic(nn.Module):
+    """Clips its weights in forward (WGAN): ``p.data.clamp_`` on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        for p in self.parameters():
+            p.data.clamp_(-0.05, 0.05)
+        return self.b(F.leaky_relu(self.a(x), 0.2))
+
+
+class BufferCounter(nn.Module):
+    """A step counter kept in a buffer, incremented by ``+=`` in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = mlp()
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        self.steps += 1
+        return self.a(x)
+
+
+class DataAssignedBuffer(nn.Module):
+    """A running mean updated through ``.data`` (no no_grad block) and used in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = mlp()
+        self.register_buffer("mu", torch.zeros(8))
+
+    def forward(self, x):
+        if self.training:
+            self.mu.data = 0.9 * self.mu.data + 0.1 * x.mean(0).data
+        return self.a(x - self.mu)
+
+
+class BufferDerived(nn.Module):
+    """Normalizes by a statistic computed from a buffer (a checkpoint's normalizer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = mlp()
+        self.register_buffer("std", torch.ones(8))
+
+    def forward(self, x):
+        return self.a(x / self.std.clamp(min=1e-3))
+
+
+class TransposedReuse(nn.Module):
+    """A projection's weight reused, transposed, as the output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p, self.m = nn.Linear(8, 16, bias=False), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return F.linear(F.relu(self.m(self.p(x))), self.p.weight.t())
+
+
+@pytest.mark.parametrize("build", [PenaltyOverParameters, NormOfWeights])
+def test_computation_on_parameters_outside_the_trace_is_kept(build: Callable) -> None:
+    """A penalty summed over ``self.parameters()`` was computed once while tracing and frozen
+    into the GraphModule as a constant carrying a grad_fn: it did not follow the weights, got
+    no gradient, and ``copy.deepcopy`` of the result raised RuntimeError.  A norm of a weight
+    reached the same way stayed at its value before re-initialization."""
+    torch.manual_seed(0)
+    res, rep = equivalent(build(), _x(B, 8), _x(3, 8, seed=2))
+    assert not isinstance(res, torch.fx.GraphModule)
+    assert any("outside the traced graph" in n for n in rep.capture_notes)
+    assert not [k for k in vars(res) if k.startswith("_tensor_constant")]
+    check(build(), _x(B, 8))
+    if build is PenaltyOverParameters:
+        _, pen = copy.deepcopy(res)(_x(B, 8))
+        want = sum(float(p.double().pow(2).sum()) for p in res.parameters())
+        assert float(pen) == pytest.approx(want, rel=1e-5)
+
+
+def test_weight_clipping_in_forward_still_clips() -> None:
+    """``p.data.clamp_`` in forward ran once on the traced copy and was absent from the
+    GraphModule: the result's weights grew past the clip after re-initialization."""
+    torch.manual_seed(0)
+    res, rep = equivalent(WGANCritic(), _x(B, 8))
+    out = check(WGANCritic(), _x(B, 8))
+    assert out is not None
+    m = copy.deepcopy(res)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(100)
+    m(_x(B, 8))
+    assert max(float(p.abs().max()) for p in m.parameters()) <= 0.05 + 1e-7
+
+
+@pytest.mark.parametrize("build", [BufferCounter, DataAssignedBuffer])
+def test_buffer_assigned_in_forward_keeps_updating(build: Callable) -> None:
+    """``self.steps += 1`` on a buffer was executed once at trace time and dropped from the
+    graph (the result's counter stayed at 0); with buffers traced as graph values it stored a
+    traced value in the model's buffer and broke every later capture."""
+    torch.manual_seed(0)
+    model = build()
+    res, rep = equivalent(model, _x(B, 8), _x(3, 8, seed=2))
+    check(build(), _x(B, 8))
+    name = "steps" if build is BufferCounter else "mu"
+    m, ref = copy.deepcopy(res).train(), copy.deepcopy(model).train()
+    for i in range(3):
+        m(_x(B, 8, seed=i))
+        ref(_x(B, 8, seed=i))
+    torch.testing.assert_close(m.get_buffer(name), ref.get_buffer(name))
+    assert float(m.get_buffer(name).abs().sum()) > 0
+
+
+def test_buffer_derived_value_follows_a_loaded_buffer() -> None:
+    """A value computed from a buffer in forward follows the buffer when a checkpoint is loaded
+    into the result (it was a constant frozen at trace time)."""
+    torch.manual_seed(0)
+    res, rep = equivalent(BufferDerived(), _x(B, 8))
+    sd = res.state_dict()
+    before = res(_x(B, 8))
+    sd["std"] = torch.full((8,), 2.0)
+    res.load_state_dict(sd)
+    after = res(_x(B, 8))
+    assert not torch.allclose(before, after)
+
+
+def test_weight_read_outside_its_layer_is_left_out_of_balancing() -> None:
+    """balance='hessian' raised 'measured balancing failed: rescaling changed the output' on a
+    weight also used transposed as the output layer; it is now left out (with why) and the
+    other layers are balanced, keeping the function."""
+    torch.manual_seed(0)
+    model, x = TransposedReuse(), _x(32, 8)
+    res, rep = precondfx.precondition(model, x, balance="hessian", balance_samples=4)
+    h = rep.conditioning["hessian"]
+    assert "outside its layer" in h["left_out"]["p.weight"]
+    check(TransposedReuse(), _x(B, 8), balance="hessian", balance_samples=4)
+    # lr_scale rescales the same way: the function is kept
+    res2, rep2 = precondfx.precondition(TransposedReuse(), x, balance="none", lr_scale="adam")
+    res3, _ = precondfx.precondition(TransposedReuse(), x, balance="none")
+    torch.testing.assert_close(res2(x), res3(x), rtol=1e-5, atol=1e-6)
