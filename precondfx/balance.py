@@ -20,6 +20,7 @@ from torch import nn
 
 from precondfx.capture.common import Sample, main_output
 from precondfx.errors import PrecondError
+from precondfx.graph import Graph
 from precondfx.measure import batchdim
 from precondfx.measure.conditioning import _mean_estimate
 from precondfx.measure.sketch import geometric_mean, hessian_sketch, precise, rtol_for, spread_of
@@ -118,19 +119,29 @@ def _rescale(model: nn.Module, weight: str, buffers: list[str], c: float) -> Non
     model.get_parameter(weight).div_(c)
 
 
-def balanceable(alpha_buffers: dict[str, list[str]], plan: Plan
+def balanceable(alpha_buffers: dict[str, list[str]], plan: Plan, graph: Graph | None = None
                 ) -> tuple[dict[str, list[str]], dict[str, str]]:
     """Split the plan's weighted layers into those measured balancing can rescale (every call
-    site carries an alpha buffer, or one buffer serves them all) and the others, with why."""
+    site carries an alpha buffer, or one buffer serves them all) and the others, with why.
+    A weight that ``graph`` shows read outside its layers' calls (``F.linear(h, w.t())`` on a
+    module's weight, a norm of it computed in forward) is left out: dividing it by the factor
+    would change those other uses, so rescaling would not keep the function."""
     sites: dict[str, int] = {}
+    nodes: dict[str, set[str]] = {}
     for lay in plan.layers:
         if lay.weight:
             sites[lay.weight] = sites.get(lay.weight, 0) + 1
+            if graph is not None:
+                nodes.setdefault(lay.weight, set()).add(lay.node)
+    others = other_readers(graph, nodes) if graph is not None else {}
     ok: dict[str, list[str]] = {}
     left: dict[str, str] = {}
     for w, n in sites.items():
         bufs = sorted(set(alpha_buffers.get(w, [])))
-        if bufs and (len(bufs) == n or len(bufs) == 1):
+        if others.get(w):
+            left[w] = (f"the weight is also read outside its layer (by {', '.join(others[w][:3])}"
+                       f"): rescaling it would change that use too; left out of rescaling")
+        elif bufs and (len(bufs) == n or len(bufs) == 1):
             ok[w] = bufs
         elif not bufs:
             left[w] = "no alpha could be placed on this layer (see NOT APPLIED)"
@@ -138,6 +149,16 @@ def balanceable(alpha_buffers: dict[str, list[str]], plan: Plan
             left[w] = (f"an alpha was placed on {len(bufs)} of its {n} call sites: left out of "
                        f"measured balancing")
     return ok, left
+
+
+def other_readers(graph: Graph, sites: dict[str, set[str]]) -> dict[str, list[str]]:
+    """For each weight, the graph nodes that read it other than its layers' own call sites."""
+    out: dict[str, list[str]] = {}
+    for n in graph:
+        for p in set(n.params.values()):
+            if p in sites and n.name not in sites[p]:
+                out.setdefault(p, []).append(n.name)
+    return out
 
 
 def summary_line(section: dict[str, Any]) -> str:
@@ -178,10 +199,11 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
                      n_cotangents: int = 4, seed: int = D.seed, output_key: Any = D.output_key,
                      mode: str = D.calibration, threshold: float = D.balance_threshold,
                      log: Callable[[str], None] = lambda m: None,
-                     verbose: bool | None = None, rtol: float | None = None) -> dict[str, Any]:
+                     verbose: bool | None = None, rtol: float | None = None,
+                     graph: Graph | None = None) -> dict[str, Any]:
     """Balance a measured statistic (``STATISTICS``) of every weight whose every call site has
-    an alpha buffer (it scales exactly as alpha^4); the other weighted layers of the plan are
-    listed in ``left_out`` with why.  ``balance='hessian'`` always balances (and raises if it
+    an alpha buffer (it scales exactly as alpha^4) and that ``graph`` shows read nowhere else;
+    the other weighted layers of the plan are listed in ``left_out`` with why.  ``balance='hessian'`` always balances (and raises if it
     cannot); with ``balance='auto'`` the alphas are only changed when the measured spread is
     significantly above ``threshold`` (lower bound at 2 standard errors): below, the estimate's
     own noise is comparable to the imbalance it would correct.  The measurement stops early
@@ -205,7 +227,7 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
     if balance not in ("auto", "hessian"):
         raise PrecondError(f"balance={balance!r}: measured balancing is 'auto' or 'hessian'")
     gated = balance == "auto"
-    ok, left = balanceable(alpha_buffers, plan)
+    ok, left = balanceable(alpha_buffers, plan, graph)
     n_layers = len(ok) + len(left)
     weights = list(ok)
     if len(weights) < 2:

@@ -150,27 +150,39 @@ def summary(mode: str, fac: dict[str, float], L: int) -> str:
             f"each layer's effective learning rate x c{'^2' if mode == 'sgd' else ''})")
 
 
-def carried(lr_buffers: dict[str, list[str]], plan: Plan
+def carried(lr_buffers: dict[str, list[str]], plan: Plan, graph: Graph | None = None
             ) -> tuple[dict[str, list[str]], dict[str, str]]:
     """The weights whose every call site carries an lr multiplier (weight -> the constants),
-    and why the others are left out (factor 1): a site with none (see NOT APPLIED), or a bias
-    also read by a layer of another weight (one stored bias cannot take two factors)."""
+    and why the others are left out (factor 1): a site with none (see NOT APPLIED), a bias
+    also read by a layer of another weight (one stored bias cannot take two factors), or a
+    weight ``graph`` shows read outside its layers (``F.linear(h, w.t())``: dividing it would
+    change that use)."""
+    from precondfx.balance import other_readers
     sites: dict[str, int] = {}
     bias_users: dict[str, set[str]] = {}
+    nodes: dict[str, set[str]] = {}
     for lay in plan.layers:
         if lay.weight:
             sites[lay.weight] = sites.get(lay.weight, 0) + 1
+            nodes.setdefault(lay.weight, set()).add(lay.node)
             if lay.bias:
                 bias_users.setdefault(lay.bias, set()).add(lay.weight)
+                nodes.setdefault(lay.bias, set()).add(lay.node)
+    others = other_readers(graph, nodes) if graph is not None else {}
     ok: dict[str, list[str]] = {}
     left: dict[str, str] = {}
     for w, n in sites.items():
         bufs = lr_buffers.get(w, [])
         shared = [b for lay in plan.layers if lay.weight == w and lay.bias
                   for b in [lay.bias] if len(bias_users[b]) > 1]
+        outside = others.get(w) or [o for lay in plan.layers if lay.weight == w and lay.bias
+                                    for o in others.get(lay.bias, [])]
         if len(bufs) != n:
             left[w] = (f"an lr multiplier was placed on {len(bufs)} of its {n} call sites (see "
                        f"NOT APPLIED): factor 1")
+        elif outside:
+            left[w] = (f"the weight or its bias is also read outside its layer (by "
+                       f"{', '.join(outside[:3])}): dividing it would change that use: factor 1")
         elif shared:
             left[w] = f"its bias {shared[0]} is also read by another weight's layer: factor 1"
         else:
@@ -186,7 +198,7 @@ def apply(model: nn.Module, graph: Graph, plan: Plan, lr_buffers: dict[str, list
     to what the model holds.  ``set_constant(name, value)``: the back end's
     (``Backend.set_constant``).  Layers whose call sites do not all carry a multiplier keep
     factor 1 and are listed in ``left_out``.  Returns the report section."""
-    ok, left = carried(lr_buffers, plan)
+    ok, left = carried(lr_buffers, plan, graph)
     rms = {w: _rms_of(model, plan, w) for w in ok} if mode == "adam" else {}
     fac, L = factors(graph, plan, mode, rms)
     done = {w: c for w, c in fac.items() if w in ok and c != 1.0}

@@ -277,7 +277,8 @@ def balance(st: TorchState) -> None:
         rep.conditioning["hessian"] = h = balance_measured(
             st.result, st.sample, st.plan, st.alpha_buffers, verbose=st.verbose, seed=o.seed,
             output_key=o.output_key, mode=o.calibration, log=st.say,
-            n_samples=o.balance_samples, balance=o.balance, threshold=o.balance_threshold)
+            n_samples=o.balance_samples, balance=o.balance, threshold=o.balance_threshold,
+            graph=st.graph)
         rep.skipped += [(f"balance {w}", why) for w, why in h["left_out"].items()]
         if h.get("applied"):
             record_factors(st.measured, st.plan, h["factors"])
