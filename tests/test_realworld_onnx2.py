@@ -678,3 +678,28 @@ def test_gemm_alpha_is_part_of_the_weight(tmp_path, alpha):
     np.testing.assert_allclose(_run(same, {"x": x})["y"],
                                _run(src, {"x": x})["y"] * rep.output_scale, rtol=1e-4,
                                atol=1e-6)
+
+
+def test_unnamed_symbolic_dims_say_what_sizes_them(tmp_path, capsys):
+    """A dim with neither a size nor a name cannot be set with --dim: the error says to give
+    calibration data (it said '--dim NAME=N', and a --dim then said 'every input dim is
+    fixed'); with data the run goes through."""
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], name="conv1", kernel_shape=[3, 3],
+                              pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "w2"], ["y"], name="conv2", kernel_shape=[1, 1])]
+    m = _model(nodes, [_vi("x", TP.FLOAT, [None, 3, None, None])],
+               [_vi("y", TP.FLOAT, [None, 4, None, None])],
+               [_w("w1", (6, 3, 3, 3)), _w("w2", (4, 6, 1, 1))])
+    src = _save(m, tmp_path / "unnamed.onnx")
+    out = str(tmp_path / "out.onnx")
+    assert main(["precondition", src, "-o", out, "--quiet"]) == 2
+    assert "neither a size nor a name" in _one_error_line(capsys.readouterr().err)
+    assert main(["precondition", src, "-o", out, "--quiet", "--dim", "h=8"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "x dim 2, x dim 3" in line and "fixed" not in line
+    x = _x(8, 3, 10, 10)
+    np.save(tmp_path / "x.npy", x)
+    assert main(["precondition", src, "-o", out, "--quiet", "--calib",
+                 str(tmp_path / "x.npy")]) == 0
+    assert _std(_run(out, {"x": x})["y"]) == pytest.approx(TARGET, rel=1e-4)

@@ -434,9 +434,16 @@ def check_dims(inputs: list[InputSpec], dims: Mapping[str, int]) -> None:
     """Refuse a ``--dim`` naming a symbol that no model input has (a typo would otherwise be
     ignored and the input generated with another size)."""
     symbols = [d for spec in inputs for d in (spec.dims or ()) if isinstance(d, str) and d]
+    unnamed = [f"{spec.name} dim {i}" for spec in inputs for i, d in enumerate(spec.dims or ())
+               if i > 0 and not isinstance(d, int) and not d]
     unknown = [k for k in dims if k not in symbols]
     if unknown:
-        have = ", ".join(dict.fromkeys(symbols)) or "none (every input dim is fixed)"
+        have = ", ".join(dict.fromkeys(symbols)) or "none"
+        if unnamed:
+            have += f" (dims without a name, which only calibration data can size: " \
+                    f"{', '.join(unnamed[:4])})"
+        elif not symbols:
+            have += " (every input dim is fixed)"
         raise PrecondError(f"--dim {unknown[0]}={dims[unknown[0]]}: the model has no input dim "
                            f"named {unknown[0]!r}; its symbolic input dims are: {have}")
 
@@ -508,10 +515,13 @@ def resolve_feeds(inputs: list[InputSpec], given: Mapping[str, Any] | None = Non
                 if isinstance(d, str) and d:
                     bindings[d] = n
                 shape.append(n)
+            elif d:
+                raise PrecondError(f"input {spec.name!r} dim {i} is symbolic ({d}): give "
+                                   f"--dim {d}=N, or calibration data")
             else:
-                sym = d if d else f"(unnamed dim {i})"
-                raise PrecondError(f"input {spec.name!r} dim {i} is symbolic ({sym}): give "
-                                   f"--dim {d or 'NAME'}=N, or calibration data")
+                raise PrecondError(f"input {spec.name!r} dim {i} has neither a size nor a name "
+                                   f"in the model, so --dim cannot set it: give calibration "
+                                   f"data (--calib, or --calib-input {spec.name}=FILE.npy)")
         arrays[spec.name] = _cast(spec, rng.standard_normal(shape, dtype=np.float32))
         feeds.random.append(spec.name)
     if feeds.random:
