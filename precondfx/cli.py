@@ -308,9 +308,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     progress(f"reading {args.model}")
     report = inspect_onnx(args.model, dims=parse_dims(args.dim), batch=args.batch,
                           **_plan_kwargs(args))
-    print(report.table(all_nodes=args.all))
-    if args.report:
+    if args.report:      # before the table: a closed stdout (| head) must not lose it
         _write_report(report, args.report)
+    print(report.table(all_nodes=args.all))
     return 0
 
 
@@ -346,10 +346,10 @@ def cmd_precondition(args: argparse.Namespace) -> int:
         if "random N(0,1)" in note:
             _note(note)
     progress(f"wrote {args.output} ({report.stage_seconds.get('total', 0):.2f} s)")
-    if not args.quiet:
-        print(report.table(all_nodes=args.all))
     if args.report:
         _write_report(report, args.report)
+    if not args.quiet:
+        print(report.table(all_nodes=args.all))
     return 0
 
 
@@ -504,10 +504,10 @@ def _precondition_torch(args: argparse.Namespace) -> int:
     progress("done")
     if ext != ".onnx" and not args.quiet:
         _note(_load_hint(out, args.model, type(result).__name__))
-    if not args.quiet:
-        print(report.table(all_nodes=args.all))
     if args.report:
         _write_report(report, args.report)
+    if not args.quiet:
+        print(report.table(all_nodes=args.all))
     if args.plot:
         for p in _plot(report, args.plot):
             progress(f"wrote {p}")
@@ -604,6 +604,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _err("interrupted")
         return 130
+    except BrokenPipeError:      # stdout closed by the reader (precondfx inspect m.onnx | head)
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except Exception:  # not a real file (tests): nothing left to flush
+            pass
+        return 0
     except Exception:
         traceback.print_exc()
         _err("internal error (a bug in precondfx): please report it with the traceback above")

@@ -12,6 +12,7 @@ command line one line and exit code 2) with no output file left behind.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import numpy as np
@@ -702,4 +703,34 @@ def test_unnamed_symbolic_dims_say_what_sizes_them(tmp_path, capsys):
     np.save(tmp_path / "x.npy", x)
     assert main(["precondition", src, "-o", out, "--quiet", "--calib",
                  str(tmp_path / "x.npy")]) == 0
+    assert _std(_run(out, {"x": x})["y"]) == pytest.approx(TARGET, rel=1e-4)
+
+
+def test_cli_stdout_closed_by_the_reader(tmp_path, monkeypatch):
+    """``precondfx inspect m.onnx | head -1``: the reader closes the pipe, printing the table
+    raises BrokenPipeError; that is exit 0 with the report and the output already written (it
+    was exit 1, 'internal error', and the report was lost)."""
+    src = _save(_mlp(), tmp_path / "m.onnx")
+    x = _x(32, 8)
+    np.save(tmp_path / "x.npy", x)
+
+    class Closed:
+        def write(self, s):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("sys.stdout", Closed())
+    out = tmp_path / "out.onnx"
+    for cmd in (["inspect", src], ["precondition", src, "-o", str(out), "--calib",
+                                   str(tmp_path / "x.npy")]):
+        rep = tmp_path / f"{cmd[0]}.json"
+        assert main([*cmd, "--report", str(rep)]) == 0
+        assert json.loads(rep.read_text())["plan"]["inits"]["w1"]["rule"] == "geometric"
+    got = json.loads((tmp_path / "precondition.json").read_text())
+    w1 = numpy_helper.to_array(next(t for t in onnx.load(str(out)).graph.initializer
+                                    if t.name == "w1"))
+    assert float(np.sqrt(np.mean(w1.astype(np.float64) ** 2))) == pytest.approx(
+        got["plan"]["inits"]["w1"]["std"], rel=1e-5)                  # the report of this file
     assert _std(_run(out, {"x": x})["y"]) == pytest.approx(TARGET, rel=1e-4)
