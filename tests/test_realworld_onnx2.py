@@ -734,3 +734,25 @@ def test_cli_stdout_closed_by_the_reader(tmp_path, monkeypatch):
     assert float(np.sqrt(np.mean(w1.astype(np.float64) ** 2))) == pytest.approx(
         got["plan"]["inits"]["w1"]["std"], rel=1e-5)                  # the report of this file
     assert _std(_run(out, {"x": x})["y"]) == pytest.approx(TARGET, rel=1e-4)
+
+
+def test_output_key_selecting_an_integer_output_is_refused(tmp_path):
+    """``output_key`` naming an int64 output (class ids): refused naming the float outputs (a
+    float Mul on it made a file onnxruntime refused, reported as a precondfx bug);
+    ``output_key='h'`` scales the logits."""
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1),
+             helper.make_node("ArgMax", ["h"], ["cls"], name="am", axis=1, keepdims=0)]
+    m = _model(nodes, [_vi("x", TP.FLOAT, ["N", 8])],
+               [_vi("cls", TP.INT64, ["N"]), _vi("h", TP.FLOAT, ["N", 16])],
+               [_w("w1", (16, 8)), _w("b1", (16,))])
+    src = _save(m, tmp_path / "cls.onnx")
+    x = _x(32, 8)
+    for key in ("cls", 0):
+        with pytest.raises(PrecondError, match=r"selects output 'cls' of type INT64.*\['h'\]"):
+            precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"x": x}, output_key=key)
+    assert not (tmp_path / "out.onnx").exists()
+    precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"x": x}, output_key="h",
+                      target_std=TARGET)
+    got = _run(tmp_path / "out.onnx", {"x": x})
+    assert _std(got["h"]) == pytest.approx(TARGET, rel=1e-4)
+    np.testing.assert_array_equal(got["cls"], got["h"].argmax(1))

@@ -236,10 +236,10 @@ class OnnxApplier(Records):
                 if not 0 <= k < len(outs):
                     raise PrecondError(f"output_key={key!r}: the model has {len(outs)} "
                                        f"output(s)")
-                return k, outs[k]
+                return k, self._floating(key, outs[k], outs)
             for i, o in enumerate(outs):
                 if o.name == key:
-                    return i, o
+                    return i, self._floating(key, o, outs)
             raise PrecondError(f"output_key={key!r} names no graph output; the outputs are "
                                f"{[o.name for o in outs]}")
         name = pick_main((o.name, self._dtype(o) in FLOAT_TYPES, not _single(o)) for o in outs)
@@ -248,6 +248,17 @@ class OnnxApplier(Records):
             return i, outs[i]
         raise PrecondError(f"no floating-point graph output to scale (outputs "
                            f"{[o.name for o in outs]}); pass target_std=None")
+
+    def _floating(self, key: Any, o: ir.Value, outs: list[ir.Value]) -> ir.Value:
+        """``o`` when the output scale can multiply it (a floating-point tensor, or one of
+        unknown type); else the error naming the outputs that qualify."""
+        if self._dtype(o) in FLOAT_TYPES or (o.type is None and o.dtype is None):
+            return o
+        what = o.type if o.type is not None else o.dtype
+        ok = [x.name for x in outs if self._dtype(x) in FLOAT_TYPES]
+        raise PrecondError(f"output_key={key!r} selects output {o.name!r} of type {what}: the "
+                           f"output scale multiplies a floating-point tensor; choose one of "
+                           f"{ok} or pass target_std=None")
 
     def output_scale(self, path: list) -> str | None:
         i, out = self.main_output(path)
