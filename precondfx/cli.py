@@ -303,6 +303,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from precondfx.onnx import inspect_onnx
     from precondfx.onnx.io import parse_dims
+    if _is_torch_spec(args.model):
+        raise UsageError(f"inspect reads ONNX files; {args.model} looks like a PyTorch "
+                         f"module:callable: call precondfx.analyze(model, sample) from Python")
     _check_report_path(args.report, args.model)
     progress = _Progress(args.quiet)
     progress(f"reading {args.model}")

@@ -261,6 +261,8 @@ def test_cli_calibration_files_and_flag_abbreviations(tmp_path, capsys):
     assert main(["inspect", src, "--calib", str(tmp_path / "x.npy")]) == 2
     err = capsys.readouterr().err
     assert "unrecognized arguments: --calib" in err and "--calibration" not in err
+    assert main(["inspect", "tests.zoo:mlp"]) == 2         # was 'no such file: tests.zoo:mlp'
+    assert "precondfx.analyze" in _one_error_line(capsys.readouterr().err)
     assert not os.path.exists(out)
 
 
