@@ -670,11 +670,13 @@ def test_gemm_alpha_is_part_of_the_weight(tmp_path, alpha):
     out = tmp_path / "out.onnx"
     rep = precondition_onnx(src, str(out), feeds={"x": x}, balance="none", target_std=TARGET)
     std = (2.0 / (64 * 128) ** 0.5) ** 0.5
-    assert rep.plan.inits["w1"].std == pytest.approx(std)
     w1 = numpy_helper.to_array(next(t for t in onnx.load(str(out)).graph.initializer
                                     if t.name == "w1"))
     assert float(np.sqrt(np.mean((abs(alpha) * w1.astype(np.float64)) ** 2))) == \
         pytest.approx(std, rel=1e-3)
+    assert rep.planned.inits["w1"].std == pytest.approx(std)         # the intent
+    assert rep.plan.inits["w1"].std == pytest.approx(std / abs(alpha))   # what the file holds
+    assert "alpha" in rep.plan.inits["w1"].reason
     same = tmp_path / "same.onnx"
     rep = precondition_onnx(src, str(same), feeds={"x": x}, reinit_weights=False,
                             target_std=TARGET)

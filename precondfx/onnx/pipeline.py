@@ -237,6 +237,18 @@ def backend(st: OnnxState) -> None:
     st.main_path = [key] if key is not None else []
 
 
+def record_gains(st: OnnxState) -> None:
+    """The weights ``OnnxApplier.reinit`` drew divided by their Gemm ``alpha`` (the layer
+    applies ``alpha * W``), as changes of the plan: the report's std is the file's."""
+    for name, gain in st.captured.gains.items():
+        pi = st.plan.inits.get(name)
+        if pi is None or pi.std is None or pi.rule in ("scale", "keep", "zeros", "ones"):
+            continue
+        st.measured.add("apply", "std", name, abs(gain), op="div",
+                        note=f"divided by |alpha|={abs(gain):.4g} of its Gemm, which applies "
+                             f"alpha*W: the layer's weight has the planned std")
+
+
 def save(st: OnnxState) -> None:
     """Save into a temporary folder next to the output (removed again on failure)."""
     st.staging = io.Staging(st.out_path)
@@ -269,6 +281,7 @@ PIPELINE = (
     Stage("apply", backend, ensures=("backend",)),
     driver.APPLY,
     driver.REINIT,
+    Stage("reinit", record_gains, when=lambda st: bool(st.captured.gains)),
     driver.CALIBRATE,
     driver.RECORD,
     Stage("save", save),
