@@ -51,6 +51,20 @@ def reinit(model: nn.Module, plan: Plan, seed: int, rng: str = "stream") -> list
 
 
 
+def settle_checkpoints(model: nn.Module, run: Any) -> None:
+    """A model planned on the meta device, now holding data: check by running where a tied
+    weight's factor can go (``folding.confirm_upstream``), then set up a transformers model's
+    checkpoint folding with that knowledge (``hf_checkpoints.prepare``)."""
+    from precondfx.folding import confirm_upstream, recipe_of
+    from precondfx.integrations import hf_checkpoints
+    rec = recipe_of(model)
+    if rec is None or not rec.pending:
+        return
+    confirm_upstream(model, run)
+    if hf_checkpoints.is_transformers_model(model):
+        hf_checkpoints.prepare(model)
+
+
 # -- distributed calibration ------------------------------------------------------------------
 def _output_buffer(model: nn.Module) -> str:
     names = [n for n, _ in model.named_buffers() if n.rpartition(".")[2] == PREFIX + "output_scale"]
@@ -123,5 +137,6 @@ def calibrate(model: nn.Module, sample: Any, target_std: float | None = None, *,
     if isinstance(rec, dict):
         rec[buf_name] = scale
     after, local = _global_std(main_output(cal.forward(model, s, mode), output_key), group)
+    settle_checkpoints(model, lambda m: cal.forward(m, s, "eval"))
     return {"std_before": before / current, "scale": scale, "std_after": after,
             "target_std": target_std, "local_std_after": local}

@@ -65,13 +65,21 @@ class Recipe:
     source: nn.Module | None = None
     structural: list[str] = field(default_factory=list)
     upstream: dict[str, str] = field(default_factory=dict)
+    #: upstream candidates found on the graph of a model planned on the meta device, where
+    #: the check by running cannot run: :func:`confirm_upstream` checks them once the model
+    #: holds data (``precondfx.distributed.calibrate`` calls it)
+    pending: dict[str, str] = field(default_factory=dict)
 
     def __deepcopy__(self, memo: dict) -> "Recipe":
         return Recipe(copy.deepcopy(self.source, memo), list(self.structural),
-                      dict(self.upstream))
+                      dict(self.upstream), dict(self.pending))
 
     def __getstate__(self) -> dict:   # pickling drops the source (pass source= to fold)
-        return {"source": None, "structural": self.structural, "upstream": self.upstream}
+        return {"source": None, "structural": self.structural, "upstream": self.upstream,
+                "pending": self.pending}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update({"pending": {}, **state})
 
 
 def recipe_of(model: nn.Module) -> Recipe | None:
@@ -559,13 +567,14 @@ def _ours(fn: Any) -> bool:
 
 
 # -- recipe at precondition time (eager back end) ------------------------------------------------
-def tied_upstream(model: nn.Module, graph: Any, run: Callable[[nn.Module], Any]
-                  ) -> dict[str, str]:
+def tied_upstream(model: nn.Module, graph: Any, run: Callable[[nn.Module], Any],
+                  pending: dict[str, str] | None = None) -> dict[str, str]:
     """Where a constant that cannot stay on its module can go: for each bias-free linear
     module whose weight is tied to another module's, and each parameterless module carrying a
     constant (a residual scale on a dropout), the module producing its input, when the graph
     shows one through value-preserving ops and doubling that module's output doubles this
-    module's output (checked by running)."""
+    module's output (checked by running).  With ``pending`` (a model on the meta device, which
+    cannot run with values) the graph's candidates go there unchecked."""
     shared: dict[int, int] = {}
     for _, mod in model.named_modules():
         for p in mod._parameters.values():
@@ -591,12 +600,44 @@ def tied_upstream(model: nn.Module, graph: Any, run: Callable[[nn.Module], Any]
         while cur is not None and not cur.module and cur.kind in ("reshape", "cast", "select") \
                 and len(cur.inputs) == 1 and len(users.get(cur.inputs[0], [])) == 1:
             cur = graph.get(cur.inputs[0])
-        if cur is None or not cur.module or calls.get(cur.module) != 1 or \
-                len(users.get(cur.name, [])) != 1:
+        if cur is None or len(users.get(cur.name, [])) != 1:
             continue
-        if _doubles(model, cur.module, n.module, run):
-            out[n.module] = cur.module
+        up = cur.module or _norm_owner(model, cur)
+        if not up or (cur.module and calls.get(cur.module) != 1):
+            continue
+        if pending is not None:
+            pending[n.module] = up
+        elif _doubles(model, up, n.module, run):
+            out[n.module] = up
     return out
+
+
+def _norm_owner(model: nn.Module, node: Any) -> str | None:
+    """The normalization module whose weight a captured op reads, for a normalization the
+    capture left as separate ops (transformers' LlamaRMSNorm ends in ``weight * x``); the
+    check by running then says whether its output carries the factor."""
+    for p in node.params.values():
+        path = p.rpartition(".")[0]
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if kind(mod) == "norm":
+            return path
+    return None
+
+
+def confirm_upstream(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[str]:
+    """Check by running the upstream candidates recorded on the meta device (see
+    :class:`Recipe`), now that the model holds data; those that pass become usable by
+    ``fold`` and checkpoints.  Returns the modules confirmed."""
+    rec = recipe_of(model)
+    if rec is None or not rec.pending:
+        return []
+    done = [m for m, u in rec.pending.items() if _doubles(model, u, m, run)]
+    rec.upstream.update({m: rec.pending[m] for m in done})
+    rec.pending.clear()
+    return done
 
 
 def _doubles(model: nn.Module, up: str, down: str, run: Callable[[nn.Module], Any]) -> bool:
@@ -632,6 +673,9 @@ def record(result: nn.Module, traced: nn.Module, applier: Any, graph: Any,
     if isinstance(result, fx.GraphModule):
         rec = Recipe(traced, structural)
     else:
-        rec = Recipe(None, structural, tied_upstream(result, graph, run))
+        on_meta = any(p.device.type == "meta" for p in result.parameters())
+        pending: dict[str, str] | None = {} if on_meta else None
+        rec = Recipe(None, structural, tied_upstream(result, graph, run, pending),
+                     pending or {})
     attach(result, rec)
     return rec

@@ -34,6 +34,8 @@ def prepare(model: nn.Module, report: Any = None) -> None:
     from precondfx import __version__
     problems = fold_problems(model)
     rec = recipe_of(model)
+    cfg = getattr(model, "config", None)
+    old = getattr(cfg, CONFIG_KEY, None) if cfg is not None else None
     entry = {
         "version": __version__,
         "constants": _constants(model),
@@ -45,13 +47,35 @@ def prepare(model: nn.Module, report: Any = None) -> None:
     if report is not None and report.plan is not None:
         entry["options"] = {k: v for k, v in report.plan.options.items()
                             if isinstance(v, (str, int, float, bool, type(None)))}
-    cfg = getattr(model, "config", None)
+    elif isinstance(old, dict) and "options" in old:
+        entry["options"] = old["options"]
     if cfg is not None:
         setattr(cfg, CONFIG_KEY, entry)
+    if rec is not None and rec.pending:
+        # planned on the meta device: whether a tied weight's factor can move upstream is
+        # checked by running once the model holds data (precondfx.distributed.calibrate, which
+        # calls prepare again); until then checkpoints are neither folded nor warned about
+        entry["checkpoints"] = "pending"
+        if not (isinstance(old, dict) and old.get("checkpoints") == "pending"):
+            model.register_state_dict_post_hook(_warn_pending)
+        return
     if problems:
         model.register_state_dict_post_hook(_warn_raw)
     else:
         _install(model)
+
+
+def _warn_pending(module: nn.Module, state_dict: dict, prefix: str, meta: Any) -> None:
+    """A checkpoint of a model planned on the meta device before ``distributed.calibrate``
+    ran on it: its constants are not folded yet (a no-op once calibrate set folding up)."""
+    entry = getattr(getattr(module, "config", None), CONFIG_KEY, None)
+    if isinstance(entry, dict) and entry.get("checkpoints") == "pending":
+        warnings.warn(
+            "this transformers model was preconditioned on the meta device and "
+            "precondfx.distributed.calibrate(model, batch) has not run on it since it got its "
+            "data: its state_dict keeps the constants as precondfx_* entries, which "
+            "from_pretrained drops. Calibrate first (it also checks where tied weights' "
+            "factors fold), then save", UserWarning, stacklevel=2)
 
 
 def _warn_raw(module: nn.Module, state_dict: dict, prefix: str, meta: Any) -> None:
