@@ -22,8 +22,29 @@ def export(model: torch.nn.Module, sample: Sample, *, draft: bool = False
            ) -> torch.export.ExportedProgram:
     """Export ``model`` on the sample (non-strict), or draft-export it."""
     if draft:
-        return torch.export.draft_export(model, sample.args, kwargs=sample.kwargs)
-    return torch.export.export(model, sample.args, kwargs=sample.kwargs, strict=False)
+        ep = torch.export.draft_export(model, sample.args, kwargs=sample.kwargs)
+    else:
+        ep = torch.export.export(model, sample.args, kwargs=sample.kwargs, strict=False)
+    check_flat(ep)
+    return ep
+
+
+def check_flat(ep: torch.export.ExportedProgram) -> None:
+    """Refuse a program that nests part of the forward in a higher-order op reading
+    parameters: ``wrap_with_set_grad_enabled`` for a ``torch.no_grad()`` block, which is how a
+    reentrant ``torch.utils.checkpoint`` (transformers' ``gradient_checkpointing_enable()``
+    default) runs each block.  The layers inside would be hidden from the plan (a Llama's
+    decoder layers kept their own init); the eager capture records them."""
+    params = set(ep.graph_signature.inputs_to_parameters)
+    for n in ep.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.HigherOrderOperator):
+            continue
+        reads = [a for a in n.args if isinstance(a, fx.Node) and a.name in params]
+        if reads:
+            raise RuntimeError(
+                f"torch.export nested {len(reads)} parameter(s) in {n.target.__name__} (a "
+                f"torch.no_grad()/enable_grad() block, or a reentrant torch.utils.checkpoint): "
+                f"the layers inside would be hidden from the plan")
 
 
 def _leaf_scope(node: fx.Node) -> tuple[str, str, int, optable.OpSpec] | None:
