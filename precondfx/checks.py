@@ -6,9 +6,10 @@ from the planner.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 from torch import nn
@@ -38,6 +39,16 @@ def _hook_kinds(m: nn.Module) -> list[str]:
     return kinds
 
 
+def _offloaded(hook: object) -> bool:
+    """Whether an accelerate hook keeps the module's weights elsewhere (``AlignDevicesHook``
+    with ``offload=True``; a ``SequentialHook`` holding one)."""
+    if hook is None:
+        return False
+    if getattr(hook, "offload", False) is True:
+        return True
+    return any(_offloaded(h) for h in getattr(hook, "hooks", ()) or ())
+
+
 def check_model(model: nn.Module) -> None:
     """Refuse what the pipeline cannot handle correctly, with what to do:
 
@@ -51,8 +62,22 @@ def check_model(model: nn.Module) -> None:
       copied, and are recomputed behind the graph's back);
     * parameters with no elements (``nn.Linear(0, 4)``): nothing to initialize or scale, and
       every fan-based rule divides by zero;
-    * TorchScript modules (no hooks, no faithful deep copy): script the result instead.
+    * TorchScript modules (no hooks, no faithful deep copy): script the result instead;
+    * weights offloaded by accelerate (the parameters are meta placeholders, the values sit in
+      the hook's weights map): precondition before dispatching.
     """
+    offloaded = [path or "the model itself" for path, m in model.named_modules()
+                 if _offloaded(getattr(m, "_hf_hook", None))]
+    if offloaded:
+        raise PrecondError(
+            f"accelerate offloads the weights of {offloaded[:3]} (cpu_offload, disk_offload, or "
+            f"a device_map with offload): the parameters are meta placeholders and the values "
+            f"live in the hook's weights map, which precondfx does not write. Precondition the "
+            f"model before dispatching it, then offload the result with its own tensors: "
+            f"accelerate.cpu_offload(result, device, state_dict=dict(result.named_parameters("
+            f"remove_duplicate=False))) (a transformers result's state_dict() folds the "
+            f"constants into the weights, for checkpoints); or build it on the meta device and "
+            f"follow the large-model recipe (README: to_empty, precondfx.reinit)")
     scripted = [path or "the model itself" for path, m in model.named_modules()
                 if isinstance(m, torch.jit.ScriptModule)]
     if scripted:
@@ -155,14 +180,72 @@ def out_of_memory(e: BaseException) -> PrecondError:
         f"torch.device('meta'), balance='analytic') and materialize it afterwards")
 
 
+def nesting(model: torch.nn.Module) -> int:
+    """How deeply the model's modules are nested (the root alone: 0), without recursion."""
+    deepest, todo, seen = 0, [(model, 0)], set()
+    while todo:
+        m, d = todo.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        deepest = max(deepest, d)
+        todo.extend((c, d + 1) for c in m._modules.values() if c is not None)
+    return deepest
+
+
+#: Python frames per level of module nesting that copying (``copy.deepcopy``), fx tracing and
+#: calling a model need: a chain of 300 nested modules traced with fx at a limit of 2000 and
+#: plain ``deepcopy`` failed at 200 under the default 1000; 20 leaves room
+FRAMES_PER_LEVEL = 20
+
+
+@contextlib.contextmanager
+def deep_enough(model: torch.nn.Module | None) -> Iterator[None]:
+    """Raise Python's recursion limit, for the call only, to what the model's nesting needs
+    (``2000 + FRAMES_PER_LEVEL * depth``; never lowered): a model whose forward runs must not be
+    refused because precondfx copies and traces it with deeper stacks than the forward."""
+    old = sys.getrecursionlimit()
+    need = 2000 + FRAMES_PER_LEVEL * nesting(model) if model is not None else old
+    if need > old:
+        sys.setrecursionlimit(need)
+    _USER_LIMIT.append(old)
+    try:
+        yield
+    finally:
+        _USER_LIMIT.pop()
+        if need > old:
+            sys.setrecursionlimit(old)
+
+
+_USER_LIMIT: list[int] = []
+
+
+@contextlib.contextmanager
+def at_user_limit() -> Iterator[None]:
+    """The user's own recursion limit back, for the forward that checks the model runs: a
+    model whose forward needs more than the user's limit is refused (it would fail in the
+    user's training loop), as before :func:`deep_enough` raised it."""
+    if not _USER_LIMIT:
+        yield
+        return
+    cur = sys.getrecursionlimit()
+    sys.setrecursionlimit(_USER_LIMIT[-1])
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(cur)
+
+
 def guarded(fn: F) -> F:
     """Turn Python's recursion limit into a PrecondError saying how to raise it (deeply nested
     modules: a chain of 300 ``nn.Sequential`` already exceeds the default limit), and running
     out of memory into one saying what to do (the original error is its ``__cause__``)."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        model = next((a for a in args if isinstance(a, torch.nn.Module)), None)
         try:
-            return fn(*args, **kwargs)
+            with deep_enough(model):
+                return fn(*args, **kwargs)
         except RecursionError as e:
             lim = sys.getrecursionlimit()
             raise PrecondError(

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from precondfx import calibrate as cal
-from precondfx import distributed, driver
+from precondfx import checks, distributed, driver
 from precondfx.apply.common import PREFIX, output_path
 from precondfx.apply.eager_apply import EagerApplier
 from precondfx.apply.fx_apply import FxApplier
@@ -209,7 +209,8 @@ def prepare(st: TorchState) -> None:
         st.notes.append(f"model in {dt}: preconditioned and calibrated in float32, result cast "
                         f"back to {dt}")
     st.say("checking that the model runs on the sample")
-    out0 = run_on(st.work, s, st.opts.calibration)
+    with checks.at_user_limit():     # at the recursion limit the user's training runs with
+        out0 = run_on(st.work, s, st.opts.calibration)
     st.main_path = output_path(out0, st.opts.output_key) if st.opts.target_std is not None \
         else []
     st.input_tensors = list(s.tensors())
