@@ -256,7 +256,7 @@ def normalized_before_first_layer(g: Graph, plan: Plan) -> str | None:
     first = next((lay for lay in plan.layers if lay.kind != "embedding"), None)
     if first is None:
         return None
-    anc = g.ancestors().get(first.node, frozenset())
+    anc = g.upstream_of(first.node)
     return next((a for a in anc if g[a].kind == "normalization"), None)
 
 

@@ -92,6 +92,34 @@ class Graph:
         """The weighted nodes (status ``weighted``), in execution order."""
         return [n for n in self.nodes if n.status == "weighted"]
 
+    def ancestor_masks(self) -> tuple[dict[str, int], list[int]]:
+        """Each node's execution index, and per index the set of its ancestors as a bitmask
+        of indices (bit ``i``: node ``i`` is upstream).  The same sets as :meth:`ancestors`,
+        in N bits per node and C-speed unions: a 200-block transformer has about 6000 nodes,
+        where frozensets of names took most of the planning time."""
+        idx = {n.name: i for i, n in enumerate(self.nodes)}
+        masks: list[int] = []
+        for n in self.nodes:
+            m = 0
+            for i in n.inputs:
+                j = idx.get(i)
+                if j is not None and j < len(masks):
+                    m |= masks[j] | (1 << j)
+            masks.append(m)
+        return idx, masks
+
+    def upstream_of(self, name: str) -> set[str]:
+        """Every node upstream of ``name`` (one node's :meth:`ancestors` entry, by a walk)."""
+        seen: set[str] = set()
+        todo = list(self._by_name[name].inputs) if name in self._by_name else []
+        while todo:
+            i = todo.pop()
+            if i in seen or i not in self._by_name:
+                continue
+            seen.add(i)
+            todo.extend(self._by_name[i].inputs)
+        return seen
+
     def ancestors(self) -> dict[str, frozenset[str]]:
         """For each node, every node upstream of it (used to find residual forks)."""
         anc: dict[str, frozenset[str]] = {}

@@ -383,37 +383,56 @@ def _plan_layers(graph: Graph, params: dict[str, ParamInfo], plan: Plan) -> None
 
 
 def _plan_residuals(graph: Graph, plan: Plan, opts: Options) -> None:
-    anc = graph.ancestors()
-    order = {n.name: i for i, n in enumerate(graph)}
+    # ancestor sets as bitmasks over execution indices (Graph.ancestor_masks): linear memory
+    # per node, so deep models (hundreds of blocks) plan in time linear in their joins
+    idx, anc = graph.ancestor_masks()
+    nodes = list(graph)
     weighted = {n.name for n in graph if n.status == optable.WEIGHTED}
     weighted |= {pc.node for pc in plan.pools if pc.action == "conv"}
-    norms = {n.name for n in graph if n.kind == "normalization"}
+    wmask = sum(1 << idx[w] for w in weighted if w in idx)
+    nmask = sum(1 << i for i, n in enumerate(nodes) if n.kind == "normalization")
+
+    def names(mask: int) -> list[str]:       # in execution order
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(nodes[low.bit_length() - 1].name)
+            mask ^= low
+        return out
+
+    def below(fork: int, end: int) -> int:
+        """Nodes before index ``end`` that descend from node ``fork``."""
+        d = 1 << fork
+        for k in range(fork + 1, end):
+            if any(j is not None and (d >> j) & 1 for j in map(idx.get, nodes[k].inputs)):
+                d |= 1 << k
+        return d & ~(1 << fork)
+
     joins: list[tuple[Node, int, str, list[str], bool]] = []
     for n in graph:
         if n.kind not in ("add",) or len(n.inputs) < 2:
             continue
         a, b = n.inputs[0], n.inputs[1]
-        ca, cb = anc.get(a, frozenset()) | {a}, anc.get(b, frozenset()) | {b}
+        ia, ib = idx.get(a), idx.get(b)
+        ca = 0 if ia is None else anc[ia] | (1 << ia)
+        cb = 0 if ib is None else anc[ib] | (1 << ib)
         common = ca & cb
         if not common:
             n.reason = "merge of two activations with no common ancestor: not a residual " \
                        "join (breaks scaling, left as is)"
             continue
-        fork = max(common, key=lambda x: order.get(x, -1))
-
-        def since_fork(x: str, cx: frozenset) -> list[str]:
-            return [m for m in cx if (fork in anc.get(m, frozenset())) and m != fork]
-
-        la = [m for m in since_fork(a, ca) if m in weighted]
-        lb = [m for m in since_fork(b, cb) if m in weighted]
+        f = common.bit_length() - 1                    # the latest common ancestor
+        fork = nodes[f].name
+        since = below(f, idx[n.name])
+        la, lb = names(ca & since & wmask), names(cb & since & wmask)
         if len(la) == len(lb):
             n.reason = (f"join of two paths from {fork} with equal numbers of weighted layers "
                         f"({len(la)}): ambiguous, no branch scale inserted")
             continue
         bi = 0 if len(la) > len(lb) else 1
-        branch = sorted(la if bi == 0 else lb, key=lambda x: order[x])
-        bset = set(since_fork(n.inputs[bi], ca if bi == 0 else cb))
-        joins.append((n, bi, fork, branch, bool(bset & norms)))
+        branch = la if bi == 0 else lb
+        bset = (ca if bi == 0 else cb) & since
+        joins.append((n, bi, fork, branch, bool(bset & nmask)))
     n_joins = len(joins)
     for n, bi, fork, branch, has_norm in joins:
         insert = opts.residual == "all" or (opts.residual == "auto" and not has_norm)
