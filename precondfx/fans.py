@@ -146,8 +146,9 @@ def second_moment(f: Fans, rule: str = "geometric") -> float:
 
 def weight_fans(kind: str, shape: tuple[int, ...], attrs: dict) -> Fans | None:
     """Fans of a weight of the given kind and shape; None when they are not defined."""
+    packed = max(1, int(attrs.get("packed", 1)))    # k maps in one weight (q, k, v)
     if kind in ("linear",) and len(shape) == 2:
-        return Fans(int(shape[1]), int(shape[0]))
+        return Fans(int(shape[1]), int(shape[0]) // packed)
     if kind == "conv" and len(shape) >= 3:
         g = int(attrs.get("groups", 1) or 1)
         return Fans(int(shape[1]), max(1, int(shape[0]) // g), math.prod(shape[2:]))
@@ -156,8 +157,8 @@ def weight_fans(kind: str, shape: tuple[int, ...], attrs: dict) -> Fans | None:
         return Fans(max(1, int(shape[0]) // g), int(shape[1]), math.prod(shape[2:]))
     if kind == "matmul" and len(shape) >= 2:
         if attrs.get("weight_side", "right") == "right":
-            return Fans(int(shape[-2]), int(shape[-1]))
-        return Fans(int(shape[-1]), int(shape[-2]))
+            return Fans(int(shape[-2]), int(shape[-1]) // packed)
+        return Fans(int(shape[-1]), int(shape[-2]) // packed)
     if kind == "matmul" and len(shape) == 1:
         return Fans(int(shape[0]), 1)
     if kind == "embedding" and len(shape) == 2:

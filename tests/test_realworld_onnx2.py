@@ -760,3 +760,48 @@ def test_output_key_selecting_an_integer_output_is_refused(tmp_path):
     got = _run(tmp_path / "out.onnx", {"x": x})
     assert _std(got["h"]) == pytest.approx(TARGET, rel=1e-4)
     np.testing.assert_array_equal(got["cls"], got["h"].argmax(1))
+
+
+def _export_quiet(model, args, path, **kw):
+    import contextlib
+    import io
+    import logging
+    import warnings
+    import torch
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, args, path, **kw)
+
+
+@pytest.mark.parametrize("exporter", [
+    dict(dynamo=True, optimize=False), dict(dynamo=True),
+    dict(dynamo=False, do_constant_folding=False), dict(dynamo=False)],
+    ids=["dynamo-unoptimized", "dynamo", "legacy-unfolded", "legacy"])
+def test_multihead_attention_in_proj_plans_as_pytorch(tmp_path, exporter):
+    """``nn.MultiheadAttention``'s packed in_proj (3E, E): the PyTorch path plans q, k, v as
+    three E -> E maps (``fans.attention_fans``); the ONNX path planned one E -> 3E linear, a
+    std 3^(1/4) = 1.32x smaller.  Every parameter's rule and std now match the PyTorch plan
+    (by name where the exporter keeps names; as a multiset where it renames)."""
+    import precondfx
+    from precondfx.onnx import inspect_onnx
+    from tests import zoo
+    model, sample = zoo.build("vit_mha")
+    model.eval()
+    path = str(tmp_path / "vit_mha.onnx")
+    _export_quiet(model, (sample,), path, **exporter)
+    ref = precondfx.analyze(model, sample, balance="analytic").plan.inits
+    got = inspect_onnx(path, balance="analytic").plan.inits
+    e = 32
+    assert ref["blocks.0.attn.attn.in_proj_weight"].std == pytest.approx(
+        (2 / (e * e) ** 0.5) ** 0.5)                               # Eq. 7 with n_out = E
+    named = {k: v for k, v in got.items() if k in ref}
+    assert len(named) >= 8
+    for k, v in named.items():
+        assert v.rule == ref[k].rule, k
+        assert v.std == (None if ref[k].std is None else pytest.approx(ref[k].std, rel=1e-9)), k
+
+    def stds(inits):
+        return sorted(round(v.std, 9) for v in inits.values() if v.rule == "geometric")
+    assert stds(got) == stds(ref)
