@@ -75,10 +75,10 @@ def train(steps: int = 30, seed: int = 0) -> dict:
         model, report = precondfx.precondition(model, data(rank, 0)[0], balance="analytic",
                                                seed=seed)
         # 2. Shard every module that holds parameters (with a GraphModule result these are
-        #    the leaf layers the graph calls), then the root.
-        for m in list(model.modules()):
-            if m is not model and any(True for _ in m.parameters(recurse=False)):
-                fully_shard(m, mesh=mesh)
+        #    the leaf layers the graph calls; modules sharing a tied weight go in one unit),
+        #    then the root.
+        for unit in precondfx.distributed.shard_units(model, report.plan):
+            fully_shard(unit, mesh=mesh)
         fully_shard(model, mesh=mesh)
         # 3. Storage for this rank's shards, the plan's weights and constants, output scale.
         model.to_empty(device=device)

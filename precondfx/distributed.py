@@ -37,7 +37,51 @@ from precondfx.errors import PrecondError
 from precondfx.plan import Plan
 
 __all__ = ["CONSTANTS", "RNGS", "calibrate", "counter_normal", "is_sharded", "record_constants",
-           "reinit", "restore_constants"]
+           "reinit", "restore_constants", "shard_units"]
+
+
+# -- sharding units ---------------------------------------------------------------------------
+def shard_units(model: nn.Module, plan: Plan | None = None) -> list[list[nn.Module]]:
+    """The modules to pass to FSDP2's ``fully_shard`` one call each (the root last, by the
+    caller): every module holding parameters of its own, with the modules sharing a tied
+    parameter in one unit (``fully_shard([wte, lm_head])``: FSDP2 refuses a parameter managed
+    by two units).  Ties come from the plan's ``aliases`` and from the model itself."""
+    owner: dict[int, int] = {}          # parameter id -> unit index
+    units: list[list[nn.Module]] = []
+    names = {n: m for n, m in model.named_modules()}
+    alias_of = dict(plan.aliases) if plan is not None else {}
+    for name, m in model.named_modules():
+        if m is model:
+            continue
+        own = [p for p in m._parameters.values() if p is not None]
+        if not own:
+            continue
+        keys = {id(p) for p in own}
+        for leaf, p in m._parameters.items():   # planned ties the model lost (to_empty)
+            c = alias_of.get(f"{name}.{leaf}" if name else leaf)
+            if p is not None and c is not None:
+                path, _, cleaf = c.rpartition(".")
+                other = names.get(path)
+                q = other._parameters.get(cleaf) if other is not None else None
+                if q is not None:
+                    keys.add(id(q))
+        hit = sorted({owner[k] for k in keys if k in owner})
+        if hit:
+            into = hit[0]
+            for j in reversed(hit[1:]):           # merge units that this module joins
+                units[into].extend(units[j])
+                units[j] = []
+            units[into].append(m)
+        else:
+            into = len(units)
+            units.append([m])
+        for k in keys:
+            owner[k] = into
+        for mm in units[into]:
+            for p in mm._parameters.values():
+                if p is not None:
+                    owner[id(p)] = into
+    return [u for u in units if u]
 
 
 # -- sharded re-initialization (one loop: precondfx.apply.reinit) -----------------------------

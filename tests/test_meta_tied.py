@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -168,3 +169,43 @@ def test_sharded_untied_copies_get_the_same_values_and_a_warning() -> None:
     assert torch.equal(w, h)
     std = rep.plan.inits[EMB["gpt2"]].std
     assert float(w.detach().double().pow(2).mean().sqrt()) == pytest.approx(std, rel=1e-5)
+
+
+def test_fsdp2_recipe_with_shard_units_keeps_the_tie_and_matches_the_real_run() -> None:
+    """The README recipe on a one-rank FSDP2 mesh: shard_units puts wte and lm_head in one
+    fully_shard unit (FSDP2 refuses a parameter managed by two), the tie survives to_empty,
+    and the full tensors and the output scale equal preconditioning the real model."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    real = _gpt2()
+    ref, rref = precondfx.precondition(real, _ids(), **KW)
+    with torch.device("meta"):
+        mm = _gpt2()
+    pm, rep = precondfx.precondition(mm, _ids(), **KW)
+    units = precondfx.distributed.shard_units(pm, rep.plan)
+    tied = [u for u in units if pm.lm_head in u]
+    assert len(tied) == 1 and pm.transformer.wte in tied[0]
+    assert sum(len(u) for u in units) == sum(
+        1 for m in pm.modules() if m is not pm and any(True for _ in m.parameters(False)))
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    with contextlib.ExitStack() as stack:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)
+        stack.callback(dist.destroy_process_group)
+        for u in units:
+            fully_shard(u)
+        fully_shard(pm)
+        pm.to_empty(device="cpu")
+        assert pm.get_parameter(HEAD) is pm.get_parameter(EMB["gpt2"])
+        _user_init(pm, real, rep.plan)      # kept parameters (position embeddings)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)   # no untied-copies warning
+            precondfx.reinit(pm, rep.plan, seed=7)
+        stats = precondfx.distributed.calibrate(pm, _ids(), target_std=0.5)
+        full = {n: p.full_tensor().detach() for n, p in pm.named_parameters()}
+    assert stats["scale"] == pytest.approx(rref.output_scale, rel=1e-6)
+    for n, p in ref.named_parameters():
+        assert torch.equal(full[n], p.detach()), n

@@ -122,8 +122,9 @@ def retie(model: nn.Module, plan: Plan, sharded: bool) -> dict[str, list[str]]:
         pairs = ", ".join(f"{a} = {c}" for c, al in left.items() for a in al)
         warnings.warn(f"precondfx: tied parameters are separate tensors in this sharded model "
                       f"({pairs}; model.to_empty or fully_shard untied them): each copy got the "
-                      f"same values, but they will train apart. Tie them again the way your "
-                      f"model does (model.tie_weights()) before fully_shard", RuntimeWarning,
+                      f"same values, but they will train apart. Keep them tied: shard the "
+                      f"modules sharing them in one unit (precondfx.distributed.shard_units), "
+                      f"and tie them (model.tie_weights()) before fully_shard", RuntimeWarning,
                       stacklevel=3)
     return left
 
