@@ -10,12 +10,19 @@ at width 128), preconditioned with precondfx's defaults, this measures on the ca
 * ``greedy_adam``: |g|_1 / s'Gs with s = sign(g), the same along Adam's first step;
 * ``nu``: per layer, the relative change of the layer's output for a unit Adam step,
   fan_in * E|x| / rms(y) (x: the layer's input, y: its output), and its median over layers.
+* ``adam_step``: per layer, the relative change of the layer's output (rms over the batch,
+  input held fixed) that Adam's first step at rate 1 makes, measured: the first Adam step is
+  ``-lr sign(g)`` on every stored parameter, weight *and bias*, so the change is
+  ``c (sign(G_W) x + sign(g_b))`` against ``c (W x + b)`` (c: a multiplier on the layer's output,
+  ``lr_scale``; it cancels).  Its spread over layers and its movement over widths and depths
+  say how far one rate is from suiting every layer of every member.
 
 Each predictor is printed as log2 of the rate it implies (1/lam_max, the greedy rates, 1/nu);
 ``lr_transfer_cpu.md`` compares their movement over widths and depths with the best rates the
 training suite measured.  Single thread, seconds per model.
 
     python bench/lr_transfer_probe.py            # writes docs/results/lr_transfer_probe.json
+    python bench/lr_transfer_probe.py --lr-scale adam --tag adam   # the lr_scale='adam' models
 """
 from __future__ import annotations
 
@@ -64,27 +71,53 @@ def probe(m: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int) -> dict:
         v = [q / n for q in hv]
     lam = _dot(v, _gnvp(m, x, ws, v))
     nus: list[float] = []
+    io: list[tuple[nn.Linear, torch.Tensor, torch.Tensor]] = []
 
     def hook(mod: nn.Module, inp: tuple, out: torch.Tensor) -> None:
         nus.append(mod.in_features * float(inp[0].abs().mean()) / float(out.pow(2).mean().sqrt()))
-    hs = [mod.register_forward_hook(hook) for mod in m.modules() if isinstance(mod, nn.Linear)]
+        io.append((mod, inp[0].detach(), out.detach()))
+    lins = [mod for mod in m.modules() if isinstance(mod, nn.Linear)]
+    hs = [mod.register_forward_hook(hook) for mod in lins]
     with torch.no_grad():
         m(x)
     for h in hs:
         h.remove()
+    steps = adam_step_rel(m, x, y, io)
     return {"log2_inv_lam_max": -math.log2(lam), "log2_greedy_sgd": math.log2(greedy_sgd),
             "log2_greedy_adam": math.log2(greedy_adam),
             "log2_inv_nu_median": -math.log2(float(np.median(nus))),
-            "log2_nu_layers": [math.log2(n) for n in nus]}
+            "log2_inv_adam_step_max": -math.log2(max(steps)),
+            "log2_nu_layers": [math.log2(n) for n in nus],
+            "log2_adam_step_layers": [math.log2(v) for v in steps]}
+
+
+def adam_step_rel(m: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                  io: list[tuple[nn.Linear, torch.Tensor, torch.Tensor]]) -> list[float]:
+    """Per Linear layer: rms(sign(G_W) x + sign(g_b)) / rms(W x + b) on the batch, the relative
+    change of its output under Adam's first step (``-lr sign(g)``) at rate 1."""
+    lins = [mod for mod, _, _ in io]
+    ps = [q for mod in lins for q in (mod.weight, mod.bias) if q is not None]
+    g = dict(zip(map(id, ps), torch.autograd.grad(nn.functional.cross_entropy(m(x), y), ps)))
+    out = []
+    for mod, xin, yout in io:
+        d = xin @ g[id(mod.weight)].sign().T
+        if mod.bias is not None:
+            d = d + g[id(mod.bias)].sign()
+        out.append(float(d.pow(2).mean().sqrt() / yout.pow(2).mean().sqrt()))
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--lr-scale", default="none", choices=["none", "sgd", "adam"],
+                    help="precondition with this lr_scale= (default: precondfx's defaults)")
+    ap.add_argument("--tasks", default="mlp", help="comma list of task names or prefixes")
     C.add_run_args(ap)
     args = C.parse_run_args(ap, argv)
     cfg = TS.SIZES["cpu_lr"]
-    tasks = TS.select(TS.all_tasks(dict(cfg, libsvm=False)), ["mlp"])
+    tasks = TS.select(TS.all_tasks(dict(cfg, libsvm=False)), args.tasks.split(","))
+    kw = {} if args.lr_scale == "none" else {"lr_scale": args.lr_scale}
     out: dict = {"tasks": {}, "command": "python bench/lr_transfer_probe.py "
                  + " ".join(argv if argv is not None else sys.argv[1:])}
     import precondfx
@@ -93,13 +126,17 @@ def main(argv: list[str] | None = None) -> dict:
         for seed in range(args.seeds):
             x, y = t.get(t.sampler(seed)[0])
             torch.manual_seed(seed)
-            model, _ = precondfx.precondition(t.make(), x, seed=seed)
+            model, _ = precondfx.precondition(t.make(), x, seed=seed, **kw)
             rows.append(probe(model.train(), x, y, seed))
         keys = [k for k in rows[0] if not k.endswith("layers")]
         out["tasks"][t.name] = {"family": t.family, **{k: float(np.mean([r[k] for r in rows]))
                                                       for k in keys},
-                                "log2_nu_layers": rows[0]["log2_nu_layers"]}
-        print(f"{t.name:14s} " + " ".join(f"{k}={out['tasks'][t.name][k]:6.2f}" for k in keys),
+                                "log2_nu_layers": rows[0]["log2_nu_layers"],
+                                "log2_adam_step_layers": [float(np.mean(v)) for v in zip(
+                                    *(r["log2_adam_step_layers"] for r in rows))]}
+        print(f"{t.name:14s} " + " ".join(f"{k}={out['tasks'][t.name][k]:6.2f}" for k in keys)
+              + "  adam_step/layer " + " ".join(
+                  f"{v:5.1f}" for v in out["tasks"][t.name]["log2_adam_step_layers"]),
               flush=True)
     C.write_json(os.path.join(args.out, f"lr_transfer_probe{'_' + args.tag if args.tag else ''}"
                               f".json"), out)

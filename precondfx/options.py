@@ -181,7 +181,7 @@ class Options:
                                 "function-preserving per-layer scales (output x c, weight and "
                                 "bias / c) "
                                 "so that one learning rate suits all widths and depths: 'adam' "
-                                "(each stored weight scaled to rms sqrt(fan_in)/64 (L/3)^2, L the "
+                                "(each stored weight scaled to rms sqrt(fan_in)/64 (L/3)^1.5, L the "
                                 "main-path depth: equal relative Adam steps in every layer), "
                                 "'sgd' (every stored weight x L/3); None (on the command line "
                                 "'none'): off (precondfx.lr_transfer)", cli="OPT")

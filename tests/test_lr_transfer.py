@@ -87,8 +87,8 @@ def _rms(t):
 
 
 def test_factors_match_the_formula():
-    """Adam: c_l = 64 rms(W_l) / sqrt(fan_in_l) (3/L)^2, so that every stored weight ends with
-    rms sqrt(fan_in)/64 (L/3)^2; SGD: c = 3/L.  fan_in of the first layer is the input
+    """Adam: c_l = 64 rms(W_l) / sqrt(fan_in_l) (3/L)^1.5, so that every stored weight ends with
+    rms sqrt(fan_in)/64 (L/3)^1.5; SGD: c = 3/L.  fan_in of the first layer is the input
     dimension, of the others the width; L = depth + 1 for an MLP."""
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
     for width, depth in [(100, 3), (37, 1), (300, 6)]:
@@ -101,10 +101,10 @@ def test_factors_match_the_formula():
         s, _ = precondfx.precondition(m, x, balance="none", seed=5, lr_scale="sgd")
         assert _alphas(a) == _alphas(s) == []          # the multiplier is not an alpha
         rms = [_rms(w) for w in _weights(ref).values()]
-        want_a = [64 * r / f ** 0.5 * (3 / L) ** 2 for r, f in zip(rms, fans)]
+        want_a = [64 * r / f ** 0.5 * (3 / L) ** 1.5 for r, f in zip(rms, fans)]
         assert _lrs(a) == pytest.approx(want_a, rel=1e-6)
         assert [_rms(w) for w in _weights(a).values()] == pytest.approx(
-            [f ** 0.5 / 64 * (L / 3) ** 2 for f in fans], rel=1e-5)
+            [f ** 0.5 / 64 * (L / 3) ** 1.5 for f in fans], rel=1e-5)
         assert _lrs(s) == pytest.approx([3 / L] * len(fans), rel=1e-6)
         # with measured balancing the alphas stay the measured ones, and the stored weights
         # end at the same rms
@@ -112,7 +112,7 @@ def test_factors_match_the_formula():
         bal_a, _ = precondfx.precondition(m, x, balance="hessian", seed=0, lr_scale="adam")
         assert _alphas(bal_a) == pytest.approx(_alphas(bal), rel=1e-12)
         rms_b = [_rms(w) for w in _weights(bal).values()]
-        assert _lrs(bal_a) == pytest.approx([64 * r / f ** 0.5 * (3 / L) ** 2
+        assert _lrs(bal_a) == pytest.approx([64 * r / f ** 0.5 * (3 / L) ** 1.5
                                              for r, f in zip(rms_b, fans)], rel=1e-6)
 
 
@@ -240,7 +240,7 @@ def test_one_optimizer_step_moves_weight_and_bias_by_the_same_factor(mode, opt, 
     ref, _ = _precondition(m, x, backend, balance=balance, seed=0)
     out, rep = _precondition(m, x, backend, balance=balance, seed=0, lr_scale=mode)
     fac = list(rep.conditioning["lr_scale"]["factors"].values())
-    assert len(fac) == 4 and min(abs(c - 1) for c in fac) > 0.05
+    assert len(fac) == 4 and min(abs(c - 1) for c in fac) > 0.02   # >> rel 1e-3
     deltas = {}
     for tag, model in (("ref", ref), ("out", out)):
         before = _layer_product(model, "weight") + _layer_product(model, "bias")
@@ -361,4 +361,4 @@ def test_transformers_conv1d_fan_in_is_the_input_width():
     for name, fan in [("transformer.h.0.attn.c_attn.weight", 32), ("transformer.h.0.mlp.c_fc.weight", 32),
                       ("transformer.h.0.attn.c_proj.weight", 32),
                       ("transformer.h.0.mlp.c_proj.weight", 128)]:
-        assert _rms(w[name]) == pytest.approx(fan ** 0.5 / 64 * (L / 3) ** 2, rel=1e-5), name
+        assert _rms(w[name]) == pytest.approx(fan ** 0.5 / 64 * (L / 3) ** 1.5, rel=1e-5), name
