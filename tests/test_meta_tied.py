@@ -209,3 +209,79 @@ def test_fsdp2_recipe_with_shard_units_keeps_the_tie_and_matches_the_real_run() 
     assert stats["scale"] == pytest.approx(rref.output_scale, rel=1e-6)
     for n, p in ref.named_parameters():
         assert torch.equal(full[n], p.detach()), n
+
+
+def _tied_worker(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks: GPT-2 planned on meta, sharded with shard_units (wte and
+    lm_head in one unit, Shard(0) over 2 ranks), materialized, re-initialized with both
+    random streams, calibrated on this rank's half of the batch."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        real = _gpt2()
+        with torch.device("meta"):
+            mm = _gpt2()
+        pm, rep = precondfx.precondition(mm, _ids(), **KW)
+        for u in precondfx.distributed.shard_units(pm, rep.plan):
+            fully_shard(u, mesh=mesh)
+        fully_shard(pm, mesh=mesh)
+        pm.to_empty(device="cpu")
+        res = {"tied": pm.get_parameter(HEAD) is pm.get_parameter(EMB["gpt2"])}
+        with torch.no_grad():       # the user's init of what the plan keeps, shard by shard
+            from torch.distributed.tensor import distribute_tensor
+            for n, t in real.named_parameters():
+                pi = rep.plan.inits.get(n)
+                if pi is None or pi.rule == "keep":
+                    p = pm.get_parameter(n)
+                    p.to_local().copy_(distribute_tensor(t.detach(), mesh, p.placements,
+                                                         src_data_rank=None).to_local())
+        for rng in ("stream", "counter"):
+            precondfx.distributed.reinit(pm, rep.plan, 7, rng=rng)
+            stats = precondfx.distributed.calibrate(pm, {"input_ids": _ids()["input_ids"][
+                rank::2]}, target_std=0.5)
+            res[rng] = {"scale": stats["scale"], "std_after": stats["std_after"],
+                        "full": {n: p.full_tensor().detach() for n, p in pm.named_parameters()}}
+        torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_rank_fsdp2_tied_gpt2_equals_single_process(tmp_path) -> None:
+    import os
+
+    import torch.multiprocessing as mp
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    mp.spawn(_tied_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt")) for r in range(2)]
+    assert all(r["tied"] for r in ranks)
+    torch.manual_seed(0)
+    real = _gpt2()
+    ref, rref = precondfx.precondition(real, _ids(), **KW)      # one process, whole batch
+    with torch.device("meta"):
+        mm = _gpt2()
+    one, rep = precondfx.precondition(mm, _ids(), **KW)
+    one.to_empty(device="cpu")
+    _user_init(one, real, rep.plan)
+    precondfx.distributed.reinit(one, rep.plan, 7, rng="counter")
+    one_scale = precondfx.distributed.calibrate(one, _ids(), target_std=0.5)["scale"]
+    want = {"stream": (dict(ref.named_parameters()), rref.output_scale),
+            "counter": (dict(one.named_parameters()), one_scale)}
+    for rng, (params, scale) in want.items():
+        for r in ranks:
+            got = r[rng]
+            for n, p in params.items():
+                assert torch.equal(got["full"][n], p.detach()), (rng, n)
+            assert got["scale"] == ranks[0][rng]["scale"]                 # same on both ranks
+            assert got["scale"] == pytest.approx(scale, rel=1e-5)
+            assert got["std_after"] == pytest.approx(0.5, rel=1e-5)
