@@ -805,3 +805,19 @@ def test_multihead_attention_in_proj_plans_as_pytorch(tmp_path, exporter):
     def stds(inits):
         return sorted(round(v.std, 9) for v in inits.values() if v.rule == "geometric")
     assert stds(got) == stds(ref)
+
+
+def test_dim_value_minus_one_is_an_unknown_dim(tmp_path):
+    """Some converters write an unknown batch as ``dim_value: -1`` (onnxruntime takes any size
+    there): calibration data of any batch is accepted and random inputs use ``batch`` (they
+    were refused, 'calibration 32 vs model -1', or crashed on a negative shape)."""
+    m = _model(_mlp_nodes(), [_vi("x", TP.FLOAT, [-1, 8])], [_vi("y", TP.FLOAT, [-1, 4])],
+               _mlp_inits())
+    src = _save(m, tmp_path / "neg.onnx")
+    x = _x(32, 8)
+    out = tmp_path / "out.onnx"
+    precondition_onnx(src, str(out), feeds={"x": x}, target_std=TARGET)
+    assert _std(_run(out, {"x": x})["y"]) == pytest.approx(TARGET, rel=1e-4)
+    rep = precondition_onnx(src, str(tmp_path / "rnd.onnx"), batch=16, target_std=TARGET)
+    assert "x [16, 8]" in " ".join(rep.capture_notes)
+    assert rep.verification["batch"] == 1                  # ran again at another size

@@ -117,7 +117,7 @@ def infer_shapes(model: ir.Model, bindings: dict[str, int], leading: int
             if inp.name not in real or not inp.type.HasField("tensor_type"):
                 continue
             for i, d in enumerate(inp.type.tensor_type.shape.dim):
-                if d.HasField("dim_value"):
+                if d.HasField("dim_value") and d.dim_value >= 0:
                     continue
                 if d.HasField("dim_param") and d.dim_param in bindings:
                     d.dim_value = int(bindings[d.dim_param])

@@ -317,8 +317,8 @@ def real_inputs(model: ir.Model) -> list[InputSpec]:
         if v.shape is not None:
             dims = []
             for d in v.shape:
-                if isinstance(d, int):
-                    dims.append(int(d))
+                if isinstance(d, int):     # -1: some converters' spelling of unknown
+                    dims.append(int(d) if d >= 0 else None)
                 else:
                     dims.append(getattr(d, "value", None))
         out.append(InputSpec(v.name, v.dtype, dims))
