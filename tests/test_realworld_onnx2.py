@@ -821,3 +821,26 @@ def test_dim_value_minus_one_is_an_unknown_dim(tmp_path):
     rep = precondition_onnx(src, str(tmp_path / "rnd.onnx"), batch=16, target_std=TARGET)
     assert "x [16, 8]" in " ".join(rep.capture_notes)
     assert rep.verification["batch"] == 1                  # ran again at another size
+
+
+def test_unregistered_custom_op_says_what_onnxruntime_needs(tmp_path):
+    """A custom-domain op onnxruntime has no kernel for: the error says so and what to do (it
+    read 'cannot load the rewritten model', as if precondfx had broken it); without calibration
+    and check the file is still rewritten, the op kept as it was."""
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1),
+             helper.make_node("MyOp", ["h"], ["y"], name="custom", domain="ai.onnx.contrib")]
+    g = helper.make_graph(nodes, "g", [_vi("x", TP.FLOAT, ["N", 8])],
+                          [_vi("y", TP.FLOAT, ["N", 16])], [_w("w1", (16, 8)), _w("b1", (16,))])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                            helper.make_opsetid("ai.onnx.contrib", 1)])
+    src = _save(m, tmp_path / "custom.onnx")
+    with pytest.raises(PrecondError, match="does not know an op.*MyOp.*registered"):
+        precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"x": _x(8, 8)})
+    assert not (tmp_path / "out.onnx").exists()
+    rep = precondition_onnx(src, str(tmp_path / "out.onnx"), batch=4, target_std=None,
+                            verify=False, balance="none")
+    p = onnx.load(str(tmp_path / "out.onnx"))
+    assert [n.op_type for n in p.graph.node][-1] == "MyOp"
+    w1 = numpy_helper.to_array(next(t for t in p.graph.initializer if t.name == "w1"))
+    assert float(np.sqrt(np.mean(w1.astype(np.float64) ** 2))) == pytest.approx(
+        rep.plan.inits["w1"].std, rel=1e-5) == pytest.approx((2 / 128 ** 0.5) ** 0.5)

@@ -50,6 +50,13 @@ def _load_error(e: BaseException) -> PrecondError:
                             f"it: convert the model to a type it runs (float32 or float16; "
                             f"bfloat16 arithmetic is mostly unsupported), or precondition the "
                             f"PyTorch model")
+    if "is not a registered function/op" in msg or "No Op registered" in msg:
+        return PrecondError(f"onnxruntime does not know an op of this model ({msg[:300]}), and "
+                            f"precondfx calibrates and checks ONNX files with it: a custom op "
+                            f"needs its kernels registered in onnxruntime (e.g. "
+                            f"onnxruntime-extensions for ai.onnx.contrib ops); or precondition "
+                            f"the model before those ops are added, or from Python: "
+                            f"precondition_onnx(..., target_std=None, verify=False)")
     return PrecondError(f"onnxruntime cannot load the rewritten model: {msg[:400]}")
 
 
