@@ -845,3 +845,22 @@ def test_unregistered_custom_op_says_what_onnxruntime_needs(tmp_path):
     assert rep.plan.inits["w1"].std == pytest.approx((2 / 128 ** 0.5) ** 0.5)   # Eq. 7
     assert float(np.sqrt(np.mean(w1.astype(np.float64) ** 2))) == pytest.approx(
         rep.plan.inits["w1"].std, rel=1e-5)
+
+
+def test_output_folder_that_cannot_be_written(tmp_path, monkeypatch, capsys):
+    """An output folder precondfx cannot write into (read-only, a full disk): a PrecondError
+    naming the folder, the CLI exit 2 with one line (it was a raw PermissionError naming the
+    temporary folder); nothing is left behind.  (Simulated: the tests may run as root.)"""
+    import tempfile
+
+    src = _save(_mlp(), tmp_path / "m.onnx")
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    with pytest.raises(PrecondError, match="cannot write into the output's folder.*Permission"):
+        precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"x": _x(8, 8)})
+    assert main(["precondition", src, "-o", str(tmp_path / "out.onnx"), "--quiet",
+                 "--batch", "4"]) == 2
+    assert str(tmp_path) in _one_error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]

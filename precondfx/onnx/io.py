@@ -169,6 +169,9 @@ def check_paths(in_path: str | os.PathLike, out_path: str | os.PathLike,
     out_dir = os.path.dirname(os.path.abspath(out_path))
     if not os.path.isdir(out_dir):
         raise FileNotFoundError(f"the output's folder does not exist: {out_dir}")
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise PrecondError(f"the output's folder {out_dir} is not writable: choose a folder "
+                           f"you can write to")
     protected = input_files(model, in_path) if model is not None else \
         [os.path.realpath(in_path)]
     for target in (out_path, data_path(out_path)):
@@ -194,7 +197,12 @@ class Staging:
     def __init__(self, out_path: str | os.PathLike) -> None:
         self.out_path = os.path.abspath(os.fspath(out_path))
         out_dir = os.path.dirname(self.out_path)
-        self.dir = tempfile.mkdtemp(prefix=".precondfx-", dir=out_dir)
+        try:
+            self.dir = tempfile.mkdtemp(prefix=".precondfx-", dir=out_dir)
+        except OSError as e:
+            raise PrecondError(f"cannot write into the output's folder {out_dir} "
+                               f"({e.strerror or type(e).__name__}): choose a folder you can "
+                               f"write to") from None
         self.path = os.path.join(self.dir, os.path.basename(self.out_path))
         self.external = False
 
