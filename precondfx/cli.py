@@ -20,6 +20,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from typing import Any, Sequence
 
 PROG = "precondfx"
@@ -83,6 +84,23 @@ def _quiet_onnxruntime() -> None:
     except ImportError:
         return
     ort.set_default_logger_severity(3)
+
+
+def _show_warnings() -> None:
+    """precondfx's own warnings (an output scale not applied, a scale beyond 1e-4..1e4) as one
+    ``precondfx: warning:`` line on stderr, without Python's file/line/source echo; other
+    libraries' warnings keep Python's format."""
+    default = warnings.showwarning
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+             line: Any = None) -> None:
+        text = str(message)
+        if text.startswith(f"{PROG}: "):
+            print(f"{PROG}: warning: {' '.join(text[len(PROG) + 2:].split())}",
+                  file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+    warnings.showwarning = show
 
 
 def _note(msg: str) -> None:
@@ -561,6 +579,15 @@ def _export_onnx(model: Any, sample: Any, path: str, quiet: bool) -> None:
 # ---------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code (0 ok, 2 usage/input error, 1 internal error)."""
+    shown = warnings.showwarning
+    _show_warnings()
+    try:
+        return _main(argv)
+    finally:
+        warnings.showwarning = shown
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(list(argv) if argv is not None else None)

@@ -864,3 +864,22 @@ def test_output_folder_that_cannot_be_written(tmp_path, monkeypatch, capsys):
                  "--batch", "4"]) == 2
     assert str(tmp_path) in _one_error_line(capsys.readouterr().err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+def test_cli_prints_precondfx_warnings_as_one_line(tmp_path, capsys):
+    """The 'no output scale after a softmax' warning on the command line is one
+    ``precondfx: warning:`` line (it was Python's warning format: precondfx's file, line and
+    source line); the probabilities stay probabilities."""
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1),
+             helper.make_node("Softmax", ["h"], ["y"], name="sm", axis=-1)]
+    m = _model(nodes, [_vi("x", TP.FLOAT, ["N", 8])], [_vi("y", TP.FLOAT, ["N", 16])],
+               [_w("w1", (16, 8)), _w("b1", (16,))])
+    src = _save(m, tmp_path / "sm.onnx")
+    out = tmp_path / "out.onnx"
+    assert main(["precondition", src, "-o", str(out), "--quiet", "--batch", "8"]) == 0
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "softmax" in ln]
+    assert len(lines) == 1 and lines[0].startswith("precondfx: warning: the main output")
+    assert ".py:" not in err
+    y = _run(out, {"x": _x(4, 8)})["y"]
+    np.testing.assert_allclose(y.sum(-1), 1.0, rtol=1e-5)
