@@ -883,3 +883,23 @@ def test_cli_prints_precondfx_warnings_as_one_line(tmp_path, capsys):
     assert ".py:" not in err
     y = _run(out, {"x": _x(4, 8)})["y"]
     np.testing.assert_allclose(y.sum(-1), 1.0, rtol=1e-5)
+
+
+def test_bias_through_a_cast_is_the_layers_bias(tmp_path):
+    """``MatMul(x, Cast(W16)) + Cast(b16)``: b is the layer's bias (zeros, as on the PyTorch
+    path); it kept its trained values before, next to a re-initialized weight."""
+    nodes = [helper.make_node("Cast", ["w1"], ["w1c"], name="c1", to=TP.FLOAT),
+             helper.make_node("Cast", ["b1"], ["b1c"], name="cb", to=TP.FLOAT),
+             helper.make_node("MatMul", ["x", "w1c"], ["h"], name="mm"),
+             helper.make_node("Add", ["h", "b1c"], ["y"], name="add")]
+    m = _model(nodes, [_vi("x", TP.FLOAT, ["N", 8])], [_vi("y", TP.FLOAT, ["N", 16])],
+               [_w("w1", (8, 16), np.float16), _w("b1", (16,), np.float16)])
+    src = _save(m, tmp_path / "cb.onnx")
+    x = _x(32, 8)
+    out = tmp_path / "out.onnx"
+    rep = precondition_onnx(src, str(out), feeds={"x": x}, target_std=TARGET)
+    assert rep.plan.inits["b1"].rule == "zeros"
+    b1 = numpy_helper.to_array(next(t for t in onnx.load(str(out)).graph.initializer
+                                    if t.name == "b1"))
+    assert b1.dtype == np.float16 and not b1.any()
+    assert _std(_run(out, {"x": x})["y"]) == pytest.approx(TARGET, rel=1e-3)

@@ -436,7 +436,8 @@ class _Builder:
 
     def captured(self) -> Captured:
         """The output node, and everything collected as a :class:`Captured`."""
-        _matmul_biases(self.nodes, self.ir_nodes, self.inits, self.params, self.add_param)
+        _matmul_biases(self.nodes, self.ir_nodes, self.inits, self.params, self.add_param,
+                       self.views)
         _packed_projections(self.nodes, self.ir_nodes, self.shape_of)
         outs: list[str] = []
         for o in self.g.outputs:
@@ -689,9 +690,10 @@ def to_graph(model: ir.Model, shapes: dict[str, tuple], symbolic: set[str],
 
 
 def _matmul_biases(nodes: list[Node], ir_nodes: dict[str, ir.Node], inits: dict,
-                   params: dict, add_param: Callable) -> None:
+                   params: dict, add_param: Callable, views: dict | None = None) -> None:
     """MatMul(x, W) (or x @ W.T, a linear without bias) followed by Add(., b) with b an
-    initializer: b is the layer's bias."""
+    initializer (or a view of one): b is the layer's bias."""
+    views = views or {}
     by_name = {n.name: n for n in nodes}
     for n in nodes:
         if n.kind not in ("matmul", "linear") or "weight" not in n.params \
@@ -705,6 +707,7 @@ def _matmul_biases(nodes: list[Node], ir_nodes: dict[str, ir.Node], inits: dict,
         if user.op_type != "Add" or user.name not in by_name:
             continue
         other = user.inputs[1 - uses[0].idx] if len(user.inputs) == 2 else None
+        other = views.get(id(other), other) if other is not None else None  # Cast(b16)...
         if other is None or other.name not in inits or other.dtype not in FLOAT_TYPES:
             continue
         add_param(other)
