@@ -903,3 +903,22 @@ def test_bias_through_a_cast_is_the_layers_bias(tmp_path):
                                     if t.name == "b1"))
     assert b1.dtype == np.float16 and not b1.any()
     assert _std(_run(out, {"x": x})["y"]) == pytest.approx(TARGET, rel=1e-3)
+
+
+def test_embedding_table_through_a_cast_is_an_embedding(tmp_path):
+    """``Gather(Cast(E16), ids)``: an embedding with unit second moment, as on the PyTorch path
+    (the lookup was a plain 'select' and the table kept its trained values)."""
+    nodes = [helper.make_node("Cast", ["emb"], ["embf"], name="ce", to=TP.FLOAT),
+             helper.make_node("Gather", ["embf", "ids"], ["e"], name="embed"),
+             helper.make_node("MatMul", ["e", "w"], ["y"], name="proj")]
+    m = _model(nodes, [_vi("ids", TP.INT64, ["N", 5])], [_vi("y", TP.FLOAT, ["N", 5, 4])],
+               [_w("emb", (30, 6), np.float16), _w("w", (6, 4))])
+    src = _save(m, tmp_path / "ce.onnx")
+    ids = np.random.default_rng(0).integers(0, 30, (64, 5))
+    out = tmp_path / "out.onnx"
+    rep = precondition_onnx(src, str(out), feeds={"ids": ids}, target_std=TARGET)
+    assert {r.name: r.kind for r in rep.nodes}["embed"] == "embedding"
+    emb = numpy_helper.to_array(next(t for t in onnx.load(str(out)).graph.initializer
+                                     if t.name == "emb")).astype(np.float64)
+    assert float(np.sqrt(np.mean(emb ** 2))) == pytest.approx(1.0, rel=2e-3)   # fp16-rounded
+    assert _std(_run(out, {"ids": ids})["y"]) == pytest.approx(TARGET, rel=1e-3)

@@ -651,10 +651,13 @@ class _Builder:
 
     def is_lookup(self, node: ir.Node, ins: list) -> bool:
         """``Gather`` of rows of a 2-D float parameter at activation or constant ids."""
+        table = ins[0] if len(ins) == 2 else None
+        shape = None if table is None else self.shape_of(table) or (
+            tuple(table.shape) if table.shape is not None else None)   # a view's: inferred
         return node.op_type == "Gather" and len(ins) == 2 and _int(node, "axis", 0) == 0 \
-            and ins[0] is not None and not self.carries(ins[0]) \
-            and self.is_param(ins[0], True) and ins[0].shape is not None \
-            and len(ins[0].shape) == 2 and ins[1] is not None \
+            and table is not None and not self.carries(table) \
+            and self.is_param(table, True) and shape is not None \
+            and len(shape) == 2 and ins[1] is not None \
             and (self.carries(ins[1]) or _constant_lookup(node, ins, self.is_param))
 
 
