@@ -243,3 +243,44 @@ def test_weight_read_outside_its_layer_is_left_out_of_balancing() -> None:
     res3, _ = precondfx.precondition(TransposedReuse(), x, balance="none")
     assert "outside its layer" in rep2.conditioning["lr_scale"]["left_out"]["p.weight"]
     torch.testing.assert_close(res2(x), res3(x), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- the eager back end
+
+
+class KeywordCalls(nn.Module):
+    """Layers called by keyword (``self.fc(input=h)``); the no_grad block sends the model to
+    the eager back end (hooks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            shift = x.mean() * 0
+        h = torch.tanh(self.a(input=x + shift))
+        h = torch.tanh(self.b(input=h))
+        return self.c(input=h)
+
+
+def test_alpha_reaches_a_layer_called_by_keyword() -> None:
+    """On the eager back end the input-scale hook read only positional arguments: a layer
+    called as ``self.b(input=h)`` ran without its alpha (balancing of this tanh network then
+    failed its function check: 'measured balancing failed').  The result must compute the
+    planned function: each layer's input times the alpha buffer it holds, the output times
+    the output scale (computed here by hand)."""
+    torch.manual_seed(0)
+    res, rep = precondfx.precondition(KeywordCalls(), _x(32, 8), balance="hessian",
+                                      balance_samples=4)
+    assert not isinstance(res, torch.fx.GraphModule)
+    alphas = {n: float(res.get_buffer(f"{n}.precondfx_in_scale")) for n in "abc"}
+    assert any(abs(a - 1) > 1e-3 for a in alphas.values())
+    x = _x(5, 8, seed=3)
+
+    def lin(n: str, h: torch.Tensor) -> torch.Tensor:
+        m = res.get_submodule(n)
+        return F.linear(h * alphas[n], m.weight, m.bias)
+    want = lin("c", torch.tanh(lin("b", torch.tanh(lin("a", x))))) * float(rep.output_scale)
+    torch.testing.assert_close(res(x), want, rtol=1e-5, atol=1e-6)
+    check(KeywordCalls(), _x(B, 8), balance="hessian", balance_samples=4)

@@ -10,6 +10,7 @@ Every change is logged so that it can be undone if a later stage fails.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -28,12 +29,30 @@ _PASS_THROUGH = ("relu", "leaky_relu", "prelu", "dropout", "avgpool", "mean", "n
                  "select", "pad", "cast")
 
 
+@functools.lru_cache(maxsize=None)
+def _first_input(cls: type) -> str | None:
+    """The name of the first argument of ``cls.forward`` after ``self`` (``input`` for
+    ``nn.Linear``): where a call by keyword (``self.fc(input=h)``) passes the input."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    if params and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                     inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        return params[0].name
+    return None
+
+
 # Hooks: module-level functions reading buffers, so that models pickle and deep-copy.
-def _scale_input_hook(module: nn.Module, args: tuple) -> tuple:
+def _scale_input_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """The module's input times its ``in_scale``, whether passed by position or by keyword."""
     s = getattr(module, PREFIX + "in_scale")
     if args and isinstance(args[0], torch.Tensor):
-        return (args[0] * s,) + tuple(args[1:])
-    return args
+        return (args[0] * s,) + tuple(args[1:]), kwargs
+    name = None if args else _first_input(type(module))
+    if name is not None and isinstance(kwargs.get(name), torch.Tensor):
+        return args, {**kwargs, name: kwargs[name] * s}
+    return args, kwargs
 
 
 def _times_first(out: Any, s: torch.Tensor) -> Any:
@@ -164,7 +183,7 @@ class EagerApplier(TorchBackend, Records):
         mod = self.model.get_submodule(path)
         self._register(mod, bname, value)
         if where == "input":
-            self._hook(mod.register_forward_pre_hook(_scale_input_hook))
+            self._hook(mod.register_forward_pre_hook(_scale_input_hook, with_kwargs=True))
         else:
             self._hook(mod.register_forward_hook(_lr_scale_hook if lr else _scale_output_hook))
         self._done_modules[key] = value
