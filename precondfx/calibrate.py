@@ -174,8 +174,20 @@ def forward(model: nn.Module, sample: Sample, mode: str = "train") -> object:
                     f"at least two samples, or calibration='eval'") from e
             raise PrecondError(
                 f"the model raised {type(e).__name__} when called with the sample (tensor shapes "
-                f"{shapes}): {e}. Check that the sample is what the model's forward expects "
-                f"(a tensor, a tuple of positional inputs or a dict of keyword inputs)") from e
+                f"{shapes}): {e}. {_device_hint(model, sample)}Check that the sample is what "
+                f"the model's forward expects (a tensor, a tuple of positional inputs or a dict "
+                f"of keyword inputs)") from e
+
+
+def _device_hint(model: nn.Module, sample: Sample) -> str:
+    """'The sample is on X, the model on Y: move it' when the devices differ ('' otherwise)."""
+    have = {t.device for t in sample.tensors()}
+    want = {p.device for p in model.parameters()}
+    if len(want) != 1 or not have or have == want:
+        return ""
+    dev = next(iter(want))
+    return (f"The sample has tensors on {sorted(str(d) for d in have)} and the model's "
+            f"parameters are on {dev}: move the sample there (x.to('{dev}')). ")
 
 
 def output_std(out: object, key: str | int | None = None) -> float:

@@ -58,12 +58,30 @@ def unwrap(model: Any) -> tuple[nn.Module, list[str]]:
     """The module to precondition (a ``torch.compile`` wrapper's original), with notes."""
     notes = []
     if not isinstance(model, nn.Module):
-        raise PrecondError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise PrecondError(f"model must be a torch.nn.Module, got {_what_to_pass(model)}")
     if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
         notes.append("model was wrapped by torch.compile: the original module was preconditioned "
                      "(compile the result again)")
         model = model._orig_mod
     return model, notes
+
+
+def _what_to_pass(obj: Any) -> str:
+    """What a non-module ``model`` argument is, and what to pass instead: an instance for a
+    module class, the module a wrapper (sklearn-style estimator, pipeline) holds."""
+    if isinstance(obj, type):
+        if issubclass(obj, nn.Module):
+            return (f"the class {obj.__name__} itself: pass an instance "
+                    f"({obj.__name__}(...))")
+        return f"the class {obj.__name__}: pass an nn.Module instance"
+    held = [k for k, v in vars(obj).items() if isinstance(v, nn.Module)] \
+        if hasattr(obj, "__dict__") else []
+    if held:
+        return (f"{type(obj).__name__}, which holds the module(s) "
+                f"{', '.join(held[:4])}: pass the module the forward runs "
+                f"(e.g. precondition(obj.{held[0]}, sample))")
+    return (f"{type(obj).__name__}: wrap the computation in an nn.Module whose parameters are "
+            f"its weights")
 
 
 def float_dtype(model: nn.Module) -> torch.dtype | None:
@@ -181,20 +199,20 @@ def restore_unused(gm: nn.Module, work: nn.Module) -> None:
 
 # -- the PyTorch-only stages -------------------------------------------------------------------
 def prepare(st: TorchState) -> None:
-    """Check the model and the sample, stop early on a model that is already preconditioned,
+    """Check the model and the sample, refuse a model that is already preconditioned,
     make the working copy (float32 for a half-precision model), run it once on the sample,
     and keep what a rollback needs (``inplace=True``)."""
     model, s, notes = prepare_sample(st.model, st.raw_sample, st.forward_kwargs)
     st.model, st.sample, st.notes = model, s, notes + st.resolved.notes()
     st.data = not meta.on_meta(model)
     if already_preconditioned(model):
-        cap, _ = capture_classify(model, s, st.opts.capture, st.opts.calibration, st.notes)
-        st.report = Report.from_graph(cap.graph)
-        st.report.capture_notes.append("the model is already preconditioned (it holds "
-                                       "precondfx_* buffers): nothing was done; pass the "
-                                       "original model to re-plan")
-        st.result, st.stop = (model if st.inplace else copy_model(model)), True
-        return
+        held = [n for n, _ in model.named_buffers() if PREFIX in n]
+        raise PrecondError(
+            f"the model is already preconditioned (it holds {len(held)} precondfx_* "
+            f"constant(s), e.g. {held[0]}): a second pass would stack new constants on the "
+            f"first ones.  Use it as it is, or precondition the original model (rebuild it, or "
+            f"keep a copy before the first call) with the options you want; "
+            f"precondfx.analyze(model, sample) shows what it holds")
     dt = float_dtype(model)
     if dt in (torch.float16, torch.bfloat16):
         if st.inplace:

@@ -284,3 +284,34 @@ def test_alpha_reaches_a_layer_called_by_keyword() -> None:
     want = lin("c", torch.tanh(lin("b", torch.tanh(lin("a", x))))) * float(rep.output_scale)
     torch.testing.assert_close(res(x), want, rtol=1e-5, atol=1e-6)
     check(KeywordCalls(), _x(B, 8), balance="hessian", balance_samples=4)
+
+
+# ---------------------------------------------------------------- bad input, said clearly
+
+
+class Estimator:
+    """An sklearn-style wrapper (fit/predict) holding the network."""
+
+    def __init__(self) -> None:
+        self.net = mlp()
+        self.lr = 0.1
+
+    def predict(self, x):
+        return self.net(x).argmax(-1)
+
+
+@pytest.mark.parametrize("model, want", [
+    (nn.Linear, r"the class Linear itself: pass an instance \(Linear\(...\)\)"),
+    (Estimator(), r"holds the module\(s\) net: pass the module the forward runs"),
+    (lambda x: x * 2, "wrap the computation in an nn.Module")])
+def test_not_a_module_says_what_to_pass(model: Any, want: str) -> None:
+    with pytest.raises(precondfx.PrecondError, match=want):
+        precondfx.precondition(model, _x(B, 8))
+
+
+def test_sample_on_another_device_says_where_to_move_it() -> None:
+    model = mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(precondfx.PrecondError, match=r"parameters are on cpu: move the sample"):
+        precondfx.precondition(model, _x(B, 8).to("meta"))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

@@ -118,13 +118,18 @@ def test_parametrized_weights_are_reported(wrap):
     assert abs(_std(pm, torch.randn(16, 8)) / 0.05 - 1) < 0.5
 
 
-def test_second_call_is_detected_and_does_nothing():
+def test_second_call_is_refused_and_changes_nothing():
+    """A second pass would stack constants on the first ones: refused (as on the ONNX path),
+    with what to do, and the preconditioned model left as it is (inplace=True too)."""
     model, x = zoo.build("strided_cnn")
     pm, _ = precondfx.precondition(model, x)
-    pm2, rep2 = precondfx.precondition(pm, x)
-    assert any("already preconditioned" in n for n in rep2.capture_notes)
-    sd1, sd2 = pm.state_dict(), pm2.state_dict()
+    sd1 = {k: v.clone() for k, v in pm.state_dict().items()}
+    for inplace in (False, True):
+        with pytest.raises(PrecondError, match="already preconditioned.*original model"):
+            precondfx.precondition(pm, x, inplace=inplace)
+    sd2 = pm.state_dict()
     assert sd1.keys() == sd2.keys() and all(torch.equal(sd1[k], sd2[k]) for k in sd1)
+    assert precondfx.analyze(pm, x).rows()   # analyze still describes it
 
 
 def test_eager_inplace_rollback_restores_hooks_and_modules():
