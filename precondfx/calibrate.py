@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import weakref
 from typing import Iterator
 
 import numpy as np
@@ -156,11 +157,39 @@ def quiet_run(model: nn.Module, mode: str = "train") -> Iterator[None]:
         yield
 
 
+#: what autograd says when a forward differentiates inside itself (``torch.autograd.grad``
+#: of its output with respect to its input: physics-informed nets, energy models) under no_grad
+_NEEDS_GRAD = ("does not require grad and does not have a grad_fn",)
+
+
+def needs_grad(e: BaseException) -> bool:
+    """Whether ``e`` is autograd's error for a forward that differentiates inside itself,
+    run under ``torch.no_grad()``."""
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _NEEDS_GRAD)
+
+
+#: model classes whose forward differentiates itself: their calibration runs keep grad on
+_DIFFERENTIATES: "weakref.WeakSet[type]" = weakref.WeakSet()
+
+
 def forward(model: nn.Module, sample: Sample, mode: str = "train") -> object:
-    """One side-effect-free forward pass (no grad), with a clear error if the model raises."""
+    """One side-effect-free forward pass (no grad; with grad for a forward that calls
+    ``torch.autograd.grad`` itself: found on its first run, whose failed attempt is undone,
+    and remembered for its class so that later runs go once), with a clear error if the
+    model raises."""
     with quiet_run(model, mode), torch.no_grad(), NoDropout():
         try:
-            return sample.call(model)
+            if type(model) not in _DIFFERENTIATES:
+                try:
+                    with preserved(model):
+                        return sample.call(model)
+                except RuntimeError as e:
+                    if not needs_grad(e):
+                        raise
+                _DIFFERENTIATES.add(type(model))
+            with torch.enable_grad():
+                # outputs not detached: a caller may look for the modules that produced them
+                return sample.call(model)
         except (PrecondError, RecursionError):  # RecursionError: see checks.guarded
             raise
         except Exception as e:  # the user's model raised: say so, keep the cause

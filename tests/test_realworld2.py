@@ -315,3 +315,40 @@ def test_sample_on_another_device_says_where_to_move_it() -> None:
     with pytest.raises(precondfx.PrecondError, match=r"parameters are on cpu: move the sample"):
         precondfx.precondition(model, _x(B, 8).to("meta"))
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+class PINN(nn.Module):
+    """A physics-informed net: returns u(x) and du/dx, by torch.autograd.grad in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                                 nn.Linear(16, 1))
+
+    def forward(self, x):
+        x = x.clone().requires_grad_(True)
+        u = self.net(x)
+        du = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
+        return u, du
+
+
+def test_forward_that_differentiates_itself() -> None:
+    """Every calibration run is under torch.no_grad(), where a forward calling
+    torch.autograd.grad raises: precondition refused the model ('element 0 of tensors does
+    not require grad').  Such runs now retry with grad on; the result computes the user's
+    function (u and du/dx) with its weights, its u has std 1, and it trains (second order)."""
+    torch.manual_seed(0)
+    x, other = _x(32, 2), _x(5, 2, seed=3)
+    res, rep = equivalent(PINN(), x, other)     # u, with only the output scale as constant
+    ref = PINN()
+    ref.load_state_dict({k: v for k, v in res.state_dict().items() if "precondfx_" not in k})
+    torch.testing.assert_close(res(other)[1], ref(other)[1] * rep.output_scale, rtol=1e-4,
+                               atol=1e-6)          # du/dx sees the scale too
+    res, rep = precondfx.precondition(PINN(), x)
+    u, du = res(x)
+    assert float(u.double().std(correction=0)) == pytest.approx(1.0, rel=0.02)
+    loss = (du[:, 0] - u[:, 0]).pow(2).mean()
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in res.parameters())
+    _, rep_h = precondfx.precondition(PINN(), x, balance="hessian", balance_samples=4)
+    assert rep_h.conditioning["hessian"]["applied"]
