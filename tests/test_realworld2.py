@@ -10,6 +10,7 @@ computation on parameter values once, at trace time, and froze it into the graph
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 import warnings
@@ -352,3 +353,48 @@ def test_forward_that_differentiates_itself() -> None:
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in res.parameters())
     _, rep_h = precondfx.precondition(PINN(), x, balance="hessian", balance_samples=4)
     assert rep_h.conditioning["hessian"]["applied"]
+
+
+@dataclasses.dataclass
+class Prediction:
+    logits: torch.Tensor
+    features: torch.Tensor
+    n: int = 0
+
+
+class DataclassOut(nn.Module):
+    """Returns a plain ``@dataclass`` (not a transformers ModelOutput)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = F.relu(self.a(x))
+        return Prediction(self.b(h), h, x.shape[0])
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_dataclass_output_is_scaled_and_kept(inplace: bool) -> None:
+    """A dataclass output was refused ('cannot find a floating-point tensor'), and the advice
+    to pass output_key= failed too ('Out' object is not subscriptable).  Its fields are the
+    outputs: the first floating one (``logits``) gets the scale, ``output_key`` names another,
+    the result returns the same dataclass, and computes the user's function with its weights
+    times the scale."""
+    torch.manual_seed(0)
+    x, other = _x(B, 8), _x(3, 8, seed=2)
+    model = DataclassOut()
+    ref = copy.deepcopy(model)
+    res, rep = precondfx.precondition(model, x, balance="none", inplace=inplace)
+    out = res(x)
+    assert type(out) is Prediction and out.n == B
+    assert float(out.logits.double().std(correction=0)) == pytest.approx(1.0, rel=0.02)
+    ref.load_state_dict({k: v for k, v in res.state_dict().items() if "precondfx_" not in k})
+    got, want = res(other), ref(other)
+    torch.testing.assert_close(got.logits, want.logits * rep.output_scale)
+    torch.testing.assert_close(got.features, want.features)
+    got.logits.pow(2).sum().backward()
+    assert all(p.grad is not None for p in res.parameters())
+    copy.deepcopy(res)
+    res2, _ = precondfx.precondition(DataclassOut(), x, output_key="features")
+    assert float(res2(x).features.double().std(correction=0)) == pytest.approx(1.0, rel=0.02)

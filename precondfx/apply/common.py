@@ -1,12 +1,14 @@
 """Pieces both PyTorch back ends use: buffer names, replacement pool modules, output paths."""
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
 import torch
 from torch import nn
 
+from precondfx.capture.common import is_dataclass_output
 from precondfx.capture.common import output_path  # noqa: F401  (the one rule, re-exported)
 from precondfx.errors import PrecondError
 from precondfx.plan import PoolChange
@@ -64,6 +66,10 @@ def scale_at_path(out: Any, path: list, scale: torch.Tensor) -> Any:
         out = list(out)
         out[k] = scale_at_path(out[k], rest, scale)
         return out
+    if is_dataclass_output(out) and not hasattr(out, "__getitem__"):
+        new_out = copy.copy(out)    # a field replaced on a copy (frozen dataclasses too)
+        object.__setattr__(new_out, k, scale_at_path(getattr(out, k), rest, scale))
+        return new_out
     # dict or transformers ModelOutput (an OrderedDict subclass whose items mirror attributes)
     new = scale_at_path(out[k], rest, scale)
     if type(out) is dict:

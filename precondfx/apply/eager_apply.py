@@ -20,6 +20,7 @@ from torch import nn
 from precondfx.apply.backend import Records
 from precondfx.apply.common import PREFIX, replacement_pool, scalar_buffer, scale_at_path
 from precondfx.apply.torch_backend import TorchBackend
+from precondfx.capture.common import child
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
 from precondfx.outputs import bounded_output, bounded_producer, skip_bounded
@@ -126,7 +127,7 @@ def internal_loss(out: Any, path: list) -> bool:
 
 def _at_path(out: Any, path: list) -> Any:
     for k in path:
-        out = out[k]
+        out = child(out, k)
     return out
 
 
@@ -379,7 +380,7 @@ class EagerApplier(TorchBackend, Records):
                 h.remove()
         try:
             target = _at_path(out, path)
-        except (KeyError, IndexError, TypeError):
+        except (KeyError, IndexError, TypeError, AttributeError):
             return None, out
         name = first.get(id(target)) if isinstance(target, torch.Tensor) else None
         if name is not None and calls.get(name, 0) == 1 and self._unique(name):
@@ -400,7 +401,7 @@ class EagerApplier(TorchBackend, Records):
             return bounded_output(nodes[-1].kind, nodes[-1].target) if nodes else None
         try:
             target = _at_path(out, path) if out is not None else None
-        except (KeyError, IndexError, TypeError):
+        except (KeyError, IndexError, TypeError, AttributeError):
             return None
         if not isinstance(target, torch.Tensor):
             return None

@@ -339,8 +339,8 @@ def output_path(out: Any, key: str | int | None = None) -> list:
     tuple, list, dict or transformers ModelOutput)."""
     if key is not None:
         try:
-            val = out[key]
-        except (KeyError, IndexError, TypeError) as e:
+            val = child(out, key)
+        except (KeyError, IndexError, TypeError, AttributeError) as e:
             raise PrecondError(f"output_key={key!r} does not select an output of the model "
                                f"({type(out).__name__}): {e}") from None
         if not isinstance(val, torch.Tensor):
@@ -364,9 +364,12 @@ def output_path(out: Any, key: str | int | None = None) -> list:
 
 
 def _items(out: Any) -> list[tuple[Any, Any]]:
-    """(key, value) of a dict, ModelOutput, tuple or list output; [] for anything else."""
+    """(key, value) of a dict, ModelOutput, tuple, list or dataclass output; [] for anything
+    else."""
     if isinstance(out, torch.Tensor):
         return []
+    if is_dataclass_output(out) and not hasattr(out, "__getitem__"):
+        return [(f.name, getattr(out, f.name)) for f in dataclasses.fields(out)]
     if isinstance(out, Mapping) or (hasattr(out, "keys") and hasattr(out, "__getitem__")):
         return [(k, out[k]) for k in out.keys()]
     if isinstance(out, (tuple, list)):
@@ -377,8 +380,20 @@ def _items(out: Any) -> list[tuple[Any, Any]]:
 def main_output(out: Any, key: str | int | None = None) -> torch.Tensor:
     """The tensor the output scale applies to (the one at :func:`output_path`)."""
     for k in output_path(out, key):
-        out = out[k]
+        out = child(out, k)
     return out
+
+
+def is_dataclass_output(out: Any) -> bool:
+    """An output that is an instance of a user's ``@dataclass`` (its fields are the outputs)."""
+    return dataclasses.is_dataclass(out) and not isinstance(out, type)
+
+
+def child(out: Any, k: Any) -> Any:
+    """``out[k]``, or field ``k`` of a dataclass output."""
+    if is_dataclass_output(out) and isinstance(k, str) and not hasattr(out, "__getitem__"):
+        return getattr(out, k)
+    return out[k]
 
 
 def module_attrs(mod: nn.Module) -> dict[str, Any]:

@@ -30,8 +30,8 @@ from torch.utils._pytree import tree_leaves
 
 from precondfx import optable
 from precondfx.calibrate import is_stochastic
-from precondfx.capture.common import (Act, Const, Param, Sample, build_node, leaves,
-                                      shape_of, target_name)
+from precondfx.capture.common import (Act, Const, Param, Sample, build_node,
+                                      is_dataclass_output, leaves, shape_of, target_name)
 from precondfx.graph import Graph, Node
 
 
@@ -393,6 +393,10 @@ def check_same(gm: fx.GraphModule, model: torch.nn.Module, sample: Sample) -> No
             return tree_flatten(sample.call(m))
 
     (a, spec_a), (b, spec_b) = once(model), once(gm)
+    dc = next((x for x in a if is_dataclass_output(x) and not hasattr(x, "__getitem__")), None)
+    if dc is not None:
+        raise Unkeepable(f"the model returns a dataclass ({type(dc).__name__}), which the traced "
+                         f"graph builds by a call whose fields it cannot scale: {_KEEP}")
     why = None
     if spec_a != spec_b or len(a) != len(b):
         why = "its output has another structure"
