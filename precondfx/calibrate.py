@@ -152,8 +152,8 @@ def quiet_run(model: nn.Module, mode: str = "train") -> Iterator[None]:
     with preserved(model):
         set_mode(model, mode)
         for m in model.modules():
-            if is_stochastic(m):
-                m.eval()
+            if is_stochastic(m):    # the module's own flag: a user block whose name says
+                m.training = False  # 'Dropout' keeps its BatchNorms' modes
         yield
 
 

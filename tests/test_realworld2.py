@@ -433,3 +433,40 @@ def test_output_scale_on_every_path_of_a_routed_forward(other: torch.Tensor, fwd
         res.train(train), ref.train(train)
         torch.testing.assert_close(res(other, **fwd), ref(other, **fwd) * rep.output_scale)
     assert float(res(_x(B, 8)).double().std(correction=0)) == pytest.approx(1.0, rel=0.02)
+
+
+class ResidualDropoutBlock(nn.Module):
+    """A user's block whose class name says 'Dropout' but that holds a Linear and a
+    BatchNorm (a name match made it an opaque dropout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l, self.bn, self.drop = nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(F.relu(self.bn(self.l(x))))
+
+
+class NamedBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.i, self.o = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.blocks = nn.Sequential(ResidualDropoutBlock(), ResidualDropoutBlock())
+
+    def forward(self, x):
+        return self.o(self.blocks(self.i(x)))
+
+
+def test_block_named_like_dropout_is_not_a_dropout() -> None:
+    """A module was taken for a dropout by its class name alone: kept as an opaque fx leaf, its
+    Linear was never re-initialized ('keep'), and calibration put the whole block in eval mode,
+    so its BatchNorm used running statistics there and the output std missed the target in
+    training.  Modules holding weights are traced through; only their own flag is set."""
+    torch.manual_seed(0)
+    x = _x(16, 8)
+    res, rep = precondfx.precondition(NamedBlocks(), x)
+    assert rep.plan.inits["blocks.0.l.weight"].rule != "keep"
+    w = res.get_parameter("blocks.1.l.weight")
+    assert float(w.double().pow(2).mean().sqrt()) == pytest.approx(
+        rep.plan.inits["blocks.1.l.weight"].std, rel=1e-3)
+    check(NamedBlocks(), x)

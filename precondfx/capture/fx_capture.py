@@ -59,7 +59,10 @@ class _Tracer(fx.Tracer):
         self._autocast = _autocast_state()
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        return is_stochastic(m) or super().is_leaf_module(m, qualname)
+        # a module holding weights is traced through even if its name says 'Dropout' or
+        # 'DropPath' (a user's block): its layers must be in the graph
+        return (is_stochastic(m) and next(m.parameters(), None) is None) or \
+            super().is_leaf_module(m, qualname)
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         f = sys._getframe(1)
