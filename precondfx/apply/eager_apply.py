@@ -331,15 +331,6 @@ class EagerApplier(TorchBackend, Records):
         if found is not None and self.train_runner is not None and \
                 self._output_module(path, self.train_runner)[0] != found:
             found = None    # another module produces it in train mode (a self.training branch)
-        root_why = None
-        if found is not None and out is not None and not internal_loss(out, path):
-            from precondfx.capture.ladder import unseen_parameters
-            unseen = unseen_parameters(self.model, self.graph)
-            if unseen:  # other paths through forward: another module may end them
-                root_why = (f"output scale on the returned value: parameters the sample's path "
-                            f"never reached ({', '.join(unseen[:3])}) show other paths through "
-                            f"forward, whose output another module than {found} may produce")
-                found = None
         bounded = self._bounded(found, out, path)
         if bounded is not None:
             skip_bounded(self, bounded)
@@ -360,7 +351,7 @@ class EagerApplier(TorchBackend, Records):
         setattr(self.model, PREFIX + "output_path", tuple(path))
         self.undo.append(("attrdel", self.model, PREFIX + "output_path"))
         self._hook(self.model.register_forward_hook(_root_output_hook))
-        self._done("output", root_why, PREFIX + "output_scale")
+        self._done("output", None, PREFIX + "output_scale")
         return PREFIX + "output_scale"
 
     def _output_module(self, path: list, run: Callable[[nn.Module], Any]
