@@ -172,6 +172,12 @@ def needs_grad(e: BaseException) -> bool:
 _DIFFERENTIATES: "weakref.WeakSet[type]" = weakref.WeakSet()
 
 
+def no_grad_for(model: nn.Module) -> contextlib.AbstractContextManager:
+    """``torch.no_grad()``, or grad on for a model whose forward differentiates itself (found
+    by :func:`forward`): the context a measuring forward of ``model`` runs in."""
+    return torch.enable_grad() if type(model) in _DIFFERENTIATES else torch.no_grad()
+
+
 def forward(model: nn.Module, sample: Sample, mode: str = "train") -> object:
     """One side-effect-free forward pass (no grad; with grad for a forward that calls
     ``torch.autograd.grad`` itself: found on its first run, whose failed attempt is undone,

@@ -353,6 +353,8 @@ def test_forward_that_differentiates_itself() -> None:
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in res.parameters())
     _, rep_h = precondfx.precondition(PINN(), x, balance="hessian", balance_samples=4)
     assert rep_h.conditioning["hessian"]["applied"]
+    res_l, _ = precondfx.precondition(PINN(), x, scheme="lsuv")   # its probes ran under no_grad
+    assert float(res_l(x)[0].double().std(correction=0)) == pytest.approx(1.0, rel=0.02)
 
 
 @dataclasses.dataclass

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from precondfx.calibrate import quiet_run
+from precondfx.calibrate import no_grad_for, quiet_run
 from precondfx.capture.common import Sample
 from precondfx.graph import Graph
 from precondfx.errors import PrecondError
@@ -47,7 +47,7 @@ class SchemeContext:
     def outputs(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Outputs of the named nodes on the calibration batch (no grad, no side effects)."""
         self.forwards += 1
-        with quiet_run(self.model, self.mode), torch.no_grad():
+        with quiet_run(self.model, self.mode), no_grad_for(self.model):
             return self.applier.probe(lambda fn: self.sample.call(fn), names)
 
     def unreplaced(self, repl: list[tuple[str, nn.Module, str]]) -> list[str]:
