@@ -64,11 +64,12 @@ def equivalent(model: nn.Module, sample: Any, other: Any | None = None, fwd: dic
         assert structure(a) == structure(b)
         torch.testing.assert_close(main(a), main(b) * scale, rtol=1e-4, atol=1e-5)
         if train:
-            ga = torch.autograd.grad(main(a).pow(2).sum(), list(a_m.parameters()),
-                                     allow_unused=True)
-            gb = torch.autograd.grad((main(b) * scale).pow(2).sum(), list(b_m.parameters()),
-                                     allow_unused=True)
-            for (k, _), x, y in zip(a_m.named_parameters(), ga, gb):
+            names = [k for k, p in b_m.named_parameters() if p.requires_grad]   # by name
+            ga = torch.autograd.grad(main(a).pow(2).sum(),
+                                     [a_m.get_parameter(k) for k in names], allow_unused=True)
+            gb = torch.autograd.grad((main(b) * scale).pow(2).sum(),
+                                     [b_m.get_parameter(k) for k in names], allow_unused=True)
+            for k, x, y in zip(names, ga, gb):
                 assert (x is None) == (y is None), k
                 if x is not None:
                     torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6, msg=k)
@@ -437,3 +438,179 @@ def test_block_named_like_dropout_is_not_a_dropout() -> None:
     assert float(w.double().pow(2).mean().sqrt()) == pytest.approx(
         rep.plan.inits["blocks.1.l.weight"].std, rel=1e-3)
     check(NamedBlocks(), x)
+
+
+# ---------------------------------------------------------------- more constructs that work
+
+
+class SegNet(nn.Module):
+    """MaxPool2d(return_indices=True) feeding MaxUnpool2d."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.pool, self.unpool = nn.MaxPool2d(2, return_indices=True), nn.MaxUnpool2d(2)
+        self.c3 = nn.Conv2d(8, 2, 3, padding=1)
+
+    def forward(self, x):
+        h = F.relu(self.c1(x))
+        p, idx = self.pool(h)
+        return self.c3(self.unpool(F.relu(self.c2(p)), idx, output_size=h.shape))
+
+
+class UNet(nn.Module):
+    """Encoder output pooled and also concatenated back as a skip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e1, self.e2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 16, 3, padding=1)
+        self.pool, self.up = nn.MaxPool2d(2), nn.ConvTranspose2d(16, 8, 2, stride=2)
+        self.d1, self.o = nn.Conv2d(16, 8, 3, padding=1), nn.Conv2d(8, 2, 1)
+
+    def forward(self, x):
+        x1 = F.relu(self.e1(x))
+        x2 = F.relu(self.e2(self.pool(x1)))
+        return self.o(F.relu(self.d1(torch.cat([self.up(x2), x1], 1))))
+
+
+class MoE(nn.Module):
+    """Top-2 routing with index_add_, returning (logits, load-balancing loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router, self.head = nn.Linear(8, 4), nn.Linear(8, 3)
+        self.experts = nn.ModuleList([mlp(8, 8) for _ in range(4)])
+
+    def forward(self, x):
+        logits = self.router(x)
+        w, idx = logits.softmax(-1).topk(2, -1)
+        out = torch.zeros_like(x)
+        for e, ex in enumerate(self.experts):
+            rows, slot = (idx == e).nonzero(as_tuple=True)
+            if rows.numel():
+                out.index_add_(0, rows, ex(x[rows]) * w[rows, slot, None])
+        return self.head(out), logits.softmax(-1).mean(0).pow(2).sum()
+
+
+class SwiGLU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(8, 32, bias=False), nn.Linear(8, 32, bias=False)
+        self.w2, self.glu, self.h = nn.Linear(32, 8, bias=False), nn.Linear(8, 16), nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = x + self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.h(F.glu(self.glu(x), dim=-1))
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out).requires_grad_(False)
+        self.A = nn.Parameter(torch.randn(2, d_in) * 0.01)
+        self.B = nn.Parameter(torch.zeros(d_out, 2))
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.A.t() @ self.B.t()) * 2.0
+
+
+class RelPosAttention(nn.Module):
+    """Swin-style relative position bias: a table indexed by an integer buffer."""
+
+    def __init__(self, t: int = 5, d: int = 16, h: int = 2) -> None:
+        super().__init__()
+        self.h, self.qkv, self.o, self.head = h, nn.Linear(d, 3 * d), nn.Linear(d, d), nn.Linear(d, 3)
+        self.table = nn.Parameter(torch.randn(2 * t - 1, h) * 0.02)
+        self.register_buffer("rel", torch.arange(t)[:, None] - torch.arange(t)[None, :] + t - 1)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+        bias = self.table[self.rel.view(-1)].view(t, t, self.h).permute(2, 0, 1)
+        a = (q @ k.transpose(-1, -2) / math.sqrt(d // self.h) + bias).softmax(-1)
+        return self.head(self.o((a @ v).transpose(1, 2).reshape(b, t, d)).mean(1))
+
+
+class WSConv(nn.Conv2d):
+    """Weight-standardized convolution (BiT/NFNet): standardizes self.weight in forward."""
+
+    def forward(self, x):
+        w = self.weight
+        w = (w - w.mean((1, 2, 3), keepdim=True)) / (w.var((1, 2, 3), keepdim=True) + 1e-5).sqrt()
+        return F.conv2d(x, w, self.bias, self.stride, self.padding)
+
+
+class WSNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.gn = WSConv(3, 8, 3, padding=1), nn.GroupNorm(2, 8)
+        self.c2, self.h = WSConv(8, 8, 3, padding=1), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.h(F.relu(self.c2(F.relu(self.gn(self.c1(x))))).mean((2, 3)))
+
+
+class Diffusion(nn.Module):
+    """A timestep embedding (sinusoidal, from integer timesteps) added to conv features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temb = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 8))
+        self.c1, self.gn, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8), \
+            nn.Conv2d(8, 3, 3, padding=1)
+
+    def forward(self, x, t):
+        freqs = torch.exp(-math.log(10000) * torch.arange(8, dtype=torch.float32) / 8)
+        arg = t.float()[:, None] * freqs[None]
+        emb = torch.cat([arg.sin(), arg.cos()], -1)
+        return self.c2(F.silu(self.gn(self.c1(x))) + self.temb(emb)[:, :, None, None])
+
+
+class NoGradStats(nn.Module):
+    """A @torch.no_grad() helper method inside forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    @torch.no_grad()
+    def stats(self, h):
+        return h.mean(0, keepdim=True), h.std(0, keepdim=True) + 1e-5
+
+    def forward(self, x):
+        h = self.a(x)
+        m, s = self.stats(h)
+        return self.b(F.relu((h - m) / s))
+
+
+class MySequential(nn.Sequential):
+    def forward(self, x):
+        return super().forward(x.flatten(1))
+
+
+MORE: dict[str, Callable[[], dict]] = {
+    "segnet_unpool": lambda: dict(model=SegNet(), sample=_x(B, 3, 8, 8),
+                                  other=_x(3, 3, 12, 12, seed=5)),
+    "unet_pool_and_skip": lambda: dict(model=UNet(), sample=_x(B, 3, 8, 8),
+                                       other=_x(3, 3, 12, 12, seed=4)),
+    "moe_top2_index_add": lambda: dict(model=MoE(), sample=_x(16, 8), other=_x(5, 8, seed=3)),
+    "swiglu_glu": lambda: dict(model=SwiGLU(), sample=_x(B, 8)),
+    "lora_frozen_base": lambda: dict(model=nn.Sequential(LoRALinear(8, 16), nn.ReLU(),
+                                                         LoRALinear(16, 4)), sample=_x(B, 8)),
+    "relative_position_bias": lambda: dict(model=RelPosAttention(), sample=_x(B, 5, 16)),
+    "weight_standardized_conv": lambda: dict(model=WSNet(), sample=_x(B, 3, 6, 6)),
+    "diffusion_timesteps": lambda: dict(model=Diffusion(), sample=(
+        _x(B, 3, 8, 8), _ids(B, hi=1000))),
+    "no_grad_helper_method": lambda: dict(model=NoGradStats(), sample=_x(B, 8)),
+    "sequential_super_forward": lambda: dict(model=MySequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), sample=_x(B, 2, 4)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MORE))
+def test_more_models_keep_the_contract(name: str) -> None:
+    torch.manual_seed(0)
+    case = MORE[name]()
+    check(case["model"], case["sample"])
+    case = MORE[name]()
+    equivalent(case["model"], case["sample"], case.get("other"))
