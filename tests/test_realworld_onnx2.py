@@ -922,3 +922,29 @@ def test_embedding_table_through_a_cast_is_an_embedding(tmp_path):
                                      if t.name == "emb")).astype(np.float64)
     assert float(np.sqrt(np.mean(emb ** 2))) == pytest.approx(1.0, rel=2e-3)   # fp16-rounded
     assert _std(_run(out, {"ids": ids})["y"]) == pytest.approx(TARGET, rel=1e-3)
+
+
+def test_recurrent_weights_through_a_cast(tmp_path):
+    """``LSTM(x, Cast(W16), Cast(R16))``: the fp16 initializers are the layer's weights, R
+    orthogonal per gate (a weight view made the capture crash on the view's unknown shape)."""
+    h = 6
+    nodes = [helper.make_node("Cast", ["W16"], ["W"], name="cw", to=TP.FLOAT),
+             helper.make_node("Cast", ["R16"], ["R"], name="cr", to=TP.FLOAT),
+             helper.make_node("LSTM", ["x", "W", "R"], ["ys", "yh"], name="lstm", hidden_size=h),
+             helper.make_node("Squeeze", ["yh", "axes"], ["hl"], name="sq"),
+             helper.make_node("Gemm", ["hl", "wo"], ["y"], name="head", transB=1)]
+    m = _model(nodes, [_vi("x", TP.FLOAT, ["T", "N", 5])], [_vi("y", TP.FLOAT, ["N", 3])],
+               [_w("W16", (1, 4 * h, 5), np.float16), _w("R16", (1, 4 * h, h), np.float16),
+                numpy_helper.from_array(np.array([0], np.int64), "axes"), _w("wo", (3, h))])
+    src = _save(m, tmp_path / "lstm16.onnx")
+    x = _x(4, 16, 5)
+    out = tmp_path / "out.onnx"
+    rep = precondition_onnx(src, str(out), feeds={"x": x}, target_std=TARGET)
+    assert rep.plan.inits["R16"].rule == "orthogonal"
+    assert rep.plan.inits["W16"].std == pytest.approx((2 / (5 * h) ** 0.5) ** 0.5)
+    r = numpy_helper.to_array(next(t for t in onnx.load(str(out)).graph.initializer
+                                   if t.name == "R16"))[0].astype(np.float64)
+    for k in range(4):
+        q = r[k * h:(k + 1) * h]
+        np.testing.assert_allclose(q.T @ q, np.eye(h), atol=5e-3)    # fp16-rounded
+    assert _std(_run(out, {"x": x})["y"]) == pytest.approx(TARGET, rel=1e-3)

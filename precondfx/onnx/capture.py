@@ -637,11 +637,14 @@ class _Builder:
         for slot, role in ((1, "weight_ih_l0"), (2, "weight_hh_l0"), (3, "bias_l0")):
             v = ins[slot] if len(ins) > slot else None
             if v is not None and self.is_param(v, True):
-                shp = tuple(int(x) for x in v.shape)
+                src = self.views.get(id(v), v)           # a Cast of fp16 weights...
+                shp = self.shape_of(v) if src is not v else None
+                shp = shp or tuple(int(x) for x in (src.shape if src.shape is not None
+                                                    else src.const_value.shape))
                 # one direction: present the torch layout (gates*H, in) to the planner
                 logical = shp[1:] if len(shp) == 3 and shp[0] == 1 else shp
-                self.add_param(v, logical)
-                c.post_params[role] = v.name             # type: ignore[index]
+                self.add_param(src, logical)
+                c.post_params[role] = src.name           # type: ignore[index]
         for v in ins[4:]:
             if self.carries(v):
                 c.args.append(self.marker(v))
