@@ -37,7 +37,7 @@ from precondfx.errors import PrecondError
 from precondfx.plan import Plan
 
 __all__ = ["CONSTANTS", "RNGS", "calibrate", "counter_normal", "is_sharded", "record_constants",
-           "reinit", "restore_constants", "shard_units"]
+           "reinit", "restore_constants", "settle_checkpoints", "shard_units"]
 
 
 # -- sharding units ---------------------------------------------------------------------------
@@ -95,18 +95,29 @@ def reinit(model: nn.Module, plan: Plan, seed: int, rng: str = "stream") -> list
 
 
 
-def settle_checkpoints(model: nn.Module, run: Any) -> None:
-    """A model planned on the meta device, now holding data: check by running where a tied
-    weight's factor can go (``folding.confirm_upstream``), then set up a transformers model's
-    checkpoint folding with that knowledge (``hf_checkpoints.prepare``)."""
+def settle_checkpoints(model: nn.Module, sample: Any, *,
+                       forward_kwargs: dict | None = None) -> bool:
+    """For a model planned on the meta device, once it holds data (``to_empty``,
+    ``reinit``): check by running on ``sample`` where a tied weight's factor can go
+    (``folding.confirm_upstream``), then set up a transformers model's checkpoint folding with
+    that knowledge (``hf_checkpoints.prepare``).  :func:`calibrate` does it; call it yourself
+    when the model has no output scale (``target_std=None``).  Returns whether there was
+    anything to settle."""
+    from precondfx import calibrate as cal
+    s = make_sample(sample, forward_kwargs)
+    return _settle(model, lambda m: cal.forward(m, s, "eval"))
+
+
+def _settle(model: nn.Module, run: Any) -> bool:
     from precondfx.folding import confirm_upstream, recipe_of
     from precondfx.integrations import hf_checkpoints
     rec = recipe_of(model)
     if rec is None or not rec.pending:
-        return
+        return False
     confirm_upstream(model, run)
     if hf_checkpoints.is_transformers_model(model):
         hf_checkpoints.prepare(model)
+    return True
 
 
 # -- distributed calibration ------------------------------------------------------------------
@@ -181,6 +192,6 @@ def calibrate(model: nn.Module, sample: Any, target_std: float | None = None, *,
     if isinstance(rec, dict):
         rec[buf_name] = scale
     after, local = _global_std(main_output(cal.forward(model, s, mode), output_key), group)
-    settle_checkpoints(model, lambda m: cal.forward(m, s, "eval"))
+    _settle(model, lambda m: cal.forward(m, s, "eval"))
     return {"std_before": before / current, "scale": scale, "std_after": after,
             "target_std": target_std, "local_std_after": local}

@@ -99,6 +99,32 @@ def test_meta_model_saved_before_calibration_warns() -> None:
 
 
 @needs_hf
+def test_meta_model_without_output_scale_settles_its_checkpoints() -> None:
+    """target_std=None: no calibration, so settle_checkpoints checks the tied head's upstream
+    on a batch; the folded checkpoint then reloads with the same logits."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    real = BUILD["llama"]()
+    kw = {**KW, "target_std": None}
+    ref, _ = precondfx.precondition(real, _ids(), **kw)
+    with torch.device("meta"):
+        mm = BUILD["llama"]()
+    pm, rep = precondfx.precondition(mm, _ids(), **kw)
+    pm.to_empty(device="cpu")
+    _user_init(pm, real, rep.plan)
+    precondfx.reinit(pm, rep.plan, seed=1)
+    assert precondfx.distributed.settle_checkpoints(pm, _ids(), forward_kwargs={
+        "use_cache": False})
+    assert pm.config.precondfx["checkpoints"] == "folded"
+    a = _logits(pm)
+    assert torch.allclose(a, _logits(ref), rtol=1e-5, atol=1e-6)
+    with tempfile.TemporaryDirectory() as d:
+        pm.save_pretrained(d)
+        back = AutoModelForCausalLM.from_pretrained(d)
+    assert float((_logits(back) - a).abs().max()) < 1e-5
+
+
+@needs_hf
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_bf16_meta_model_equals_bf16_real_model(name: str) -> None:
     """A bf16 model planned on meta and calibrated after to_empty holds the same weights and

@@ -75,7 +75,8 @@ def _warn_pending(module: nn.Module, state_dict: dict, prefix: str, meta: Any) -
             "precondfx.distributed.calibrate(model, batch) has not run on it since it got its "
             "data: its state_dict keeps the constants as precondfx_* entries, which "
             "from_pretrained drops. Calibrate first (it also checks where tied weights' "
-            "factors fold), then save", UserWarning, stacklevel=2)
+            "factors fold; without an output scale: precondfx.distributed.settle_checkpoints("
+            "model, batch)), then save", UserWarning, stacklevel=2)
 
 
 def _warn_raw(module: nn.Module, state_dict: dict, prefix: str, meta: Any) -> None:
