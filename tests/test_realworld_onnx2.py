@@ -948,3 +948,22 @@ def test_recurrent_weights_through_a_cast(tmp_path):
         q = r[k * h:(k + 1) * h]
         np.testing.assert_allclose(q.T @ q, np.eye(h), atol=5e-3)    # fp16-rounded
     assert _std(_run(out, {"x": x})["y"]) == pytest.approx(TARGET, rel=1e-3)
+
+
+def test_large_weight_read_only_through_an_identity(tmp_path):
+    """A weight over 1 KB read only through an ``Identity`` (the legacy exporter's
+    deduplication): the capture gives the layer its own copy, the original is left unused,
+    and onnxruntime (which drops unused initializers) refused the calibration session that
+    handed it over ('Failed to find existing initializer')."""
+    nodes = [helper.make_node("Identity", ["w"], ["w_copy"], name="dedup"),
+             helper.make_node("Gemm", ["x", "w_copy"], ["h"], name="fc1", transB=1),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("Gemm", ["r", "w2"], ["y"], name="fc2", transB=1)]
+    m = _model(nodes, [_vi("x", TP.FLOAT, ["N", 32])], [_vi("y", TP.FLOAT, ["N", 4])],
+               [_w("w", (32, 32)), _w("w2", (4, 32))])
+    src = _save(m, tmp_path / "dedup.onnx")
+    x = _x(32, 32)
+    out = tmp_path / "out.onnx"
+    rep = precondition_onnx(src, str(out), feeds={"x": x}, target_std=TARGET, balance="none")
+    assert rep.plan.inits["w_copy"].std == pytest.approx((2 / 32) ** 0.5)
+    assert _std(_run(out, {"x": x})["y"]) == pytest.approx(TARGET, rel=1e-4)

@@ -111,6 +111,8 @@ def session_for_model(model: ir.Model) -> "object":
                 external = isinstance(t, ir.ExternalTensor)
                 if t is None or (t.nbytes <= 1024 and not external):
                     continue
+                if not list(v.uses()) and not v.is_graph_output():
+                    continue    # onnxruntime drops unused initializers: nothing to hand over
                 arr = t.numpy()
                 if arr.dtype not in _ORT_DTYPES:   # e.g. bfloat16: goes in the proto
                     if external:
