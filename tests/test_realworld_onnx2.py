@@ -967,3 +967,31 @@ def test_large_weight_read_only_through_an_identity(tmp_path):
     rep = precondition_onnx(src, str(out), feeds={"x": x}, target_std=TARGET, balance="none")
     assert rep.plan.inits["w_copy"].std == pytest.approx((2 / 32) ** 0.5)
     assert _std(_run(out, {"x": x})["y"]) == pytest.approx(TARGET, rel=1e-4)
+
+
+def test_external_data_holding_a_reshape_shape(tmp_path):
+    """Every tensor external (``size_threshold=0``), a Reshape's target shape included:
+    onnxruntime reads a Reshape's shape when it loads the model and cannot from external data,
+    so calibration failed ('Cannot parse data from external tensors'); small tensors now go to
+    onnxruntime inline (the saved file keeps them inline too, so it loads where the input did
+    not).  The function is the input's (checked on an inline copy) up to the output scale."""
+    nodes = [helper.make_node("Reshape", ["wflat", "shp"], ["w1"], name="rs"),
+             helper.make_node("Conv", ["x", "w1"], ["c"], name="conv1", kernel_shape=[3, 3]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("ReduceMean", ["r"], ["y"], name="mean", axes=[2, 3], keepdims=0)]
+    inits = [_w("wflat", (16 * 27,)),
+             numpy_helper.from_array(np.array([16, 3, 3, 3], np.int64), "shp")]
+    m = _model(nodes, [_vi("x", TP.FLOAT, ["N", 3, 8, 8])], [_vi("y", TP.FLOAT, ["N", 16])],
+               inits)
+    (tmp_path / "ext").mkdir()
+    src = _save(m, tmp_path / "ext" / "m.onnx", save_as_external_data=True, location="m.bin",
+                size_threshold=0)
+    inline = _save(onnx.load(src), tmp_path / "inline.onnx")      # reference for the function
+    x = _x(16, 3, 8, 8)
+    out = tmp_path / "out.onnx"
+    rep = precondition_onnx(src, str(out), feeds={"x": x}, reinit_weights=False,
+                            target_std=TARGET)
+    np.testing.assert_allclose(_run(out, {"x": x})["y"],
+                               _run(inline, {"x": x})["y"] * rep.output_scale, rtol=1e-5,
+                               atol=1e-6)
+    assert _std(_run(out, {"x": x})["y"]) == pytest.approx(TARGET, rel=1e-4)

@@ -108,13 +108,17 @@ def session_for_model(model: ir.Model) -> "object":
         try:
             for v in list(g.initializers.values()):
                 t = v.const_value
-                external = isinstance(t, ir.ExternalTensor)
-                if t is None or (t.nbytes <= 1024 and not external):
+                if t is None:
                     continue
-                if not list(v.uses()) and not v.is_graph_output():
-                    continue    # onnxruntime drops unused initializers: nothing to hand over
+                external = isinstance(t, ir.ExternalTensor)
+                used = bool(list(v.uses())) or v.is_graph_output()
+                if not external and (t.nbytes <= 1024 or not used):
+                    continue
                 arr = t.numpy()
-                if arr.dtype not in _ORT_DTYPES:   # e.g. bfloat16: goes in the proto
+                # into the proto: small tensors (shape inference reads the data of a Reshape's
+                # shape, also when the file keeps it external), unused ones (onnxruntime drops
+                # them, then refuses to replace them), types numpy cannot hand over (bfloat16)
+                if t.nbytes <= 1024 or not used or arr.dtype not in _ORT_DTYPES:
                     if external:
                         swapped.append((v, t))
                         v.const_value = ir.tensor(arr, dtype=t.dtype, name=v.name)
