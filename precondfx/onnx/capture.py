@@ -81,6 +81,7 @@ def call_stripped(model: ir.Model, fn: Callable[[onnx.ModelProto], Any]) -> Any:
     saved = list(g.initializers.values())
     n_inputs = len(g.inputs)
     removed = []
+    inlined = []
     try:
         for v in saved:
             t = v.const_value
@@ -90,6 +91,12 @@ def call_stripped(model: ir.Model, fn: Callable[[onnx.ModelProto], Any]) -> Any:
                 v.shape = ir.Shape(t.shape)
             if v.dtype is None:
                 v.dtype = t.dtype
+            if isinstance(t, ir.ExternalTensor) and t.nbytes <= _BIG:
+                # a small tensor the file keeps external (a Reshape's shape): inference reads
+                # its data, which it cannot from external data
+                inlined.append((v, t))
+                v.const_value = ir.tensor(t.numpy(), dtype=t.dtype, name=v.name)
+                continue
             if t.nbytes > _BIG:
                 if v not in g.inputs:
                     g.inputs.append(v)
@@ -98,6 +105,8 @@ def call_stripped(model: ir.Model, fn: Callable[[onnx.ModelProto], Any]) -> Any:
                 v.const_value = None
         proto = ir.serde.serialize_model(model)
     finally:
+        for v, t in inlined:
+            v.const_value = t
         for v, t in removed:
             v.const_value = t
             g.register_initializer(v)
