@@ -209,20 +209,30 @@ def forward(model: nn.Module, sample: Sample, mode: str = "train") -> object:
                     f"at least two samples, or calibration='eval'") from e
             raise PrecondError(
                 f"the model raised {type(e).__name__} when called with the sample (tensor shapes "
-                f"{shapes}): {e}. {_device_hint(model, sample)}Check that the sample is what "
+                f"{shapes}): {e}. {_input_hint(model, sample, e)}Check that the sample is what "
                 f"the model's forward expects (a tensor, a tuple of positional inputs or a dict "
                 f"of keyword inputs)") from e
 
 
-def _device_hint(model: nn.Module, sample: Sample) -> str:
-    """'The sample is on X, the model on Y: move it' when the devices differ ('' otherwise)."""
+def _input_hint(model: nn.Module, sample: Sample, e: BaseException) -> str:
+    """'The sample is on X, the model on Y: move it' when the devices differ; 'convert it'
+    when the model raised about a type, computes in floating point and the sample holds only
+    integer or bool tensors (uint8 images); '' otherwise."""
     have = {t.device for t in sample.tensors()}
     want = {p.device for p in model.parameters()}
-    if len(want) != 1 or not have or have == want:
-        return ""
-    dev = next(iter(want))
-    return (f"The sample has tensors on {sorted(str(d) for d in have)} and the model's "
-            f"parameters are on {dev}: move the sample there (x.to('{dev}')). ")
+    if len(want) == 1 and have and have != want:
+        dev = next(iter(want))
+        return (f"The sample has tensors on {sorted(str(d) for d in have)} and the model's "
+                f"parameters are on {dev}: move the sample there (x.to('{dev}')). ")
+    dts = {t.dtype for t in sample.tensors()}
+    pdt = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if dts and len(pdt) == 1 and "type" in str(e).lower() and \
+            not any(d.is_floating_point or d.is_complex for d in dts):
+        names = sorted(str(d).replace("torch.", "") for d in dts)
+        return (f"The sample holds only {'/'.join(names)} tensors and the model computes in "
+                f"{str(next(iter(pdt))).replace('torch.', '')}: if they are data rather than "
+                f"ids, convert them (x.float(); uint8 images: x.float() / 255). ")
+    return ""
 
 
 def output_std(out: object, key: str | int | None = None) -> float:

@@ -311,6 +311,19 @@ def test_not_a_module_says_what_to_pass(model: Any, want: str) -> None:
         precondfx.precondition(model, _x(B, 8))
 
 
+def test_uint8_images_say_to_convert_them() -> None:
+    """A uint8 image batch for a float conv net: the error says to convert it (and an
+    out-of-range id batch for an embedding does not get that advice)."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2))
+    x = (_x(B, 3, 6, 6).abs() * 50).to(torch.uint8)
+    with pytest.raises(precondfx.PrecondError, match=r"uint8 images: x.float\(\) / 255"):
+        precondfx.precondition(model, x)
+    emb = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 2))
+    with pytest.raises(precondfx.PrecondError, match="index out of range") as info:
+        precondfx.precondition(emb, _ids(B, 3, hi=20))
+    assert "x.float()" not in str(info.value)
+
+
 def test_sample_on_another_device_says_where_to_move_it() -> None:
     model = mlp()
     before = {k: v.clone() for k, v in model.state_dict().items()}
