@@ -255,7 +255,10 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
     before, before_se = _estimates(per, weights)
     early = _stop_note(per, n_fit, clear, before, before_se, rtol, threshold)
     n_fit = min(n_fit, len(per))
-    _check_positive(before, stat)
+    before, before_se = _drop_unreached(before, before_se, left, stat)
+    if len(before) < 2:
+        return _finish({"note": f"{len(before)} of {n_layers} weighted layers with a nonzero "
+                                f"{stat} statistic: nothing to balance"}, n_layers, left)
     base = {"statistic": STATISTICS[stat], "samples": n_fit, "cotangents": n_cotangents,
             "batch": b, "before": before, "stderr_before": before_se,
             "spread_before": spread_of(before),
@@ -300,12 +303,18 @@ def _stop_note(per: np.ndarray, n_fit: int, clear: Callable[[np.ndarray], bool],
             f"{threshold:g}x apart; ")
 
 
-def _check_positive(before: dict[str, float], stat: str) -> None:
+def _drop_unreached(before: dict[str, float], se: dict[str, float], left: dict[str, str],
+                    stat: str) -> tuple[dict[str, float], dict[str, float]]:
+    """The statistics without the weights whose statistic is zero or not finite (the main
+    output does not depend on them on the balancing samples: another head, a branch the
+    samples did not take), each recorded in ``left`` with why; the others are balanced."""
     bad = [w for w, v in before.items() if not (v > 0 and math.isfinite(v))]
-    if bad:
-        raise PrecondError(f"the {stat} statistic of {bad[:3]} is zero or not finite (the output "
-                           f"does not depend on these weights on the calibration batch); use "
-                           f"balance='analytic'")
+    for w in bad:
+        left[w] = (f"its {stat} statistic is {before[w]:.3g} on the balancing samples: the "
+                   f"main output does not depend on it there (another head, a branch not "
+                   f"taken, a statistic over the batch): left as planned")
+    return ({w: v for w, v in before.items() if w not in bad},
+            {w: v for w, v in se.items() if w not in bad})
 
 
 def _rescale_checked(model: nn.Module, fit: Sample, one: Sample, ok: dict[str, list[str]],

@@ -627,3 +627,33 @@ def test_more_models_keep_the_contract(name: str) -> None:
     check(case["model"], case["sample"])
     case = MORE[name]()
     equivalent(case["model"], case["sample"], case.get("other"))
+
+
+class TwoHeads(nn.Module):
+    """A classifier head (the main output) and an auxiliary regression head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16))
+        self.cls, self.reg = nn.Linear(16, 5), nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return self.cls(h), self.reg(h).squeeze(-1)
+
+
+def test_balancing_leaves_out_a_head_off_the_main_output() -> None:
+    """A weight the main output does not depend on (an auxiliary head) has a zero statistic:
+    measured balancing raised for balance='hessian' ('the hessian statistic of ['reg.weight']
+    is zero') and gave up on every layer for 'auto'.  That weight is left out, with why, and
+    the others are balanced without changing the function."""
+    torch.manual_seed(0)
+    x = _x(32, 8)
+    res, rep = precondfx.precondition(TwoHeads(), x, balance="hessian", balance_samples=4)
+    h = rep.conditioning["hessian"]
+    assert h["applied"] and "does not depend on it" in h["left_out"]["reg.weight"]
+    assert set(h["factors"]) == {"trunk.0.weight", "trunk.2.weight", "cls.weight"}
+    ref, _ = precondfx.precondition(TwoHeads(), x, balance="none")
+    for a, b in zip(res(x), ref(x)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    check(TwoHeads(), _x(B, 8), balance="hessian", balance_samples=4)
