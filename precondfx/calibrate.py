@@ -238,6 +238,13 @@ def _input_hint(model: nn.Module, sample: Sample, e: BaseException) -> str:
 def output_std(out: object, key: str | int | None = None) -> float:
     """Population std (correction 0) over all elements of the main output, in float64."""
     t = main_output(out, key).detach()
+    check_calibratable(t)
+    return float(t.to(torch.float64).std(correction=0))
+
+
+def check_calibratable(t: torch.Tensor) -> None:
+    """Refuse a main output whose std cannot be calibrated (a single number, fewer than two
+    elements); shapes only, so it also runs on the meta device, before materializing."""
     if t.numel() == 1 and t.dim() == 0:
         raise PrecondError("the model returns a single number (a loss?), which has no std to "
                            "calibrate: the output scale acts on the model's predictions. Return "
@@ -246,7 +253,6 @@ def output_std(out: object, key: str | int | None = None) -> float:
     if t.numel() < 2:
         raise PrecondError(f"the main output has {t.numel()} element(s): its std is undefined; "
                            f"use a calibration batch with more samples or pass target_std=None")
-    return float(t.to(torch.float64).std(correction=0))
 
 
 def check_finite_sample(sample: Sample) -> None:

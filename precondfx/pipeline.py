@@ -25,7 +25,7 @@ from precondfx.apply.eager_apply import EagerApplier
 from precondfx.apply.fx_apply import FxApplier
 from precondfx.balance import balance_measured, held_out, record_factors
 from precondfx.capture import meta
-from precondfx.capture.common import Sample, make_sample
+from precondfx.capture.common import Sample, main_output, make_sample
 from precondfx.capture.ladder import Captured, capture
 from precondfx.checks import check_copy, check_model
 from precondfx.classify import classify
@@ -231,6 +231,8 @@ def prepare(st: TorchState) -> None:
         out0 = run_on(st.work, s, st.opts.calibration)
     st.main_path = output_path(out0, st.opts.output_key) if st.opts.target_std is not None \
         else []
+    if st.opts.target_std is not None and not st.data:   # on data, calibration checks it
+        cal.check_calibratable(main_output(out0, st.opts.output_key))
     st.input_tensors = list(s.tensors())
     if st.inplace:
         snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -143,3 +143,27 @@ def test_meta_device_mismatch_says_what_to_do() -> None:
     with pytest.raises(precondfx.PrecondError, match=r"mixes a meta tensor.*cpu.*"
                                                      r"torch\.device\('meta'\)"):
         precondfx.precondition(m, _x(3, 8), balance="analytic")
+
+
+class LossOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.lin(x), y)
+
+
+def test_meta_model_returning_a_loss_is_refused_as_with_data() -> None:
+    """The check the calibration makes with data (a single number has no std) is made on the
+    meta device from the output's shape, before anything is materialized."""
+    sample = (_x(6, 8), torch.randint(0, 4, (6,)))
+    with pytest.raises(precondfx.PrecondError, match="single number") as real:
+        precondfx.precondition(LossOnly(), sample, balance="analytic")
+    with torch.device("meta"):
+        m = LossOnly()
+    with pytest.raises(precondfx.PrecondError, match="single number") as fake:
+        precondfx.precondition(m, sample, balance="analytic")
+    assert str(fake.value) == str(real.value)
+    _, rep = precondfx.precondition(m, sample, balance="analytic", target_std=None)
+    assert rep.plan.scale("output") is None
