@@ -571,7 +571,15 @@ def _export_onnx(model: Any, sample: Any, path: str, quiet: bool) -> None:
             torch.onnx.export(model, args, path, kwargs=kwargs, dynamo=True,
                               dynamic_shapes=dyn)
         except Exception:
-            torch.onnx.export(model, args, path, kwargs=kwargs, dynamo=True)
+            try:
+                torch.onnx.export(model, args, path, kwargs=kwargs, dynamo=True)
+            except Exception as e:     # the model's forward, not precondfx: exit 2
+                import re
+                text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))      # the exporter's colours
+                first = next((ln for ln in text.splitlines() if ln.strip()), "")
+                raise UsageError(f"torch.onnx.export could not export the preconditioned model "
+                                 f"({type(e).__name__}: {first.strip()[:200]}); write its "
+                                 f"state_dict instead (-o model.pt)") from None
         finally:
             tlog.setLevel(level)
 

@@ -1000,3 +1000,37 @@ def test_external_data_holding_a_reshape_shape(tmp_path):
     rep = precondition_onnx(src, str(out), feeds={"x": x}, balance="none", target_std=TARGET)
     assert rep.plan.inits["wflat"].std == pytest.approx((2 / (9 * 48 ** 0.5)) ** 0.5)
     assert _std(_run(out, {"x": x})["y"]) == pytest.approx(TARGET, rel=1e-4)
+
+
+_DATA_DEPENDENT = '''
+import torch, torch.nn as nn
+class DD(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+    def forward(self, x):
+        y = self.a(x)
+        return y * 2 if y.sum() > 0 else y
+def dd():
+    torch.manual_seed(0)
+    return DD(), torch.randn(16, 8)
+'''
+
+
+def test_cli_export_failure_of_the_users_model_is_exit_2(tmp_path, capsys, monkeypatch):
+    """``precondition module:callable -o out.onnx`` on a forward torch.onnx cannot export (a
+    data-dependent branch): exit 2 with one line saying to write the state_dict (it was exit
+    1, 'a bug in precondfx'); ``-o out.pt`` works for the same model."""
+    (tmp_path / "ddmod.py").write_text(_DATA_DEPENDENT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["precondition", "ddmod:dd", "-o", str(tmp_path / "dd.onnx"), "--quiet",
+                 "--balance", "analytic"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "could not export" in line and "-o model.pt" in line and "\x1b[" not in line
+    assert not list(tmp_path.glob("dd.onnx*"))
+    assert main(["precondition", "ddmod:dd", "-o", str(tmp_path / "dd.pt"), "--quiet",
+                 "--balance", "analytic"]) == 0
+    import torch
+    sd = torch.load(tmp_path / "dd.pt")
+    assert float(sd["a.weight"].pow(2).mean().sqrt()) == pytest.approx(
+        (2 / (8 * 4) ** 0.5) ** 0.5, rel=1e-5)                      # Eq. 7, moment matched
