@@ -1034,3 +1034,19 @@ def test_cli_export_failure_of_the_users_model_is_exit_2(tmp_path, capsys, monke
     sd = torch.load(tmp_path / "dd.pt")
     assert float(sd["a.weight"].pow(2).mean().sqrt()) == pytest.approx(
         (2 / (8 * 4) ** 0.5) ** 0.5, rel=1e-5)                      # Eq. 7, moment matched
+
+
+def test_api_feeds_as_torch_tensors_and_batch_checked(tmp_path):
+    """``feeds`` may hold torch tensors, also ones that require grad (it crashed: 'Can't call
+    numpy() on Tensor that requires grad'); ``batch`` must be a positive integer (-3 crashed
+    on a negative shape, 2.5 was truncated silently)."""
+    import torch
+    src = _save(_mlp(), tmp_path / "m.onnx")
+    x = torch.randn(32, 8, requires_grad=True)
+    out = tmp_path / "out.onnx"
+    precondition_onnx(src, str(out), feeds={"x": x}, target_std=TARGET)
+    assert _std(_run(out, {"x": x.detach().numpy()})["y"]) == pytest.approx(TARGET, rel=1e-4)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(PrecondError, match="positive integer"):
+            precondition_onnx(src, str(tmp_path / "o2.onnx"), batch=bad)
+    assert not (tmp_path / "o2.onnx").exists()

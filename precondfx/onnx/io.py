@@ -438,6 +438,15 @@ def parse_dims(items: Iterable[str] | Mapping[str, int] | None) -> dict[str, int
     return out
 
 
+def check_batch(batch: Any) -> None:
+    """``batch`` (the size of a symbolic leading dim) is None or a positive integer."""
+    if batch is None:
+        return
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise PrecondError(f"batch={batch!r}: give a positive integer (the size of a symbolic "
+                           f"leading dim for generated calibration inputs)")
+
+
 def check_dims(inputs: list[InputSpec], dims: Mapping[str, int]) -> None:
     """Refuse a ``--dim`` naming a symbol that no model input has (a typo would otherwise be
     ignored and the input generated with another size)."""
@@ -474,7 +483,10 @@ def resolve_feeds(inputs: list[InputSpec], given: Mapping[str, Any] | None = Non
     for spec in inputs:
         if spec.name not in given:
             continue
-        a = np.asarray(given[spec.name])
+        a = given[spec.name]
+        if hasattr(a, "detach") and hasattr(a, "cpu"):     # a torch tensor
+            a = a.detach().cpu().numpy()
+        a = np.asarray(a)
         if spec.dims is not None:
             if a.ndim != len(spec.dims):
                 raise PrecondError(f"input {spec.name!r}: calibration data has rank {a.ndim} "

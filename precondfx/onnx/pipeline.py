@@ -112,6 +112,7 @@ def inspect_onnx(path: str, *, dims: Mapping[str, int] | None = None, batch: int
     ``precondition_onnx`` would do with the same ``options`` (symbolic dims: ``dims``, leading
     dims: ``batch``, default 1)."""
     r = _options(options, INSPECT)
+    io.check_batch(batch)
     opt_notes = r.notes()
     model = io.load(path)
     norm = normalize(model)
@@ -318,6 +319,7 @@ def precondition_onnx(in_path: str, out_path: str, *,
     """
     r = _options(options)
     io.check_output_name(out_path)
+    io.check_batch(batch)
     st = OnnxState(r, verbose=verbose, progress=progress, in_path=in_path, out_path=out_path,
                    given=dict(feeds or {}), calib=calib, calib_inputs=calib_inputs, dims=dims,
                    batch=batch, external_data=external_data, check=verify)
