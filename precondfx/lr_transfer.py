@@ -30,6 +30,11 @@ Each weighted layer ``y = W x + b`` (after the alpha balancing put on its input,
   relative change ``lr * NU_REF * (DEPTH_REF / L)^1.5`` in every layer, whatever its shape (for
   fan-in-scaled hidden weights this is muP's Adam rule, learning rate ~ 1/fan_in; it also
   covers the input and output layers of geometric init, whose scales muP does not assume).
+  Layers inside a residual branch (the blocks of a transformer, a ResNet's residual convs;
+  not an embedding added to the stream, such as GPT-2's position embedding) get
+  ``BRANCH_ADAM`` times that relative change: with equal steps everywhere GPT-2 lost to the
+  default (held-out 2.625 against 2.558, 5 seeds), with the block layers' steps 4x the
+  embeddings' and head's it matched it (2.554; docs/results/lr_transfer_cpu.md).
 * ``"sgd"``: ``c = DEPTH_REF / L`` for every layer (effective rate ``x (DEPTH_REF/L)^2``).  Under
   SGD the relative update of a layer is its GR scaling, which precondfx already makes equal
   across layers; its best rate did not move across widths and fell with depth.
@@ -68,6 +73,8 @@ from precondfx.plan import Plan
 NU_REF = 64.0
 #: depth (weighted layers on the main path) at which the depth factor is 1
 DEPTH_REF = 3
+#: Adam: relative step of a layer inside a residual branch over a main-path layer's (GPT-2)
+BRANCH_ADAM = 4.0
 #: c = (DEPTH_REF / L) ** DEPTH_POWER[mode]: effective rate ~ L^-2 under SGD (c^2), ~ L^-1.5
 #: under Adam (c; 2 before the biases were covered, refitted: docs/results/lr_transfer_cpu.md)
 DEPTH_POWER = {"sgd": 1.0, "adam": 1.5}
@@ -127,6 +134,7 @@ def factors(graph: Graph, plan: Plan, mode: str, rms: dict[str, float]
         raise PrecondError(f"lr_scale={mode!r} is not one of {LR_SCALE_MODES} (or None)")
     L = main_path_depth(graph, plan)
     depth_c = (DEPTH_REF / L) ** DEPTH_POWER[mode]
+    branch = {m for r in plan.residuals for m in r.branch_layers}
     out: dict[str, float] = {}
     for lay in plan.layers:
         if not lay.weight or lay.weight in out:
@@ -137,6 +145,8 @@ def factors(graph: Graph, plan: Plan, mode: str, rms: dict[str, float]
             if not (r > 0 and math.isfinite(r)):
                 continue
             c *= NU_REF * r / math.sqrt(fan_in(lay, graph.get(lay.node)))
+            if lay.node in branch and lay.kind != "embedding":
+                c *= BRANCH_ADAM
         out[lay.weight] = c
     return out, L
 
@@ -247,5 +257,5 @@ def effective_lr_multiplier(c: float, mode: str) -> float:
     return c * c if mode == "sgd" else c
 
 
-__all__ = ["NU_REF", "DEPTH_REF", "DEPTH_POWER", "main_path_depth", "fan_in",
+__all__ = ["NU_REF", "DEPTH_REF", "BRANCH_ADAM", "DEPTH_POWER", "main_path_depth", "fan_in",
            "stored_rms", "factors", "carried", "apply", "effective_lr_multiplier", "summary"]

@@ -182,7 +182,8 @@ class Options:
                                 "bias / c) "
                                 "so that one learning rate suits all widths and depths: 'adam' "
                                 "(each stored weight scaled to rms sqrt(fan_in)/64 (L/3)^1.5, L the "
-                                "main-path depth: equal relative Adam steps in every layer), "
+                                "main-path depth: equal relative Adam steps in every layer, "
+                                "4x inside residual branches), "
                                 "'sgd' (every stored weight x L/3); None (on the command line "
                                 "'none'): off (precondfx.lr_transfer)", cli="OPT")
     seed: int = _opt(0, integer(0, SEED_MAX), "seed of the re-initialization", cli="N")

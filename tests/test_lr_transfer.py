@@ -361,4 +361,8 @@ def test_transformers_conv1d_fan_in_is_the_input_width():
     for name, fan in [("transformer.h.0.attn.c_attn.weight", 32), ("transformer.h.0.mlp.c_fc.weight", 32),
                       ("transformer.h.0.attn.c_proj.weight", 32),
                       ("transformer.h.0.mlp.c_proj.weight", 128)]:
-        assert _rms(w[name]) == pytest.approx(fan ** 0.5 / 64 * (L / 3) ** 1.5, rel=1e-5), name
+        # inside the residual blocks: steps 4x (BRANCH_ADAM) the main path's, so rms / 4
+        assert _rms(w[name]) == pytest.approx(fan ** 0.5 / 64 * (L / 3) ** 1.5 / 4,
+                                              rel=1e-5), name
+    # on the main path (token embedding, fan-in 1; tied to the head): no branch factor
+    assert _rms(w["transformer.wte.weight"]) == pytest.approx(1 / 64 * (L / 3) ** 1.5, rel=1e-5)
