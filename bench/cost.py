@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
+from results_io import write_text  # noqa: E402
 
 import precondfx  # noqa: E402
 from tests import zoo  # noqa: E402
@@ -340,7 +341,7 @@ def main(argv=None) -> dict:
     table = markdown(rows, targets)
     print("\n" + table)
     mpath = os.path.join(args.out, name + ".md")
-    _write_text(mpath, _document(table, payload, argv))
+    write_text(mpath, _document(table, payload, argv))
     say(f"wrote {jpath} and {mpath}")
     return payload
 
@@ -425,13 +426,6 @@ def _document(table: str, payload: dict, argv) -> str:
         "the `.json` next to this file.\n")
 
 
-def _write_text(path: str, text: str) -> None:
-    """Write atomically (a temporary file renamed over the target)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def plot(rows, path):

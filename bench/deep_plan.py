@@ -15,6 +15,9 @@ import os
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_io import write_table  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -74,13 +77,7 @@ def main() -> None:
         lines.append(f"| {tree} | {r['depth']} | {r['nodes']} | {r['joins']} | "
                      f"{st.get('capture', 0):.2f} | {st.get('plan', 0):.2f} | "
                      f"{st.get('apply', 0):.2f} | {st.get('total', 0):.2f} |")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    for ext, text in ((".md", "\n".join(lines)), (".json", json.dumps(rows, indent=2))):
-        tmp = args.out + ext + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, args.out + ext)
-    print("\n".join(lines))
+    write_table(args.out, lines, rows)
 
 
 if __name__ == "__main__":

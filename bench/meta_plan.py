@@ -18,6 +18,9 @@ import os
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_io import write_table  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -114,13 +117,7 @@ def main() -> None:
               "E[W^2] alpha^2 = 2/(k^2 sqrt(n_in n_out)).", ""]
     for r in rows:
         del r["invariant"]
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    for ext, text in ((".md", "\n".join(lines)), (".json", json.dumps(rows, indent=2))):
-        tmp = args.out + ext + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, args.out + ext)
-    print("\n".join(lines))
+    write_table(args.out, lines, rows)
 
 
 if __name__ == "__main__":

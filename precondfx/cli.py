@@ -423,25 +423,16 @@ def _build(spec: str) -> Any:
 
 
 def _torch_sample(args: argparse.Namespace, given: Any) -> Any:
-    import numpy as np
     import torch
     if args.calib or args.calib_input:
         if args.calib_input:
             raise UsageError("--calib-input applies to ONNX models; for a PyTorch model use "
                              "--calib FILE.npy, or an .npz (arr_0, arr_1...: positional inputs; "
                              "other keys: the forward's argument names), or --sample-shape")
-        if not os.path.exists(args.calib):
-            raise FileNotFoundError(f"calibration file not found: {args.calib}")
         if args.calib.endswith(".npz"):
             return _npz_sample(args.calib)
-        try:
-            arr = np.load(args.calib, allow_pickle=False)
-        except Exception as e:
-            raise UsageError(f"cannot read calibration file {args.calib} as .npy "
-                             f"({type(e).__name__}: {_one_line(e)})") from None
-        if not isinstance(arr, np.ndarray):
-            raise UsageError(f"{args.calib}: expected one array (.npy); name an .npz archive "
-                             f"*.npz")
+        from precondfx.arrays import read_npy
+        arr = read_npy(args.calib)
         return torch.from_numpy(arr)
     if args.sample_shape:
         gen = torch.Generator().manual_seed(args.seed)
@@ -459,26 +450,18 @@ def _torch_sample(args: argparse.Namespace, given: Any) -> Any:
 def _npz_sample(path: str) -> Any:
     """A PyTorch sample from an .npz: ``arr_0, arr_1...`` are positional inputs in that
     order; other keys are keyword inputs by the forward's argument names."""
-    import numpy as np
     import torch
+    from precondfx.arrays import positional_keys, read_npz
     from precondfx.errors import PrecondError
-    try:
-        z = np.load(path, allow_pickle=False)
-    except Exception as e:
-        raise PrecondError(f"cannot read calibration file {path} as .npz ({type(e).__name__}: "
-                           f"{_one_line(e)})") from None
-    with z:
-        keys = list(z.keys())
-        if not keys:
-            raise PrecondError(f"{path}: the archive holds no arrays")
-        positional = [k for k in keys if k.startswith("arr_") and k[4:].isdigit()]
-        if positional and len(positional) != len(keys):
-            raise PrecondError(f"{path}: keys {keys} mix positional (arr_0, arr_1...) and "
-                               f"named inputs; use one or the other")
-        if positional:
-            return tuple(torch.from_numpy(np.array(z[k]))
-                         for k in sorted(keys, key=lambda k: int(k[4:])))
-        return {k: torch.from_numpy(np.array(z[k])) for k in keys}
+    z = read_npz(path)
+    keys = list(z)
+    order = positional_keys(keys)
+    if order is None and any(k.startswith("arr_") and k[4:].isdigit() for k in keys):
+        raise PrecondError(f"{path}: keys {keys} mix positional (arr_0, arr_1...) and "
+                           f"named inputs; use one or the other")
+    if order is not None:
+        return tuple(torch.from_numpy(z[k]) for k in order)
+    return {k: torch.from_numpy(z[k]) for k in keys}
 
 
 def _precondition_torch(args: argparse.Namespace) -> int:

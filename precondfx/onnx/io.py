@@ -22,6 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from precondfx.errors import PrecondError
+from precondfx.arrays import positional_keys, read_npy, read_npz
 
 EXTERNAL_LIMIT = int(1.8 * 2**30)   # above this many bytes of weights, save externally
 FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
@@ -343,20 +344,6 @@ class Feeds:
     notes: list[str] = field(default_factory=list)
 
 
-def _load_array(path: str) -> np.ndarray:
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"calibration file not found: {path}")
-    try:
-        arr = np.load(path, allow_pickle=False)
-    except Exception as e:
-        raise PrecondError(f"cannot read calibration file {path} as .npy ({type(e).__name__}: "
-                           f"{e})") from None
-    if not isinstance(arr, np.ndarray):
-        raise PrecondError(f"{path}: expected one array (.npy), got an archive; use --calib "
-                           f"for .npz files")
-    return arr
-
-
 def load_calibration(inputs: list[InputSpec], calib: str | None = None,
                      calib_inputs: Mapping[str, str] | Iterable[str] | None = None
                      ) -> dict[str, np.ndarray]:
@@ -365,31 +352,20 @@ def load_calibration(inputs: list[InputSpec], calib: str | None = None,
     names = [i.name for i in inputs]
     out: dict[str, np.ndarray] = {}
     if calib:
-        if not os.path.exists(calib):
-            raise FileNotFoundError(f"calibration file not found: {calib}")
         if calib.endswith(".npz"):
-            try:
-                z = np.load(calib, allow_pickle=False)
-            except Exception as e:
-                raise PrecondError(f"cannot read calibration file {calib} as .npz "
-                                   f"({type(e).__name__}: {e})") from None
-            with z:
-                keys = list(z.keys())
-                if not keys:
-                    raise PrecondError(f"{calib}: the archive holds no arrays; save one per "
-                                       f"model input ({names}) with np.savez")
-                positional = all(k.startswith("arr_") and k[4:].isdigit() for k in keys)
-                for k in keys:
-                    if k in names:
-                        out[k] = z[k]
-                    elif positional and int(k[4:]) < len(names):
-                        out[names[int(k[4:])]] = z[k]
-                    else:
-                        raise PrecondError(f"{calib}: key {k!r} matches no model input; the "
-                                           f"inputs are {names} (or use arr_0, arr_1... in "
-                                           f"that order)")
+            z = read_npz(calib, f"save one per model input ({names}) with np.savez")
+            positional = positional_keys(list(z)) is not None
+            for k, v in z.items():
+                if k in names:
+                    out[k] = v
+                elif positional and int(k[4:]) < len(names):
+                    out[names[int(k[4:])]] = v
+                else:
+                    raise PrecondError(f"{calib}: key {k!r} matches no model input; the "
+                                       f"inputs are {names} (or use arr_0, arr_1... in "
+                                       f"that order)")
         else:
-            arr = _load_array(calib)
+            arr = read_npy(calib)
             if len(names) != 1:
                 raise PrecondError(f"--calib {os.path.basename(calib)} (.npy) needs a "
                                    f"single-input model; inputs are {names}: use an .npz or "
@@ -407,7 +383,7 @@ def load_calibration(inputs: list[InputSpec], calib: str | None = None,
             if name not in names:
                 raise PrecondError(f"--calib-input {name}=...: no model input named {name!r}; "
                                    f"the inputs are {names}")
-            out[name] = _load_array(path)
+            out[name] = read_npy(path)
     return out
 
 
