@@ -427,6 +427,12 @@ class EagerApplier(TorchBackend, Records):
             if node is None or node.out_shape is None or tuple(node.out_shape) != shape:
                 continue
             while node is not None and node.module is None:
+                live = [i for i in node.inputs if not self._frozen(i)]
+                if node.kind in ("add", "sub") and len(live) == 1 and \
+                        self._frozen_params(node):
+                    src = live[0]   # plus a buffer (BART's final_logits_bias): run-checked
+                    node = self.graph.get(src)
+                    continue
                 if node.kind not in ("reshape", "cast", "select") or len(node.inputs) != 1:
                     node = None
                     break
@@ -438,6 +444,23 @@ class EagerApplier(TorchBackend, Records):
             if node is not None and node.module and node.module not in found:
                 found.append(node.module)
         return found
+
+    def _frozen_params(self, node: Any) -> bool:
+        """Whether every parameter-like operand ``node`` reads is a buffer of the model (no
+        trainable parameter: it does not change in training)."""
+        bufs = getattr(self, "_buffer_names", None)
+        if bufs is None:
+            bufs = self._buffer_names = {n for n, _ in self.model.named_buffers()}
+        return all(v in bufs for v in node.params.values())
+
+    def _frozen(self, name: str) -> bool:
+        """Whether node ``name`` computes from the model's buffers alone (no model input, no
+        trainable parameter): a constant of the forward, such as an added logits bias."""
+        node = self.graph.get(name)
+        if node is None or not self._frozen_params(node) or \
+                len(node.params) + len(node.inputs) < len(node.in_shapes):
+            return False
+        return all(self._frozen(i) for i in node.inputs)
 
     def _scales_output(self, path: str, out_path: list, run: Callable[[nn.Module], Any],
                        before: torch.Tensor) -> bool:
