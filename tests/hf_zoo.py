@@ -90,6 +90,11 @@ BUILDERS: dict[str, Callable] = {
     "qwen2_moe": _causal("Qwen2MoeConfig", num_key_value_heads=1, num_experts=4,
                          num_experts_per_tok=2, moe_intermediate_size=32,
                          shared_expert_intermediate_size=32, **_DEC),
+    "granite": _causal("GraniteConfig", num_key_value_heads=1, logits_scaling=4.0, **_DEC),
+    "gpt_neo": _causal("GPTNeoConfig", hidden_size=32, num_layers=2, num_heads=2,
+                       attention_types=[[["global", "local"], 1]], window_size=4, vocab_size=V,
+                       max_position_embeddings=64, resid_dropout=0.0, embed_dropout=0.0,
+                       attention_dropout=0.0, **_LM),
     # encoders
     "distilbert": _cls("DistilBertConfig", dim=32, n_layers=2, n_heads=2, hidden_dim=64,
                        vocab_size=V, max_position_embeddings=64, dropout=0.0,
@@ -122,3 +127,6 @@ BUILDERS: dict[str, Callable] = {
                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                       classifier_dropout_prob=0.0),
 }
+
+# logits soft-capped after the head (tanh(z / c) * c): no module's output scales them exactly
+GEMMA2 = _causal("Gemma2Config", num_key_value_heads=1, head_dim=16, **_DEC)

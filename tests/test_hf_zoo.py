@@ -53,9 +53,6 @@ def _manual_loss(kind: str, logits: torch.Tensor, labels: torch.Tensor) -> torch
     return F.cross_entropy(logits.double(), labels)
 
 
-CAUSAL = ("mistral", "qwen2", "phi", "gpt_neox", "falcon", "opt", "gptj", "bloom", "gemma",
-          "mixtral", "qwen2_moe")
-
 
 def _logits(model, batch: dict, kind: str) -> torch.Tensor:
     with torch.no_grad():
@@ -106,7 +103,7 @@ def test_architecture(name: str, tmp_path) -> None:
         back = type(model).from_pretrained(tmp_path)
         assert not any("precondfx" in n for n, _ in back.named_buffers())
         got = _logits(back, batch, kind)
-        assert float((got - ref).abs().max()) <= 1e-6 * float(ref.abs().max()), name
+        assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), name  # float32 rounding
         return
     assert entry["checkpoints"] == "raw" and entry["problems"], entry
     assert name in RAW, entry["problems"]
@@ -118,7 +115,7 @@ def test_architecture(name: str, tmp_path) -> None:
             p.add_(1.0)
     again.load_state_dict(sd)
     got = _logits(again, batch, kind)
-    assert float((got - ref).abs().max()) <= 1e-6 * float(ref.abs().max()), name
+    assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), name  # float32 rounding
 
 
 # Checkpoints that keep precondfx_* entries (from_pretrained alone would drop them): a tied
@@ -146,3 +143,14 @@ def test_logits_bias_buffer_carries_the_scale_only_when_exact() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             precondfx.precondition(model, batch)
+
+
+def test_soft_capped_logits_refuse_an_internal_loss_and_calibrate_without_labels() -> None:
+    """Gemma-2 soft-caps its logits after the head (tanh(z / c) * c): no module's output scales
+    them exactly, so with labels (a loss inside forward) precondition refuses and says what to
+    do; without labels the scale sits on the returned logits and the contract holds."""
+    model, batch, _ = hf_zoo.GEMMA2(torch.Generator().manual_seed(1))
+    check(model, batch, fwd={"use_cache": False}, must_refuse=True)
+    batch.pop("labels")
+    res, rep = check(model, batch, fwd={"use_cache": False})
+    assert rep.output_scale is not None

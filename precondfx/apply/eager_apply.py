@@ -428,9 +428,11 @@ class EagerApplier(TorchBackend, Records):
                 continue
             while node is not None and node.module is None:
                 live = [i for i in node.inputs if not self._frozen(i)]
-                if node.kind in ("add", "sub") and len(live) == 1 and \
+                if node.kind in ("add", "sub", "mul") and len(live) == 1 and \
                         self._frozen_params(node):
-                    src = live[0]   # plus a buffer (BART's final_logits_bias): run-checked
+                    # plus a zero buffer (BART's final_logits_bias), times a constant
+                    # (Granite's / logits_scaling): exact only when the run check says so
+                    src = live[0]
                     node = self.graph.get(src)
                     continue
                 if node.kind not in ("reshape", "cast", "select") or len(node.inputs) != 1:
