@@ -69,17 +69,21 @@ class Recipe:
     #: the check by running cannot run: :func:`confirm_upstream` checks them once the model
     #: holds data (``precondfx.distributed.calibrate`` calls it)
     pending: dict[str, str] = field(default_factory=dict)
+    #: modules holding a parameter tied to another module's that the forward never calls
+    #: (BART's and T5's ``shared`` embedding, whose copies ``embed_tokens`` run): they put no
+    #: constraint on the factor the tied weight folds with
+    idle: list[str] = field(default_factory=list)
 
     def __deepcopy__(self, memo: dict) -> "Recipe":
         return Recipe(copy.deepcopy(self.source, memo), list(self.structural),
-                      dict(self.upstream), dict(self.pending))
+                      dict(self.upstream), dict(self.pending), list(self.idle))
 
     def __getstate__(self) -> dict:   # pickling drops the source (pass source= to fold)
         return {"source": None, "structural": self.structural, "upstream": self.upstream,
-                "pending": self.pending}
+                "pending": self.pending, "idle": self.idle}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update({"pending": {}, **state})
+        self.__dict__.update({"pending": {}, "idle": [], **state})
 
 
 def recipe_of(model: nn.Module) -> Recipe | None:
@@ -157,6 +161,7 @@ class _Scales:
     out: dict[int, float] = field(default_factory=dict)
     problems: list[tuple[str, str]] = field(default_factory=list)
     upstream: dict[int, int] = field(default_factory=dict)
+    idle: set[int] = field(default_factory=set)     # tied owners the forward never calls
 
     def add(self, table: dict[int, float], path: str, mod: nn.Module, v: float) -> None:
         self.mods[id(mod)] = (path, mod)
@@ -194,6 +199,11 @@ def _eager_scales(model: nn.Module, recipe: Recipe | None) -> _Scales:
             sc.mods.setdefault(id(b), (u, b))
             sc.mods.setdefault(id(a), (m, a))
             sc.upstream[id(a)] = id(b)
+        for m in recipe.idle:
+            try:
+                sc.idle.add(id(model.get_submodule(m)))
+            except AttributeError:
+                continue
     return sc
 
 
@@ -306,7 +316,7 @@ def _param_factors(model: nn.Module, sc: _Scales) -> dict[str, float]:
     factors: dict[str, float] = {}
     for pid, own in owners.items():
         rs = [_request(sc, mid, pn) for mid, pn in own]
-        if not _all_close(rs):
+        if not rs or not _all_close(rs):
             continue   # reported above
         if not _close(rs[0], 1.0):
             if not tensors[pid].is_floating_point():
@@ -361,7 +371,8 @@ def _owners(model: nn.Module, sc: _Scales) -> tuple[dict[int, list[tuple[int, st
             if p is None:
                 continue
             owners.setdefault(id(p), [])
-            if (id(mod), pname) not in owners[id(p)]:
+            idle = id(mod) in sc.idle and id(mod) not in sc.inp and id(mod) not in sc.out
+            if not idle and (id(mod), pname) not in owners[id(p)]:
                 owners[id(p)].append((id(mod), pname))
             names.setdefault(id(p), f"{path}.{pname}" if path else pname)
             tensors[id(p)] = p
@@ -597,8 +608,14 @@ def tied_upstream(model: nn.Module, graph: Any, run: Callable[[nn.Module], Any],
         if not (tied or bare):
             continue
         cur = graph.get(n.inputs[0])
-        while cur is not None and not cur.module and cur.kind in ("reshape", "cast", "select") \
-                and len(cur.inputs) == 1 and len(users.get(cur.inputs[0], [])) == 1:
+        # through value-preserving ops, a dropout, a product with a Python number (T5 scales
+        # by d_model ** -0.5 before its tied head); the run check below confirms
+        while cur is not None and len(cur.inputs) == 1 and \
+                len(users.get(cur.inputs[0], [])) == 1 and \
+                ((not cur.module and cur.kind in ("reshape", "cast", "select")) or
+                 cur.kind == "dropout" or
+                 (not cur.module and cur.kind == "mul" and not cur.params and
+                  cur.const_operands == 1)):
             cur = graph.get(cur.inputs[0])
         if cur is None or len(users.get(cur.name, [])) != 1:
             continue
@@ -610,6 +627,31 @@ def tied_upstream(model: nn.Module, graph: Any, run: Callable[[nn.Module], Any],
         elif _doubles(model, up, n.module, run):
             out[n.module] = up
     return out
+
+
+def idle_tied(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[str]:
+    """Modules holding a parameter tied to another module's that the forward does not call
+    (found by running with hooks; none on the meta device): their factor is free, see
+    :class:`Recipe`."""
+    holders: dict[int, list[str]] = {}
+    for path, mod in model.named_modules():
+        for p in mod._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), []).append(path)
+    cands = sorted({m for ms in holders.values() if len(ms) > 1 for m in ms})
+    if not cands or any(p.device.type == "meta" for p in model.parameters()):
+        return []
+    seen: set[str] = set()
+    handles = [model.get_submodule(m).register_forward_pre_hook(
+        lambda mod, args, m=m: seen.add(m)) for m in cands]
+    try:
+        run(model)
+    except Exception:   # the model does not run that way: treat every holder as called
+        return []
+    finally:
+        for h in handles:
+            h.remove()
+    return [m for m in cands if m not in seen]
 
 
 def _norm_owner(model: nn.Module, node: Any) -> str | None:
@@ -676,6 +718,6 @@ def record(result: nn.Module, traced: nn.Module, applier: Any, graph: Any,
         on_meta = any(p.device.type == "meta" for p in result.parameters())
         pending: dict[str, str] | None = {} if on_meta else None
         rec = Recipe(None, structural, tied_upstream(result, graph, run, pending),
-                     pending or {})
+                     pending or {}, idle_tied(result, run))
     attach(result, rec)
     return rec

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import precondfx
+from precondfx.integrations.hf import reattach
 
 pytest.importorskip("transformers")
 from tests import hf_zoo  # noqa: E402
@@ -95,15 +96,19 @@ def test_architecture(name: str, tmp_path) -> None:
                 nxt = res(input_ids=cur, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
                 cur = torch.cat([cur, nxt], 1)
         assert gen.shape == cur.shape and torch.equal(gen, cur), (gen, cur)
-    # checkpoints: folded ones reload with transformers alone; raw ones (constants that cannot
-    # fold) say why, warn, and load into a model preconditioned the same way
+    # checkpoints (to float32 rounding): folded ones reload with transformers alone; raw ones
+    # (constants that cannot fold) say why, warn, and load into a model preconditioned alike
     entry = res.config.precondfx
     if entry["checkpoints"] == "folded":
         res.save_pretrained(tmp_path)
         back = type(model).from_pretrained(tmp_path)
         assert not any("precondfx" in n for n, _ in back.named_buffers())
         got = _logits(back, batch, kind)
-        assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), name  # float32 rounding
+        assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), name
+        # reattach divides the recorded constants back out: the same function again
+        again = reattach(type(model).from_pretrained(tmp_path))
+        got = _logits(again, batch, kind)
+        assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), name
         return
     assert entry["checkpoints"] == "raw" and entry["problems"], entry
     assert name in RAW, entry["problems"]
@@ -115,15 +120,15 @@ def test_architecture(name: str, tmp_path) -> None:
             p.add_(1.0)
     again.load_state_dict(sd)
     got = _logits(again, batch, kind)
-    assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), name  # float32 rounding
+    assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), name
 
 
-# Checkpoints that keep precondfx_* entries (from_pretrained alone would drop them): a tied
-# embedding / LM head whose two users get different scales with no module upstream of the head
-# that can carry the difference (T5 multiplies by d_model**-0.5 before its head, Marian has no
-# final norm, Gemma's RMSNorm computes (1 + weight) * x), and ResNet's max-pool made a strided
-# convolution (maxpool='keep' folds).
-RAW = {"t5", "marian", "gemma", "resnet"}
+# Checkpoints that keep precondfx_* entries (from_pretrained alone would drop them): Gemma's
+# tied embedding / LM head get different scales and its RMSNorm computes (1 + weight) * x, so
+# the head's factor cannot move into it; ResNet's max-pool made a strided convolution
+# (maxpool='keep' folds).  T5 and Marian fold: their never-called `shared` embedding does not
+# constrain the tied weight, and T5's head factor moves through `* d_model**-0.5` to its norm.
+RAW = {"gemma", "resnet"}
 
 
 def test_logits_bias_buffer_carries_the_scale_only_when_exact() -> None:

@@ -41,6 +41,7 @@ def prepare(model: nn.Module, report: Any = None) -> None:
         "constants": _constants(model),
         "output_path": list(getattr(model, PREFIX + "output_path", ()) or ()),
         "upstream": dict(rec.upstream) if rec else {},
+        "idle": list(rec.idle) if rec else [],
         "checkpoints": "folded" if not problems else "raw",
         "problems": [f"{w}: {why}" for w, why in problems],
     }
@@ -185,7 +186,8 @@ def reattach(model: nn.Module) -> nn.Module:
             model.register_forward_pre_hook(ea._root_input_hook, with_kwargs=True, prepend=True)
         else:
             raise PrecondError(f"config.precondfx records an unknown constant {fqn}")
-    attach(model, Recipe(None, [], dict(entry.get("upstream", {}))))
+    attach(model, Recipe(None, [], dict(entry.get("upstream", {})),
+                         idle=list(entry.get("idle", []))))
     factors = fold_factors(model)
     named = dict(model.named_parameters())
     for name, f in factors.items():
