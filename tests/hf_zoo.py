@@ -70,6 +70,46 @@ _S2S = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_he
             max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
             decoder_start_token_id=2, **_LM)
 
+def _whisper(g: torch.Generator) -> tuple[torch.nn.Module, dict, str]:
+    import transformers as tf
+    cfg = tf.WhisperConfig(d_model=32, encoder_layers=2, decoder_layers=2,
+                           encoder_attention_heads=2, decoder_attention_heads=2,
+                           encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=V, num_mel_bins=8,
+                           max_source_positions=16, max_target_positions=32, dropout=0.0,
+                           attention_dropout=0.0, decoder_start_token_id=1, pad_token_id=0,
+                           bos_token_id=1, eos_token_id=2)
+    return tf.WhisperForConditionalGeneration(cfg), {
+        "input_features": torch.randn(B, 8, 32, generator=g),
+        "labels": _ids(g, shape=(B, 6))}, "s2s"
+
+
+def _wav2vec2(g: torch.Generator) -> tuple[torch.nn.Module, dict, str]:
+    import transformers as tf
+    cfg = tf.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2),
+                            conv_kernel=(10, 3), num_conv_pos_embeddings=8,
+                            num_conv_pos_embedding_groups=2, vocab_size=V, hidden_dropout=0.0,
+                            attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+                            layerdrop=0.0, mask_time_prob=0.0, pad_token_id=0)
+    return tf.Wav2Vec2ForCTC(cfg), {"input_values": torch.randn(B, 400, generator=g),
+                                    "labels": _ids(g, shape=(B, 5))}, "ctc"
+
+
+def _clip(tower: str) -> Callable:
+    def make(g: torch.Generator) -> tuple[torch.nn.Module, dict, str]:
+        import transformers as tf
+        kw = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  intermediate_size=64, projection_dim=16)
+        if tower == "text":
+            m = tf.CLIPTextModelWithProjection(tf.CLIPTextConfig(
+                vocab_size=V, max_position_embeddings=32, **kw))
+            return m, {"input_ids": _ids(g), "attention_mask": _mask()}, "embed"
+        m = tf.CLIPVisionModelWithProjection(tf.CLIPVisionConfig(image_size=32, patch_size=8,
+                                                                 **kw))
+        return m, {"pixel_values": torch.randn(B, 3, 32, 32, generator=g)}, "embed"
+    return make
+
+
 BUILDERS: dict[str, Callable] = {
     # decoder-only causal LMs
     "mistral": _causal("MistralConfig", num_key_value_heads=1, **_DEC),
@@ -122,6 +162,11 @@ BUILDERS: dict[str, Callable] = {
                       strides=[4, 2], mlp_ratios=[2, 2], hidden_dropout_prob=0.0,
                       attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
                       classifier_dropout_prob=0.0),
+    # audio, contrastive towers
+    "whisper": _whisper,
+    "wav2vec2": _wav2vec2,
+    "clip_text": _clip("text"),
+    "clip_vision": _clip("vision"),
     "mobilevit": _img("MobileViTConfig", image_size=32, hidden_sizes=[16, 24, 32],
                       neck_hidden_sizes=[8, 8, 16, 16, 16, 24, 32], num_attention_heads=2,
                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,

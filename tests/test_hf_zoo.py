@@ -21,7 +21,7 @@ from precondfx.integrations.hf import reattach
 
 pytest.importorskip("transformers")
 from tests import hf_zoo  # noqa: E402
-from tests.test_realworld import check  # noqa: E402
+from tests.test_realworld import check, main  # noqa: E402
 
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in ("mobilevit",) else n
          for n in hf_zoo.BUILDERS]
@@ -51,13 +51,19 @@ def _manual_loss(kind: str, logits: torch.Tensor, labels: torch.Tensor) -> torch
         return F.cross_entropy(logits[:, :-1].reshape(-1, v).double(), labels[:, 1:].reshape(-1))
     if kind == "s2s":
         return F.cross_entropy(logits.reshape(-1, v).double(), labels.reshape(-1))
+    if kind == "ctc":   # every frame and every label kept (no padding in these batches)
+        lp = F.log_softmax(logits.double(), -1).transpose(0, 1)
+        n, t = logits.shape[:2]
+        return F.ctc_loss(lp, labels, torch.full((n,), t), torch.full((n,), labels.shape[1]),
+                          blank=0, reduction="sum")   # Wav2Vec2Config's default
     return F.cross_entropy(logits.double(), labels)
 
 
 
 def _logits(model, batch: dict, kind: str) -> torch.Tensor:
+    """The main output (logits; a CLIP tower's projected embeddings) in eval mode."""
     with torch.no_grad():
-        return model.eval()(**batch, **_fwd(kind)).logits.double()
+        return main(model.eval()(**batch, **_fwd(kind))).double()
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -69,11 +75,12 @@ def test_architecture(name: str, tmp_path) -> None:
     assert rep.output_scale is not None
     # the model's own loss from labels is the cross-entropy of its logits
     ref = _logits(res, batch, kind)
-    with torch.no_grad():
-        out = res.eval()(**batch, **_fwd(kind))
-    assert torch.isfinite(out.loss)
-    own, want = float(out.loss), float(_manual_loss(kind, out.logits, batch["labels"]))
-    assert abs(own - want) < 1e-5 * max(1.0, abs(want)), (own, want)
+    if "labels" in batch:
+        with torch.no_grad():
+            out = res.eval()(**batch, **_fwd(kind))
+        assert torch.isfinite(out.loss)
+        own, want = float(out.loss), float(_manual_loss(kind, out.logits, batch["labels"]))
+        assert abs(own - want) < 1e-5 * max(1.0, abs(want)), (own, want)
     # masking one more position changes the logits where it does in the user's model
     if "attention_mask" in batch:
         b2 = dict(batch, attention_mask=batch["attention_mask"].clone())
@@ -84,7 +91,9 @@ def test_architecture(name: str, tmp_path) -> None:
             d = (a - b).abs() if a.dim() == 2 else (a - b).abs().amax(-1)
             return d > 1e-6 * float(a.abs().max())
         want_c, have_c = changed(user), changed(res)
-        assert want_c.any() and torch.equal(want_c, have_c), (want_c, have_c)
+        # (CLIP's text tower pools one token, which may come before the masked one)
+        assert (want_c.any() or kind == "embed") and torch.equal(want_c, have_c), (want_c,
+                                                                                   have_c)
     # greedy generate() with the KV cache gives the tokens of an argmax loop without it
     if kind == "causal":
         ids = batch["input_ids"][:2, :6]
