@@ -53,6 +53,24 @@ def _ids() -> dict:
                                        generator=torch.Generator().manual_seed(1))}
 
 
+def _free_port() -> int:
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _one_rank_group():
+    """A one-process gloo group for FSDP2, destroyed on the way out."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def _user_init(pm: nn.Module, real: nn.Module, plan: Any) -> None:
     """What the user's own init does after to_empty for what the plan keeps (position
     embeddings, rotary frequencies): taken here from a real model of the same config."""
@@ -153,13 +171,7 @@ def test_sharded_untied_copies_get_the_same_values_and_a_warning() -> None:
         mm = _gpt2()
     pm, rep = precondfx.precondition(mm, _ids(), **KW)
     pm.lm_head.weight = nn.Parameter(torch.empty_like(pm.lm_head.weight))   # untied
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    with contextlib.ExitStack() as stack:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1)
-        stack.callback(dist.destroy_process_group)
+    with _one_rank_group():
         fully_shard(pm)
         pm.to_empty(device="cpu")
         with pytest.warns(RuntimeWarning, match="train apart"):
@@ -175,7 +187,6 @@ def test_fsdp2_recipe_with_shard_units_keeps_the_tie_and_matches_the_real_run() 
     """The README recipe on a one-rank FSDP2 mesh: shard_units puts wte and lm_head in one
     fully_shard unit (FSDP2 refuses a parameter managed by two), the tie survives to_empty,
     and the full tensors and the output scale equal preconditioning the real model."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(0)
     real = _gpt2()
@@ -188,13 +199,7 @@ def test_fsdp2_recipe_with_shard_units_keeps_the_tie_and_matches_the_real_run() 
     assert len(tied) == 1 and pm.transformer.wte in tied[0]
     assert sum(len(u) for u in units) == sum(
         1 for m in pm.modules() if m is not pm and any(True for _ in m.parameters(False)))
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    with contextlib.ExitStack() as stack:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1)
-        stack.callback(dist.destroy_process_group)
+    with _one_rank_group():
         for u in units:
             fully_shard(u)
         fully_shard(pm)
@@ -259,10 +264,7 @@ def test_two_rank_fsdp2_tied_gpt2_equals_single_process(tmp_path) -> None:
     import os
 
     import torch.multiprocessing as mp
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    mp.spawn(_tied_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_tied_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt")) for r in range(2)]
     assert all(r["tied"] for r in ranks)
     torch.manual_seed(0)
