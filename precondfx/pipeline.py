@@ -211,8 +211,10 @@ def prepare(st: TorchState) -> None:
             f"the model is already preconditioned (it holds {len(held)} precondfx_* "
             f"constant(s), e.g. {held[0]}): a second pass would stack new constants on the "
             f"first ones.  Use it as it is, or precondition the original model (rebuild it, or "
-            f"keep a copy before the first call) with the options you want; "
-            f"precondfx.analyze(model, sample) shows what it holds")
+            f"keep a copy before the first call) with the options you want, or fold the "
+            f"constants into the weights first (precondfx.fold(model) returns a plain model "
+            f"that can be preconditioned again); precondfx.analyze(model, sample) shows what "
+            f"it holds")
     dt = float_dtype(model)
     if dt in (torch.float16, torch.bfloat16):
         if st.inplace:

@@ -159,3 +159,20 @@ def test_input_scale_behind_a_normalization_is_reported():
     pm, rep = precondfx.precondition(m, x, balance="none", input_scale="auto")
     assert rep.input_scale == pytest.approx((13 ** -0.5 / float(x.pow(2).mean())) ** 0.5)
     assert any(what == "input scale" and "normalization" in why for what, why in rep.skipped)
+
+
+def test_a_folded_result_can_be_preconditioned_again():
+    """The refusal's advice works: fold() gives a plain model (no precondfx_* constants, same
+    function) that a second pass takes, calibrated to the target again."""
+    model, x = zoo.build("strided_cnn")
+    pm, rep = precondfx.precondition(model, x)
+    with pytest.raises(PrecondError, match=r"precondfx\.fold\(model\)"):
+        precondfx.precondition(pm, x)
+    plain = precondfx.fold(pm)
+    assert not any("precondfx" in n for n, _ in plain.named_buffers())
+    pm.eval(), plain.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), pm(x), rtol=1e-4, atol=1e-5)
+    pm2, _ = precondfx.precondition(plain, x, target_std=0.5)
+    with torch.no_grad():
+        assert float(pm2.eval()(x).std()) == pytest.approx(0.5, rel=0.05)
