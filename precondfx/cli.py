@@ -230,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(repeat for several inputs)")
     c.add_argument("--external-data", default="auto", choices=("auto", "always", "never"),
                    help="ONNX: weights in OUT.data (auto: as the input, or above 1.8 GB)")
+    c.add_argument("--no-verify", action="store_true",
+                   help="ONNX: skip the onnxruntime run of the written file (for ops onnxruntime "
+                        "has no kernel for; use with --target-std none, as calibration runs it "
+                        "too)")
     c.add_argument("--plot", metavar="PNG", help="PyTorch models: PNG plots of the measured per-layer Hessian "
                    "statistic (runs precondition with measure=True)")
     c.add_argument("--report", metavar="FILE", help="write the report as JSON")
@@ -361,7 +365,7 @@ def cmd_precondition(args: argparse.Namespace) -> int:
     report = precondition_onnx(
         args.model, args.output, calib=args.calib, calib_inputs=args.calib_input,
         dims=parse_dims(args.dim), batch=args.batch, **_plan_kwargs(args),
-        external_data=args.external_data,
+        external_data=args.external_data, verify=not args.no_verify,
         progress=lambda stage, t: progress(stage, t))
     for note in report.capture_notes:
         if "random N(0,1)" in note:
@@ -477,6 +481,9 @@ def _precondition_torch(args: argparse.Namespace) -> int:
     if args.dim or args.batch:
         raise UsageError("--dim/--batch apply to ONNX models; use --sample-shape for a PyTorch "
                          "model")
+    if args.no_verify:
+        raise UsageError("--no-verify applies to ONNX models (it skips the onnxruntime run of "
+                         "the written file); a PyTorch model is checked in PyTorch")
     progress(f"importing {args.model}")
     import torch
     from torch import nn

@@ -1050,3 +1050,29 @@ def test_api_feeds_as_torch_tensors_and_batch_checked(tmp_path):
         with pytest.raises(PrecondError, match="positive integer"):
             precondition_onnx(src, str(tmp_path / "o2.onnx"), batch=bad)
     assert not (tmp_path / "o2.onnx").exists()
+
+
+def test_custom_op_model_from_the_command_line(tmp_path, capsys):
+    """The refusal's advice works on the command line: --target-std none --no-verify rewrites a
+    model holding an op onnxruntime cannot run (weights drawn by Eq. 7, the op kept), and
+    --no-verify on a PyTorch model is refused as ONNX-only."""
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1),
+             helper.make_node("MyOp", ["h"], ["y"], name="custom", domain="ai.onnx.contrib")]
+    g = helper.make_graph(nodes, "g", [_vi("x", TP.FLOAT, ["N", 8])],
+                          [_vi("y", TP.FLOAT, ["N", 16])], [_w("w1", (16, 8)), _w("b1", (16,))])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                            helper.make_opsetid("ai.onnx.contrib", 1)])
+    src = _save(m, tmp_path / "custom.onnx")
+    out = tmp_path / "out.onnx"
+    assert main(["precondition", src, "-o", str(out), "--batch", "4"]) == 2
+    assert "--no-verify" in capsys.readouterr().err and not out.exists()
+    assert main(["precondition", src, "-o", str(out), "--batch", "4", "--target-std", "none",
+                 "--no-verify", "--balance", "none", "--quiet"]) == 0
+    p = onnx.load(str(out))
+    assert [n.op_type for n in p.graph.node][-1] == "MyOp"
+    w1 = numpy_helper.to_array(next(t for t in p.graph.initializer if t.name == "w1"))
+    assert float(np.sqrt(np.mean(w1.astype(np.float64) ** 2))) == pytest.approx(
+        (2 / 128 ** 0.5) ** 0.5, rel=1e-5)                          # Eq. 7
+    assert main(["precondition", "tests.zoo:build", "-o", str(tmp_path / "m.pt"),
+                 "--no-verify"]) == 2
+    assert "applies to ONNX models" in capsys.readouterr().err

@@ -56,7 +56,8 @@ def _load_error(e: BaseException) -> PrecondError:
                             f"needs its kernels registered in onnxruntime (e.g. "
                             f"onnxruntime-extensions for ai.onnx.contrib ops); or precondition "
                             f"the model before those ops are added, or from Python: "
-                            f"precondition_onnx(..., target_std=None, verify=False)")
+                            f"precondition_onnx(..., target_std=None, verify=False), on the command "
+                            f"line --target-std none --no-verify")
     return PrecondError(f"onnxruntime cannot load the rewritten model: {msg[:400]}")
 
 

@@ -218,7 +218,7 @@ def _refuse_bfloat16_io(model: ir.Model, specs: list[io.InputSpec]) -> None:
                            f"neither calibrate nor check this file: export it with float32 (or "
                            f"float16) inputs and outputs (bfloat16 weights behind Cast nodes "
                            f"are fine), or from Python: precondition_onnx(..., target_std=None, "
-                           f"verify=False)")
+                           f"verify=False) (command line: --target-std none --no-verify)")
 
 
 def capture_stage(st: OnnxState) -> None:
