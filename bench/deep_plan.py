@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_io import write_table  # noqa: E402
+from results_io import child_json, write_table  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,12 +42,7 @@ def child(depth: int) -> dict:
 
 
 def run(depth: int, repo: str) -> dict:
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", str(depth)],
-                         capture_output=True, text=True, cwd=repo, check=False,
-                         env={**os.environ, "PYTHONPATH": repo})
-    if out.returncode != 0:
-        raise SystemExit(f"depth {depth} ({repo}) failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return child_json(__file__, [str(depth)], repo)
 
 
 def main() -> None:

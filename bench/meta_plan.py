@@ -15,11 +15,10 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_io import write_table  # noqa: E402
+from results_io import child_json, write_table  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -70,12 +69,7 @@ def child(size: str, entry: str) -> dict:
 
 
 def run(size: str, entry: str) -> dict:
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", size, entry],
-                         capture_output=True, text=True, cwd=ROOT, check=False,
-                         env={**os.environ, "PYTHONPATH": ROOT})
-    if out.returncode != 0:
-        raise SystemExit(f"{size}/{entry} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return child_json(__file__, [size, entry], ROOT)
 
 
 def main() -> None:

@@ -823,17 +823,22 @@ def test_dim_value_minus_one_is_an_unknown_dim(tmp_path):
     assert rep.verification["batch"] == 1                  # ran again at another size
 
 
-def test_unregistered_custom_op_says_what_onnxruntime_needs(tmp_path):
-    """A custom-domain op onnxruntime has no kernel for: the error says so and what to do (it
-    read 'cannot load the rewritten model', as if precondfx had broken it); without calibration
-    and check the file is still rewritten, the op kept as it was."""
+def _custom_op_model(tmp_path) -> str:
+    """Gemm 8->16 then a custom-domain op onnxruntime has no kernel for, saved."""
     nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1),
              helper.make_node("MyOp", ["h"], ["y"], name="custom", domain="ai.onnx.contrib")]
     g = helper.make_graph(nodes, "g", [_vi("x", TP.FLOAT, ["N", 8])],
                           [_vi("y", TP.FLOAT, ["N", 16])], [_w("w1", (16, 8)), _w("b1", (16,))])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
                                             helper.make_opsetid("ai.onnx.contrib", 1)])
-    src = _save(m, tmp_path / "custom.onnx")
+    return _save(m, tmp_path / "custom.onnx")
+
+
+def test_unregistered_custom_op_says_what_onnxruntime_needs(tmp_path):
+    """A custom-domain op onnxruntime has no kernel for: the error says so and what to do (it
+    read 'cannot load the rewritten model', as if precondfx had broken it); without calibration
+    and check the file is still rewritten, the op kept as it was."""
+    src = _custom_op_model(tmp_path)
     with pytest.raises(PrecondError, match="does not know an op.*MyOp.*registered"):
         precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"x": _x(8, 8)})
     assert not (tmp_path / "out.onnx").exists()
@@ -1056,13 +1061,7 @@ def test_custom_op_model_from_the_command_line(tmp_path, capsys):
     """The refusal's advice works on the command line: --target-std none --no-verify rewrites a
     model holding an op onnxruntime cannot run (weights drawn by Eq. 7, the op kept), and
     --no-verify on a PyTorch model is refused as ONNX-only."""
-    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1),
-             helper.make_node("MyOp", ["h"], ["y"], name="custom", domain="ai.onnx.contrib")]
-    g = helper.make_graph(nodes, "g", [_vi("x", TP.FLOAT, ["N", 8])],
-                          [_vi("y", TP.FLOAT, ["N", 16])], [_w("w1", (16, 8)), _w("b1", (16,))])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
-                                            helper.make_opsetid("ai.onnx.contrib", 1)])
-    src = _save(m, tmp_path / "custom.onnx")
+    src = _custom_op_model(tmp_path)
     out = tmp_path / "out.onnx"
     assert main(["precondition", src, "-o", str(out), "--batch", "4"]) == 2
     assert "--no-verify" in capsys.readouterr().err and not out.exists()
