@@ -64,7 +64,6 @@ class State:
     in_scale: float | None = None
     measured: Measured = field(default_factory=Measured)   # what the stages set after apply
     data: bool = True                # the model can run on data (not on the meta device)
-    stop: bool = False               # a stage ended the run early (nothing to do)
     times: dict[str, float] = field(default_factory=dict)
     undo: list[Callable[[], None]] = field(default_factory=list)
     t0: float = field(default_factory=time.perf_counter)
@@ -107,8 +106,6 @@ def run(stages: Sequence[Stage], st: State) -> State:
     last = None
     try:
         for stage in stages:
-            if st.stop:
-                break
             if stage.when is not None and not stage.when(st):
                 continue
             _check(st, stage, stage.requires, "requires")

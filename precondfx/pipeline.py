@@ -398,8 +398,7 @@ def precondition(model: nn.Module, sample: Any, resolved: Any, *, inplace: bool,
     st = driver.run(STAGES, TorchState(resolved, verbose=verbose, model=model,
                                        raw_sample=sample, forward_kwargs=forward_kwargs,
                                        inplace=inplace))
-    if not st.stop:
-        st.say("done")
+    st.say("done")
     return st.result, st.report
 
 
