@@ -20,7 +20,7 @@ from torch import nn
 from precondfx.apply.backend import Records
 from precondfx.apply.common import PREFIX, replacement_pool, scalar_buffer, scale_at_path
 from precondfx.apply.torch_backend import TorchBackend
-from precondfx.capture.common import child
+from precondfx.capture.common import at_path
 from precondfx.errors import PrecondError
 from precondfx.graph import Graph
 from precondfx.outputs import bounded_output, bounded_producer, skip_bounded
@@ -123,12 +123,6 @@ def internal_loss(out: Any, path: list) -> bool:
     except (KeyError, TypeError):
         return False
     return isinstance(loss, torch.Tensor) and (not path or path[0] != "loss")
-
-
-def _at_path(out: Any, path: list) -> Any:
-    for k in path:
-        out = child(out, k)
-    return out
 
 
 class EagerApplier(TorchBackend, Records):
@@ -379,7 +373,7 @@ class EagerApplier(TorchBackend, Records):
             for h in handles:
                 h.remove()
         try:
-            target = _at_path(out, path)
+            target = at_path(out, path)
         except (KeyError, IndexError, TypeError, AttributeError):
             return None, out
         name = first.get(id(target)) if isinstance(target, torch.Tensor) else None
@@ -400,7 +394,7 @@ class EagerApplier(TorchBackend, Records):
             nodes = [n for n in self.graph if n.module == found]
             return bounded_output(nodes[-1].kind, nodes[-1].target) if nodes else None
         try:
-            target = _at_path(out, path) if out is not None else None
+            target = at_path(out, path) if out is not None else None
         except (KeyError, IndexError, TypeError, AttributeError):
             return None
         if not isinstance(target, torch.Tensor):
@@ -473,7 +467,7 @@ class EagerApplier(TorchBackend, Records):
             return out
         h = self.model.get_submodule(path).register_forward_hook(double)
         try:
-            after = _at_path(run(self.model), out_path)
+            after = at_path(run(self.model), out_path)
             return isinstance(after, torch.Tensor) and after.shape == before.shape and \
                 bool(torch.allclose(after, before * 2, rtol=1e-5, atol=1e-30))
         except Exception:   # the model does not run that way, or has no data (meta device)

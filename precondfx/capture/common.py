@@ -379,7 +379,12 @@ def _items(out: Any) -> list[tuple[Any, Any]]:
 
 def main_output(out: Any, key: str | int | None = None) -> torch.Tensor:
     """The tensor the output scale applies to (the one at :func:`output_path`)."""
-    for k in output_path(out, key):
+    return at_path(out, output_path(out, key))
+
+
+def at_path(out: Any, path: list) -> Any:
+    """The value at ``path`` (keys, indices, dataclass fields) inside a nested output."""
+    for k in path:
         out = child(out, k)
     return out
 
