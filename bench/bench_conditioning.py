@@ -2,7 +2,7 @@
 
 For each model the statistic E[(G_l r)^2]/numel of every weighted layer is measured on FRESH
 inputs and fresh random cotangents (not the calibration batch) with the pair-cotangent estimator
-(precondfx.measure.sketch, checked against explicit Hessian-vector products in the tests), and
+(precondfx.pytorch.measure.sketch, checked against explicit Hessian-vector products in the tests), and
 the spread (max/min over layers) is reported for: PyTorch's default init, geometric init alone
 (balance='none'), geometric + analytic constants (balance='analytic', the paper's Sec. 5 / App. E
 alphas), the default (balance='auto': measured balancing when the measured spread is
@@ -27,7 +27,7 @@ import torch
 import precondfx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests import zoo  # noqa: E402
-from precondfx.measure.sketch import hessian_sketch, spread_of
+from precondfx.pytorch.measure.sketch import hessian_sketch, spread_of
 
 METHODS = [
     ("pytorch default", None),
@@ -100,7 +100,7 @@ def main() -> None:
 
 
 def _plot(rows, path):
-    from precondfx.measure.plots import _figure, _save
+    from precondfx.core.plots import _figure, _save
     import numpy as np
     ms = list(dict.fromkeys(r["model"] for r in rows))
     meths = [m for m, _ in METHODS]

@@ -201,7 +201,7 @@ def calibrated(model: nn.Module, x: torch.Tensor, target_std: float | None) -> n
 
 def precondfx_scheme_available(name: str) -> bool:
     try:
-        from precondfx.schemes.base import names
+        from precondfx.core.scheme import names
         return name in names()
     except Exception:
         return False

@@ -4,7 +4,7 @@ the same relative Adam step?  Runs ``bench/train_suite.py`` with one extra metho
 ``lr_mult``) for what the rule treats alike or not at all: ``--norm-mult`` for the LayerNorm
 gains and shifts (not covered by lr_scale: they train at the raw rate) and ``--block-mult`` for
 the weights and biases inside the transformer blocks (``.h.`` in the name), against the
-embeddings and the head.  ``--branch-adam`` sets ``precondfx.lr_transfer.BRANCH_ADAM`` (default
+embeddings and the head.  ``--branch-adam`` sets ``precondfx.pytorch.lr_transfer.BRANCH_ADAM`` (default
 1: every layer at the same relative step, the rule these runs were measured on; the library
 now uses 4, which these runs led to).  Every other argument goes to the suite.
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--block-mult", type=float, default=1.0)
     ap.add_argument("--branch-adam", type=float, default=1.0)
     args, rest = ap.parse_known_args(argv)
-    from precondfx import lr_transfer
+    from precondfx.pytorch import lr_transfer
     lr_transfer.BRANCH_ADAM = args.branch_adam
     orig = TS.build
 

@@ -7,7 +7,7 @@ Each measurement runs in a fresh subprocess so that its peak resident memory (``
 is its own; the baseline row is the same process after importing torch, transformers and
 precondfx, before building the model.  Planning uses ``balance="analytic"`` (measured balancing
 needs data) and the default output scale, which is inserted at 1 and calibrated after
-materializing (``precondfx.distributed.calibrate``).
+materializing (``precondfx.pytorch.distributed.calibrate``).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def child(size: str, entry: str) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import precondfx
-    from precondfx.compare import width_invariant
+    from precondfx.core.compare import width_invariant
     torch.set_num_threads(1)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
@@ -80,7 +80,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(*args.child)))
         return
-    from precondfx.compare import differences
+    from precondfx.core.compare import differences
     load0 = os.getloadavg()[0]
     rows = [run(size, entry) for size in ("7b", "small") for entry in ("analyze", "precondition")]
     load = (load0 + os.getloadavg()[0]) / 2

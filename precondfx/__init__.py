@@ -5,15 +5,21 @@ against the scaling rules of Defazio & Bottou, re-initializes the weights (geome
 initialization), inserts scaling constants, replaces max-pooling by striding and fixes the output
 scale from a calibration batch.  ``precondfx.analyze`` reports the same without changing anything.
 """
-from precondfx import distributed
+import sys as _sys
+
+from precondfx import init
 from precondfx.api import Result, analyze, precondition
-from precondfx.apply.reinit import reinit
-from precondfx.capture.common import Sample
+from precondfx.core.plan import Options, Plan
+from precondfx.core.report import Report
 from precondfx.errors import PrecondError
-from precondfx.folding import fold, fold_problems
-from precondfx.plan import Options, Plan
-from precondfx.report import Report
+from precondfx.pytorch import distributed
+from precondfx.pytorch.apply.reinit import reinit
+from precondfx.pytorch.capture.common import Sample
+from precondfx.pytorch.folding import fold, fold_problems
+
+# ``import precondfx.distributed`` is public API: the module lives in the PyTorch back end.
+_sys.modules.setdefault(__name__ + ".distributed", distributed)
 
 __version__ = "0.1.0"
 __all__ = ["precondition", "analyze", "reinit", "fold", "fold_problems", "Sample", "PrecondError",
-           "Plan", "Options", "Report", "Result", "distributed", "__version__"]
+           "Plan", "Options", "Report", "Result", "distributed", "init", "__version__"]

@@ -1,9 +1,9 @@
 """The public entry points: ``precondition`` and ``analyze``.
 
-Each checks the user's options (``precondfx.options.Options``), resolves them for the PyTorch
+Each checks the user's options (``precondfx.core.options.Options``), resolves them for the PyTorch
 back ends (:func:`resolve_torch`: the scheme's overrides, the meta device's and sharded models'
-limits), and hands them to the stage list of ``precondfx.pipeline`` (capture -> classify -> plan
--> apply -> re-initialize -> calibrate -> report, run by ``precondfx.driver.run``).  The user's
+limits), and hands them to the stage list of ``precondfx.pytorch.pipeline`` (capture -> classify -> plan
+-> apply -> re-initialize -> calibrate -> report, run by ``precondfx.core.driver.run``).  The user's
 model is never mutated unless ``inplace=True``; if any stage fails, nothing is left half-changed.
 """
 from __future__ import annotations
@@ -12,13 +12,14 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from precondfx import distributed, pipeline
-from precondfx.capture import meta
-from precondfx.checks import guarded
-from precondfx.options import DEFAULTS as D
-from precondfx.options import REFUSE, Options, Resolved, Rule, Support, flag
-from precondfx.report import Report
-from precondfx.schemes.base import Scheme, resolve_options
+from precondfx.pytorch import distributed, pipeline
+from precondfx.pytorch.capture import meta
+from precondfx.pytorch.checks import guarded
+from precondfx.core.options import DEFAULTS as D
+from precondfx.core.options import REFUSE, Options, Resolved, Rule, Support, flag
+from precondfx.core.report import Report
+import precondfx.schemes  # noqa: F401 (registers the schemes)
+from precondfx.core.scheme import Scheme, resolve_options
 
 
 class Result(NamedTuple):
@@ -36,7 +37,7 @@ TORCH = Support("PyTorch back end")
 
 
 def _measures_data(scheme: str) -> bool:
-    from precondfx.schemes.base import scheme_class
+    from precondfx.core.scheme import scheme_class
     return getattr(scheme_class(scheme), "calibrate", Scheme.calibrate) is not Scheme.calibrate
 
 
@@ -52,7 +53,7 @@ def _no_data_support(name: str, balance: str, input_scale: str, scheme: str) -> 
 
 
 #: a model on the meta device has shapes but no data: only data-free modes apply (the output
-#: scale is inserted at 1 and calibrated after materializing, ``precondfx.distributed``)
+#: scale is inserted at 1 and calibrated after materializing, ``precondfx.pytorch.distributed``)
 META = _no_data_support(
     "meta device",
     "balance='auto'/'hessian' measures the model on data, but it is on the meta device: "
@@ -65,7 +66,7 @@ META = _no_data_support(
 
 
 #: a sharded model (DTensor parameters, FSDP2): each rank sees its own batch, so only what
-#: all-reduces its statistics applies (the output scale, ``precondfx.distributed.calibrate``)
+#: all-reduces its statistics applies (the output scale, ``precondfx.pytorch.distributed.calibrate``)
 SHARDED = _no_data_support(
     "sharded model",
     "measured balancing is not distributed (each rank would set alphas from its own "
@@ -95,7 +96,7 @@ def analyze(model: nn.Module, sample: Any, *, forward_kwargs: dict | None = None
     go to the model's forward, as in ``precondition``)."""
     from dataclasses import fields
 
-    from precondfx.options import keyword_of
+    from precondfx.core.options import keyword_of
     names = {keyword_of(f) for f in fields(Options)}
     fwd = {**(forward_kwargs or {}), **{k: v for k, v in options.items() if k not in names}}
     user = Options.from_keywords(**{k: v for k, v in options.items() if k in names})
@@ -122,7 +123,7 @@ def precondition(model: nn.Module, sample: Any, *, init: str = D.init,
     ``sample`` is what the model is called with (a tensor, a tuple of positional inputs or a
     dict of keyword inputs) and doubles as the calibration batch.  Extra keyword arguments go to
     the model's forward (e.g. ``use_cache=False``).  Every option is defined (default, allowed
-    values, meaning) in ``precondfx.options.Options``; see also the README.
+    values, meaning) in ``precondfx.core.options.Options``; see also the README.
     """
     user = Options(init=init, maxpool=maxpool, balance=balance,
                    balance_threshold=balance_threshold, residual=residual,

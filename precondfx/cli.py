@@ -147,7 +147,7 @@ def _positive(s: str) -> int:
 def _option_value(name: str, s: str) -> Any:
     """A command-line value of a pass option, parsed and checked by its definition."""
     from precondfx.errors import PrecondError
-    from precondfx.options import from_text
+    from precondfx.core.options import from_text
     try:
         return from_text(name, s)
     except PrecondError as e:
@@ -155,15 +155,15 @@ def _option_value(name: str, s: str) -> Any:
 
 
 def _plan_options(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
-    """The pass options, built from their one definition (``precondfx.options.Options``)."""
-    from precondfx.options import cli_flags
+    """The pass options, built from their one definition (``precondfx.core.options.Options``)."""
+    from precondfx.core.options import cli_flags
     g = p.add_argument_group("preconditioning options (as precondfx.precondition)")
     cli_flags(g.add_argument, only, _option_value)
 
 
 def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The pass options given on the command line, by their public keyword names."""
-    from precondfx.options import cli_fields, keyword_of
+    from precondfx.core.options import cli_fields, keyword_of
     return {keyword_of(f): getattr(args, keyword_of(f)) for f in cli_fields()
             if hasattr(args, keyword_of(f))}
 
@@ -287,7 +287,7 @@ def _check_plot_available(path: str | None, onnx_model: bool) -> None:
     """Refuse --plot before any work when it cannot be honoured."""
     if path is None:
         return
-    from precondfx.report import Report
+    from precondfx.core.report import Report
     if not callable(getattr(Report, "plot", None)):
         raise UsageError("--plot: plotting is not available in this version of precondfx "
                          "(Report.plot is missing)")
@@ -435,7 +435,7 @@ def _torch_sample(args: argparse.Namespace, given: Any) -> Any:
                              "other keys: the forward's argument names), or --sample-shape")
         if args.calib.endswith(".npz"):
             return _npz_sample(args.calib)
-        from precondfx.arrays import read_npy
+        from precondfx.core.arrays import read_npy
         arr = read_npy(args.calib)
         return torch.from_numpy(arr)
     if args.sample_shape:
@@ -455,7 +455,7 @@ def _npz_sample(path: str) -> Any:
     """A PyTorch sample from an .npz: ``arr_0, arr_1...`` are positional inputs in that
     order; other keys are keyword inputs by the forward's argument names."""
     import torch
-    from precondfx.arrays import positional_keys, read_npz
+    from precondfx.core.arrays import positional_keys, read_npz
     from precondfx.errors import PrecondError
     z = read_npz(path)
     keys = list(z)

@@ -3,7 +3,7 @@
 A model's ``_init_weights`` / ``post_init`` / ``reset_parameters`` can call
 ``precondfx.init.geometric_(module.weight)`` the way it calls ``torch.nn.init.normal_``: the
 tensor is filled in place (under ``no_grad``) and returned.  The rules are the ones
-``precondition`` plans (``precondfx/fans.py``): geometric-mean initialization
+``precondition`` plans (``precondfx/core/fans.py``): geometric-mean initialization
 ``E[W^2] = gain / (k^2 sqrt(n_in n_out))`` (Sec. 6, Eq. 7, gain 2), and ``fan_in``, ``fan_out``,
 ``xavier`` for comparison.  Fans are read from the shape, as ``torch.nn.init`` does:
 
@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from precondfx import draw as drawing
-from precondfx.draw import torch_ops
+from precondfx.core import draw as drawing
+from precondfx.pytorch.draws import torch_ops
 from precondfx.errors import PrecondError
-from precondfx.fans import Fans, second_moment, weight_fans
+from precondfx.core.fans import Fans, second_moment, weight_fans
 
 __all__ = ["geometric_", "fan_in_", "fan_out_", "xavier_", "embedding_", "fans", "target_std"]
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import nn
 
-from precondfx.apply.common import PREFIX
+from precondfx.pytorch.apply.common import PREFIX
 from precondfx.errors import PrecondError
 from precondfx.integrations.hf_checkpoints import CONFIG_KEY, is_transformers_model, prepare, \
     reattach

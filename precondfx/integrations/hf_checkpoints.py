@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from precondfx.apply.common import PREFIX, scalar_buffer
+from precondfx.pytorch.apply.common import PREFIX, scalar_buffer
 from precondfx.errors import PrecondError
-from precondfx.folding import Recipe, attach, fold_factors, fold_problems, recipe_of
+from precondfx.pytorch.folding import Recipe, attach, fold_factors, fold_problems, recipe_of
 
 CONFIG_KEY = "precondfx"
 
@@ -54,7 +54,7 @@ def prepare(model: nn.Module, report: Any = None) -> None:
         setattr(cfg, CONFIG_KEY, entry)
     if rec is not None and rec.pending:
         # planned on the meta device: whether a tied weight's factor can move upstream is
-        # checked by running once the model holds data (precondfx.distributed.calibrate, which
+        # checked by running once the model holds data (precondfx.pytorch.distributed.calibrate, which
         # calls prepare again); until then checkpoints are neither folded nor warned about
         entry["checkpoints"] = "pending"
         if not (isinstance(old, dict) and old.get("checkpoints") == "pending"):
@@ -73,10 +73,10 @@ def _warn_pending(module: nn.Module, state_dict: dict, prefix: str, meta: Any) -
     if isinstance(entry, dict) and entry.get("checkpoints") == "pending":
         warnings.warn(
             "this transformers model was preconditioned on the meta device and "
-            "precondfx.distributed.calibrate(model, batch) has not run on it since it got its "
+            "precondfx.pytorch.distributed.calibrate(model, batch) has not run on it since it got its "
             "data: its state_dict keeps the constants as precondfx_* entries, which "
             "from_pretrained drops. Calibrate first (it also checks where tied weights' "
-            "factors fold; without an output scale: precondfx.distributed.settle_checkpoints("
+            "factors fold; without an output scale: precondfx.pytorch.distributed.settle_checkpoints("
             "model, batch)), then save", UserWarning, stacklevel=2)
 
 
@@ -156,7 +156,7 @@ def reattach(model: nn.Module) -> nn.Module:
     hooks, and the weights divided by what folding multiplied them by, so that the function is
     unchanged and training goes on in the preconditioned parametrization.  In place; returns
     the model."""
-    from precondfx.apply import eager_apply as ea
+    from precondfx.pytorch.apply import eager_apply as ea
     entry = getattr(getattr(model, "config", None), CONFIG_KEY, None)
     if not isinstance(entry, dict) or "constants" not in entry:
         raise PrecondError("the model's config records no preconditioning (config.precondfx): "

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from precondfx.apply.common import PREFIX
+from precondfx.pytorch.apply.common import PREFIX
 from precondfx.errors import PrecondError
 
 

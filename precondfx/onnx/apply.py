@@ -1,5 +1,5 @@
 """Carry a plan out on an ONNX graph (onnx-ir): the ONNX back end of
-``precondfx.apply.backend.Backend``, the contract ``apply/fx_apply.py`` and
+``precondfx.core.backend.Backend``, the contract ``apply/fx_apply.py`` and
 ``apply/eager_apply.py`` implement too.
 
 * A scale is a ``Mul`` by a 0-d initializer in the dtype of the value it scales (bfloat16:
@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from precondfx.outputs import bounded_producer, pick_main, skip_bounded
-from precondfx.apply.backend import Records
-from precondfx.apply.common import PREFIX
+from precondfx.core.outputs import bounded_producer, pick_main, skip_bounded
+from precondfx.core.backend import Records
+from precondfx.core.backend import PREFIX
 from precondfx.errors import PrecondError
 from precondfx.onnx.capture import Captured
 from precondfx.onnx.io import FLOAT_TYPES
-from precondfx.plan import Plan, PoolChange, Scale
+from precondfx.core.plan import Plan, PoolChange, Scale
 
 
 def scalar_tensor(value: float, dtype: ir.DataType | None, name: str) -> ir.TensorProtocol:
@@ -222,7 +222,7 @@ class OnnxApplier(Records):
 
     def main_output(self, path: list) -> tuple[int, ir.Value]:
         """The graph output the output scale applies to: ``path`` empty -> the rule of
-        ``precondfx.outputs`` ('logits', else the first floating-point output); ``[key]`` -> by
+        ``precondfx.core.outputs`` ('logits', else the first floating-point output); ``[key]`` -> by
         name or index."""
         outs = list(self.g.outputs)
         if path:
@@ -494,4 +494,8 @@ class OnnxApplier(Records):
             return outs
         run(fn)
         return got
+
+    def probe_sample(self, sample: Any, names: list[str], mode: str) -> dict[str, np.ndarray]:
+        """``probe`` on one run of the feeds (an ONNX run has no gradients or side effects)."""
+        return self.probe(lambda fn: fn(sample), names)
 

@@ -4,8 +4,8 @@ The session always uses ``CPUExecutionProvider``, set explicitly, so runs are re
 calibration copy has every Dropout's ``training_mode`` set to False, so the output scale does not
 depend on ORT's optimization level (with optimizations on, ORT drops a training-mode Dropout;
 with them off, it applies it at random).  The std is the population std (correction 0) over all
-elements of the output, in float64, as on the PyTorch path (``precondfx.calibrate.output_std``);
-``precondfx.calibrate.solve_output_scale`` turns it into the scale.
+elements of the output, in float64, as on the PyTorch path (``precondfx.pytorch.calibrate.output_std``);
+``precondfx.pytorch.calibrate.solve_output_scale`` turns it into the scale.
 
 The model is run from memory, before anything is written: its large initializers are handed to
 ORT as OrtValues sharing the numpy (or memory-mapped) buffers, so there is neither a copy nor the
@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import numpy as np
 import onnx_ir as ir
 
-from precondfx.apply.common import PREFIX
+from precondfx.core.backend import PREFIX
 from precondfx.errors import PrecondError
 
 PROVIDERS = ["CPUExecutionProvider"]

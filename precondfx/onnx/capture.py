@@ -1,4 +1,4 @@
-"""ONNX graph -> the front-end neutral :class:`~precondfx.graph.Graph`.
+"""ONNX graph -> the front-end neutral :class:`~precondfx.core.graph.Graph`.
 
 Every ONNX node is looked up in the one op table (``optable.for_onnx``) and described with the
 same operand markers the PyTorch capture methods use (``Act``, ``Param``, ``Const``), then turned
@@ -32,12 +32,12 @@ from typing import Any, Callable
 import onnx
 import onnx_ir as ir
 
-from precondfx import optable
-from precondfx.capture.common import Act, Const, Param, build_node
-from precondfx.graph import Graph, Node
+from precondfx.core import optable
+from precondfx.core.nodes import Act, Const, Param, build_node
+from precondfx.core.graph import Graph, Node
 from precondfx.onnx.io import FLOAT_TYPES, real_inputs
 from precondfx.onnx.normalize import NormalizeInfo
-from precondfx.plan import ParamInfo
+from precondfx.core.plan import ParamInfo
 
 _NORM_OPS = {"BatchNormalization", "LayerNormalization", "GroupNormalization",
              "InstanceNormalization", "RMSNormalization", "SimplifiedLayerNormalization"}

@@ -22,7 +22,8 @@ import numpy as np
 import onnx_ir as ir
 
 from precondfx.errors import PrecondError
-from precondfx.arrays import positional_keys, read_npy, read_npz
+from precondfx.core.arrays import positional_keys, read_npy, read_npz
+from precondfx.core.calibration import is_additive_mask
 
 EXTERNAL_LIMIT = int(1.8 * 2**30)   # above this many bytes of weights, save externally
 FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
@@ -529,19 +530,12 @@ def resolve_feeds(inputs: list[InputSpec], given: Mapping[str, Any] | None = Non
         if np.issubdtype(a.dtype, np.floating) or a.dtype.kind == "V":
             f = a.astype(np.float32, copy=False)
             bad = int((~np.isfinite(f)).sum())
-            if bad and not _additive_mask(f):
+            if bad and not is_additive_mask(f):
                 raise PrecondError(f"calibration input {name!r} has {bad} NaN/inf value(s): "
                                    f"clean the calibration batch first (-inf is accepted only "
                                    f"in an additive mask: -inf where masked, 0 or negative "
                                    f"finite values elsewhere)")
     return feeds
-
-
-def _additive_mask(a: np.ndarray) -> bool:
-    """The PyTorch front end's rule (``calibrate.is_additive_mask``), on an array."""
-    import torch
-    from precondfx.calibrate import is_additive_mask
-    return is_additive_mask(torch.from_numpy(np.ascontiguousarray(a)))
 
 
 def _cast(spec: InputSpec, a: np.ndarray) -> np.ndarray:

@@ -3,8 +3,8 @@
     load -> normalize -> capture -> plan -> apply -> reinit -> calibrate -> save -> verify
     -> commit
 
-``plan``, ``apply``, ``reinit`` and ``calibrate`` are the shared stages of ``precondfx.driver``
-(the PyTorch pipeline runs them too, over ``precondfx.apply.backend.Backend``; here the back
+``plan``, ``apply``, ``reinit`` and ``calibrate`` are the shared stages of ``precondfx.core.driver``
+(the PyTorch pipeline runs them too, over ``precondfx.core.backend.Backend``; here the back
 end is ``precondfx.onnx.apply.OnnxApplier``); the classification, the plan and the report are
 the shared ones.  Only reading the graph, the calibration data, saving and checking the file
 are ONNX-specific.  Nothing is written until the rewritten model has been calibrated, saved to
@@ -20,20 +20,22 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from precondfx import driver
-from precondfx.apply.common import PREFIX
-from precondfx.classify import classify
-from precondfx.driver import Stage, State
+from precondfx.core import driver
+from precondfx.core.backend import PREFIX
+from precondfx.core.calibration import refuse_empty
+from precondfx.core.classify import classify
+from precondfx.core.driver import Stage, State
 from precondfx.errors import PrecondError
 from precondfx.onnx import calibrate as cal
 from precondfx.onnx import io
 from precondfx.onnx.apply import OnnxApplier
 from precondfx.onnx.capture import Captured, infer_shapes, symbolic_values, to_graph
 from precondfx.onnx.normalize import NormalizeInfo, normalize
-from precondfx.options import DEFAULTS as D
-from precondfx.options import REFUSE, Options, Resolved, Rule, Support
-from precondfx.schemes.base import resolve_options
-from precondfx.report import Report
+from precondfx.core.options import DEFAULTS as D
+from precondfx.core.options import REFUSE, Options, Resolved, Rule, Support
+import precondfx.schemes  # noqa: F401 (registers the schemes)
+from precondfx.core.scheme import resolve_options
+from precondfx.core.report import Report
 
 
 AUTO_NOTE = ("balance='auto' measures Hessian blocks through the PyTorch model; for an ONNX "
@@ -89,7 +91,6 @@ def capture_model(model: ir.Model, norm: NormalizeInfo, bindings: dict[str, int]
     shapes = infer_shapes(model, bindings, leading)
     symbolic = symbolic_values(model, bindings, leading, shapes)
     cap = to_graph(model, shapes, symbolic, norm)
-    from precondfx.checks import refuse_empty
     refuse_empty([f"{k} {tuple(p.shape)}" for k, p in cap.params.items()
                   if 0 in tuple(p.shape)])
     classify(cap.graph)
@@ -187,9 +188,8 @@ def normalize_stage(st: OnnxState) -> None:
             raise
     st.sample = st.feeds.arrays if st.feeds is not None else None
     if st.feeds is not None and st.opts.input_scale == "auto":
-        import torch
-        st.input_tensors = [torch.from_numpy(np.asarray(a, dtype=np.float32))
-                            for a in st.feeds.arrays.values() if a.dtype.kind in "fV"]
+        st.input_arrays = [np.asarray(a, dtype=np.float32) for a in st.feeds.arrays.values()
+                           if a.dtype.kind in "fV"]
 
 
 #: the oldest default-domain opset onnxruntime runs
@@ -310,7 +310,7 @@ def precondition_onnx(in_path: str, out_path: str, *,
     or ``['name=file.npy']``); inputs without data get random N(0, 1)
     data of the model's shape (symbolic dims from ``dims``, a leading one from ``batch``,
     default 32), which the report says.  ``options`` are those of ``precondfx.precondition``,
-    defined in ``precondfx.options.Options``; the ONNX back end's limits are :data:`ONNX`
+    defined in ``precondfx.core.options.Options``; the ONNX back end's limits are :data:`ONNX`
     (``balance='hessian'``, ``measure``, other schemes and capture methods need PyTorch and are
     refused; ``'auto'`` uses the analytic constants, with a note).  ``external_data``: 'auto' (as the
     input, or when the weights exceed 1.8 GB), 'always' or 'never'.  The stage timings are in

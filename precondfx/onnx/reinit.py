@@ -2,10 +2,10 @@
 
 One ``np.random.default_rng(seed)`` walks the plan's parameters in plan order (the graph's
 topological order), so the output file is byte-identical across runs.  The draws are
-``precondfx.draw``'s (the PyTorch path's rules: float32 normals whose empirical second moment is
+``precondfx.core.draw``'s (the PyTorch path's rules: float32 normals whose empirical second moment is
 exactly the planned one, orthogonal blocks per gate), cast to the initializer's dtype, so fp16
 and bf16 models get the same values as an fp32 model, rounded.  Rules are those of
-:class:`precondfx.plan.ParamInit`: geometric/fan_in/fan_out/xavier (normal with ``std``), zeros,
+:class:`precondfx.core.plan.ParamInit`: geometric/fan_in/fan_out/xavier (normal with ``std``), zeros,
 ones, orthogonal (per gate block), scale (multiply the current value by ``std``), keep.
 """
 from __future__ import annotations
@@ -16,12 +16,12 @@ import numpy as np
 import onnx_ir as ir
 
 from precondfx.onnx.io import FLOAT_TYPES
-from precondfx import draw as core
-from precondfx.plan import ParamInit, Plan
+from precondfx.core import draw as core
+from precondfx.core.plan import ParamInit, Plan
 
 
 def draw(pi: ParamInit, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray | None:
-    """The new value of one parameter (float32), or None to keep it (``precondfx.draw``'s rule,
+    """The new value of one parameter (float32), or None to keep it (``precondfx.core.draw``'s rule,
     shared with the PyTorch back ends)."""
     return core.draw(pi, shape, core.numpy_ops(rng))
 

@@ -1,4 +1,4 @@
-"""Initialization schemes over the shared pipeline (see ``base``); importing this package
+"""Initialization schemes over the shared pipeline (the protocol: ``precondfx.core.scheme``); importing this package
 registers every scheme module listed here."""
 import importlib
 

@@ -45,15 +45,15 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from precondfx.calibrate import quiet_run
+from precondfx.pytorch.calibrate import quiet_run
 from precondfx.errors import PrecondError
-from precondfx.graph import Graph, Node
-from precondfx.measure.isometry import estimate_block_isometry
-from precondfx.options import Options, Override
-from precondfx.plan import Layer, ParamInfo, ParamInit, Plan
+from precondfx.core.graph import Graph, Node
+from precondfx.pytorch.measure.isometry import estimate_block_isometry
+from precondfx.core.options import Options, Override
+from precondfx.core.plan import Layer, ParamInfo, ParamInit, Plan
 from precondfx.schemes.activations import activation_of, get_activation  # noqa: F401
 from precondfx.schemes import gne_math as G
-from precondfx.schemes.base import Scheme, SchemeContext, register
+from precondfx.core.scheme import Scheme, SchemeContext, register
 
 #: kinds that are activations (the end of a "layer + activation" block)
 ACTIVATION_KINDS = ("relu", "leaky_relu", "prelu", "exp_linear", "saturating", "smooth_gate",

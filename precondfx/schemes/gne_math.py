@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from precondfx.schemes.activations import normal_expectation
-from precondfx.fans import _tup, effective_kernel_1d, effective_kernel_size  # noqa: F401
+from precondfx.core.fans import _tup, effective_kernel_1d, effective_kernel_size  # noqa: F401
 from precondfx.errors import PrecondError
 
 __all__ = [

@@ -42,10 +42,10 @@ from typing import Any
 import torch
 
 from precondfx.errors import PrecondError
-from precondfx.graph import Graph
-from precondfx.options import Options, Override
-from precondfx.plan import ParamInfo, ParamInit, Plan
-from precondfx.schemes.base import Scheme, SchemeContext, register
+from precondfx.core.graph import Graph
+from precondfx.core.options import Options, Override
+from precondfx.core.plan import ParamInfo, ParamInit, Plan
+from precondfx.core.scheme import Scheme, SchemeContext, register
 
 #: weighted kinds Algorithm 1 covers ("each convolutional and fully-connected layer")
 _KINDS = ("conv", "conv_transpose", "linear", "matmul")

@@ -42,7 +42,7 @@ normalization with a homogeneous coordinate adds a channel, so it cannot be inse
 model without changing its first layer: it is offered as the preprocessing function
 :func:`per_location_normalize` users apply to their data.  In the graph, ``input_norm='scale'``
 inserts one fixed input scale that makes the sample's mean q equal 1, and ``input_norm='pln'``
-inserts a :class:`~precondfx.modules.PerLocationNorm` (no homogeneous coordinate).
+inserts a :class:`~precondfx.pytorch.modules.PerLocationNorm` (no homogeneous coordinate).
 """
 from __future__ import annotations
 
@@ -54,16 +54,16 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from precondfx import optable
+from precondfx.core import optable
 from precondfx.errors import PrecondError
-from precondfx.graph import Graph, Node
-from precondfx.modules import (PerLocationNorm, ScaledLeakyReLU, ScaledPReLU,
+from precondfx.core.graph import Graph, Node
+from precondfx.pytorch.modules import (PerLocationNorm, ScaledLeakyReLU, ScaledPReLU,
                                TransformedActivation, TransformedLeakyReLU)
-from precondfx.options import Options, Override
-from precondfx.plan import ParamInfo, ParamInit, Plan, Scale
+from precondfx.core.options import Options, Override
+from precondfx.core.plan import ParamInfo, ParamInit, Plan, Scale
 from precondfx.schemes.activations import activation_of
 from precondfx.schemes import tat_math as tm
-from precondfx.schemes.base import Scheme, SchemeContext, register
+from precondfx.core.scheme import Scheme, SchemeContext, register
 
 __all__ = ["TatScheme", "DksScheme", "Analysis", "Join", "analyze_graph", "architecture",
            "per_location_normalize", "predicted_c_map"]
@@ -76,7 +76,7 @@ RELU_FAMILY = ("relu", "leaky_relu", "prelu")
 _SMOOTH = {"tanh": "tanh", "sigmoid": "sigmoid", "softplus": "softplus", "gelu": "gelu_exact",
            "silu": "swish", "swish": "swish", "elu": "elu", "celu": "elu", "selu": "selu",
            "softsign": "softsign"}
-# tat_math name -> precondfx.modules.TransformedActivation name
+# tat_math name -> precondfx.pytorch.modules.TransformedActivation name
 _TORCH_NAME = {"tanh": "tanh", "sigmoid": "sigmoid", "softplus": "softplus", "gelu_exact": "gelu",
                "gelu": "gelu_tanh", "swish": "silu", "elu": "elu", "selu": "selu",
                "softsign": "softsign", "relu": "relu"}
@@ -1106,9 +1106,9 @@ def architecture(model: nn.Module, sample: Any, *, maxpool: str = "stride",
                                                                "eager")) -> Analysis:
     """The TAT/DKS analysis of a model without changing it: its per-location architecture
     expression(s), activations and joins (raises what ``scheme='tat'`` would refuse)."""
-    from precondfx import calibrate as cal
-    from precondfx.pipeline import capture_classify, prepare_sample
-    from precondfx.plan import make_plan
+    from precondfx.pytorch import calibrate as cal
+    from precondfx.pytorch.pipeline import capture_classify, prepare_sample
+    from precondfx.core.plan import make_plan
     opts = Options(maxpool=maxpool, balance="none", residual="none")
     model, s, notes = prepare_sample(model, sample, {})
     cal.forward(model, s, "train")

@@ -36,10 +36,10 @@ from typing import Any
 import torch
 
 from precondfx.errors import PrecondError
-from precondfx.graph import Graph, Node
-from precondfx.options import Options, Override
-from precondfx.plan import ParamInfo, ParamInit, Plan
-from precondfx.schemes.base import Scheme, SchemeContext, register
+from precondfx.core.graph import Graph, Node
+from precondfx.core.options import Options, Override
+from precondfx.core.plan import ParamInfo, ParamInit, Plan
+from precondfx.core.scheme import Scheme, SchemeContext, register
 from precondfx.schemes import wn_math as W
 from precondfx.schemes.activations import activation_of
 from precondfx.schemes.gne import activation_gain, following_activation

@@ -1,0 +1,286 @@
+"""The driver: one runner over a list of stages, and the stages every back end shares.
+
+A pipeline is a list of :class:`Stage` s run in order by :func:`run` over one :class:`State`.
+Each stage is a small function with an explicit contract: the state fields it ``requires`` and
+those it ``ensures`` (checked by the runner, in the style of onnx-ir's passes), a condition
+``when`` it runs, and the progress line it prints.  The runner keeps the stage timings
+(``report.stage_seconds``), prints progress (``verbose``; the ``precondfx`` logger always), and on
+any failure rolls the back end back and runs the registered undo steps, newest first, so that
+nothing is left half-changed.
+
+The stage lists: ``precondfx.pytorch.pipeline`` (PyTorch: prepare, capture, plan, apply, reinit, scheme,
+calibrate, balance, measure, verify, record) and ``precondfx.onnx.pipeline`` (load, normalize,
+capture, plan, apply, reinit, calibrate, save, verify, commit).  ``plan``, ``apply``, ``reinit``,
+``scheme``, ``calibrate`` and ``report`` below are the same code on every back end: they talk to
+the back end only through ``precondfx.core.backend.Backend``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from precondfx.core import calibration as cal
+from precondfx.core.backend import Backend
+from precondfx.errors import PrecondError
+from precondfx.core.graph import Graph
+from precondfx.core.measured import Measured
+from precondfx.core.options import Options, Resolved
+from precondfx.core.plan import ParamInfo, Plan, make_plan, plan_io
+from precondfx.core.report import Report
+from precondfx.core.scheme import Scheme, SchemeContext
+
+log = logging.getLogger("precondfx")
+
+
+@dataclass
+class State:
+    """What the stages of one run share.  Back ends extend it with their own fields
+    (``pipeline.TorchState``, ``onnx.pipeline.OnnxState``)."""
+
+    resolved: Resolved
+    verbose: bool = False
+    progress: Callable[[str, float], None] | None = None   # (stage, seconds since start)
+    sample: Any = None               # what ``backend.run`` takes: a Sample, or ONNX feeds
+    input_arrays: list[Any] = field(default_factory=list)  # numpy inputs, input_scale="auto"
+    graph: Graph | None = None
+    params: dict[str, ParamInfo] = field(default_factory=dict)
+    plan: Plan | None = None
+    backend: Backend | None = None
+    result: Any = None               # the rewritten model
+    report: Report | None = None
+    main_path: list = field(default_factory=list)  # where the main output is in the output
+    out_const: str | None = None     # the output scale's constant
+    constants: dict[str, float] = field(default_factory=dict)   # constant -> planned value
+    alpha_buffers: dict[str, list[str]] = field(default_factory=dict)  # weight -> constants
+    site_buffers: dict[str, str] = field(default_factory=dict)         # node -> alpha constant
+    #: weight -> its call sites' lr_scale multipliers (one per call site placed; ``lr`` scales)
+    lr_buffers: dict[str, list[str]] = field(default_factory=dict)
+    in_scale: float | None = None
+    measured: Measured = field(default_factory=Measured)   # what the stages set after apply
+    data: bool = True                # the model can run on data (not on the meta device)
+    times: dict[str, float] = field(default_factory=dict)
+    undo: list[Callable[[], None]] = field(default_factory=list)
+    t0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def opts(self) -> Options:
+        return self.resolved.options
+
+    @property
+    def scheme(self) -> Scheme:
+        return self.resolved.scheme
+
+    def say(self, msg: str) -> None:
+        """A progress line: the ``precondfx`` logger, and stdout with ``verbose``."""
+        log.info(msg)
+        if self.verbose:
+            print(f"[precondfx {time.perf_counter() - self.t0:6.2f}s] {msg}", flush=True)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of a pipeline (see the module docstring)."""
+
+    name: str                                   # its key in ``report.stage_seconds``
+    fn: Callable[[Any], None]
+    say: str | Callable[[Any], str] | None = None
+    when: Callable[[Any], bool] | None = None
+    requires: tuple[str, ...] = ()
+    ensures: tuple[str, ...] = ()
+
+
+def _check(st: State, stage: Stage, names: tuple[str, ...], what: str) -> None:
+    missing = [n for n in names if getattr(st, n, None) is None]
+    if missing:
+        raise AssertionError(f"stage {stage.name!r} {what} {missing} (a precondfx bug)")
+
+
+def run(stages: Sequence[Stage], st: State) -> State:
+    """Run ``stages`` in order over ``st``: timings, progress, contracts, rollback."""
+    last = None
+    try:
+        for stage in stages:
+            if stage.when is not None and not stage.when(st):
+                continue
+            _check(st, stage, stage.requires, "requires")
+            if st.progress is not None and stage.name != last:
+                st.progress(stage.name, time.perf_counter() - st.t0)
+            last = stage.name
+            if stage.say:
+                st.say(stage.say(st) if callable(stage.say) else stage.say)
+            t = time.perf_counter()
+            stage.fn(st)
+            st.times[stage.name] = st.times.get(stage.name, 0.0) + time.perf_counter() - t
+            _check(st, stage, stage.ensures, "ensures")
+    except BaseException:
+        if st.backend is not None:
+            st.backend.rollback()
+        for undo in reversed(st.undo):
+            undo()
+        raise
+    if st.report is not None:
+        st.report.stage_seconds = {**st.times, "total": sum(st.times.values())}
+    return st
+
+
+# -- the shared stages -------------------------------------------------------------------------
+def has_work(g: Graph, what: str) -> None:
+    """Refuse a graph with nothing to precondition."""
+    if not any(n.status == "weighted" for n in g) and not any(n.kind == "maxpool" for n in g):
+        raise PrecondError(f"the model has no weighted layer ({what}): there is nothing to "
+                           f"precondition. Train this model as it is, or pass the model that "
+                           f"holds the layers (its parameters)")
+
+
+def plan(st: State) -> None:
+    """The whole plan, before anything is applied: ``make_plan`` on the classified graph, the
+    scheme's changes, the input and output scales (``plan_io``)."""
+    p = make_plan(st.graph, st.params, st.opts, alpha_sites=st.scheme.needs_alpha_sites)
+    p.notes.extend(st.resolved.notes())
+    st.scheme.plan(st.graph, p, st.params, st.opts)
+    st.in_scale = input_scale(st.opts, p, st.input_arrays)
+    plan_io(p, st.opts, st.in_scale)
+    st.plan = p
+
+
+#: the scales the back ends place with ``input_scale`` / ``output_scale``
+IO_TAGS = ("input", "output")
+
+
+def apply(st: State) -> None:
+    """Carry the plan out on the back end: pools, the scheme's replacements, every scale, the
+    input and output scales; then ``finish``.  A pool left as it was is recorded in
+    ``st.measured`` (the plan stays as planned)."""
+    be, p, g = st.backend, st.plan, st.graph
+    be.pools(p)
+    for node, why in be.pool_notes.items():
+        st.measured.add("apply", "pool", node, "keep", note=why)
+    st.scheme.model = st.result
+    for node, mod, path in st.scheme.replacements(g, p):
+        if be.replace(node, mod, path, all_calls=True):
+            be.applied.append(f"{st.scheme.name}: {node} replaced by {mod}")
+    weight_of = {lay.node: lay.weight for lay in p.layers}
+    for sc in p.scales:
+        if sc.tag in IO_TAGS:
+            continue
+        name = be.scale(sc)
+        if name is None:
+            continue
+        st.constants[name] = sc.value
+        if sc.tag == "alpha" and weight_of.get(sc.node):
+            st.alpha_buffers.setdefault(weight_of[sc.node], []).append(name)
+            st.site_buffers[sc.node] = name
+        elif sc.tag == "lr" and weight_of.get(sc.node):
+            st.lr_buffers.setdefault(weight_of[sc.node], []).append(name)
+    inp = p.scale("input")
+    if inp is not None:
+        st.constants.update({b: inp.value for b in be.input_scale(inp.value) or []})
+        normed = normalized_before_first_layer(g, p)
+        if normed:
+            be.skipped.append(("input scale", f"normalization {normed} sits between the input "
+                               f"and the first weighted layer and undoes the input scale "
+                               f"(Sec. 6.3 has no effect here)"))
+    if p.scale("output") is not None:
+        st.out_const = be.output_scale(st.main_path)
+        if st.out_const is not None:
+            st.constants[st.out_const] = 1.0
+    be.finish()
+
+
+def reinit(st: State) -> None:
+    """Re-initialize from the plan (always: with ``reinit=False`` the plan holds 'scale'
+    rules, weights divided by their alpha); the report starts here."""
+    st.backend.reinit(st.plan, st.opts.seed)
+    st.report = Report.from_graph(st.graph, st.plan)
+    st.report.applied, st.report.skipped = st.backend.applied, st.backend.skipped
+    st.report.input_scale = st.in_scale
+
+
+def has_scheme_step(st: State) -> bool:
+    return type(st.scheme).calibrate is not Scheme.calibrate
+
+
+def scheme_step(st: State) -> None:
+    """The scheme's data-driven step (LSUV's layer-sequential scaling, TAT's checks)."""
+    sch = st.scheme
+    ctx = SchemeContext(st.result, st.sample, st.graph, st.plan, st.backend, st.opts,
+                        st.opts.calibration, st.site_buffers, st.say, measured=st.measured)
+    st.report.conditioning[sch.name] = sch.calibrate(ctx)
+
+
+def calibrates(st: State) -> bool:
+    return st.opts.target_std is not None and st.out_const is not None and st.data
+
+
+def calibrate(st: State) -> None:
+    """The output scale: the main output's std on the sample brought to ``target_std``."""
+    be, opts, rep = st.backend, st.opts, st.report
+    std = be.output_std(st.sample, opts.calibration, opts.output_key)
+    scale = cal.solve_output_scale(std, opts.target_std)
+    warn = cal.scale_warning(std, scale)
+    if warn:
+        warnings.warn(f"precondfx: {warn}", RuntimeWarning, stacklevel=2)
+        rep.skipped.append(("warning: output scale", warn))
+    be.set_constant(st.out_const, scale)
+    after = be.output_std(st.sample, opts.calibration, opts.output_key) \
+        if be.rerun_after_scale else std * scale
+    rep.output_std_before, rep.output_std_after = std, after
+    rep.target_std, rep.output_scale = opts.target_std, scale
+    st.measured.add("calibrate", "scale", OUTPUT, scale,
+                    reason=f"output std {std:.4g} -> {opts.target_std}")
+
+
+def record(st: State) -> None:
+    """The report's plans: ``planned`` (the intent), ``measured`` (what the stages set after
+    applying it) and ``plan``, the two together: the values the model holds."""
+    st.report.planned, st.report.measured = st.plan, st.measured
+    st.report.plan = st.measured.final(st.plan)
+
+
+#: the key of the planned output scale (``backend.key_of``)
+OUTPUT = "output:output:output:0"
+
+
+# -- rules the stages use ----------------------------------------------------------------------
+def normalized_before_first_layer(g: Graph, plan: Plan) -> str | None:
+    """A normalization node on the path from the inputs to the first weighted layer, if any."""
+    first = next((lay for lay in plan.layers if lay.kind != "embedding"), None)
+    if first is None:
+        return None
+    anc = g.upstream_of(first.node)
+    return next((a for a in anc if g[a].kind == "normalization"), None)
+
+
+def input_scale(opts: Options, plan: Plan, inputs: list[Any]) -> float | None:
+    """Sec. 6.3: scale inputs so E[x0^2] = 1/sqrt(n_in k^2) of the first layer ('auto'), from
+    the floating-point inputs (numpy arrays; additive masks left out)."""
+    if opts.input_scale is None:
+        return None
+    if opts.input_scale != "auto":
+        return float(opts.input_scale)
+    first = next((lay for lay in plan.layers if lay.kind != "embedding"), None)
+    m2 = cal.input_second_moment(inputs)
+    if first is None or m2 is None:
+        raise PrecondError("input_scale='auto' needs a floating-point input and a weighted layer "
+                           "reading it; pass a number instead")
+    target = 1.0 / math.sqrt(first.n_in * first.k2)
+    if m2 <= 0:
+        raise PrecondError("input_scale='auto': the inputs are all zero")
+    return math.sqrt(target / m2)
+
+
+#: the stages every back end runs, in order, between its own (see the module docstring)
+PLAN = Stage("plan", plan, requires=("graph",), ensures=("plan",))
+APPLY = Stage("apply", apply, "applying the plan", requires=("plan", "backend"))
+REINIT = Stage("reinit", reinit, lambda st: "re-initializing parameters" if st.opts.reinit
+               else "rescaling weights for alpha", requires=("plan", "backend"),
+               ensures=("report",))
+SCHEME = Stage("scheme", scheme_step, lambda st: f"scheme {st.scheme.name}: data-driven step",
+               when=has_scheme_step, requires=("report",))
+CALIBRATE = Stage("calibrate", calibrate, "calibrating the output scale", when=calibrates,
+                  requires=("report", "out_const"))
+RECORD = Stage("record", record, requires=("report", "plan"))

@@ -1,0 +1,149 @@
+"""Describe one call as a graph :class:`~precondfx.core.graph.Node`: what every capture shares.
+
+A capture (fx, torch.export, the eager tracer, ONNX) names each operand of a call as an
+activation (:class:`Act`), a parameter (:class:`Param`) or a constant (:class:`Const`) and hands
+the call to :func:`build_node`, which reads the op's arguments the planner needs (stride, padding,
+which operand is the weight) from the op table's spelling of it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from precondfx.core import optable
+from precondfx.core.graph import Node
+
+
+@dataclass(frozen=True)
+class Act:
+    """An activation operand produced by node ``src``."""
+
+    src: str
+
+
+@dataclass(frozen=True)
+class Param:
+    """A parameter (or buffer) operand, by fully qualified name."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Const:
+    """A constant operand (a Python number, or a tensor that is neither activation nor parameter)."""
+
+    value: Any = None
+
+
+# Positional argument names of the functional spellings of ops whose arguments the planner needs.
+_ARGS: dict[str, tuple[str, ...]] = {
+    "conv": ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
+    "convolution": ("input", "weight", "bias", "stride", "padding", "dilation", "transposed",
+                    "output_padding", "groups"),
+    "conv_transpose": ("input", "weight", "bias", "stride", "padding", "output_padding",
+                       "groups", "dilation"),
+    "linear": ("input", "weight", "bias"),
+    "addmm": ("bias", "input", "weight"),
+    "matmul": ("input", "other"),
+    "embedding": ("input", "weight", "padding_idx"),
+    "aten_embedding": ("weight", "input", "padding_idx"),
+    "maxpool": ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode",
+                "return_indices"),
+    "avgpool": ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad"),
+    "leaky_relu": ("input", "negative_slope"),
+}
+
+
+def _parse_call(family: str, args: list, kwargs: dict) -> dict[str, Any]:
+    names = _ARGS.get(family, ())
+    out = {names[i]: a for i, a in enumerate(args) if i < len(names)}
+    out.update(kwargs)
+    return out
+
+
+def _unconst(v: Any) -> Any:
+    if isinstance(v, Const):
+        return v.value
+    if isinstance(v, (list, tuple)):
+        return type(v)(_unconst(x) for x in v)
+    return v
+
+
+def _plain(v: Any) -> bool:
+    if isinstance(v, (list, tuple)):
+        return all(_plain(x) for x in v)
+    return isinstance(v, (int, float, bool, str)) or v is None
+
+
+def _family(kind: str, target: str) -> str:
+    if kind == "conv" and ("convolution" in target):
+        return "convolution"
+    if kind == "linear" and "addmm" in target:
+        return "addmm"
+    if kind == "embedding" and target.startswith("aten."):
+        return "aten_embedding"
+    return kind
+
+
+def build_node(name: str, spec: optable.OpSpec | None, target: str, args: list, kwargs: dict,
+               *, module: str | None = None, module_params: list[str] | None = None,
+               module_attrs: dict[str, Any] | None = None, call_index: int = 0,
+               out_shape: tuple | None = None, in_shapes: list | None = None) -> Node:
+    """Describe one call as a neutral Node (shared by every capture method).  A call of a
+    module gives ``module_params`` (its parameter names, relative) and ``module_attrs``."""
+    spec = spec or optable.UNKNOWN_SPEC
+    inputs: list[str] = []
+    params: dict[str, str] = {}
+    nconst = 0
+    flat: list[tuple[str | None, Any]] = []
+
+    def walk(role: str | None, a: Any) -> None:
+        if isinstance(a, (list, tuple)):
+            for x in a:
+                walk(role, x)
+        elif isinstance(a, dict):
+            for k, x in a.items():
+                walk(role, x)
+        else:
+            flat.append((role, a))
+
+    if module_params is not None:
+        for a in list(args) + list(kwargs.values()):
+            walk(None, a)
+        for pname in module_params:
+            params[pname] = f"{module}.{pname}" if module else pname
+        attrs = dict(module_attrs or {})
+    else:
+        parsed = _parse_call(_family(spec.kind, target), list(args), dict(kwargs))
+        for i, a in enumerate(args):
+            walk(None, a)
+        for k, a in kwargs.items():
+            walk(k, a)
+        attrs = {}
+        for k, v in parsed.items():
+            v = _unconst(v)
+            if k not in ("input", "weight", "bias", "other") and _plain(v):
+                attrs[k] = v
+        for role in ("weight", "bias"):
+            if isinstance(parsed.get(role), Param):
+                params[role] = parsed[role].name
+        if spec.kind == "matmul":
+            if isinstance(parsed.get("other"), Param):
+                params["weight"] = parsed["other"].name
+                attrs["weight_side"] = "right"
+            elif isinstance(parsed.get("input"), Param):
+                params["weight"] = parsed["input"].name
+                attrs["weight_side"] = "left"
+    for role, a in flat:
+        if isinstance(a, Act):
+            if a.src not in inputs:
+                inputs.append(a.src)
+        elif isinstance(a, Param):
+            if module_params is None and a.name not in params.values():
+                params[f"operand{len(params)}"] = a.name
+        elif isinstance(a, Const) or isinstance(a, (int, float)):
+            nconst += 1
+    return Node(name=name, kind=spec.kind, target=target, inputs=inputs, params=params,
+                attrs=attrs, module=module, call_index=call_index,
+                out_shape=tuple(out_shape) if out_shape is not None else None,
+                in_shapes=list(in_shapes or []), const_operands=nconst)

@@ -1,0 +1,388 @@
+"""Every option of the pass, defined once: its default, its allowed values and its help text.
+
+An option travels in three steps, the same for ``precondition``, ``analyze``,
+``precondition_onnx``/``inspect_onnx`` and the command line:
+
+1. :class:`Options` checks the user's values as given (``PrecondError`` naming the option, the
+   value and what to pass instead), before any scheme or back end sees them.
+2. :func:`resolve` applies the changes the scheme declares (``Scheme.overrides``) and the limits
+   the back end declares (a :class:`Support`), each recorded as a :class:`Change` whose note goes
+   into the report.
+3. The planner, the back ends and the calibration read the resolved, frozen options.
+
+The CLI builds its flags from the field metadata here (``cli_flags``, ``from_text``), so a
+default changed in this file changes everywhere.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Callable, Iterable, Mapping
+
+from precondfx.errors import PrecondError
+
+INIT_RULES = ("geometric", "fan_in", "fan_out", "xavier")
+MAXPOOL_MODES = ("stride", "conv", "avgpool", "keep")
+BALANCE_MODES = ("auto", "none", "analytic", "hessian")
+#: balance modes that measure Hessian blocks through the PyTorch model
+MEASURED = ("hessian", "auto")
+RESIDUAL_MODES = ("auto", "all", "none")
+CALIBRATION_MODES = ("train", "eval")
+CAPTURE_METHODS = ("fx", "export", "draft_export", "eager")
+#: lr_scale values (precondfx.pytorch.lr_transfer): the optimizer the model will be trained with
+LR_SCALE_MODES = ("sgd", "adam")
+#: seeds are handed to torch and numpy generators: a non-negative 63-bit integer
+SEED_MAX = 2 ** 63 - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# checks: each returns the value to store (normalized) or raises PrecondError
+# ---------------------------------------------------------------------------------------------
+Check = Callable[[str, Any], Any]
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def one_of(*values: str) -> Check:
+    def check(name: str, v: Any) -> str:
+        if isinstance(v, str) and v in values:
+            return v
+        raise PrecondError(f"{name}={v!r} is not one of {values}: pass one of these strings")
+    check.choices = values  # type: ignore[attr-defined]
+    return check
+
+
+def one_of_or_none(*values: str) -> Check:
+    """One of ``values`` or None (the command line's 'none')."""
+    def check(name: str, v: Any) -> str | None:
+        if v is None or (isinstance(v, str) and v in values):
+            return v
+        raise PrecondError(f"{name}={v!r} is not one of {values} or None: pass one of these "
+                           f"strings, or None")
+    check.words = (None,) + values  # type: ignore[attr-defined]
+    return check
+
+
+def number(what: str, ok: Callable[[float], bool], words: tuple[Any, ...] = ()) -> Check:
+    """A real number (not a bool, not a string) satisfying ``ok``, or one of ``words``."""
+    def check(name: str, v: Any) -> Any:
+        if (v is None and None in words) or (isinstance(v, str) and v in words):
+            return v
+        if _is_number(v) and math.isfinite(float(v)) and ok(float(v)):
+            return float(v)
+        alt = " or ".join(repr(w) for w in words)
+        hint = (" (a string: pass the number itself)" if isinstance(v, str) else
+                " (a bool is not a number)" if isinstance(v, bool) else "")
+        raise PrecondError(f"{name}={v!r} must be {what}{' or ' + alt if alt else ''}{hint}")
+    check.words = words  # type: ignore[attr-defined]
+    return check
+
+
+def integer(lo: int, hi: int | None = None) -> Check:
+    def check(name: str, v: Any) -> int:
+        if _is_int(v) and int(v) >= lo and (hi is None or int(v) <= hi):
+            return int(v)
+        rng = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+        hint = (" (a bool is not an integer)" if isinstance(v, bool) else
+                " (got a float: pass an int)" if isinstance(v, float) else "")
+        raise PrecondError(f"{name}={v!r} must be {rng}{hint}")
+    return check
+
+
+def flag(name: str, v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    raise PrecondError(f"{name}={v!r} must be True or False")
+
+
+def output_key(name: str, v: Any) -> str | int | None:
+    if v is None or isinstance(v, str) or _is_int(v):
+        return v if v is None or isinstance(v, str) else int(v)
+    raise PrecondError(f"{name}={v!r} must be None, an output name (str) or an index (int)")
+
+
+def capture_methods(name: str, v: Any) -> tuple[str, ...]:
+    ms = (v,) if isinstance(v, str) else tuple(v) if isinstance(v, (list, tuple)) else None
+    bad = [m for m in ms or (v,) if m not in CAPTURE_METHODS]
+    if ms is None or bad or not ms:
+        raise PrecondError(f"{name}={bad or v!r} is not among {CAPTURE_METHODS}: pass one "
+                           f"method or a list of them")
+    return ms
+
+
+def text(name: str, v: Any) -> str:
+    """A string (names checked against a registry later, e.g. the scheme's)."""
+    if isinstance(v, str) and v:
+        return v
+    raise PrecondError(f"{name}={v!r} must be a name (a non-empty string)")
+
+
+def mapping(name: str, v: Any) -> dict:
+    if v is None:
+        return {}
+    if isinstance(v, Mapping) and all(isinstance(k, str) for k in v):
+        return dict(v)
+    raise PrecondError(f"{name}={v!r} must be a dict of keyword arguments (or None)")
+
+
+def _opt(default: Any, check: Check, help: str, *, cli: bool | str = False, plan: bool = True,
+         keyword: str | None = None) -> Any:
+    """A field of :class:`Options`: ``plan`` (it shapes the plan and is stored in
+    ``plan.options``), ``cli`` (the command line has a flag for it; a string is the flag's
+    metavar), ``keyword`` (the public
+    keyword argument, when it differs from the field name)."""
+    return field(default=default, metadata={"check": check, "help": help, "cli": cli,
+                                            "plan": plan, "keyword": keyword})
+
+
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Options:
+    """Options of the pass (the public keyword arguments of ``precondition``); checked when
+    built, frozen afterwards (use :func:`resolve` or ``dataclasses.replace`` to change one)."""
+
+    init: str = _opt("geometric", one_of(*INIT_RULES, "keep"),
+                     "weight initialization rule (Sec. 6; keep: leave the weights)", cli=True)
+    maxpool: str = _opt("stride", one_of(*MAXPOOL_MODES),
+                        "max-pool replacement: fold the stride into the conv before it when "
+                        "possible, else a strided conv (stride); always a conv; average pool; "
+                        "keep", cli=True)
+    balance: str = _opt("auto", one_of(*BALANCE_MODES),
+                        "alpha constants: auto (PyTorch: measured where layers are out of "
+                        "balance; ONNX: analytic), none, analytic (Sec. 5, App. E), hessian "
+                        "(measured; PyTorch models only)", cli=True)
+    balance_threshold: float = _opt(2.0, number("a number >= 1", lambda x: x >= 1.0),
+                                    "balance='auto' changes the alphas only when the measured "
+                                    "spread is significantly above this factor", cli="X")
+    residual: str = _opt("auto", one_of(*RESIDUAL_MODES),
+                         "branch scale s on residual joins (auto: branches without "
+                         "normalization)", cli=True)
+    residual_scale: float | str = _opt("auto", number("a number in (0, 1]",
+                                                      lambda x: 0 < x <= 1, ("auto",)),
+                                       "value of s (auto: 1/sqrt(number of joins))", cli="S")
+    target_std: float | None = _opt(1.0, number("a positive number", lambda x: x > 0, (None,)),
+                                    "output std after calibration (None, on the command "
+                                    "line 'none': no output scale)", cli="STD")
+    input_scale: float | str | None = _opt(None, number("a positive number", lambda x: x > 0,
+                                                        (None, "auto")),
+                                           "multiply the inputs by this, or 'auto' (Sec. 6.3)",
+                                           cli="X")
+    output_key: str | int | None = _opt(None, output_key,
+                                        "output to scale (name or index; default 'logits' or "
+                                        "the first floating-point output)", cli="KEY")
+    lr_scale: str | None = _opt(None, one_of_or_none(*LR_SCALE_MODES),
+                                "function-preserving per-layer scales (output x c, weight and "
+                                "bias / c) "
+                                "so that one learning rate suits all widths and depths: 'adam' "
+                                "(each stored weight scaled to rms sqrt(fan_in)/64 (L/3)^1.5, L the "
+                                "main-path depth: equal relative Adam steps in every layer, "
+                                "4x inside residual branches), "
+                                "'sgd' (every stored weight x L/3); None (on the command line "
+                                "'none'): off (precondfx.pytorch.lr_transfer)", cli="OPT")
+    seed: int = _opt(0, integer(0, SEED_MAX), "seed of the re-initialization", cli="N")
+    reinit: bool = _opt(True, flag, "re-initialize the weights; reinit_weights=False "
+                        "(--no-reinit) keeps them, divided by their alpha, and only inserts "
+                        "constants", cli=True, keyword="reinit_weights")
+    scheme: str = _opt("geometric", text, "initialization scheme (geometric, lsuv, gne, wn, "
+                       "tat, dks); its name and scheme_options are checked by the scheme "
+                       "registry (precondfx.core.scheme.get_scheme)", cli="NAME")
+    scheme_options: dict | None = _opt(None, mapping, "keyword arguments of the scheme",
+                                       plan=False)
+    balance_samples: int = _opt(16, integer(1), "samples measured by measured balancing and "
+                                "measure=True", plan=False, cli="N")
+    measure: bool = _opt(False, flag, "measure the conditioning before and after",
+                         plan=False)
+    calibration: str = _opt("train", one_of(*CALIBRATION_MODES),
+                            "mode the model runs in for calibration", plan=False, cli=True)
+    capture: tuple[str, ...] = _opt(CAPTURE_METHODS, capture_methods,
+                                    "capture methods, tried in order", plan=False)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            object.__setattr__(self, f.name, f.metadata["check"](keyword_of(f), getattr(self,
+                                                                                     f.name)))
+        if self.lr_scale is not None and self.scheme != "geometric":
+            raise PrecondError(f"lr_scale= works with scheme='geometric' (scheme={self.scheme!r} "
+                               f"sets its own per-layer constants from data after the plan): "
+                               f"drop lr_scale or use the geometric scheme")
+
+    @classmethod
+    def from_keywords(cls, **kwargs: Any) -> "Options":
+        """Options from the public keyword names (``reinit_weights`` for ``reinit``)."""
+        names = {keyword_of(f): f.name for f in fields(cls)}
+        bad = sorted(k for k in kwargs if k not in names)
+        if bad:
+            raise PrecondError(f"unknown option(s) {bad}: the options are {sorted(names)}")
+        return cls(**{names[k]: v for k, v in kwargs.items()})
+
+    def validate(self) -> None:
+        """Kept for callers of the old API: the values were checked when built."""
+
+    def planned(self) -> dict[str, Any]:
+        """The options that shape the plan (stored in ``plan.options``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata["plan"]}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def keyword_of(f: Any) -> str:
+    return f.metadata["keyword"] or f.name
+
+
+#: the defaults, for the signatures of the public functions (one place holds them)
+DEFAULTS = Options.__new__(Options)
+for _f in fields(Options):
+    object.__setattr__(DEFAULTS, _f.name, _f.default)
+
+
+# ---------------------------------------------------------------------------------------------
+# resolution: scheme overrides and back-end limits, each a recorded change
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Change:
+    """One option changed during resolution, and why (a note in the report)."""
+
+    option: str
+    old: Any
+    new: Any
+    by: str
+    why: str
+
+    def note(self) -> str:
+        return f"{self.option}={self.old!r} -> {self.new!r} ({self.by}): {self.why}"
+
+
+@dataclass(frozen=True)
+class Override:
+    """What a scheme or a back end declares: set ``option`` to ``value`` (``REFUSE``: raise a
+    PrecondError with ``why`` instead)."""
+
+    option: str
+    value: Any
+    why: str
+
+
+REFUSE = object()
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A back-end limit: when ``applies(value)`` of ``option``, use ``value`` or refuse."""
+
+    option: str
+    applies: Callable[[Any], bool]
+    value: Any
+    why: str
+
+
+@dataclass(frozen=True)
+class Support:
+    """What a back end can do, as rules on option values (everything else is supported)."""
+
+    name: str
+    rules: tuple[Rule, ...] = ()
+
+    def overrides(self, opts: Options) -> list[Override]:
+        return [Override(r.option, r.value, r.why) for r in self.rules
+                if r.applies(getattr(opts, r.option))]
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The options the pipeline runs with, the user's as given, and every change made."""
+
+    options: Options
+    user: Options
+    changes: tuple[Change, ...]
+    scheme: Any = None
+
+    def notes(self) -> list[str]:
+        return [c.note() for c in self.changes]
+
+
+def apply_overrides(opts: Options, overrides: Iterable[Override], by: str
+                    ) -> tuple[Options, list[Change]]:
+    """``opts`` with ``overrides`` applied (a refusal raises), and the changes made."""
+    changes = []
+    for o in overrides:
+        old = getattr(opts, o.option)
+        if o.value is REFUSE:
+            raise PrecondError(o.why)
+        if old == o.value and type(old) is type(o.value):
+            continue
+        opts = replace(opts, **{o.option: o.value})
+        changes.append(Change(o.option, old, o.value, by, o.why))
+    return opts, changes
+
+
+def resolve(user: Options, *supports: Support, scheme: Any = None) -> Resolved:
+    """The one resolution step: the declared overrides of ``scheme`` (an object with
+    ``overrides(opts)``, see ``precondfx.core.scheme.resolve_options``), then each back end's
+    limits, in order."""
+    overrides = scheme.overrides(user) if scheme is not None else []
+    opts, changes = apply_overrides(user, overrides, f"scheme {user.scheme}")
+    for sup in supports:
+        opts, more = apply_overrides(opts, sup.overrides(opts), sup.name)
+        changes += more
+    return Resolved(opts, user, tuple(changes), scheme)
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line: flags built from the same fields
+# ---------------------------------------------------------------------------------------------
+_TEXT_WORDS = {"none": None, "off": None}
+
+
+def from_text(name: str, s: str) -> Any:
+    """Parse a command-line value of option ``name`` and check it (PrecondError if bad)."""
+    f = next(f for f in fields(Options) if f.name == name)
+    check = f.metadata["check"]
+    v: Any = s
+    if s.lower() in _TEXT_WORDS and None in getattr(check, "words", ()):
+        v = None
+    elif getattr(check, "choices", None) is None and s.lower() not in getattr(check, "words", ()):
+        for conv in (int, float):
+            try:
+                v = conv(s)
+                break
+            except ValueError:
+                pass
+    elif s.lower() in getattr(check, "words", ()):
+        v = s.lower()
+    return check(keyword_of(f), v)
+
+
+def cli_fields() -> list[Any]:
+    """The fields the command line has flags for, in definition order."""
+    return [f for f in fields(Options) if f.metadata["cli"]]
+
+
+def cli_flags(add_argument: Callable[..., Any], only: Iterable[str] | None = None,
+              parse: Callable[[str, str], Any] = from_text) -> None:
+    """Add a flag per CLI option through ``add_argument`` (argparse's); each flag's dest is the
+    public keyword name and its default is :data:`DEFAULTS`'s value.  ``parse(name, text)``
+    converts a value (raise ``argparse.ArgumentTypeError`` for a bad one)."""
+    for f in cli_fields():
+        if only is not None and f.name not in only:
+            continue
+        kw, default, help = keyword_of(f), f.default, f.metadata["help"]
+        if isinstance(default, bool):
+            add_argument(f"--{'no-' if default else ''}{f.name.replace('_', '-')}", dest=kw,
+                         action="store_false" if default else "store_true", default=default,
+                         help=help)
+            continue
+        choices = getattr(f.metadata["check"], "choices", None)
+        meta = f.metadata["cli"]
+        extra: dict[str, Any] = {"choices": choices} if choices else {
+            "type": (lambda s, _n=f.name: parse(_n, s)),
+            "metavar": meta if isinstance(meta, str) else f.name.upper()}
+        add_argument(f"--{f.name.replace('_', '-')}", dest=kw, default=default,
+                     help=f"{help} (default {default!r})", **extra)

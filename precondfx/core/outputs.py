@@ -1,0 +1,81 @@
+"""Which output is "the" output: the one rule every back end uses to pick the tensor that the
+output scale (``target_std``) applies to and that calibration and measurements read.
+
+Given the model's outputs as ``(key, is_floating_point_tensor[, has_several_elements])``
+entries in order: the entry named ``logits`` when it is a floating-point tensor, else the first
+floating-point one that is not a single number (a loss), else the first floating-point one.
+Outputs nested in containers (``{"out": {"logits": ...}}``) are searched level by level.  An
+explicit ``output_key`` overrides the rule (each back end checks that it selects a tensor).
+PyTorch adapters: ``precondfx.pytorch.capture.common.output_path``/``main_output``; ONNX:
+``precondfx.onnx.apply.OnnxApplier.main_output``.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Hashable, Iterable
+
+MAIN_NAME = "logits"
+
+
+def pick_main(entries: Iterable[tuple], name_of: Callable[[Hashable], Hashable] = lambda k: k
+              ) -> Hashable | None:
+    """The key of the main output among ``(key, is_float_tensor)`` or ``(key, is_float_tensor,
+    has_several_elements)`` entries, or None: the floating-point entry named ``logits`` (by
+    ``name_of(key)``), else the first floating-point one with several elements (a scalar loss
+    returned before the logits, ``(loss, logits)``, is not the output to scale), else the
+    first floating-point one."""
+    entries = [(e[0], e[1], e[2] if len(e) > 2 else True) for e in entries]
+    for key, is_float, _ in entries:
+        if name_of(key) == MAIN_NAME and is_float:
+            return key
+    for key, is_float, several in entries:
+        if is_float and several:
+            return key
+    return next((key for key, is_float, _ in entries if is_float), None)
+
+
+#: op kinds (``precondfx.core.optable``) whose output has a fixed range or normalization, which a
+#: scale after them would break: probabilities that no longer sum to 1 or exceed 1
+#: (``BCELoss`` raises), log-probabilities that are no longer normalized, a tanh-bounded
+#: action outside its bounds
+BOUNDED = {"softmax": "softmax/log_softmax (a probability vector)",
+           "saturating": "a sigmoid/tanh (a bounded range)",
+           "clipped_relu": "a clipped activation (a bounded range)"}
+
+
+def bounded_output(kind: str | None, target: str = "") -> str | None:
+    """Why the main output cannot take the output scale (None when it can): it comes out of
+    an op with a fixed range or normalization (by kind, or ``F.normalize`` by name)."""
+    if kind in BOUNDED:
+        what = BOUNDED[kind]
+    elif target.rpartition(".")[2] == "normalize":
+        what = "F.normalize (unit-norm vectors)"
+    else:
+        return None
+    return (f"the main output comes out of {what}: a scale after it would break that range "
+            f"(probabilities above 1, log-probabilities that no longer normalize), so the "
+            f"output scale is not applied. To get it, return the values before that op (the "
+            f"logits) and apply the op in the loss (CrossEntropyLoss, BCEWithLogitsLoss), or "
+            f"pass target_std=None to turn output scaling off")
+
+
+#: op kinds that pass values through unchanged in range (a final view, a dtype cast, a slice)
+PASS_THROUGH = ("reshape", "cast", "select")
+
+
+def bounded_producer(graph: Any, name: str | None) -> str | None:
+    """Why the value of ``graph`` node ``name`` cannot take the output scale (None when it can):
+    ``bounded_output`` of the node, looked up through single-input reshapes, casts and
+    selections (``softmax(x).view(n, -1)``, an ONNX ``Identity`` after a ``Sigmoid``).  The one
+    rule the fx, eager and ONNX back ends apply to the main output's producer."""
+    node = graph.get(name) if name is not None else None
+    while node is not None and node.kind in PASS_THROUGH and len(node.inputs) == 1:
+        node = graph.get(node.inputs[0])
+    return bounded_output(node.kind, node.target) if node is not None else None
+
+
+def skip_bounded(backend: Any, why: str) -> None:
+    """The output scale is not applied (``why`` from ``bounded_output``): a ``RuntimeWarning``
+    and a ``report.skipped`` line, the same on every back end."""
+    warnings.warn(f"precondfx: {why}", RuntimeWarning, stacklevel=3)
+    backend._skip("output", "output scale", why)

@@ -1,0 +1,587 @@
+"""Plan what to change: plain data computed from a classified graph, shared by every back end.
+
+A :class:`Plan` says, keyed by parameter and node names: how each parameter is initialized
+(rule and standard deviation), which scale constants go where (alpha on a layer's input, the
+residual branch scale s on an add's operand, the input and output scales), and what happens to
+each max-pooling node.  It serializes to JSON, so it can be printed, saved, diffed, compared
+between the PyTorch and ONNX paths, and re-applied.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from precondfx.core import fans as fanlib
+from precondfx.core import optable
+from precondfx.core.graph import Graph, Node
+from precondfx.core.options import (BALANCE_MODES, MAXPOOL_MODES, MEASURED, RESIDUAL_MODES,
+                               Options)
+
+# the options are defined in precondfx.core.options (re-exported here for older imports)
+__all__ = ["Options", "MAXPOOL_MODES", "BALANCE_MODES", "MEASURED", "RESIDUAL_MODES", "Plan",
+           "ParamInit", "ParamInfo", "Layer", "Scale", "PoolChange", "Residual", "make_plan",
+           "plan_io"]
+
+
+@dataclass
+class ParamInit:
+    """How one parameter is (re-)initialized."""
+
+    name: str
+    rule: str            # geometric | fan_in | fan_out | xavier | zeros | ones | orthogonal |
+    #                      scale (multiply the current value by ``std``) |
+    #                      constant (every element ``std``) | keep
+    std: float | None    # standard deviation of the normal draw (weights), the factor for
+    #                      ``scale``, else None
+    reason: str
+    shape: list[int] = field(default_factory=list)
+    gates: int = 1       # orthogonal per gate block (recurrent weights)
+
+
+@dataclass
+class Layer:
+    """One weighted call site: its fans and its alpha."""
+
+    node: str
+    kind: str
+    module: str | None
+    weight: str | None
+    bias: str | None
+    n_in: int
+    n_out: int
+    k2: int
+    alpha: float = 1.0
+    alpha_reason: str = ""
+    in_residual_branch: bool = False
+    k2_eff: float | None = None   # taps that reach the input on average (zero padding)
+
+
+@dataclass
+class Scale:
+    """A fixed scalar multiplication inserted in the graph."""
+
+    tag: str             # alpha | residual | input | output | lr (lr_scale's multiplier on a
+    #                      layer's output: weight and bias stored divided by it)
+    node: str            # node whose input/output/operand is scaled
+    where: str           # input | output | operand
+    index: int           # operand or input index
+    value: float
+    reason: str
+
+    def key(self) -> str:
+        """The scale's name in the back ends' outcomes and in ``report.measured``."""
+        return f"{self.tag}:{self.node}:{self.where}:{self.index}"
+
+
+@dataclass
+class PoolChange:
+    """What happens to one max-pooling node."""
+
+    node: str
+    action: str          # fold | conv | avgpool | keep
+    reason: str
+    into: str | None = None      # conv node the stride is folded into
+    new_param: str | None = None  # weight of the replacement conv
+    geometry: dict = field(default_factory=dict)
+
+
+@dataclass
+class Residual:
+    """A residual join (skip connection) and its branch."""
+
+    node: str
+    branch_index: int
+    fork: str
+    branch_layers: list[str]
+    s: float | None
+    reason: str
+
+
+@dataclass
+class Plan:
+    """Everything the pass will change; JSON-serializable."""
+
+    options: dict
+    layers: list[Layer] = field(default_factory=list)
+    inits: dict[str, ParamInit] = field(default_factory=dict)
+    scales: list[Scale] = field(default_factory=list)
+    pools: list[PoolChange] = field(default_factory=list)
+    residuals: list[Residual] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    #: what a scheme's plan says about a node (a replacement, a normalized sum), shown as the
+    #: node's reason in the report instead of the classification's
+    reasons: dict[str, str] = field(default_factory=dict)
+    #: tied parameters: every other name of a parameter -> the name its init is planned under
+    #: (``model.to_empty`` unties them; ``precondfx.reinit`` ties them again)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        return cls(options=d["options"],
+                   layers=[Layer(**x) for x in d.get("layers", [])],
+                   inits={k: ParamInit(**v) for k, v in d.get("inits", {}).items()},
+                   scales=[Scale(**x) for x in d.get("scales", [])],
+                   pools=[PoolChange(**{**x, "geometry": _geometry(x.get("geometry", {}))})
+                          for x in d.get("pools", [])],
+                   residuals=[Residual(**x) for x in d.get("residuals", [])],
+                   notes=list(d.get("notes", [])), reasons=dict(d.get("reasons", {})),
+                   aliases=dict(d.get("aliases", {})))
+
+    def alphas(self) -> dict[str, float]:
+        """alpha per weight parameter name (first call site)."""
+        out: dict[str, float] = {}
+        for lay in self.layers:
+            if lay.weight and lay.weight not in out:
+                out[lay.weight] = lay.alpha
+        return out
+
+    def scale(self, tag: str) -> Scale | None:
+        return next((s for s in self.scales if s.tag == tag), None)
+
+
+@dataclass
+class ParamInfo:
+    """What the planner needs to know of a parameter."""
+
+    shape: tuple[int, ...]
+    trainable: bool = True
+    parametrized: bool = False
+    aliases: tuple[str, ...] = ()   # the other names of a tied parameter
+
+
+# ---------------------------------------------------------------------------------------------
+def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
+              alpha_sites: bool = False) -> Plan:
+    """Compute the plan for a classified graph; ``params`` describes the model's parameters.
+    ``alpha_sites`` puts an alpha (1 where no correction is planned) at every weighted call
+    site, as measured balancing and LSUV need."""
+    plan = Plan(options=opts.planned())
+    plan.aliases = {a: name for name, info in params.items() for a in info.aliases}
+    _plan_pools(graph, params, plan, opts)
+    _plan_layers(graph, params, plan)
+    _plan_residuals(graph, plan, opts)
+    if opts.balance == "analytic":
+        _analytic_alphas(plan)
+    lr_scale = getattr(opts, "lr_scale", None)   # lr_transfer sets the "lr" multipliers
+    _plan_inits(graph, params, plan, opts)
+    for lay in plan.layers:
+        info = params.get(lay.weight or "")
+        if info is not None and not info.trainable:
+            lay.alpha, lay.alpha_reason = 1.0, "frozen weight: no alpha (it would change the " \
+                                                "function without a compensating weight)"
+            continue
+        if lay.alpha == 1.0 and opts.balance not in MEASURED and not alpha_sites:
+            continue
+        where = "input" if lay.kind in ("conv", "conv_transpose", "linear", "matmul") else "output"
+        plan.scales.append(Scale("alpha", lay.node, where, 0, lay.alpha,
+                                 lay.alpha_reason or "alpha site for measured balancing"))
+    if lr_scale is not None:
+        _lr_sites(plan, params)
+    return plan
+
+
+def _lr_sites(plan: Plan, params: dict[str, ParamInfo]) -> None:
+    """``lr_scale=``: a multiplier on the output of every weighted call site (1 here; set by
+    ``precondfx.pytorch.lr_transfer`` after balancing, with the layer's weight and bias divided by it),
+    so that the weight and the bias see the same change of effective learning rate."""
+    for lay in plan.layers:
+        info = params.get(lay.weight or "")
+        if info is None or not info.trainable:
+            continue
+        plan.scales.append(Scale("lr", lay.node, "output", 0, 1.0,
+                                 "lr_scale multiplier (weight and bias stored divided by it)"))
+
+
+def plan_io(plan: Plan, opts: Options, input_value: float | None) -> None:
+    """The input and output scales, planned with the rest (before anything is applied): the
+    input scale's value is known now (Sec. 6.3; ``precondfx.core.driver.input_scale``), the output
+    scale's is measured by calibration (Sec. 6.4), which records it in ``report.measured``."""
+    if input_value is not None:
+        plan.scales.append(Scale("input", "input", "input", 0, float(input_value),
+                                 "input scale (Sec. 6.3)"))
+    if opts.target_std is not None:
+        plan.scales.append(Scale("output", "output", "output", 0, 1.0,
+                                 f"output std -> {opts.target_std} on the calibration batch "
+                                 f"(Sec. 6.4): the value is set by calibration"))
+
+
+def _tuple(v: Any, d: int) -> tuple[int, ...]:
+    if isinstance(v, (list, tuple)):
+        if len(v) == 0:
+            return ()
+        return tuple(int(x) for x in v) if len(v) == d else tuple(int(v[0]) for _ in range(d))
+    return tuple(int(v) for _ in range(d))
+
+
+def _geometry(g: dict) -> dict:
+    """A pool geometry read back from JSON: its per-dimension entries are tuples again, as
+    ``pool_geometry`` makes them (so a loaded plan equals the one saved)."""
+    return {k: tuple(v) if k in ("kernel", "stride", "padding", "dilation")
+            and isinstance(v, list) else v for k, v in g.items()}
+
+
+def pool_geometry(n: Node) -> dict | None:
+    """kernel/stride/padding/dilation of a max-pool node as tuples of its spatial rank."""
+    shape = n.in_shapes[0] if n.in_shapes else None
+    if shape is None or n.out_shape is None:
+        return None
+    d = len(shape) - 2
+    if d < 1:
+        return None
+    a = n.attrs
+    k = _tuple(a.get("kernel_size", 1), d)
+    s = _tuple(a.get("stride") if a.get("stride") not in (None, [], ()) else k, d)
+    p = _tuple(a.get("padding", 0), d)
+    dil = _tuple(a.get("dilation", 1), d)
+    return {"dims": d, "kernel": k, "stride": s, "padding": p, "dilation": dil,
+            "ceil_mode": bool(a.get("ceil_mode", False)), "channels": int(shape[1]),
+            "in_shape": list(shape), "out_shape": list(n.out_shape)}
+
+
+def conv_out(size: int, k: int, s: int, p: int, d: int) -> int:
+    """Output length of a convolution along one dimension (floor mode)."""
+    return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def _plan_pools(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Options) -> None:
+    users = graph.users()
+    module_calls: dict[str, int] = {}
+    for n in graph:
+        if n.module:
+            module_calls[n.module] = module_calls.get(n.module, 0) + 1
+    for n in graph:
+        if n.kind != "maxpool":
+            continue
+        geo = pool_geometry(n)
+        if opts.maxpool == "keep":
+            plan.pools.append(PoolChange(n.name, "keep", "maxpool='keep' was asked for"))
+            continue
+        if n.attrs.get("keep_reason"):
+            plan.pools.append(PoolChange(n.name, "keep", str(n.attrs["keep_reason"])))
+            continue
+        if geo is None:
+            plan.pools.append(PoolChange(n.name, "keep", "its input shape is unknown, so a "
+                                         "replacement of the same geometry cannot be built"))
+            continue
+        if n.attrs.get("return_indices"):
+            plan.pools.append(PoolChange(n.name, "keep", "it returns indices (return_indices=True)"))
+            continue
+        new_param = f"{n.module}.weight" if n.module and module_calls.get(n.module) == 1 \
+            else f"precondfx_pool_{n.name}.weight"
+        if opts.maxpool == "avgpool":
+            plan.pools.append(PoolChange(n.name, "avgpool", "replaced by average pooling of the "
+                                         "same geometry (preserves scaling, Table 1)",
+                                         geometry=geo))
+            continue
+        if opts.maxpool == "stride":
+            folded = _try_fold(graph, n, geo, users, module_calls)
+            if isinstance(folded, PoolChange):
+                plan.pools.append(folded)
+                continue
+            why_not = folded
+        else:
+            why_not = "maxpool='conv' was asked for"
+        # replacement strided convolution C -> C with the pool's geometry
+        k, s, p, dil = geo["kernel"], geo["stride"], geo["padding"], geo["dilation"]
+        outs = [conv_out(geo["in_shape"][2 + i], k[i], s[i], p[i], dil[i])
+                for i in range(geo["dims"])]
+        if outs != geo["out_shape"][2:]:
+            plan.pools.append(PoolChange(n.name, "keep", f"a strided convolution of the same "
+                                         f"geometry would give spatial size {outs}, not "
+                                         f"{geo['out_shape'][2:]} (ceil_mode)", geometry=geo))
+            continue
+        plan.pools.append(PoolChange(n.name, "conv", f"replaced by a strided {geo['channels']}->"
+                                     f"{geo['channels']} convolution of the same geometry "
+                                     f"(not folded: {why_not})", new_param=new_param,
+                                     geometry=geo))
+        c = geo["channels"]
+        params[new_param] = ParamInfo((c, c) + tuple(k))
+        params[new_param[:-len("weight")] + "bias"] = ParamInfo((c,))
+
+
+def _try_fold(graph: Graph, pool: Node, geo: dict, users: dict, module_calls: dict
+              ) -> PoolChange | str:
+    """Fold the pool's stride into the convolution before it, or say why not."""
+    k, s, p, dil = geo["kernel"], geo["stride"], geo["padding"], geo["dilation"]
+    if k != s or any(p) or any(x != 1 for x in dil) or geo["ceil_mode"]:
+        return "kernel differs from stride, or padding/dilation/ceil_mode is set"
+    cur = graph.get(pool.inputs[0]) if pool.inputs else None
+    chain = []
+    while cur is not None and cur.kind in ("relu", "leaky_relu", "prelu", "dropout"):
+        if len(users.get(cur.name, [])) != 1:
+            return f"{cur.name} has more than one user"
+        chain.append(cur.name)
+        cur = graph.get(cur.inputs[0]) if cur.inputs else None
+    if cur is None or cur.kind != "conv" or cur.module is None:
+        return "the pool's input does not come from a convolution module through elementwise " \
+               "homogeneous ops"
+    if len(users.get(cur.name, [])) != 1:
+        return f"the convolution {cur.name} has other users"
+    if cur.attrs.get("no_fold_reason"):
+        return str(cur.attrs["no_fold_reason"])
+    if module_calls.get(cur.module, 0) != 1:
+        return f"the convolution module {cur.module} is called more than once"
+    a = cur.attrs
+    if isinstance(a.get("padding"), str):
+        return f"the convolution uses padding={a.get('padding')!r}"
+    d = geo["dims"]
+    ck, cs = _tuple(a.get("kernel_size", 1), d), _tuple(a.get("stride", 1), d)
+    cp, cd = _tuple(a.get("padding", 0), d), _tuple(a.get("dilation", 1), d)
+    in_shape = cur.in_shapes[0] if cur.in_shapes else None
+    if in_shape is None or len(in_shape) != d + 2:
+        return "the convolution's input shape is unknown"
+    new_out = [conv_out(in_shape[2 + i], ck[i], cs[i] * s[i], cp[i], cd[i]) for i in range(d)]
+    if new_out != geo["out_shape"][2:]:
+        return (f"folding would give spatial size {new_out}, not the pool's "
+                f"{geo['out_shape'][2:]}")
+    geo = dict(geo, conv_stride=[cs[i] * s[i] for i in range(d)])
+    return PoolChange(pool.name, "fold", f"stride {list(s)} folded into {cur.module} (output "
+                      f"shape identical for the sample's input size)", into=cur.name,
+                      geometry=geo)
+
+
+def _plan_layers(graph: Graph, params: dict[str, ParamInfo], plan: Plan) -> None:
+    folded = {pc.node: pc for pc in plan.pools}
+    for n in graph:
+        if n.status == optable.WEIGHTED and n.kind in ("conv", "conv_transpose", "linear",
+                                                      "matmul", "embedding"):
+            w = n.params.get("weight")
+            info = params.get(w) if w else None
+            if w is None and any(".parametrizations." in p or "original" in p
+                                 for p in n.params.values()):
+                n.reason += "; its weight is parametrized (weight/spectral norm): left as is " \
+                            "(scheme='wn' initializes weight-normalized layers)"
+                plan.notes.append(f"{n.name}: parametrized weight left as is")
+                continue
+            f = fanlib.weight_fans(n.kind, info.shape, n.attrs) if info else None
+            if f is None:
+                plan.notes.append(f"{n.name}: fans of {n.kind} weight {w} are not defined "
+                                  f"(shape {info.shape if info else None}); weight left as is")
+                continue
+            plan.layers.append(Layer(n.name, n.kind, n.module, w, n.params.get("bias"),
+                                     f.n_in, f.n_out, f.k2,
+                                     k2_eff=fanlib.effective_taps(n) if n.kind == "conv"
+                                     else None))
+        elif n.kind == "maxpool" and n.name in folded and folded[n.name].action == "conv":
+            pc = folded[n.name]
+            c = pc.geometry["channels"]
+            k2 = math.prod(pc.geometry["kernel"])
+            w = pc.new_param
+            eff = fanlib.effective_taps_of(pc.geometry["in_shape"][2:], pc.geometry["kernel"],
+                                           pc.geometry["stride"], pc.geometry["padding"],
+                                           pc.geometry["dilation"])
+            plan.layers.append(Layer(n.name, "conv", n.module, w, w[:-len("weight")] + "bias",
+                                     c, c, k2, k2_eff=eff))
+
+
+def _plan_residuals(graph: Graph, plan: Plan, opts: Options) -> None:
+    # ancestor sets as bitmasks over execution indices (Graph.ancestor_masks): linear memory
+    # per node, so deep models (hundreds of blocks) plan in time linear in their joins
+    idx, anc = graph.ancestor_masks()
+    nodes = list(graph)
+    weighted = {n.name for n in graph if n.status == optable.WEIGHTED}
+    weighted |= {pc.node for pc in plan.pools if pc.action == "conv"}
+    wmask = sum(1 << idx[w] for w in weighted if w in idx)
+    nmask = sum(1 << i for i, n in enumerate(nodes) if n.kind == "normalization")
+
+    def names(mask: int) -> list[str]:       # in execution order
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(nodes[low.bit_length() - 1].name)
+            mask ^= low
+        return out
+
+    def below(fork: int, end: int) -> int:
+        """Nodes before index ``end`` that descend from node ``fork``."""
+        d = 1 << fork
+        for k in range(fork + 1, end):
+            if any(j is not None and (d >> j) & 1 for j in map(idx.get, nodes[k].inputs)):
+                d |= 1 << k
+        return d & ~(1 << fork)
+
+    joins: list[tuple[Node, int, str, list[str], bool]] = []
+    for n in graph:
+        if n.kind not in ("add",) or len(n.inputs) < 2:
+            continue
+        a, b = n.inputs[0], n.inputs[1]
+        ia, ib = idx.get(a), idx.get(b)
+        ca = 0 if ia is None else anc[ia] | (1 << ia)
+        cb = 0 if ib is None else anc[ib] | (1 << ib)
+        common = ca & cb
+        if not common:
+            n.reason = "merge of two activations with no common ancestor: not a residual " \
+                       "join (breaks scaling, left as is)"
+            continue
+        f = common.bit_length() - 1                    # the latest common ancestor
+        fork = nodes[f].name
+        since = below(f, idx[n.name])
+        la, lb = names(ca & since & wmask), names(cb & since & wmask)
+        if len(la) == len(lb):
+            n.reason = (f"join of two paths from {fork} with equal numbers of weighted layers "
+                        f"({len(la)}): ambiguous, no branch scale inserted")
+            continue
+        bi = 0 if len(la) > len(lb) else 1
+        branch = la if bi == 0 else lb
+        bset = (ca if bi == 0 else cb) & since
+        joins.append((n, bi, fork, branch, bool(bset & nmask)))
+    n_joins = len(joins)
+    for n, bi, fork, branch, has_norm in joins:
+        insert = opts.residual == "all" or (opts.residual == "auto" and not has_norm)
+        if not insert:
+            why = ("residual='none'" if opts.residual == "none" else
+                   "the branch has a normalization layer, which sets its scale (residual='all' "
+                   "inserts s anyway)")
+            plan.residuals.append(Residual(n.name, bi, fork, branch, None, f"no s: {why}"))
+            n.reason = f"residual join of branch {n.inputs[bi]}: {why}"
+            continue
+        s = (1.0 / math.sqrt(n_joins)) if opts.residual_scale == "auto" else \
+            float(opts.residual_scale)
+        why = (f"branch scale s = 1/sqrt({n_joins} residual joins) keeps the stream's variance "
+               f"growth (1+s^2)^N below e (App. E)" if opts.residual_scale == "auto"
+               else "branch scale s from residual_scale (App. E)")
+        plan.residuals.append(Residual(n.name, bi, fork, branch, s, why))
+        plan.scales.append(Scale("residual", n.name, "operand", bi, s, why))
+        n.reason = f"residual join: branch {n.inputs[bi]} ({len(branch)} weighted) scaled by " \
+                   f"s={s:.4g} (App. E)"
+    in_branch = {m for r in plan.residuals if r.s is not None for m in r.branch_layers}
+    for lay in plan.layers:
+        lay.in_residual_branch = lay.node in in_branch
+
+
+def _analytic_alphas(plan: Plan) -> None:
+    """Sec. 5 and App. E: alpha^4 * k^2 * m = const, m = s^4/(1+s^2)^2 in residual branches.
+
+    Kernel-size correction alpha = (k^2)^(-1/4) (the 1/sqrt(3) of a bottleneck's 3x3 conv);
+    layers outside residual branches of a network with branch scale s get the extra factor
+    s/sqrt(1+s^2) (the stem and final-layer alphas of App. E.1)."""
+    ss = [r.s for r in plan.residuals if r.s is not None]
+    s = ss[0] if ss else None
+    flat = s is not None and all(abs(x - s) < 1e-12 for x in ss)
+    for lay in plan.layers:
+        if lay.kind == "embedding":
+            continue
+        a = lay.k2 ** -0.25
+        why = [f"kernel size correction (k^2={lay.k2})^(-1/4) (Sec. 5)"] if lay.k2 != 1 else []
+        if s is not None and not lay.in_residual_branch:
+            if flat:
+                a *= s / math.sqrt(1 + s * s)
+                why.append(f"outside residual branches: s/sqrt(1+s^2) with s={s:.4g} "
+                           f"(App. E.1)")
+        lay.alpha = a
+        lay.alpha_reason = "; ".join(why) if why else "no correction needed"
+
+
+def _opaque_inits(n: Node, params: dict[str, ParamInfo], rule: str, put: Any) -> None:
+    """Inits of an opaque weighted module (multi-head attention, recurrent cell): projection and
+    input weights by the fan rule, recurrent weights orthogonal per gate, biases zero."""
+    cls = n.attrs.get("class", "")
+    gates = 4 if "LSTM" in cls else 3 if "GRU" in cls else 1
+    what = "attention" if n.kind == "attention" else "recurrent"
+    for role, pname in n.params.items():
+        info = params.get(pname)
+        if info is None:
+            continue
+        f = (fanlib.attention_fans(role, info.shape) if n.kind == "attention"
+             else fanlib.recurrent_fans(role, info.shape, gates))
+        if "weight_hh" in role:
+            put(pname, ParamInit(pname, "orthogonal", 1.0, "recurrent weight: orthogonal per "
+                                 "gate (keeps norms over time steps)", gates=gates))
+        elif f is not None and rule != "keep":
+            put(pname, ParamInit(pname, rule, math.sqrt(fanlib.second_moment(f, rule)),
+                                 f"{what} weight {role} (n_in={f.n_in}, n_out={f.n_out})"))
+        elif "bias" in role:
+            put(pname, ParamInit(pname, "zeros", None, f"{what} bias starts at zero"))
+        else:
+            put(pname, ParamInit(pname, "keep", None, f"{what} {role}: left as is"))
+
+
+def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Options) -> None:
+    inits = plan.inits
+    rule = opts.init
+    alpha_of: dict[str, float] = {}
+    for lay in plan.layers:
+        if lay.weight:
+            alpha_of.setdefault(lay.weight, lay.alpha)
+    # lr_scale divides these afterwards: with reinit=False they get a 'scale' rule (1/alpha),
+    # whose factor lr_transfer divides, so that the plan keeps saying what the model holds
+    lr_params = {p for lay in plan.layers for p in (lay.weight, lay.bias) if p} \
+        if getattr(opts, "lr_scale", None) is not None else set()
+
+    def put(name: str | None, pi: ParamInit) -> None:
+        if not name or name not in params:
+            return
+        info = params[name]
+        pi.shape = list(info.shape)
+        if name in inits:
+            prev = inits[name]
+            if prev.rule != pi.rule or (prev.std or 0) != (pi.std or 0):
+                prev.reason += f"; also used as {pi.rule} by another layer (first use wins)"
+            return
+        if not info.trainable:
+            pi = ParamInit(name, "keep", None, "frozen (requires_grad=False): left as is",
+                           list(info.shape))
+        elif info.parametrized:
+            pi = ParamInit(name, "keep", None, "parametrized weight: left as is",
+                           list(info.shape))
+        elif not opts.reinit:
+            alpha = alpha_of.get(name, 1.0)
+            if alpha != 1.0:
+                pi = ParamInit(name, "scale", 1.0 / alpha, f"reinit=False: existing weight "
+                               f"divided by alpha={alpha:.4g} so the function is unchanged",
+                               list(info.shape))
+            elif name in lr_params:
+                pi = ParamInit(name, "scale", 1.0, "reinit=False: existing value (lr_scale "
+                               "divides it by its layer's multiplier)", list(info.shape))
+            else:
+                pi = ParamInit(name, "keep", None, "reinit=False", list(info.shape))
+        inits[name] = pi
+
+    layer_of = {lay.node: lay for lay in plan.layers}
+    for n in graph:
+        lay = layer_of.get(n.name)
+        if lay is not None:
+            f = fanlib.Fans(lay.n_in, lay.n_out, lay.k2_eff or lay.k2,
+                            gain=1.0 if lay.kind == "embedding" else 2.0)
+            if rule == "keep":
+                put(lay.weight, ParamInit(lay.weight, "keep", None, "init='keep'"))
+            else:
+                r = "geometric" if lay.kind == "embedding" else rule
+                std = math.sqrt(fanlib.second_moment(f, r)) / lay.alpha
+                put(lay.weight, ParamInit(lay.weight, r, std,
+                                          f"E[W^2]={fanlib.second_moment(f, r):.4g} ({r}, n_in="
+                                          f"{f.n_in}, n_out={f.n_out}, k^2={f.k2:.4g}"
+                                          + (f" taps reaching the input of {lay.k2} under "
+                                             f"zero padding" if lay.k2_eff and
+                                             abs(lay.k2_eff - lay.k2) > 1e-9 else "") + ")"
+                                          + (f", divided by alpha^2={lay.alpha**2:.4g}"
+                                             if lay.alpha != 1 else "")))
+            put(lay.bias, ParamInit(lay.bias or "", "zeros", None, "biases start at zero (Sec. 6)"))
+            for role, pname in n.params.items():
+                if role not in ("weight", "bias"):
+                    put(pname, ParamInit(pname, "keep", None,
+                                         f"{role} of {n.name}: not a weight of the layer"))
+        elif n.kind in ("attention", "recurrent") and n.status == optable.WEIGHTED:
+            _opaque_inits(n, params, rule, put)
+        elif n.kind == "normalization":
+            for role, pname in n.params.items():
+                if role.endswith("weight"):
+                    put(pname, ParamInit(pname, "ones", None, "normalization scale starts at 1"))
+                elif role.endswith("bias"):
+                    put(pname, ParamInit(pname, "zeros", None, "normalization shift starts at 0"))
+    read = {p for n in graph for p in n.params.values()}
+    for name, info in params.items():
+        if name in inits:
+            continue
+        why = ("read by an op that is not a weighted layer (e.g. a position embedding, a class "
+               "token, an activation slope): left as is" if name in read else
+               "not read by any captured operation: left as is")
+        inits[name] = ParamInit(name, "keep", None, why, list(info.shape))

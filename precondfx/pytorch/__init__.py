@@ -1,0 +1,1 @@
+"""The PyTorch back end: capture, appliers, calibration, balancing, verification, folding."""

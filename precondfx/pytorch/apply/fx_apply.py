@@ -1,0 +1,294 @@
+"""Carry a plan out on a ``torch.fx.GraphModule`` by graph surgery.
+
+Scale constants become buffers of the GraphModule read by ``get_attr`` nodes and multiplied in
+with ``mul`` nodes, so they show in ``gm.code``, save with ``state_dict`` and survive deep copies
+and ONNX export.  Max-pools are folded into the convolution before them or replaced by a module.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from precondfx.core.backend import Records, key_of
+from precondfx.pytorch.apply.common import buffer_name, replacement_pool, scalar_buffer
+from precondfx.pytorch.apply.torch_backend import TorchBackend
+from precondfx.core.outputs import bounded_output, skip_bounded
+from precondfx.core.plan import Plan, Scale
+
+
+def _activation_args(node: fx.Node) -> list[fx.Node]:
+    acts: list[fx.Node] = []
+
+    def walk(a: Any) -> None:
+        if isinstance(a, fx.Node):
+            if a.op != "get_attr" and a not in acts:
+                acts.append(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                walk(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                walk(x)
+
+    walk(node.args)
+    walk(node.kwargs)
+    return acts
+
+
+def _like(gm: fx.GraphModule) -> torch.Tensor | None:
+    for p in gm.parameters():
+        return p
+    return None
+
+
+def _set_submodule(gm: fx.GraphModule, path: str, mod: torch.nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(gm.get_submodule(parent) if parent else gm, leaf, mod)
+
+
+def _is_tensor(n: fx.Node) -> bool:
+    tm = n.meta.get("tensor_meta")
+    return tm is not None and hasattr(tm, "shape")
+
+
+class FxApplier(TorchBackend, Records):
+    """The fx back end (``precondfx.core.backend.Backend``): applies pools and scales to a
+    GraphModule; records what was applied and what was not."""
+
+    name = "fx"
+
+    def __init__(self, gm: fx.GraphModule, graph: Any = None) -> None:
+        self.gm = self.module = gm
+        self.kinds: dict[str, str] = {n.name: n.kind for n in graph} if graph is not None else {}
+        self.nodes = {n.name: n for n in gm.graph.nodes}
+        self._records()
+
+    def _buffer(self, name: str, value: float) -> fx.Node:
+        self.gm.register_buffer(name, scalar_buffer(value, _like(self.gm)))
+        return name
+
+    def _mul(self, before: fx.Node, value_src: fx.Node, bname: str) -> fx.Node:
+        with self.gm.graph.inserting_before(before):
+            c = self.gm.graph.get_attr(bname)
+            m = self.gm.graph.call_function(operator.mul, (value_src, c))
+        return m
+
+    def scale(self, sc: Scale) -> str | None:
+        """Insert one scale; returns the buffer name (None if it could not be placed)."""
+        node, key = self.nodes.get(sc.node), key_of(sc)
+        if node is None:
+            self._skip(key, sc.node, f"{sc.tag}: node not found in the traced graph")
+            return None
+        bname = buffer_name(sc.tag, sc.node, sc.index if sc.where == "operand" else None)
+        if sc.where in ("input", "operand"):
+            acts = _activation_args(node)
+            if sc.index >= len(acts):
+                self._skip(key, sc.node, f"{sc.tag}: operand {sc.index} not found")
+                return None
+            src = acts[sc.index]
+            self._buffer(bname, sc.value)
+            m = self._mul(node, src, bname)
+            node.replace_input_with(src, m)
+        else:  # output
+            self._buffer(bname, sc.value)
+            with self.gm.graph.inserting_after(node):
+                c = self.gm.graph.get_attr(bname)
+            with self.gm.graph.inserting_after(c):
+                m = self.gm.graph.call_function(operator.mul, (node, c))
+            node.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
+        self._done(key, f"{sc.tag} {sc.value:.4g} at {sc.where} of {sc.node} ({bname})", bname)
+        return bname
+
+    def pools(self, plan: Plan) -> None:
+        for pc in plan.pools:
+            node = self.nodes.get(pc.node)
+            if node is None or pc.action == "keep":
+                continue
+            src = _activation_args(node)[0]
+            if pc.action == "fold":
+                conv_node = self.nodes[pc.into]
+                conv = self.gm.get_submodule(str(conv_node.target))
+                conv.stride = tuple(pc.geometry["conv_stride"])
+                node.replace_all_uses_with(src)
+                self.gm.graph.erase_node(node)
+                if node.op == "call_module" and not any(
+                        n.op == "call_module" and n.target == node.target
+                        for n in self.gm.graph.nodes):
+                    self.gm.delete_submodule(str(node.target))
+                self._done(f"pool:{pc.node}", f"maxpool {pc.node} folded into {conv_node.target}")
+                continue
+            mod = replacement_pool(pc, _like(self.gm))
+            path = pc.new_param[:-len(".weight")] if pc.new_param else \
+                (str(node.target) if node.op == "call_module" else f"precondfx_pool_{pc.node}")
+            self.replace(pc.node, mod, path)
+            self._done(f"pool:{pc.node}",
+                       f"maxpool {pc.node} replaced by {type(mod).__name__} at {path}")
+
+    def replace(self, name: str, mod: torch.nn.Module, path: str | None = None,
+                all_calls: bool = False) -> bool:
+        """Make node ``name`` a call of ``mod`` (a new submodule at ``path``; default: the
+        node's own module path) on its first activation operand; the old submodule is dropped
+        when nothing else calls it.  Each call site is its own node here, so ``all_calls`` (an
+        eager-path notion) is moot."""
+        node = self.nodes.get(name)
+        if node is None:
+            self._skip(f"replace:{name}", name, "replacement: node not found in the traced graph")
+            return False
+        src = _activation_args(node)[0]
+        old = str(node.target) if node.op == "call_module" else None
+        path = path or old or f"precondfx_{name}"
+        if old == path:
+            _set_submodule(self.gm, path, mod)
+            node.args, node.kwargs = (src,), {}
+            self._done(f"replace:{name}", None)
+            return True
+        self.gm.add_submodule(path, mod)
+        with self.gm.graph.inserting_before(node):
+            new = self.gm.graph.call_module(path, (src,))
+        node.replace_all_uses_with(new)
+        self.gm.graph.erase_node(node)
+        self.nodes[name] = new
+        if old is not None and not any(n.op == "call_module" and n.target == old
+                                       for n in self.gm.graph.nodes):
+            self.gm.delete_submodule(old)
+        self._done(f"replace:{name}", None)
+        return True
+
+    def input_scale(self, value: float) -> list[str]:
+        names = []
+        for n in list(self.gm.graph.nodes):
+            if n.op != "placeholder":
+                continue
+            tm = n.meta.get("tensor_meta")
+            if tm is None or not getattr(tm, "dtype", torch.int64).is_floating_point:
+                continue
+            b = buffer_name("input", n.name)
+            self._buffer(b, value)
+            users = list(n.users)
+            first = next(iter(users), None)
+            if first is None:
+                continue
+            with self.gm.graph.inserting_after(n):
+                c = self.gm.graph.get_attr(b)
+            with self.gm.graph.inserting_after(c):
+                m = self.gm.graph.call_function(operator.mul, (n, c))
+            n.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
+            names.append(b)
+        self._done("input", None, names[0] if names else None)
+        return names
+
+    def output_scale(self, path: list) -> str | None:
+        """Multiply the main output by a buffer where it is produced: every use of it inside
+        forward (a loss the model computes from its logits) sees the scale, not only the
+        returned value.  The scale goes up through reshapes, selections and casts to the node
+        that computes the values, so a loss computed before a final ``view`` sees it too."""
+        out = next(n for n in self.gm.graph.nodes if n.op == "output")
+        target = out.args[0]
+        for k in path:
+            whole, target = target, _select(target, k)
+        if not isinstance(target, fx.Node):
+            why = "main output is not a graph value"
+            if path and isinstance(whole, fx.Node):   # e.g. torch.topk's (values, indices)
+                why = (f"the main output is part of the value {whole.name} returns whole (a "
+                       f"structseq such as torch.topk's), which the graph cannot edit: no "
+                       f"output scale. Return the tensor itself (values, indices = "
+                       f"torch.topk(...)) to get it")
+            self._skip("output", "output", why)
+            return None
+        node = self._producer(target)
+        bounded = bounded_output(self.kinds.get(node.name), str(getattr(node.target, "__name__",
+                                                                          node.target)))
+        if bounded is not None:
+            skip_bounded(self, bounded)
+            return None
+        b = buffer_name("output", "scale")
+        self._buffer(b, 1.0)
+        with self.gm.graph.inserting_after(node):
+            c = self.gm.graph.get_attr(b)
+        with self.gm.graph.inserting_after(c):
+            m = self.gm.graph.call_function(operator.mul, (node, c))
+        node.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
+        self._done("output", f"output scale at the output of {node.name} (the main output"
+                   f"{'' if node is target else ' up to ' + target.name}): every use inside "
+                   f"forward sees it", b)
+        return b
+
+    def _producer(self, node: fx.Node) -> fx.Node:
+        """Walk up from ``node`` through single-operand ops that keep the values (reshape, cast:
+        every other use of the operand reads the same values), and selections whose operand has
+        no other use."""
+        while True:
+            kind = self.kinds.get(node.name)
+            acts = [a for a in _activation_args(node) if _is_tensor(a)]
+            if kind not in ("reshape", "cast", "select") or len(acts) != 1:
+                return node
+            src = acts[0]
+            if not _is_tensor(src) or src.op == "placeholder" or \
+                    (kind == "select" and len(src.users) != 1):
+                return node
+            node = src
+
+    def probe(self, run: Callable[[torch.nn.Module], Any], names: list[str]
+              ) -> dict[str, torch.Tensor]:
+        """Outputs of the named nodes during ``run(gm)`` (an Interpreter records them)."""
+        wanted = {self.nodes[n]: n for n in names if n in self.nodes}
+        got: dict[str, torch.Tensor] = {}
+
+        class Rec(fx.Interpreter):
+            def run_node(self, n: fx.Node) -> Any:
+                out = super().run_node(n)
+                if n in wanted:  # copied now: a later in-place op cannot change it
+                    t = out[0] if isinstance(out, (tuple, list)) and out else out
+                    got[wanted[n]] = t.detach().clone() if isinstance(t, torch.Tensor) else t
+                return out
+
+        interp = Rec(self.gm)
+        placeholders = [p.target for p in self.gm.graph.nodes if p.op == "placeholder"]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            vals = list(args) + [kwargs.get(t.lstrip("*")) for t in placeholders[len(args):]]
+            return interp.run(*vals)
+
+        run(call)
+        return got
+
+    def input_module(self, name: str, mod: torch.nn.Module) -> bool:
+        """A call of ``mod`` (submodule ``name``) on the first input, before every use of it."""
+        self.gm.add_submodule(name, mod)
+        ph = next(n for n in self.gm.graph.nodes if n.op == "placeholder")
+        with self.gm.graph.inserting_after(ph):
+            new = self.gm.graph.call_module(name, (ph,))
+        ph.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+        self.finish()
+        self._done(f"module:{name}", f"{type(mod).__name__} inserted at the input ({name})")
+        return True
+
+    def finish(self) -> None:
+        # Type annotations copied from the user's forward can be strings (``from __future__
+        # import annotations``), which GraphModule pickling cannot resolve: drop them.
+        for n in self.gm.graph.nodes:
+            n.type = None
+        self.gm.graph.lint()
+        self.gm.recompile()
+
+    def rollback(self) -> None:
+        """Nothing to undo: the fx back end edits a new GraphModule, never the user's model."""
+
+
+def _select(value: Any, key: Any) -> Any:
+    """``value[key]`` on the traced output: a tuple, list or dict of nodes, or a node that
+    builds a namedtuple (fx records ``Out(logits, hidden)`` as a call); None where the traced
+    graph does not tell which value it is."""
+    if isinstance(value, fx.Node):
+        cls = value.target if value.op == "call_function" else None
+        fields = getattr(cls, "_fields", None) if isinstance(cls, type) else None
+        if fields is None:
+            return None
+        vals = list(value.args) + [value.kwargs.get(f) for f in fields[len(value.args):]]
+        return vals[fields.index(key) if isinstance(key, str) else key]
+    if value is None:
+        return None
+    return value[key]

@@ -1,0 +1,44 @@
+"""What the fx and eager back ends share of ``precondfx.core.backend.Backend``: running the
+rewritten module, re-initializing it, setting a constant."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class TorchBackend:
+    """The shared half of the fx and eager back ends (``self.module``: the rewritten module)."""
+
+    module: nn.Module
+    rerun_after_scale = True
+
+    def reinit(self, plan: Any, seed: int) -> list[str]:
+        """``precondfx.pytorch.apply.reinit.reinit`` on the rewritten module."""
+        from precondfx.pytorch.apply.reinit import reinit
+        return reinit(self.module, plan, seed)
+
+    def run(self, sample: Any, mode: str) -> Any:
+        """One side-effect-free forward on the sample (a fake-tensor run on the meta device)."""
+        from precondfx.pytorch import calibrate as cal
+        from precondfx.pytorch.capture import meta
+        if meta.on_meta(self.module):
+            return meta.forward(self.module, lambda m: cal.forward(m, sample, mode),
+                                "checking the model")
+        return cal.forward(self.module, sample, mode)
+
+    def output_std(self, sample: Any, mode: str, key: Any = None) -> float:
+        from precondfx.pytorch import calibrate as cal
+        return cal.output_std(cal.forward(self.module, sample, mode), key)
+
+    def probe_sample(self, sample: Any, names: list[str], mode: str) -> dict[str, Any]:
+        """``probe`` on one quiet, gradient-free run of the sample (dropout off, BatchNorm
+        statistics restored)."""
+        from precondfx.pytorch import calibrate as cal
+        with cal.quiet_run(self.module, mode), cal.no_grad_for(self.module):
+            return self.probe(lambda fn: sample.call(fn), names)
+
+    def set_constant(self, name: str, value: float) -> None:
+        with torch.no_grad():
+            self.module.get_buffer(name).fill_(value)

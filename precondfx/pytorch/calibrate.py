@@ -1,0 +1,288 @@
+"""Calibration runs: measure the model on the calibration batch without side effects.
+
+The output scale is fixed in the mode training will use (Sec. 6.4; DESIGN.md): train mode by
+default, where normalization layers use batch statistics.  Dropout is switched off so the scale
+is deterministic, and every buffer (BatchNorm running statistics, counters) is restored after
+the run, so a calibration forward leaves no trace.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import weakref
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from precondfx.pytorch.capture.common import Sample, main_output
+from precondfx.pytorch.checks import is_out_of_memory
+from precondfx.core import calibration
+from precondfx.core.calibration import (SCALE_REFUSE, SCALE_WARN,  # noqa: F401 (re-exported)
+                                        scale_warning, solve_output_scale)
+from precondfx.errors import PrecondError
+
+_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+            nn.FeatureAlphaDropout)
+
+
+_STOCHASTIC_NAMES = ("Dropout", "DropPath", "StochasticDepth", "DropBlock")
+
+
+def is_stochastic(m: nn.Module) -> bool:
+    """Dropout and its relatives (timm's DropPath, torchvision's StochasticDepth, DropBlock,
+    the dropout between the layers of nn.LSTM/GRU/RNN): random in train mode, identity in eval
+    mode."""
+    return isinstance(m, _DROPOUT) or any(k in type(m).__name__ for k in _STOCHASTIC_NAMES) \
+        or (isinstance(m, nn.RNNBase) and m.dropout > 0 and m.num_layers > 1)
+
+
+_DROPOUT_FNS = {f for f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+                            F.feature_alpha_dropout, torch.dropout, torch.Tensor.dropout
+                            if hasattr(torch.Tensor, "dropout") else F.dropout)}
+
+
+# Attention ops with their own dropout: position of ``dropout_p`` in their signature.  The mode
+# sees only calls made from Python code outside torch functions, so nn.MultiheadAttention's
+# call of F.multi_head_attention_forward (which then calls scaled_dot_product_attention) is
+# caught at the outer call.
+_ATTENTION_DROPOUT = {F.scaled_dot_product_attention: 4, F.multi_head_attention_forward: 10}
+
+
+class NoDropout(TorchFunctionMode):
+    """Turns functional dropout into the identity (transformers call F.dropout with
+    ``training=self.training``, which module-level ``eval()`` of Dropout layers cannot reach),
+    and sets the attention dropout (``dropout_p`` of scaled_dot_product_attention and of
+    nn.MultiheadAttention) to zero, so that a calibration run is deterministic."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DROPOUT_FNS:
+            return args[0] if args else kwargs["input"]
+        pos = _ATTENTION_DROPOUT.get(func)
+        if pos is not None:
+            if len(args) > pos:
+                args = tuple(args[:pos]) + (0.0,) + tuple(args[pos + 1:])
+            else:
+                kwargs = {**kwargs, "dropout_p": 0.0}
+        return func(*args, **kwargs)
+
+
+_PLAIN = (int, float, bool, complex, str, bytes, type(None))
+
+
+def _plain(v: object) -> bool:
+    return isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(_plain(x) for x in v))
+
+
+def _renormed(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters a forward pass rewrites in place: the weights of embeddings with
+    ``max_norm`` (renormalized rows)."""
+    out = {}
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+            out[f"{path}.weight" if path else "weight"] = m.weight
+    return out
+
+
+@contextlib.contextmanager
+def preserved(model: nn.Module) -> Iterator[None]:
+    """Restore, on exit and whatever runs inside, every module's train/eval flag, every buffer
+    (BatchNorm running statistics, counters), every plain Python attribute of a module (numbers,
+    strings, flags: a ``self.calls += 1`` in forward; the content of the module's own lists,
+    dicts and sets: a ``self.cache.append(y)``), the weights a forward renormalizes
+    (``nn.Embedding(max_norm=...)``) and the global random generators (a forward that draws
+    noise): a measurement or calibration run leaves no trace."""
+    mods = list(model.modules())
+    modes = {m: m.training for m in mods}
+    attrs = {m: {k: v for k, v in vars(m).items() if _plain(v)} for m in mods}
+    # the user's own containers (not torch's ``_parameters``, hooks...): a forward that
+    # appends to ``self.cache`` gets its list back as it was, in place
+    boxes = [(v, type(v)(v)) for m in mods for k, v in vars(m).items()
+             if not k.startswith("_") and type(v) in (list, dict, set)]
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    params = {name: p.detach().clone() for name, p in _renormed(model).items()}
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    py_rng, np_rng = random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(py_rng)   # Python-level draws (a layer dropped at random) too
+        np.random.set_state(np_rng)
+        torch.set_rng_state(rng)  # a forward that draws random numbers leaves the user's
+        if cuda_rng is not None:  # generator where it was
+            torch.cuda.set_rng_state_all(cuda_rng)
+        for m, t in modes.items():
+            m.training = t
+        for m, old in attrs.items():
+            d = vars(m)
+            for k in [k for k, v in d.items() if k not in old and _plain(v)]:
+                del d[k]  # a plain attribute the run added
+            d.update(old)
+        for box, content in boxes:  # no == (tensors inside would compare elementwise)
+            box.clear()
+            box.update(content) if isinstance(box, (dict, set)) else box.extend(content)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in saved and saved[name].shape == b.shape:
+                    b.copy_(saved[name])
+            for name, v in params.items():
+                p = model.get_parameter(name)
+                if p.shape == v.shape:
+                    p.copy_(v)
+
+
+def set_mode(model: nn.Module, mode: str) -> None:
+    """Put ``model`` in the calibration mode: 'eval' everywhere, or 'train' where a model
+    already in train mode keeps each module's own flag (a frozen BatchNorm stays in eval)."""
+    if mode == "eval" or not model.training:
+        model.train(mode == "train")
+
+
+@contextlib.contextmanager
+def quiet_run(model: nn.Module, mode: str = "train") -> Iterator[None]:
+    """Run in ``mode`` ('train' or 'eval') with dropout off; restore modes and buffers after.
+
+    In 'train' mode a model that is already in train mode keeps each module's own flag: a
+    module the user put in eval (a frozen BatchNorm) is calibrated as it will train."""
+    if mode not in ("train", "eval"):
+        raise PrecondError(f"calibration mode must be 'train' or 'eval', got {mode!r}")
+    with preserved(model):
+        set_mode(model, mode)
+        for m in model.modules():
+            if is_stochastic(m):    # the module's own flag: a user block whose name says
+                m.training = False  # 'Dropout' keeps its BatchNorms' modes
+        yield
+
+
+#: what autograd says when a forward differentiates inside itself (``torch.autograd.grad``
+#: of its output with respect to its input: physics-informed nets, energy models) under no_grad
+_NEEDS_GRAD = ("does not require grad and does not have a grad_fn",)
+
+
+def needs_grad(e: BaseException) -> bool:
+    """Whether ``e`` is autograd's error for a forward that differentiates inside itself,
+    run under ``torch.no_grad()``."""
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _NEEDS_GRAD)
+
+
+#: model classes whose forward differentiates itself: their calibration runs keep grad on
+_DIFFERENTIATES: "weakref.WeakSet[type]" = weakref.WeakSet()
+
+
+def no_grad_for(model: nn.Module) -> contextlib.AbstractContextManager:
+    """``torch.no_grad()``, or grad on for a model whose forward differentiates itself (found
+    by :func:`forward`): the context a measuring forward of ``model`` runs in."""
+    return torch.enable_grad() if type(model) in _DIFFERENTIATES else torch.no_grad()
+
+
+def forward(model: nn.Module, sample: Sample, mode: str = "train") -> object:
+    """One side-effect-free forward pass (no grad; with grad for a forward that calls
+    ``torch.autograd.grad`` itself: found on its first run, whose failed attempt is undone,
+    and remembered for its class so that later runs go once), with a clear error if the
+    model raises."""
+    with quiet_run(model, mode), torch.no_grad(), NoDropout():
+        try:
+            if type(model) not in _DIFFERENTIATES:
+                try:
+                    with preserved(model):
+                        return sample.call(model)
+                except RuntimeError as e:
+                    if not needs_grad(e):
+                        raise
+                _DIFFERENTIATES.add(type(model))
+            with torch.enable_grad():
+                # outputs not detached: a caller may look for the modules that produced them
+                return sample.call(model)
+        except (PrecondError, RecursionError):  # RecursionError: see checks.guarded
+            raise
+        except Exception as e:  # the user's model raised: say so, keep the cause
+            if is_out_of_memory(e):  # checks.guarded says what to do
+                raise
+            shapes = [tuple(t.shape) for t in sample.tensors()]
+            if "more than 1 value per channel" in str(e):
+                raise PrecondError(
+                    f"the model's normalization layer needs more than one sample per channel in "
+                    f"train mode, and the calibration batch has shapes {shapes}: pass a batch of "
+                    f"at least two samples, or calibration='eval'") from e
+            raise PrecondError(
+                f"the model raised {type(e).__name__} when called with the sample (tensor shapes "
+                f"{shapes}): {e}. {_input_hint(model, sample, e)}Check that the sample is what "
+                f"the model's forward expects (a tensor, a tuple of positional inputs or a dict "
+                f"of keyword inputs)") from e
+
+
+def _input_hint(model: nn.Module, sample: Sample, e: BaseException) -> str:
+    """'The sample is on X, the model on Y: move it' when the devices differ; 'convert it'
+    when the model raised about a type, computes in floating point and the sample holds only
+    integer or bool tensors (uint8 images); '' otherwise."""
+    have = {t.device for t in sample.tensors()}
+    want = {p.device for p in model.parameters()}
+    if len(want) == 1 and have and have != want:
+        dev = next(iter(want))
+        return (f"The sample has tensors on {sorted(str(d) for d in have)} and the model's "
+                f"parameters are on {dev}: move the sample there (x.to('{dev}')). ")
+    dts = {t.dtype for t in sample.tensors()}
+    pdt = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if dts and len(pdt) == 1 and "type" in str(e).lower() and \
+            not any(d.is_floating_point or d.is_complex for d in dts):
+        names = sorted(str(d).replace("torch.", "") for d in dts)
+        return (f"The sample holds only {'/'.join(names)} tensors and the model computes in "
+                f"{str(next(iter(pdt))).replace('torch.', '')}: if they are data rather than "
+                f"ids, convert them (x.float(); uint8 images: x.float() / 255). ")
+    return ""
+
+
+def output_std(out: object, key: str | int | None = None) -> float:
+    """Population std (correction 0) over all elements of the main output, in float64."""
+    t = main_output(out, key).detach()
+    check_calibratable(t)
+    return float(t.to(torch.float64).std(correction=0))
+
+
+def check_calibratable(t: torch.Tensor) -> None:
+    """Refuse a main output whose std cannot be calibrated (a single number, fewer than two
+    elements); shapes only, so it also runs on the meta device, before materializing."""
+    if t.numel() == 1 and t.dim() == 0:
+        raise PrecondError("the model returns a single number (a loss?), which has no std to "
+                           "calibrate: the output scale acts on the model's predictions. Return "
+                           "them too (loss, logits) or in a dict under 'logits', name them with "
+                           "output_key=, or pass target_std=None to skip output scaling")
+    if t.numel() < 2:
+        raise PrecondError(f"the main output has {t.numel()} element(s): its std is undefined; "
+                           f"use a calibration batch with more samples or pass target_std=None")
+
+
+def check_finite_sample(sample: Sample) -> None:
+    """Refuse empty batches and NaN/inf in floating-point inputs."""
+    ts = sample.tensors()
+    if not ts:
+        raise PrecondError("the sample contains no tensor: pass the batch the model is called "
+                           "with (a tensor, a tuple of positional inputs or a dict of keyword "
+                           "inputs)")
+    for t in ts:
+        if t.numel() == 0:
+            raise PrecondError(f"the sample has an empty tensor of shape {tuple(t.shape)}: pass "
+                               f"a batch with at least one example (several are better for "
+                               f"calibration)")
+        if t.layout != torch.strided:  # sparse: its stored values are what can be bad
+            t = t.coalesce().values() if t.layout == torch.sparse_coo else t.values()
+        if t.is_floating_point() and t.device.type != "meta" and \
+                not bool(torch.isfinite(t).all()) and not is_additive_mask(t):
+            bad = int((~torch.isfinite(t)).sum())
+            raise PrecondError(f"the sample has {bad} NaN/inf value(s) in a tensor of shape "
+                               f"{tuple(t.shape)}: clean the calibration batch first (-inf is "
+                               f"accepted only in an additive mask: -inf where masked, 0 or "
+                               f"negative finite values elsewhere)")
+
+
+def is_additive_mask(t: torch.Tensor) -> bool:
+    """:func:`precondfx.core.calibration.is_additive_mask` on a tensor."""
+    if not t.is_floating_point() or t.device.type == "meta":
+        return False
+    return calibration.is_additive_mask(t.detach().float().cpu().numpy())

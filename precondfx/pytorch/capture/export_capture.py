@@ -1,0 +1,205 @@
+"""Capture with ``torch.export.export`` (non-strict) or ``torch.export.draft_export``.
+
+The exported graph is made of ATen ops.  Ops that ran inside one call of a leaf module known to
+the op table (``nn_module_stack``'s innermost entry, e.g. ``conv1`` a ``Conv2d``) are grouped
+back into one node per module call, so the neutral graph has the same granularity as an fx
+trace; other ops stay one node each.  ``draft_export`` specializes data-dependent branches on
+the sample, which the report says.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from precondfx.core import optable
+from precondfx.pytorch import ops
+from precondfx.pytorch.capture.common import Act, Const, Param, Sample, build_node, shape_of
+from precondfx.core.graph import Graph, Node
+
+
+def export(model: torch.nn.Module, sample: Sample, *, draft: bool = False
+           ) -> torch.export.ExportedProgram:
+    """Export ``model`` on the sample (non-strict), or draft-export it."""
+    if draft:
+        ep = torch.export.draft_export(model, sample.args, kwargs=sample.kwargs)
+    else:
+        ep = torch.export.export(model, sample.args, kwargs=sample.kwargs, strict=False)
+    check_flat(ep)
+    return ep
+
+
+def check_flat(ep: torch.export.ExportedProgram) -> None:
+    """Refuse a program that nests part of the forward in a higher-order op reading
+    parameters: ``wrap_with_set_grad_enabled`` for a ``torch.no_grad()`` block, which is how a
+    reentrant ``torch.utils.checkpoint`` (transformers' ``gradient_checkpointing_enable()``
+    default) runs each block.  The layers inside would be hidden from the plan (a Llama's
+    decoder layers kept their own init); the eager capture records them."""
+    params = set(ep.graph_signature.inputs_to_parameters)
+    for n in ep.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.HigherOrderOperator):
+            continue
+        reads = [a for a in n.args if isinstance(a, fx.Node) and a.name in params]
+        if reads:
+            raise RuntimeError(
+                f"torch.export nested {len(reads)} parameter(s) in {n.target.__name__} (a "
+                f"torch.no_grad()/enable_grad() block, or a reentrant torch.utils.checkpoint): "
+                f"the layers inside would be hidden from the plan")
+
+
+def _leaf_scope(node: fx.Node) -> tuple[str, str, int, optable.OpSpec] | None:
+    """(scope key, module path, call index, spec) of the innermost known leaf module, if any."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    key, (path, cls) = list(stack.items())[-1]
+    cls_name = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
+    spec = optable.for_module_class_name(cls_name)
+    if spec is None:
+        return None
+    idx = 0
+    if "@" in key:
+        try:
+            idx = int(key.rsplit("@", 1)[1])
+        except ValueError:
+            idx = 0
+    return key, _clean_path(path), idx, spec
+
+
+def _clean_path(path: str) -> str:
+    """``L['self'].layer1[0].conv1`` style paths -> ``layer1.0.conv1``."""
+    p = path.replace("L['self'].", "").replace("L['self']", "")
+    p = p.replace("[", ".").replace("]", "").replace("'", "")
+    return p.strip(".")
+
+
+def to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, method: str) -> Graph:
+    """Convert an ExportedProgram into the neutral graph, grouping leaf-module calls."""
+    sig = ep.graph_signature
+    pmap: dict[str, str] = {}
+    pmap.update(sig.inputs_to_parameters)
+    pmap.update(sig.inputs_to_buffers)
+    pmap.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
+    user_inputs = set(sig.user_inputs)
+    order, groups, group_of = _group_leaf_calls(ep.graph)
+    marker = _marker(pmap, group_of)
+    nodes: list[Node] = []
+    outputs: list[str] = []
+    for what, item in order:
+        if what == "group":
+            nodes.append(_group_node(item, groups[item], model, marker, pmap))
+            continue
+        n = item
+        if n.op == "placeholder":
+            if n.name in pmap or n.name not in user_inputs:
+                continue
+            nodes.append(Node(n.name, "input", f"input {n.name}", out_shape=_out_shape(n)))
+        elif n.op == "output":
+            outputs = _output_sources(n, marker)
+            nodes.append(Node(n.name, "output", "output", inputs=outputs))
+        elif n.op == "call_function":
+            nodes.append(_function_node(n, marker))
+    notes = []
+    if method == "draft_export":
+        notes.append("draft_export specialized data-dependent branches on the sample: the "
+                     "analysis describes the path the sample took")
+    return Graph(nodes, method, notes=notes, outputs=outputs)
+
+
+def _group_leaf_calls(graph: fx.Graph) -> tuple[list[tuple[str, Any]], dict[str, dict],
+                                                 dict[str, str]]:
+    """The calls of each leaf-module call grouped: the order of groups and other nodes
+    (("group", key) or ("node", fx.Node)), the groups (scope key -> nodes, path, call index,
+    op table entry), and the group of each grouped fx node."""
+    group_of: dict[str, str] = {}      # fx node name -> neutral node name
+    groups: dict[str, dict] = {}        # scope key -> {nodes, path, idx, spec}
+    order: list[tuple[str, Any]] = []   # ("group", key) or ("node", fx.Node)
+    for n in graph.nodes:
+        scope = _leaf_scope(n) if n.op == "call_function" else None
+        if scope is None:
+            order.append(("node", n))
+            continue
+        key, path, idx, spec = scope
+        if key not in groups:
+            groups[key] = {"nodes": [], "path": path, "idx": idx, "spec": spec}
+            order.append(("group", key))
+        groups[key]["nodes"].append(n)
+        group_of[n.name] = key
+    return order, groups, group_of
+
+
+def _marker(pmap: dict[str, str], group_of: dict[str, str]) -> Callable[[Any], Any]:
+    """The operand markers of an fx argument (parameters by their state_dict name,
+    activations by the neutral node that produces them)."""
+    def marker(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            if a.op == "placeholder" and a.name in pmap:
+                return Param(pmap[a.name])
+            if a.op == "get_attr":
+                return Param(str(a.target))
+            return Act(group_of.get(a.name, a.name))
+        if isinstance(a, (list, tuple)):
+            return type(a)(marker(x) for x in a)
+        if isinstance(a, dict):
+            return {k: marker(v) for k, v in a.items()}
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
+            return Const(a)
+        return a
+    return marker
+
+
+def _group_node(key: str, g: dict, model: torch.nn.Module, marker: Callable[[Any], Any],
+                pmap: dict[str, str]) -> Node:
+    """One leaf-module call: its operands are what its calls read from outside the group."""
+    members = {m.name for m in g["nodes"]}
+    ext_args = []
+    for m in g["nodes"]:
+        for a in m.all_input_nodes:
+            if a.name not in members:
+                ext_args.append(a)
+    args = [marker(a) for a in ext_args if not (a.op == "placeholder" and a.name in pmap)]
+    path = g["path"]
+    try:
+        mod = model.get_submodule(path)
+    except AttributeError:
+        mod = None
+    out_shape = _out_shape(g["nodes"][-1])
+    if mod is None:
+        return build_node(key, g["spec"], g["spec"].kind, args, {}, out_shape=out_shape)
+    return build_node(key, g["spec"], f"{type(mod).__module__}.{type(mod).__name__}",
+                      args, {}, module=path, module_obj=mod, call_index=g["idx"],
+                      out_shape=out_shape, in_shapes=[_out_shape(a) for a in ext_args])
+
+
+def _output_sources(n: fx.Node, marker: Callable[[Any], Any]) -> list[str]:
+    """The nodes the output node returns (activations, each once)."""
+    outs = [marker(a) for a in n.args[0]] if isinstance(n.args[0], (list, tuple)) \
+        else [marker(n.args[0])]
+    outputs: list[str] = []
+    for o in outs:
+        if isinstance(o, Act) and o.src not in outputs:
+            outputs.append(o.src)
+    return outputs
+
+
+def _function_node(n: fx.Node, marker: Callable[[Any], Any]) -> Node:
+    """A call outside any leaf module, looked up in the op table by its aten name."""
+    tgt = n.target
+    packet = getattr(tgt, "_opname", None) or getattr(tgt, "__name__", str(tgt))
+    spec = optable.for_aten(packet) if str(tgt).startswith("aten") else \
+        ops.for_function(tgt)
+    if spec is None and packet == "getitem":
+        spec = optable.BY_KIND["select"]
+    args = [marker(a) for a in n.args]
+    kwargs = {k: marker(v) for k, v in n.kwargs.items()}
+    return build_node(n.name, spec, f"aten.{packet}" if str(tgt).startswith("aten")
+                      else str(tgt), args, kwargs, out_shape=_out_shape(n),
+                      in_shapes=[_out_shape(a) for a in n.all_input_nodes])
+
+
+def _out_shape(n: fx.Node) -> tuple[int, ...] | None:
+    v = n.meta.get("val")
+    if isinstance(v, (tuple, list)):
+        v = v[0] if v else None
+    return shape_of(v) if v is not None else None

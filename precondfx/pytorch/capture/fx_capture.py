@@ -1,0 +1,519 @@
+"""Capture with ``torch.fx.symbolic_trace``: the only method whose result is itself editable.
+
+Leaf modules of ``torch.nn`` (Conv2d, Linear, BatchNorm...) stay ``call_module`` nodes; user
+modules are traced through.  Shapes come from running the traced module on the sample
+(``ShapeProp``).
+
+A GraphModule keeps only the tensor operations a trace records.  Constructs whose meaning lies
+elsewhere are detected while tracing and make the trace fail with :class:`Unkeepable`, so that
+the plan is applied to the user's own module instead (the eager back end): a custom
+``torch.autograd.Function`` (its backward), a grad-mode change inside forward (``torch.no_grad``
+blocks), ``torch.utils.checkpoint`` (recomputation), and any difference between the graphs traced
+in train and in eval mode (``if self.training`` branches), and changes to the modules' Python
+attributes (counters, caches).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+import torch.utils.checkpoint
+import torch.nn.functional as F
+from torch import nn
+from torch.fx.passes.shape_prop import ShapeProp
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from precondfx.pytorch import ops
+from precondfx.pytorch.calibrate import is_stochastic
+from precondfx.pytorch.capture.common import (Act, Const, Param, Sample, build_node,
+                                      is_dataclass_output, leaves, shape_of, target_name)
+from precondfx.core.graph import Graph, Node
+
+
+class Unkeepable(Exception):
+    """The forward uses a construct that a traced GraphModule would silently drop."""
+
+
+_CHECKPOINT_CODES = {inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__}
+_KEEP = ("the plan is applied to the model's own module instead (hooks and buffers), "
+         "which keeps it")
+
+
+class _Tracer(fx.Tracer):
+    """fx's tracer, with stochastic modules (DropPath, StochasticDepth...) kept as leaves: traced
+    through, their ``if self.training`` would be frozen into the graph in the trace's mode.
+    Every node it records is checked for constructs a GraphModule cannot keep."""
+
+    def __init__(self) -> None:
+        # buffers read in forward become graph nodes (get_attr), as parameters do: computed on
+        # at trace time instead, their values would be frozen into the graph as constants
+        super().__init__()
+        self.proxy_buffer_attributes = True
+        self._grad = torch.is_grad_enabled()
+        self._inference = torch.is_inference_mode_enabled()
+        self._autocast = _autocast_state()
+
+    def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+        # a module holding weights is traced through even if its name says 'Dropout' or
+        # 'DropPath' (a user's block): its layers must be in the graph
+        return (is_stochastic(m) and next(m.parameters(), None) is None) or \
+            super().is_leaf_module(m, qualname)
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        f = sys._getframe(1)
+        while f is not None:
+            if f.f_code in _CHECKPOINT_CODES:
+                raise Unkeepable(f"the forward calls torch.utils.checkpoint, whose recomputation "
+                                 f"a traced graph drops: {_KEEP}")
+            f = f.f_back
+        if torch.is_grad_enabled() != self._grad or \
+                torch.is_inference_mode_enabled() != self._inference:
+            raise Unkeepable(f"the forward changes the grad mode (a torch.no_grad / "
+                             f"enable_grad / inference_mode block), which a traced graph "
+                             f"drops: {_KEEP}")
+        if _autocast_state() != self._autocast:
+            raise Unkeepable(f"the forward runs under torch.autocast, which a traced graph "
+                             f"drops (it would compute in the default dtype): {_KEEP}")
+        return super().create_node(*args, **kwargs)
+
+
+def _autocast_state() -> tuple:
+    """Whether autocast is on, and its dtype, for the CPU and CUDA."""
+    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                 for d in ("cpu", "cuda"))
+
+
+_HOOKS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward pre-hook",
+          "_backward_hooks": "backward hook", "_backward_pre_hooks": "backward pre-hook",
+          "_state_dict_hooks": "state_dict hook", "_state_dict_pre_hooks": "state_dict hook",
+          "_load_state_dict_pre_hooks": "load_state_dict hook",
+          "_load_state_dict_post_hooks": "load_state_dict hook"}
+
+
+def _check_hooks(model: torch.nn.Module, gm: fx.GraphModule) -> None:
+    """Raise :class:`Unkeepable` for hooks a GraphModule would drop: those of the root module
+    (the GraphModule is a new root) and those of modules the trace went through (their forward
+    is inlined: a forward hook would be frozen into the graph as traced, a backward hook lost).
+    Modules kept as calls (leaves) keep their hooks: the GraphModule calls the same object."""
+    leaves = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    found = []
+    for name, m in model.named_modules():
+        if name and (name in leaves or any(name.startswith(f"{leaf}.") for leaf in leaves)):
+            continue
+        kinds = list(dict.fromkeys(what for attr, what in _HOOKS.items()
+                                   if getattr(m, attr, None)))
+        if kinds:
+            found.append(f"{'/'.join(kinds)} on {name or 'the model itself'}")
+    if found:
+        raise Unkeepable(f"the model has {', '.join(found[:4])}, which a traced graph drops: "
+                         f"{_KEEP}")
+
+
+def _tensor_constants_not_saved(model: torch.nn.Module, gm: fx.GraphModule) -> None:
+    """fx registers every tensor the forward reads that is neither a parameter nor a buffer (a
+    plain tensor attribute, a tensor in a list, a literal) as a persistent buffer of the
+    GraphModule; keep them out of its state_dict, as they are out of the model's."""
+    saved = set(model.state_dict())
+    for name, _ in list(gm.named_buffers()):
+        if name in saved:
+            continue
+        path, _, leaf = name.rpartition(".")
+        owner = gm.get_submodule(path) if path else gm
+        owner._non_persistent_buffers_set.add(leaf)
+
+
+@contextlib.contextmanager
+def _refuse_autograd_functions() -> Iterator[None]:
+    """While tracing, a custom ``torch.autograd.Function`` called on traced values raises
+    :class:`Unkeepable`: fx would record its forward and lose its backward."""
+    orig = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(a, fx.Proxy) for a in tree_leaves((args, kwargs))):
+            if cls is torch.utils.checkpoint.CheckpointFunction:
+                what = "torch.utils.checkpoint (use_reentrant=True), whose recomputation"
+            else:
+                what = (f"the custom torch.autograd.Function {cls.__module__}."
+                        f"{cls.__qualname__}, whose backward")
+            raise Unkeepable(f"the forward calls {what} a traced graph drops: {_KEEP}")
+        return orig.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = orig  # type: ignore[method-assign]
+
+
+_FUNCTIONAL_DROPOUT = {F.dropout: nn.Dropout, F.dropout1d: nn.Dropout1d,
+                       F.dropout2d: nn.Dropout2d, F.dropout3d: nn.Dropout3d,
+                       F.alpha_dropout: nn.AlphaDropout}
+
+
+#: Python-level random draws a trace would freeze (a layer dropped when
+#: ``random.random() < p``): the functions of ``random`` and ``numpy.random`` models call
+_PY_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "choices", "sample",
+              "shuffle", "gauss", "normalvariate", "betavariate", "expovariate", "triangular")
+_NP_RANDOM = ("rand", "randn", "random", "random_sample", "uniform", "randint", "choice",
+              "binomial", "normal", "permutation", "shuffle", "beta", "bernoulli")
+
+
+@contextlib.contextmanager
+def _refuse_python_random() -> Iterator[None]:
+    """While tracing, a draw from Python's ``random`` or ``numpy.random`` raises
+    :class:`Unkeepable`: the trace would freeze the value drawn at trace time."""
+    import random
+    mods: list[tuple[Any, tuple[str, ...]]] = [(random, _PY_RANDOM)]
+    try:
+        import numpy.random as npr
+        mods.append((npr, _NP_RANDOM))
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    saved = []
+    for mod, names in mods:
+        for name in names:
+            f = getattr(mod, name, None)
+            if f is None:
+                continue
+
+            def refuse(*a: Any, _name: str = f"{mod.__name__}.{name}", **k: Any) -> Any:
+                raise Unkeepable(f"the forward draws Python-level random numbers ({_name}), "
+                                 f"which a traced graph would freeze at the values drawn "
+                                 f"while tracing: {_KEEP}")
+            saved.append((mod, name, f))
+            setattr(mod, name, refuse)
+    try:
+        yield
+    finally:
+        for mod, name, f in saved:
+            setattr(mod, name, f)
+
+
+#: Tensor methods and properties that read metadata only (no values): allowed on a
+#: parameter or buffer while tracing
+_METADATA = frozenset((
+    "shape", "size", "dim", "ndim", "ndimension", "dtype", "device", "numel", "nelement",
+    "requires_grad", "is_floating_point", "is_complex", "layout", "stride", "is_contiguous",
+    "data_ptr", "element_size", "__hash__", "is_leaf", "grad_fn", "names", "is_sparse",
+    "is_cuda", "is_meta", "is_quantized", "storage_offset", "untyped_storage", "__len__",
+    "__repr__", "__format__", "_version", "grad"))
+
+
+def _func_name(func: Any) -> str:
+    """The name of a torch function, or of the property a ``Tensor.x.__get__`` reads."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+class _TraceTimeCompute(TorchFunctionMode):
+    """While tracing, an operation on the values of one of the model's parameters or buffers
+    that does not involve a traced value raises :class:`Unkeepable`: it runs once, at trace
+    time, and its result (a norm, a penalty summed over ``self.parameters()``, a clamped copy)
+    would be frozen into the graph as a constant, or its effect (``p.data.clamp_()``) would
+    not be in the graph at all.  (Parameters and buffers read as attributes are traced values.)"""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.names = {id(t): n for n, t in list(model.named_parameters(remove_duplicate=False))
+                      + list(model.named_buffers(remove_duplicate=False))}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _func_name(func)
+        leaves_ = tree_leaves((args, kwargs))
+        if name not in _METADATA and not any(isinstance(a, fx.Proxy) for a in leaves_):
+            hit = next((self.names[id(a)] for a in leaves_
+                        if isinstance(a, torch.Tensor) and id(a) in self.names), None)
+            if hit is not None:
+                raise Unkeepable(
+                    f"the forward computes on the values of {hit} outside the traced graph "
+                    f"({name or func} on a tensor reached through self.parameters(), "
+                    f"self.buffers(), .data or a detached copy): a trace would run it once "
+                    f"and freeze the result (or drop its in-place effect): {_KEEP}")
+        return func(*args, **kwargs)
+
+
+def _trace_once(model: torch.nn.Module, concrete: dict) -> fx.GraphModule:
+    tracer = _Tracer()
+    added = {m: set(vars(m)) for m in model.modules()}
+    tensors = {m: (dict(m._parameters), dict(m._buffers)) for m in model.modules()}
+    try:
+        with _refuse_autograd_functions(), _refuse_python_random(), \
+                _TraceTimeCompute(model):
+            graph = tracer.trace(model, concrete_args=concrete or None)
+        name = model.__class__.__name__ if isinstance(model, torch.nn.Module) else "module"
+        gm = fx.GraphModule(tracer.root, graph, name)
+    finally:
+        # fx stores the constants it meets (``_tensor_constant0``...) on the traced module
+        # itself; the GraphModule holds its own references: take them off the model
+        for m, keys in added.items():
+            for k in [k for k in vars(m) if k not in keys and k.startswith("_tensor_constant")]:
+                delattr(m, k)
+        # a forward that assigns a buffer or parameter (``self.n += 1``, ``self.mu = ...``)
+        # stored a traced value in it: put the tensors back
+        changed = []
+        for m, (ps, bs) in tensors.items():
+            for store, old in ((m._parameters, ps), (m._buffers, bs)):
+                diff = [k for k in set(store) | set(old) if store.get(k) is not old.get(k)]
+                if diff:    # compared by identity: a traced value has no truth value
+                    changed += diff
+                    store.clear()
+                    store.update(old)
+    if changed:
+        raise Unkeepable(f"the forward assigns to the buffer or parameter {changed[0]} (a "
+                         f"counter, a running statistic), which a traced graph drops: {_KEEP}")
+    return gm
+
+
+def _dropout_training(n: fx.Node) -> Any:
+    return n.kwargs.get("training", n.args[2] if len(n.args) > 2 else True)
+
+
+def _mode_following(gm: fx.GraphModule, other: fx.GraphModule) -> set[str]:
+    """Compare the graphs traced in train (``gm``) and eval (``other``) mode.  Returns the
+    functional dropout nodes whose ``training`` argument follows the mode; raises
+    :class:`Unkeepable` when anything else differs (a ``self.training`` branch)."""
+    a, b = list(gm.graph.nodes), list(other.graph.nodes)
+    follow: set[str] = set()
+    why = f"the forward traces differently in train and eval mode (a self.training branch) " \
+          f"or with grad on and off, and a traced graph would freeze one of them: {_KEEP}"
+    if len(a) != len(b):
+        raise Unkeepable(why)
+    for x, y in zip(a, b):
+        if (x.op, x.target, x.name) != (y.op, y.target, y.name):
+            raise Unkeepable(why)
+        if repr((x.args, x.kwargs)) == repr((y.args, y.kwargs)):
+            continue
+        if x.op == "call_function" and x.target in _FUNCTIONAL_DROPOUT and \
+                _dropout_training(x) is True and _dropout_training(y) is False:
+            follow.add(x.name)
+            continue
+        raise Unkeepable(why)
+    return follow
+
+
+def _python_state(model: torch.nn.Module) -> dict[tuple[str, str], Any]:
+    """A fingerprint of every module's plain Python attributes (not parameters, buffers,
+    submodules, hooks or the train flag): values of scalars, identities of other objects and
+    of the items of containers."""
+    out: dict[tuple[str, str], Any] = {}
+    for name, m in model.named_modules():
+        for k, v in vars(m).items():
+            if k.startswith("_") or k == "training":
+                continue
+            if isinstance(v, (bool, int, float, str, type(None))):
+                out[(name, k)] = ("value", v)
+            elif isinstance(v, dict):
+                out[(name, k)] = ("dict", id(v), tuple((kk, id(vv)) for kk, vv in v.items()))
+            elif isinstance(v, (list, set)):
+                out[(name, k)] = (type(v).__name__, id(v), tuple(id(x) for x in v))
+            else:
+                out[(name, k)] = ("object", id(v))
+    return out
+
+
+def _check_python_state(before: dict, after: dict) -> None:
+    changed = sorted({k for k in before.keys() | after.keys() if before.get(k) != after.get(k)})
+    if changed:
+        where = ", ".join(f"{attr} of {mod or 'the model'}" for mod, attr in changed[:5])
+        raise Unkeepable(f"the forward changes Python state ({where}: a counter, a cache, a "
+                         f"log...), which a traced graph drops: {_KEEP}")
+
+
+def trace(model: torch.nn.Module, sample: Sample) -> fx.GraphModule:
+    """Symbolically trace ``model``; non-tensor keyword inputs become concrete arguments.
+
+    The model is traced in train mode with grad on and in eval mode with grad off (each
+    module's own flag is restored after); the two graphs must agree.  Functional dropout calls whose ``training`` argument follows the
+    mode (``F.dropout(x, p, training=self.training)``) are replaced by dropout modules so that
+    the result still switches between train and eval; those with a fixed ``training`` stay as
+    written.  Raises :class:`Unkeepable` for constructs a GraphModule cannot keep."""
+    concrete = {k: v for k, v in sample.kwargs.items() if not isinstance(v, torch.Tensor)}
+    flags = {m: m.training for m in model.modules()}
+    state = _python_state(model)
+    try:
+        model.train(True)
+        gm = _trace_once(model, concrete)
+        model.train(False)
+        with torch.no_grad():  # also shows torch.enable_grad() blocks and is_grad_enabled() tests
+            follow = _mode_following(gm, _trace_once(model, concrete))
+        _check_python_state(state, _python_state(model))
+    finally:
+        for m, t in flags.items():
+            m.training = t
+    if not flags[model]:  # the graph returned is the one of the mode the caller set
+        model.train(False)
+        try:
+            gm = _trace_once(model, concrete)
+        finally:
+            for m, t in flags.items():
+                m.training = t
+    count = 0
+    for n in list(gm.graph.nodes):
+        cls = _FUNCTIONAL_DROPOUT.get(n.target) if n.op == "call_function" else None
+        if cls is None or n.name not in follow:
+            continue
+        p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5)
+        if not isinstance(p, (int, float)):
+            raise Unkeepable(f"functional dropout {n.name} follows the train/eval mode with a "
+                             f"traced probability, which a dropout module cannot take: {_KEEP}")
+        # under the module that called it, so it follows that module's own train/eval flag
+        stack = n.meta.get("nn_module_stack") or {}
+        owner = list(stack.values())[-1][0] if stack else ""
+        path = f"{owner}.precondfx_dropout_{count}" if owner else f"precondfx_dropout_{count}"
+        count += 1
+        gm.add_submodule(path, cls(float(p)))
+        with gm.graph.inserting_before(n):
+            new = gm.graph.call_module(path, (n.args[0] if n.args else n.kwargs["input"],))
+        n.replace_all_uses_with(new)
+        gm.graph.erase_node(n)
+    if count:
+        gm.recompile()
+    _check_hooks(model, gm)
+    _tensor_constants_not_saved(model, gm)
+    return gm
+
+
+def check_same(gm: fx.GraphModule, model: torch.nn.Module, sample: Sample) -> None:
+    """Run the model and the GraphModule on the sample (the same random seed, dropout off, the
+    state restored after each run) and raise :class:`Unkeepable` when their outputs differ in
+    structure or values: the trace missed a construct none of the checks above names (a
+    context manager, a hook, Python-level randomness, a global flag)."""
+    from torch.utils._pytree import tree_flatten
+
+    from precondfx.pytorch.calibrate import NoDropout, preserved
+
+    def once(m: torch.nn.Module) -> Any:
+        with preserved(m), torch.no_grad(), NoDropout():
+            torch.manual_seed(0)
+            return tree_flatten(sample.call(m))
+
+    (a, spec_a), (b, spec_b) = once(model), once(gm)
+    dc = next((x for x in a if is_dataclass_output(x) and not hasattr(x, "__getitem__")), None)
+    if dc is not None:
+        raise Unkeepable(f"the model returns a dataclass ({type(dc).__name__}), which the traced "
+                         f"graph builds by a call whose fields it cannot scale: {_KEEP}")
+    why = None
+    if spec_a != spec_b or len(a) != len(b):
+        why = "its output has another structure"
+    for x, y in zip(a, b):
+        if why is not None:
+            break
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            why = "its output has another structure"
+        elif not isinstance(x, torch.Tensor):
+            why = None if x == y or (x != x and y != y) else f"an output differs ({x!r}, {y!r})"
+        elif x.shape != y.shape or x.dtype != y.dtype:
+            why = (f"an output has shape {tuple(y.shape)} {y.dtype} instead of "
+                   f"{tuple(x.shape)} {x.dtype}")
+        elif not _same_values(x, y):
+            why = "an output's values differ"
+    if why is not None:
+        raise Unkeepable(f"the traced graph does not compute what the model computes on the "
+                         f"sample ({why}): the forward uses a construct the trace does not "
+                         f"record (a context manager, a hook, Python-level state or "
+                         f"randomness): {_KEEP}")
+
+
+def _same_values(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Equal integer/bool tensors; floating ones equal to float rounding (relative to the
+    largest magnitude), NaN where NaN."""
+    if x.layout != torch.strided:
+        x, y = x.to_dense(), y.to_dense()
+    if not (x.is_floating_point() or x.is_complex()):
+        return torch.equal(x, y)
+    fin = x[torch.isfinite(x)]
+    atol = 1e-6 * float(fin.abs().max()) if fin.numel() else 0.0
+    return bool(torch.allclose(y, x, rtol=1e-4, atol=atol, equal_nan=True))
+
+
+def run_shape_prop(gm: fx.GraphModule, sample: Sample) -> None:
+    """Record every node's output shape by running ``gm`` on the sample (placeholders in order)."""
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    values: list[Any] = list(sample.args)
+    for nm in names[len(values):]:
+        nm_clean = nm.lstrip("*")
+        if nm_clean in sample.kwargs:
+            values.append(sample.kwargs[nm_clean])
+        else:
+            values.append(_default_of(gm, nm_clean))
+    ShapeProp(gm).propagate(*values)
+
+
+def _default_of(gm: fx.GraphModule, name: str) -> Any:
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.target == name and n.args:
+            return n.args[0]
+    return None
+
+
+def _marker(a: Any, gm: fx.GraphModule) -> Any:
+    if isinstance(a, fx.Node):
+        if a.op == "get_attr":
+            return Param(str(a.target))
+        return Act(a.name)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_marker(x, gm) for x in a)
+    if isinstance(a, dict):
+        return {k: _marker(v, gm) for k, v in a.items()}
+    if isinstance(a, (int, float)) and not isinstance(a, bool):
+        return Const(a)
+    return a
+
+
+def to_graph(gm: fx.GraphModule) -> Graph:
+    """Convert a traced (and shape-propagated) GraphModule into the neutral graph."""
+    nodes: list[Node] = []
+    module_calls: dict[str, int] = {}
+    outputs: list[str] = []
+    for n in gm.graph.nodes:
+        meta = n.meta.get("tensor_meta")
+        out_shape = shape_of(meta) if hasattr(meta, "shape") else None
+        in_shapes = [shape_of(a.meta.get("tensor_meta")) if isinstance(a, fx.Node) else None
+                     for a in n.args]
+        args = [_marker(a, gm) for a in n.args]
+        kwargs = {k: _marker(v, gm) for k, v in n.kwargs.items()}
+        if n.op == "placeholder":
+            nodes.append(Node(n.name, "input", f"input {n.target}", out_shape=out_shape))
+        elif n.op == "get_attr":
+            continue  # parameters appear as Param operands of their users
+        elif n.op == "output":
+            outs: list = []
+            _flatten_nodes(n.args, outs)
+            outputs = [o.name for o in outs if o.op != "get_attr"]
+            nodes.append(Node(n.name, "output", "output", inputs=outputs))
+        elif n.op == "call_module":
+            mod = gm.get_submodule(str(n.target))
+            idx = module_calls.get(str(n.target), 0)
+            module_calls[str(n.target)] = idx + 1
+            spec = ops.for_module(mod)
+            nodes.append(build_node(n.name, spec, f"{type(mod).__module__}.{type(mod).__name__}",
+                                    args, kwargs, module=str(n.target), module_obj=mod,
+                                    call_index=idx, out_shape=out_shape, in_shapes=in_shapes))
+        elif n.op == "call_function":
+            spec = ops.for_function(n.target)
+            nodes.append(build_node(n.name, spec, target_name(n.target), args, kwargs,
+                                    out_shape=out_shape, in_shapes=in_shapes))
+        elif n.op == "call_method":
+            spec = ops.for_method(str(n.target))
+            nodes.append(build_node(n.name, spec, f"Tensor.{n.target}", args, kwargs,
+                                    out_shape=out_shape, in_shapes=in_shapes))
+    return Graph(nodes, "fx", outputs=outputs)
+
+
+def _flatten_nodes(a: Any, out: list) -> None:
+    out.extend(x for x in leaves(a) if isinstance(x, fx.Node))
+
+
+def forward_signature(model: torch.nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,197 @@
+"""Large models: constants that survive materialization, sharded re-initialization, and the
+output scale calibrated with a distributed forward (FSDP2 ``fully_shard``, DTensor).
+
+Recipe (README, ``examples/fsdp_torchrun.py``): plan and apply on the meta device, shard with
+``fully_shard``, ``model.to_empty(device=...)``, then :func:`reinit` (each rank writes only its
+shard) and :func:`calibrate` (the output statistics are all-reduced, so every rank ends with the
+same constant).
+
+Two random streams give the full tensors:
+
+- ``rng="stream"`` (what ``precondfx.reinit`` uses): the single-process draw, one
+  ``torch.Generator`` walking the plan in order.  Each rank generates every parameter (one at a
+  time, on the CPU) and keeps its shard, so the result is bit-identical to ``precondition`` and
+  to ``reinit`` on the unsharded model; the cost per rank is that of the whole model.
+- ``rng="counter"``: a counter-based generator (Philox4x64-10, numpy) keyed by the seed and the
+  parameter's name, indexed by the element's position in the full tensor.  Each rank draws only
+  its shard; the full tensor does not depend on the number of ranks or the sharding, and equals
+  ``reinit(..., rng="counter")`` in one process.  Moment matching uses the full tensor's second
+  moment, all-reduced from the shards' sums of squares.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from precondfx.pytorch.apply.common import PREFIX
+from precondfx.pytorch.apply.shards import (ALIASES, CONSTANTS, RNGS, counter_normal,  # noqa: F401
+                                    is_sharded, record_aliases, record_constants,
+                                    restore_constants, untied)
+from precondfx.pytorch.apply.shards import local as shards_local
+from precondfx.pytorch.capture.common import main_output, make_sample
+from precondfx.errors import PrecondError
+from precondfx.core.plan import Plan
+
+__all__ = ["CONSTANTS", "RNGS", "calibrate", "counter_normal", "is_sharded", "record_constants",
+           "reinit", "restore_constants", "settle_checkpoints", "shard_units"]
+
+
+# -- sharding units ---------------------------------------------------------------------------
+def shard_units(model: nn.Module, plan: Plan | None = None) -> list[list[nn.Module]]:
+    """The modules to pass to FSDP2's ``fully_shard`` one call each (the root last, by the
+    caller): every module holding parameters of its own, with the modules sharing a tied
+    parameter in one unit (``fully_shard([wte, lm_head])``: FSDP2 refuses a parameter managed
+    by two units).  Ties come from the plan's ``aliases`` and from the model itself."""
+    owner: dict[int, int] = {}          # parameter id -> unit index
+    units: list[list[nn.Module]] = []
+    names = {n: m for n, m in model.named_modules()}
+    alias_of = dict(plan.aliases) if plan is not None else {}
+    for name, m in model.named_modules():
+        if m is model:
+            continue
+        own = [p for p in m._parameters.values() if p is not None]
+        if not own:
+            continue
+        keys = {id(p) for p in own}
+        for leaf, p in m._parameters.items():   # planned ties the model lost (to_empty)
+            c = alias_of.get(f"{name}.{leaf}" if name else leaf)
+            if p is not None and c is not None:
+                path, _, cleaf = c.rpartition(".")
+                other = names.get(path)
+                q = other._parameters.get(cleaf) if other is not None else None
+                if q is not None:
+                    keys.add(id(q))
+        hit = sorted({owner[k] for k in keys if k in owner})
+        if hit:
+            into = hit[0]
+            for j in reversed(hit[1:]):           # merge units that this module joins
+                units[into].extend(units[j])
+                units[j] = []
+            units[into].append(m)
+        else:
+            into = len(units)
+            units.append([m])
+        for k in keys:
+            owner[k] = into
+        for mm in units[into]:
+            for p in mm._parameters.values():
+                if p is not None:
+                    owner[id(p)] = into
+    return [u for u in units if u]
+
+
+# -- sharded re-initialization (one loop: precondfx.pytorch.apply.reinit) -----------------------------
+def reinit(model: nn.Module, plan: Plan, seed: int, rng: str = "stream") -> list[str]:
+    """Apply the plan's parameter inits to a model whose parameters may be DTensors (FSDP2,
+    tensor parallel) or plain tensors; each rank writes only its shard.  ``rng``: see the
+    module docstring.  The recorded constants (scales) are written back too, so this is the
+    one call after ``model.to_empty(device=...)``.  Returns the names changed."""
+    from precondfx.pytorch.apply.reinit import reinit as _reinit
+    return _reinit(model, plan, seed, rng=rng)
+
+
+
+def settle_checkpoints(model: nn.Module, sample: Any, *,
+                       forward_kwargs: dict | None = None) -> bool:
+    """For a model planned on the meta device, once it holds data (``to_empty``,
+    ``reinit``): check by running on ``sample`` where a tied weight's factor can go
+    (``folding.confirm_upstream``), then set up a transformers model's checkpoint folding with
+    that knowledge (``hf_checkpoints.prepare``).  :func:`calibrate` does it; call it yourself
+    when the model has no output scale (``target_std=None``).  Returns whether there was
+    anything to settle."""
+    from precondfx.pytorch import calibrate as cal
+    s = make_sample(sample, forward_kwargs)
+    return _settle(model, lambda m: cal.forward(m, s, "eval"))
+
+
+def _settle(model: nn.Module, run: Any) -> bool:
+    from precondfx.pytorch.folding import confirm_upstream, recipe_of
+    from precondfx.integrations import hf_checkpoints
+    rec = recipe_of(model)
+    if rec is None or not rec.pending:
+        return False
+    confirm_upstream(model, run)
+    if hf_checkpoints.is_transformers_model(model):
+        hf_checkpoints.prepare(model)
+    return True
+
+
+# -- distributed calibration ------------------------------------------------------------------
+def _output_buffer(model: nn.Module) -> str:
+    names = [n for n, _ in model.named_buffers() if n.rpartition(".")[2] == PREFIX + "output_scale"]
+    if not names:
+        raise PrecondError("the model has no output scale (precondfx_output_scale buffer): "
+                           "precondition it with target_std set (the default) first")
+    return names[0]
+
+
+def _global_std(t: torch.Tensor, group: Any) -> tuple[float, float]:
+    """(std over every rank's batch, this rank's std); population std, float64."""
+    t = t.detach().to(torch.float64).flatten()
+    stats = torch.stack([t.sum(), t.pow(2).sum(), torch.tensor(float(t.numel()),
+                                                               dtype=torch.float64,
+                                                               device=t.device)])
+    local = float(t.std(correction=0)) if t.numel() > 1 else float("nan")
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(stats, group=group)
+    s, s2, n = (float(v) for v in stats.cpu())
+    if n < 2:
+        raise PrecondError("the calibration batch has fewer than 2 output elements over all ranks")
+    mean = s / n
+    return math.sqrt(max(s2 / n - mean * mean, 0.0)), local
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, sample: Any, target_std: float | None = None, *,
+              output_key: str | int | None = None, mode: str = "train", group: Any = None,
+              forward_kwargs: dict | None = None) -> dict[str, float]:
+    """Set the output scale from a distributed forward: every rank runs its own calibration
+    batch, the output's sum, sum of squares and count are all-reduced, so the std is that of
+    the global batch and every rank sets the same constant.  Works without a process group
+    (one process).  ``target_std=None`` takes precondition's default.  Returns the stds
+    before and after and the scale."""
+    from precondfx.pytorch import calibrate as cal
+    if target_std is None:
+        from precondfx.core.options import Options
+        target_std = Options().target_std
+    if not (target_std and target_std > 0 and math.isfinite(target_std)):
+        raise PrecondError(f"target_std={target_std!r} must be a positive number")
+    s = make_sample(sample, forward_kwargs)
+    cal.check_finite_sample(s)
+    loose = untied(model)
+    if loose:
+        pairs = ", ".join(f"{a} and {c}" for a, c in loose)
+        raise PrecondError(
+            f"tied parameters are no longer the same tensor ({pairs}; model.to_empty unties "
+            f"them, leaving the copy uninitialized): call precondfx.reinit(model, report.plan, "
+            f"seed) after to_empty (it ties them again), or model.tie_weights() and then "
+            f"reinit, before calibrating")
+    buf_name = _output_buffer(model)
+    buf = model.get_buffer(buf_name)
+    current = float(buf.float().cpu())
+    if not (math.isfinite(current) and current != 0.0):  # uninitialized after to_empty
+        current = 1.0
+        buf.fill_(1.0)
+    before, _ = _global_std(main_output(cal.forward(model, s, mode), output_key), group)
+    if not math.isfinite(before):
+        bad = [n for n, p in model.named_parameters()
+               if p.is_floating_point() and not bool(torch.isfinite(shards_local(p)).all())]
+        raise PrecondError(
+            f"the output on the calibration batch has NaN/inf values"
+            f"{' and these parameters hold NaN/inf: ' + ', '.join(bad[:5]) if bad else ''}. "
+            f"After model.to_empty every tensor is uninitialized memory: call precondfx.reinit("
+            f"model, report.plan, seed) and give the parameters and buffers the plan keeps "
+            f"(rule 'keep' in report.plan.inits; rotary frequencies) your usual init first")
+    scale = current * cal.solve_output_scale(before, target_std)
+    buf.fill_(scale)
+    rec = getattr(model, CONSTANTS, None)
+    if isinstance(rec, dict):
+        rec[buf_name] = scale
+    after, local = _global_std(main_output(cal.forward(model, s, mode), output_key), group)
+    _settle(model, lambda m: cal.forward(m, s, "eval"))
+    return {"std_before": before / current, "scale": scale, "std_after": after,
+            "target_std": target_std, "local_std_after": local}

@@ -1,0 +1,723 @@
+"""Fold precondfx's constants into the weights: a plain model of your own class, for deployment.
+
+``precondition`` returns a model whose constants (the alphas, residual branch scales and the
+output scale) are buffers read by hooks (your class) or by ``mul`` nodes (a GraphModule).
+``fold(model)`` returns a new model of *your* class with every constant multiplied into the
+weights of the module it acts on, so that it computes the same function (to float rounding),
+has exactly the original's ``state_dict`` keys, no hooks and no extra buffers, and loads without
+precondfx installed.  The preconditioned model is left as is (training goes on with it).
+
+What folds, and where:
+
+* a scale on the *input* of a linear map (``nn.Linear``, convolutions, transposed
+  convolutions, transformers' ``Conv1D``): its weight;
+* a scale on the *output* of a linear map (weight and bias), an embedding (its table), an
+  affine normalization (``LayerNorm``, ``BatchNorm``, ``GroupNorm``, RMSNorm: weight and bias),
+  ``nn.MultiheadAttention`` (its output projection);
+* a tied weight (GPT-2's ``lm_head`` shares the token embedding) needs one factor for all its
+  users: a bias-free linear user whose factor differs passes the difference to the module
+  producing its input (GPT-2: the final ``ln_f``), found on the captured graph when the model
+  was preconditioned and checked by a run.
+
+What does not fold, reported by :func:`fold_problems` and raised by :func:`fold` as a
+``PrecondError`` naming each constant and why: a scale on a module that is not linear in it
+(an input scale on a normalization, a custom module), the input scale (it multiplies the
+model's inputs: put it in your data pipeline), an output scale with no module producing the
+main output, tied weights whose users need different factors with nowhere to pass the
+difference, and structural changes a fresh instance of your class cannot reproduce (max-pools
+turned into strides or strided convolutions, modules replaced by a scheme: precondition with
+``maxpool='keep'`` for a foldable result).
+
+For a GraphModule (fx back end), ``precondition`` keeps a reference to the model of your class
+it traced (it shares the GraphModule's layers, so it costs no memory); fold copies it and loads
+the GraphModule's weights into it.  That reference is not pickled: after ``torch.load`` of a
+pickled GraphModule, pass ``source=YourModel(...)``.
+"""
+from __future__ import annotations
+
+import copy
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from precondfx.pytorch.apply.common import PREFIX
+from precondfx.errors import PrecondError
+
+RECIPE = "_precondfx_recipe"
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm,
+          nn.modules.instancenorm._InstanceNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+_HOMOGENEOUS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.ReLU, nn.LeakyReLU,
+                nn.Identity, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.Flatten, nn.Unflatten)
+_LINEAR = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+           nn.ConvTranspose3d)
+
+
+@dataclass
+class Recipe:
+    """What ``precondition`` leaves on its result so that ``fold`` can undo the rewriting:
+    the traced model of the user's class (fx back end), the structural changes, and for tied
+    bias-free linear layers the module producing their input."""
+
+    source: nn.Module | None = None
+    structural: list[str] = field(default_factory=list)
+    upstream: dict[str, str] = field(default_factory=dict)
+    #: upstream candidates found on the graph of a model planned on the meta device, where
+    #: the check by running cannot run: :func:`confirm_upstream` checks them once the model
+    #: holds data (``precondfx.pytorch.distributed.calibrate`` calls it)
+    pending: dict[str, str] = field(default_factory=dict)
+    #: modules holding a parameter tied to another module's that the forward never calls
+    #: (BART's and T5's ``shared`` embedding, whose copies ``embed_tokens`` run): they put no
+    #: constraint on the factor the tied weight folds with
+    idle: list[str] = field(default_factory=list)
+
+    def __deepcopy__(self, memo: dict) -> "Recipe":
+        return Recipe(copy.deepcopy(self.source, memo), list(self.structural),
+                      dict(self.upstream), dict(self.pending), list(self.idle))
+
+    def __getstate__(self) -> dict:   # pickling drops the source (pass source= to fold)
+        return {"source": None, "structural": self.structural, "upstream": self.upstream,
+                "pending": self.pending, "idle": self.idle}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update({"pending": {}, "idle": [], **state})
+
+
+def recipe_of(model: nn.Module) -> Recipe | None:
+    """The recipe ``precondition`` attached to its result, if any."""
+    r = model.__dict__.get(RECIPE)
+    return r if isinstance(r, Recipe) else None
+
+
+def attach(model: nn.Module, recipe: Recipe) -> None:
+    """Attach a recipe as a plain attribute (not a module, buffer or state_dict entry); a
+    GraphModule keeps it through deep copies in its ``meta`` (user-preserved attributes)."""
+    model.__dict__[RECIPE] = recipe
+    if isinstance(model, fx.GraphModule):
+        meta = getattr(model, "meta", None)
+        if isinstance(meta, dict):
+            meta.setdefault("_user_preserved_attributes", {})[RECIPE] = recipe
+
+
+# -- what a module is, for folding ----------------------------------------------------------
+def kind(mod: nn.Module) -> str | None:
+    """'linear' (linear in its input, weight and bias), 'embedding', 'norm' (affine output),
+    'mha', or None (nothing folds into it)."""
+    if isinstance(mod, _LINEAR) or (type(mod).__name__ == "Conv1D" and hasattr(mod, "nf")):
+        return "linear"
+    if isinstance(mod, nn.Embedding) and mod.max_norm is None:
+        return "embedding"
+    if isinstance(mod, nn.EmbeddingBag) and mod.max_norm is None and mod.mode in ("sum", "mean"):
+        return "embedding"
+    if isinstance(mod, nn.MultiheadAttention):
+        return "mha"
+    if isinstance(mod, _NORMS):
+        return "norm" if getattr(mod, "weight", None) is not None else None
+    if type(mod).__name__.endswith(("RMSNorm", "LayerNorm")) and _affine_output(mod):
+        return "norm"
+    return None
+
+
+_AFFINE: dict[type, bool] = {}
+
+
+def _affine_output(mod: nn.Module) -> bool:
+    """A normalization class precondfx does not know: multiplying its parameters by c must
+    multiply its output by c (checked once per class on a random CPU input with random
+    parameters substituted, so it works on the meta device too; Gemma's ``1 + weight`` RMSNorm
+    fails it)."""
+    if type(mod) in _AFFINE:
+        return _AFFINE[type(mod)]
+    w = mod._parameters.get("weight")
+    ok = False
+    if w is not None and w.dim() == 1 and w.is_floating_point():
+        g = torch.Generator().manual_seed(0)
+        params = {k: torch.randn(tuple(p.shape), generator=g)
+                  for k, p in mod._parameters.items() if p is not None}
+        x = torch.randn(3, 5, w.numel(), generator=g)
+        try:
+            with torch.no_grad():
+                ref = torch.func.functional_call(mod, params, (x,))
+                got = torch.func.functional_call(mod, {k: 3.0 * v for k, v in params.items()},
+                                                 (x,))
+            ok = isinstance(ref, torch.Tensor) and bool(torch.allclose(got, 3.0 * ref,
+                                                                       rtol=1e-5, atol=1e-6))
+        except Exception:
+            ok = False
+    _AFFINE[type(mod)] = ok
+    return ok
+
+
+# -- collecting the constants ----------------------------------------------------------------
+@dataclass
+class _Scales:
+    """Factors to fold, keyed by module object id, plus what cannot fold."""
+
+    mods: dict[int, tuple[str, nn.Module]] = field(default_factory=dict)
+    inp: dict[int, float] = field(default_factory=dict)
+    out: dict[int, float] = field(default_factory=dict)
+    problems: list[tuple[str, str]] = field(default_factory=list)
+    upstream: dict[int, int] = field(default_factory=dict)
+    idle: set[int] = field(default_factory=set)     # tied owners the forward never calls
+
+    def add(self, table: dict[int, float], path: str, mod: nn.Module, v: float) -> None:
+        self.mods[id(mod)] = (path, mod)
+        table[id(mod)] = table.get(id(mod), 1.0) * v
+
+
+def _eager_scales(model: nn.Module, recipe: Recipe | None) -> _Scales:
+    sc = _Scales()
+    planned = model.__dict__.get(PREFIX + "constants") or {}   # meta device: planned values
+    for path, mod in model.named_modules():
+        for name, buf in mod._buffers.items():
+            if buf is None or not name.startswith(PREFIX):
+                continue
+            fqn = f"{path}.{name}" if path else name
+            v = float(planned.get(fqn, 1.0)) if buf.device.type == "meta" else float(buf)
+            if name == PREFIX + "in_scale":
+                sc.add(sc.inp, path, mod, v)
+            elif name in (PREFIX + "out_scale", PREFIX + "output_scale",
+                          PREFIX + "lr_scale") and path:
+                sc.add(sc.out, path, mod, v)
+            elif name == PREFIX + "output_scale":
+                sc.problems.append((fqn, "the output scale multiplies the returned value: no "
+                                    "module of the model produces the main output"))
+            elif name == PREFIX + "input_scale":
+                sc.problems.append((fqn, f"the input scale ({v:.6g}) multiplies the model's "
+                                    f"inputs: multiply your inputs by it instead"))
+            else:
+                sc.problems.append((fqn, "a precondfx constant fold does not know"))
+    if recipe is not None:
+        for m, u in recipe.upstream.items():
+            try:
+                a, b = model.get_submodule(m), model.get_submodule(u)
+            except AttributeError:
+                continue
+            sc.mods.setdefault(id(b), (u, b))
+            sc.mods.setdefault(id(a), (m, a))
+            sc.upstream[id(a)] = id(b)
+        for m in recipe.idle:
+            try:
+                sc.idle.add(id(model.get_submodule(m)))
+            except AttributeError:
+                continue
+    return sc
+
+
+_SAME_VALUES_METHODS = {"view", "reshape", "contiguous", "float", "to", "flatten", "squeeze",
+                        "unsqueeze", "type_as", "double", "half", "bfloat16"}
+_SAME_VALUES_FNS = {operator.getitem, torch.reshape, torch.flatten, torch.squeeze,
+                    torch.unsqueeze}
+
+
+def _fx_scales(gm: fx.GraphModule) -> _Scales:
+    sc = _Scales()
+    calls: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            calls[str(n.target)] = calls.get(str(n.target), 0) + 1
+
+    def module_at(n: Any) -> tuple[str, nn.Module] | None:
+        if isinstance(n, fx.Node) and n.op == "call_module" and calls[str(n.target)] == 1:
+            return str(n.target), gm.get_submodule(str(n.target))
+        return None
+
+    per_call: dict[str, list[tuple[str, float]]] = {}
+    for n in gm.graph.nodes:
+        if n.op != "get_attr" or not str(n.target).startswith(PREFIX):
+            continue
+        v = float(gm.get_buffer(str(n.target)))
+        for mul in list(n.users):
+            what = str(n.target)
+            other = [a for a in mul.args if a is not n]
+            if mul.target not in (operator.mul, torch.mul) or len(other) != 1 or \
+                    not isinstance(other[0], fx.Node):
+                sc.problems.append((what, f"used by {mul.name} ({mul.target}), not a plain "
+                                    f"multiplication"))
+                continue
+            src = other[0]
+            if set(src.users) == {mul}:
+                src = _fx_up(src, gm)
+            prod = module_at(src)
+            if prod is not None and (set(src.users) == {mul} or src is not other[0]) and \
+                    kind(prod[1]) is not None:
+                sc.add(sc.out, prod[0], prod[1], v)
+                continue
+            users = [module_at(u) if u.args and u.args[0] is mul else None for u in mul.users]
+            if users and all(u is not None and kind(u[1]) == "linear" for u in users):
+                for u in users:
+                    sc.add(sc.inp, u[0], u[1], v)
+                continue
+            shared = [str(u.target) for u in mul.users if u.op == "call_module"
+                      and u.args and u.args[0] is mul and calls[str(u.target)] > 1]
+            if shared and len(shared) == len(mul.users):
+                for t in shared:
+                    per_call.setdefault(t, []).append((what, v))
+                continue
+            desc = f"{src.op} {src.target}" if src.op != "placeholder" else "a model input"
+            sc.problems.append((what, f"multiplies the output of {src.name} ({desc}), which "
+                                f"no module of your class can absorb exactly"))
+    for t, vals in per_call.items():   # a module called several times, scaled at each call
+        mod = gm.get_submodule(t)
+        if len(vals) == calls[t] and _all_close([v for _, v in vals]) and kind(mod) == "linear":
+            sc.add(sc.inp, t, mod, vals[0][1])
+        elif any(not _close(v, 1.0) for _, v in vals):
+            sc.problems.append((", ".join(w for w, _ in vals), f"module {t} is called "
+                                f"{calls[t]} times with different input scales "
+                                f"({', '.join(f'{v:.4g}' for _, v in vals)}): its one weight "
+                                f"cannot carry them all"))
+    # for tied bias-free linear layers: the module producing their input
+    for n in gm.graph.nodes:
+        m = module_at(n)
+        if m is None or kind(m[1]) != "linear" or not n.args:
+            continue
+        cur = n.args[0]
+        while isinstance(cur, fx.Node) and len(cur.users) == 1 and (
+                (cur.op == "call_method" and cur.target in _SAME_VALUES_METHODS) or
+                (cur.op == "call_function" and cur.target in _SAME_VALUES_FNS)):
+            cur = cur.args[0]
+        up = module_at(cur)
+        if up is not None and isinstance(cur, fx.Node) and len(cur.users) == 1:
+            sc.mods.setdefault(id(m[1]), m)
+            sc.mods.setdefault(id(up[1]), up)
+            sc.upstream[id(m[1])] = id(up[1])
+    return sc
+
+
+def _fx_up(node: fx.Node, gm: fx.GraphModule) -> fx.Node:
+    """From a node whose only use is being scaled, up through positively homogeneous modules
+    (dropout, ReLU, identity, average pooling) and value-preserving ops whose operand has no
+    other use: scaling the node found scales the original exactly."""
+    cur = node
+    while True:
+        homog = cur.op == "call_module" and isinstance(gm.get_submodule(str(cur.target)),
+                                                       _HOMOGENEOUS)
+        same = (cur.op == "call_method" and cur.target in _SAME_VALUES_METHODS) or \
+            (cur.op == "call_function" and cur.target in _SAME_VALUES_FNS)
+        if not (homog or same) or not cur.args or not isinstance(cur.args[0], fx.Node):
+            return cur
+        prev = cur.args[0]
+        if len(prev.users) != 1 or prev.op in ("placeholder", "get_attr"):
+            return cur
+        cur = prev
+
+
+# -- resolving factors per parameter -----------------------------------------------------------
+def _param_factors(model: nn.Module, sc: _Scales) -> dict[str, float]:
+    """Factor per parameter name (first name of tied parameters); problems go to ``sc``."""
+    _settle_scales(sc)
+    owners, names, tensors = _owners(model, sc)
+    for _ in range(8):
+        if not _untie(sc, owners, names):
+            break
+    factors: dict[str, float] = {}
+    for pid, own in owners.items():
+        rs = [_request(sc, mid, pn) for mid, pn in own]
+        if not rs or not _all_close(rs):
+            continue   # reported above
+        if not _close(rs[0], 1.0):
+            if not tensors[pid].is_floating_point():
+                sc.problems.append((names[pid], "not a floating-point parameter"))
+                continue
+            factors[names[pid]] = rs[0]
+    return factors
+
+
+def _settle_scales(sc: _Scales) -> None:
+    """Each module's input and output scale where its parameters can carry it: an output scale
+    of a parameter-free module moves to the module upstream, an MHA's to its out_proj; what
+    cannot move is a problem (and dropped)."""
+    queue = list(dict.fromkeys(list(sc.inp) + list(sc.out)))
+    while queue:
+        mid = queue.pop(0)
+        path, mod = sc.mods[mid]
+        k = kind(mod)
+        if sc.inp.get(mid, 1.0) != 1.0 and k != "linear":
+            sc.problems.append((path, f"a scale on the input of {type(mod).__name__}, which is "
+                                f"not linear in its input: it cannot move into its weights"))
+            sc.inp.pop(mid)
+        if sc.out.get(mid, 1.0) != 1.0 and k is None and mid in sc.upstream:
+            upath, umod = sc.mods[sc.upstream[mid]]
+            sc.add(sc.out, upath, umod, sc.out.pop(mid))
+            queue.append(id(umod))
+            continue
+        if sc.out.get(mid, 1.0) != 1.0 and k is None:
+            sc.problems.append((path, f"a scale on the output of {type(mod).__name__}: no "
+                                f"parameter of it scales its output exactly"))
+            sc.out.pop(mid)
+        if sc.out.get(mid, 1.0) != 1.0 and k == "mha":
+            sc.add(sc.out, f"{path}.out_proj", mod.out_proj, sc.out.pop(mid))
+        if k == "linear" and _parametrized(mod) and (sc.inp.get(mid, 1.0) != 1.0 or
+                                                    sc.out.get(mid, 1.0) != 1.0):
+            sc.problems.append((path, "its weight is parametrized (weight_norm, a "
+                                "parametrization): the plain weight is not a parameter"))
+            sc.inp.pop(mid, None)
+            sc.out.pop(mid, None)
+
+
+def _owners(model: nn.Module, sc: _Scales) -> tuple[dict[int, list[tuple[int, str]]],
+                                                    dict[int, str], dict[int, torch.Tensor]]:
+    """Per parameter (by id): the (module id, name) pairs that hold it, its first name, the
+    tensor."""
+    owners: dict[int, list[tuple[int, str]]] = {}
+    names: dict[int, str] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for path, mod in model.named_modules():
+        sc.mods.setdefault(id(mod), (path, mod))
+        for pname, p in mod._parameters.items():
+            if p is None:
+                continue
+            owners.setdefault(id(p), [])
+            idle = id(mod) in sc.idle and id(mod) not in sc.inp and id(mod) not in sc.out
+            if not idle and (id(mod), pname) not in owners[id(p)]:
+                owners[id(p)].append((id(mod), pname))
+            names.setdefault(id(p), f"{path}.{pname}" if path else pname)
+            tensors[id(p)] = p
+    return owners, names, tensors
+
+
+def _request(sc: _Scales, mid: int, pname: str) -> float:
+    """The factor module ``mid`` needs on its parameter ``pname``."""
+    i, o = sc.inp.get(mid, 1.0), sc.out.get(mid, 1.0)
+    if kind(sc.mods[mid][1]) == "linear":
+        return i * o if pname == "weight" else o
+    return o
+
+
+def _movable(sc: _Scales, mid: int, pname: str) -> bool:
+    """Can a different factor on this (tied) weight move upstream (a bias-free linear with a
+    known producer of its input)?"""
+    mod = sc.mods[mid][1]
+    return kind(mod) == "linear" and pname == "weight" and \
+        getattr(mod, "bias", None) is None and mid in sc.upstream
+
+
+def _untie(sc: _Scales, owners: dict[int, list[tuple[int, str]]], names: dict[int, str]
+           ) -> bool:
+    """One pass over tied parameters whose users need different factors: move the difference
+    upstream where it can go, else report it; True when anything changed."""
+    moved = False
+    for pid, own in owners.items():
+        reqs = [(mid, pn, _request(sc, mid, pn)) for mid, pn in own]
+        if len(own) < 2 or _all_close([r for *_, r in reqs]):
+            continue
+        fixed = [r for mid, pn, r in reqs if not _movable(sc, mid, pn)]
+        if not _all_close(fixed):
+            users = ", ".join(f"{sc.mods[m][0] or 'model'} x{r:.6g}" for m, _, r in reqs)
+            sc.problems.append((names[pid], f"a tied weight whose users need different "
+                                f"scales ({users}): one tensor cannot carry both"))
+            for mid, _pn, _r in reqs:
+                sc.inp.pop(mid, None)
+                sc.out.pop(mid, None)
+            return True
+        f = fixed[0] if fixed else reqs[0][2]
+        for mid, pn, r in reqs:
+            if _close(r, f):
+                continue
+            upath, umod = sc.mods[sc.upstream[mid]]
+            if kind(umod) not in ("linear", "norm", "embedding"):
+                sc.problems.append((names[pid], f"tied weight: the difference of scale "
+                                    f"cannot pass to {upath} ({type(umod).__name__})"))
+                sc.inp.pop(mid, None)
+                sc.out.pop(mid, None)
+            else:
+                sc.add(sc.out, upath, umod, r / f)
+                sc.inp[mid] = sc.inp.get(mid, 1.0) * f / r
+            moved = True
+    return moved
+
+
+
+def _parametrized(mod: nn.Module) -> bool:
+    return bool(getattr(mod, "parametrizations", None))
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-12 * max(abs(a), abs(b), 1.0)
+
+
+def _all_close(xs: list[float]) -> bool:
+    return all(_close(x, xs[0]) for x in xs)
+
+
+# -- the plain model -----------------------------------------------------------------------------
+def _structural(model: nn.Module, recipe: Recipe | None, same_objects: bool = True
+                ) -> list[tuple[str, str]]:
+    """Changes a fresh instance of the user's class would not have.  For a GraphModule, each
+    called module must be the traced model's own (the same object; the same class when the
+    source was passed by the caller)."""
+    out = [(s, "a structural change a fresh instance of your class does not have (precondition "
+            "with maxpool='keep' and the default scheme for a foldable result)")
+           for s in (recipe.structural if recipe else [])]
+    if isinstance(model, fx.GraphModule) and recipe is not None and recipe.source is not None:
+        for n in model.graph.nodes:
+            if n.op != "call_module":
+                continue
+            t = str(n.target)
+            try:
+                orig = recipe.source.get_submodule(t)
+            except AttributeError:
+                out.append((t, "a module precondfx added: your class does not have it"))
+                continue
+            mine = model.get_submodule(t)
+            if (orig is not mine) if same_objects else (type(orig) is not type(mine)):
+                out.append((t, f"replaced by {type(model.get_submodule(t)).__name__}: your class "
+                            f"has {type(orig).__name__}"))
+    return out
+
+
+def _plan(model: nn.Module, source: nn.Module | None) -> tuple[dict[str, float],
+                                                              list[tuple[str, str]],
+                                                              nn.Module | None]:
+    recipe = recipe_of(model)
+    if isinstance(model, fx.GraphModule):
+        src = source if source is not None else (recipe.source if recipe else None)
+        if src is None:
+            return {}, [("model", "a GraphModule without the model of your class it was traced "
+                         "from (a pickled GraphModule drops it): pass source=YourModel(...)")], None
+        same = source is None
+        if recipe is not None and recipe.source is not src:
+            recipe = Recipe(src, recipe.structural, recipe.upstream)
+        elif recipe is None:
+            recipe = Recipe(src)
+        sc = _fx_scales(model)
+    else:
+        src, same = None, True
+        sc = _eager_scales(model, recipe)
+    problems = _structural(model, recipe, same)
+    factors = _param_factors(model, sc)
+    return factors, problems + sc.problems, src
+
+
+def fold_problems(model: nn.Module, *, source: nn.Module | None = None) -> list[tuple[str, str]]:
+    """``(constant, why)`` for every constant of a preconditioned model that cannot be folded
+    into its weights; empty when :func:`fold` will succeed."""
+    return _plan(model, source)[1]
+
+
+def fold_factors(model: nn.Module) -> dict[str, float]:
+    """The factor each parameter is multiplied by when the model is folded (parameters with
+    factor 1 omitted); raises ``PrecondError`` when something cannot fold."""
+    factors, problems, _ = _plan(model, None)
+    if problems:
+        raise PrecondError(_message(problems))
+    return factors
+
+
+def _message(problems: list[tuple[str, str]]) -> str:
+    lines = "; ".join(f"{w}: {why}" for w, why in problems)
+    return (f"cannot fold {len(problems)} precondfx constant(s) into the weights: {lines}. "
+            f"fold_problems(model) lists them; the preconditioned model itself still works")
+
+
+@torch.no_grad()
+def fold(model: nn.Module, *, source: nn.Module | None = None) -> nn.Module:
+    """A plain model of your class computing what ``model`` (a ``precondition`` result)
+    computes, with every constant folded into the weights: same ``state_dict`` keys as the
+    original, no hooks, no extra buffers.  Raises ``PrecondError`` naming each constant that
+    cannot fold, and why.  ``source`` is a model of your class, needed only for a GraphModule
+    that was pickled (the reference ``precondition`` keeps is not)."""
+    if not isinstance(model, nn.Module):
+        raise PrecondError(f"fold takes the model precondition returned, got "
+                           f"{type(model).__name__}")
+    factors, problems, src = _plan(model, source)
+    if problems:
+        raise PrecondError(_message(problems))
+    if isinstance(model, fx.GraphModule):
+        plain = copy.deepcopy(src)
+        state = {k: v for k, v in model.state_dict().items() if PREFIX not in k}
+        res = plain.load_state_dict(state, strict=False)
+        if res.missing_keys or res.unexpected_keys:
+            raise PrecondError(f"the GraphModule's weights do not match the source model "
+                               f"(missing {res.missing_keys[:5]}, unexpected "
+                               f"{res.unexpected_keys[:5]})")
+    else:
+        plain = copy.deepcopy(model)
+        strip(plain)
+    named = dict(plain.named_parameters())
+    for name, f in factors.items():
+        named[name].mul_(f)
+    plain.train(model.training)
+    return plain
+
+
+def strip(model: nn.Module) -> None:
+    """Remove every precondfx buffer, hook and attribute from an eager-back-end model (in
+    place; the weights are not touched)."""
+    for mod in model.modules():
+        for name in [b for b in mod._buffers if b.startswith(PREFIX)]:
+            del mod._buffers[name]
+            mod._non_persistent_buffers_set.discard(name)
+        for name in [a for a in vars(mod) if a.startswith(PREFIX) or a == RECIPE]:
+            delattr(mod, name)
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_state_dict_hooks",
+                     "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                     "_load_state_dict_post_hooks"):
+            hooks = getattr(mod, attr, None)
+            if not hooks:
+                continue
+            for hid in [h for h, fn in hooks.items() if _ours(fn)]:
+                del hooks[hid]
+                for aux in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                            "_forward_pre_hooks_with_kwargs"):
+                    getattr(mod, aux, {}).pop(hid, None)
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "precondfx"):
+        try:
+            delattr(cfg, "precondfx")
+        except AttributeError:
+            pass
+
+
+def _ours(fn: Any) -> bool:
+    fn = getattr(fn, "hook", fn)   # load_state_dict pre-hooks are wrapped
+    return str(getattr(fn, "__module__", "")).startswith("precondfx")
+
+
+# -- recipe at precondition time (eager back end) ------------------------------------------------
+def tied_upstream(model: nn.Module, graph: Any, run: Callable[[nn.Module], Any],
+                  pending: dict[str, str] | None = None) -> dict[str, str]:
+    """Where a constant that cannot stay on its module can go: for each bias-free linear
+    module whose weight is tied to another module's, and each parameterless module carrying a
+    constant (a residual scale on a dropout), the module producing its input, when the graph
+    shows one through value-preserving ops and doubling that module's output doubles this
+    module's output (checked by running).  With ``pending`` (a model on the meta device, which
+    cannot run with values) the graph's candidates go there unchecked."""
+    shared: dict[int, int] = {}
+    for _, mod in model.named_modules():
+        for p in mod._parameters.values():
+            if p is not None:
+                shared[id(p)] = shared.get(id(p), 0) + 1
+    users = graph.users()
+    calls: dict[str, int] = {}
+    for n in graph:
+        if n.module:
+            calls[n.module] = calls.get(n.module, 0) + 1
+    out: dict[str, str] = {}
+    for n in graph:
+        if not n.module or calls[n.module] != 1 or len(n.inputs) < 1:
+            continue
+        mod = model.get_submodule(n.module)
+        w = mod._parameters.get("weight")
+        tied = kind(mod) == "linear" and getattr(mod, "bias", None) is None and \
+            w is not None and shared.get(id(w), 0) >= 2
+        bare = kind(mod) is None and any(b.startswith(PREFIX) for b in mod._buffers)
+        if not (tied or bare):
+            continue
+        cur = graph.get(n.inputs[0])
+        # through value-preserving ops, a dropout, a product with a Python number (T5 scales
+        # by d_model ** -0.5 before its tied head); the run check below confirms
+        while cur is not None and len(cur.inputs) == 1 and \
+                len(users.get(cur.inputs[0], [])) == 1 and \
+                ((not cur.module and cur.kind in ("reshape", "cast", "select")) or
+                 cur.kind == "dropout" or
+                 (not cur.module and cur.kind == "mul" and not cur.params and
+                  cur.const_operands == 1)):
+            cur = graph.get(cur.inputs[0])
+        if cur is None or len(users.get(cur.name, [])) != 1:
+            continue
+        up = cur.module or _norm_owner(model, cur)
+        if not up or (cur.module and calls.get(cur.module) != 1):
+            continue
+        if pending is not None:
+            pending[n.module] = up
+        elif _doubles(model, up, n.module, run):
+            out[n.module] = up
+    return out
+
+
+def idle_tied(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[str]:
+    """Modules holding a parameter tied to another module's that the forward does not call
+    (found by running with hooks; none on the meta device): their factor is free, see
+    :class:`Recipe`."""
+    holders: dict[int, list[str]] = {}
+    for path, mod in model.named_modules():
+        for p in mod._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), []).append(path)
+    cands = sorted({m for ms in holders.values() if len(ms) > 1 for m in ms})
+    if not cands or any(p.device.type == "meta" for p in model.parameters()):
+        return []
+    seen: set[str] = set()
+    handles = [model.get_submodule(m).register_forward_pre_hook(
+        lambda mod, args, m=m: seen.add(m)) for m in cands]
+    try:
+        run(model)
+    except Exception:   # the model does not run that way: treat every holder as called
+        return []
+    finally:
+        for h in handles:
+            h.remove()
+    return [m for m in cands if m not in seen]
+
+
+def _norm_owner(model: nn.Module, node: Any) -> str | None:
+    """The normalization module whose weight a captured op reads, for a normalization the
+    capture left as separate ops (transformers' LlamaRMSNorm ends in ``weight * x``); the
+    check by running then says whether its output carries the factor."""
+    for p in node.params.values():
+        path = p.rpartition(".")[0]
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if kind(mod) == "norm":
+            return path
+    return None
+
+
+def confirm_upstream(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[str]:
+    """Check by running the upstream candidates recorded on the meta device (see
+    :class:`Recipe`), now that the model holds data; those that pass become usable by
+    ``fold`` and checkpoints.  Returns the modules confirmed."""
+    rec = recipe_of(model)
+    if rec is None or not rec.pending:
+        return []
+    done = [m for m, u in rec.pending.items() if _doubles(model, u, m, run)]
+    rec.upstream.update({m: rec.pending[m] for m in done})
+    rec.pending.clear()
+    return done
+
+
+def _doubles(model: nn.Module, up: str, down: str, run: Callable[[nn.Module], Any]) -> bool:
+    seen: list[torch.Tensor] = []
+
+    def grab(m: nn.Module, a: tuple, o: Any) -> None:
+        seen.append(o if isinstance(o, torch.Tensor) else torch.empty(0))
+
+    def double(m: nn.Module, a: tuple, o: Any) -> Any:
+        return o * 2 if isinstance(o, torch.Tensor) else o
+    h = model.get_submodule(down).register_forward_hook(grab)
+    try:
+        run(model)
+        h2 = model.get_submodule(up).register_forward_hook(double)
+        try:
+            run(model)
+        finally:
+            h2.remove()
+        return len(seen) == 2 and seen[0].shape == seen[1].shape and seen[0].numel() > 0 and \
+            bool(torch.allclose(seen[1], 2 * seen[0], rtol=1e-5, atol=1e-30))
+    except Exception:   # the model does not run that way, or has no data (meta device)
+        return False
+    finally:
+        h.remove()
+
+
+def record(result: nn.Module, traced: nn.Module, applier: Any, graph: Any,
+           run: Callable[[nn.Module], Any]) -> Recipe:
+    """Attach to a ``precondition`` result what ``fold`` needs (called by ``precondition``):
+    the traced model of the user's class (fx), the structural changes, the producers of tied
+    layers' inputs (eager)."""
+    structural = [a for a in applier.applied if " replaced by " in a or " folded into " in a]
+    if isinstance(result, fx.GraphModule):
+        rec = Recipe(traced, structural)
+    else:
+        on_meta = any(p.device.type == "meta" for p in result.parameters())
+        pending: dict[str, str] | None = {} if on_meta else None
+        rec = Recipe(None, structural, tied_upstream(result, graph, run, pending),
+                     pending or {}, idle_tied(result, run))
+    attach(result, rec)
+    return rec

@@ -1,0 +1,261 @@
+"""Learning-rate transfer (``lr_scale=``): function-preserving per-layer scales chosen so that one
+learning rate suits networks of different widths and depths.
+
+Each weighted layer ``y = W x + b`` (after the alpha balancing put on its input, if any) becomes
+``y = c * ((W / c) x + b / c)``: a multiplier ``c`` on the layer's output (a ``Scale`` of tag
+``lr`` in the plan, a ``precondfx_lr*`` buffer placed by the back end) and the stored weight
+*and bias* divided by ``c``.  The function is the same, but the optimizer sees the stored
+``W / c`` and ``b / c``:
+
+* SGD: their gradients are ``c`` times the function's, so the step of the effective ``c W'``
+  and ``c b'`` is ``c^2`` times the step without the option: the layer's effective learning
+  rate, weight and bias alike, is multiplied by ``c^2`` (its Hessian block by ``c^2``).
+* Adam: a step does not depend on the gradient's scale, so the stored ``W'`` and ``b'`` move by
+  the same amounts as without the option (about ``lr`` per entry) and the effective ``c W'``
+  and ``c b'`` by ``c`` times that: the effective rate of the weight and of the bias is
+  multiplied by ``c``.  The bias rule is therefore the weight's: stored ``b / c`` under the
+  same ``c``, so that the bias's step relative to the weight's stays what it is without the
+  option.  (When the multiplier was an alpha on the layer's input, the bias kept the raw
+  rate while the weight's moved by ``c^2``: at depth 16 under SGD the biases ran ``1/c^2 =
+  32x`` faster than the weights, which cost training; docs/results/lr_transfer_cpu.md.)
+* AdamW's decoupled weight decay shrinks ``W'`` and ``b'`` by ``lr * wd`` per step, the same
+  relative shrinkage of the effective weight as without the option.
+
+``lr_scale`` picks ``c`` per layer:
+
+* ``"adam"``: an Adam step moves each stored weight by about ``lr`` per entry, with signs that
+  follow the input, so it changes the layer's output by ``lr * sqrt(fan_in) / rms(W)`` relative
+  to its size (``rms(W)``: the stored weight's root mean square; the alpha cancels).  Scaling
+  every stored weight to ``rms(W) = sqrt(fan_in) / NU_REF * (L / DEPTH_REF)^1.5`` makes that
+  relative change ``lr * NU_REF * (DEPTH_REF / L)^1.5`` in every layer, whatever its shape (for
+  fan-in-scaled hidden weights this is muP's Adam rule, learning rate ~ 1/fan_in; it also
+  covers the input and output layers of geometric init, whose scales muP does not assume).
+  Layers inside a residual branch (the blocks of a transformer, a ResNet's residual convs;
+  not an embedding added to the stream, such as GPT-2's position embedding) get
+  ``BRANCH_ADAM`` times that relative change: with equal steps everywhere GPT-2 lost to the
+  default (held-out 2.625 against 2.558, 5 seeds), with the block layers' steps 4x the
+  embeddings' and head's it matched it (2.554; docs/results/lr_transfer_cpu.md).
+* ``"sgd"``: ``c = DEPTH_REF / L`` for every layer (effective rate ``x (DEPTH_REF/L)^2``).  Under
+  SGD the relative update of a layer is its GR scaling, which precondfx already makes equal
+  across layers; its best rate did not move across widths and fell with depth.
+
+The depth factors come from training (docs/results/lr_transfer_cpu.md): on the digits MLPs the
+best rate of precondfx's default fell as about ``L^-2`` with both optimizers; under Adam, with
+the biases covered too, the best rate of ``lr_scale="adam"`` rose with depth under
+``(3/L)^2`` and stayed within 1 octave over depths 1-16 under ``(3/L)^1.5``.  ``L`` is the
+number of weighted layers on the longest input-to-output path with every residual branch cut
+(the stream through the skip connections): ``D + 1`` for a plain MLP with ``D`` hidden layers;
+stem, head and projection shortcuts for a residual network; embedding and head for a
+transformer.  The measured curvature at initialization (top Gauss-Newton eigenvalue, curvature
+along the first SGD or Adam step) predicted the best rate's movement worse than these rules.
+
+The factors are set on the rewritten model after measured balancing, which leaves the
+multipliers (1 until then) alone; a meta-device model gets them in its recorded constants and
+in the plan's stds (W / c drawn by ``precondfx.reinit`` after ``to_empty``).  A layer whose call
+sites do not all carry a multiplier (a functional call the eager back end cannot hook), or
+whose bias another weight's layer also reads, keeps factor 1 (``left_out``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from precondfx.errors import PrecondError
+from precondfx.core.graph import Graph
+from precondfx.core.options import INIT_RULES, LR_SCALE_MODES
+from precondfx.core.plan import Plan
+
+#: Adam: relative change of a layer's output per unit learning rate (at depth DEPTH_REF);
+#: 64 keeps c near 1 for a 128-wide hidden layer of geometric init
+NU_REF = 64.0
+#: depth (weighted layers on the main path) at which the depth factor is 1
+DEPTH_REF = 3
+#: Adam: relative step of a layer inside a residual branch over a main-path layer's (GPT-2)
+BRANCH_ADAM = 4.0
+#: c = (DEPTH_REF / L) ** DEPTH_POWER[mode]: effective rate ~ L^-2 under SGD (c^2), ~ L^-1.5
+#: under Adam (c; 2 before the biases were covered, refitted: docs/results/lr_transfer_cpu.md)
+DEPTH_POWER = {"sgd": 1.0, "adam": 1.5}
+
+
+def main_path_depth(graph: Graph, plan: Plan) -> int:
+    """Weighted layers on the longest input-to-output path, residual branches cut; >= 1."""
+    layer_nodes = {lay.node for lay in plan.layers}
+    cut = {r.node: r.branch_index for r in plan.residuals}
+    depth: dict[str, int] = {}
+    for n in graph:
+        ins = [i for k, i in enumerate(n.inputs) if cut.get(n.name) != k]
+        d = max((depth.get(i, 0) for i in ins), default=0)
+        depth[n.name] = d + (1 if n.name in layer_nodes else 0)
+    ends = [depth[o] for o in graph.outputs if o in depth] or list(depth.values()) or [1]
+    return max(1, max(ends))
+
+
+def fan_in(lay: Any, node: Any = None) -> float:
+    """Inputs one output of the layer sums over (``n_in * k^2``, zero-padding taps counted as
+    the planner counts them); 1 for an embedding (a one-hot input).  For a linear call the
+    output's last dimension says which side of the weight is the output: ``addmm(b, x, W)``
+    (transformers' Conv1D) holds W as (in, out), the transpose of nn.Linear's."""
+    if lay.kind == "embedding":
+        return 1.0
+    out = getattr(node, "out_shape", None)
+    if lay.kind == "linear" and out and lay.n_in != lay.n_out and out[-1] in (lay.n_in,
+                                                                               lay.n_out):
+        return float(lay.n_in * lay.n_out // out[-1])
+    return float(lay.n_in) * float(lay.k2_eff or lay.k2)
+
+
+def stored_rms(w: torch.Tensor) -> float:
+    """Root mean square of a stored weight (what Adam's per-entry steps are relative to)."""
+    return float(w.detach().double().pow(2).mean().sqrt())
+
+
+def _rms_of(model: nn.Module, plan: Plan, w: str) -> float:
+    """The stored weight's rms: measured, or on the meta device the planned draw's std."""
+    p = model.get_parameter(w)
+    if p.device.type != "meta":
+        return stored_rms(p)
+    pi = plan.inits.get(w)
+    if pi is not None and pi.rule in INIT_RULES and pi.std:
+        return float(pi.std)
+    raise PrecondError(f"lr_scale='adam' needs the scale of {w}, which is on the meta device and "
+                       f"not re-drawn by the plan ({pi.rule if pi else 'no plan entry'}): "
+                       f"materialize the model first, or use lr_scale='sgd'")
+
+
+def factors(graph: Graph, plan: Plan, mode: str, rms: dict[str, float]
+            ) -> tuple[dict[str, float], int]:
+    """The factor ``c`` per weight (the first call site's, so that a shared weight gets one
+    factor) and the main-path depth ``L``; ``rms``: each stored weight's root mean square
+    (``"adam"`` only; a weight with rms 0 keeps c = 1)."""
+    if mode not in LR_SCALE_MODES:
+        raise PrecondError(f"lr_scale={mode!r} is not one of {LR_SCALE_MODES} (or None)")
+    L = main_path_depth(graph, plan)
+    depth_c = (DEPTH_REF / L) ** DEPTH_POWER[mode]
+    branch = {m for r in plan.residuals for m in r.branch_layers}
+    out: dict[str, float] = {}
+    for lay in plan.layers:
+        if not lay.weight or lay.weight in out:
+            continue
+        c = depth_c
+        if mode == "adam":
+            r = rms.get(lay.weight, 0.0)
+            if not (r > 0 and math.isfinite(r)):
+                continue
+            c *= NU_REF * r / math.sqrt(fan_in(lay, graph.get(lay.node)))
+            if lay.node in branch and lay.kind != "embedding":
+                c *= BRANCH_ADAM
+        out[lay.weight] = c
+    return out, L
+
+
+def _why(mode: str, c: float, L: int) -> str:
+    return f"lr_scale={mode!r} x{c:.4g} (main-path depth {L})"
+
+
+def summary(mode: str, fac: dict[str, float], L: int) -> str:
+    vals = list(fac.values()) or [1.0]
+    return (f"lr_scale={mode!r}: main-path depth {L}, {len(fac)} layers scaled by "
+            f"{min(vals):.3g}..{max(vals):.3g} (output x c, weight and bias / c: same function; "
+            f"each layer's effective learning rate x c{'^2' if mode == 'sgd' else ''})")
+
+
+def carried(lr_buffers: dict[str, list[str]], plan: Plan, graph: Graph | None = None
+            ) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The weights whose every call site carries an lr multiplier (weight -> the constants),
+    and why the others are left out (factor 1): a site with none (see NOT APPLIED), a bias
+    also read by a layer of another weight (one stored bias cannot take two factors), or a
+    weight ``graph`` shows read outside its layers (``F.linear(h, w.t())``: dividing it would
+    change that use)."""
+    from precondfx.pytorch.balance import other_readers
+    sites: dict[str, int] = {}
+    bias_users: dict[str, set[str]] = {}
+    nodes: dict[str, set[str]] = {}
+    for lay in plan.layers:
+        if lay.weight:
+            sites[lay.weight] = sites.get(lay.weight, 0) + 1
+            nodes.setdefault(lay.weight, set()).add(lay.node)
+            if lay.bias:
+                bias_users.setdefault(lay.bias, set()).add(lay.weight)
+                nodes.setdefault(lay.bias, set()).add(lay.node)
+    others = other_readers(graph, nodes) if graph is not None else {}
+    ok: dict[str, list[str]] = {}
+    left: dict[str, str] = {}
+    for w, n in sites.items():
+        bufs = lr_buffers.get(w, [])
+        shared = [b for lay in plan.layers if lay.weight == w and lay.bias
+                  for b in [lay.bias] if len(bias_users[b]) > 1]
+        outside = others.get(w) or [o for lay in plan.layers if lay.weight == w and lay.bias
+                                    for o in others.get(lay.bias, [])]
+        if len(bufs) != n:
+            left[w] = (f"an lr multiplier was placed on {len(bufs)} of its {n} call sites (see "
+                       f"NOT APPLIED): factor 1")
+        elif outside:
+            left[w] = (f"the weight or its bias is also read outside its layer (by "
+                       f"{', '.join(outside[:3])}): dividing it would change that use: factor 1")
+        elif shared:
+            left[w] = f"its bias {shared[0]} is also read by another weight's layer: factor 1"
+        else:
+            ok[w] = sorted(set(bufs))
+    return ok, left
+
+
+def apply(model: nn.Module, graph: Graph, plan: Plan, lr_buffers: dict[str, list[str]],
+          mode: str, planned: dict[str, float] | None = None,
+          set_constant: Any = None) -> dict[str, Any]:
+    """Set each layer's lr multipliers to its factor ``c`` and divide its weight and bias by
+    ``c``, keeping the plan (and ``planned``, the constants recorded for materializing) equal
+    to what the model holds.  ``set_constant(name, value)``: the back end's
+    (``Backend.set_constant``).  Layers whose call sites do not all carry a multiplier keep
+    factor 1 and are listed in ``left_out``.  Returns the report section."""
+    ok, left = carried(lr_buffers, plan, graph)
+    rms = {w: _rms_of(model, plan, w) for w in ok} if mode == "adam" else {}
+    fac, L = factors(graph, plan, mode, rms)
+    done = {w: c for w, c in fac.items() if w in ok and c != 1.0}
+    bias_of = {lay.weight: lay.bias for lay in plan.layers if lay.weight and lay.bias}
+    if set_constant is None:
+        def set_constant(name: str, value: float) -> None:
+            model.get_buffer(name).fill_(value)
+    with torch.no_grad():
+        for w, c in done.items():
+            for b in ok[w]:
+                set_constant(b, c)
+                if planned is not None:
+                    planned[b] = c
+            model.get_parameter(w).div_(c)
+            if w in bias_of:
+                model.get_parameter(bias_of[w]).div_(c)
+    _record(plan, done, bias_of, mode, L)
+    note = summary(mode, done, L)
+    plan.notes.append(note)
+    vals = list(done.values()) or [1.0]
+    return {"mode": mode, "depth": L, "factor_min": min(vals), "factor_max": max(vals),
+            "factors": done, "left_out": dict(left), "summary": note}
+
+
+def _record(plan: Plan, done: dict[str, float], bias_of: dict[str, str], mode: str, L: int
+            ) -> None:
+    """Keep the plan equal to what the model now holds: each layer's ``lr`` scale = c, its
+    weight's and bias's std (or rescaling factor) / c (a zero bias stays zero)."""
+    node_w = {lay.node: lay.weight for lay in plan.layers}
+    for sc in plan.scales:
+        c = done.get(node_w.get(sc.node) or "") if sc.tag == "lr" else None
+        if c is not None:
+            sc.value, sc.reason = c, f"{_why(mode, c, L)}: weight and bias stored / {c:.4g}"
+    for w, c in done.items():
+        for name in (w, bias_of.get(w)):
+            pi = plan.inits.get(name or "")
+            if pi is not None and pi.std is not None:
+                pi.std = pi.std / c
+
+
+def effective_lr_multiplier(c: float, mode: str) -> float:
+    """How much a layer's effective learning rate changes for a factor ``c``: ``c^2`` under SGD,
+    ``c`` under Adam."""
+    return c * c if mode == "sgd" else c
+
+
+__all__ = ["NU_REF", "DEPTH_REF", "BRANCH_ADAM", "DEPTH_POWER", "main_path_depth", "fan_in",
+           "stored_rms", "factors", "carried", "apply", "effective_lr_multiplier", "summary"]

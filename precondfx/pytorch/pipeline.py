@@ -1,0 +1,435 @@
+"""The PyTorch pipeline: the stage list ``precondition`` runs, and its PyTorch-only stages.
+
+    prepare -> capture -> plan -> backend -> apply -> reinit -> scheme -> calibrate
+    -> balance -> lr_scale -> measure -> verify -> record
+
+``plan``, ``apply``, ``reinit``, ``scheme`` and ``calibrate`` are the shared stages of
+``precondfx.core.driver`` (the ONNX pipeline runs them too); the others need the PyTorch model.
+``driver.run`` times each stage, prints progress and, when a stage fails with
+``inplace=True``, puts the user's module back as it was.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from precondfx.pytorch import calibrate as cal
+from precondfx.pytorch import checks, distributed
+from precondfx.core import driver
+from precondfx.pytorch.apply.common import PREFIX, output_path
+from precondfx.pytorch.apply.eager_apply import EagerApplier
+from precondfx.pytorch.apply.fx_apply import FxApplier
+from precondfx.pytorch.balance import balance_measured, held_out, record_factors
+from precondfx.pytorch.capture import meta
+from precondfx.pytorch.capture.common import Sample, main_output, make_sample
+from precondfx.pytorch.capture.ladder import Captured, capture
+from precondfx.pytorch.checks import check_copy, check_model
+from precondfx.core.classify import classify
+from precondfx.core.driver import Stage, State
+from precondfx.errors import PrecondError
+from precondfx.pytorch.folding import record
+from precondfx.integrations import hf_checkpoints
+from precondfx.core.plan import ParamInfo
+from precondfx.core.report import Report
+from precondfx.pytorch.verify import measure_report, verify_result
+
+
+@dataclass
+class TorchState(State):
+    """The PyTorch run: the user's model, the working copy, what a rollback restores."""
+
+    model: Any = None                # the user's model (unwrapped)
+    raw_sample: Any = None
+    forward_kwargs: dict = field(default_factory=dict)
+    inplace: bool = False
+    work: nn.Module | None = None    # the module rewritten (a copy unless inplace)
+    captured: Captured | None = None
+    dtype: torch.dtype | None = None  # a float16/bfloat16 model's dtype (computed in float32)
+    modes: dict[str, bool] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def unwrap(model: Any) -> tuple[nn.Module, list[str]]:
+    """The module to precondition (a ``torch.compile`` wrapper's original), with notes."""
+    notes = []
+    if not isinstance(model, nn.Module):
+        raise PrecondError(f"model must be a torch.nn.Module, got {_what_to_pass(model)}")
+    if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+        notes.append("model was wrapped by torch.compile: the original module was preconditioned "
+                     "(compile the result again)")
+        model = model._orig_mod
+    return model, notes
+
+
+def _what_to_pass(obj: Any) -> str:
+    """What a non-module ``model`` argument is, and what to pass instead: an instance for a
+    module class, the module a wrapper (sklearn-style estimator, pipeline) holds."""
+    if isinstance(obj, type):
+        if issubclass(obj, nn.Module):
+            return (f"the class {obj.__name__} itself: pass an instance "
+                    f"({obj.__name__}(...))")
+        return f"the class {obj.__name__}: pass an nn.Module instance"
+    held = [k for k, v in vars(obj).items() if isinstance(v, nn.Module)] \
+        if hasattr(obj, "__dict__") else []
+    if held:
+        return (f"{type(obj).__name__}, which holds the module(s) "
+                f"{', '.join(held[:4])}: pass the module the forward runs "
+                f"(e.g. precondition(obj.{held[0]}, sample))")
+    return (f"{type(obj).__name__}: wrap the computation in an nn.Module whose parameters are "
+            f"its weights")
+
+
+def float_dtype(model: nn.Module) -> torch.dtype | None:
+    dts = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return dts.pop() if len(dts) == 1 else None
+
+
+def prepare_sample(model: Any, sample: Any, forward_kwargs: dict | None
+                   ) -> tuple[nn.Module, Sample, list[str]]:
+    """The unwrapped, checked model and the sample in the dtype and device the pass computes
+    in, with notes."""
+    model, notes = unwrap(model)
+    check_model(model)
+    s = make_sample(sample, forward_kwargs)
+    cal.check_finite_sample(s)
+    dt = float_dtype(model)
+    if meta.on_meta(model):     # resolve_torch refused the modes that need data
+        meta.check_ties(model)
+        s = s.map(lambda t: t.to("meta"))
+    if dt is not None:  # float samples in the dtype the pipeline computes in
+        work_dt = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
+        s = s.map(lambda t: t.to(work_dt) if t.is_floating_point() else t)
+    return model, s, notes
+
+
+def input_arrays(s: Sample, opts: Any) -> list:
+    """The sample's floating-point inputs as numpy arrays, for ``input_scale="auto"`` only."""
+    if opts.input_scale != "auto":
+        return []
+    return [t.detach().float().cpu().numpy() for t in s.tensors()
+            if t.is_floating_point() and t.device.type != "meta"]
+
+
+def param_infos(model: nn.Module) -> tuple[dict[str, ParamInfo], dict[str, str]]:
+    """ParamInfo per canonical parameter name, and the alias -> canonical map for tied ones."""
+    infos: dict[str, ParamInfo] = {}
+    canon: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        c = first.setdefault(id(p), name)
+        canon[name] = c
+        if c == name:
+            infos[name] = ParamInfo(tuple(p.shape), p.requires_grad,
+                                    ".parametrizations." in name)
+        else:
+            infos[c].aliases += (name,)
+    return infos, canon
+
+
+def capture_classify(model: nn.Module, s: Sample, methods: Any, mode: str, notes: list[str]
+                     ) -> tuple[Captured, dict[str, ParamInfo]]:
+    """Capture (the ladder of methods), classify, and name tied parameters canonically."""
+    cap = capture(model, s, (methods,) if isinstance(methods, str) else tuple(methods), mode)
+    cap.graph.notes.extend(notes)
+    classify(cap.graph)
+    infos, canon = param_infos(model)
+    for n in cap.graph:
+        n.params = {k: canon.get(v, v) for k, v in n.params.items()}
+    return cap, infos
+
+
+def run_on(model: nn.Module, s: Sample, mode: str) -> Any:
+    """The check forward: a real run, or a fake-tensor run for a model on the meta device."""
+    if meta.on_meta(model):
+        return meta.forward(model, lambda m: cal.forward(m, s, mode), "checking the model")
+    return cal.forward(model, s, mode)
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """The copy ``precondition`` rewrites; a model that cannot be deep-copied is an error that
+    says to pass ``inplace=True``."""
+    try:
+        work = copy.deepcopy(model)
+    except RecursionError:
+        raise
+    except Exception as e:  # noqa: BLE001 - e.g. a module holding a lock or an open file
+        raise PrecondError(
+            f"the model cannot be deep-copied ({type(e).__name__}: {str(e)[:120]}); precondfx "
+            f"rewrites a copy so that your model stays unchanged. Pass inplace=True to rewrite "
+            f"this module itself (hooks and buffers), or make it copyable (define __deepcopy__ "
+            f"or keep the offending attribute outside the module)") from e
+    check_copy(model, work)
+    return work
+
+
+def already_preconditioned(model: nn.Module) -> bool:
+    """Whether the model holds constants a previous pass placed (the ONNX path's twin:
+    ``onnx.pipeline.already_preconditioned``)."""
+    return any(PREFIX in name for name, _ in model.named_buffers())
+
+
+def restore_modes(result: nn.Module, modes: dict[str, bool]) -> None:
+    """Give every module of the result the train/eval flag its namesake has in the user's
+    model (a BatchNorm the user froze in eval stays in eval); modules the plan added follow
+    their parent."""
+    flags: dict[str, bool] = {}
+    for name, m in result.named_modules():
+        parent = name.rpartition(".")[0]
+        flags[name] = modes.get(name, flags.get(parent, modes[""]))
+        m.training = flags[name]
+
+
+def restore_unused(gm: nn.Module, work: nn.Module) -> None:
+    """fx keeps only what the traced forward reads; put the other parameters and buffers back
+    at their own names so the result keeps every state_dict key of the original."""
+    have = set(gm.state_dict())
+    for name, t in list(work.named_parameters()) + list(work.named_buffers()):
+        if name in have:
+            continue
+        path, _, leaf = name.rpartition(".")
+        try:
+            owner = gm.get_submodule(path) if path else gm
+        except AttributeError:
+            gm.add_submodule(path, work.get_submodule(path))
+            have |= {f"{path}.{k}" for k in work.get_submodule(path).state_dict()}
+            continue
+        if isinstance(t, nn.Parameter):
+            owner.register_parameter(leaf, t)
+        elif leaf not in getattr(owner, "_non_persistent_buffers_set", set()):
+            owner.register_buffer(leaf, t)
+        have.add(name)
+
+
+# -- the PyTorch-only stages -------------------------------------------------------------------
+def prepare(st: TorchState) -> None:
+    """Check the model and the sample, refuse a model that is already preconditioned,
+    make the working copy (float32 for a half-precision model), run it once on the sample,
+    and keep what a rollback needs (``inplace=True``)."""
+    model, s, notes = prepare_sample(st.model, st.raw_sample, st.forward_kwargs)
+    st.model, st.sample, st.notes = model, s, notes + st.resolved.notes()
+    st.data = not meta.on_meta(model)
+    if already_preconditioned(model):
+        held = [n for n, _ in model.named_buffers() if PREFIX in n]
+        raise PrecondError(
+            f"the model is already preconditioned (it holds {len(held)} precondfx_* "
+            f"constant(s), e.g. {held[0]}): a second pass would stack new constants on the "
+            f"first ones.  Use it as it is, or precondition the original model (rebuild it, or "
+            f"keep a copy before the first call) with the options you want, or fold the "
+            f"constants into the weights first (precondfx.fold(model) returns a plain model "
+            f"that can be preconditioned again); precondfx.analyze(model, sample) shows what "
+            f"it holds")
+    dt = float_dtype(model)
+    if dt in (torch.float16, torch.bfloat16):
+        if st.inplace:
+            raise PrecondError(f"inplace=True is not supported for {dt} models (the pass "
+                               f"computes in float32 on a copy): drop inplace=True and use the "
+                               f"returned model")
+        st.dtype = dt
+    st.modes = {name: m.training for name, m in model.named_modules()}
+    st.work = model if st.inplace else copy_model(model)
+    if st.dtype is not None:
+        st.work = st.work.float()
+        st.notes.append(f"model in {dt}: preconditioned and calibrated in float32, result cast "
+                        f"back to {dt}")
+    st.say("checking that the model runs on the sample")
+    with checks.at_user_limit():     # at the recursion limit the user's training runs with
+        out0 = run_on(st.work, s, st.opts.calibration)
+    st.main_path = output_path(out0, st.opts.output_key) if st.opts.target_std is not None \
+        else []
+    if st.opts.target_std is not None and not st.data:   # on data, calibration checks it
+        cal.check_calibratable(main_output(out0, st.opts.output_key))
+    st.input_arrays = input_arrays(s, st.opts)
+    if st.inplace:
+        snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        st.undo.append(lambda: _restore_state(model, snapshot))
+
+
+def _restore_state(model: nn.Module, snapshot: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            if k in snapshot:
+                v.copy_(snapshot[k])
+
+
+def capture_stage(st: TorchState) -> None:
+    """Capture and classify the working model; refuse one with nothing to precondition."""
+    st.captured, st.params = capture_classify(st.work, st.sample, st.opts.capture,
+                                              st.opts.calibration, st.notes)
+    st.graph = st.captured.graph
+    driver.has_work(st.graph, "convolution, linear, embedding, matmul with a parameter... in "
+                              "the captured graph")
+    st.say(f"captured with {st.graph.method}: {len(st.graph)} nodes; planning")
+
+
+def backend(st: TorchState) -> None:
+    """The fx back end on the traced GraphModule, else the eager one on the module itself
+    (``inplace=True``, or a forward fx cannot keep)."""
+    gm = st.captured.gm
+    if gm is not None and not st.inplace:
+        restore_unused(gm, st.work)
+        st.backend, st.result = FxApplier(gm, st.graph), gm
+        # a new GraphModule is in train mode: give it the user's flags before any calibration
+        # run, so that a model the user left in eval is calibrated as it will train
+        restore_modes(gm, st.modes)
+    else:
+        st.backend = EagerApplier(st.work, st.graph,
+                                  run=lambda m: run_on(m, st.sample, "eval"),
+                                  run_train=lambda m: run_on(m, st.sample, "train"))
+        st.result = st.work
+
+
+def meta_note(st: TorchState) -> None:
+    st.report.skipped.append(("output scale", "the model is on the meta device (no data): "
+                              "the output scale is 1 until precondfx.pytorch.distributed.calibrate("
+                              "model, batch) runs on the materialized model"))
+
+
+def calibrate_sharded(st: TorchState) -> None:
+    """The output scale from every rank's batch (statistics all-reduced)."""
+    o, rep = st.opts, st.report
+    r = distributed.calibrate(st.result, st.sample, o.target_std, output_key=o.output_key,
+                              mode=o.calibration)
+    rep.output_std_before, rep.output_std_after = r["std_before"], r["std_after"]
+    rep.target_std, rep.output_scale = o.target_std, r["scale"]
+    st.measured.add("calibrate", "scale", driver.OUTPUT, r["scale"],
+                    reason=f"output std {r['std_before']:.4g} -> {o.target_std} (all ranks' "
+                    f"batches)")
+
+
+def balance(st: TorchState) -> None:
+    """Measured balancing (``balance='auto'``/``'hessian'``)."""
+    o, rep = st.opts, st.report
+    try:
+        rep.conditioning["hessian"] = h = balance_measured(
+            st.result, st.sample, st.plan, st.alpha_buffers, verbose=st.verbose, seed=o.seed,
+            output_key=o.output_key, mode=o.calibration, log=st.say,
+            n_samples=o.balance_samples, balance=o.balance, threshold=o.balance_threshold,
+            graph=st.graph)
+        rep.skipped += [(f"balance {w}", why) for w, why in h["left_out"].items()]
+        if h.get("applied"):
+            record_factors(st.measured, st.plan, h["factors"])
+    except PrecondError as e:
+        if o.balance == "hessian":
+            raise
+        rep.conditioning["hessian"] = {"applied": False, "decision": f"not measured: {e}"}
+        rep.skipped.append(("balance='auto'", f"measurement failed, alphas left as planned: "
+                            f"{e}"))
+
+
+def lr_scale(st: TorchState) -> None:
+    """``lr_scale=``: per-layer scales for learning-rate transfer (``precondfx.pytorch.lr_transfer``),
+    after balancing, which would undo them."""
+    from precondfx.pytorch import lr_transfer
+    now = st.measured.final(st.plan)        # what the model holds (after balancing)
+    edited = copy.deepcopy(now)
+    st.report.conditioning["lr_scale"] = lr_transfer.apply(
+        st.result, st.graph, edited, st.lr_buffers, st.opts.lr_scale, st.constants,
+        st.backend.set_constant)
+    st.measured.record_diff("lr_scale", now, edited)      # the plan stays as planned
+
+
+def measure(st: TorchState) -> None:
+    """``measure=True``: Hessian statistics of the original and the rewritten model."""
+    o = st.opts
+    st.report.conditioning["measure"] = mr = measure_report(
+        st.model, st.result, st.sample, st.plan, output_key=o.output_key, mode=o.calibration,
+        seed=o.seed, n_samples=o.balance_samples, say=st.say, verbose=st.verbose)
+    held_out(st.report.conditioning.get("hessian"), mr)
+
+
+def verify(st: TorchState) -> None:
+    """Run the finished model in both modes: finite outputs, the output std at its target."""
+    st.report.verification = v = verify_result(
+        st.result, st.sample, output_key=st.opts.output_key, mode=st.opts.calibration,
+        target_std=st.opts.target_std if st.out_const is not None else None)
+    if v.get("relative_error", 0.0) > 1e-3:   # never silently off target
+        why = (f"the output std is {v['std']:.4g} after calibration, not the target "
+               f"{v['target_std']:g}: the output scale does not act on the main output as "
+               f"measured (please report this model)")
+        warnings.warn(f"precondfx: {why}", RuntimeWarning, stacklevel=2)
+        st.report.skipped.append(("warning: output scale", why))
+
+
+def finish(st: TorchState) -> None:
+    """Constants recorded for materializing, train/eval flags as the user's, what ``fold``
+    needs (for a transformers model also its config entry and checkpoint folding), the
+    original dtype back."""
+    distributed.record_constants(st.result, st.constants, read=st.data)
+    distributed.record_aliases(st.result, st.plan.aliases)
+    restore_modes(st.result, st.modes)
+    st.say("recording how to fold the constants back into the weights")
+    record(st.result, st.work, st.backend, st.graph, lambda m: run_on(m, st.sample, "eval"))
+    if hf_checkpoints.is_transformers_model(st.result):   # config entry, checkpoint folding
+        hf_checkpoints.prepare(st.result, st.report)
+    if st.dtype is not None:
+        st.result = st.result.to(st.dtype)
+
+
+def _sharded(st: TorchState) -> bool:
+    return distributed.is_sharded(st.result)
+
+
+#: what ``precondition`` runs (``driver.run``)
+STAGES = (
+    Stage("prepare", prepare, ensures=("sample",)),
+    Stage("capture", capture_stage, "capturing the graph", ensures=("graph",)),
+    driver.PLAN,
+    Stage("apply", backend, ensures=("backend", "result")),
+    driver.APPLY,
+    driver.REINIT,
+    driver.SCHEME,
+    Stage("calibrate", meta_note, when=lambda st: st.opts.target_std is not None
+          and st.out_const is not None and not st.data),
+    Stage("calibrate", calibrate_sharded, "calibrating the output scale (statistics "
+          "all-reduced over the ranks)", when=lambda st: driver.calibrates(st) and _sharded(st)),
+    Stage("calibrate", driver.calibrate, "calibrating the output scale",
+          when=lambda st: driver.calibrates(st) and not _sharded(st)),
+    Stage("balance", balance, lambda st: f"measured balancing ({st.opts.balance})",
+          when=lambda st: st.opts.balance in ("hessian", "auto")),
+    Stage("lr_scale", lr_scale, lambda st: f"lr_scale={st.opts.lr_scale!r}",
+          when=lambda st: st.opts.lr_scale is not None),
+    Stage("measure", measure, when=lambda st: st.opts.measure),
+    Stage("verify", verify, when=lambda st: st.data),
+    driver.RECORD,
+    Stage("record", finish),
+)
+
+
+def precondition(model: nn.Module, sample: Any, resolved: Any, *, inplace: bool,
+                 verbose: bool, forward_kwargs: dict) -> tuple[nn.Module, Report]:
+    """Run :data:`STAGES` over resolved options; the rewritten model and its report."""
+    st = driver.run(STAGES, TorchState(resolved, verbose=verbose, model=model,
+                                       raw_sample=sample, forward_kwargs=forward_kwargs,
+                                       inplace=inplace))
+    st.say("done")
+    return st.result, st.report
+
+
+def analyze(model: nn.Module, sample: Any, resolved: Any, forward_kwargs: dict) -> Report:
+    """Capture, classify and plan on a private copy; the report of what ``precondition``
+    would do."""
+    model, s, notes = prepare_sample(model, sample, forward_kwargs)
+    notes.extend(resolved.notes())
+    try:
+        work = copy.deepcopy(model)
+    except Exception:  # noqa: BLE001 - e.g. a module holding a non-copyable handle
+        work = model
+    if float_dtype(work) in (torch.float16, torch.bfloat16):
+        work = work.float()
+    with cal.preserved(work):
+        run_on(work, s, resolved.options.calibration)
+        cap, infos = capture_classify(work, s, resolved.options.capture,
+                                      resolved.options.calibration, notes)
+    st = State(resolved, graph=cap.graph, params=infos,
+               input_arrays=input_arrays(s, resolved.options))
+    driver.plan(st)
+    rep = Report.from_graph(cap.graph, st.plan)
+    rep.planned = st.plan
+    return rep
+

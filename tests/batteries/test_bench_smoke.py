@@ -1,0 +1,189 @@
+"""Smoke tests of the benchmark studies (bench/*.py): each study's ``--quick`` variant runs in
+process, writes its JSON, and the JSON has the expected keys and finite numbers.  Timings are
+not checked (CI machines are shared), only that they were measured."""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(ROOT, "bench")
+
+pytest.importorskip("sklearn")
+pytest.importorskip("matplotlib")
+
+
+def _study(name: str):
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    return importlib.import_module(name)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _load(path: str) -> dict:
+    assert os.path.exists(path), path
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_libsvm_quick(tmp_path):
+    mod = _study("libsvm_study")
+    mod.main(["--quick", "--out", str(tmp_path)])
+    data = _load(tmp_path / "libsvm_quick.json")
+    assert os.path.exists(tmp_path / "libsvm_quick.png")
+    for key in ("protocol", "configs", "datasets", "tables", "results", "env"):
+        assert key in data
+    assert len(data["datasets"]) >= 3
+    (cfg,) = data["configs"]
+    tab = data["tables"][cfg["name"]]["all"]
+    assert set(tab) == set(cfg["methods"])
+    for m, row in tab.items():
+        assert _finite(row["avg_normalized"]) and 0 < row["avg_normalized"] <= 1.0, (m, row)
+        assert 0 <= row["worst_in"] <= row["datasets"] and 0 <= row["best_in"] <= row["datasets"]
+    assert sum(r["best_in"] for r in tab.values()) >= len(data["datasets"])
+    for ds, per in data["results"][cfg["name"]].items():
+        for m, rec in per.items():
+            assert _finite(rec["best"]) and rec["best"] > 0, (ds, m)
+            assert rec["best_lr"] in cfg["lrs"]
+            assert _finite(rec["init"]["spread_per_sample"])
+
+
+def test_libsvm_canonical_matches_torch_sgd():
+    """The batched trainer reproduces torch.optim.SGD on each copy (momentum, weight decay)."""
+    import torch
+    mod = _study("libsvm_study")
+    C = _study("common")
+    C.setup()
+    X, y = mod.load(mod.datasets()[1][1])
+    d = X.shape[1]
+    order = C.orders([0], len(y), 1)
+    calib = X[order[0][0, :16]]
+    for method in ("default", "precondfx_hessian"):
+        model = C.build(method, lambda s: mod.make_net(d, 3), 0, calib)
+        can = mod.canonical(model, calib)
+        lr = 0.05
+        fin = mod.train_mlps([can], torch.full((1, 3), lr), torch.full((1, 3), lr), [0],
+                             torch.nn.functional.layer_norm(X, (d,)), y, order, batch=16,
+                             epochs=1, momentum=0.9, wd=1e-5, device="cpu")
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=1e-5)
+        for j in range(len(y) // 16):
+            idx = order[0][0, j * 16:(j + 1) * 16]
+            loss = torch.nn.functional.cross_entropy(model(X[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            ref = float(torch.nn.functional.cross_entropy(model(X), y))
+        assert abs(fin[0] - ref) < 1e-4 * max(1.0, ref), (method, fin[0], ref)
+
+
+def test_conv_training_quick(tmp_path):
+    mod = _study("conv_training")
+    mod.main(["--quick", "--out", str(tmp_path)])
+    data = _load(tmp_path / "conv_training_quick.json")
+    assert os.path.exists(tmp_path / "conv_training_quick.png")
+    for key in ("setup", "table", "runs", "env"):
+        assert key in data
+    for m, row in data["table"].items():
+        assert _finite(row["final_train_loss"]) and row["final_train_loss"] > 0, m
+        assert row["best_lr"] in data["setup"]["lrs"]
+        curve = data["runs"][m]["best_curve"]
+        assert curve and all(_finite(v) for v in curve)
+
+
+def test_deep_plain_quick(tmp_path):
+    mod = _study("deep_plain")
+    mod.main(["--quick", "--out", str(tmp_path)])
+    data = _load(tmp_path / "deep_plain_quick.json")
+    assert os.path.exists(tmp_path / "deep_plain_quick.png")
+    for key in ("setup", "runs", "table", "notes", "env"):
+        assert key in data
+    depths = [str(d) for d in data["setup"]["depths"]]
+    for m in ("default", "fan_in", "precondfx", "lsuv"):
+        for d in depths:
+            r = data["runs"][m][d]
+            assert _finite(r["best"]) and r["best"] > 0, (m, d)
+            assert r["best_lr"] in data["setup"]["lrs"]
+    # TAT is run when its scheme is registered; a refusal is recorded with its message
+    for d, r in data["runs"].get("tat", {}).items():
+        assert "best" in r or r.get("error"), d
+
+
+def test_cost_quick(tmp_path):
+    mod = _study("cost")
+    mod.main(["--quick", "--out", str(tmp_path), "--steps", "1", "--repeats", "1"])
+    data = _load(tmp_path / "cost_quick.json")
+    assert os.path.exists(tmp_path / "cost_quick.png")
+    for key in ("rows", "peers", "memory_method", "env"):
+        assert key in data
+    modes = {r["mode"] for r in data["rows"]}
+    assert {"none", "analytic", "auto", "hessian", "auto+measure"} <= modes
+    for r in data["rows"]:
+        for k in ("precondition_s", "step_s", "ratio_steps"):
+            assert _finite(r[k]) and r[k] > 0, (r["model"], r["mode"], k)
+        assert r["params"] > 0
+    assert set(data["peers"]) == {"lsuv", "unit_scaling"}
+
+
+@pytest.mark.slow
+def test_train_suite_quick(tmp_path):
+    """The training suite's smoke run: every (task, optimizer, method) cell has a finite best
+    loss at a rate of its grid (at least 8 rates, 2x apart), a standard error over 3 seeds,
+    and the claims and LR-movement sections are filled."""
+    mod = _study("train_suite")
+    mod.main(["--quick", "--out", str(tmp_path)])
+    data = _load(tmp_path / "train_suite_quick.json")
+    assert os.path.exists(tmp_path / "train_suite_quick.png")
+    assert os.path.exists(tmp_path / "train_suite_quick.md")
+    assert set(data["results"]) == {"mlp_w32_d1", "gpt2"}
+    for task, per in data["results"].items():
+        assert set(per) == {"sgd", "adamw"}
+        for opt, cells in per.items():
+            assert set(cells) == set(data["methods"]), (task, opt)
+            for m, r in cells.items():
+                grid = r["lr_log2"]
+                assert len(grid) >= 8 and grid == list(range(grid[0], grid[0] + len(grid)))
+                assert r["best_lr_log2"] in grid
+                assert _finite(r["best"]) and 0 < r["best"] < 10, (task, opt, m)
+                assert len(r["losses"][r["metric"]][0]) == 3
+    assert data["tasks"]["gpt2"]["metric"] == "heldout"
+    assert {"gpt2_sgd", "gpt2_adamw", "default_vs_framework_sgd"} <= set(data["claims"])
+    assert "mlp_width" in data["lr_movement"]
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_train_suite_batched_update_matches_torch_optim(opt):
+    """The batched trainer's SGD (momentum) and AdamW updates, with a per-parameter learning
+    rate multiplier, reproduce torch.optim on each copy."""
+    import copy
+    import torch
+    mod = _study("train_suite")
+    torch.manual_seed(0)
+    models = [mod.mlp(5, 7, 2, 3) for _ in range(2)]
+    lrs = [0.05, 0.01] if opt == "sgd" else [3e-3, 1e-3]
+    mult = {"0.weight": 2.0, "4.bias": 0.5}
+    hp = mod.Hyper(opt)
+    tr = mod.VTrainer(models, lrs, hp, mult, "cpu")
+    refs = [copy.deepcopy(m) for m in models]
+    opts = [mod._optimizer(m, lr, hp, mult) for m, lr in zip(refs, lrs)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x = torch.randn(2, 8, 5, generator=g)
+        y = torch.randint(0, 3, (2, 8), generator=g)
+        tr.step(x, y)
+        for i, (m, o) in enumerate(zip(refs, opts)):
+            loss = torch.nn.functional.cross_entropy(m(x[i]), y[i])
+            o.zero_grad()
+            loss.backward()
+            o.step()
+    for i, m in enumerate(refs):
+        for k, p in m.named_parameters():
+            assert torch.allclose(tr.p[k][i], p.detach(), rtol=1e-5, atol=1e-6), (opt, i, k)
