@@ -17,7 +17,19 @@ What folds, and where:
 * a tied weight (GPT-2's ``lm_head`` shares the token embedding) needs one factor for all its
   users: a bias-free linear user whose factor differs passes the difference to the module
   producing its input (GPT-2: the final ``ln_f``), found on the captured graph when the model
-  was preconditioned and checked by a run.
+  was preconditioned and checked by a run;
+* a parametrized tensor (``torch.nn.utils.parametrizations.weight_norm``): the original whose
+  scaling scales the tensor (weight_norm's magnitude ``g``, ``original0``), found by a check
+  on random originals; an orthogonal or spectral-norm weight has none and is refused.
+
+One design for both back ends: the constants are first read as module input and output
+scales (the eager back end stores them so, as buffers; on a GraphModule each ``mul`` by a
+precondfx buffer is mapped to the linear modules reading the product, else to the module
+producing its operand, up through positively homogeneous ops whether modules or functions,
+``F.relu`` as ``nn.ReLU``, and through the other constants' products, such as ``lr_scale``'s
+multipliers), then one resolution turns them into a factor per parameter.  The folded model
+keeps each module's train/eval flag, and its tensors take the device and dtype of the
+preconditioned model's.
 
 What does not fold, reported by :func:`fold_problems` and raised by :func:`fold` as a
 ``PrecondError`` naming each constant and why: a scale on a module that is not linear in it
@@ -37,6 +49,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -44,6 +57,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from precondfx.pytorch import ops
 from precondfx.pytorch.apply.common import PREFIX
 from precondfx.errors import PrecondError
 
@@ -163,6 +177,10 @@ class _Scales:
     upstream: dict[int, int] = field(default_factory=dict)
     idle: set[int] = field(default_factory=set)     # tied owners the forward never calls
 
+    #: a ParametrizationList (module id) -> the module whose tensor it computes (module id)
+    #: and that tensor's name: its carrier original takes the factor the tensor needs
+    plist: dict[int, tuple[int, str]] = field(default_factory=dict)
+
     def add(self, table: dict[int, float], path: str, mod: nn.Module, v: float) -> None:
         self.mods[id(mod)] = (path, mod)
         table[id(mod)] = table.get(id(mod), 1.0) * v
@@ -190,6 +208,13 @@ def _eager_scales(model: nn.Module, recipe: Recipe | None) -> _Scales:
                                     f"inputs: multiply your inputs by it instead"))
             else:
                 sc.problems.append((fqn, "a precondfx constant fold does not know"))
+    _recipe_links(model, recipe, sc)
+    return sc
+
+
+def _recipe_links(model: nn.Module, recipe: Recipe | None, sc: _Scales) -> None:
+    """What ``precondition`` recorded, for either back end: the producers of tied layers'
+    inputs checked by running (eager) and the tied holders the forward never calls."""
     if recipe is not None:
         for m, u in recipe.upstream.items():
             try:
@@ -204,7 +229,6 @@ def _eager_scales(model: nn.Module, recipe: Recipe | None) -> _Scales:
                 sc.idle.add(id(model.get_submodule(m)))
             except AttributeError:
                 continue
-    return sc
 
 
 _SAME_VALUES_METHODS = {"view", "reshape", "contiguous", "float", "to", "flatten", "squeeze",
@@ -213,7 +237,61 @@ _SAME_VALUES_FNS = {operator.getitem, torch.reshape, torch.flatten, torch.squeez
                     torch.unsqueeze}
 
 
+def _scaled_operand(n: Any) -> fx.Node | None:
+    """For a ``mul`` node by a precondfx constant (``x * precondfx_...``), its other operand
+    ``x``; None for any other node.  Such a node is folded away itself, and a product commutes:
+    a scale on ``x`` or on the product is the same scale."""
+    if not isinstance(n, fx.Node) or n.op != "call_function" or \
+            n.target not in (operator.mul, torch.mul) or len(n.args) != 2 or n.kwargs:
+        return None
+    a, b = n.args
+    for c, x in ((b, a), (a, b)):
+        if isinstance(c, fx.Node) and c.op == "get_attr" and str(c.target).startswith(PREFIX) \
+                and isinstance(x, fx.Node):
+            return x
+    return None
+
+
+def _uses(user: fx.Node, n: fx.Node) -> int:
+    """How many times ``user`` reads ``n`` (in its arguments and keywords)."""
+    seen: list[fx.Node] = []
+    fx.node.map_arg((user.args, user.kwargs), seen.append)
+    return sum(1 for a in seen if a is n)
+
+
+def _homogeneous_operand(n: fx.Node, gm: fx.GraphModule) -> fx.Node | None:
+    """The activation operand ``x`` of a node computing ``f(x)`` with ``f(c x) = c f(x)`` for
+    ``c > 0`` (the op table's positively homogeneous ops: ReLU, leaky ReLU, PReLU, dropout,
+    average pooling, mean, negation, as modules, functions or methods; reshapes, casts and
+    selections), else None."""
+    if not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    if n.op == "call_module":
+        mod = gm.get_submodule(str(n.target))
+        spec = ops.for_module(mod)
+        ok = isinstance(mod, _HOMOGENEOUS) or (spec is not None and spec.homogeneous)
+    elif n.op == "call_method":
+        spec = ops.for_method(str(n.target))
+        ok = n.target in _SAME_VALUES_METHODS or (spec is not None and spec.homogeneous)
+    elif n.op == "call_function":
+        spec = ops.for_function(n.target)
+        ok = n.target in _SAME_VALUES_FNS or (spec is not None and spec.homogeneous)
+    else:
+        ok = False
+    if not ok:
+        return None
+    others: list[fx.Node] = []
+    fx.node.map_arg((n.args[1:], n.kwargs), others.append)
+    if any(o.op != "get_attr" for o in others):   # a second activation operand
+        return None
+    return n.args[0]
+
+
 def _fx_scales(gm: fx.GraphModule) -> _Scales:
+    """The fx back end's constants as module input/output scales (what the eager back end
+    stores as buffers on the modules): each ``mul`` by a precondfx buffer goes to the module
+    producing its operand (up through positively homogeneous ops and the other constants'
+    products) or to the linear modules reading the product."""
     sc = _Scales()
     calls: dict[str, int] = {}
     for n in gm.graph.nodes:
@@ -225,6 +303,22 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
             return str(n.target), gm.get_submodule(str(n.target))
         return None
 
+    def readers(n: fx.Node) -> list[fx.Node] | None:
+        """The nodes that read ``n``'s value as their first argument, through the other
+        constants' products; None when something else reads it."""
+        out: list[fx.Node] = []
+        for u in n.users:
+            if _scaled_operand(u) is n:
+                more = readers(u)
+                if more is None:
+                    return None
+                out += more
+            elif u.args and u.args[0] is n and _uses(u, n) == 1:
+                out.append(u)
+            else:
+                return None
+        return out
+
     per_call: dict[str, list[tuple[str, float]]] = {}
     for n in gm.graph.nodes:
         if n.op != "get_attr" or not str(n.target).startswith(PREFIX):
@@ -232,30 +326,31 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
         v = float(gm.get_buffer(str(n.target)))
         for mul in list(n.users):
             what = str(n.target)
-            other = [a for a in mul.args if a is not n]
-            if mul.target not in (operator.mul, torch.mul) or len(other) != 1 or \
-                    not isinstance(other[0], fx.Node):
+            first = _scaled_operand(mul)
+            if first is None:
                 sc.problems.append((what, f"used by {mul.name} ({mul.target}), not a plain "
                                     f"multiplication"))
                 continue
-            src = other[0]
-            if set(src.users) == {mul}:
-                src = _fx_up(src, gm)
-            prod = module_at(src)
-            if prod is not None and (set(src.users) == {mul} or src is not other[0]) and \
-                    kind(prod[1]) is not None:
-                sc.add(sc.out, prod[0], prod[1], v)
-                continue
-            users = [module_at(u) if u.args and u.args[0] is mul else None for u in mul.users]
+            # where the eager back end puts it: the input of the linear modules reading it
+            # (of each call of a module called several times), else the output of the module
+            # producing it
+            reads = readers(mul) or []
+            users = [module_at(u) for u in reads]
             if users and all(u is not None and kind(u[1]) == "linear" for u in users):
                 for u in users:
                     sc.add(sc.inp, u[0], u[1], v)
                 continue
-            shared = [str(u.target) for u in mul.users if u.op == "call_module"
-                      and u.args and u.args[0] is mul and calls[str(u.target)] > 1]
-            if shared and len(shared) == len(mul.users):
+            shared = [str(u.target) for u in reads if u.op == "call_module"
+                      and calls[str(u.target)] > 1]
+            if shared and len(shared) == len(reads):
                 for t in shared:
                     per_call.setdefault(t, []).append((what, v))
+                continue
+            src = _fx_up(first, gm, v) if set(first.users) == {mul} else first
+            prod = module_at(src)
+            if prod is not None and (set(src.users) == {mul} or src is not first) and \
+                    kind(prod[1]) is not None:
+                sc.add(sc.out, prod[0], prod[1], v)
                 continue
             desc = f"{src.op} {src.target}" if src.op != "placeholder" else "a model input"
             sc.problems.append((what, f"multiplies the output of {src.name} ({desc}), which "
@@ -269,16 +364,21 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
                                 f"{calls[t]} times with different input scales "
                                 f"({', '.join(f'{v:.4g}' for _, v in vals)}): its one weight "
                                 f"cannot carry them all"))
-    # for tied bias-free linear layers: the module producing their input
+    # for tied bias-free linear layers: the module producing their input (through value-
+    # preserving ops and the products by other constants, which fold away)
     for n in gm.graph.nodes:
         m = module_at(n)
         if m is None or kind(m[1]) != "linear" or not n.args:
             continue
         cur = n.args[0]
-        while isinstance(cur, fx.Node) and len(cur.users) == 1 and (
-                (cur.op == "call_method" and cur.target in _SAME_VALUES_METHODS) or
-                (cur.op == "call_function" and cur.target in _SAME_VALUES_FNS)):
-            cur = cur.args[0]
+        while isinstance(cur, fx.Node) and len(cur.users) == 1:
+            if _scaled_operand(cur) is not None:
+                cur = _scaled_operand(cur)
+            elif (cur.op == "call_method" and cur.target in _SAME_VALUES_METHODS) or \
+                    (cur.op == "call_function" and cur.target in _SAME_VALUES_FNS):
+                cur = cur.args[0]
+            else:
+                break
         up = module_at(cur)
         if up is not None and isinstance(cur, fx.Node) and len(cur.users) == 1:
             sc.mods.setdefault(id(m[1]), m)
@@ -287,20 +387,21 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
     return sc
 
 
-def _fx_up(node: fx.Node, gm: fx.GraphModule) -> fx.Node:
-    """From a node whose only use is being scaled, up through positively homogeneous modules
-    (dropout, ReLU, identity, average pooling) and value-preserving ops whose operand has no
-    other use: scaling the node found scales the original exactly."""
+def _fx_up(node: fx.Node, gm: fx.GraphModule, value: float) -> fx.Node:
+    """From a node whose only use is being scaled by ``value``, up through positively
+    homogeneous ops (modules, functions or methods: ``F.relu`` as ``nn.ReLU``; only for
+    ``value > 0``), value-preserving ops and other constants' products, each operand having
+    no other use: scaling the node found scales the original exactly."""
     cur = node
     while True:
-        homog = cur.op == "call_module" and isinstance(gm.get_submodule(str(cur.target)),
-                                                       _HOMOGENEOUS)
-        same = (cur.op == "call_method" and cur.target in _SAME_VALUES_METHODS) or \
-            (cur.op == "call_function" and cur.target in _SAME_VALUES_FNS)
-        if not (homog or same) or not cur.args or not isinstance(cur.args[0], fx.Node):
-            return cur
-        prev = cur.args[0]
-        if len(prev.users) != 1 or prev.op in ("placeholder", "get_attr"):
+        prev = _scaled_operand(cur)
+        if prev is None and value > 0:
+            prev = _homogeneous_operand(cur, gm)
+        elif prev is None and ((cur.op == "call_method" and cur.target in _SAME_VALUES_METHODS)
+                               or (cur.op == "call_function" and
+                                   cur.target in _SAME_VALUES_FNS)):
+            prev = cur.args[0] if cur.args and isinstance(cur.args[0], fx.Node) else None
+        if prev is None or len(prev.users) != 1 or prev.op in ("placeholder", "get_attr"):
             return cur
         cur = prev
 
@@ -350,10 +451,13 @@ def _settle_scales(sc: _Scales) -> None:
             sc.out.pop(mid)
         if sc.out.get(mid, 1.0) != 1.0 and k == "mha":
             sc.add(sc.out, f"{path}.out_proj", mod.out_proj, sc.out.pop(mid))
-        if k == "linear" and _parametrized(mod) and (sc.inp.get(mid, 1.0) != 1.0 or
-                                                    sc.out.get(mid, 1.0) != 1.0):
-            sc.problems.append((path, "its weight is parametrized (weight_norm, a "
-                                "parametrization): the plain weight is not a parameter"))
+        bare = [t for t in _parametrized(mod) if _carrier(mod, t) is None and
+                not _close(_request(sc, mid, t), 1.0)]
+        if bare:
+            sc.problems.append((path, f"its {', '.join(bare)} is parametrized "
+                                f"({_parametrization_names(mod, bare)}) and no original tensor "
+                                f"of the parametrization scales it exactly (weight_norm's "
+                                f"magnitude g does): the factor has no parameter to go into"))
             sc.inp.pop(mid, None)
             sc.out.pop(mid, None)
 
@@ -367,6 +471,8 @@ def _owners(model: nn.Module, sc: _Scales) -> tuple[dict[int, list[tuple[int, st
     tensors: dict[int, torch.Tensor] = {}
     for path, mod in model.named_modules():
         sc.mods.setdefault(id(mod), (path, mod))
+        for t in _parametrized(mod):
+            sc.plist[id(mod.parametrizations[t])] = (id(mod), t)
         for pname, p in mod._parameters.items():
             if p is None:
                 continue
@@ -380,7 +486,12 @@ def _owners(model: nn.Module, sc: _Scales) -> tuple[dict[int, list[tuple[int, st
 
 
 def _request(sc: _Scales, mid: int, pname: str) -> float:
-    """The factor module ``mid`` needs on its parameter ``pname``."""
+    """The factor module ``mid`` needs on its parameter ``pname`` (for a parametrization's
+    original: the factor of the tensor it computes when it carries one, else 1)."""
+    if mid in sc.plist:
+        owner, tensor = sc.plist[mid]
+        omod = sc.mods[owner][1]
+        return _request(sc, owner, tensor) if _carrier(omod, tensor) == pname else 1.0
     i, o = sc.inp.get(mid, 1.0), sc.out.get(mid, 1.0)
     if kind(sc.mods[mid][1]) == "linear":
         return i * o if pname == "weight" else o
@@ -431,8 +542,46 @@ def _untie(sc: _Scales, owners: dict[int, list[tuple[int, str]]], names: dict[in
 
 
 
-def _parametrized(mod: nn.Module) -> bool:
-    return bool(getattr(mod, "parametrizations", None))
+def _parametrized(mod: nn.Module) -> list[str]:
+    """The names of ``mod``'s parametrized tensors (``torch.nn.utils.parametrize``)."""
+    plists = getattr(mod, "parametrizations", None)
+    return list(plists.keys()) if isinstance(plists, nn.ModuleDict) else []
+
+
+def _parametrization_names(mod: nn.Module, names: list[str]) -> str:
+    return ", ".join(type(p).__name__ for t in names for p in mod.parametrizations[t])
+
+
+_CARRIERS: dict[int, tuple[Any, str | None]] = {}
+
+
+def _carrier(mod: nn.Module, tensor: str) -> str | None:
+    """Which original of ``mod``'s parametrized ``tensor`` carries a factor: the name
+    (``original0``: weight_norm's magnitude g) such that multiplying it by c multiplies the
+    computed tensor by c, checked on random CPU originals (so it works on the meta device);
+    None when no original does (an orthogonal or spectral-norm parametrization)."""
+    plist = mod.parametrizations[tensor]
+    hit = _CARRIERS.get(id(plist))
+    if hit is not None and hit[0]() is plist:
+        return hit[1]
+    names = [n for n in plist._parameters if n.startswith("original")]
+    found = None
+    g = torch.Generator().manual_seed(0)
+    base = {n: torch.randn(tuple(plist._parameters[n].shape), generator=g,
+                           dtype=torch.float64) for n in names}
+    for name in names:
+        try:
+            with torch.no_grad():
+                ref = torch.func.functional_call(plist, base, ())
+                got = torch.func.functional_call(plist, {**base, name: 3.0 * base[name]}, ())
+            if isinstance(ref, torch.Tensor) and torch.allclose(got, 3.0 * ref, rtol=1e-9,
+                                                                atol=1e-12):
+                found = name
+                break
+        except Exception:   # a parametrization that needs its own buffers or device
+            continue
+    _CARRIERS[id(plist)] = (weakref.ref(plist), found)
+    return found
 
 
 def _close(a: float, b: float) -> bool:
@@ -480,10 +629,11 @@ def _plan(model: nn.Module, source: nn.Module | None) -> tuple[dict[str, float],
                          "from (a pickled GraphModule drops it): pass source=YourModel(...)")], None
         same = source is None
         if recipe is not None and recipe.source is not src:
-            recipe = Recipe(src, recipe.structural, recipe.upstream)
+            recipe = Recipe(src, recipe.structural, recipe.upstream, idle=recipe.idle)
         elif recipe is None:
             recipe = Recipe(src)
         sc = _fx_scales(model)
+        _recipe_links(model, recipe, sc)
     else:
         src, same = None, True
         sc = _eager_scales(model, recipe)
@@ -529,19 +679,68 @@ def fold(model: nn.Module, *, source: nn.Module | None = None) -> nn.Module:
     if isinstance(model, fx.GraphModule):
         plain = copy.deepcopy(src)
         state = {k: v for k, v in model.state_dict().items() if PREFIX not in k}
+        _place_like(plain, state)
         res = plain.load_state_dict(state, strict=False)
         if res.missing_keys or res.unexpected_keys:
             raise PrecondError(f"the GraphModule's weights do not match the source model "
                                f"(missing {res.missing_keys[:5]}, unexpected "
                                f"{res.unexpected_keys[:5]})")
+        _check_placed(plain, state)
     else:
         plain = copy.deepcopy(model)
         strip(plain)
-    named = dict(plain.named_parameters())
+    named = dict(plain.named_parameters(remove_duplicate=False))   # a tied weight by any name
     for name, f in factors.items():
         named[name].mul_(f)
-    plain.train(model.training)
+    copy_modes(model, plain)
     return plain
+
+
+def copy_modes(model: nn.Module, plain: nn.Module) -> None:
+    """Each module of ``plain`` in the train/eval mode of the module at the same path in
+    ``model`` (a BatchNorm the user froze in eval stays frozen); a path ``model`` lacks (a
+    container the GraphModule never calls) takes its nearest ancestor's mode, as ``train()``
+    would have set it."""
+    flags = {p: m.training for p, m in model.named_modules(remove_duplicate=False)}
+    for path, mod in plain.named_modules(remove_duplicate=False):
+        cur = path
+        while cur not in flags:
+            cur = cur.rpartition(".")[0]
+        mod.training = flags[cur]
+
+
+def _place_like(plain: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Give each tensor of ``plain`` (a copy of the traced model) the device and dtype of the
+    GraphModule's tensor of the same name, before loading the values.  The GraphModule shares
+    the traced model's submodules but holds its own copy of what the root module itself holds:
+    ``to_empty`` after planning on meta, ``.to(device)`` or ``.double()`` on the result did not
+    reach the traced root's tensors.  Tied tensors stay tied."""
+    done: dict[int, torch.Tensor] = {}
+    for path, mod in plain.named_modules(remove_duplicate=False):
+        for table in (mod._parameters, mod._buffers):
+            for name, t in list(table.items()):
+                want = state.get(f"{path}.{name}" if path else name)
+                if t is None or want is None or (t.device == want.device and
+                                                 t.dtype == want.dtype):
+                    continue
+                if id(t) not in done:
+                    new = torch.empty_like(want, device=want.device)
+                    done[id(t)] = nn.Parameter(new, t.requires_grad) \
+                        if isinstance(t, nn.Parameter) else new
+                table[name] = done[id(t)]
+
+
+def _check_placed(plain: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Every tensor of the folded model where the GraphModule's is (never a parameter left on
+    the meta device without a word)."""
+    have = dict(plain.state_dict(keep_vars=True))
+    off = [f"{k} ({have[k].device}, not {v.device})" for k, v in state.items()
+           if k in have and have[k].device != v.device]
+    if off:
+        raise PrecondError(f"fold could not place {len(off)} tensor(s) of your class where the "
+                           f"preconditioned model holds them: {', '.join(off[:5])}. Materialize "
+                           f"the model (to_empty, then precondfx.reinit) before fold, or pass "
+                           f"source=YourModel(...) on the right device")
 
 
 def strip(model: nn.Module) -> None:
@@ -713,7 +912,7 @@ def record(result: nn.Module, traced: nn.Module, applier: Any, graph: Any,
     layers' inputs (eager)."""
     structural = [a for a in applier.applied if " replaced by " in a or " folded into " in a]
     if isinstance(result, fx.GraphModule):
-        rec = Recipe(traced, structural)
+        rec = Recipe(traced, structural, idle=idle_tied(result, run))
     else:
         on_meta = any(p.device.type == "meta" for p in result.parameters())
         pending: dict[str, str] | None = {} if on_meta else None
