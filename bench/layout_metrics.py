@@ -155,6 +155,42 @@ def test_only(files: list[str], root: str) -> list[str]:
     return out
 
 
+def top_level(root: str) -> list[str]:
+    """The modules directly in ``precondfx/`` (what a newcomer sees first)."""
+    return sorted(f[:-3] for f in os.listdir(os.path.join(root, "precondfx"))
+                  if f.endswith(".py") and f != "__init__.py")
+
+
+def largest(files: list[str], root: str, n: int = 3) -> tuple[list, list]:
+    """The ``n`` longest files and classes (lines)."""
+    fl, cl = [], []
+    for f in files:
+        src = open(f).read()
+        fl.append((src.count("\n"), os.path.relpath(f, root)))
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ClassDef):
+                cl.append((node.end_lineno - node.lineno + 1,
+                           f"{os.path.relpath(f, root)}:{node.name}"))
+    return sorted(fl, reverse=True)[:n], sorted(cl, reverse=True)[:n]
+
+
+def framework_imports(root: str) -> list[str]:
+    """Imports of torch/onnx (any level) in ``precondfx/core`` (empty where it is neutral)."""
+    core = os.path.join(root, "precondfx", "core")
+    if not os.path.isdir(core):
+        return ["(no precondfx/core)"]
+    out = []
+    for f in sorted(os.listdir(core)):
+        if not f.endswith(".py"):
+            continue
+        for node in ast.walk(ast.parse(open(os.path.join(core, f)).read())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            out += [f"{f}: {m}" for m in names if m.split(".")[0] in
+                    ("torch", "onnx", "onnx_ir", "onnxruntime")]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repo", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -174,6 +210,12 @@ def main() -> None:
                           "--seconds", "120"], capture_output=True, text=True).stdout
     print("duplicates (package):", dup.splitlines()[0] if dup else "n/a")
     print("package modules only tests import:", test_only(files, root))
+    tops = top_level(root)
+    print(f"top-level modules of precondfx/: {len(tops)}:", " ".join(tops))
+    lf, lc = largest(files, root)
+    print("largest files:", "; ".join(f"{n} {name}" for n, name in lf))
+    print("largest classes:", "; ".join(f"{n} {name}" for n, name in lc))
+    print("torch/onnx imports in precondfx/core:", framework_imports(root) or "none")
 
 
 if __name__ == "__main__":

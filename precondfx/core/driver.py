@@ -61,10 +61,15 @@ class State:
     lr_buffers: dict[str, list[str]] = field(default_factory=dict)
     in_scale: float | None = None
     measured: Measured = field(default_factory=Measured)   # what the stages set after apply
-    data: bool = True                # the model can run on data (not on the meta device)
+    no_data: str = ""                # why the model cannot run on data (the meta device), or ""
     times: dict[str, float] = field(default_factory=dict)
     undo: list[Callable[[], None]] = field(default_factory=list)
     t0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def data(self) -> bool:
+        """The model can run on data (stages that measure need it)."""
+        return not self.no_data
 
     @property
     def opts(self) -> Options:
@@ -99,8 +104,10 @@ def _check(st: State, stage: Stage, names: tuple[str, ...], what: str) -> None:
         raise AssertionError(f"stage {stage.name!r} {what} {missing} (a precondfx bug)")
 
 
-def run(stages: Sequence[Stage], st: State) -> State:
-    """Run ``stages`` in order over ``st``: timings, progress, contracts, rollback."""
+def run(stages: Sequence[Stage], st: State, until: str | None = None) -> State:
+    """Run ``stages`` in order over ``st``: timings, progress, contracts, rollback.  With
+    ``until``, stop after the stage of that name (``analyze`` and ``inspect`` run the stage
+    list up to ``"plan"``)."""
     last = None
     try:
         for stage in stages:
@@ -116,6 +123,8 @@ def run(stages: Sequence[Stage], st: State) -> State:
             stage.fn(st)
             st.times[stage.name] = st.times.get(stage.name, 0.0) + time.perf_counter() - t
             _check(st, stage, stage.ensures, "ensures")
+            if stage.name == until:
+                break
     except BaseException:
         if st.backend is not None:
             st.backend.rollback()
@@ -213,12 +222,18 @@ def scheme_step(st: State) -> None:
 
 
 def calibrates(st: State) -> bool:
-    return st.opts.target_std is not None and st.out_const is not None and st.data
+    """The plan has an output scale and the back end placed its constant."""
+    return st.opts.target_std is not None and st.out_const is not None
 
 
 def calibrate(st: State) -> None:
-    """The output scale: the main output's std on the sample brought to ``target_std``."""
+    """The output scale: the main output's std on the sample brought to ``target_std``.  The
+    back end measures the std (over every rank's batch on a sharded model); a model that
+    cannot run on data (``st.no_data``: the meta device) keeps the scale 1, with why."""
     be, opts, rep = st.backend, st.opts, st.report
+    if not st.data:
+        rep.skipped.append(("output scale", st.no_data))
+        return
     std = be.output_std(st.sample, opts.calibration, opts.output_key)
     scale = cal.solve_output_scale(std, opts.target_std)
     warn = cal.scale_warning(std, scale)
@@ -281,6 +296,7 @@ REINIT = Stage("reinit", reinit, lambda st: "re-initializing parameters" if st.o
                ensures=("report",))
 SCHEME = Stage("scheme", scheme_step, lambda st: f"scheme {st.scheme.name}: data-driven step",
                when=has_scheme_step, requires=("report",))
-CALIBRATE = Stage("calibrate", calibrate, "calibrating the output scale", when=calibrates,
+CALIBRATE = Stage("calibrate", calibrate, lambda st: "calibrating the output scale" if st.data
+                  else "output scale left at 1 (no data)", when=calibrates,
                   requires=("report", "out_const"))
 RECORD = Stage("record", record, requires=("report", "plan"))

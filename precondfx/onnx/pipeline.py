@@ -109,22 +109,14 @@ def _notes(model: ir.Model, norm: NormalizeInfo) -> list[str]:
 
 def inspect_onnx(path: str, *, dims: Mapping[str, int] | None = None, batch: int | None = None,
                  **options: Any) -> Report:
-    """Classify and plan an ONNX file without changing anything: the report says what
-    ``precondition_onnx`` would do with the same ``options`` (symbolic dims: ``dims``, leading
-    dims: ``batch``, default 1)."""
+    """Classify and plan an ONNX file without changing anything: :data:`PIPELINE` up to the
+    plan, so the report says what ``precondition_onnx`` would do with the same ``options``
+    (symbolic dims: ``dims``, leading dims: ``batch``, default 1)."""
     r = _options(options, INSPECT)
     io.check_batch(batch)
-    opt_notes = r.notes()
-    model = io.load(path)
-    norm = normalize(model)
-    dimmap = io.parse_dims(dims)
-    io.check_dims(io.real_inputs(model), dimmap)
-    b, leading = _bindings(model, None, dimmap, batch)
-    cap = capture_model(model, norm, b, leading)
-    cap.graph.notes.extend(_notes(model, norm) + opt_notes)
-    st = State(r, graph=cap.graph, params=cap.params)
-    driver.plan(st)
-    rep = Report.from_graph(cap.graph, st.plan)
+    st = OnnxState(r, in_path=path, dims=dims, batch=batch, analysis=True)
+    driver.run(PIPELINE, st, until="plan")
+    rep = Report.from_graph(st.graph, st.plan)
     rep.planned = st.plan
     return rep
 
@@ -149,11 +141,13 @@ class OnnxState(State):
     feeds: io.Feeds | None = None
     captured: Captured | None = None
     staging: io.Staging | None = None
+    analysis: bool = False                           # ``inspect``: plan only, no data, no file
 
 
 def load(st: OnnxState) -> None:
     st.model = io.load(st.in_path)
-    io.check_paths(st.in_path, st.out_path, st.model)
+    if not st.analysis:
+        io.check_paths(st.in_path, st.out_path, st.model)
     st.had_external = io.has_external_data(st.model)
     already_preconditioned(st.model, st.in_path)
 
@@ -173,6 +167,9 @@ def normalize_stage(st: OnnxState) -> None:
     """Normalize the graph; the calibration feeds (random N(0, 1) for inputs without data)."""
     st.norm = normalize(st.model)
     st.specs = io.real_inputs(st.model)
+    if st.analysis:                 # no feeds: shapes from ``dims`` and ``batch`` alone
+        io.check_dims(st.specs, io.parse_dims(st.dims))
+        return
     if st.check or st.opts.target_std is not None:
         _refuse_bfloat16_io(st.model, st.specs)
         _refuse_old_opset(st.model)
@@ -228,7 +225,8 @@ def capture_stage(st: OnnxState) -> None:
     st.graph.notes.extend(_notes(st.model, st.norm) + st.resolved.notes())
     if st.feeds is not None:
         st.graph.notes.extend(st.feeds.notes)
-    driver.has_work(st.graph, "Conv, Gemm, MatMul with a weight initializer...")
+    if not st.analysis:
+        driver.has_work(st.graph, "Conv, Gemm, MatMul with a weight initializer...")
 
 
 def backend(st: OnnxState) -> None:

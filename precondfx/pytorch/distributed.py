@@ -145,6 +145,11 @@ def _global_std(t: torch.Tensor, group: Any) -> tuple[float, float]:
     return math.sqrt(max(s2 / n - mean * mean, 0.0)), local
 
 
+def global_std(t: torch.Tensor, group: Any = None) -> float:
+    """The population std of ``t`` over every rank's values (float64; one process: its own)."""
+    return _global_std(t, group)[0]
+
+
 @torch.no_grad()
 def calibrate(model: nn.Module, sample: Any, target_std: float | None = None, *,
               output_key: str | int | None = None, mode: str = "train", group: Any = None,

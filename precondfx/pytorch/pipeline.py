@@ -52,6 +52,7 @@ class TorchState(State):
     dtype: torch.dtype | None = None  # a float16/bfloat16 model's dtype (computed in float32)
     modes: dict[str, bool] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    analysis: bool = False           # ``analyze``: plan only, on a copy, refusing nothing more
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -151,14 +152,17 @@ def run_on(model: nn.Module, s: Sample, mode: str) -> Any:
     return cal.forward(model, s, mode)
 
 
-def copy_model(model: nn.Module) -> nn.Module:
+def copy_model(model: nn.Module, lenient: bool = False) -> nn.Module:
     """The copy ``precondition`` rewrites; a model that cannot be deep-copied is an error that
-    says to pass ``inplace=True``."""
+    says to pass ``inplace=True`` (``lenient``: the model itself, for ``analyze``, which runs
+    it with its state preserved)."""
     try:
         work = copy.deepcopy(model)
     except RecursionError:
         raise
     except Exception as e:  # noqa: BLE001 - e.g. a module holding a lock or an open file
+        if lenient:
+            return model
         raise PrecondError(
             f"the model cannot be deep-copied ({type(e).__name__}: {str(e)[:120]}); precondfx "
             f"rewrites a copy so that your model stays unchanged. Pass inplace=True to rewrite "
@@ -207,14 +211,19 @@ def restore_unused(gm: nn.Module, work: nn.Module) -> None:
 
 
 # -- the PyTorch-only stages -------------------------------------------------------------------
+#: why a model on the meta device gets no output scale yet (``State.no_data``)
+NO_DATA = ("the model is on the meta device (no data): the output scale is 1 until "
+           "precondfx.distributed.calibrate(model, batch) runs on the materialized model")
+
+
 def prepare(st: TorchState) -> None:
     """Check the model and the sample, refuse a model that is already preconditioned,
     make the working copy (float32 for a half-precision model), run it once on the sample,
     and keep what a rollback needs (``inplace=True``)."""
     model, s, notes = prepare_sample(st.model, st.raw_sample, st.forward_kwargs)
     st.model, st.sample, st.notes = model, s, notes + st.resolved.notes()
-    st.data = not meta.on_meta(model)
-    if already_preconditioned(model):
+    st.no_data = NO_DATA if meta.on_meta(model) else ""
+    if already_preconditioned(model) and not st.analysis:
         held = [n for n, _ in model.named_buffers() if PREFIX in n]
         raise PrecondError(
             f"the model is already preconditioned (it holds {len(held)} precondfx_* "
@@ -232,7 +241,7 @@ def prepare(st: TorchState) -> None:
                                f"returned model")
         st.dtype = dt
     st.modes = {name: m.training for name, m in model.named_modules()}
-    st.work = model if st.inplace else copy_model(model)
+    st.work = model if st.inplace else copy_model(model, lenient=st.analysis)
     if st.dtype is not None:
         st.work = st.work.float()
         st.notes.append(f"model in {dt}: preconditioned and calibrated in float32, result cast "
@@ -262,8 +271,9 @@ def capture_stage(st: TorchState) -> None:
     st.captured, st.params = capture_classify(st.work, st.sample, st.opts.capture,
                                               st.opts.calibration, st.notes)
     st.graph = st.captured.graph
-    driver.has_work(st.graph, "convolution, linear, embedding, matmul with a parameter... in "
-                              "the captured graph")
+    if not st.analysis:
+        driver.has_work(st.graph, "convolution, linear, embedding, matmul with a parameter... "
+                                  "in the captured graph")
     st.say(f"captured with {st.graph.method}: {len(st.graph)} nodes; planning")
 
 
@@ -282,24 +292,6 @@ def backend(st: TorchState) -> None:
                                   run=lambda m: run_on(m, st.sample, "eval"),
                                   run_train=lambda m: run_on(m, st.sample, "train"))
         st.result = st.work
-
-
-def meta_note(st: TorchState) -> None:
-    st.report.skipped.append(("output scale", "the model is on the meta device (no data): "
-                              "the output scale is 1 until precondfx.pytorch.distributed.calibrate("
-                              "model, batch) runs on the materialized model"))
-
-
-def calibrate_sharded(st: TorchState) -> None:
-    """The output scale from every rank's batch (statistics all-reduced)."""
-    o, rep = st.opts, st.report
-    r = distributed.calibrate(st.result, st.sample, o.target_std, output_key=o.output_key,
-                              mode=o.calibration)
-    rep.output_std_before, rep.output_std_after = r["std_before"], r["std_after"]
-    rep.target_std, rep.output_scale = o.target_std, r["scale"]
-    st.measured.add("calibrate", "scale", driver.OUTPUT, r["scale"],
-                    reason=f"output std {r['std_before']:.4g} -> {o.target_std} (all ranks' "
-                    f"batches)")
 
 
 def balance(st: TorchState) -> None:
@@ -371,10 +363,6 @@ def finish(st: TorchState) -> None:
         st.result = st.result.to(st.dtype)
 
 
-def _sharded(st: TorchState) -> bool:
-    return distributed.is_sharded(st.result)
-
-
 #: what ``precondition`` runs (``driver.run``)
 STAGES = (
     Stage("prepare", prepare, ensures=("sample",)),
@@ -384,12 +372,7 @@ STAGES = (
     driver.APPLY,
     driver.REINIT,
     driver.SCHEME,
-    Stage("calibrate", meta_note, when=lambda st: st.opts.target_std is not None
-          and st.out_const is not None and not st.data),
-    Stage("calibrate", calibrate_sharded, "calibrating the output scale (statistics "
-          "all-reduced over the ranks)", when=lambda st: driver.calibrates(st) and _sharded(st)),
-    Stage("calibrate", driver.calibrate, "calibrating the output scale",
-          when=lambda st: driver.calibrates(st) and not _sharded(st)),
+    driver.CALIBRATE,
     Stage("balance", balance, lambda st: f"measured balancing ({st.opts.balance})",
           when=lambda st: st.opts.balance in ("hessian", "auto")),
     Stage("lr_scale", lr_scale, lambda st: f"lr_scale={st.opts.lr_scale!r}",
@@ -412,24 +395,12 @@ def precondition(model: nn.Module, sample: Any, resolved: Any, *, inplace: bool,
 
 
 def analyze(model: nn.Module, sample: Any, resolved: Any, forward_kwargs: dict) -> Report:
-    """Capture, classify and plan on a private copy; the report of what ``precondition``
-    would do."""
-    model, s, notes = prepare_sample(model, sample, forward_kwargs)
-    notes.extend(resolved.notes())
-    try:
-        work = copy.deepcopy(model)
-    except Exception:  # noqa: BLE001 - e.g. a module holding a non-copyable handle
-        work = model
-    if float_dtype(work) in (torch.float16, torch.bfloat16):
-        work = work.float()
-    with cal.preserved(work):
-        run_on(work, s, resolved.options.calibration)
-        cap, infos = capture_classify(work, s, resolved.options.capture,
-                                      resolved.options.calibration, notes)
-    st = State(resolved, graph=cap.graph, params=infos,
-               input_arrays=input_arrays(s, resolved.options))
-    driver.plan(st)
-    rep = Report.from_graph(cap.graph, st.plan)
+    """:data:`STAGES` up to the plan, on a private copy (the model itself, with its state
+    preserved, where it cannot be copied); the report of what ``precondition`` would do."""
+    st = TorchState(resolved, model=model, raw_sample=sample, forward_kwargs=forward_kwargs,
+                    analysis=True)
+    with cal.preserved(unwrap(model)[0]):
+        driver.run(STAGES, st, until="plan")
+    rep = Report.from_graph(st.graph, st.plan)
     rep.planned = st.plan
     return rep
-

@@ -29,8 +29,14 @@ class TorchBackend:
         return cal.forward(self.module, sample, mode)
 
     def output_std(self, sample: Any, mode: str, key: Any = None) -> float:
+        """The main output's std on the sample; on a sharded model, over every rank's batch
+        (sums all-reduced), so that every rank sets the same output scale."""
         from precondfx.pytorch import calibrate as cal
-        return cal.output_std(cal.forward(self.module, sample, mode), key)
+        from precondfx.pytorch import distributed
+        out = cal.forward(self.module, sample, mode)
+        if distributed.is_sharded(self.module):
+            return distributed.global_std(cal.main_output(out, key))
+        return cal.output_std(out, key)
 
     def probe_sample(self, sample: Any, names: list[str], mode: str) -> dict[str, Any]:
         """``probe`` on one quiet, gradient-free run of the sample (dropout off, BatchNorm
