@@ -117,8 +117,8 @@ def test_block_finder_reads_markers(tmp_path: Path) -> None:
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     """``mkdocs build --strict`` (warnings are errors: broken links, missing pages, API
     references that do not resolve), and the generated options page lists every option."""
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
-        "PYTHONPATH", "")]).rstrip(os.pathsep)}
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": path}
     site = tmp_path / "site"
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
