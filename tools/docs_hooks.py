@@ -5,11 +5,13 @@ default, allowed values, command-line flag, whether it shapes the plan, help tex
 fields of ``precondfx.Options``; ``<!-- options:call -->`` gets the keyword arguments of
 ``precondfx.precondition`` that are not options (``inplace``, ``verbose``, ...).  The defaults and
 help texts therefore live in one place, the ``Options`` definition; nothing here repeats them.
-``<!-- ops:table -->`` gets the op table (``optable.table_rows()``) the same way.
+``<!-- ops:table -->`` gets the op table (``optable.table_rows()``) the same way, and
+``<!-- report:example -->`` the report of a small CNN, run when the site is built.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 import sys
@@ -111,8 +113,35 @@ def ops_table() -> str:
     return "\n".join(rows)
 
 
+@functools.lru_cache(maxsize=1)
+def report_example() -> str:
+    """The report of a small CNN (the quickstart's), printed by the installed precondfx when the
+    site is built, so that the table shown is the table users get."""
+    import torch
+    from torch import nn
+
+    import precondfx
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 16, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+                              nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                              nn.Flatten(), nn.Linear(32 * 8 * 8, 10))
+        _, report = precondfx.precondition(model, torch.randn(64, 3, 32, 32))
+        text = report.table(width=100)
+    finally:
+        torch.set_num_threads(threads)
+    lines, skipping = [], False
+    for ln in text.splitlines():      # drop the timing line (and its wrap): it varies by machine
+        skipping = ln.startswith("time:") or (skipping and ln.startswith("    "))
+        if not skipping:
+            lines.append(ln)
+    return "```text\n" + "\n".join(lines) + "\n```"
+
+
 MARKERS = {"<!-- options:table -->": options_table, "<!-- options:call -->": call_table,
-           "<!-- ops:table -->": ops_table}
+           "<!-- ops:table -->": ops_table, "<!-- report:example -->": report_example}
 
 
 def on_page_markdown(markdown: str, **_: Any) -> str:
@@ -128,3 +157,5 @@ if __name__ == "__main__":
     print(call_table())
     print()
     print(ops_table())
+    print()
+    print(report_example())
