@@ -123,7 +123,7 @@ def precondition(model: nn.Module, sample: Any, *, init: str = D.init,
     ``sample`` is what the model is called with (a tensor, a tuple of positional inputs or a
     dict of keyword inputs) and doubles as the calibration batch.  Extra keyword arguments go to
     the model's forward (e.g. ``use_cache=False``).  Every option is defined (default, allowed
-    values, meaning) in ``precondfx.core.options.Options``; see also the README.
+    values, meaning) in ``precondfx.core.options.Options``; see also docs/reference/options.md.
     """
     user = Options(init=init, maxpool=maxpool, balance=balance,
                    balance_threshold=balance_threshold, residual=residual,

@@ -18,7 +18,7 @@ from precondfx.core.graph import Graph
 from precondfx.core.measured import Measured
 from precondfx.core.plan import Plan
 
-#: version of the JSON layout written by ``Report.save`` (README: "The report's JSON").
+#: version of the JSON layout written by ``Report.save`` (docs/reference/report.md).
 #: Bump it when a field changes meaning or is removed; adding a field keeps the version.
 SCHEMA_VERSION = 1
 
@@ -397,7 +397,7 @@ class Report:
         return self.table()
 
     def to_dict(self) -> dict:
-        """The JSON form (layout: README, "The report's JSON"; ``schema_version``)."""
+        """The JSON form (layout: docs/reference/report.md; ``schema_version``)."""
         from precondfx import __version__
         self.refresh()
         return {

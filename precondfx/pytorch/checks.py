@@ -78,7 +78,8 @@ def check_model(model: nn.Module) -> None:
             f"accelerate.cpu_offload(result, device, state_dict=dict(result.named_parameters("
             f"remove_duplicate=False))) (a transformers result's state_dict() folds the "
             f"constants into the weights, for checkpoints); or build it on the meta device and "
-            f"follow the large-model recipe (README: to_empty, precondfx.reinit)")
+            f"follow the large-model recipe (docs/guides/large-models.md: to_empty, "
+            f"precondfx.reinit)")
     scripted = [path or "the model itself" for path, m in model.named_modules()
                 if isinstance(m, torch.jit.ScriptModule)]
     if scripted:

@@ -1,10 +1,10 @@
 """Large models: constants that survive materialization, sharded re-initialization, and the
 output scale calibrated with a distributed forward (FSDP2 ``fully_shard``, DTensor).
 
-Recipe (README, ``examples/fsdp_torchrun.py``): plan and apply on the meta device, shard with
-``fully_shard``, ``model.to_empty(device=...)``, then :func:`reinit` (each rank writes only its
-shard) and :func:`calibrate` (the output statistics are all-reduced, so every rank ends with the
-same constant).
+Recipe (docs/guides/large-models.md, ``examples/fsdp_torchrun.py``): plan and apply on the
+meta device, shard with ``fully_shard``, ``model.to_empty(device=...)``, then :func:`reinit`
+(each rank writes only its shard) and :func:`calibrate` (the output statistics are all-reduced,
+so every rank ends with the same constant).
 
 Two random streams give the full tensors:
 
