@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SKIP = re.compile(r"<!--\s*docs-test:\s*skip\b(.*?)-->")
 FENCE = re.compile(r"^(?P<indent>[ ]*)```(?P<info>[^\n`]*)$")
 #: at most this many blocks may be skipped over all pages (each needs a stated reason)
