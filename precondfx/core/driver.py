@@ -200,7 +200,7 @@ def apply(st: State) -> None:
     be.finish()
 
 
-def reinit(st: State) -> None:
+def reinitialize(st: State) -> None:
     """Re-initialize from the plan (always: with ``reinit=False`` the plan holds 'scale'
     rules, weights divided by their alpha); the report starts here."""
     st.backend.reinit(st.plan, st.opts.seed)
@@ -291,7 +291,7 @@ def input_scale(opts: Options, plan: Plan, inputs: list[Any]) -> float | None:
 #: the stages every back end runs, in order, between its own (see the module docstring)
 PLAN = Stage("plan", plan, requires=("graph",), ensures=("plan",))
 APPLY = Stage("apply", apply, "applying the plan", requires=("plan", "backend"))
-REINIT = Stage("reinit", reinit, lambda st: "re-initializing parameters" if st.opts.reinit
+REINIT = Stage("reinit", reinitialize, lambda st: "re-initializing parameters" if st.opts.reinit
                else "rescaling weights for alpha", requires=("plan", "backend"),
                ensures=("report",))
 SCHEME = Stage("scheme", scheme_step, lambda st: f"scheme {st.scheme.name}: data-driven step",

@@ -6,7 +6,7 @@ An option travels in three steps, the same for ``precondition``, ``analyze``,
 1. :class:`Options` checks the user's values as given (``PrecondError`` naming the option, the
    value and what to pass instead), before any scheme or back end sees them.
 2. :func:`resolve` applies the changes the scheme declares (``Scheme.overrides``) and the limits
-   the back end declares (a :class:`Support`), each recorded as a :class:`Change` whose note goes
+   the back end declares (a :class:`Support`), each recorded as an :class:`OptionChange` whose note goes
    into the report.
 3. The planner, the back ends and the calibration read the resolved, frozen options.
 
@@ -247,7 +247,7 @@ for _f in fields(Options):
 # resolution: scheme overrides and back-end limits, each a recorded change
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Change:
+class OptionChange:
     """One option changed during resolution, and why (a note in the report)."""
 
     option: str
@@ -301,7 +301,7 @@ class Resolved:
 
     options: Options
     user: Options
-    changes: tuple[Change, ...]
+    changes: tuple[OptionChange, ...]
     scheme: Any = None
 
     def notes(self) -> list[str]:
@@ -309,7 +309,7 @@ class Resolved:
 
 
 def apply_overrides(opts: Options, overrides: Iterable[Override], by: str
-                    ) -> tuple[Options, list[Change]]:
+                    ) -> tuple[Options, list[OptionChange]]:
     """``opts`` with ``overrides`` applied (a refusal raises), and the changes made."""
     changes = []
     for o in overrides:
@@ -319,7 +319,7 @@ def apply_overrides(opts: Options, overrides: Iterable[Override], by: str
         if old == o.value and type(old) is type(o.value):
             continue
         opts = replace(opts, **{o.option: o.value})
-        changes.append(Change(o.option, old, o.value, by, o.why))
+        changes.append(OptionChange(o.option, old, o.value, by, o.why))
     return opts, changes
 
 
