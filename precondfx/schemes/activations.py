@@ -10,7 +10,7 @@
   graph node is recognized as an activation (gne, wn and tat read it).
 
 ``precondfx.schemes.gne_math`` (derivative moments ``E[f'^2]``, ``E[f'^4]``) and
-``precondfx.schemes.tat_math`` (local Q/C maps) compute their expectations here.
+``precondfx.schemes.tat.local_maps`` (local Q/C maps) compute their expectations here.
 """
 from __future__ import annotations
 
