@@ -22,7 +22,7 @@ from precondfx.pytorch.capture.common import Sample, main_output
 from precondfx.errors import PrecondError
 from precondfx.core.graph import Graph
 from precondfx.pytorch.measure import batchdim
-from precondfx.pytorch.measure.conditioning import _mean_estimate
+from precondfx.pytorch.measure.conditioning.estimates import _mean_estimate
 from precondfx.pytorch.measure.sketch import geometric_mean, hessian_sketch, precise, rtol_for, spread_of
 from precondfx.core.measured import Measured
 from precondfx.core.options import DEFAULTS as D

@@ -9,8 +9,8 @@
 * :func:`activation_of`: the ``(name, slope)`` of a captured activation node, the one place a
   graph node is recognized as an activation (gne, wn and tat read it).
 
-``precondfx.schemes.gne_math`` (derivative moments ``E[f'^2]``, ``E[f'^4]``) and
-``precondfx.schemes.tat_math`` (local Q/C maps) compute their expectations here.
+``precondfx.schemes.gne.moments`` (derivative moments ``E[f'^2]``, ``E[f'^4]``) and
+``precondfx.schemes.tat.local_maps`` (local Q/C maps) compute their expectations here.
 """
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ def _bn_net(n_out=200):
 
 def test_balancing_stops_once_precise_enough_for_its_threshold():
     import precondfx
-    from precondfx.pytorch.measure.conditioning import _t975
+    from precondfx.pytorch.measure.conditioning.estimates import _t975
     from precondfx.pytorch.measure.sketch import rtol_for
     net, x = _bn_net()
     seen = {}

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from precondfx.schemes import gne_math as G
+from precondfx.schemes import gne as G
 from precondfx.schemes.activations import get_activation, normal_expectation
 
 TORCH = {"tanh": torch.tanh, "sigmoid": torch.sigmoid, "softplus": F.softplus, "elu": F.elu,

@@ -1,4 +1,4 @@
-"""Tests for precondfx.schemes.gne_math (spec A.2.6-A.2.11, validation targets A.4).
+"""Tests for the GNE maths, precondfx.schemes.gne (spec A.2.6-A.2.11, validation targets A.4).
 
 Expected values come from the spec's tables/text or from independent exact computations
 (explicit Jacobians, Monte-Carlo, conv of ones), never from the code under test.
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from precondfx.errors import PrecondError
-from precondfx.schemes import gne_math as G
+from precondfx.schemes import gne as G
 
 SELU_LAMBDA = 1.0507009873554805
 SELU_ALPHA = 1.6732632423543772

@@ -1,6 +1,6 @@
 """scheme='gne' (Chen et al., gradient norm equality): the gradient-norm gain of a deep leaky-ReLU
 MLP measured here with random cotangents, the planned inits against the spec's table values
-(not gne_math output), depth-aware SELU coefficients against the spec's solved table, SMN
+(not the GNE maths' output), depth-aware SELU coefficients against the spec's solved table, SMN
 replacing BatchNorm and training, and the block isometry diagnostics against exact Jacobians."""
 from __future__ import annotations
 

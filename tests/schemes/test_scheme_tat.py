@@ -362,7 +362,7 @@ class Inception(nn.Module):
 def test_architecture_of_a_concat_block():
     """Spec §2.5 "Concatenation": a concat followed by an affine layer is a normalized sum with
     w_i^2 = d_i / sum d, so U(x) = r((4/16) * r(x) + (12/16) * r(r(x))) for this block."""
-    from precondfx.schemes import tat_math as tm
+    from precondfx.schemes import tat as tm
     from precondfx.schemes.tat import architecture
     an = architecture(Inception(), torch.randn(2, 3, 6, 6))
     assert len(an.joins) == 1 and an.joins[0].kind == "concat"

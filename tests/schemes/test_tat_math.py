@@ -1,4 +1,4 @@
-"""Tests for precondfx.schemes.tat_math against shared/spec/tat-dks-spec.md (cited as "spec §x").
+"""Tests for the TAT/DKS maths (precondfx.schemes.tat) against shared/spec/tat-dks-spec.md (cited as "spec §x").
 
 Every expected number below is copied from the spec (its §4 tables, which reproduce the
 google-deepmind/dks test-suite and the spec author's independent computations) or follows from a
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from precondfx.errors import PrecondError
-from precondfx.schemes import tat_math as tm
-from precondfx.schemes.tat_math import (
+from precondfx.schemes import tat as tm
+from precondfx.schemes.tat import (
     Act,
     Affine,
     ActivationTransform,
@@ -463,7 +463,7 @@ def test_reference_parameter_table_relu_dks():
     """Spec §4.1 relu DKS row (beta fixed at 1). Deviation: the dks reference integrates the
     *step* relu'(u)^2 with unsplit 1e5-node Gauss-Legendre, whose error is ~1e-5 for a jump, so its
     alpha=0.3685360046708044 misses C'(1)=s by 4.6e-7. We split at the kink and solve exactly:
-    the closed form below (independent of tat_math) pins alpha to 0.36854363, 7.6e-6 from the
+    the closed form below (independent of the code under test) pins alpha to 0.36854363, 7.6e-6 from the
     reference. So the reference values are only checked to 5e-5 relative, the condition exactly."""
     arch = reference_resnet()
     s = tm.local_slope_target(arch, 1.2)
@@ -510,7 +510,7 @@ def test_reference_value_table(name, method):
 
 def test_leaky_relu_dks_conditions_exact():
     """DKS leaky_relu (value-test targets): check Q(1)=1, Q'(1)=0.97, C'(1)=s, C(0)=0 with closed
-    forms (lrelu_a(u) = a u + (1-a) relu(u)), independent of tat_math's quadrature."""
+    forms (lrelu_a(u) = a u + (1-a) relu(u)), independent of the package's quadrature."""
     s = tm.local_slope_target(reference_resnet(), 12.0)
     t = tm.solve_dks("leaky_relu", reference_resnet(), zeta=12.0, q_slope_target=0.97)
     a, b, d, g = t.negative_slope, t.input_shift, t.output_shift, t.output_scale

@@ -28,8 +28,10 @@ import torch
 from torch import nn
 
 from precondfx.errors import PrecondError
-from precondfx.pytorch.measure.conditioning import (Estimate, _mean_estimate, default_output_fn,
-                                            measurement_state, per_sample, run_sample)
+from precondfx.pytorch.measure.conditioning.estimates import _mean_estimate
+from precondfx.pytorch.measure.conditioning.inputs import (default_output_fn, measurement_state,
+                                                           per_sample, run_sample)
+from precondfx.pytorch.measure.conditioning.results import Estimate
 from precondfx.pytorch.measure.persample import batched_sketch
 from precondfx.pytorch.measure.runtime import one_thread
 from precondfx.core.progress import Progress
