@@ -15,6 +15,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -286,3 +287,25 @@ def is_additive_mask(t: torch.Tensor) -> bool:
     if not t.is_floating_point() or t.device.type == "meta":
         return False
     return calibration.is_additive_mask(t.detach().float().cpu().numpy())
+
+
+# -- statistics over every rank (sharded models) ------------------------------------------------
+def global_std_local(t: torch.Tensor, group: object = None) -> tuple[float, float]:
+    """(std over every rank's batch, this rank's std); population std, float64."""
+    t = t.detach().to(torch.float64).flatten()
+    stats = torch.stack([t.sum(), t.pow(2).sum(), torch.tensor(float(t.numel()),
+                                                               dtype=torch.float64,
+                                                               device=t.device)])
+    local = float(t.std(correction=0)) if t.numel() > 1 else float("nan")
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(stats, group=group)
+    s, s2, n = (float(v) for v in stats.cpu())
+    if n < 2:
+        raise PrecondError("the calibration batch has fewer than 2 output elements over all ranks")
+    mean = s / n
+    return math.sqrt(max(s2 / n - mean * mean, 0.0)), local
+
+
+def global_std(t: torch.Tensor, group: object = None) -> float:
+    """The population std of ``t`` over every rank's values (float64; one process: its own)."""
+    return global_std_local(t, group)[0]

@@ -24,7 +24,6 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from precondfx.pytorch.apply.common import PREFIX
@@ -35,6 +34,8 @@ from precondfx.pytorch.apply.shards import local as shards_local
 from precondfx.pytorch.capture.common import main_output, make_sample
 from precondfx.errors import PrecondError
 from precondfx.core.plan import Plan
+from precondfx.pytorch.calibrate import global_std_local as _global_std
+from precondfx.pytorch.calibrate import global_std  # noqa: F401 (public here too)
 
 __all__ = ["CONSTANTS", "RNGS", "calibrate", "counter_normal", "is_sharded", "record_constants",
            "reinit", "restore_constants", "settle_checkpoints", "shard_units"]
@@ -127,27 +128,6 @@ def _output_buffer(model: nn.Module) -> str:
         raise PrecondError("the model has no output scale (precondfx_output_scale buffer): "
                            "precondition it with target_std set (the default) first")
     return names[0]
-
-
-def _global_std(t: torch.Tensor, group: Any) -> tuple[float, float]:
-    """(std over every rank's batch, this rank's std); population std, float64."""
-    t = t.detach().to(torch.float64).flatten()
-    stats = torch.stack([t.sum(), t.pow(2).sum(), torch.tensor(float(t.numel()),
-                                                               dtype=torch.float64,
-                                                               device=t.device)])
-    local = float(t.std(correction=0)) if t.numel() > 1 else float("nan")
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(stats, group=group)
-    s, s2, n = (float(v) for v in stats.cpu())
-    if n < 2:
-        raise PrecondError("the calibration batch has fewer than 2 output elements over all ranks")
-    mean = s / n
-    return math.sqrt(max(s2 / n - mean * mean, 0.0)), local
-
-
-def global_std(t: torch.Tensor, group: Any = None) -> float:
-    """The population std of ``t`` over every rank's values (float64; one process: its own)."""
-    return _global_std(t, group)[0]
 
 
 @torch.no_grad()

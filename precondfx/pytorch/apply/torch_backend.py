@@ -32,10 +32,10 @@ class TorchBackend:
         """The main output's std on the sample; on a sharded model, over every rank's batch
         (sums all-reduced), so that every rank sets the same output scale."""
         from precondfx.pytorch import calibrate as cal
-        from precondfx.pytorch import distributed
+        from precondfx.pytorch.apply.shards import is_sharded
         out = cal.forward(self.module, sample, mode)
-        if distributed.is_sharded(self.module):
-            return distributed.global_std(cal.main_output(out, key))
+        if is_sharded(self.module):
+            return cal.global_std(cal.main_output(out, key))
         return cal.output_std(out, key)
 
     def probe_sample(self, sample: Any, names: list[str], mode: str) -> dict[str, Any]:
