@@ -63,6 +63,7 @@ class State:
     measured: Measured = field(default_factory=Measured)   # what the stages set after apply
     data: bool = True                # the model can run on data (not on the meta device)
     times: dict[str, float] = field(default_factory=dict)
+    random_draws: int = 0            # >0: the forward is random, measured over this many draws
     undo: list[Callable[[], None]] = field(default_factory=list)
     t0: float = field(default_factory=time.perf_counter)
 
@@ -216,22 +217,48 @@ def calibrates(st: State) -> bool:
     return st.opts.target_std is not None and st.out_const is not None and st.data
 
 
+#: draws a random forward's output std is averaged over (``calibrate``)
+RANDOM_DRAWS = 8
+
+
+def output_std(st: State) -> tuple[float, list[float]]:
+    """The main output's std on the sample, random ops seeded from ``seed``.  A forward that
+    draws random numbers (inline stochastic depth, noise) is measured over
+    :data:`RANDOM_DRAWS` seeded draws: the root mean square of their stds, and each draw's
+    (an empty list for a deterministic forward)."""
+    be, opts = st.backend, st.opts
+    std, random = be.seeded_output_std(st.sample, opts.calibration, opts.output_key, opts.seed)
+    if not random:
+        return std, []
+    stds = [std]
+    for i in range(1, RANDOM_DRAWS):
+        stds.append(be.seeded_output_std(st.sample, opts.calibration, opts.output_key,
+                                         (opts.seed + i) % (2 ** 63))[0])
+    return math.sqrt(sum(x * x for x in stds) / len(stds)), stds
+
+
 def calibrate(st: State) -> None:
-    """The output scale: the main output's std on the sample brought to ``target_std``."""
+    """The output scale: the main output's std on the sample brought to ``target_std`` (for a
+    random forward, its root-mean-square std over seeded draws, :func:`output_std`)."""
     be, opts, rep = st.backend, st.opts, st.report
-    std = be.output_std(st.sample, opts.calibration, opts.output_key)
+    std, draws = output_std(st)
     scale = cal.solve_output_scale(std, opts.target_std)
     warn = cal.scale_warning(std, scale)
     if warn:
         warnings.warn(f"precondfx: {warn}", RuntimeWarning, stacklevel=2)
         rep.skipped.append(("warning: output scale", warn))
     be.set_constant(st.out_const, scale)
-    after = be.output_std(st.sample, opts.calibration, opts.output_key) \
-        if be.rerun_after_scale else std * scale
+    after = output_std(st)[0] if be.rerun_after_scale else std * scale
     rep.output_std_before, rep.output_std_after = std, after
     rep.target_std, rep.output_scale = opts.target_std, scale
-    st.measured.add("calibrate", "scale", OUTPUT, scale,
-                    reason=f"output std {std:.4g} -> {opts.target_std}")
+    why = f"output std {std:.4g} -> {opts.target_std}"
+    if draws:
+        st.random_draws = len(draws)
+        why += (f" (the forward draws random numbers: root mean square over {len(draws)} "
+                f"draws seeded from seed={opts.seed}, per draw {min(draws):.4g}.."
+                f"{max(draws):.4g})")
+        rep.skipped.append(("note: random forward", why))
+    st.measured.add("calibrate", "scale", OUTPUT, scale, reason=why)
 
 
 def record(st: State) -> None:

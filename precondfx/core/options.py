@@ -15,6 +15,8 @@ default changed in this file changes everywhere.
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 import numbers
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -219,7 +221,8 @@ class Options:
         names = {keyword_of(f): f.name for f in fields(cls)}
         bad = sorted(k for k in kwargs if k not in names)
         if bad:
-            raise PrecondError(f"unknown option(s) {bad}: the options are {sorted(names)}")
+            hints = "; ".join(f"{k!r}{did_you_mean(k, names)}" for k in bad)
+            raise PrecondError(f"unknown option(s) {hints}: the options are {sorted(names)}")
         return cls(**{names[k]: v for k, v in kwargs.items()})
 
     def validate(self) -> None:
@@ -235,6 +238,64 @@ class Options:
 
 def keyword_of(f: Any) -> str:
     return f.metadata["keyword"] or f.name
+
+
+def option_names() -> list[str]:
+    """The public keyword names of the options."""
+    return [keyword_of(f) for f in fields(Options)]
+
+
+def did_you_mean(word: str, names: Iterable[str], cutoff: float = 0.75) -> str:
+    """' (did you mean 'balance'?)' for the name closest to ``word`` (difflib), '' when none
+    is close."""
+    close = difflib.get_close_matches(word, list(names), n=1, cutoff=cutoff)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _forward_parameters(model: Any) -> tuple[set[str], bool, str]:
+    """The keyword names the model's forward takes, whether it takes ``**kwargs``, and how to
+    call it in a message (``Net.forward(x, mask=None)``).  A forward without a readable
+    signature takes anything."""
+    fwd = getattr(model, "forward", None)
+    what = f"{type(model).__name__}.forward"
+    try:
+        sig = inspect.signature(fwd)
+    except (TypeError, ValueError):
+        return set(), True, what
+    names = {n for n, p in sig.parameters.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    var = any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
+    return names, var, f"{what}{sig}"
+
+
+def split_keywords(model: Any, keywords: Mapping[str, Any], forward_kwargs: Any,
+                   options: Iterable[str], entry: str = "precondition"
+                   ) -> dict[str, Any]:
+    """The forward keywords of a public call: ``forward_kwargs`` (a dict, given explicitly,
+    passed as they are) and the extra ``keywords`` that name a parameter of the model's
+    forward.  An extra keyword that is not a parameter of the forward, or that is close to an
+    option's name (``balnce``, ``targetstd``) when the forward only takes ``**kwargs``, is a
+    PrecondError saying which option was meant; a forward keyword spelled like an option goes
+    in ``forward_kwargs={...}``."""
+    explicit = mapping("forward_kwargs", forward_kwargs)
+    names, var, sig = _forward_parameters(getattr(model, "_orig_mod", model))
+    opts = list(options)
+    out = dict(explicit)
+    for k, v in keywords.items():
+        hint = did_you_mean(k, opts)
+        if k in names or (var and not hint):
+            out[k] = v
+            continue
+        if hint:
+            raise PrecondError(
+                f"{entry}() got an unknown option {k!r}{hint}: fix the option's name (the "
+                f"options are {sorted(opts)}); a keyword meant for the model's forward goes in "
+                f"forward_kwargs={{{k!r}: ...}}")
+        raise PrecondError(
+            f"{entry}() got an unknown keyword {k!r}: it is not an option (the options are "
+            f"{sorted(opts)}) and not a parameter of {sig}; fix its name, or give keywords "
+            f"for the model's forward in forward_kwargs={{...}}")
+    return out
 
 
 #: the defaults, for the signatures of the public functions (one place holds them)

@@ -438,7 +438,9 @@ class _Builder:
             name = spec_in.name if spec_in.name not in self.taken else f"input:{spec_in.name}"
             self.taken.add(name)
             self.nodes.append(Node(name, "input", f"input {spec_in.name}",
-                                   out_shape=self.shape_of(v)))
+                                   out_shape=self.shape_of(v),
+                                   attrs={} if v.dtype is None or v.dtype in FLOAT_TYPES
+                                   else {"integer": True}))
             self.input_nodes[name] = v
             self.producer[id(v)] = name
             self.data.add(id(v))
