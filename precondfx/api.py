@@ -8,6 +8,7 @@ model is never mutated unless ``inplace=True``; if any stage fails, nothing is l
 """
 from __future__ import annotations
 
+import time
 from typing import Any, NamedTuple
 
 from torch import nn
@@ -127,6 +128,7 @@ def precondition(model: nn.Module, sample: Any, *, init: str = D.init,
     it resembles (``balnce`` -> ``balance``).  Every option is defined (default, allowed
     values, meaning) in ``precondfx.core.options.Options``; see also the README.
     """
+    started = time.perf_counter()
     user = Options(init=init, maxpool=maxpool, balance=balance,
                    balance_threshold=balance_threshold, residual=residual,
                    residual_scale=residual_scale, target_std=target_std,
@@ -141,5 +143,6 @@ def precondition(model: nn.Module, sample: Any, *, init: str = D.init,
                          ["inplace", "verbose", "forward_kwargs"])
     r = resolve_torch(user, model)
     return Result(*pipeline.precondition(
-        model, sample, r, inplace=inplace, verbose=verbose, forward_kwargs=fwd))
+        model, sample, r, inplace=inplace, verbose=verbose, forward_kwargs=fwd,
+        started=started))
 

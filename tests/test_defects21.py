@@ -224,3 +224,216 @@ def test_random_forward_same_seed_same_scale_whatever_the_global_state():
 def test_deterministic_forward_reports_no_draws():
     _, rep = precondfx.precondition(_mlp(), X)
     assert "random_draws" not in rep.verification and "random" not in rep.verification["note"]
+
+
+# -- G. ONNX external data outside the model's folder -------------------------------------------
+def _outside_model(tmp_path, how: str) -> tuple[str, str]:
+    """A model in tmp/model/ whose external data is tmp/secret.bin, reached by ``how``."""
+    onnx = pytest.importorskip("onnx")
+    from tests.test_realworld_onnx2 import _mlp, _save
+    folder = tmp_path / "model"
+    folder.mkdir()
+    src = _save(_mlp(), folder / "m.onnx", save_as_external_data=True, location="m.bin",
+                size_threshold=0)
+    secret = tmp_path / "secret.bin"
+    os.replace(folder / "m.bin", secret)
+    loc = {"dotdot": "../secret.bin", "absolute": str(secret), "link": "link.bin",
+           "nested": "sub/../../secret.bin"}[how]
+    if how == "link":
+        os.symlink(secret, folder / "link.bin")
+    m = onnx.load(src, load_external_data=False)
+    for t in m.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = loc
+    onnx.save_model(m, src)
+    return src, str(secret)
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "link", "nested"])
+def test_external_data_outside_the_folder_is_refused_untouched(tmp_path, how, monkeypatch,
+                                                              capsys):
+    src, secret = _outside_model(tmp_path, how)
+    from precondfx.cli import main
+    from precondfx.onnx import inspect_onnx, precondition_onnx
+    touched = []
+    real_stat, real_open = os.stat, open
+
+    def stat(p, *a, **k):
+        touched.append(os.fspath(p) if not isinstance(p, int) else "")
+        return real_stat(p, *a, **k)
+    monkeypatch.setattr(os, "stat", stat)
+    out = str(tmp_path / "model" / "out.onnx")
+    for call in (lambda: precondition_onnx(src, out, feeds={"x": np.ones((4, 8), np.float32)}),
+                 lambda: inspect_onnx(src)):
+        with pytest.raises(PrecondError, match="outside the model's folder|absolute path"):
+            call()
+    monkeypatch.setattr(os, "stat", real_stat)
+    assert not any(os.path.abspath(p) == secret for p in touched if p)   # never statted
+    capsys.readouterr()
+    assert main(["precondition", src, "-o", out, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "outside the model's folder" in err[0] or "absolute path" in err[0]
+    assert "bytes" not in err[0] and not os.path.exists(out)
+
+
+def _run_py(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT, "PRECONDFX_PROGRESS": "0"},
+                          cwd=ROOT, timeout=300)
+
+
+_VERBOSE = ("import logging, torch, warnings; from torch import nn; import precondfx; {setup}; "
+            "warnings.simplefilter('ignore'); "
+            "precondfx.precondition(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),"
+            " torch.randn(16, 4), verbose=True)")
+
+
+@pytest.mark.parametrize("setup", ["pass", "logging.basicConfig(level=logging.INFO)",
+                                   "logging.basicConfig(level=logging.WARNING)"])
+def test_verbose_lines_on_stderr_once(setup):
+    out = _run_py(_VERBOSE.format(setup=setup))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ""                                   # never stdout
+    lines = [ln for ln in out.stderr.splitlines() if "capturing the graph" in ln]
+    assert len(lines) == 1, out.stderr                        # once, whatever logging does
+
+
+def test_report_time_includes_start_up():
+    code = ("import time, torch, warnings; from torch import nn; import precondfx; "
+            "warnings.simplefilter('ignore'); "
+            "m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)); "
+            "x = torch.randn(32, 8); t = time.perf_counter(); "
+            "_, rep = precondfx.precondition(m, x); w = time.perf_counter() - t; "
+            "print(w, rep.stage_seconds['total'])")
+    out = _run_py(code)
+    assert out.returncode == 0, out.stderr
+    wall, total = map(float, out.stdout.split())
+    assert total <= wall and total >= 0.95 * wall, (wall, total)   # the whole first call
+
+
+def _help(command: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "precondfx", command, "--help"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={**os.environ, "PYTHONPATH": ROOT, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_no_reinit_help_says_what_it_does():
+    line = next(ln for ln in _help("precondition").splitlines() if "--no-reinit " in ln)
+    text = line.split("--no-reinit", 1)[1].strip()
+    assert text.startswith("keep"), text
+    assert not text.startswith("re-initialize")
+
+
+def test_inspect_does_not_offer_balance_hessian():
+    pytest.importorskip("onnx")
+    choices = next(ln for ln in _help("inspect").splitlines() if "--balance {" in ln)
+    assert "hessian" not in choices and "analytic" in choices
+    assert "hessian" in next(ln for ln in _help("precondition").splitlines()
+                             if "--balance {" in ln)   # PyTorch models still have it
+
+
+def test_report_into_an_unwritable_folder_fails_before_the_output(tmp_path, capsys):
+    pytest.importorskip("onnx")
+    folder = "/sys"     # a read-only file system, even for root
+    if os.access(folder, os.W_OK) and not os.path.isdir(folder):
+        pytest.skip("no read-only folder")
+    try:
+        open(os.path.join(folder, "precondfx_probe.json"), "xb").close()
+        pytest.skip(f"{folder} is writable here")
+    except OSError:
+        pass
+    from precondfx.cli import main
+    from tests.test_realworld_onnx2 import _mlp, _save
+    src = _save(_mlp(), tmp_path / "m.onnx")
+    out = tmp_path / "out.onnx"
+    r = main(["precondition", src, "-o", str(out), "--quiet", "--report",
+              os.path.join(folder, "report.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert r == 2 and len(err) == 1 and "--report" in err[0] and "cannot write" in err[0]
+    assert not out.exists()                               # refused before any work
+
+
+# -- F. inputs and state ------------------------------------------------------------------------
+class GRUHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.g, self.l = nn.GRU(4, 8, batch_first=True), nn.Linear(8, 2)
+
+    def forward(self, p: nn.utils.rnn.PackedSequence) -> torch.Tensor:
+        _, h = self.g(p)
+        return self.l(h[-1])
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+class TakesPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 2)
+
+    def forward(self, inp: Pair) -> torch.Tensor:
+        return self.l(inp.a) * inp.b.mean()
+
+
+@pytest.mark.parametrize("capture", ["auto", "fx", "export", "eager"])
+def test_packed_sequence_and_namedtuple_inputs(capture):
+    kw = {} if capture == "auto" else {"capture": capture}
+    seqs = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0))
+    packed = nn.utils.rnn.pack_padded_sequence(seqs, torch.tensor([5, 3, 2]), batch_first=True)
+    for model, sample in ((GRUHead(), packed), (nn.GRU(4, 8, batch_first=True), packed),
+                          (TakesPair(), Pair(torch.randn(8, 4), torch.randn(8, 2)))):
+        try:
+            pm, rep = precondfx.precondition(model, sample, **kw)
+        except PrecondError as e:    # a capture method that cannot: a clear refusal
+            assert capture != "auto" and capture != "eager", e
+            continue
+        assert rep.verification["finite"]
+
+
+class Counts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        self.calls += 1
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("kw", [{}, {"capture": "eager"}, {"inplace": True},
+                                {"balance": "hessian"}, {"measure": True}])
+def test_forward_counters_keep_the_users_values(kw):
+    m = Counts()
+    m(torch.randn(2, 4))                           # the user's own call: counters at 1
+    pm, _ = precondfx.precondition(m, torch.randn(16, 4), **kw)
+    assert int(pm.steps) == 1 and int(m.steps) == 1
+    assert getattr(pm, "calls", 1) == 1 and m.calls == 1
+
+
+class NonPersistent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Module()
+        self.p.register_buffer("pos", torch.ones(4), persistent=False)
+        self.register_buffer("pos", torch.arange(4.0), persistent=False)
+        self.l = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(x + self.pos + self.p.pos)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export", "eager"])
+def test_non_persistent_buffers_stay_non_persistent(capture):
+    pm, _ = precondfx.precondition(NonPersistent(), torch.randn(8, 4), capture=capture)
+    assert not any(k.endswith("pos") for k in pm.state_dict())
+    pm2, _ = precondfx.precondition(NonPersistent(), torch.randn(8, 4), capture=capture)
+    pm2.load_state_dict(pm.state_dict())          # the round trip, strict
+    torch.testing.assert_close(pm2(torch.ones(2, 4)), pm(torch.ones(2, 4)))

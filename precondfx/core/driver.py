@@ -16,12 +16,14 @@ the back end only through ``precondfx.core.backend.Backend``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from precondfx.core import calibration as cal
 from precondfx.core.backend import Backend
@@ -66,6 +68,9 @@ class State:
     random_draws: int = 0            # >0: the forward is random, measured over this many draws
     undo: list[Callable[[], None]] = field(default_factory=list)
     t0: float = field(default_factory=time.perf_counter)
+    #: when the public call began (``time.perf_counter``): the report's time then includes the
+    #: start-up before the first stage (checking and resolving the options, first imports)
+    started: float | None = None
 
     @property
     def opts(self) -> Options:
@@ -76,10 +81,9 @@ class State:
         return self.resolved.scheme
 
     def say(self, msg: str) -> None:
-        """A progress line: the ``precondfx`` logger, and stdout with ``verbose``."""
-        log.info(msg)
-        if self.verbose:
-            print(f"[precondfx {time.perf_counter() - self.t0:6.2f}s] {msg}", flush=True)
+        """A progress line on the ``precondfx`` logger (INFO); ``verbose=True`` makes it
+        reach stderr once (:func:`verbose_logging`)."""
+        log.info("[%.2fs] %s", time.perf_counter() - (self.started or self.t0), msg)
 
 
 @dataclass(frozen=True)
@@ -100,9 +104,39 @@ def _check(st: State, stage: Stage, names: tuple[str, ...], what: str) -> None:
         raise AssertionError(f"stage {stage.name!r} {what} {missing} (a precondfx bug)")
 
 
+@contextlib.contextmanager
+def verbose_logging(verbose: bool) -> Iterator[None]:
+    """With ``verbose``, the ``precondfx`` logger's INFO lines reach stderr exactly once: when
+    logging already emits them (a handler and INFO enabled, e.g. ``logging.basicConfig(
+    level=logging.INFO)``) nothing is added; otherwise a stderr handler is added for the call
+    (and propagation to the root's handlers paused, which would print them a second time)."""
+    if not verbose or (log.isEnabledFor(logging.INFO) and log.hasHandlers()):
+        yield
+        return
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(logging.Formatter("[precondfx] %(message)s"))
+    level, propagate = log.level, log.propagate
+    log.addHandler(h)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(h)
+        log.setLevel(level)
+        log.propagate = propagate
+
+
 def run(stages: Sequence[Stage], st: State) -> State:
     """Run ``stages`` in order over ``st``: timings, progress, contracts, rollback."""
+    with verbose_logging(st.verbose):
+        return _run(stages, st)
+
+
+def _run(stages: Sequence[Stage], st: State) -> State:
     last = None
+    if st.started is not None:
+        st.times["start-up"] = time.perf_counter() - st.started
     try:
         for stage in stages:
             if stage.when is not None and not stage.when(st):

@@ -135,13 +135,15 @@ def mapping(name: str, v: Any) -> dict:
 
 
 def _opt(default: Any, check: Check, help: str, *, cli: bool | str = False, plan: bool = True,
-         keyword: str | None = None) -> Any:
+         keyword: str | None = None, cli_help: str | None = None) -> Any:
     """A field of :class:`Options`: ``plan`` (it shapes the plan and is stored in
     ``plan.options``), ``cli`` (the command line has a flag for it; a string is the flag's
     metavar), ``keyword`` (the public
-    keyword argument, when it differs from the field name)."""
+    keyword argument, when it differs from the field name), ``cli_help`` (the flag's help when
+    it must read differently, e.g. a ``--no-...`` flag says what turning it off does)."""
     return field(default=default, metadata={"check": check, "help": help, "cli": cli,
-                                            "plan": plan, "keyword": keyword})
+                                            "plan": plan, "keyword": keyword,
+                                            "cli_help": cli_help})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,7 +193,10 @@ class Options:
     seed: int = _opt(0, integer(0, SEED_MAX), "seed of the re-initialization", cli="N")
     reinit: bool = _opt(True, flag, "re-initialize the weights; reinit_weights=False "
                         "(--no-reinit) keeps them, divided by their alpha, and only inserts "
-                        "constants", cli=True, keyword="reinit_weights")
+                        "constants", cli=True, keyword="reinit_weights",
+                        cli_help="keep the model's weights instead of re-initializing them: "
+                        "each is divided by its alpha (the function is unchanged) and only the "
+                        "constants are inserted (reinit_weights=False)")
     scheme: str = _opt("geometric", text, "initialization scheme (geometric, lsuv, gne, wn, "
                        "tat, dks); its name and scheme_options are checked by the scheme "
                        "registry (precondfx.core.scheme.get_scheme)", cli="NAME")
@@ -351,6 +356,11 @@ class Support:
     name: str
     rules: tuple[Rule, ...] = ()
 
+    def refuses(self, option: str, value: Any) -> bool:
+        """Whether this back end refuses ``value`` for ``option``."""
+        return any(r.option == option and r.value is REFUSE and r.applies(value)
+                   for r in self.rules)
+
     def overrides(self, opts: Options) -> list[Override]:
         return [Override(r.option, r.value, r.why) for r in self.rules
                 if r.applies(getattr(opts, r.option))]
@@ -427,20 +437,25 @@ def cli_fields() -> list[Any]:
 
 
 def cli_flags(add_argument: Callable[..., Any], only: Iterable[str] | None = None,
-              parse: Callable[[str, str], Any] = from_text) -> None:
+              parse: Callable[[str, str], Any] = from_text,
+              support: Support | None = None) -> None:
     """Add a flag per CLI option through ``add_argument`` (argparse's); each flag's dest is the
     public keyword name and its default is :data:`DEFAULTS`'s value.  ``parse(name, text)``
-    converts a value (raise ``argparse.ArgumentTypeError`` for a bad one)."""
+    converts a value (raise ``argparse.ArgumentTypeError`` for a bad one).  ``support``: the
+    only back end the command runs on; the choices it refuses are not offered."""
     for f in cli_fields():
         if only is not None and f.name not in only:
             continue
-        kw, default, help = keyword_of(f), f.default, f.metadata["help"]
+        kw, default = keyword_of(f), f.default
+        help = f.metadata.get("cli_help") or f.metadata["help"]
         if isinstance(default, bool):
             add_argument(f"--{'no-' if default else ''}{f.name.replace('_', '-')}", dest=kw,
                          action="store_false" if default else "store_true", default=default,
                          help=help)
             continue
         choices = getattr(f.metadata["check"], "choices", None)
+        if choices and support is not None:
+            choices = tuple(c for c in choices if not support.refuses(kw, c))
         meta = f.metadata["cli"]
         extra: dict[str, Any] = {"choices": choices} if choices else {
             "type": (lambda s, _n=f.name: parse(_n, s)),

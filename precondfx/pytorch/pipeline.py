@@ -403,12 +403,15 @@ STAGES = (
 
 
 def precondition(model: nn.Module, sample: Any, resolved: Any, *, inplace: bool,
-                 verbose: bool, forward_kwargs: dict) -> tuple[nn.Module, Report]:
-    """Run :data:`STAGES` over resolved options; the rewritten model and its report."""
-    st = driver.run(STAGES, TorchState(resolved, verbose=verbose, model=model,
-                                       raw_sample=sample, forward_kwargs=forward_kwargs,
-                                       inplace=inplace))
-    st.say("done")
+                 verbose: bool, forward_kwargs: dict, started: float | None = None
+                 ) -> tuple[nn.Module, Report]:
+    """Run :data:`STAGES` over resolved options; the rewritten model and its report
+    (``started``: when the public call began, for the report's time)."""
+    with driver.verbose_logging(verbose):
+        st = driver.run(STAGES, TorchState(resolved, verbose=verbose, model=model,
+                                           raw_sample=sample, forward_kwargs=forward_kwargs,
+                                           inplace=inplace, started=started))
+        st.say("done")
     return st.result, st.report
 
 
