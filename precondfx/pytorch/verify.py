@@ -106,8 +106,6 @@ def verify_result(result: nn.Module, sample: Sample, *, output_key: Any = None,
     calibrated).  A forward that draws random numbers is measured as calibration measured
     it (root mean square over ``draws`` seeded draws) and the note says so.  Returns the
     report's ``verification`` section."""
-    import math
-
     import torch
 
     from precondfx.pytorch import calibrate as cal
