@@ -135,8 +135,8 @@ def run(stages: Sequence[Stage], st: State) -> State:
 
 def _run(stages: Sequence[Stage], st: State) -> State:
     last = None
-    if st.started is not None:
-        st.times["start-up"] = time.perf_counter() - st.started
+    # before the first stage (kept last in the timings, after the stages in their order)
+    startup = None if st.started is None else time.perf_counter() - st.started
     try:
         for stage in stages:
             if stage.when is not None and not stage.when(st):
@@ -157,6 +157,8 @@ def _run(stages: Sequence[Stage], st: State) -> State:
         for undo in reversed(st.undo):
             undo()
         raise
+    if startup is not None:
+        st.times["start-up"] = startup
     if st.report is not None:
         st.report.stage_seconds = {**st.times, "total": sum(st.times.values())}
     return st
