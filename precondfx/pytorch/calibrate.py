@@ -210,17 +210,25 @@ def seeded(seed: int) -> Iterator[Draws]:
 
 def _seed_all(seed: int) -> tuple:
     """Seed torch's, Python's and numpy's global generators; their states after seeding."""
-    torch.manual_seed(seed)
+    # not torch.manual_seed: with CUDA not yet initialized it queues a seeding of the CUDA
+    # generators for later, which :func:`preserved` could not undo
+    torch.default_generator.manual_seed(seed)
+    cuda = torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.manual_seed_all(seed)
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
-    return torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    return (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None,
+            random.getstate(), np.random.get_state()[1].copy())
 
 
 def _drew(states: tuple) -> bool:
     """Whether a generator moved since ``states`` (:func:`_seed_all`)."""
-    t, p, n = states
-    return not (torch.equal(torch.get_rng_state(), t) and random.getstate() == p
-                and np.array_equal(np.random.get_state()[1], n))
+    t, c, p, n = states
+    cuda_moved = c is not None and any(
+        not torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), c))
+    return cuda_moved or not (torch.equal(torch.get_rng_state(), t) and random.getstate() == p
+                              and np.array_equal(np.random.get_state()[1], n))
 
 
 def _call(model: nn.Module, sample: Sample) -> object:
