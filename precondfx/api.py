@@ -8,6 +8,7 @@ model is never mutated unless ``inplace=True``; if any stage fails, nothing is l
 """
 from __future__ import annotations
 
+import time
 from typing import Any, NamedTuple
 
 from torch import nn
@@ -16,7 +17,8 @@ from precondfx.pytorch import distributed, pipeline
 from precondfx.pytorch.capture import meta
 from precondfx.pytorch.checks import guarded
 from precondfx.core.options import DEFAULTS as D
-from precondfx.core.options import REFUSE, Options, Resolved, Rule, Support, flag
+from precondfx.core.options import (REFUSE, Options, Resolved, Rule, Support, flag,
+                                    option_names, split_keywords)
 from precondfx.core.report import Report
 import precondfx.schemes  # noqa: F401 (registers the schemes)
 from precondfx.core.scheme import Scheme, resolve_options
@@ -94,11 +96,10 @@ def analyze(model: nn.Module, sample: Any, *, forward_kwargs: dict | None = None
     """Capture, classify and plan without changing anything; the report says what
     ``precondition`` would do with the same options (keyword arguments that are not options
     go to the model's forward, as in ``precondition``)."""
-    from dataclasses import fields
-
-    from precondfx.core.options import keyword_of
-    names = {keyword_of(f) for f in fields(Options)}
-    fwd = {**(forward_kwargs or {}), **{k: v for k, v in options.items() if k not in names}}
+    from precondfx.core.options import option_names, split_keywords
+    names = set(option_names())
+    fwd = split_keywords(model, {k: v for k, v in options.items() if k not in names},
+                         forward_kwargs, names, "analyze")
     user = Options.from_keywords(**{k: v for k, v in options.items() if k in names})
     return pipeline.analyze(model, sample, resolve_torch(user, model), fwd)
 
@@ -121,10 +122,13 @@ def precondition(model: nn.Module, sample: Any, *, init: str = D.init,
     """Rewrite ``model`` so that it starts well conditioned; returns ``(model, report)``.
 
     ``sample`` is what the model is called with (a tensor, a tuple of positional inputs or a
-    dict of keyword inputs) and doubles as the calibration batch.  Extra keyword arguments go to
-    the model's forward (e.g. ``use_cache=False``).  Every option is defined (default, allowed
+    dict of keyword inputs) and doubles as the calibration batch.  Keyword arguments for the
+    model's forward go in ``forward_kwargs={...}``; an extra keyword that names a parameter of
+    the forward goes there too (e.g. ``use_cache=False``), any other is refused with the option
+    it resembles (``balnce`` -> ``balance``).  Every option is defined (default, allowed
     values, meaning) in ``precondfx.core.options.Options``; see also docs/reference/options.md.
     """
+    started = time.perf_counter()
     user = Options(init=init, maxpool=maxpool, balance=balance,
                    balance_threshold=balance_threshold, residual=residual,
                    residual_scale=residual_scale, target_std=target_std,
@@ -135,8 +139,10 @@ def precondition(model: nn.Module, sample: Any, *, init: str = D.init,
                    capture=capture)
     flag("inplace", inplace)
     flag("verbose", verbose)
+    fwd = split_keywords(model, more_forward_kwargs, forward_kwargs, option_names() +
+                         ["inplace", "verbose", "forward_kwargs"])
     r = resolve_torch(user, model)
     return Result(*pipeline.precondition(
-        model, sample, r, inplace=inplace, verbose=verbose,
-        forward_kwargs={**(forward_kwargs or {}), **more_forward_kwargs}))
+        model, sample, r, inplace=inplace, verbose=verbose, forward_kwargs=fwd,
+        started=started))
 

@@ -154,11 +154,20 @@ def _option_value(name: str, s: str) -> Any:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _plan_options(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
-    """The pass options, built from their one definition (``precondfx.core.options.Options``)."""
+def _plan_options(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None,
+                  onnx_only: bool = False) -> None:
+    """The pass options, built from their one definition (``precondfx.core.options.Options``);
+    ``onnx_only``: a command that reads only ONNX files offers only the values the ONNX back
+    end accepts (no ``--balance hessian``)."""
     from precondfx.core.options import cli_flags
+    support = None
+    if onnx_only:
+        try:
+            from precondfx.onnx.pipeline import ONNX as support
+        except ImportError:    # without the onnx extra, the command says so when it runs
+            support = None
     g = p.add_argument_group("preconditioning options (as precondfx.precondition)")
-    cli_flags(g.add_argument, only, _option_value)
+    cli_flags(g.add_argument, only, _option_value, support)
 
 
 def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -214,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--batch", type=_positive, default=None, metavar="N",
                    help="size of a symbolic leading dim (default 1)")
     i.add_argument("--quiet", action="store_true")
-    _plan_options(i)
+    _plan_options(i, onnx_only=True)
     i.set_defaults(func=cmd_inspect)
 
     c = sub.add_parser("precondition", allow_abbrev=False,
@@ -281,6 +290,23 @@ def _check_report_path(path: str | None, model: str, output: str | None = None) 
                 else "the input model or one of its data files"
             raise UsageError(f"--report {path}: that is {what} ({p}); give the report its own "
                              f"name (report.json)")
+    _check_writable(path, "--report")
+
+
+def _check_writable(path: str, flag: str) -> None:
+    """Refuse a file that cannot be written (a read-only folder or file system), before any
+    work: a trial write (permission bits do not tell, e.g. for root or a read-only mount); a
+    file that did not exist is removed again, an existing one is opened for appending and
+    left as it was."""
+    existed = os.path.exists(path)
+    try:
+        with open(path, "ab" if existed else "xb"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror or e}); give a file "
+                         f"in a writable folder") from None
+    if not existed:
+        os.remove(path)
 
 
 def _check_plot_available(path: str | None, onnx_model: bool) -> None:

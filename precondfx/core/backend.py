@@ -152,6 +152,12 @@ class Backend(Protocol):
     def output_std(self, sample: Any, mode: str, key: Any = None) -> float:
         """Std of the main output on the sample (``key``: the ``output_key`` option)."""
 
+    def seeded_output_std(self, sample: Any, mode: str, key: Any, seed: int
+                          ) -> tuple[float, bool]:
+        """:meth:`output_std` with the model's random ops (inline stochastic depth, noise)
+        drawn from generators seeded with ``seed``, the user's random state left as it was;
+        and whether the forward drew random numbers (then its std varies from draw to draw)."""
+
     def set_constant(self, name: str, value: float) -> None:
         """Set the value of a constant placed by ``scale``/``input_scale``/``output_scale``."""
 

@@ -16,12 +16,14 @@ the back end only through ``precondfx.core.backend.Backend``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from precondfx.core import calibration as cal
 from precondfx.core.backend import Backend
@@ -63,8 +65,12 @@ class State:
     measured: Measured = field(default_factory=Measured)   # what the stages set after apply
     no_data: str = ""                # why the model cannot run on data (the meta device), or ""
     times: dict[str, float] = field(default_factory=dict)
+    random_draws: int = 0            # >0: the forward is random, measured over this many draws
     undo: list[Callable[[], None]] = field(default_factory=list)
     t0: float = field(default_factory=time.perf_counter)
+    #: when the public call began (``time.perf_counter``): the report's time then includes the
+    #: start-up before the first stage (checking and resolving the options, first imports)
+    started: float | None = None
 
     @property
     def data(self) -> bool:
@@ -80,10 +86,9 @@ class State:
         return self.resolved.scheme
 
     def say(self, msg: str) -> None:
-        """A progress line: the ``precondfx`` logger, and stdout with ``verbose``."""
-        log.info(msg)
-        if self.verbose:
-            print(f"[precondfx {time.perf_counter() - self.t0:6.2f}s] {msg}", flush=True)
+        """A progress line on the ``precondfx`` logger (INFO); ``verbose=True`` makes it
+        reach stderr once (:func:`verbose_logging`)."""
+        log.info("[%.2fs] %s", time.perf_counter() - (self.started or self.t0), msg)
 
 
 @dataclass(frozen=True)
@@ -104,11 +109,41 @@ def _check(st: State, stage: Stage, names: tuple[str, ...], what: str) -> None:
         raise AssertionError(f"stage {stage.name!r} {what} {missing} (a precondfx bug)")
 
 
+@contextlib.contextmanager
+def verbose_logging(verbose: bool) -> Iterator[None]:
+    """With ``verbose``, the ``precondfx`` logger's INFO lines reach stderr exactly once: when
+    logging already emits them (a handler and INFO enabled, e.g. ``logging.basicConfig(
+    level=logging.INFO)``) nothing is added; otherwise a stderr handler is added for the call
+    (and propagation to the root's handlers paused, which would print them a second time)."""
+    if not verbose or (log.isEnabledFor(logging.INFO) and log.hasHandlers()):
+        yield
+        return
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(logging.Formatter("[precondfx] %(message)s"))
+    level, propagate = log.level, log.propagate
+    log.addHandler(h)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(h)
+        log.setLevel(level)
+        log.propagate = propagate
+
+
 def run(stages: Sequence[Stage], st: State, until: str | None = None) -> State:
     """Run ``stages`` in order over ``st``: timings, progress, contracts, rollback.  With
     ``until``, stop after the stage of that name (``analyze`` and ``inspect`` run the stage
     list up to ``"plan"``)."""
+    with verbose_logging(st.verbose):
+        return _run(stages, st, until)
+
+
+def _run(stages: Sequence[Stage], st: State, until: str | None) -> State:
     last = None
+    # before the first stage (kept last in the timings, after the stages in their order)
+    startup = None if st.started is None else time.perf_counter() - st.started
     try:
         for stage in stages:
             if stage.when is not None and not stage.when(st):
@@ -131,6 +166,8 @@ def run(stages: Sequence[Stage], st: State, until: str | None = None) -> State:
         for undo in reversed(st.undo):
             undo()
         raise
+    if startup is not None:
+        st.times["start-up"] = startup
     if st.report is not None:
         st.report.stage_seconds = {**st.times, "total": sum(st.times.values())}
     return st
@@ -226,27 +263,53 @@ def calibrates(st: State) -> bool:
     return st.opts.target_std is not None and st.out_const is not None
 
 
+#: draws a random forward's output std is averaged over (``calibrate``)
+RANDOM_DRAWS = 8
+
+
+def output_std(st: State) -> tuple[float, list[float]]:
+    """The main output's std on the sample, random ops seeded from ``seed``.  A forward that
+    draws random numbers (inline stochastic depth, noise) is measured over
+    :data:`RANDOM_DRAWS` seeded draws: the root mean square of their stds, and each draw's
+    (an empty list for a deterministic forward)."""
+    be, opts = st.backend, st.opts
+    std, random = be.seeded_output_std(st.sample, opts.calibration, opts.output_key, opts.seed)
+    if not random:
+        return std, []
+    stds = [std]
+    for i in range(1, RANDOM_DRAWS):
+        stds.append(be.seeded_output_std(st.sample, opts.calibration, opts.output_key,
+                                         (opts.seed + i) % (2 ** 63))[0])
+    return math.sqrt(sum(x * x for x in stds) / len(stds)), stds
+
+
 def calibrate(st: State) -> None:
-    """The output scale: the main output's std on the sample brought to ``target_std``.  The
-    back end measures the std (over every rank's batch on a sharded model); a model that
-    cannot run on data (``st.no_data``: the meta device) keeps the scale 1, with why."""
+    """The output scale: the main output's std on the sample brought to ``target_std`` (for a
+    random forward, its root-mean-square std over seeded draws, :func:`output_std`).  The back
+    end measures the std (over every rank's batch on a sharded model); a model that cannot run
+    on data (``st.no_data``: the meta device) keeps the scale 1, with why."""
     be, opts, rep = st.backend, st.opts, st.report
     if not st.data:
         rep.skipped.append(("output scale", st.no_data))
         return
-    std = be.output_std(st.sample, opts.calibration, opts.output_key)
+    std, draws = output_std(st)
     scale = cal.solve_output_scale(std, opts.target_std)
     warn = cal.scale_warning(std, scale)
     if warn:
         warnings.warn(f"precondfx: {warn}", RuntimeWarning, stacklevel=2)
         rep.skipped.append(("warning: output scale", warn))
     be.set_constant(st.out_const, scale)
-    after = be.output_std(st.sample, opts.calibration, opts.output_key) \
-        if be.rerun_after_scale else std * scale
+    after = output_std(st)[0] if be.rerun_after_scale else std * scale
     rep.output_std_before, rep.output_std_after = std, after
     rep.target_std, rep.output_scale = opts.target_std, scale
-    st.measured.add("calibrate", "scale", OUTPUT, scale,
-                    reason=f"output std {std:.4g} -> {opts.target_std}")
+    why = f"output std {std:.4g} -> {opts.target_std}"
+    if draws:
+        st.random_draws = len(draws)
+        why += (f" (the forward draws random numbers: root mean square over {len(draws)} "
+                f"draws seeded from seed={opts.seed}, per draw {min(draws):.4g}.."
+                f"{max(draws):.4g})")
+        rep.skipped.append(("note: random forward", why))
+    st.measured.add("calibrate", "scale", OUTPUT, scale, reason=why)
 
 
 def record(st: State) -> None:

@@ -15,6 +15,8 @@ default changed in this file changes everywhere.
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 import numbers
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -133,13 +135,15 @@ def mapping(name: str, v: Any) -> dict:
 
 
 def _opt(default: Any, check: Check, help: str, *, cli: bool | str = False, plan: bool = True,
-         keyword: str | None = None) -> Any:
+         keyword: str | None = None, cli_help: str | None = None) -> Any:
     """A field of :class:`Options`: ``plan`` (it shapes the plan and is stored in
     ``plan.options``), ``cli`` (the command line has a flag for it; a string is the flag's
     metavar), ``keyword`` (the public
-    keyword argument, when it differs from the field name)."""
+    keyword argument, when it differs from the field name), ``cli_help`` (the flag's help when
+    it must read differently, e.g. a ``--no-...`` flag says what turning it off does)."""
     return field(default=default, metadata={"check": check, "help": help, "cli": cli,
-                                            "plan": plan, "keyword": keyword})
+                                            "plan": plan, "keyword": keyword,
+                                            "cli_help": cli_help})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +193,10 @@ class Options:
     seed: int = _opt(0, integer(0, SEED_MAX), "seed of the re-initialization", cli="N")
     reinit: bool = _opt(True, flag, "re-initialize the weights; reinit_weights=False "
                         "(--no-reinit) keeps them, divided by their alpha, and only inserts "
-                        "constants", cli=True, keyword="reinit_weights")
+                        "constants", cli=True, keyword="reinit_weights",
+                        cli_help="keep the model's weights instead of re-initializing them: "
+                        "each is divided by its alpha (the function is unchanged) and only the "
+                        "constants are inserted (reinit_weights=False)")
     scheme: str = _opt("geometric", text, "initialization scheme (geometric, lsuv, gne, wn, "
                        "tat, dks); its name and scheme_options are checked by the scheme "
                        "registry (precondfx.core.scheme.get_scheme)", cli="NAME")
@@ -219,7 +226,8 @@ class Options:
         names = {keyword_of(f): f.name for f in fields(cls)}
         bad = sorted(k for k in kwargs if k not in names)
         if bad:
-            raise PrecondError(f"unknown option(s) {bad}: the options are {sorted(names)}")
+            hints = "; ".join(f"{k!r}{did_you_mean(k, names)}" for k in bad)
+            raise PrecondError(f"unknown option(s) {hints}: the options are {sorted(names)}")
         return cls(**{names[k]: v for k, v in kwargs.items()})
 
     def validate(self) -> None:
@@ -235,6 +243,64 @@ class Options:
 
 def keyword_of(f: Any) -> str:
     return f.metadata["keyword"] or f.name
+
+
+def option_names() -> list[str]:
+    """The public keyword names of the options."""
+    return [keyword_of(f) for f in fields(Options)]
+
+
+def did_you_mean(word: str, names: Iterable[str], cutoff: float = 0.75) -> str:
+    """' (did you mean 'balance'?)' for the name closest to ``word`` (difflib), '' when none
+    is close."""
+    close = difflib.get_close_matches(word, list(names), n=1, cutoff=cutoff)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _forward_parameters(model: Any) -> tuple[set[str], bool, str]:
+    """The keyword names the model's forward takes, whether it takes ``**kwargs``, and how to
+    call it in a message (``Net.forward(x, mask=None)``).  A forward without a readable
+    signature takes anything."""
+    fwd = getattr(model, "forward", None)
+    what = f"{type(model).__name__}.forward"
+    try:
+        sig = inspect.signature(fwd)
+    except (TypeError, ValueError):
+        return set(), True, what
+    names = {n for n, p in sig.parameters.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    var = any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
+    return names, var, f"{what}{sig}"
+
+
+def split_keywords(model: Any, keywords: Mapping[str, Any], forward_kwargs: Any,
+                   options: Iterable[str], entry: str = "precondition"
+                   ) -> dict[str, Any]:
+    """The forward keywords of a public call: ``forward_kwargs`` (a dict, given explicitly,
+    passed as they are) and the extra ``keywords`` that name a parameter of the model's
+    forward.  An extra keyword that is not a parameter of the forward, or that is close to an
+    option's name (``balnce``, ``targetstd``) when the forward only takes ``**kwargs``, is a
+    PrecondError saying which option was meant; a forward keyword spelled like an option goes
+    in ``forward_kwargs={...}``."""
+    explicit = mapping("forward_kwargs", forward_kwargs)
+    names, var, sig = _forward_parameters(getattr(model, "_orig_mod", model))
+    opts = list(options)
+    out = dict(explicit)
+    for k, v in keywords.items():
+        hint = did_you_mean(k, opts)
+        if k in names or (var and not hint):
+            out[k] = v
+            continue
+        if hint:
+            raise PrecondError(
+                f"{entry}() got an unknown option {k!r}{hint}: fix the option's name (the "
+                f"options are {sorted(opts)}); a keyword meant for the model's forward goes in "
+                f"forward_kwargs={{{k!r}: ...}}")
+        raise PrecondError(
+            f"{entry}() got an unknown keyword {k!r}: it is not an option (the options are "
+            f"{sorted(opts)}) and not a parameter of {sig}; fix its name, or give keywords "
+            f"for the model's forward in forward_kwargs={{...}}")
+    return out
 
 
 #: the defaults, for the signatures of the public functions (one place holds them)
@@ -289,6 +355,11 @@ class Support:
 
     name: str
     rules: tuple[Rule, ...] = ()
+
+    def refuses(self, option: str, value: Any) -> bool:
+        """Whether this back end refuses ``value`` for ``option``."""
+        return any(r.option == option and r.value is REFUSE and r.applies(value)
+                   for r in self.rules)
 
     def overrides(self, opts: Options) -> list[Override]:
         return [Override(r.option, r.value, r.why) for r in self.rules
@@ -366,20 +437,25 @@ def cli_fields() -> list[Any]:
 
 
 def cli_flags(add_argument: Callable[..., Any], only: Iterable[str] | None = None,
-              parse: Callable[[str, str], Any] = from_text) -> None:
+              parse: Callable[[str, str], Any] = from_text,
+              support: Support | None = None) -> None:
     """Add a flag per CLI option through ``add_argument`` (argparse's); each flag's dest is the
     public keyword name and its default is :data:`DEFAULTS`'s value.  ``parse(name, text)``
-    converts a value (raise ``argparse.ArgumentTypeError`` for a bad one)."""
+    converts a value (raise ``argparse.ArgumentTypeError`` for a bad one).  ``support``: the
+    only back end the command runs on; the choices it refuses are not offered."""
     for f in cli_fields():
         if only is not None and f.name not in only:
             continue
-        kw, default, help = keyword_of(f), f.default, f.metadata["help"]
+        kw, default = keyword_of(f), f.default
+        help = f.metadata.get("cli_help") or f.metadata["help"]
         if isinstance(default, bool):
             add_argument(f"--{'no-' if default else ''}{f.name.replace('_', '-')}", dest=kw,
                          action="store_false" if default else "store_true", default=default,
                          help=help)
             continue
         choices = getattr(f.metadata["check"], "choices", None)
+        if choices and support is not None:
+            choices = tuple(c for c in choices if not support.refuses(kw, c))
         meta = f.metadata["cli"]
         extra: dict[str, Any] = {"choices": choices} if choices else {
             "type": (lambda s, _n=f.name: parse(_n, s)),

@@ -408,6 +408,12 @@ def _plan_residuals(graph: Graph, plan: Plan, opts: Options) -> None:
                 d |= 1 << k
         return d & ~(1 << fork)
 
+    # what carries data: weighted layers, ops reading a parameter (a table indexed by ids) and
+    # the inputs that are not integer (ids, masks); a value with none of them upstream is
+    # computed from masks and constants alone
+    data = wmask | sum(1 << i for i, n in enumerate(nodes) if n.params or (
+        n.kind == "input" and not n.attrs.get("integer")))
+
     joins: list[tuple[Node, int, str, list[str], bool]] = []
     for n in graph:
         if n.kind not in ("add",) or len(n.inputs) < 2:
@@ -420,6 +426,12 @@ def _plan_residuals(graph: Graph, plan: Plan, opts: Options) -> None:
         if not common:
             n.reason = "merge of two activations with no common ancestor: not a residual " \
                        "join (breaks scaling, left as is)"
+            continue
+        masked = [x for x, c in ((a, ca), (b, cb)) if not c & data]
+        if masked:   # an additive attention mask, a position table: not a second path
+            n.reason = (f"adds {masked[0]}, computed from integer inputs (ids, masks) and "
+                        f"constants alone (an additive mask or position table): not a "
+                        f"residual join")
             continue
         f = common.bit_length() - 1                    # the latest common ancestor
         fork = nodes[f].name

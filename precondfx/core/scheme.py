@@ -128,7 +128,37 @@ def get_scheme(name: str, **kwargs: Any) -> Scheme:
             has = (f"its options are {known}" if known else
                    "it takes none (pass scheme_options=None)")
             raise PrecondError(f"scheme_options {bad} are not options of scheme={name!r}: {has}")
-    return cls(**kwargs)
+    for k, v in kwargs.items():
+        p = params.get(k)
+        if p is not None:
+            _check_type(name, k, v, p.default)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:    # a value the scheme cannot use
+        raise PrecondError(f"scheme_options of scheme={name!r}: {type(e).__name__}: {e}; "
+                           f"check the values' types against the scheme's options "
+                           f"{known}") from e
+
+
+def _check_type(scheme: str, key: str, v: Any, default: Any) -> None:
+    """A scheme option's value of the kind its default has (a number for a number, a bool for
+    a bool, a string for a string); options defaulting to None take anything."""
+    import numbers
+    if default is inspect.Parameter.empty or default is None or v is None:
+        return
+    if isinstance(default, bool):
+        ok, what = isinstance(v, bool), "True or False"
+    elif isinstance(default, numbers.Integral):
+        ok, what = isinstance(v, numbers.Integral) and not isinstance(v, bool), "an integer"
+    elif isinstance(default, numbers.Real):
+        ok, what = isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"
+    elif isinstance(default, str):
+        ok, what = isinstance(v, str), "a string"
+    else:
+        return
+    if not ok:
+        raise PrecondError(f"scheme_options[{key!r}]={v!r} of scheme={scheme!r} must be {what} "
+                           f"(its default is {default!r})")
 
 
 def resolve_options(user: Options, *supports: Support) -> Resolved:

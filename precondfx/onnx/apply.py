@@ -457,6 +457,12 @@ class OnnxApplier(Records):
         names = [o.name for o in sess.get_outputs()]
         return dict(zip(names, cal.run(sess, sample, names)))
 
+    def seeded_output_std(self, sample: Any, mode: str, key: Any, seed: int
+                          ) -> tuple[float, bool]:
+        """The output std; an ONNX graph's random ops (RandomNormal...) are not seeded here
+        and not detected (exported models rarely keep them: dropout exports as identity)."""
+        return self.output_std(sample, mode, key), False
+
     def output_std(self, sample: Any, mode: str, key: Any = None) -> float:
         """Std of the output the output constant scales (the main output)."""
         from precondfx.onnx import calibrate as cal

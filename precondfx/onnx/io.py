@@ -93,7 +93,8 @@ def check_external_data(model: ir.Model, path: str) -> None:
         t = v.const_value
         if not isinstance(t, ir.ExternalTensor):
             continue
-        f = os.path.join(t.base_dir or base, os.fspath(t.location))
+        check_inside(path, base, os.fspath(t.location), v.name)
+        f = os.path.join(base, os.fspath(t.location))
         if f not in sizes:
             sizes[f] = os.path.getsize(f) if os.path.isfile(f) else -1
         if sizes[f] < 0:
@@ -105,6 +106,48 @@ def check_external_data(model: ir.Model, path: str) -> None:
             raise PrecondError(f"{path}: the external data file {t.location!r} holds "
                                f"{sizes[f]} bytes, but tensor {v.name!r} needs bytes up to "
                                f"{end} (a truncated or partial copy?); copy the complete file")
+
+
+def check_inside(path: str, base: str, location: str, tensor: str) -> None:
+    """Refuse an external data ``location`` that leads outside the model's folder ``base``:
+    an absolute path, a ``..`` step above the folder, or a symbolic link inside the folder
+    whose target is outside.  Only the folder's own entries are looked at (``os.lstat`` and
+    ``os.readlink`` of the path's components inside it); nothing outside is opened or
+    statted, so no byte or size from outside the folder reaches an output or a message."""
+    def refuse(why: str) -> PrecondError:
+        return PrecondError(f"{path}: the external data of tensor {tensor!r} is at {location!r}, "
+                            f"{why}; precondfx reads external data only from the model's "
+                            f"folder: copy the data file next to the model and name it "
+                            f"relative to it")
+    if not location or os.path.isabs(location) or os.path.splitdrive(location)[0] \
+            or location.startswith(("/", "\\")):
+        raise refuse("an absolute path")
+    root = os.path.realpath(base)
+    parts = [p for p in location.replace("\\", "/").split("/") if p not in ("", ".")]
+    cur, hops = root, 0
+    while parts:
+        p = parts.pop(0)
+        if p == "..":
+            cur = os.path.dirname(cur)
+        else:
+            cur = os.path.join(cur, p)
+        if cur != root and not cur.startswith(root + os.sep):
+            raise refuse("outside the model's folder")
+        if p != ".." and os.path.islink(cur):       # lstat of an entry inside the folder
+            hops += 1
+            if hops > 40:
+                raise refuse("a loop of symbolic links")
+            target = os.readlink(cur)
+            if os.path.isabs(target):
+                t = os.path.normpath(target)
+                if t != root and not t.startswith(root + os.sep):
+                    raise refuse(f"a symbolic link to {target!r}, outside the model's folder")
+                cur, parts = root, [x for x in os.path.relpath(t, root).split(os.sep)
+                                    if x not in ("", ".")] + parts
+            else:
+                cur = os.path.dirname(cur)
+                parts = [x for x in target.replace("\\", "/").split("/")
+                         if x not in ("", ".")] + parts
 
 
 def _all_initializers(model: ir.Model) -> list[ir.Value]:

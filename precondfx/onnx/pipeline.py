@@ -13,6 +13,7 @@ by onnxruntime; then it is moved into place.  On any error the output path is le
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -315,12 +316,13 @@ def precondition_onnx(in_path: str, out_path: str, *,
     ``report.stage_seconds``; ``progress(stage, seconds)`` is called as each stage starts, and
     ``verbose`` prints the progress lines.
     """
+    started = time.perf_counter()
     r = _options(options)
     io.check_output_name(out_path)
     io.check_batch(batch)
     st = OnnxState(r, verbose=verbose, progress=progress, in_path=in_path, out_path=out_path,
                    given=dict(feeds or {}), calib=calib, calib_inputs=calib_inputs, dims=dims,
-                   batch=batch, external_data=external_data, check=verify)
+                   batch=batch, external_data=external_data, check=verify, started=started)
     return driver.run(PIPELINE, st).report
 
 

@@ -8,6 +8,7 @@ the run, so a calibration forward leaves no trace.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import random
 import weakref
@@ -182,24 +183,85 @@ def no_grad_for(model: nn.Module) -> contextlib.AbstractContextManager:
     return torch.enable_grad() if type(model) in _DIFFERENTIATES else torch.no_grad()
 
 
+class Draws:
+    """What :func:`seeded` saw: whether a forward under it drew random numbers."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.random = False
+
+
+_DRAWS: contextvars.ContextVar[Draws | None] = contextvars.ContextVar("precondfx_draws",
+                                                                      default=None)
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[Draws]:
+    """Forwards run by :func:`forward` inside draw their random numbers (stochastic depth,
+    noise, Python's ``random``) from generators seeded with ``seed``, whatever the global
+    random state; the user's generators are restored after each run (:func:`preserved`).  The
+    record says whether any of them drew."""
+    rec = Draws(int(seed))
+    token = _DRAWS.set(rec)
+    try:
+        yield rec
+    finally:
+        _DRAWS.reset(token)
+
+
+def _seed_all(seed: int) -> tuple:
+    """Seed torch's, Python's and numpy's global generators; their states after seeding."""
+    # not torch.manual_seed: with CUDA not yet initialized it queues a seeding of the CUDA
+    # generators for later, which :func:`preserved` could not undo
+    torch.default_generator.manual_seed(seed)
+    cuda = torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.manual_seed_all(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    return (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None,
+            random.getstate(), np.random.get_state()[1].copy())
+
+
+def _drew(states: tuple) -> bool:
+    """Whether a generator moved since ``states`` (:func:`_seed_all`)."""
+    t, c, p, n = states
+    cuda_moved = c is not None and any(
+        not torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), c))
+    return cuda_moved or not (torch.equal(torch.get_rng_state(), t) and random.getstate() == p
+                              and np.array_equal(np.random.get_state()[1], n))
+
+
+def _call(model: nn.Module, sample: Sample) -> object:
+    """``sample.call(model)`` with the global generators seeded from the enclosing
+    :func:`seeded` (seed 0 outside one); marks the record when the forward drew."""
+    rec = _DRAWS.get()
+    states = _seed_all(rec.seed if rec is not None else 0)
+    out = sample.call(model)
+    if rec is not None and _drew(states):
+        rec.random = True
+    return out
+
+
 def forward(model: nn.Module, sample: Sample, mode: str = "train") -> object:
     """One side-effect-free forward pass (no grad; with grad for a forward that calls
     ``torch.autograd.grad`` itself: found on its first run, whose failed attempt is undone,
     and remembered for its class so that later runs go once), with a clear error if the
-    model raises."""
+    model raises.  Random ops inside draw from generators seeded by :func:`seeded` (seed 0
+    outside it), and the user's global random state is left as it was."""
     with quiet_run(model, mode), torch.no_grad(), NoDropout():
         try:
             if type(model) not in _DIFFERENTIATES:
                 try:
                     with preserved(model):
-                        return sample.call(model)
+                        return _call(model, sample)
                 except RuntimeError as e:
                     if not needs_grad(e):
                         raise
                 _DIFFERENTIATES.add(type(model))
             with torch.enable_grad():
                 # outputs not detached: a caller may look for the modules that produced them
-                return sample.call(model)
+                return _call(model, sample)
         except (PrecondError, RecursionError):  # RecursionError: see checks.guarded
             raise
         except Exception as e:  # the user's model raised: say so, keep the cause

@@ -339,7 +339,8 @@ def verify(st: TorchState) -> None:
     """Run the finished model in both modes: finite outputs, the output std at its target."""
     st.report.verification = v = verify_result(
         st.result, st.sample, output_key=st.opts.output_key, mode=st.opts.calibration,
-        target_std=st.opts.target_std if st.out_const is not None else None)
+        target_std=st.opts.target_std if st.out_const is not None else None,
+        seed=st.opts.seed, draws=max(st.random_draws, driver.RANDOM_DRAWS))
     if v.get("relative_error", 0.0) > 1e-3:   # never silently off target
         why = (f"the output std is {v['std']:.4g} after calibration, not the target "
                f"{v['target_std']:g}: the output scale does not act on the main output as "
@@ -385,12 +386,15 @@ STAGES = (
 
 
 def precondition(model: nn.Module, sample: Any, resolved: Any, *, inplace: bool,
-                 verbose: bool, forward_kwargs: dict) -> tuple[nn.Module, Report]:
-    """Run :data:`STAGES` over resolved options; the rewritten model and its report."""
-    st = driver.run(STAGES, TorchState(resolved, verbose=verbose, model=model,
-                                       raw_sample=sample, forward_kwargs=forward_kwargs,
-                                       inplace=inplace))
-    st.say("done")
+                 verbose: bool, forward_kwargs: dict, started: float | None = None
+                 ) -> tuple[nn.Module, Report]:
+    """Run :data:`STAGES` over resolved options; the rewritten model and its report
+    (``started``: when the public call began, for the report's time)."""
+    with driver.verbose_logging(verbose):
+        st = driver.run(STAGES, TorchState(resolved, verbose=verbose, model=model,
+                                           raw_sample=sample, forward_kwargs=forward_kwargs,
+                                           inplace=inplace, started=started))
+        st.say("done")
     return st.result, st.report
 
 

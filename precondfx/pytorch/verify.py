@@ -97,21 +97,26 @@ def _comparable(original: nn.Module, sample: Sample) -> nn.Module:
 
 
 def verify_result(result: nn.Module, sample: Sample, *, output_key: Any = None,
-                  mode: str = "train", target_std: float | None = None) -> dict[str, Any]:
+                  mode: str = "train", target_std: float | None = None, seed: int = 0,
+                  draws: int = 8) -> dict[str, Any]:
     """Run the finished model on the sample in the calibration mode and in the other one
-    (dropout off, buffers restored): every floating-point output finite, and the main output's
-    std against the target, measured after every step that changed a constant (measured
-    balancing and LSUV must leave the function as calibrated).  Returns the report's
-    ``verification`` section."""
+    (dropout off, buffers restored, random ops seeded from ``seed``): every floating-point
+    output finite, and the main output's std against the target, measured after every step
+    that changed a constant (measured balancing and LSUV must leave the function as
+    calibrated).  A forward that draws random numbers is measured as calibration measured
+    it (root mean square over ``draws`` seeded draws) and the note says so.  Returns the
+    report's ``verification`` section."""
     import torch
 
     from precondfx.pytorch import calibrate as cal
     from precondfx.pytorch.capture.common import leaves
     res: dict[str, Any] = {"mode": mode}
     ran = []
+    per_draw: list[float] = []
     for m in (mode, "eval" if mode == "train" else "train"):
         try:
-            out = cal.forward(result, sample, m)
+            with cal.seeded(seed) as rec:
+                out = cal.forward(result, sample, m)
         except PrecondError as e:      # e.g. BatchNorm on a batch of one, in train mode
             if m == mode:
                 raise
@@ -127,6 +132,14 @@ def verify_result(result: nn.Module, sample: Sample, *, output_key: Any = None,
                 res["std"] = cal.output_std(out, output_key)
             except PrecondError:
                 pass
+            if rec.random and "std" in res:
+                per_draw = [res["std"]]
+                for i in range(1, draws):
+                    with cal.seeded((seed + i) % (2 ** 63)):
+                        per_draw.append(cal.output_std(cal.forward(result, sample, m),
+                                                       output_key))
+                res["std"] = math.sqrt(sum(x * x for x in per_draw) / len(per_draw))
+                res["random_draws"] = per_draw
     res["finite"] = "not_finite" not in res
     std = res.get("std")
     if std is not None and target_std is not None:
@@ -134,6 +147,10 @@ def verify_result(result: nn.Module, sample: Sample, *, output_key: Any = None,
         res["relative_error"] = abs(std / target_std - 1.0)
     where = f", output std {std:.4g}" + (f" (target {target_std:g})" if target_std else "") \
         if std is not None else ""
+    if per_draw:
+        where += (f", as the root mean square over {len(per_draw)} draws of its random ops "
+                  f"seeded from seed={seed} (the forward draws random numbers: one batch's std "
+                  f"ranges {min(per_draw):.4g}..{max(per_draw):.4g} from draw to draw)")
     fin = "outputs finite" if res["finite"] else \
         f"NaN/inf in outputs {res['not_finite']} (the original model's too? check it)"
     res["note"] = (f"verified: the rewritten model ran on the sample in {' and '.join(ran)} "

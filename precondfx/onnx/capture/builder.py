@@ -16,7 +16,7 @@ from precondfx.onnx.capture.ops import _Call, annotate, call_of
 from precondfx.onnx.capture.postpass import _matmul_biases, _packed_projections
 from precondfx.onnx.capture.scopes import _Modules
 from precondfx.onnx.capture.values import Values
-from precondfx.onnx.io import real_inputs
+from precondfx.onnx.io import FLOAT_TYPES, real_inputs
 from precondfx.onnx.normalize import NormalizeInfo
 
 
@@ -61,7 +61,9 @@ class _Builder:
             name = spec_in.name if spec_in.name not in self.taken else f"input:{spec_in.name}"
             self.taken.add(name)
             self.nodes.append(Node(name, "input", f"input {spec_in.name}",
-                                   out_shape=vals.shape_of(v)))
+                                   out_shape=vals.shape_of(v),
+                                   attrs={} if v.dtype is None or v.dtype in FLOAT_TYPES
+                                   else {"integer": True}))
             self.input_nodes[name] = v
             vals.producer[id(v)] = name
             vals.data.add(id(v))

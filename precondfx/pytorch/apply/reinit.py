@@ -35,8 +35,11 @@ def moment_matched(t: torch.Tensor, std: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reinit(model: nn.Module, plan: Plan, seed: int, rng: str = "stream") -> list[str]:
-    """Apply the plan's parameter inits to ``model``; returns the names changed.
+def reinit(model: nn.Module, plan: Plan, seed: int | None = None, rng: str = "stream"
+           ) -> list[str]:
+    """Apply the plan's parameter inits to ``model``; returns the names changed (``seed``:
+    the plan's own, ``plan.options['seed']``, when None).  A plan made for a model of another
+    shape is refused (``check_shapes``).
 
     Sharded models (DTensor parameters, FSDP2 ``fully_shard``) get the same full tensors, each
     rank writing its shard; ``rng="counter"`` draws each shard alone (see
@@ -44,8 +47,11 @@ def reinit(model: nn.Module, plan: Plan, seed: int, rng: str = "stream") -> list
     their buffers (a no-op unless the model went through ``to_empty``)."""
     if rng not in shards.RNGS:
         raise PrecondError(f"rng={rng!r} is not one of {shards.RNGS}")
+    if seed is None:
+        seed = int(plan.options.get("seed", 0))
     sharded = shards.is_sharded(model)
     named = dict(model.named_parameters(remove_duplicate=False))
+    check_shapes(named, plan)
     if not sharded and all(p.device.type == "meta" for p in model.parameters()):
         # Shapes only: nothing to write (drawing a 7B model's tensors to discard them took
         # minutes); the draw happens when reinit runs again after model.to_empty(...).
@@ -86,6 +92,21 @@ def reinit(model: nn.Module, plan: Plan, seed: int, rng: str = "stream") -> list
         changed.append(name)
     shards.restore_constants(model)
     return changed
+
+
+def check_shapes(named: dict[str, torch.Tensor], plan: Plan) -> None:
+    """Refuse a plan made for another model: the first parameter whose shape differs from the
+    one the plan recorded (a plan of another width would write that width's inits)."""
+    for name, pi in plan.inits.items():
+        p = named.get(name)
+        if p is None or not pi.shape and p.dim() > 0:   # no shape recorded: nothing to check
+            continue
+        if tuple(pi.shape) != tuple(p.shape):
+            raise PrecondError(
+                f"the plan was made for another model: it records {name} with shape "
+                f"{tuple(pi.shape)}, but this model's {name} has shape {tuple(p.shape)}; "
+                f"re-initialize with the plan of this model (precondfx.precondition or "
+                f"analyze on it: report.plan)")
 
 
 def retie(model: nn.Module, plan: Plan, sharded: bool) -> dict[str, list[str]]:

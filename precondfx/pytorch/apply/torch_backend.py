@@ -38,6 +38,13 @@ class TorchBackend:
             return cal.global_std(cal.main_output(out, key))
         return cal.output_std(out, key)
 
+    def seeded_output_std(self, sample: Any, mode: str, key: Any, seed: int
+                          ) -> tuple[float, bool]:
+        from precondfx.pytorch import calibrate as cal
+        with cal.seeded(seed) as rec:
+            std = self.output_std(sample, mode, key)
+        return std, rec.random
+
     def probe_sample(self, sample: Any, names: list[str], mode: str) -> dict[str, Any]:
         """``probe`` on one quiet, gradient-free run of the sample (dropout off, BatchNorm
         statistics restored)."""

@@ -277,8 +277,10 @@ def as_sample(sample: Any, forward_kwargs: Mapping | None = None) -> Sample:
 def make_sample(sample: Any, forward_kwargs: Mapping | None = None) -> Sample:
     """Normalize a user sample: a tensor, a PackedSequence or a namedtuple is one positional
     input; a plain tuple or list holds the positional inputs (wrap a single list or dict input
-    in a tuple: ``(batch,)``); a dict holds keyword inputs."""
-    extra = dict(forward_kwargs or {})
+    in a tuple: ``(batch,)``); a dict holds keyword inputs.  ``forward_kwargs`` must be a dict
+    with string keys (PrecondError otherwise)."""
+    from precondfx.core.options import mapping
+    extra = mapping("forward_kwargs", forward_kwargs)
     if isinstance(sample, Sample):
         return Sample(sample.args, {**sample.kwargs, **extra}, sample.batched, sample.batch_dim)
     if isinstance(sample, torch.Tensor) or _is_packed(sample) or (
@@ -400,6 +402,17 @@ def target_name(fn: Any) -> str:
     if mod.startswith("torch._ops") or type(fn).__name__ == "OpOverload":
         return f"aten.{fn.__name__}" if not str(fn).startswith("aten") else str(fn)
     return f"{mod}.{qn}" if mod else qn
+
+
+def input_attrs(v: Any) -> dict[str, Any]:
+    """Facts about a model input for the planner: ``integer`` for an input that holds ids,
+    masks or flags rather than data (an integer or bool tensor: token ids, an attention mask).
+    Tensors computed from such inputs and constants alone are masks and position tables, not
+    activations (``plan._plan_residuals``)."""
+    dt = getattr(v, "dtype", None)
+    if isinstance(dt, torch.dtype) and not (dt.is_floating_point or dt.is_complex):
+        return {"integer": True}
+    return {}
 
 
 def shape_of(v: Any) -> tuple[int, ...] | None:

@@ -15,8 +15,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from precondfx.pytorch import ops
-from precondfx.pytorch.capture.common import (Act, Const, Param, Sample, build_node, leaves,
-                                      shape_of, target_name)
+from precondfx.pytorch.capture.common import (Act, Const, Param, Sample, build_node,
+                                      input_attrs, leaves, shape_of, target_name)
 from precondfx.core.graph import Graph, Node
 
 _SKIP_NAMES = {"__get__", "__set__", "dim", "size", "numel", "is_floating_point", "__len__",
@@ -77,7 +77,8 @@ class _Recorder(TorchFunctionMode):
     def _input(self, t: Any, name: str) -> None:
         if isinstance(t, torch.Tensor):
             nm = self._name(name)
-            self.nodes.append(Node(nm, "input", f"input {name}", out_shape=shape_of(t)))
+            self.nodes.append(Node(nm, "input", f"input {name}", out_shape=shape_of(t),
+                                   attrs=input_attrs(t)))
             self.producer[id(t)] = nm
             self.keep.append(t)
         elif isinstance(t, (list, tuple)):

@@ -15,7 +15,8 @@ import torch.fx as fx
 
 from precondfx.core import optable
 from precondfx.pytorch import ops
-from precondfx.pytorch.capture.common import Act, Const, Param, Sample, build_node, shape_of
+from precondfx.pytorch.capture.common import (Act, Const, Param, Sample, build_node,
+                                              input_attrs, shape_of)
 from precondfx.core.graph import Graph, Node
 
 
@@ -94,7 +95,8 @@ def to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, method: s
         if n.op == "placeholder":
             if n.name in pmap or n.name not in user_inputs:
                 continue
-            nodes.append(Node(n.name, "input", f"input {n.name}", out_shape=_out_shape(n)))
+            nodes.append(Node(n.name, "input", f"input {n.name}", out_shape=_out_shape(n),
+                              attrs=input_attrs(n.meta.get("val"))))
         elif n.op == "output":
             outputs = _output_sources(n, marker)
             nodes.append(Node(n.name, "output", "output", inputs=outputs))

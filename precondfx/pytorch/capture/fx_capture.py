@@ -31,7 +31,8 @@ from torch.utils._pytree import tree_leaves
 from precondfx.pytorch import ops
 from precondfx.pytorch.calibrate import is_stochastic
 from precondfx.pytorch.capture.common import (Act, Const, Param, Sample, build_node,
-                                      is_dataclass_output, leaves, shape_of, target_name)
+                                              input_attrs, is_dataclass_output, leaves,
+                                              shape_of, target_name)
 from precondfx.core.graph import Graph, Node
 
 
@@ -481,7 +482,8 @@ def to_graph(gm: fx.GraphModule) -> Graph:
         args = [_marker(a, gm) for a in n.args]
         kwargs = {k: _marker(v, gm) for k, v in n.kwargs.items()}
         if n.op == "placeholder":
-            nodes.append(Node(n.name, "input", f"input {n.target}", out_shape=out_shape))
+            nodes.append(Node(n.name, "input", f"input {n.target}", out_shape=out_shape,
+                              attrs=input_attrs(meta)))
         elif n.op == "get_attr":
             continue  # parameters appear as Param operands of their users
         elif n.op == "output":
