@@ -175,6 +175,8 @@ def reattach(model: nn.Module) -> nn.Module:
         mod.register_buffer(name, scalar_buffer(value, like))
         if name == PREFIX + "in_scale":
             mod.register_forward_pre_hook(ea._scale_input_hook, with_kwargs=True)
+        elif name == PREFIX + "beta_scale":
+            mod.register_forward_pre_hook(ea._beta_input_hook, with_kwargs=True)
         elif name == PREFIX + "out_scale":
             mod.register_forward_hook(ea._scale_output_hook)
         elif name == PREFIX + "output_scale" and path:
