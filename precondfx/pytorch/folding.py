@@ -246,14 +246,15 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
                     kind(prod[1]) is not None:
                 sc.add(sc.out, prod[0], prod[1], v)
                 continue
-            users = [module_at(u) if u.args and u.args[0] is mul else None for u in mul.users]
+            last = _past_constants(mul)     # alpha then beta on one input: two muls
+            users = [module_at(u) if u.args and u.args[0] is last else None for u in last.users]
             if users and all(u is not None and kind(u[1]) == "linear" for u in users):
                 for u in users:
                     sc.add(sc.inp, u[0], u[1], v)
                 continue
-            shared = [str(u.target) for u in mul.users if u.op == "call_module"
-                      and u.args and u.args[0] is mul and calls[str(u.target)] > 1]
-            if shared and len(shared) == len(mul.users):
+            shared = [str(u.target) for u in last.users if u.op == "call_module"
+                      and u.args and u.args[0] is last and calls[str(u.target)] > 1]
+            if shared and len(shared) == len(last.users):
                 for t in shared:
                     per_call.setdefault(t, []).append((what, v))
                 continue
@@ -285,6 +286,22 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
             sc.mods.setdefault(id(up[1]), up)
             sc.upstream[id(m[1])] = id(up[1])
     return sc
+
+
+def _past_constants(mul: fx.Node) -> fx.Node:
+    """The last of a chain of precondfx constant multiplications that starts at ``mul`` (an
+    alpha and App. E's 1/beta on one layer's input), each the only user of the one before:
+    scaling the chain's input scales its output by the same factor."""
+    cur = mul
+    while len(cur.users) == 1:
+        u = next(iter(cur.users))
+        c = u.args[1] if len(u.args) == 2 else None
+        if not (u.target in (operator.mul, torch.mul) and u.args[0] is cur and
+                isinstance(c, fx.Node) and c.op == "get_attr" and
+                str(c.target).startswith(PREFIX)):
+            break
+        cur = u
+    return cur
 
 
 def _fx_up(node: fx.Node, gm: fx.GraphModule) -> fx.Node:
