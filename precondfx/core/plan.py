@@ -57,7 +57,7 @@ class Layer:
     alpha_reason: str = ""
     in_residual_branch: bool = False
     k2_eff: float | None = None   # taps that reach the input on average (zero padding)
-    beta: float = 1.0             # App. E's block multiplier: 1/beta at the input (precondfx.beta)
+    beta: float = 1.0             # App. E's block multiplier: 1/beta at the input (precondfx.core.beta)
 
     def constant(self) -> float:
         """The product of the constants on this layer's weight (alpha / beta): its init std is
@@ -409,7 +409,7 @@ def _plan_layers(graph: Graph, params: dict[str, ParamInfo], plan: Plan) -> None
 def _plan_residuals(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Options
                     ) -> None:
     """The residual joins, their branch scale ``s_l`` (``residual_schedule``) and, with a
-    non-flat schedule, App. E's per-block beta (``precondfx.beta``)."""
+    non-flat schedule, App. E's per-block beta (``precondfx.core.beta``)."""
     joins = _find_joins(graph, plan)
     spec = opts.residual_scale
     s_of = residual_schedule.values(spec, len(joins), [j[0].name for j in joins])

@@ -18,8 +18,8 @@ from torch import nn
 
 import precondfx
 from precondfx.errors import PrecondError
-from precondfx.options import Options, from_text
-from precondfx.plan import Plan
+from precondfx.core.options import Options, from_text
+from precondfx.core.plan import Plan
 
 SCHEDULE = [0.9, 0.5, 0.3, 0.6, 0.2, 0.1]      # non-monotonic on purpose
 CONVS = ("c0", "c1", "c2")
