@@ -575,7 +575,8 @@ def method_note(task: Task, method: str) -> str | None:
             return "muP is run on the MLP and CNN families only (needs a width-parametrized builder)"
     if method == "torch_default" and not task.hf:
         return "same as 'default' for a plain PyTorch model"
-    if method in ("pfx_res_none", "pfx_res_all", "pfx_s_nf", "pfx_s_nf1") and task.family not in ("conv", "transformer"):
+    if method in ("pfx_res_none", "pfx_res_all", "pfx_s_nf", "pfx_s_nf1") and \
+            task.family not in ("conv", "transformer"):
         return "no residual join"
     return None
 

@@ -57,7 +57,7 @@ class Layer:
     alpha_reason: str = ""
     in_residual_branch: bool = False
     k2_eff: float | None = None   # taps that reach the input on average (zero padding)
-    beta: float = 1.0             # App. E's block multiplier: 1/beta at the input (precondfx.core.beta)
+    beta: float = 1.0             # App. E's block multiplier, 1/beta at the input (core.beta)
 
     def constant(self) -> float:
         """The product of the constants on this layer's weight (alpha / beta): its init std is

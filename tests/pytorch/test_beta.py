@@ -267,3 +267,26 @@ def test_meta_plan_carries_beta() -> None:
     assert betas and betas == {n: float(b) for n, b in ref.named_buffers() if "beta" in n}
     with torch.no_grad():
         assert torch.allclose(pm(x), ref(x), rtol=1e-5, atol=1e-6)
+
+
+def nf_resnet() -> tuple[nn.Module, torch.Tensor]:
+    """The test model and a sample, for the command line (``tests.pytorch.test_beta:nf_resnet``)."""
+    torch.manual_seed(6)
+    return NFResNet(), _x()
+
+
+def test_cli_takes_a_schedule(tmp_path, capsys) -> None:
+    from precondfx.cli import main
+    rep = tmp_path / "r.json"
+    text = ",".join(str(v) for v in SCHEDULE)
+    assert main(["precondition", "tests.pytorch.test_beta:nf_resnet", "-o",
+                 str(tmp_path / "m.pt"), "--quiet", "--residual-scale", text,
+                 "--report", str(rep)]) == 0
+    d = json.loads(rep.read_text())
+    assert [r["beta"] for r in d["plan"]["residuals"]] == pytest.approx(
+        _app_e_betas(SCHEDULE), rel=1e-12)
+    assert d["plan"]["options"]["residual_scale"] == SCHEDULE
+    capsys.readouterr()
+    assert main(["precondition", "tests.pytorch.test_beta:nf_resnet", "-o",
+                 str(tmp_path / "m.pt"), "--residual-scale", "0.5,0.5"]) == 2
+    assert "the model has 6 residual joins" in capsys.readouterr().err
