@@ -290,3 +290,28 @@ def test_cli_takes_a_schedule(tmp_path, capsys) -> None:
     assert main(["precondition", "tests.pytorch.test_beta:nf_resnet", "-o",
                  str(tmp_path / "m.pt"), "--residual-scale", "0.5,0.5"]) == 2
     assert "the model has 6 residual joins" in capsys.readouterr().err
+
+
+def test_sharded_draw_carries_beta() -> None:
+    """The per-shard ('counter') draw of precondfx.pytorch.distributed.reinit, as FSDP2 ranks
+    run it after to_empty: each branch weight is exactly beta_l times the flat-s draw (same
+    seed, same counters), and the 1/beta constants are written back."""
+    from precondfx.pytorch.distributed import reinit
+    kw = dict(balance="none", seed=3, target_std=None)
+    x = _x()
+    drawn = {}
+    for name, rs in (("schedule", SCHEDULE), ("flat", 0.5)):
+        with torch.device("meta"):
+            mm = NFResNet()
+        pm, rep = precondfx.precondition(mm, x, residual_scale=rs, **kw)
+        pm = pm.to_empty(device="cpu")
+        reinit(pm, rep.plan, 3, rng="counter")
+        drawn[name] = (dict(pm.named_parameters()), dict(pm.named_buffers()))
+    betas = _app_e_betas(SCHEDULE)
+    params, bufs = drawn["schedule"]
+    for i, b in enumerate(betas):
+        for c in CONVS:
+            w = f"blocks.{i}.{c}.weight"
+            assert torch.allclose(params[w], b * drawn["flat"][0][w], rtol=1e-6, atol=0)
+    got = sorted(float(v) for k, v in bufs.items() if "beta" in k)
+    assert got == pytest.approx(sorted(1 / b for b in betas for _ in CONVS if b != 1), rel=1e-6)
