@@ -90,8 +90,8 @@ def verdict(d: dict) -> list[str]:
     return out
 
 
-def write(d: dict, command: str) -> None:
-    d = dict(d, schedules=schedules(), command_issue24=command)
+def write(d: dict, command: str, notes: list[str] = ()) -> None:
+    d = dict(d, schedules=schedules(), command_issue24=command, notes_issue24=list(notes))
     with open(OUT + ".json", "w") as f:
         json.dump(d, f, indent=1)
     md = ["# Flat s against per-block schedules (issue 24)", "",
@@ -102,7 +102,8 @@ def write(d: dict, command: str) -> None:
           "cross-entropy.  Every variant is precondfx's default pass (geometric init, measured "
           "balancing, output std 1) with only `residual_scale` changed.", "",
           f"Command: `{command}` (one core, nice -n 10; wall {d.get('wall_s', 0):.0f} s on a "
-          f"shared 2-core machine).", ""] + table(d) + ["", "## Verdict", ""] + verdict(d)
+          f"shared 2-core machine).", ""] + table(d) + ["", "## Verdict", ""] + verdict(d) + (
+              ["", "## Notes", ""] + [f"- {n}" for n in notes] if notes else [])
     with open(OUT + ".md", "w") as f:
         f.write("\n".join(md) + "\n")
 
@@ -110,13 +111,15 @@ def write(d: dict, command: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--from", dest="src", default="", help="render an existing suite JSON")
+    ap.add_argument("--note", action="append", default=[], help="a line for the Notes")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.src:
         with open(args.src) as f:
             d = json.load(f)
         write(d, " ".join(["python bench/train_suite.py"] + SUITE_ARGS)
-              + f"; python bench/beta_schedule.py --from {os.path.basename(args.src)}")
+              + f"; python bench/beta_schedule.py --from {os.path.basename(args.src)}",
+              args.note)
         return
     tmp = tempfile.mkdtemp()
     d = T.main(SUITE_ARGS + ["--out", tmp, "--tag", "beta_schedule"])
