@@ -119,7 +119,7 @@ def test_forward_variance_at_init_equals_the_flat_geometric_models() -> None:
     the init.  R independent inits each; the tolerance is 4 standard errors of the difference
     of the two means, sqrt(var_a/R + var_b/R) from the R samples (about 6e-5 chance per block
     of a false failure); forgetting the init's beta would change block l's gain by beta_l^-6
-    (up to 6.9x here)."""
+    (up to 5.8x here)."""
     R, x = 24, _x(32, seed=1)
     kw = dict(balance="none", target_std=None, capture="eager")
     gains = {}
