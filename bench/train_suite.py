@@ -86,6 +86,8 @@ PFX: dict[str, dict] = {
     "pfx_hessian": {"balance": "hessian"},
     "pfx_res_none": {"residual": "none"},
     "pfx_res_all": {"residual": "all"},
+    "pfx_s_nf": {"residual_scale": "nf"},        # NF-ResNet schedule a=0.2 (issue 24)
+    "pfx_s_nf1": {"residual_scale": "nf:1"},     # s_l = 1/sqrt(l) (issue 24)
     "pfx_defbias": {},          # pfx, then the biases of PyTorch's default init put back
     "pfx_none_stdNone": {"balance": "none", "target_std": None},
     "pfx_fan_in_stdNone": {"init": "fan_in", "target_std": None},
@@ -115,7 +117,8 @@ LABELS = {
     "pfx_fan_in": "pfx init=fan_in", "pfx_fan_out": "pfx init=fan_out",
     "pfx_none": "pfx balance=none", "pfx_analytic": "pfx balance=analytic",
     "pfx_hessian": "pfx balance=hessian", "pfx_res_none": "pfx residual=none",
-    "pfx_res_all": "pfx residual=all", "pfx_defbias": "pfx + default biases",
+    "pfx_res_all": "pfx residual=all", "pfx_s_nf": "pfx residual_scale=nf",
+    "pfx_s_nf1": "pfx residual_scale=nf:1", "pfx_defbias": "pfx + default biases",
     "pfx_none_stdNone": "pfx balance=none, target_std=None",
     "pfx_fan_in_stdNone": "pfx init=fan_in, target_std=None",
     "pfx_lr": "pfx lr_scale=<optimizer>", "pfx_lr_sgd": "pfx lr_scale=sgd",
@@ -572,7 +575,8 @@ def method_note(task: Task, method: str) -> str | None:
             return "muP is run on the MLP and CNN families only (needs a width-parametrized builder)"
     if method == "torch_default" and not task.hf:
         return "same as 'default' for a plain PyTorch model"
-    if method in ("pfx_res_none", "pfx_res_all") and task.family not in ("conv", "transformer"):
+    if method in ("pfx_res_none", "pfx_res_all", "pfx_s_nf", "pfx_s_nf1") and \
+            task.family not in ("conv", "transformer"):
         return "no residual join"
     return None
 

@@ -22,6 +22,7 @@ import numbers
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Iterable, Mapping
 
+from precondfx.core import residual_schedule
 from precondfx.errors import PrecondError
 
 INIT_RULES = ("geometric", "fan_in", "fan_out", "xavier")
@@ -168,9 +169,13 @@ class Options:
     residual: str = _opt("auto", one_of(*RESIDUAL_MODES),
                          "branch scale s on residual joins (auto: branches without "
                          "normalization)", cli=True)
-    residual_scale: float | str = _opt("auto", number("a number in (0, 1]",
-                                                      lambda x: 0 < x <= 1, ("auto",)),
-                                       "value of s (auto: 1/sqrt(number of joins))", cli="S")
+    residual_scale: float | str | tuple[float, ...] = _opt(
+        "auto", residual_schedule.check,
+        "branch scale s: a number in (0, 1], auto (1/sqrt(number of joins)), a named schedule "
+        "('nf' or 'nf:<a>': s_l = a/sqrt(1+(l-1)a^2), the NF-ResNet schedule of Brock et al. "
+        "2021, a=0.2 by default), or one value per residual join in execution order (on the "
+        "command line comma-separated); a non-flat s adds App. E's per-block beta",
+        cli="S")
     target_std: float | None = _opt(1.0, number("a positive number", lambda x: x > 0, (None,)),
                                     "output std after calibration (None, on the command "
                                     "line 'none': no output scale)", cli="STD")
@@ -416,6 +421,8 @@ def from_text(name: str, s: str) -> Any:
     """Parse a command-line value of option ``name`` and check it (PrecondError if bad)."""
     f = next(f for f in fields(Options) if f.name == name)
     check = f.metadata["check"]
+    if getattr(check, "from_text", None) is not None:     # the option parses its own text
+        return check(keyword_of(f), check.from_text(s))
     v: Any = s
     if s.lower() in _TEXT_WORDS and None in getattr(check, "words", ()):
         v = None

@@ -13,8 +13,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from precondfx.core import beta as betalib
 from precondfx.core import fans as fanlib
-from precondfx.core import optable
+from precondfx.core import optable, residual_schedule
 from precondfx.core.graph import Graph, Node
 from precondfx.core.options import (BALANCE_MODES, MAXPOOL_MODES, MEASURED, RESIDUAL_MODES,
                                Options)
@@ -56,14 +57,21 @@ class Layer:
     alpha_reason: str = ""
     in_residual_branch: bool = False
     k2_eff: float | None = None   # taps that reach the input on average (zero padding)
+    beta: float = 1.0             # App. E's block multiplier, 1/beta at the input (core.beta)
+
+    def constant(self) -> float:
+        """The product of the constants on this layer's weight (alpha / beta): its init std is
+        the rule's divided by it."""
+        return self.alpha / self.beta
 
 
 @dataclass
 class Scale:
     """A fixed scalar multiplication inserted in the graph."""
 
-    tag: str             # alpha | residual | input | output | lr (lr_scale's multiplier on a
-    #                      layer's output: weight and bias stored divided by it)
+    tag: str             # alpha | residual | beta (1/beta_l, App. E) | input | output | lr
+    #                      (lr_scale's multiplier on a layer's output: weight and bias stored
+    #                      divided by it)
     node: str            # node whose input/output/operand is scaled
     where: str           # input | output | operand
     index: int           # operand or input index
@@ -97,6 +105,8 @@ class Residual:
     branch_layers: list[str]
     s: float | None
     reason: str
+    beta: float = 1.0    # App. E's beta_l of this block (1 where flat or not App. E's block)
+    beta_reason: str = ""
 
 
 @dataclass
@@ -167,9 +177,9 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
     plan.aliases = {a: name for name, info in params.items() for a in info.aliases}
     _plan_pools(graph, params, plan, opts)
     _plan_layers(graph, params, plan)
-    _plan_residuals(graph, plan, opts)
+    _plan_residuals(graph, params, plan, opts)
     if opts.balance == "analytic":
-        _analytic_alphas(plan)
+        _analytic_alphas(plan, {n.name: i for i, n in enumerate(graph)})
     lr_scale = getattr(opts, "lr_scale", None)   # lr_transfer sets the "lr" multipliers
     _plan_inits(graph, params, plan, opts)
     for lay in plan.layers:
@@ -183,9 +193,23 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
         where = "input" if lay.kind in ("conv", "conv_transpose", "linear", "matmul") else "output"
         plan.scales.append(Scale("alpha", lay.node, where, 0, lay.alpha,
                                  lay.alpha_reason or "alpha site for measured balancing"))
+    _beta_sites(plan)
     if lr_scale is not None:
         _lr_sites(plan, params)
     return plan
+
+
+def _beta_sites(plan: Plan) -> None:
+    """App. E: ``1/beta_l`` on the input of every layer of block ``l``'s branch (where
+    ``beta_l != 1``), placed like an alpha; the init std already carries ``beta_l``."""
+    block = {m: r for r in plan.residuals for m in r.branch_layers}
+    for lay in plan.layers:
+        if lay.beta != 1.0:
+            r = block.get(lay.node)
+            plan.scales.append(Scale("beta", lay.node, "input", 0, 1.0 / lay.beta,
+                                     f"1/beta_l of the block joined at {r.node if r else '?'} "
+                                     f"(beta_l={lay.beta:.6g}, App. E); its weight starts at "
+                                     f"beta_l times its std"))
 
 
 def _lr_sites(plan: Plan, params: dict[str, ParamInfo]) -> None:
@@ -382,7 +406,42 @@ def _plan_layers(graph: Graph, params: dict[str, ParamInfo], plan: Plan) -> None
                                      c, c, k2, k2_eff=eff))
 
 
-def _plan_residuals(graph: Graph, plan: Plan, opts: Options) -> None:
+def _plan_residuals(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Options
+                    ) -> None:
+    """The residual joins, their branch scale ``s_l`` (``residual_schedule``) and, with a
+    non-flat schedule, App. E's per-block beta (``precondfx.core.beta``)."""
+    joins = _find_joins(graph, plan)
+    spec = opts.residual_scale
+    s_of = residual_schedule.values(spec, len(joins), [j[0].name for j in joins])
+    why = residual_schedule.describe(spec, len(joins))
+    entries = []
+    for (n, bi, fork, branch, has_norm), s in zip(joins, s_of):
+        insert = opts.residual == "all" or (opts.residual == "auto" and not has_norm)
+        if not insert:
+            no = ("residual='none'" if opts.residual == "none" else
+                  "the branch has a normalization layer, which sets its scale (residual='all' "
+                  "inserts s anyway)")
+            plan.residuals.append(Residual(n.name, bi, fork, branch, None, f"no s: {no}"))
+            n.reason = f"residual join of branch {n.inputs[bi]}: {no}"
+        else:
+            plan.residuals.append(Residual(n.name, bi, fork, branch, s, why))
+            plan.scales.append(Scale("residual", n.name, "operand", bi, s, why))
+            n.reason = f"residual join: branch {n.inputs[bi]} ({len(branch)} weighted) scaled " \
+                       f"by s={s:.4g} (App. E)"
+        entries.append(betalib.Join(plan.residuals[-1], n.inputs[bi]))
+    in_branch = {m for r in plan.residuals if r.s is not None for m in r.branch_layers}
+    for lay in plan.layers:
+        lay.in_residual_branch = lay.node in in_branch
+    trainable = {k: v.trainable for k, v in params.items()}
+    betalib.plan_betas(graph, plan, entries, residual_schedule.is_flat(spec), trainable)
+    for r in plan.residuals:
+        if r.s is not None and (r.beta != 1.0 or not residual_schedule.is_flat(spec)):
+            graph[r.node].reason += f"; {r.beta_reason}"
+
+
+def _find_joins(graph: Graph, plan: Plan) -> list[tuple[Node, int, str, list[str], bool]]:
+    """The residual joins in execution order: (node, branch operand index, fork, the
+    branch's weighted layers, whether the branch holds a normalization)."""
     # ancestor sets as bitmasks over execution indices (Graph.ancestor_masks): linear memory
     # per node, so deep models (hundreds of blocks) plan in time linear in their joins
     idx, anc = graph.ancestor_masks()
@@ -445,49 +504,30 @@ def _plan_residuals(graph: Graph, plan: Plan, opts: Options) -> None:
         branch = la if bi == 0 else lb
         bset = (ca if bi == 0 else cb) & since
         joins.append((n, bi, fork, branch, bool(bset & nmask)))
-    n_joins = len(joins)
-    for n, bi, fork, branch, has_norm in joins:
-        insert = opts.residual == "all" or (opts.residual == "auto" and not has_norm)
-        if not insert:
-            why = ("residual='none'" if opts.residual == "none" else
-                   "the branch has a normalization layer, which sets its scale (residual='all' "
-                   "inserts s anyway)")
-            plan.residuals.append(Residual(n.name, bi, fork, branch, None, f"no s: {why}"))
-            n.reason = f"residual join of branch {n.inputs[bi]}: {why}"
-            continue
-        s = (1.0 / math.sqrt(n_joins)) if opts.residual_scale == "auto" else \
-            float(opts.residual_scale)
-        why = (f"branch scale s = 1/sqrt({n_joins} residual joins) keeps the stream's variance "
-               f"growth (1+s^2)^N below e (App. E)" if opts.residual_scale == "auto"
-               else "branch scale s from residual_scale (App. E)")
-        plan.residuals.append(Residual(n.name, bi, fork, branch, s, why))
-        plan.scales.append(Scale("residual", n.name, "operand", bi, s, why))
-        n.reason = f"residual join: branch {n.inputs[bi]} ({len(branch)} weighted) scaled by " \
-                   f"s={s:.4g} (App. E)"
-    in_branch = {m for r in plan.residuals if r.s is not None for m in r.branch_layers}
-    for lay in plan.layers:
-        lay.in_residual_branch = lay.node in in_branch
+    return joins
 
 
-def _analytic_alphas(plan: Plan) -> None:
+def _analytic_alphas(plan: Plan, order: dict[str, int]) -> None:
     """Sec. 5 and App. E: alpha^4 * k^2 * m = const, m = s^4/(1+s^2)^2 in residual branches.
 
     Kernel-size correction alpha = (k^2)^(-1/4) (the 1/sqrt(3) of a bottleneck's 3x3 conv);
     layers outside residual branches of a network with branch scale s get the extra factor
-    s/sqrt(1+s^2) (the stem and final-layer alphas of App. E.1)."""
-    ss = [r.s for r in plan.residuals if r.s is not None]
-    s = ss[0] if ss else None
-    flat = s is not None and all(abs(x - s) < 1e-12 for x in ss)
+    s/sqrt(1+s^2) (the stem and final-layer alphas of App. E.1).  With a per-join schedule
+    s_l, such a layer takes the s of the first join after it (the last join's after them all):
+    the stem gets s_1, as App. E.1 derives it."""
+    joins = sorted((order.get(r.node, 0), r.s) for r in plan.residuals if r.s is not None)
+    flat = bool(joins) and all(abs(x - joins[0][1]) < 1e-12 for _, x in joins)
     for lay in plan.layers:
         if lay.kind == "embedding":
             continue
         a = lay.k2 ** -0.25
         why = [f"kernel size correction (k^2={lay.k2})^(-1/4) (Sec. 5)"] if lay.k2 != 1 else []
-        if s is not None and not lay.in_residual_branch:
-            if flat:
-                a *= s / math.sqrt(1 + s * s)
-                why.append(f"outside residual branches: s/sqrt(1+s^2) with s={s:.4g} "
-                           f"(App. E.1)")
+        if joins and not lay.in_residual_branch:
+            at = order.get(lay.node, 0)
+            s = next((x for i, x in joins if i > at), joins[-1][1])
+            a *= s / math.sqrt(1 + s * s)
+            why.append(f"outside residual branches: s/sqrt(1+s^2) with s={s:.4g} (App. E.1"
+                       + ("" if flat else ", s of the next join") + ")")
         lay.alpha = a
         lay.alpha_reason = "; ".join(why) if why else "no correction needed"
 
@@ -519,10 +559,10 @@ def _opaque_inits(n: Node, params: dict[str, ParamInfo], rule: str, put: Any) ->
 def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Options) -> None:
     inits = plan.inits
     rule = opts.init
-    alpha_of: dict[str, float] = {}
+    alpha_of: dict[str, float] = {}     # the constant on each weight: alpha / beta
     for lay in plan.layers:
         if lay.weight:
-            alpha_of.setdefault(lay.weight, lay.alpha)
+            alpha_of.setdefault(lay.weight, lay.constant())
     # lr_scale divides these afterwards: with reinit=False they get a 'scale' rule (1/alpha),
     # whose factor lr_transfer divides, so that the plan keeps saying what the model holds
     lr_params = {p for lay in plan.layers for p in (lay.weight, lay.bias) if p} \
@@ -548,7 +588,8 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
             alpha = alpha_of.get(name, 1.0)
             if alpha != 1.0:
                 pi = ParamInit(name, "scale", 1.0 / alpha, f"reinit=False: existing weight "
-                               f"divided by alpha={alpha:.4g} so the function is unchanged",
+                               f"divided by its constant {alpha:.4g} (alpha/beta) so the "
+                               f"function is unchanged",
                                list(info.shape))
             elif name in lr_params:
                 pi = ParamInit(name, "scale", 1.0, "reinit=False: existing value (lr_scale "
@@ -567,7 +608,7 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                 put(lay.weight, ParamInit(lay.weight, "keep", None, "init='keep'"))
             else:
                 r = "geometric" if lay.kind == "embedding" else rule
-                std = math.sqrt(fanlib.second_moment(f, r)) / lay.alpha
+                std = math.sqrt(fanlib.second_moment(f, r)) / lay.constant()
                 put(lay.weight, ParamInit(lay.weight, r, std,
                                           f"E[W^2]={fanlib.second_moment(f, r):.4g} ({r}, n_in="
                                           f"{f.n_in}, n_out={f.n_out}, k^2={f.k2:.4g}"
@@ -575,7 +616,9 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                                              f"zero padding" if lay.k2_eff and
                                              abs(lay.k2_eff - lay.k2) > 1e-9 else "") + ")"
                                           + (f", divided by alpha^2={lay.alpha**2:.4g}"
-                                             if lay.alpha != 1 else "")))
+                                             if lay.alpha != 1 else "")
+                                          + (f", times beta^2={lay.beta**2:.6g} (App. E)"
+                                             if lay.beta != 1 else "")))
             put(lay.bias, ParamInit(lay.bias or "", "zeros", None, "biases start at zero (Sec. 6)"))
             for role, pname in n.params.items():
                 if role not in ("weight", "bias"):

@@ -101,7 +101,10 @@ def _plan_actions(plan: Plan) -> dict[str, list[str]]:
             acts.setdefault(lay.node, []).append(f"{pi.rule}{std}")
         elif pi is not None:
             acts.setdefault(lay.node, []).append(f"weights {pi.rule}")
-    names = {"alpha": "alpha", "residual": "s", "shortcut": "w"}
+    names = {"alpha": "alpha", "residual": "s", "shortcut": "w", "beta": "1/beta"}
+    for r in plan.residuals:
+        if getattr(r, "beta", 1.0) != 1.0:
+            acts.setdefault(r.node, []).append(f"beta={r.beta:.4g}")
     for sc in plan.scales:
         if sc.tag in ("input", "output"):
             continue
@@ -380,7 +383,8 @@ class Report:
                 if sc.value != 1.0 or src != "analytic":
                     by.setdefault(f"alpha ({src})", []).append(sc.value)
             elif sc.tag not in ("input", "output"):
-                by.setdefault({"residual": "s", "shortcut": "w"}.get(sc.tag, sc.tag),
+                by.setdefault({"residual": "s", "shortcut": "w",
+                               "beta": "1/beta"}.get(sc.tag, sc.tag),
                               []).append(sc.value)
         parts = []
         for k, vs in by.items():

@@ -46,8 +46,9 @@ def prepare(model: nn.Module, report: Any = None) -> None:
         "problems": [f"{w}: {why}" for w, why in problems],
     }
     if report is not None and report.plan is not None:
-        entry["options"] = {k: v for k, v in report.plan.options.items()
-                            if isinstance(v, (str, int, float, bool, type(None)))}
+        entry["options"] = {k: list(v) if isinstance(v, tuple) else v   # a schedule s_l
+                            for k, v in report.plan.options.items()
+                            if isinstance(v, (str, int, float, bool, type(None), tuple))}
     elif isinstance(old, dict) and "options" in old:
         entry["options"] = old["options"]
     if cfg is not None:
@@ -175,6 +176,8 @@ def reattach(model: nn.Module) -> nn.Module:
         mod.register_buffer(name, scalar_buffer(value, like))
         if name == PREFIX + "in_scale":
             mod.register_forward_pre_hook(ea._scale_input_hook, with_kwargs=True)
+        elif name == PREFIX + "beta_scale":
+            mod.register_forward_pre_hook(ea._beta_input_hook, with_kwargs=True)
         elif name == PREFIX + "out_scale":
             mod.register_forward_hook(ea._scale_output_hook)
         elif name == PREFIX + "output_scale" and path:

@@ -195,7 +195,7 @@ def _eager_scales(model: nn.Module, recipe: Recipe | None) -> _Scales:
                 continue
             fqn = f"{path}.{name}" if path else name
             v = float(planned.get(fqn, 1.0)) if buf.device.type == "meta" else float(buf)
-            if name == PREFIX + "in_scale":
+            if name in (PREFIX + "in_scale", PREFIX + "beta_scale"):
                 sc.add(sc.inp, path, mod, v)
             elif name in (PREFIX + "out_scale", PREFIX + "output_scale",
                           PREFIX + "lr_scale") and path:

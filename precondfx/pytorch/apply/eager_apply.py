@@ -47,7 +47,17 @@ def _first_input(cls: type) -> str | None:
 # Hooks: module-level functions reading buffers, so that models pickle and deep-copy.
 def _scale_input_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     """The module's input times its ``in_scale``, whether passed by position or by keyword."""
-    s = getattr(module, PREFIX + "in_scale")
+    return _times_input(module, args, kwargs, getattr(module, PREFIX + "in_scale"))
+
+
+def _beta_input_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """App. E's ``1/beta_l`` on the module's input: a buffer of its own (``beta_scale``),
+    apart from the alpha on the same input."""
+    return _times_input(module, args, kwargs, getattr(module, PREFIX + "beta_scale"))
+
+
+def _times_input(module: nn.Module, args: tuple, kwargs: dict, s: torch.Tensor) -> tuple:
+    """``(args, kwargs)`` with the module's first input multiplied by ``s``."""
     if args and isinstance(args[0], torch.Tensor):
         return (args[0] * s,) + tuple(args[1:]), kwargs
     name = None if args else _first_input(type(module))
@@ -164,10 +174,13 @@ class EagerApplier(TorchBackend, Records):
     def _module_scale(self, path: str, where: str, value: float, what: str,
                       skey: str | None = None, tag: str | None = None) -> str | None:
         """A constant on module ``path``'s input or output (one buffer per module and place;
-        ``tag="lr"``: lr_scale's output multiplier, its own buffer and hook)."""
+        ``tag="lr"``: lr_scale's output multiplier, ``tag="beta"``: App. E's 1/beta on the
+        input, each its own buffer and hook)."""
         lr = tag == "lr" and where == "output"
-        key = (path, "lr" if lr else where)
-        bname = PREFIX + ("lr_scale" if lr else "in_scale" if where == "input" else "out_scale")
+        beta = tag == "beta" and where == "input"
+        key = (path, "lr" if lr else "beta" if beta else where)
+        bname = PREFIX + ("lr_scale" if lr else "beta_scale" if beta else
+                          "in_scale" if where == "input" else "out_scale")
         fqn = f"{path}.{bname}" if path else bname
         if key in self._done_modules:
             if abs(self._done_modules[key] - value) > 1e-12 * max(1.0, abs(value)):
@@ -178,7 +191,8 @@ class EagerApplier(TorchBackend, Records):
         mod = self.model.get_submodule(path)
         self._register(mod, bname, value)
         if where == "input":
-            self._hook(mod.register_forward_pre_hook(_scale_input_hook, with_kwargs=True))
+            self._hook(mod.register_forward_pre_hook(_beta_input_hook if beta else
+                                                     _scale_input_hook, with_kwargs=True))
         else:
             self._hook(mod.register_forward_hook(_lr_scale_hook if lr else _scale_output_hook))
         self._done_modules[key] = value
