@@ -1,5 +1,7 @@
 """transformers: checkpoints that keep the preconditioned function, the preconditioning recorded
-in the model's config, and a ``TrainerCallback`` that preconditions on the first batch.
+in the model's config, and preconditioning inside a ``Trainer`` (``precondition_trainer``: before
+the optimizer is built; ``precondition_callback``: on the first batch, refusing parameters the
+optimizer lacks).
 
 **Checkpoints.**  ``from_pretrained`` builds a fresh model of the config's class and drops
 every ``precondfx_*`` buffer ("UNEXPECTED"), so the constants cannot travel as buffers.  For a
