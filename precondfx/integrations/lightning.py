@@ -147,6 +147,10 @@ def precondition_callback(*, module_attr: str | None = None, sample: Any = None,
         def __init__(self) -> None:
             super().__init__()
             self.report = None
+            # why setup could not precondition (said if a parameter is then lost)
+            self.late = ("no training dataloader was known in setup",
+                         "Pass sample= (a batch the network takes) to precondition_callback so "
+                         "that it preconditions in setup")
 
         def _run(self, trainer: Any, pl_module: nn.Module, data: Any) -> None:
             net = net_of(pl_module)
@@ -163,16 +167,23 @@ def precondition_callback(*, module_attr: str | None = None, sample: Any = None,
                                    f"network takes, pass batch_to_sample= or sample= to "
                                    f"precondition_callback.)") from e
             optimizers = list(getattr(trainer, "optimizers", None) or [])
+            why, fix = self.late
             refuse_missing(missing_from_optimizers(net, before, optimizers),
-                           "after Lightning built the optimizers (no training dataloader was "
-                           "known in setup, so the callback preconditioned on the first batch)",
-                           "Pass sample= (a batch the network takes) to precondition_callback "
-                           "so that it preconditions in setup, before configure_optimizers; or "
-                           "pass maxpool='keep' or maxpool='avgpool', which add no parameters.")
+                           f"after Lightning built the optimizers ({why}, so the callback "
+                           f"preconditioned on the first batch)",
+                           f"{fix}, before configure_optimizers; or pass maxpool='keep' or "
+                           f"maxpool='avgpool', which add no parameters.")
 
         def setup(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
             if stage != "fit" or self.report is not None:
                 return
+            if module_attr is not None and not isinstance(getattr(pl_module, module_attr, None),
+                                                          nn.Module):
+                self.late = (f"the network .{module_attr} did not exist yet in setup (built "
+                             f"in configure_model?)", "Build the network in the "
+                             "LightningModule's __init__ or setup so that the callback "
+                             "preconditions it in setup")
+                return   # preconditioned on the first batch
             if sample is not None:
                 self._run(trainer, pl_module, sample)
                 return

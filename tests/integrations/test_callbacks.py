@@ -338,3 +338,26 @@ def test_trainer_resume_keeps_the_added_parameters(tmp_path) -> None:
     for n in a:
         diff = float((a[n] - b[n]).abs().max())
         assert diff < 1e-5 + 0.01 * moved, (n, diff, moved)
+
+
+@needs_pl
+def test_lightning_network_built_in_configure_model_is_refused_when_a_parameter_is_lost(
+        tmp_path) -> None:
+    """A network built in configure_model (after setup) is preconditioned on the first batch,
+    after configure_optimizers: the added conv would be lost, so the callback refuses."""
+    x, y = _data()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+
+    class Late(pl.LightningModule):
+        def configure_model(self) -> None:
+            if not hasattr(self, "model"):
+                self.model = PoolCNN()
+
+        def training_step(self, batch, idx):
+            return nn.functional.cross_entropy(self.model(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+    cb = pl_int.precondition_callback(module_attr="model", maxpool="conv")
+    with pytest.raises(PrecondError, match=r"pool\.weight.*configure_model.*__init__ or setup"):
+        _fit(Late(), loader, cb, tmp_path)
