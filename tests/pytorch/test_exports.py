@@ -120,3 +120,33 @@ def test_state_dict_of_live_variables_is_not_folded() -> None:
     before = {n: p.detach().clone() for n, p in params.items()}
     pm.load_state_dict(ckpt)
     assert max(float((p - before[n]).abs().max()) for n, p in pm.named_parameters()) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter", ["onnx_dynamo", "onnx_torchscript"])
+@pytest.mark.parametrize("name", ["cnn_fx", "cnn_eager", "bert"])
+def test_onnx_export_with_a_dynamic_batch(name: str, exporter: str, tmp_path) -> None:
+    """Exported with a dynamic batch dimension, run at another batch size (5, exported at 4).
+    The TorchScript exporter needs ``output_names`` with ``dynamic_axes`` on any fx
+    GraphModule (torch reads ``model.graph`` as a TorchScript graph otherwise)."""
+    model, args, other, _ = _case(name)
+    model.eval()
+    other = tuple(torch.cat([o, o[:1]]) for o in other)
+    with torch.no_grad():
+        want = model(*other)
+    names = [f"in{i}" for i in range(len(args))]
+    path = str(tmp_path / "m.onnx")
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        if exporter == "onnx_dynamo":
+            batch = torch.export.Dim("batch", min=1, max=64)
+            torch.onnx.export(model, args, path, dynamo=True, input_names=names,
+                              dynamic_shapes=tuple({0: batch} for _ in args))
+        else:
+            torch.onnx.export(model, args, path, dynamo=False, input_names=names,
+                              output_names=["out"], dynamic_axes={n: {0: "b"} for n in names})
+    s = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    got = torch.from_numpy(s.run(None, {n: a.numpy() for n, a in zip(names, other)})[0])
+    assert got.shape == want.shape and got.shape[0] == 5
+    assert float((got - want).abs().max()) < 1e-4 * max(1.0, float(want.abs().max()))
