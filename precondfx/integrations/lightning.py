@@ -3,20 +3,22 @@
 Lightning is not a dependency of precondfx: this module imports ``lightning.pytorch`` (or the
 older ``pytorch_lightning``) when the callback is built, and says what to install otherwise.
 
-The callback preconditions in place in ``setup`` (stage ``fit``): before
-``configure_optimizers`` builds the optimizers, so that parameters preconditioning adds (the
-strided convolution that replaces a max-pool) are trained, and before Lightning restores a
-checkpoint, so that ``trainer.fit(..., ckpt_path=...)`` loads the saved weights and constants
-into a model that has them (the same seed and sample give the same constants).
+The callback preconditions in place before the optimizers are built, so that parameters
+preconditioning adds (the strided convolution that replaces a max-pool) are trained: in
+``setup`` (stage ``fit``) when the network and a sample are there, which is also before
+Lightning restores a checkpoint, so that ``trainer.fit(..., ckpt_path=...)`` loads the saved
+weights and constants into a model that has them (the same seed and sample give the same
+constants); otherwise (a network built in the LightningModule's ``setup`` or
+``configure_model``, a dataset its ``setup`` builds) just before ``configure_optimizers``.
 
 The sample is ``sample=`` when given, else the first batch of the training dataloader (drawn
-without moving the global random state) turned by ``batch_to_sample`` into what the network
-is called with.  The default takes ``x`` from ``(x, y)`` batches (as many leading entries as
-the network's forward requires), a tensor as it is, and from a dict batch the keys the forward
-takes (or its one tensor that is not a label).  Where Lightning gives no dataloader in
-``setup``, the callback preconditions on the first training batch; an optimizer then exists,
-and if it misses a parameter preconditioning added, the callback refuses with a
-``PrecondError`` that says what to do.
+without moving the global random state; the ``train_dataloader`` hook is called once more)
+turned by ``batch_to_sample`` into what the network is called with.  The default takes ``x``
+from ``(x, y)`` batches (as many leading entries as the network's forward requires), a tensor
+as it is, and from a dict batch the keys the forward takes (or its one tensor that is not a
+label).  Where neither moment finds a network and a batch, the callback preconditions on the
+first training batch; an optimizer then exists, and if it misses a parameter preconditioning
+added, the callback refuses with a ``PrecondError`` that says what to do.
 
 ``module_attr`` names the network inside the LightningModule (``"model"`` for
 ``self.model``); by default the LightningModule itself is preconditioned.
@@ -114,7 +116,10 @@ def _first_training_batch(trainer: Any) -> Any:
     if hasattr(source, "is_defined") and not source.is_defined():
         return None
     with torch.random.fork_rng(devices=[]):
-        loader = source.dataloader()
+        try:
+            loader = source.dataloader()   # the train_dataloader hook, called once more
+        except Exception:  # noqa: BLE001 - e.g. a dataset the LightningModule's setup builds
+            return None
         if isinstance(loader, (dict, list, tuple)) or loader is None:
             return None   # several dataloaders (combined by Lightning): not guessed
         return next(iter(loader))
@@ -141,18 +146,17 @@ def precondition_callback(*, module_attr: str | None = None, sample: Any = None,
     def to_sample(batch: Any, net: nn.Module) -> Any:
         return batch_to_sample(batch) if batch_to_sample else default_batch_to_sample(batch, net)
 
+    def has_net(pl_module: nn.Module) -> bool:
+        return module_attr is None or isinstance(getattr(pl_module, module_attr, None), nn.Module)
+
     class PreconditionCallback(pl.Callback):
         """Preconditions the network once, in place, before the optimizers are built."""
 
         def __init__(self) -> None:
             super().__init__()
             self.report = None
-            # why setup could not precondition (said if a parameter is then lost)
-            self.late = ("no training dataloader was known in setup",
-                         "Pass sample= (a batch the network takes) to precondition_callback so "
-                         "that it preconditions in setup")
 
-        def _run(self, trainer: Any, pl_module: nn.Module, data: Any) -> None:
+        def _run(self, trainer: Any, pl_module: nn.Module, data: Any, late: bool) -> None:
             net = net_of(pl_module)
             if is_preconditioned(net):
                 return
@@ -166,34 +170,50 @@ def precondition_callback(*, module_attr: str | None = None, sample: Any = None,
                                    f"by the default batch_to_sample; if it is not what the "
                                    f"network takes, pass batch_to_sample= or sample= to "
                                    f"precondition_callback.)") from e
-            optimizers = list(getattr(trainer, "optimizers", None) or [])
-            why, fix = self.late
-            refuse_missing(missing_from_optimizers(net, before, optimizers),
-                           f"after Lightning built the optimizers ({why}, so the callback "
-                           f"preconditioned on the first batch)",
-                           f"{fix}, before configure_optimizers; or pass maxpool='keep' or "
-                           f"maxpool='avgpool', which add no parameters.")
+            if late:
+                refuse_missing(
+                    missing_from_optimizers(net, before, list(trainer.optimizers or [])),
+                    "after Lightning built the optimizers (neither in setup nor before "
+                    "configure_optimizers did the callback find the network and a training "
+                    "batch, so it preconditioned on the first batch)",
+                    "Pass sample= (a batch the network takes) to precondition_callback, and "
+                    "build the network in the LightningModule's __init__, setup or "
+                    "configure_model; or pass maxpool='keep' or maxpool='avgpool', which add "
+                    "no parameters.")
+
+        def _sample_now(self, trainer: Any, pl_module: nn.Module) -> Any:
+            """``sample``, else the first training batch turned into the network's input;
+            None when there is no network or no batch yet."""
+            if not has_net(pl_module):
+                return None
+            if sample is not None:
+                return sample
+            batch = _first_training_batch(trainer)
+            return None if batch is None else to_sample(batch, net_of(pl_module))
 
         def setup(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
             if stage != "fit" or self.report is not None:
                 return
-            if module_attr is not None and not isinstance(getattr(pl_module, module_attr, None),
-                                                          nn.Module):
-                self.late = (f"the network .{module_attr} did not exist yet in setup (built "
-                             f"in configure_model?)", "Build the network in the "
-                             "LightningModule's __init__ or setup so that the callback "
-                             "preconditions it in setup")
-                return   # preconditioned on the first batch
-            if sample is not None:
-                self._run(trainer, pl_module, sample)
+            data = self._sample_now(trainer, pl_module)
+            if data is not None:   # before checkpoint restore and configure_optimizers
+                self._run(trainer, pl_module, data, late=False)
                 return
-            batch = _first_training_batch(trainer)
-            if batch is not None:
-                self._run(trainer, pl_module, to_sample(batch, net_of(pl_module)))
+            # the network or its data comes later (the LightningModule's setup or
+            # configure_model): precondition just before configure_optimizers
+            original = pl_module.configure_optimizers
+
+            def configure_optimizers(*args: Any, **kwargs: Any) -> Any:
+                pl_module.__dict__.pop("configure_optimizers", None)
+                if self.report is None:
+                    data = self._sample_now(trainer, pl_module)
+                    if data is not None:
+                        self._run(trainer, pl_module, data, late=False)
+                return original(*args, **kwargs)
+            pl_module.configure_optimizers = configure_optimizers
 
         def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any,
                                  batch_idx: int) -> None:
             if self.report is None and not is_preconditioned(net_of(pl_module)):
-                self._run(trainer, pl_module, to_sample(batch, net_of(pl_module)))
+                self._run(trainer, pl_module, to_sample(batch, net_of(pl_module)), late=True)
 
     return PreconditionCallback()

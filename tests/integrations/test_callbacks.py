@@ -341,23 +341,41 @@ def test_trainer_resume_keeps_the_added_parameters(tmp_path) -> None:
 
 
 @needs_pl
-def test_lightning_network_built_in_configure_model_is_refused_when_a_parameter_is_lost(
-        tmp_path) -> None:
-    """A network built in configure_model (after setup) is preconditioned on the first batch,
-    after configure_optimizers: the added conv would be lost, so the callback refuses."""
+@pytest.mark.parametrize("where", ["configure_model", "setup"])
+def test_lightning_network_built_late_is_preconditioned_before_the_optimizer(
+        where: str, tmp_path) -> None:
+    """A network built in configure_model or in the LightningModule's own setup (both after
+    the callback's setup) is preconditioned just before configure_optimizers: the optimizer
+    holds the added conv and training moves it."""
     x, y = _data()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
 
     class Late(pl.LightningModule):
-        def configure_model(self) -> None:
+        def _build(self) -> None:
             if not hasattr(self, "model"):
+                torch.manual_seed(0)
                 self.model = PoolCNN()
+
+        def configure_model(self) -> None:
+            if where == "configure_model":
+                self._build()
+
+        def setup(self, stage: str) -> None:
+            if where == "setup":
+                self._build()
 
         def training_step(self, batch, idx):
             return nn.functional.cross_entropy(self.model(batch[0]), batch[1])
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
+    module = Late()
     cb = pl_int.precondition_callback(module_attr="model", maxpool="conv")
-    with pytest.raises(PrecondError, match=r"pool\.weight.*configure_model.*__init__ or setup"):
-        _fit(Late(), loader, cb, tmp_path)
+    trainer, snap = _fit(module, loader, cb, tmp_path)
+    assert cb.report is not None
+    assert "configure_optimizers" not in module.__dict__    # the wrapper removed itself
+    held = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
+    assert held == {id(p) for p in module.parameters()}
+    moved = float((module.model.pool.weight.detach() - snap.at_start["model.pool.weight"])
+                  .abs().max())
+    assert moved > 1e-6, moved
