@@ -379,3 +379,26 @@ def test_lightning_network_built_late_is_preconditioned_before_the_optimizer(
     moved = float((module.model.pool.weight.detach() - snap.at_start["model.pool.weight"])
                   .abs().max())
     assert moved > 1e-6, moved
+
+
+def test_trainer_trains_as_a_model_preconditioned_beforehand(tmp_path) -> None:
+    """precondition_trainer gives the run of a model preconditioned by hand on the first batch
+    with the same options: same constants, same data order (the sample is drawn without moving
+    the random state), same parameters after 3 steps."""
+    pytest.importorskip("accelerate")
+    from precondfx.integrations.hf import precondition_trainer
+    data = _images()
+    by_hand = LossCNN()
+    auto = copy.deepcopy(by_hand)
+    first = {k: torch.stack([r[k] for r in data[:8]]) for k in data[0]}
+    precondfx.precondition(by_hand, first, inplace=True, maxpool="conv")
+    a = _trainer(by_hand, data, str(tmp_path / "a"), steps=3)
+    a.train()
+    b = _trainer(auto, data, str(tmp_path / "b"), steps=3)
+    precondition_trainer(b, maxpool="conv")
+    b.train()
+    pa, pb = dict(by_hand.named_parameters()), dict(auto.named_parameters())
+    assert set(pa) == set(pb)
+    assert max(float((pa[n] - pb[n]).abs().max()) for n in pa) < 1e-6
+    bufs = dict(by_hand.named_buffers())
+    assert all(torch.equal(bufs[n], b_) for n, b_ in auto.named_buffers())
