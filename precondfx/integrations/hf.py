@@ -1,5 +1,7 @@
 """transformers: checkpoints that keep the preconditioned function, the preconditioning recorded
-in the model's config, and a ``TrainerCallback`` that preconditions on the first batch.
+in the model's config, and preconditioning inside a ``Trainer`` (``precondition_trainer``: before
+the optimizer is built; ``precondition_callback``: on the first batch, refusing parameters the
+optimizer lacks).
 
 **Checkpoints.**  ``from_pretrained`` builds a fresh model of the config's class and drops
 every ``precondfx_*`` buffer ("UNEXPECTED"), so the constants cannot travel as buffers.  For a
@@ -28,23 +30,40 @@ from typing import Any
 
 from torch import nn
 
-from precondfx.pytorch.apply.common import PREFIX
 from precondfx.errors import PrecondError
+from precondfx.integrations.common import is_preconditioned, missing_from_optimizers, \
+    parameter_ids, refuse_missing
 from precondfx.integrations.hf_checkpoints import CONFIG_KEY, is_transformers_model, prepare, \
     reattach
 
-__all__ = ["CONFIG_KEY", "is_transformers_model", "prepare", "reattach", "precondition_callback"]
+__all__ = ["CONFIG_KEY", "is_transformers_model", "prepare", "reattach", "precondition_callback",
+           "precondition_trainer"]
 
 
-def _batch_sample(batch: Any, model: nn.Module, drop: tuple[str, ...]) -> Any:
+def _batch_sample(batch: Any, drop: tuple[str, ...]) -> Any:
     if isinstance(batch, dict) or hasattr(batch, "keys"):
         return {k: v for k, v in dict(batch).items() if k not in drop}
     return batch
 
 
+_REMEDY = (
+    "Precondition before the Trainer builds its optimizer: "
+    "precondfx.integrations.hf.precondition_trainer(trainer, **options) in place of the callback "
+    "(it preconditions inside the Trainer, just before create_optimizer), or "
+    "precondfx.precondition(model, batch, inplace=True) before building the Trainer; or pass "
+    "maxpool='keep' or maxpool='avgpool', which add no parameters.")
+
+
 def precondition_callback(**options: Any) -> Any:
     """A ``transformers.TrainerCallback`` that preconditions the Trainer's model in place on the
-    first training batch (``options`` go to ``precondition``, e.g. ``use_cache=False``).
+    first training batch (``options`` go to ``precondition``, e.g. ``use_cache=False``;
+    ``drop_keys=("labels",)`` leaves batch keys out of the sample).
+
+    A callback first hears from the Trainer in ``on_train_begin``, after the optimizer is
+    built.  When preconditioning adds parameters there (the strided convolution that replaces a
+    max-pool), the optimizer does not hold them and the callback refuses with a
+    ``PrecondError``; use ``precondition_trainer(trainer, **options)``, which preconditions
+    before ``create_optimizer``.
 
     On ``resume_from_checkpoint`` the Trainer has already loaded the checkpoint (a folded,
     plain model) when training begins: the callback preconditions again, which with the same
@@ -65,19 +84,77 @@ def precondition_callback(**options: Any) -> Any:
         def __init__(self) -> None:
             self.report = None
 
+        def precondition(self, model: nn.Module, batch: Any, resumed: bool) -> set[int]:
+            """Precondition ``model`` in place on ``batch`` (a resumed run's weights are put
+            back through the unfolding hook); returns the ids of its parameters before."""
+            before = parameter_ids(model)
+            saved = copy.deepcopy(model.state_dict()) if resumed else None
+            _, self.report = precondition(model, _batch_sample(batch, drop), inplace=True,
+                                          **options)
+            if resumed:
+                model.load_state_dict(saved)
+            return before
+
         def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module = None,
-                           train_dataloader: Any = None, **kw: Any) -> None:
+                           train_dataloader: Any = None, optimizer: Any = None,
+                           **kw: Any) -> None:
             if model is None or train_dataloader is None:
                 raise PrecondError("the Trainer passed no model or train dataloader to the "
                                    "callback")
-            if any(PREFIX in n for n, _ in model.named_buffers()):
-                return   # already preconditioned (e.g. by the user before the Trainer)
-            batch = next(iter(train_dataloader))
-            sample = _batch_sample(batch, model, drop)
-            resumed = state.global_step > 0
-            saved = copy.deepcopy(model.state_dict()) if resumed else None
-            _, self.report = precondition(model, sample, inplace=True, **options)
-            if resumed:
-                model.load_state_dict(saved)
+            if is_preconditioned(model):
+                return   # already preconditioned (precondition_trainer, or the user)
+            before = self.precondition(model, next(iter(train_dataloader)),
+                                       state.global_step > 0)
+            refuse_missing(missing_from_optimizers(model, before, [optimizer]),
+                           "after the Trainer built its optimizer (a callback runs first in "
+                           "on_train_begin)", _REMEDY)
 
     return PreconditionCallback()
+
+
+def _first_batch(trainer: Any) -> Any:
+    """The Trainer's first training batch, drawn without moving the global random state (the
+    run's own shuffling stays what it would be)."""
+    import torch
+    with torch.random.fork_rng(devices=[]):
+        return next(iter(trainer.get_train_dataloader()))
+
+
+def precondition_trainer(trainer: Any, **options: Any) -> Any:
+    """Make ``trainer`` (a ``transformers.Trainer``, any subclass) precondition its model in
+    place on its first training batch *before* it builds its optimizer, so that parameters
+    preconditioning adds (the strided convolution that replaces a max-pool) are trained.
+    Returns the callback it registers (its ``report`` is set once preconditioned).
+
+    Preconditioning happens when ``train()`` first loads a checkpoint (so that
+    ``resume_from_checkpoint`` loads into the preconditioned model, unfoldable constants and
+    added parameters included) or builds the optimizer, whichever comes first.  An optimizer
+    passed to the Trainer (``optimizers=``) was built before: if it misses an added parameter
+    the call refuses with a ``PrecondError``."""
+    cb = precondition_callback(**options)
+    trainer.add_callback(cb)
+
+    def run(model: nn.Module, resumed: bool) -> None:
+        if is_preconditioned(model):
+            return
+        before = cb.precondition(model, _first_batch(trainer), resumed)
+        refuse_missing(missing_from_optimizers(model, before, [trainer.optimizer]),
+                       "after the optimizer given to the Trainer was built",
+                       "Build the optimizer after preconditioning (let the Trainer build it, or "
+                       "call precondfx.precondition(model, batch, inplace=True) first), or "
+                       "pass maxpool='keep' or maxpool='avgpool', which add no parameters.")
+
+    create = trainer.create_optimizer
+
+    def create_optimizer(model: nn.Module | None = None) -> Any:
+        run(trainer.model, getattr(trainer.state, "global_step", 0) > 0)
+        return create(model)
+
+    trainer.create_optimizer = create_optimizer
+    load = getattr(trainer, "_load_from_checkpoint", None)
+    if load is not None:
+        def load_from_checkpoint(*a: Any, **kw: Any) -> Any:
+            run(trainer.model, False)   # before loading: the checkpoint loads into it
+            return load(*a, **kw)
+        trainer._load_from_checkpoint = load_from_checkpoint
+    return cb

@@ -71,7 +71,8 @@ def _warn_pending(module: nn.Module, state_dict: dict, prefix: str, meta: Any) -
     """A checkpoint of a model planned on the meta device before ``distributed.calibrate``
     ran on it: its constants are not folded yet (a no-op once calibrate set folding up)."""
     entry = getattr(getattr(module, "config", None), CONFIG_KEY, None)
-    if isinstance(entry, dict) and entry.get("checkpoints") == "pending":
+    if isinstance(entry, dict) and entry.get("checkpoints") == "pending" \
+            and not _live(state_dict, prefix):
         warnings.warn(
             "this transformers model was preconditioned on the meta device and "
             "precondfx.pytorch.distributed.calibrate(model, batch) has not run on it since it got its "
@@ -83,7 +84,10 @@ def _warn_pending(module: nn.Module, state_dict: dict, prefix: str, meta: Any) -
 
 def _warn_raw(module: nn.Module, state_dict: dict, prefix: str, meta: Any) -> None:
     """A checkpoint of a model whose constants cannot fold keeps them as ``precondfx_*``
-    entries, which ``from_pretrained`` drops: say so when one is taken."""
+    entries, which ``from_pretrained`` drops: say so when one is taken (not for the live
+    variables a tracer takes)."""
+    if _live(state_dict, prefix):
+        return
     entry = getattr(getattr(module, "config", None), CONFIG_KEY, None) or {}
     warnings.warn(
         "this preconditioned transformers model has constants that cannot be folded into its "
@@ -124,9 +128,22 @@ def _factors(model: nn.Module) -> dict[str, float]:
     return fold_factors(model)
 
 
+def _live(state_dict: dict, prefix: str) -> bool:
+    """Whether ``state_dict`` holds the live parameters (``state_dict(keep_vars=True)``, as
+    ``torch.jit.trace`` and the TorchScript ONNX exporter take it), not a checkpoint."""
+    return any(isinstance(v, nn.Parameter) for k, v in state_dict.items()
+               if k.startswith(prefix))
+
+
 def _rescale_state_dict(module: nn.Module, state_dict: dict, prefix: str, fold: bool) -> None:
     """Multiply (``fold``) or divide every entry of a folded parameter (and its aliases) by
-    its factor, in place."""
+    its factor, in place.
+
+    An entry that is an ``nn.Parameter`` is a live variable (``keep_vars=True``): it is left
+    as it is both ways.  Folding it would hand a computed tensor to whoever asked for the
+    variables themselves (a tracer records those as the model's inputs: the real parameters
+    would then be constants that require grad, which ``torch.onnx.export(dynamo=False)`` and
+    ``torch.jit.trace`` refuse), and a state of live variables was never folded."""
     factors = _factors(module)
     for first, names in _aliases(module).items():
         f = factors.get(first)
@@ -134,7 +151,7 @@ def _rescale_state_dict(module: nn.Module, state_dict: dict, prefix: str, fold: 
             continue
         for n in names:
             k = prefix + n
-            if k in state_dict:
+            if k in state_dict and not isinstance(state_dict[k], nn.Parameter):
                 state_dict[k] = state_dict[k] * f if fold else state_dict[k] / f
 
 
