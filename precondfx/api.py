@@ -68,14 +68,16 @@ META = _no_data_support(
 
 
 #: a sharded model (DTensor parameters, FSDP2): each rank sees its own batch, so only what
-#: all-reduces its statistics applies (the output scale, ``precondfx.pytorch.distributed.calibrate``)
-SHARDED = _no_data_support(
-    "sharded model",
-    "measured balancing is not distributed (each rank would set alphas from its own "
-    "batch): pass balance='analytic' or 'none'",
-    "input_scale='auto' would differ between ranks (each sees its own batch): pass a "
-    "number or None",
-    "this scheme measures the model on each rank's own batch: use scheme='geometric'")
+#: all-reduces its statistics applies: the output scale (``precondfx.pytorch.distributed.calibrate``)
+#: and measured balancing (per-sample statistics summed over the ranks,
+#: ``precondfx.pytorch.measure.ranks``)
+SHARDED = Support("sharded model", (
+    Rule("input_scale", lambda v: v == "auto", REFUSE,
+         "input_scale='auto' would differ between ranks (each sees its own batch): pass a "
+         "number or None"),
+    Rule("scheme", _measures_data, REFUSE,
+         "this scheme measures the model on each rank's own batch: use scheme='geometric'"),
+))
 
 
 def resolve_torch(user: Options, model: nn.Module) -> Resolved:

@@ -302,7 +302,7 @@ def balance(st: TorchState) -> None:
             st.result, st.sample, st.plan, st.alpha_buffers, verbose=st.verbose, seed=o.seed,
             output_key=o.output_key, mode=o.calibration, log=st.say,
             n_samples=o.balance_samples, balance=o.balance, threshold=o.balance_threshold,
-            graph=st.graph)
+            graph=st.graph, distributed=distributed.is_sharded(st.result))
         rep.skipped += [(f"balance {w}", why) for w, why in h["left_out"].items()]
         if h.get("applied"):
             record_factors(st.measured, st.plan, h["factors"])
