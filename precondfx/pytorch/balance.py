@@ -199,7 +199,7 @@ def _finish(section: dict[str, Any], n_layers: int, left: dict[str, str]) -> dic
     return section
 
 
-def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
+def balance_measured(model: nn.Module, sample: Sample, plan: Plan | None,
                      alpha_buffers: dict[str, list[str]], *, balance: str,
                      stat: str = "hessian", n_samples: int = D.balance_samples,
                      n_cotangents: int = 4, seed: int = D.seed, output_key: Any = D.output_key,
@@ -207,7 +207,9 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
                      log: Callable[[str], None] = lambda m: None,
                      verbose: bool | None = None, rtol: float | None = None,
                      graph: Graph | None = None, distributed: bool = False,
-                     group: Any = None) -> dict[str, Any]:
+                     group: Any = None,
+                     split: tuple[dict[str, list[str]], dict[str, str]] | None = None
+                     ) -> dict[str, Any]:
     """Balance a measured statistic (``STATISTICS``) of every weight whose every call site has
     an alpha buffer (it scales exactly as alpha^4) and that ``graph`` shows read nowhere else;
     the other weighted layers of the plan are listed in ``left_out`` with why.  ``balance='hessian'`` always balances (and raises if it
@@ -238,11 +240,18 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
 
     Returns the report section: statistics before/after on the balancing samples, their
     spreads, the factor applied to each alpha, counts of layers balanced and left out and a
-    ``summary`` line.  The plan is not changed: :func:`record_factors` records the factors."""
+    ``summary`` line.  The plan is not changed: :func:`record_factors` records the factors.
+    ``split``: :func:`balanceable`'s result, computed earlier (then ``plan``, ``alpha_buffers``
+    and ``graph`` are not read)."""
     if balance not in ("auto", "hessian"):
         raise PrecondError(f"balance={balance!r}: measured balancing is 'auto' or 'hessian'")
     gated = balance == "auto"
-    ok, left = balanceable(alpha_buffers, plan, graph)
+    if split is not None:
+        ok, left = {w: list(b) for w, b in split[0].items()}, dict(split[1])
+    elif plan is None:
+        raise PrecondError("balance_measured needs the plan (or split=)")
+    else:
+        ok, left = balanceable(alpha_buffers, plan, graph)
     n_layers = len(ok) + len(left)
     weights = list(ok)
     if len(weights) < 2:

@@ -219,6 +219,7 @@ def test_fsdp_torchrun_example_trains(tmp_path, monkeypatch) -> None:
     ex.launch(world=WORLD, steps=10, out=str(tmp_path))
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     assert res[0]["calib"]["scale"] == res[1]["calib"]["scale"]
+    assert res[0]["balance"] and res[0]["balance"] == res[1]["balance"]   # the same alphas
     target = Options().target_std                            # the example uses the default
     assert all(abs(r["calib"]["std_after"] / target - 1) < 0.02 for r in res)
     assert res[0]["losses"] == res[1]["losses"]              # all-reduced, the same on each

@@ -87,6 +87,27 @@ def _state(model: nn.Module) -> dict:
     return {"full": full, "buffers": {n: b.detach().clone() for n, b in model.named_buffers()}}
 
 
+def _recipe(rank: int, mesh: Any) -> dict:
+    """The large-model recipe: plan on the meta device, shard, ``to_empty``, ``reinit``,
+    ``distributed.calibrate`` and ``distributed.balance`` on this rank's half of the batch."""
+    from torch.distributed.fsdp import fully_shard
+    _, x = _mlp()
+    with torch.device("meta"):
+        m, _ = _mlp()
+    pm, rep = precondfx.precondition(m, x, balance="hessian", init="fan_in", seed=SEED,
+                                     target_std=TARGET)   # alpha sites; measured below
+    assert rep.conditioning["hessian"]["decision"].startswith("deferred")
+    for unit in precondfx.distributed.shard_units(pm, rep.plan):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(pm, mesh=mesh)
+    pm.to_empty(device="cpu")
+    precondfx.reinit(pm, rep.plan, SEED)
+    precondfx.distributed.calibrate(pm, x[rank::WORLD], target_std=TARGET)
+    h = precondfx.distributed.balance(pm, x[rank::WORLD], "hessian", seed=SEED)
+    precondfx.distributed.restore_constants(pm)   # what a later reinit writes back: balanced
+    return {**{k: h.get(k) for k in ("applied", "factors", "samples", "ranks")}, **_state(pm)}
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -102,6 +123,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             r = _run(model, x[rank::WORLD], case)
             r["sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
             res[case] = {**r, **_state(model)}
+        res["recipe"] = _recipe(rank, mesh)
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -168,3 +190,27 @@ def test_sharded_balancing_equals_single_process_on_the_union(ranks: list[dict],
         torch.testing.assert_close(got[0]["buffers"][n], b, rtol=1e-5, atol=0)
     for n, p in ref["full"].items():
         torch.testing.assert_close(got[0]["full"][n], p, rtol=1e-5, atol=1e-7)
+
+
+def test_distributed_balance_recipe_equals_precondition_on_the_union(ranks: list[dict]) -> None:
+    """Planned on the meta device, sharded, materialized, calibrated and balanced on 2 ranks:
+    the factors, weights and constants of ``precondition(model, x, balance='hessian')``."""
+    torch.set_num_threads(1)
+    model, x = _mlp()
+    ref_model, rep = precondfx.precondition(model, x, balance="hessian", init="fan_in",
+                                            seed=SEED, target_std=TARGET)
+    ref = {**rep.conditioning["hessian"], **_state(ref_model)}
+    got = [r["recipe"] for r in ranks]
+    assert got[0]["applied"] and got[0]["ranks"] == WORLD
+    assert got[0]["samples"] == got[1]["samples"] == ref["samples"]
+    assert got[0]["factors"] == got[1]["factors"]
+    diff = max(abs(got[0]["factors"][w] / f - 1) for w, f in ref["factors"].items())
+    print(f"\nrecipe: factors max rel diff {diff:.2g} vs precondition on the whole batch")
+    assert set(got[0]["factors"]) == set(ref["factors"]) and diff < 1e-5
+    for n, p in ref["full"].items():
+        assert torch.equal(got[0]["full"][n], got[1]["full"][n]), n
+        torch.testing.assert_close(got[0]["full"][n], p, rtol=1e-5, atol=1e-7)
+    assert set(got[0]["buffers"]) == set(ref["buffers"])
+    for n, b in ref["buffers"].items():
+        assert torch.equal(got[0]["buffers"][n], got[1]["buffers"][n]), n
+        torch.testing.assert_close(got[0]["buffers"][n], b, rtol=1e-5, atol=0)

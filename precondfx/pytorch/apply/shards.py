@@ -23,6 +23,7 @@ from precondfx.core.plan import ParamInit
 
 CONSTANTS = PREFIX + "constants"
 ALIASES = PREFIX + "aliases"
+BALANCEABLE = PREFIX + "balanceable"
 #: set on a result planned on the meta device: its values come from ``to_empty`` + ``reinit``
 NO_DATA = PREFIX + "planned_on_meta"
 RNGS = ("stream", "counter")
@@ -44,6 +45,14 @@ def record_constants(model: nn.Module, planned: dict[str, float], read: bool = T
                 out[name] = float(b.detach().float().cpu())
     setattr(model, CONSTANTS, out)
     setattr(model, NO_DATA, not read)
+
+
+def record_balanceable(model: nn.Module, ok: dict[str, list[str]], left: dict[str, str]
+                       ) -> None:
+    """Keep, as a plain attribute of the model, which weights measured balancing may rescale
+    (weight -> its alpha buffers) and why the others may not, so that
+    ``precondfx.distributed.balance`` can balance the materialized model without the graph."""
+    setattr(model, BALANCEABLE, ({w: list(b) for w, b in ok.items()}, dict(left)))
 
 
 def record_aliases(model: nn.Module, aliases: dict[str, str]) -> None:
