@@ -132,8 +132,7 @@ def verify_result(result: nn.Module, sample: Sample, *, output_key: Any = None,
             try:
                 res["std"] = cal.output_std(out, output_key)
                 if is_sharded(result):   # calibrated on every rank's batch: checked on it
-                    from precondfx.pytorch.distributed import global_std
-                    res["std"] = global_std(cal.main_output(out, output_key))
+                    res["std"] = cal.global_std(cal.main_output(out, output_key))
             except PrecondError:
                 pass
             if rec.random and "std" in res:
