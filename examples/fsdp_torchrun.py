@@ -10,8 +10,10 @@ or as is, which starts 2 CPU processes (gloo) itself:
 
 The recipe: plan and apply on the meta device (shapes only, no memory), shard with
 ``fully_shard``, ``to_empty``, then ``precondfx.reinit`` (each rank writes its shard of the same
-full tensors as a single-process run) and ``precondfx.distributed.calibrate`` (the output std
-over every rank's batch, all-reduced: every rank sets the same output scale).
+full tensors as a single-process run), ``precondfx.distributed.calibrate`` (the output std
+over every rank's batch, all-reduced: every rank sets the same output scale) and
+``precondfx.distributed.balance`` (measured balancing: per-sample Hessian-block statistics
+summed over the ranks, every rank sets the same alphas).
 """
 from __future__ import annotations
 
@@ -72,7 +74,8 @@ def train(steps: int = 30, seed: int = 0) -> dict:
         # 1. Build on the meta device and plan + apply there: no weight is allocated.
         with torch.device("meta"):
             model = ResidualMLP()
-        model, report = precondfx.precondition(model, data(rank, 0)[0], balance="analytic",
+        #    balance="hessian" places an alpha on every weighted layer, measured in step 3.
+        model, report = precondfx.precondition(model, data(rank, 0)[0], balance="hessian",
                                                seed=seed)
         # 2. Shard every module that holds parameters (with a GraphModule result these are
         #    the leaf layers the graph calls; modules sharing a tied weight go in one unit),
@@ -84,6 +87,7 @@ def train(steps: int = 30, seed: int = 0) -> dict:
         model.to_empty(device=device)
         precondfx.reinit(model, report.plan, seed)
         calib = precondfx.distributed.calibrate(model, data(rank, 0)[0].to(device))
+        bal = precondfx.distributed.balance(model, data(rank, 0)[0].to(device), seed=seed)
         # 4. Train as usual.
         opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
         losses = []
@@ -99,8 +103,9 @@ def train(steps: int = 30, seed: int = 0) -> dict:
         if rank == 0:
             print(f"output scale {calib['scale']:.4g}: output std {calib['std_after']:.4f} "
                   f"over all ranks' batches (target {calib['target_std']:g})")
+            print(bal["summary"])
             print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps on {world} ranks")
-        return {"rank": rank, "calib": calib, "losses": losses}
+        return {"rank": rank, "calib": calib, "balance": bal.get("factors"), "losses": losses}
     finally:
         dist.destroy_process_group()
 

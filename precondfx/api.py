@@ -45,10 +45,11 @@ def _measures_data(scheme: str) -> bool:
 
 def _no_data_support(name: str, balance: str, input_scale: str, scheme: str) -> Support:
     """A setting where the model cannot be measured on the calibration batch: measured
-    balancing, ``input_scale='auto'`` and the schemes that measure data are refused, each with
-    the given why."""
+    balancing (``'auto'``; ``'hessian'`` plans its alpha sites and is measured after
+    materializing, ``precondfx.distributed.balance``), ``input_scale='auto'`` and the schemes
+    that measure data are refused, each with the given why."""
     return Support(name, (
-        Rule("balance", lambda v: v in ("auto", "hessian"), REFUSE, balance),
+        Rule("balance", lambda v: v == "auto", REFUSE, balance),
         Rule("input_scale", lambda v: v == "auto", REFUSE, input_scale),
         Rule("scheme", _measures_data, REFUSE, scheme),
     ))
@@ -58,9 +59,10 @@ def _no_data_support(name: str, balance: str, input_scale: str, scheme: str) -> 
 #: scale is inserted at 1 and calibrated after materializing, ``precondfx.pytorch.distributed``)
 META = _no_data_support(
     "meta device",
-    "balance='auto'/'hessian' measures the model on data, but it is on the meta device: "
-    "pass balance='analytic' or 'none', or materialize the model first "
-    "(model.to_empty(device='cpu'))",
+    "balance='auto' measures the model on data, but it is on the meta device: pass "
+    "balance='analytic' or 'none'; or balance='hessian', which places an alpha on every "
+    "weighted layer, and call precondfx.distributed.balance(model, batch) after to_empty, "
+    "reinit and calibrate; or materialize the model first (model.to_empty(device='cpu'))",
     "input_scale='auto' needs the input's values; the model is on the meta device: pass a "
     "number or None",
     "this scheme measures the model on data, but it is on the meta device: use "
@@ -68,14 +70,16 @@ META = _no_data_support(
 
 
 #: a sharded model (DTensor parameters, FSDP2): each rank sees its own batch, so only what
-#: all-reduces its statistics applies (the output scale, ``precondfx.pytorch.distributed.calibrate``)
-SHARDED = _no_data_support(
-    "sharded model",
-    "measured balancing is not distributed (each rank would set alphas from its own "
-    "batch): pass balance='analytic' or 'none'",
-    "input_scale='auto' would differ between ranks (each sees its own batch): pass a "
-    "number or None",
-    "this scheme measures the model on each rank's own batch: use scheme='geometric'")
+#: all-reduces its statistics applies: the output scale (``precondfx.pytorch.distributed.calibrate``)
+#: and measured balancing (per-sample statistics summed over the ranks,
+#: ``precondfx.pytorch.measure.ranks``)
+SHARDED = Support("sharded model", (
+    Rule("input_scale", lambda v: v == "auto", REFUSE,
+         "input_scale='auto' would differ between ranks (each sees its own batch): pass a "
+         "number or None"),
+    Rule("scheme", _measures_data, REFUSE,
+         "this scheme measures the model on each rank's own batch: use scheme='geometric'"),
+))
 
 
 def resolve_torch(user: Options, model: nn.Module) -> Resolved:

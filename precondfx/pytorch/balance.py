@@ -18,11 +18,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from precondfx.pytorch.apply import shards
 from precondfx.pytorch.capture.common import Sample, main_output
 from precondfx.errors import PrecondError
 from precondfx.core.graph import Graph
 from precondfx.pytorch.measure import batchdim
 from precondfx.pytorch.measure.conditioning.estimates import _mean_estimate
+from precondfx.pytorch.measure.ranks import Ranks, for_group
 from precondfx.pytorch.measure.sketch import geometric_mean, hessian_sketch, precise, rtol_for, spread_of
 from precondfx.core.measured import Measured
 from precondfx.core.options import DEFAULTS as D
@@ -57,15 +59,19 @@ def _measure(model: nn.Module, s: Sample, weights: list[str], n_samples: int, n_
 def _measure_per(model: nn.Module, s: Sample, weights: list[str], n_samples: int, n_cot: int,
                  seed: int, output_key: Any, mode: str, verbose: bool | None = None,
                  desc: str = "measured balancing", first: int = 0,
-                 stop: Callable[[np.ndarray], bool] | None = None
+                 stop: Callable[[np.ndarray], bool] | None = None, ranks: Ranks | None = None
                  ) -> tuple[np.ndarray, str, str]:
-    """Per-sample statistics (samples measured x weights), the engine that ran, and a note."""
+    """Per-sample statistics (samples measured x weights), the engine that ran, and a note.
+    With ``ranks``, those of every rank's samples, the same on every rank (the parameters of a
+    sharded model gathered whole meanwhile: :func:`~precondfx.pytorch.apply.shards.gathered`)."""
     fn = (lambda out: main_output(out, output_key))
 
     def sketch(data: Any) -> Any:
-        return hessian_sketch(model, data, weights, n_samples=n_samples, n_cotangents=n_cot,
-                              seed=seed, output_fn=fn, verbose=verbose, desc=desc,
-                              first=first, stop=stop)
+        with shards.gathered(model):
+            return hessian_sketch(model, data, weights, n_samples=n_samples,
+                                  n_cotangents=n_cot, seed=seed, output_fn=fn,
+                                  verbose=verbose, desc=desc, first=first, stop=stop,
+                                  ranks=ranks)
     from precondfx.pytorch.calibrate import preserved, set_mode
     note = ""
     with preserved(model):  # every module's own mode back afterwards, not one flag for all
@@ -193,14 +199,17 @@ def _finish(section: dict[str, Any], n_layers: int, left: dict[str, str]) -> dic
     return section
 
 
-def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
+def balance_measured(model: nn.Module, sample: Sample, plan: Plan | None,
                      alpha_buffers: dict[str, list[str]], *, balance: str,
                      stat: str = "hessian", n_samples: int = D.balance_samples,
                      n_cotangents: int = 4, seed: int = D.seed, output_key: Any = D.output_key,
                      mode: str = D.calibration, threshold: float = D.balance_threshold,
                      log: Callable[[str], None] = lambda m: None,
                      verbose: bool | None = None, rtol: float | None = None,
-                     graph: Graph | None = None) -> dict[str, Any]:
+                     graph: Graph | None = None, distributed: bool = False,
+                     group: Any = None,
+                     split: tuple[dict[str, list[str]], dict[str, str]] | None = None
+                     ) -> dict[str, Any]:
     """Balance a measured statistic (``STATISTICS``) of every weight whose every call site has
     an alpha buffer (it scales exactly as alpha^4) and that ``graph`` shows read nowhere else;
     the other weighted layers of the plan are listed in ``left_out`` with why.  ``balance='hessian'`` always balances (and raises if it
@@ -221,20 +230,40 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
     when it exceeds ``1e-4`` relative, or when two identical forwards already differ (a random
     op the calibration could not turn off).
 
+    ``distributed`` (a sharded model, or every rank of an initialized process group ``group``
+    calling with its own batch): each rank measures the first half of its own batch, the
+    per-sample statistics are summed over the ranks before the stop rule and the factors
+    see them (:mod:`precondfx.pytorch.measure.ranks`), and the output checks take the largest
+    change over the ranks, so every rank sets the same factors: those of one process balancing
+    on the global batch whose rank-r part is ``x[r::world]`` (when every rank holds the same
+    even number of samples).  Without a process group of 2 ranks or more it is one process.
+
     Returns the report section: statistics before/after on the balancing samples, their
     spreads, the factor applied to each alpha, counts of layers balanced and left out and a
-    ``summary`` line.  The plan is not changed: :func:`record_factors` records the factors."""
+    ``summary`` line.  The plan is not changed: :func:`record_factors` records the factors.
+    ``split``: :func:`balanceable`'s result, computed earlier (then ``plan``, ``alpha_buffers``
+    and ``graph`` are not read)."""
     if balance not in ("auto", "hessian"):
         raise PrecondError(f"balance={balance!r}: measured balancing is 'auto' or 'hessian'")
     gated = balance == "auto"
-    ok, left = balanceable(alpha_buffers, plan, graph)
+    if split is not None:
+        ok, left = {w: list(b) for w, b in split[0].items()}, dict(split[1])
+    elif plan is None:
+        raise PrecondError("balance_measured needs the plan (or split=)")
+    else:
+        ok, left = balanceable(alpha_buffers, plan, graph)
     n_layers = len(ok) + len(left)
     weights = list(ok)
     if len(weights) < 2:
         return _finish({"note": f"{len(weights)} of {n_layers} weighted layers carry an alpha "
                                 f"on every call site: nothing to balance"}, n_layers, left)
-    sample, dim_note = batchdim.resolve(model, sample, lambda out: main_output(out, output_key))
+    with shards.gathered(model):   # its forwards then run no collective: ranks may differ
+        sample, dim_note = batchdim.resolve(model, sample,
+                                            lambda out: main_output(out, output_key))
     fit, held, b = _split(sample)
+    ranks = for_group(fit.batch_size(), group) if distributed else None
+    if ranks is not None:
+        b = int(ranks.sum(np.array([float(b)]))[0])   # the global batch
     n_fit = n_samples
     # once a quarter of the samples is measured, stop when every statistic is precise enough
     # (or, for 'auto', when even the upper bound of the spread at 2 standard errors is below
@@ -251,7 +280,8 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
         return clear(per_) or precise(per_, rtol)
     log(f"measuring the {stat} statistic of {len(weights)} layers on {n_fit} samples")
     per, engine, note = _measure_per(model, fit, weights, n_fit, n_cotangents, seed,
-                                     output_key, mode, verbose, first=n_first, stop=enough)
+                                     output_key, mode, verbose, first=n_first, stop=enough,
+                                     ranks=ranks)
     before, before_se = _estimates(per, weights)
     early = _stop_note(per, n_fit, clear, before, before_se, rtol, threshold)
     n_fit = min(n_fit, len(per))
@@ -265,6 +295,9 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
             "note": "; ".join(x for x in (dim_note, note) if x), "batch_dim": sample.dim,
             "engine": engine,
             "stopped_early": early.rstrip("; ")}
+    if ranks is not None:
+        base["ranks"] = ranks.world
+        base["balancing_samples_per_rank"] = list(ranks.sizes)
     low = significant_spread(before, before_se)
     if gated and low <= threshold:
         return _finish({**base, "spread_lower_bound": low, "applied": False,
@@ -275,7 +308,7 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan,
     factors = {w: (target / v) ** 0.25 for w, v in before.items()}
     one = sample.take(0) if b > 1 else sample   # two identical runs must agree: no random op
     change, msg = _rescale_checked(model, fit, one, ok, factors, output_key, mode,
-                                   spread_of(before))
+                                   spread_of(before), ranks)
     if msg is not None:
         if not gated:
             raise PrecondError(f"measured balancing failed: {msg}")
@@ -318,12 +351,13 @@ def _drop_unreached(before: dict[str, float], se: dict[str, float], left: dict[s
 
 
 def _rescale_checked(model: nn.Module, fit: Sample, one: Sample, ok: dict[str, list[str]],
-                     factors: dict[str, float], output_key: Any, mode: str, spread: float
-                     ) -> tuple[float, str | None]:
+                     factors: dict[str, float], output_key: Any, mode: str, spread: float,
+                     ranks: Ranks | None = None) -> tuple[float, str | None]:
     """Rescale each weight's alphas by its factor and check that the main output on ``fit``
     is unchanged; if not (or if two identical forwards of ``one`` already differ: a random
-    op), undo exactly (saved tensors copied back).  Returns the output's relative change and
-    why the rescaling was undone (None: kept)."""
+    op), undo exactly (saved tensors copied back).  With ``ranks`` the largest change and
+    noise over the ranks decide, the same way on every rank.  Returns the output's relative
+    change and why the rescaling was undone (None: kept)."""
     y0 = _output(model, fit, output_key, mode)
     noise = _rel_change(_output(model, one, output_key, mode),
                         _output(model, one, output_key, mode))
@@ -332,6 +366,8 @@ def _rescale_checked(model: nn.Module, fit: Sample, one: Sample, ok: dict[str, l
     for w, c in factors.items():
         _rescale(model, w, ok[w], c)
     change = _rel_change(_output(model, fit, output_key, mode), y0)
+    if ranks is not None:
+        change, noise = ranks.max([change, noise])
     if noise <= 1e-5 and change < 1e-4 + noise:
         return change, None
     with torch.no_grad():

@@ -3,8 +3,10 @@ output scale calibrated with a distributed forward (FSDP2 ``fully_shard``, DTens
 
 Recipe (docs/guides/large-models.md, ``examples/fsdp_torchrun.py``): plan and apply on the
 meta device, shard with ``fully_shard``, ``model.to_empty(device=...)``, then :func:`reinit`
-(each rank writes only its shard) and :func:`calibrate` (the output statistics are all-reduced,
-so every rank ends with the same constant).
+(each rank writes only its shard), :func:`calibrate` (the output statistics are all-reduced,
+so every rank ends with the same constant) and, for measured balancing, :func:`balance` (the
+per-sample Hessian-block statistics are summed over the ranks, so every rank sets the same
+alphas).
 
 Two random streams give the full tensors:
 
@@ -27,9 +29,10 @@ import torch
 from torch import nn
 
 from precondfx.pytorch.apply.common import PREFIX
-from precondfx.pytorch.apply.shards import (ALIASES, CONSTANTS, RNGS, counter_normal,  # noqa: F401
-                                    is_sharded, record_aliases, record_constants,
-                                    restore_constants, untied)
+from precondfx.pytorch.apply.shards import (ALIASES, BALANCEABLE, CONSTANTS, RNGS,  # noqa: F401
+                                    counter_normal, is_sharded, record_aliases,
+                                    record_balanceable, record_constants, restore_constants,
+                                    untied)
 from precondfx.pytorch.apply.shards import local as shards_local
 from precondfx.pytorch.capture.common import main_output, make_sample
 from precondfx.errors import PrecondError
@@ -37,8 +40,9 @@ from precondfx.core.plan import Plan
 from precondfx.pytorch.calibrate import global_std_local as _global_std
 from precondfx.pytorch.calibrate import global_std  # noqa: F401 (public here too)
 
-__all__ = ["CONSTANTS", "RNGS", "calibrate", "counter_normal", "is_sharded", "record_constants",
-           "reinit", "restore_constants", "settle_checkpoints", "shard_units"]
+__all__ = ["CONSTANTS", "RNGS", "balance", "calibrate", "counter_normal", "is_sharded",
+           "record_constants", "reinit", "restore_constants", "settle_checkpoints",
+           "shard_units"]
 
 
 # -- sharding units ---------------------------------------------------------------------------
@@ -180,3 +184,55 @@ def calibrate(model: nn.Module, sample: Any, target_std: float | None = None, *,
     _settle(model, lambda m: cal.forward(m, s, "eval"))
     return {"std_before": before / current, "scale": scale, "std_after": after,
             "target_std": target_std, "local_std_after": local}
+
+
+# -- distributed measured balancing -----------------------------------------------------------
+def balance(model: nn.Module, sample: Any, balance: str = "hessian", *, seed: int | None = None,
+            output_key: str | int | None = None, mode: str | None = None,
+            balance_samples: int | None = None, balance_threshold: float | None = None,
+            group: Any = None, forward_kwargs: dict | None = None,
+            verbose: bool | None = False) -> dict[str, Any]:
+    """Measured balancing (``balance='hessian'`` or ``'auto'``) of a preconditioned model
+    that is materialized (after ``to_empty``, :func:`reinit` and :func:`calibrate`): every rank
+    calls it with its own batch; each measures the first half of its batch, the per-sample
+    statistics are summed over the ranks of ``group`` (any initialized process group; without
+    one, this process alone), so every rank sets the same factors: those of one process
+    balancing on the global batch whose rank-r part is ``x[r::world]`` (every rank holding the
+    same even number of samples).  Sharded (FSDP2) parameters are gathered whole for the
+    measurement (the unsharded model's memory on each rank meanwhile), then rescaled shard by
+    shard.  The other options default to ``precondition``'s.  Returns the report section
+    (``factors``: each rebalanced weight's factor; ``summary``)."""
+    from precondfx.core.options import Options
+    from precondfx.pytorch import calibrate as cal
+    from precondfx.pytorch.balance import balance_measured
+    if balance not in ("hessian", "auto"):
+        raise PrecondError(f"balance={balance!r}: distributed.balance measures, so it is "
+                           f"'hessian' or 'auto' (the analytic alphas were set when planning)")
+    split = getattr(model, BALANCEABLE, None)
+    if split is None:
+        raise PrecondError("the model carries no record of its alpha constants: pass the "
+                           "model precondfx.precondition returned (planned on the meta device "
+                           "and materialized, or sharded after preconditioning)")
+    loose = untied(model)
+    if loose:
+        raise PrecondError(f"tied parameters are no longer the same tensor "
+                           f"({', '.join(f'{a} and {c}' for a, c in loose)}): call "
+                           f"precondfx.reinit(model, report.plan, seed) after to_empty, then "
+                           f"calibrate, before balancing")
+    o = Options()
+    s = make_sample(sample, forward_kwargs)
+    cal.check_finite_sample(s)
+    h = balance_measured(
+        model, s, None, {}, balance=balance, split=split,
+        seed=o.seed if seed is None else seed,
+        output_key=o.output_key if output_key is None else output_key,
+        mode=o.calibration if mode is None else mode,
+        n_samples=o.balance_samples if balance_samples is None else balance_samples,
+        threshold=o.balance_threshold if balance_threshold is None else balance_threshold,
+        verbose=verbose, distributed=True, group=group)
+    rec = getattr(model, CONSTANTS, None)
+    if h.get("applied") and isinstance(rec, dict):   # what restore_constants writes back
+        for w in h["factors"]:
+            for b in split[0][w]:
+                rec[b] = float(model.get_buffer(b).detach().float().cpu())
+    return h

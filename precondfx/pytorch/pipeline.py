@@ -24,7 +24,7 @@ from precondfx.core import driver
 from precondfx.pytorch.apply.common import PREFIX, output_path
 from precondfx.pytorch.apply.eager_apply import EagerApplier
 from precondfx.pytorch.apply.fx_apply import FxApplier
-from precondfx.pytorch.balance import balance_measured, held_out, record_factors
+from precondfx.pytorch.balance import balance_measured, balanceable, held_out, record_factors
 from precondfx.pytorch.capture import meta
 from precondfx.pytorch.capture.common import Sample, main_output, make_sample
 from precondfx.pytorch.capture.ladder import Captured, capture
@@ -295,14 +295,22 @@ def backend(st: TorchState) -> None:
 
 
 def balance(st: TorchState) -> None:
-    """Measured balancing (``balance='auto'``/``'hessian'``)."""
+    """Measured balancing (``balance='auto'``/``'hessian'``); on the meta device, the alpha
+    sites are planned and the measurement is left to ``precondfx.distributed.balance``."""
     o, rep = st.opts, st.report
+    if not st.data:
+        why = ("the model is on the meta device: an alpha (1) sits on every weighted layer; "
+               "balance it after to_empty, precondfx.reinit and distributed.calibrate with "
+               "precondfx.distributed.balance(model, batch)")
+        rep.conditioning["hessian"] = {"applied": False, "decision": f"deferred: {why}"}
+        rep.skipped.append((f"balance={o.balance!r}", f"not measured yet: {why}"))
+        return
     try:
         rep.conditioning["hessian"] = h = balance_measured(
             st.result, st.sample, st.plan, st.alpha_buffers, verbose=st.verbose, seed=o.seed,
             output_key=o.output_key, mode=o.calibration, log=st.say,
             n_samples=o.balance_samples, balance=o.balance, threshold=o.balance_threshold,
-            graph=st.graph)
+            graph=st.graph, distributed=distributed.is_sharded(st.result))
         rep.skipped += [(f"balance {w}", why) for w, why in h["left_out"].items()]
         if h.get("applied"):
             record_factors(st.measured, st.plan, h["factors"])
@@ -355,6 +363,7 @@ def finish(st: TorchState) -> None:
     original dtype back."""
     distributed.record_constants(st.result, st.constants, read=st.data)
     distributed.record_aliases(st.result, st.plan.aliases)
+    distributed.record_balanceable(st.result, *balanceable(st.alpha_buffers, st.plan, st.graph))
     restore_modes(st.result, st.modes)
     st.say("recording how to fold the constants back into the weights")
     record(st.result, st.work, st.backend, st.graph, lambda m: run_on(m, st.sample, "eval"))

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from precondfx.pytorch.apply.shards import is_sharded
 from precondfx.pytorch.balance import measured_statistics
 from precondfx.pytorch.capture.common import Sample, main_output
 from precondfx.errors import PrecondError
@@ -130,6 +131,8 @@ def verify_result(result: nn.Module, sample: Sample, *, output_key: Any = None,
         if m == mode:
             try:
                 res["std"] = cal.output_std(out, output_key)
+                if is_sharded(result):   # calibrated on every rank's batch: checked on it
+                    res["std"] = cal.global_std(cal.main_output(out, output_key))
             except PrecondError:
                 pass
             if rec.random and "std" in res:

@@ -82,12 +82,15 @@ def _worker(rank: int, port: int, out: str) -> None:
             res[name] = r
         # the pass itself on a model sharded before preconditioning (inplace: FSDP2 modules
         # cannot be deep-copied), each rank calibrating on its own half of the batch
-        real, x = _fresh_mlp()
-        _shard(real, mesh)
-        try:
-            precondfx.precondition(real, x[rank::WORLD], inplace=True)
+        dflt, x = _fresh_mlp()
+        _shard(dflt, mesh)
+        try:       # the defaults (balance='auto'): measured balancing is distributed now
+            _, rep = precondfx.precondition(dflt, x[rank::WORLD], inplace=True)
+            res["refusal"] = rep.conditioning["hessian"].get("ranks")
         except precondfx.PrecondError as e:
             res["refusal"] = str(e)
+        real, x = _fresh_mlp()
+        _shard(real, mesh)
         _, rep = precondfx.precondition(real, x[rank::WORLD], balance="analytic", seed=SEED,
                                         inplace=True, target_std=TARGET)
         res["pass"] = {"scale": rep.output_scale, "std_after": rep.output_std_after,
@@ -216,6 +219,7 @@ def test_fsdp_torchrun_example_trains(tmp_path, monkeypatch) -> None:
     ex.launch(world=WORLD, steps=10, out=str(tmp_path))
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     assert res[0]["calib"]["scale"] == res[1]["calib"]["scale"]
+    assert res[0]["balance"] and res[0]["balance"] == res[1]["balance"]   # the same alphas
     target = Options().target_std                            # the example uses the default
     assert all(abs(r["calib"]["std_after"] / target - 1) < 0.02 for r in res)
     assert res[0]["losses"] == res[1]["losses"]              # all-reduced, the same on each
@@ -225,8 +229,9 @@ def test_fsdp_torchrun_example_trains(tmp_path, monkeypatch) -> None:
 @pytest.mark.slow
 def test_precondition_on_a_sharded_model(sharded: list[dict]) -> None:
     """precondition(inplace=True) on an FSDP2 model: the same weights and output scale as the
-    single-process pass on the whole batch; measured balancing is refused (not distributed)."""
-    assert all("measured balancing is not distributed" in r["refusal"] for r in sharded)
+    single-process pass on the whole batch; measured balancing (the default 'auto') runs over
+    both ranks (tests/pytorch/test_distributed_balance.py compares its factors)."""
+    assert all(r["refusal"] == WORLD for r in sharded)
     real, x = _fresh_mlp()
     ref, rep = precondfx.precondition(real, x, balance="analytic", seed=SEED, capture="eager",
                                       target_std=TARGET)

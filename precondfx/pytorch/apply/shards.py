@@ -5,10 +5,11 @@ The two random streams (``rng=``) are described in :mod:`precondfx.pytorch.distr
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from precondfx.core.plan import ParamInit
 
 CONSTANTS = PREFIX + "constants"
 ALIASES = PREFIX + "aliases"
+BALANCEABLE = PREFIX + "balanceable"
 #: set on a result planned on the meta device: its values come from ``to_empty`` + ``reinit``
 NO_DATA = PREFIX + "planned_on_meta"
 RNGS = ("stream", "counter")
@@ -43,6 +45,14 @@ def record_constants(model: nn.Module, planned: dict[str, float], read: bool = T
                 out[name] = float(b.detach().float().cpu())
     setattr(model, CONSTANTS, out)
     setattr(model, NO_DATA, not read)
+
+
+def record_balanceable(model: nn.Module, ok: dict[str, list[str]], left: dict[str, str]
+                       ) -> None:
+    """Keep, as a plain attribute of the model, which weights measured balancing may rescale
+    (weight -> its alpha buffers) and why the others may not, so that
+    ``precondfx.distributed.balance`` can balance the materialized model without the graph."""
+    setattr(model, BALANCEABLE, ({w: list(b) for w, b in ok.items()}, dict(left)))
 
 
 def record_aliases(model: nn.Module, aliases: dict[str, str]) -> None:
@@ -102,6 +112,54 @@ def is_sharded(model: nn.Module) -> bool:
     """Whether any parameter is a DTensor (FSDP2 ``fully_shard``, tensor parallel)."""
     cls = _dtensor_cls()
     return cls is not None and any(isinstance(p, cls) for p in model.parameters())
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules ``fully_shard`` was applied to (FSDP2; none before ``torch.distributed.fsdp``
+    is imported, and the check does not import it: see :func:`_dtensor_cls`)."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return []
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[None]:
+    """Every FSDP2 unit's parameters all-gathered and kept whole through forward and backward
+    passes (FSDP2's ``unshard``, resharding after forward and backward off), so that
+    ``model.get_parameter`` gives the full tensors the forward uses and autograd can
+    differentiate with respect to them; on the way out the units are resharded and their
+    resharding settings restored.  No collective runs inside (each rank may run its own
+    passes); the parameters' memory is that of the unsharded model.  Nothing happens to a
+    model without FSDP2 units.  Writes to the parameters inside are lost: change the sharded
+    parameters after."""
+    units = fsdp_units(model)
+    if not units:
+        yield
+        return
+    saved = []
+    for m in units:
+        st = m._get_fsdp_state()
+        saved.append((st, st._auto_reshard_after_forward,
+                      [(g, g.post_forward_mesh_info, g.reshard_after_backward)
+                       for g in st._fsdp_param_groups]))
+    try:
+        for m in units:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.set_reshard_after_backward(False, recurse=False)
+        for m in units:
+            m.unshard()
+        yield
+    finally:
+        for m in units:
+            m.reshard()
+        for st, auto, groups in saved:
+            st._auto_reshard_after_forward = auto
+            for g, fwd, bwd in groups:
+                g.post_forward_mesh_info, g.reshard_after_backward = fwd, bwd
 
 
 def _local_box(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

@@ -376,21 +376,46 @@ def batched_sketch(model: nn.Module, smp: Sample, batch: int, params: Sequence[t
                    names: Sequence[str], n_samples: int, n_cotangents: int,
                    gen: torch.Generator, output_fn: Callable[[Any], torch.Tensor],
                    step: Callable[[int], None] = lambda n: None, first: int = 0,
-                   stop: Callable[[np.ndarray], bool] | None = None) -> np.ndarray:
+                   stop: Callable[[np.ndarray], bool] | None = None,
+                   ranks: Any = None) -> np.ndarray:
     """Per-sample statistic ``(sum over pairs of G_aa G_bb + G_ab^2) / pairs / (2 numel)``
     (``n_samples`` x ``len(params)``), the same estimator with the same cotangents as the
     per-sample loop; raises :class:`Unsupported` when it cannot be exact.  The samples run in
     rounds of ``batch``; after each round that has reached ``first`` samples, ``stop(values so
-    far)`` may end the measurement (the rows returned are the samples measured)."""
-    sites, owner = _sites(model, params, names)
-    nb = min(batch, n_samples)
-    for s in sites.values():
-        s.nb = nb
-    # prepend: see the module's own output, before any hook of the user's or of precondfx
-    # (an output scale on the last layer) transforms it
-    handles = [s.module.register_forward_hook(s, prepend=True) for s in sites.values()]
+    far)`` may end the measurement (the rows returned are the samples measured).
+
+    With ``ranks`` (:class:`precondfx.pytorch.measure.ranks.Ranks`) the samples are the global
+    ones of every rank: the rounds are those of one process holding them all, this rank
+    measures the rows it holds, and each round's rows are summed over the ranks before the
+    stop rule sees them (every rank gets the same values and the same decision; a failure on
+    any rank is a failure on all)."""
+    total = ranks.total if ranks is not None else batch
+    n_round = min(total, n_samples)                  # draws per round (global)
+    mine = ranks.owned(n_round) if ranks is not None else list(range(n_round))
+    nb = len(mine)                                   # local rows of the batched forward
+    error: BaseException | None = None
+    handles: list[Any] = []
     try:
-        y, shape1 = _forward(model, smp, nb, sites, output_fn)
+        sites, owner = _sites(model, params, names)
+        for s in sites.values():
+            s.nb = max(nb, 1)
+        # prepend: see the module's own output, before any hook of the user's or of precondfx
+        # (an output scale on the last layer) transforms it
+        handles = [s.module.register_forward_hook(s, prepend=True) for s in sites.values()]
+        if nb:
+            y, shape1 = _forward(model, smp, nb, sites, output_fn)
+        else:                                        # this rank holds none of the draws
+            with torch.no_grad():
+                shape1 = output_fn(smp.take(0).call(model)).shape
+    except Exception as e:  # noqa: BLE001 - agreed over the ranks below
+        if ranks is None:
+            for h in handles:
+                h.remove()
+            raise
+        error = e
+    try:
+        if ranks is not None and (err := ranks.failed(error)) is not None:
+            raise Unsupported(f"{type(err).__name__}: {err}")
         outs = [(s, c) for s in sites.values() for c in range(len(s.ys))]
         # cotangents in the per-sample loop's order: sample by sample, P each
         vs = torch.stack([torch.stack([torch.randn(shape1, generator=gen, dtype=torch.float32)
@@ -398,25 +423,23 @@ def batched_sketch(model: nn.Module, smp: Sample, batch: int, params: Sequence[t
                           for _ in range(n_samples)])
         per = np.zeros((n_samples, len(params)))
         iu = [(a, b) for a in range(n_cotangents) for b in range(a + 1, n_cotangents)]
-        rounds = [(r, min(nb, n_samples - r)) for r in range(0, n_samples, nb)]
+        rounds = [(r, min(n_round, n_samples - r)) for r in range(0, n_samples, n_round)]
         for ri, (s0, cnt) in enumerate(rounds):
-            rows = slice(0, cnt)
-            for s in sites.values():
-                s.start(n_cotangents, rows)
-            for a in range(n_cotangents):
-                v = torch.zeros(y.shape, dtype=y.dtype, device=y.device)
-                v[:cnt] = vs[s0:s0 + cnt, a].reshape((cnt,) + tuple(y.shape[1:])).to(v)
-                check = ri == 0 and a == 0
-                _backward(y, v, outs, sites, rows, params if check else (),
-                          keep_graph=not (ri == len(rounds) - 1 and a == n_cotangents - 1),
-                          names=names, owner=owner)
-            for j, p in enumerate(params):
-                gram = _gram_param(owner[id(p)], rows)
-                sq = torch.diagonal(gram, dim1=1, dim2=2)
-                acc = sum(sq[:, a] * sq[:, b] + gram[:, a, b] ** 2 for a, b in iu)
-                per[s0:s0 + cnt, j] = (acc / len(iu) / (2 * p.numel())).cpu().numpy()
-            for s in sites.values():
-                s.feats = []
+            gs = [g for g in mine if g < cnt]        # this round's draws s0 + g, local rows 0..
+            k = len(gs)
+            try:
+                if k:
+                    _round(y, vs, gs, s0, k, sites, outs, owner, params, names, iu, per,
+                           n_cotangents, check=ri == 0,
+                           keep_graph=any(g < c for _, c in rounds[ri + 1:] for g in mine))
+            except Exception as e:  # noqa: BLE001 - agreed over the ranks below
+                if ranks is None:
+                    raise
+                error = e
+            if ranks is not None:
+                if (err := ranks.failed(error)) is not None:
+                    raise Unsupported(f"{type(err).__name__}: {err}")
+                per[s0:s0 + cnt] = ranks.sum(per[s0:s0 + cnt])
             step(cnt)
             done = s0 + cnt
             if stop is not None and done >= first and done < n_samples and stop(per[:done]):
@@ -425,6 +448,31 @@ def batched_sketch(model: nn.Module, smp: Sample, batch: int, params: Sequence[t
     finally:
         for h in handles:
             h.remove()
+
+
+def _round(y: torch.Tensor, vs: torch.Tensor, gs: list[int], s0: int, k: int,
+           sites: dict[int, _Site], outs: list[tuple[_Site, int]],
+           owner: dict[int, list[_Site]], params: Sequence[torch.Tensor],
+           names: Sequence[str], iu: list[tuple[int, int]], per: np.ndarray,
+           n_cotangents: int, check: bool, keep_graph: bool) -> None:
+    """One round: P backward passes of the first ``k`` rows of the batched output with the
+    cotangents of draws ``s0 + g`` (g in ``gs``), their per-sample values into ``per``."""
+    rows = slice(0, k)
+    draws = [s0 + g for g in gs]
+    for s in sites.values():
+        s.start(n_cotangents, rows)
+    for a in range(n_cotangents):
+        v = torch.zeros(y.shape, dtype=y.dtype, device=y.device)
+        v[:k] = vs[draws, a].reshape((k,) + tuple(y.shape[1:])).to(v)
+        _backward(y, v, outs, sites, rows, params if check and a == 0 else (),
+                  keep_graph=keep_graph or a < n_cotangents - 1, names=names, owner=owner)
+    for j, p in enumerate(params):
+        gram = _gram_param(owner[id(p)], rows)
+        sq = torch.diagonal(gram, dim1=1, dim2=2)
+        acc = sum(sq[:, a] * sq[:, b] + gram[:, a, b] ** 2 for a, b in iu)
+        per[draws, j] = (acc / len(iu) / (2 * p.numel())).cpu().numpy()
+    for s in sites.values():
+        s.feats = []
 
 
 def _backward(y: torch.Tensor, v: torch.Tensor, outs: list[tuple[_Site, int]],

@@ -65,7 +65,8 @@ def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_s
                    output_fn: Callable[[Any], torch.Tensor] | None = None,
                    verbose: bool | None = None, desc: str = "Hessian-block sketch",
                    batched: bool = True, first: int = 0,
-                   stop: Callable[[np.ndarray], bool] | None = None) -> SketchResult:
+                   stop: Callable[[np.ndarray], bool] | None = None,
+                   ranks: Any = None) -> SketchResult:
     """Estimate ``E||G_l r||^2/numel`` for each named weight (see the module docstring).
 
     Cost per sample: 1 forward and ``n_cotangents`` backward passes, for all layers together.
@@ -76,7 +77,13 @@ def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_s
     of samples) from the ``first`` on, can end the measurement there (an estimate that already
     decides, or is already precise enough: :func:`precise`).
     Progress (ETA per sample) goes to stderr on a terminal unless ``verbose=False``
-    (:mod:`precondfx.core.progress`)."""
+    (:mod:`precondfx.core.progress`).
+
+    ``ranks`` (:class:`precondfx.pytorch.measure.ranks.Ranks`): ``sample`` is this rank's part
+    of the samples of every rank; each rank measures the draws on the samples it holds, and
+    the per-sample values are summed over the ranks after each round (batched) or sample
+    (loop), so every rank returns the same values and stops at the same sample as one
+    process measuring every rank's samples."""
     if n_cotangents < 2:
         raise PrecondError("n_cotangents must be at least 2 (the estimate uses pairs)")
     output_fn = output_fn or default_output_fn
@@ -89,13 +96,17 @@ def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_s
     if batched and smp.dim != 0:    # the batched engine stacks the samples along dim 0
         batched, note = False, (f"per-sample loop (inputs batched along dim {smp.dim}, "
                                 f"sequence-first)")
+    if ranks is not None:   # every rank must take the same engine: the collectives pair up
+        batched = ranks.max([0.0 if batched else 1.0])[0] == 0.0
+    total = ranks.total if ranks is not None else batch
     with measurement_state(model, params), torch.enable_grad(), one_thread(model), \
             Progress(n_samples, desc, verbose=verbose) as bar:
         if batched:
             state = gen.get_state()
             try:
                 per = batched_sketch(model, smp, batch, params, list(weights), n_samples,
-                                     n_cotangents, gen, output_fn, bar.step, first, stop)
+                                     n_cotangents, gen, output_fn, bar.step, first, stop,
+                                     ranks=ranks)
             except Exception as e:  # noqa: BLE001 - the loop below is exact for any model
                 note = f"per-sample loop ({type(e).__name__}: {str(e)[:120]})"
                 gen.set_state(state)
@@ -103,28 +114,55 @@ def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_s
             else:
                 vals = {w: _mean_estimate(per[:, j]) for j, w in enumerate(weights)}
                 return SketchResult(vals, len(per), n_cotangents, "pairs", "batched", per)
+        shape = None
+        if ranks is not None:   # the draws of samples other ranks hold are skipped, not made
+            with torch.no_grad():
+                shape = run_sample(model, smp, 0, output_fn).shape
         for s in range(n_samples):
-            i = s % batch
-            y = run_sample(model, smp, i, output_fn)
-            grads: list[list[torch.Tensor]] = []
-            for k in range(n_cotangents):
-                v = torch.randn(y.shape, generator=gen, dtype=torch.float32).to(y.device, y.dtype)
-                g = torch.autograd.grad(y, params, v, retain_graph=k < n_cotangents - 1,
-                                        allow_unused=True)
-                grads.append([torch.zeros_like(p) if gi is None else gi.detach().to_dense()
-                              if gi.layout != torch.strided else gi.detach()
-                              for gi, p in zip(g, params)])   # sparse: Embedding(sparse=True)
-            for j, p in enumerate(params):
-                flat = [grads[k][j].double().flatten() for k in range(n_cotangents)]
-                sq = [float(f @ f) for f in flat]
-                acc = sum(sq[a] * sq[b] + float(flat[a] @ flat[b]) ** 2 for a, b in iu)
-                per[s, j] = acc / len(iu) / (2 * p.numel())
+            i = s % total if ranks is None else ranks.local(s % total)
+            error: BaseException | None = None
+            if i is None:
+                for _ in range(n_cotangents):
+                    torch.randn(shape, generator=gen, dtype=torch.float32)
+            else:
+                try:
+                    per[s] = _one(model, smp, i, params, n_cotangents, gen, output_fn, iu)
+                except Exception as e:  # noqa: BLE001 - agreed over the ranks below
+                    if ranks is None:
+                        raise
+                    error = e
+            if ranks is not None:
+                if (err := ranks.failed(error)) is not None:
+                    raise err
+                per[s] = ranks.sum(per[s])
             bar.step()
             if stop is not None and first <= s + 1 < n_samples and stop(per[:s + 1]):
                 per = per[:s + 1]
                 break
     vals = {w: _mean_estimate(per[:, j]) for j, w in enumerate(weights)}
     return SketchResult(vals, len(per), n_cotangents, "pairs", note or "per-sample loop", per)
+
+
+def _one(model: nn.Module, smp: Any, i: int, params: Sequence[torch.Tensor],
+         n_cotangents: int, gen: torch.Generator, output_fn: Callable[[Any], torch.Tensor],
+         iu: list[tuple[int, int]]) -> np.ndarray:
+    """The per-sample values of sample ``i`` (one forward, P backward passes)."""
+    y = run_sample(model, smp, i, output_fn)
+    grads: list[list[torch.Tensor]] = []
+    for k in range(n_cotangents):
+        v = torch.randn(y.shape, generator=gen, dtype=torch.float32).to(y.device, y.dtype)
+        g = torch.autograd.grad(y, params, v, retain_graph=k < n_cotangents - 1,
+                                allow_unused=True)
+        grads.append([torch.zeros_like(p) if gi is None else gi.detach().to_dense()
+                      if gi.layout != torch.strided else gi.detach()
+                      for gi, p in zip(g, params)])   # sparse: Embedding(sparse=True)
+    out = np.zeros(len(params))
+    for j, p in enumerate(params):
+        flat = [grads[k][j].double().flatten() for k in range(n_cotangents)]
+        sq = [float(f @ f) for f in flat]
+        acc = sum(sq[a] * sq[b] + float(flat[a] @ flat[b]) ** 2 for a, b in iu)
+        out[j] = acc / len(iu) / (2 * p.numel())
+    return out
 
 
 def rtol_for(threshold: float) -> float:
