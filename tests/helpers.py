@@ -112,3 +112,35 @@ def all_tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, (tuple, list)):
         return [t for o in out for t in all_tensors(o)]
     return []
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a gloo process group's rendezvous)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(worker: Any, world: int, out: str) -> list[dict]:
+    """Run ``worker(rank, port, out)`` on ``world`` CPU processes; each saves ``rank{r}.pt``
+    into ``out``, which comes back as a list of dicts, by rank."""
+    import os
+
+    import torch.multiprocessing as mp
+    mp.spawn(worker, args=(free_port(), out), nprocs=world, join=True)
+    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+
+
+def cli_help(command: str) -> str:
+    """``python -m precondfx COMMAND --help`` from the repository root, wide enough that each
+    option stays on one line."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "precondfx", command, "--help"],
+                         capture_output=True, text=True, cwd=root, timeout=120,
+                         env={**os.environ, "PYTHONPATH": root, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    return out.stdout

@@ -4,23 +4,12 @@ test failed on the code before the fix."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from precondfx.errors import PrecondError
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _help(command: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "precondfx", command, "--help"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120,
-                         env={**os.environ, "PYTHONPATH": ROOT, "COLUMNS": "200"})
-    assert out.returncode == 0, out.stderr
-    return out.stdout
+from tests.helpers import cli_help
 
 
 # -- G. ONNX external data outside the model's folder -------------------------------------------
@@ -77,9 +66,9 @@ def test_external_data_outside_the_folder_is_refused_untouched(tmp_path, how, mo
 
 def test_inspect_does_not_offer_balance_hessian():
     pytest.importorskip("onnx")
-    choices = next(ln for ln in _help("inspect").splitlines() if "--balance {" in ln)
+    choices = next(ln for ln in cli_help("inspect").splitlines() if "--balance {" in ln)
     assert "hessian" not in choices and "analytic" in choices
-    assert "hessian" in next(ln for ln in _help("precondition").splitlines()
+    assert "hessian" in next(ln for ln in cli_help("precondition").splitlines()
                              if "--balance {" in ln)   # PyTorch models still have it
 
 

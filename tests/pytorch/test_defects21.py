@@ -17,6 +17,7 @@ from torch import nn
 
 import precondfx
 from precondfx.errors import PrecondError
+from tests.helpers import cli_help
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -260,16 +261,10 @@ def test_report_time_includes_start_up():
     assert total <= wall and total >= 0.95 * wall, (wall, total)   # the whole first call
 
 
-def _help(command: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "precondfx", command, "--help"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120,
-                         env={**os.environ, "PYTHONPATH": ROOT, "COLUMNS": "200"})
-    assert out.returncode == 0, out.stderr
-    return out.stdout
 
 
 def test_no_reinit_help_says_what_it_does():
-    line = next(ln for ln in _help("precondition").splitlines() if "--no-reinit " in ln)
+    line = next(ln for ln in cli_help("precondition").splitlines() if "--no-reinit " in ln)
     text = line.split("--no-reinit", 1)[1].strip()
     assert text.startswith("keep"), text
     assert not text.startswith("re-initialize")

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import precondfx
 from tests import zoo
+from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -100,17 +99,10 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> list[dict]:
     out = str(tmp_path_factory.mktemp("fsdp"))
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=WORLD, join=True)
-    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
+    return run_ranks(_worker, WORLD, out)
 
 
 def _single(name: str, rng: str | None) -> tuple[nn.Module, dict]:

@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import warnings
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import precondfx
 from tests import zoo
+from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -129,17 +128,10 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = str(tmp_path_factory.mktemp("fsdp_balance"))
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=WORLD, join=True)
-    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
+    return run_ranks(_worker, WORLD, out)
 
 
 @functools.lru_cache(maxsize=None)

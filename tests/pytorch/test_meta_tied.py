@@ -4,7 +4,6 @@ untied, uninitialized copy instead of reporting NaN."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import warnings
 from typing import Any, Callable
 
@@ -14,6 +13,7 @@ from torch import nn
 
 import precondfx
 from tests import zoo
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.skipif(not zoo.HAS_TRANSFORMERS, reason="transformers not installed")
 
@@ -53,17 +53,11 @@ def _ids() -> dict:
                                        generator=torch.Generator().manual_seed(1))}
 
 
-def _free_port() -> int:
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return sk.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _one_rank_group():
     """A one-process gloo group for FSDP2, destroyed on the way out."""
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
         yield
@@ -264,7 +258,7 @@ def test_two_rank_fsdp2_tied_gpt2_equals_single_process(tmp_path) -> None:
     import os
 
     import torch.multiprocessing as mp
-    mp.spawn(_tied_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_tied_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt")) for r in range(2)]
     assert all(r["tied"] for r in ranks)
     torch.manual_seed(0)
