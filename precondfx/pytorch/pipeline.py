@@ -24,6 +24,7 @@ from precondfx.core import driver
 from precondfx.pytorch.apply.common import PREFIX, output_path
 from precondfx.pytorch.apply.eager_apply import EagerApplier
 from precondfx.pytorch.apply.fx_apply import FxApplier
+from precondfx.pytorch.apply import user_class
 from precondfx.pytorch.balance import balance_measured, held_out, record_factors
 from precondfx.pytorch.capture import meta
 from precondfx.pytorch.capture.common import Sample, main_output, make_sample
@@ -52,6 +53,7 @@ class TorchState(State):
     dtype: torch.dtype | None = None  # a float16/bfloat16 model's dtype (computed in float32)
     modes: dict[str, bool] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    not_user_class: str | None = None   # why a GraphModule result is not the user's class
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -273,6 +275,8 @@ def backend(st: TorchState) -> None:
     gm = st.captured.gm
     if gm is not None and not st.inplace:
         restore_unused(gm, st.work)
+        # the graph on the user's own module tree, as a GraphModule of the user's class
+        gm, st.not_user_class = user_class.adopt(gm, st.work)
         st.backend, st.result = FxApplier(gm, st.graph), gm
         # a new GraphModule is in train mode: give it the user's flags before any calibration
         # run, so that a model the user left in eval is calibrated as it will train
@@ -363,12 +367,37 @@ def finish(st: TorchState) -> None:
     distributed.record_constants(st.result, st.constants, read=st.data)
     distributed.record_aliases(st.result, st.plan.aliases)
     restore_modes(st.result, st.modes)
+    result_record(st)
     st.say("recording how to fold the constants back into the weights")
     record(st.result, st.work, st.backend, st.graph, lambda m: run_on(m, st.sample, "eval"))
     if hf_checkpoints.is_transformers_model(st.result):   # config entry, checkpoint folding
         hf_checkpoints.prepare(st.result, st.report)
     if st.dtype is not None:
         st.result = st.result.to(st.dtype)
+
+
+def result_record(st: TorchState) -> None:
+    """What the result is (``report.result``): the user's class or not, and what only its
+    ``forward`` sees.  On a GraphModule of the user's class, the constants at module sites get
+    mirror hooks for the other methods (``apply.user_class.mirror``)."""
+    res, rep = st.result, st.report
+    cls = type(st.model)
+    graph = isinstance(res, torch.fx.GraphModule)
+    only: list[str] = []
+    if user_class.is_user_graph(res):
+        _, consts = user_class.mirror(res, {n.name: n.kind for n in st.graph})
+        only = [f"constant {c}" for c in consts] + list(st.backend.graph_only)
+    elif not graph:         # the eager back end: constants on the root act on forward only
+        only = [f"constant {c}" for c in st.constants if "." not in c] + \
+            [f"module {a.split(' ')[1]} at the input" for a in st.backend.applied
+             if "applied at the input" in a]
+    mine = isinstance(res, cls)
+    rep.graph_module = res if graph else None
+    rep.result = {
+        "class": f"{cls.__module__}.{cls.__qualname__}", "is_user_class": mine,
+        "graph_module": graph, "forward_only": only,
+        "note": st.not_user_class if not mine else None,
+    }
 
 
 def _sharded(st: TorchState) -> bool:
