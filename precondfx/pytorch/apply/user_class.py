@@ -10,11 +10,13 @@ returns is built here so that it is *also* an instance of the user's class:
   method calling ``self.layer1(x)`` runs the block's own forward), and the root keeps the
   user's plain attributes (``pretrained_cfg``, ``num_classes``, ``config``) and hooks; its
   ``state_dict`` keys are the user model's keys plus the constants';
-* ``forward`` is the rewritten graph.  The other methods run the user's code on the same
-  modules; each constant the graph multiplies in where one module call produces (or consumes)
-  the value is also applied by a hook on that module (:func:`mirror`), active only *outside*
-  the graph's forward, so that every method computes with the constants and the forward does
-  not apply them twice.  Constants and edits at functional sites no module owns (an ``F.relu``
+* ``forward`` is the rewritten graph.  The other methods of the user's class run the user's
+  code on the same modules; each constant the graph multiplies in where one module call
+  produces (or consumes) the value is also applied by a hook on that module (:func:`mirror`),
+  active only while one of those methods runs (and off again inside a ``self(x)`` it makes), so
+  that every method computes with the constants and the graph never sees them twice.  A
+  submodule called directly (``model.layer1(x)``), ``fx.Interpreter`` and other fx tools see
+  the modules as the graph does (no mirror).  Constants and edits at functional sites no module owns (an ``F.relu``
   before a residual add, an ``F.max_pool2d`` turned into a strided convolution) only the graph's
   forward sees: :func:`mirror` lists them and the report says so (``report.result``).
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import inspect
 import operator
 from typing import Any
 
@@ -37,6 +40,8 @@ from precondfx.core.backend import PREFIX
 
 #: the attribute counting the graph forwards running on a model (its mirror hooks are off then)
 DEPTH = "_precondfx_graph_depth"
+#: the attribute counting the user's methods running on it (its mirror hooks are on then)
+METHODS = "_precondfx_methods"
 #: ops through which a positive scale on a module's output is a scale on the value (the eager
 #: back end's ``_PASS_THROUGH``)
 PASS_THROUGH = ("relu", "leaky_relu", "prelu", "dropout", "avgpool", "mean", "neg", "reshape",
@@ -73,7 +78,7 @@ def _deepcopy(self: fx.GraphModule, memo: dict) -> fx.GraphModule:
     memo[id(self)] = res
     state = {k: v for k, v in self.__dict__.items() if k != "_graph"}
     res.__dict__.update(copy.deepcopy(state, memo))
-    res.__dict__[DEPTH] = 0
+    res.__dict__[DEPTH] = res.__dict__[METHODS] = 0
     res.graph = copy.deepcopy(self._graph)
     return res
 
@@ -108,13 +113,40 @@ def _setstate(self: fx.GraphModule, state: dict) -> None:
     forward = _forward_from_src(state["import_block"] + body["_code"], {})
     plain = _deserialize_graph_module(forward, dict(body))   # re-traces the code
     self.__dict__.update(body)
-    self.__dict__[DEPTH] = 0
+    self.__dict__[DEPTH] = self.__dict__[METHODS] = 0
     self.graph = plain.graph
 
 
 def _empty(user_cls: type) -> fx.GraphModule:
     cls = graph_class(user_cls)
     return cls.__new__(cls)
+
+
+def _in_method(fn: Any) -> Any:
+    """A method of the user's class, run with the mirror hooks on (counted in ``METHODS``)."""
+    @functools.wraps(fn)
+    def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        setattr(self, METHODS, getattr(self, METHODS) + 1)
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            setattr(self, METHODS, getattr(self, METHODS) - 1)
+    return method
+
+
+def _user_methods(user_cls: type) -> dict[str, Any]:
+    """The plain functions the user's class and its bases (up to ``nn.Module``) define, other
+    than ``forward`` and special methods, each wrapped by :func:`_in_method`."""
+    out: dict[str, Any] = {}
+    for klass in user_cls.__mro__:
+        if klass in (nn.Module, object) or issubclass(nn.Module, klass):
+            continue
+        for name, v in vars(klass).items():
+            if name in out or name == "forward" or name.startswith("__") or \
+                    not inspect.isfunction(v) or hasattr(fx.GraphModule, name):
+                continue
+            out[name] = _in_method(v)
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,8 +157,8 @@ def graph_class(user_cls: type) -> type | None:
         return None
     ns = {"__module__": __name__, "__doc__": user_cls.__doc__,
           "recompile": _recompile, "__deepcopy__": _deepcopy, "__copy__": _copy,
-          "__reduce__": _reduce, "__setstate__": _setstate, DEPTH: 0,
-          "_precondfx_user_class": user_cls}
+          "__reduce__": _reduce, "__setstate__": _setstate, DEPTH: 0, METHODS: 0,
+          "_precondfx_user_class": user_cls, **_user_methods(user_cls)}
     try:
         return type(f"Preconditioned{user_cls.__name__}", (fx.GraphModule, user_cls), ns)
     except TypeError:       # a metaclass or layout conflict
@@ -156,7 +188,7 @@ def adopt(gm: fx.GraphModule, work: nn.Module) -> tuple[fx.GraphModule, str | No
     d["_parameters"] = collections.OrderedDict(work._parameters)
     d["_buffers"] = collections.OrderedDict(work._buffers)
     d["_non_persistent_buffers_set"] = set(work._non_persistent_buffers_set)
-    d[DEPTH] = 0
+    d[DEPTH] = d[METHODS] = 0
     res = cls.__new__(cls)
     res.__dict__.update(d)
     # what fx added: dropout modules for functional dropout, tensor constants as buffers
@@ -202,7 +234,7 @@ class MirrorOut:
         self.root, self.name = root, name
 
     def __call__(self, module: nn.Module, args: tuple, out: Any) -> Any:
-        if getattr(self.root, DEPTH):
+        if getattr(self.root, DEPTH) or not getattr(self.root, METHODS):
             return None
         return _times_first(out, getattr(self.root, self.name))
 
@@ -215,7 +247,8 @@ class MirrorIn:
         self.root, self.name = root, name
 
     def __call__(self, module: nn.Module, args: tuple) -> Any:
-        if getattr(self.root, DEPTH) or not args or not isinstance(args[0], torch.Tensor):
+        if getattr(self.root, DEPTH) or not getattr(self.root, METHODS) or not args or \
+                not isinstance(args[0], torch.Tensor):
             return None
         return (args[0] * getattr(self.root, self.name),) + tuple(args[1:])
 
@@ -237,7 +270,7 @@ def _tensor_inputs(n: fx.Node) -> list[fx.Node]:
 
 
 def mirror(res: fx.GraphModule, kinds: dict[str, str]) -> tuple[list[str], list[str]]:
-    """Hooks applying, outside the graph's forward, each constant the graph multiplies in at a
+    """Hooks applying, in the user's methods (not in the graph's forward), each constant the graph multiplies in at a
     module's output (up through ops that commute with a positive scale) or at its first input;
     returns the constants mirrored and those only the forward applies (``kinds``: node name ->
     kind, from the captured graph)."""
@@ -251,7 +284,7 @@ def mirror(res: fx.GraphModule, kinds: dict[str, str]) -> tuple[list[str], list[
             return None
         return str(n.target) if owners[id(res.get_submodule(str(n.target)))] == 1 else None
 
-    def output_site(x: fx.Node, c: fx.Node) -> str | None:
+    def output_site(x: fx.Node, c: fx.Node, through: bool) -> str | None:
         cur, user = x, c
         while True:
             if set(cur.users) != {user}:
@@ -263,7 +296,7 @@ def mirror(res: fx.GraphModule, kinds: dict[str, str]) -> tuple[list[str], list[
             ins = _tensor_inputs(cur)
             if inner is not None:
                 cur, user = inner[0], cur
-            elif kinds.get(cur.name) in PASS_THROUGH and len(ins) == 1:
+            elif through and kinds.get(cur.name) in PASS_THROUGH and len(ins) == 1:
                 cur, user = ins[0], cur
             else:
                 return None
@@ -285,17 +318,18 @@ def mirror(res: fx.GraphModule, kinds: dict[str, str]) -> tuple[list[str], list[
         if got is None:
             continue
         x, name = got
-        path = output_site(x, n)
-        if path is not None:
-            res.get_submodule(path).register_forward_hook(MirrorOut(res, name))
-            done.append(name)
-            continue
-        path = input_site(n)
-        if path is not None:
-            res.get_submodule(path).register_forward_pre_hook(MirrorIn(res, name))
-            done.append(name)
-            continue
-        only.append(name)
+        # where the value is scaled exactly as the graph scales it: the producing module's
+        # output, else the consuming module's input, else (through ops commuting with a
+        # positive scale) an upstream module's output, whose intermediates then differ from
+        # the graph's by the factor (a value returned between them would show it)
+        out = output_site(x, n, through=False)
+        inp = input_site(n) if out is None else None
+        up = output_site(x, n, through=True) if out is None and inp is None else None
+        if out or up:
+            res.get_submodule(out or up).register_forward_hook(MirrorOut(res, name))
+        elif inp:
+            res.get_submodule(inp).register_forward_pre_hook(MirrorIn(res, name))
+        (done if out or inp or up else only).append(name)
     return done, only
 
 
