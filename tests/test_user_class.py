@@ -3,10 +3,9 @@ class, with its methods and attributes, whatever the capture method; every metho
 the constants; the rewritten GraphModule is available (``report.graph_module``) and is itself of
 the user's class.
 
-timm and torchvision cannot import here: ``TimmResNet`` is a small stand-in with timm's
-``ResNet`` interface (``forward_features``, ``forward_head``, ``reset_classifier``,
-``pretrained_cfg``, ``num_classes``, an ``nn.MaxPool2d`` stem, residual adds); transformers
-models are built from tiny configs (``tests.hf_tiny``).
+timm and torchvision cannot import here: ``tests.user_models.TimmResNet`` is a small stand-in
+with timm's ``ResNet`` interface; transformers models are built from tiny configs
+(``tests.hf_tiny``).
 """
 from __future__ import annotations
 
@@ -21,73 +20,7 @@ from torch import nn
 
 import precondfx
 from precondfx.apply.common import PREFIX
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, c: int, norm: bool = True, functional_relu: bool = False) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=not norm)
-        self.bn1 = nn.BatchNorm2d(c) if norm else nn.Identity()
-        self.act1 = nn.ReLU()
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=not norm)
-        self.bn2 = nn.BatchNorm2d(c) if norm else nn.Identity()
-        self.act2 = nn.ReLU()
-        self.functional_relu = functional_relu
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.act1(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out = F.relu(out) if self.functional_relu else out
-        return self.act2(out + x)
-
-
-class TimmResNet(nn.Module):
-    """timm's ResNet interface on a 2-stage, 8-channel network."""
-
-    def __init__(self, num_classes: int = 10, norm: bool = True, functional_pool: bool = False,
-                 functional_relu: bool = False) -> None:
-        super().__init__()
-        self.num_classes = num_classes
-        self.pretrained_cfg = {"architecture": "resnet_tiny", "mean": (0.5, 0.5, 0.5)}
-        self.functional_pool = functional_pool
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(8)
-        self.act1 = nn.ReLU()
-        self.maxpool = nn.MaxPool2d(2)
-        self.layer1 = nn.Sequential(BasicBlock(8, norm, functional_relu),
-                                    BasicBlock(8, norm, functional_relu))
-        self.layer2 = nn.Sequential(BasicBlock(8, norm, functional_relu))
-        self.num_features = 8
-        self.fc = nn.Linear(8, num_classes)
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.act1(self.bn1(self.conv1(x)))
-        x = F.max_pool2d(x, 2) if self.functional_pool else self.maxpool(x)
-        return self.layer2(self.layer1(x))
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = x.mean((2, 3))
-        return x if pre_logits else self.fc(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
-    def reset_classifier(self, num_classes: int) -> None:
-        self.num_classes = num_classes
-        self.fc = nn.Linear(self.num_features, num_classes)
-
-    def get_classifier(self) -> nn.Module:
-        return self.fc
-
-
-class Branchy(TimmResNet):
-    """A data-dependent branch: fx and export cannot keep it (eager or draft_export capture)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        f = self.forward_features(x)
-        if float(f.abs().mean()) > 1e6:     # never taken, but decided by the data
-            f = f * 0
-        return self.forward_head(f)
+from tests.user_models import BasicBlock, Branchy, TimmResNet
 
 
 def _x(seed: int = 0) -> torch.Tensor:

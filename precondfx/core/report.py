@@ -234,9 +234,10 @@ class Report:
     #: ``forward_only``: constants and edits at functional sites that only its ``forward``
     #: applies (the user's other methods, e.g. ``forward_features``, run without them)
     result: dict[str, Any] = field(default_factory=dict)
-    #: the rewritten ``torch.fx.GraphModule`` (fx capture; the returned model itself, which is
-    #: also of the user's class), None where the model was rewritten in place with hooks
-    graph_module: Any = field(default=None, repr=False, compare=False)
+    #: (not a field: not in the JSON) the rewritten ``torch.fx.GraphModule`` (fx capture; the
+    #: returned model itself, which is also of the user's class), None where the model was
+    #: rewritten with hooks on its own modules (the other capture methods, ``inplace=True``)
+    graph_module = None
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
