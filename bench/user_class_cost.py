@@ -6,9 +6,9 @@ gives to other processes does not count) of
 
 * ``user``: the user's model as built (the reference);
 * ``result``: ``precondfx.precondition(model, sample, maxpool="keep")``: a GraphModule of the
-  user's class with its mirror hooks (fx capture), or the user's module with hooks (eager);
-* ``plain_gm`` (fx only): the same graph as a plain ``torch.fx.GraphModule`` without the mirror
-  hooks, i.e. what ``precondition`` returned before the result became the user's class;
+  user's class (fx capture), or the user's module with hooks (eager);
+* ``plain_gm`` (fx only): the same graph as a plain ``torch.fx.GraphModule``, i.e. what
+  ``precondition`` returned before the result became the user's class;
 * ``folded``: ``precondfx.fold(result)``, a plain model of the user's class;
 
 eager and under ``torch.compile`` (each variant compiled once, warmed up, then timed).  The
@@ -43,7 +43,6 @@ import common as C  # noqa: E402
 from results_io import write_table  # noqa: E402
 
 import precondfx  # noqa: E402
-from precondfx.folding import strip  # noqa: E402
 from tests.user_models import TimmResNet  # noqa: E402
 
 TARGET = {"eager": 1.05, "compiled": 1.02}
@@ -78,14 +77,8 @@ def _gpt2(quick: bool) -> Callable[[], tuple[Any, Any, Callable]]:
 
 
 def plain_graph_module(result: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """The result's graph as a plain GraphModule without the mirror hooks (the old result)."""
+    """The result's graph as a plain GraphModule (the old result)."""
     g = copy.deepcopy(result)
-    strip(g)        # drops the mirror hooks (and nothing the graph reads: buffers stay)
-    for name, b in result.named_buffers():
-        path, _, leaf = name.rpartition(".")
-        owner = g.get_submodule(path) if path else g
-        if not hasattr(owner, leaf):
-            owner.register_buffer(leaf, b.clone())
     return torch.fx.GraphModule(g, g.graph)
 
 
@@ -157,8 +150,8 @@ def main(argv: list[str] | None = None) -> None:
              f"Median over {rounds} interleaved rounds of the per-round ratio (each round: "
              f"median of {steps} steps per variant). Targets: result/user <= "
              f"{TARGET['eager']} eager, <= {TARGET['compiled']} compiled; folded/user = 1.",
-             "`plain_gm`: the same graph as a plain GraphModule without the mirror hooks (the "
-             "result before it became the user's class).", "",
+             "`plain_gm`: the same graph as a plain GraphModule (the result before it became "
+             "the user's class).", "",
              "| model | capture | result class | user step ms (eager / compiled) | mode | "
              "result/user | plain_gm/user | folded/user | target met |",
              "|---|---|---|---|---|---|---|---|---|"]

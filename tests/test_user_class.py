@@ -61,6 +61,8 @@ def test_fx_result_is_the_users_class_and_methods_see_the_constants(kw):
             whole = pm(x)
         assert torch.allclose(via_methods, whole, rtol=1e-5, atol=1e-6), mode
         assert feats.shape == (8, 8, 8, 8)
+    # the hooks that apply them exist only while a method runs: training runs none
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in pm.modules())
     # the methods do compute with the constants: the same code and weights without them differs
     plain = TimmResNet(**kw)
     plain.load_state_dict({k: v for k, v in pm.state_dict().items() if PREFIX not in k},
@@ -164,10 +166,14 @@ def test_fx_training_step_moves_the_same_parameters():
 def test_fx_reset_classifier_and_user_attributes():
     pm, _ = _pre(TimmResNet())
     pm.reset_classifier(4)
-    assert pm.num_classes == 4
+    assert pm.num_classes == 4 and isinstance(pm, TimmResNet)
+    pm.eval()
     with torch.no_grad():
-        assert pm(_x()).shape == (8, 4)
-        assert pm.forward_head(pm.forward_features(_x())).shape == (8, 4)
+        out = pm(_x())
+        assert out.shape == (8, 4)
+        # the new head carries the same constants in forward (the graph) and in the methods
+        assert torch.allclose(pm.forward_head(pm.forward_features(_x())), out, rtol=1e-5,
+                              atol=1e-6)
 
 
 def test_fx_functional_sites_are_reported_not_silent():

@@ -527,10 +527,7 @@ def fold(model: nn.Module, *, source: nn.Module | None = None) -> nn.Module:
     if problems:
         raise PrecondError(_message(problems))
     if isinstance(model, fx.GraphModule):
-        # the source shares the result's layers, which may carry its mirror hooks (a result of
-        # the user's class: apply.user_class): copy it without the result, then drop them
-        plain = copy.deepcopy(src, {id(model): model})
-        strip(plain)
+        plain = copy.deepcopy(src)
         state = {k: v for k, v in model.state_dict().items() if PREFIX not in k}
         res = plain.load_state_dict(state, strict=False)
         if res.missing_keys or res.unexpected_keys:

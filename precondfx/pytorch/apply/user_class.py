@@ -12,9 +12,10 @@ returns is built here so that it is *also* an instance of the user's class:
   ``state_dict`` keys are the user model's keys plus the constants';
 * ``forward`` is the rewritten graph.  The other methods of the user's class run the user's
   code on the same modules; each constant the graph multiplies in where one module call
-  produces (or consumes) the value is also applied by a hook on that module (:func:`mirror`),
-  active only while one of those methods runs (and off again inside a ``self(x)`` it makes), so
-  that every method computes with the constants and the graph never sees them twice.  A
+  produces (or consumes) the value is also applied by a hook on that module (:func:`mirror`
+  records where), installed only while one of those methods runs (and off inside a ``self(x)``
+  it makes), so that every method computes with the constants, the graph never sees them
+  twice, and training through ``forward`` runs no hook at all.  A
   submodule called directly (``model.layer1(x)``), ``fx.Interpreter`` and other fx tools see
   the modules as the graph does (no mirror).  Constants and edits at functional sites no module owns (an ``F.relu``
   before a residual add, an ``F.max_pool2d`` turned into a strided convolution) only the graph's
@@ -42,6 +43,8 @@ from precondfx.core.backend import PREFIX
 DEPTH = "_precondfx_graph_depth"
 #: the attribute counting the user's methods running on it (its mirror hooks are on then)
 METHODS = "_precondfx_methods"
+#: the attribute recording the mirror hooks: ((module path, 'out' or 'in', constant), ...)
+MIRRORS = "_precondfx_mirrors"
 #: ops through which a positive scale on a module's output is a scale on the value (the eager
 #: back end's ``_PASS_THROUGH``)
 PASS_THROUGH = ("relu", "leaky_relu", "prelu", "dropout", "avgpool", "mean", "neg", "reshape",
@@ -54,9 +57,12 @@ _GM_KEYS = {"_graph", "_code", "_lineno_map", "_prologue_start", "_tracer_cls",
 
 # -- the class -----------------------------------------------------------------------------------
 def _gated(fn: Any) -> Any:
-    """The graph's forward, counted in ``DEPTH`` while it runs (the mirror hooks stay off)."""
+    """The graph's forward, counted in ``DEPTH`` while it runs inside one of the user's methods
+    (the mirror hooks, installed then, stay off)."""
     @functools.wraps(fn)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, METHODS):     # training: no hook installed, nothing to do
+            return fn(self, *args, **kwargs)
         setattr(self, DEPTH, getattr(self, DEPTH) + 1)
         try:
             return fn(self, *args, **kwargs)
@@ -123,14 +129,19 @@ def _empty(user_cls: type) -> fx.GraphModule:
 
 
 def _in_method(fn: Any) -> Any:
-    """A method of the user's class, run with the mirror hooks on (counted in ``METHODS``)."""
+    """A method of the user's class, run with the mirror hooks installed (by the outermost
+    call; counted in ``METHODS``): outside the user's methods the modules carry no hook."""
     @functools.wraps(fn)
     def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        setattr(self, METHODS, getattr(self, METHODS) + 1)
+        n = getattr(self, METHODS)
+        handles = _install(self) if n == 0 else []
+        setattr(self, METHODS, n + 1)
         try:
             return fn(self, *args, **kwargs)
         finally:
-            setattr(self, METHODS, getattr(self, METHODS) - 1)
+            setattr(self, METHODS, n)
+            for h in handles:
+                h.remove()
     return method
 
 
@@ -226,31 +237,29 @@ def _times_first(out: Any, s: torch.Tensor) -> Any:
     return out
 
 
-class MirrorOut:
-    """Forward hook: the module's output times the root's constant ``name``, outside the
-    graph's forward (a module-level callable object: it deep-copies and pickles)."""
-
-    def __init__(self, root: nn.Module, name: str) -> None:
-        self.root, self.name = root, name
-
-    def __call__(self, module: nn.Module, args: tuple, out: Any) -> Any:
-        if getattr(self.root, DEPTH) or not getattr(self.root, METHODS):
-            return None
-        return _times_first(out, getattr(self.root, self.name))
-
-
-class MirrorIn:
-    """Forward pre-hook: the module's first input times the root's constant ``name``, outside
-    the graph's forward."""
-
-    def __init__(self, root: nn.Module, name: str) -> None:
-        self.root, self.name = root, name
-
-    def __call__(self, module: nn.Module, args: tuple) -> Any:
-        if getattr(self.root, DEPTH) or not getattr(self.root, METHODS) or not args or \
-                not isinstance(args[0], torch.Tensor):
-            return None
-        return (args[0] * getattr(self.root, self.name),) + tuple(args[1:])
+def _install(root: nn.Module) -> list[Any]:
+    """Register the mirror hooks ``root`` records (``MIRRORS``: (module path, 'out' or 'in',
+    constant)); returns their handles.  Each reads the constant from ``root`` when it runs and
+    does nothing while the graph's forward runs."""
+    handles = []
+    for path, where, name in root.__dict__.get(MIRRORS, ()):
+        try:
+            mod = root.get_submodule(path)
+        except AttributeError:      # replaced by the user (reset_classifier): nothing to mirror
+            continue
+        if where == "out":
+            def hook(m: nn.Module, args: tuple, out: Any, name: str = name) -> Any:
+                if getattr(root, DEPTH):
+                    return None
+                return _times_first(out, getattr(root, name))
+            handles.append(mod.register_forward_hook(hook))
+        else:
+            def pre(m: nn.Module, args: tuple, name: str = name) -> Any:
+                if getattr(root, DEPTH) or not args or not isinstance(args[0], torch.Tensor):
+                    return None
+                return (args[0] * getattr(root, name),) + tuple(args[1:])
+            handles.append(mod.register_forward_pre_hook(pre))
+    return handles
 
 
 def _const_of(n: fx.Node, consts: set[str]) -> tuple[fx.Node, str] | None:
@@ -270,7 +279,8 @@ def _tensor_inputs(n: fx.Node) -> list[fx.Node]:
 
 
 def mirror(res: fx.GraphModule, kinds: dict[str, str]) -> tuple[list[str], list[str]]:
-    """Hooks applying, in the user's methods (not in the graph's forward), each constant the graph multiplies in at a
+    """Record (``MIRRORS``) the hooks that apply, while a user's method runs (not in the
+    graph's forward), each constant the graph multiplies in at a
     module's output (up through ops that commute with a positive scale) or at its first input;
     returns the constants mirrored and those only the forward applies (``kinds``: node name ->
     kind, from the captured graph)."""
@@ -312,7 +322,9 @@ def mirror(res: fx.GraphModule, kinds: dict[str, str]) -> tuple[list[str], list[
             return path if path is not None and u.args and u.args[0] is cur else None
         return None
 
-    done, only = [], []
+    done: list[str] = []
+    only: list[str] = []
+    sites: list[tuple[str, str, str]] = []
     for n in nodes:
         got = _const_of(n, consts)
         if got is None:
@@ -325,11 +337,13 @@ def mirror(res: fx.GraphModule, kinds: dict[str, str]) -> tuple[list[str], list[
         out = output_site(x, n, through=False)
         inp = input_site(n) if out is None else None
         up = output_site(x, n, through=True) if out is None and inp is None else None
-        if out or up:
-            res.get_submodule(out or up).register_forward_hook(MirrorOut(res, name))
-        elif inp:
-            res.get_submodule(inp).register_forward_pre_hook(MirrorIn(res, name))
-        (done if out or inp or up else only).append(name)
+        if out or up or inp:
+            site = (out or up, "out") if out or up else (inp, "in")
+            sites.append((site[0], site[1], name))
+            done.append(name)
+        else:
+            only.append(name)
+    res.__dict__[MIRRORS] = tuple(sites)
     return done, only
 
 
