@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import precondfx
-from precondfx.apply.common import PREFIX
+from precondfx.pytorch.apply.common import PREFIX
 from tests.user_models import BasicBlock, Branchy, TimmResNet
 
 
@@ -246,3 +246,41 @@ def test_bert_submodules_and_head_compose_to_the_forward():
         pooled = pm.bert(input_ids=ids).pooler_output
         assert torch.allclose(pm.classifier(pm.dropout(pooled)), pm(input_ids=ids).logits,
                               rtol=1e-5, atol=1e-6)
+
+
+def test_fx_pickled_result_folds_without_source():
+    """The pickled result is still of the user's class and holds its module tree: fold needs no
+    ``source=`` (a plain GraphModule did)."""
+    pm, _ = _pre(TimmResNet(norm=False), maxpool="keep")
+    back = pickle.loads(pickle.dumps(pm))
+    assert isinstance(back, TimmResNet)
+    a, b = precondfx.fold(pm), precondfx.fold(back)
+    assert type(b) is TimmResNet and set(b.state_dict()) == set(TimmResNet(norm=False).state_dict())
+    x = _x(7)
+    a.eval()
+    b.eval()
+    back.eval()
+    with torch.no_grad():
+        assert torch.equal(a(x), b(x))
+        assert torch.allclose(b(x), back(x), rtol=1e-4, atol=1e-5)
+
+
+def _count_saves(module, state_dict, prefix, local_metadata) -> None:
+    module.saves += 1
+
+
+class _Counted(TimmResNet):
+    """A user state_dict hook on a leaf (fx keeps it) counting the saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc.saves = 0
+        self.fc.register_state_dict_post_hook(_count_saves)
+
+
+def test_fx_user_state_dict_hook_keeps_working():
+    pm, rep = _pre(_Counted())
+    assert rep.capture == "fx" and isinstance(pm, _Counted)
+    before = pm.fc.saves
+    pm.state_dict()
+    assert pm.fc.saves == before + 1
