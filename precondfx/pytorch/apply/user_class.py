@@ -99,8 +99,8 @@ def _copy(self: fx.GraphModule) -> fx.GraphModule:
 
 
 def _reduce(self: fx.GraphModule) -> tuple:
-    """Pickle as the user's class: the generated code, not the Graph (as GraphModule does); the
-    state goes after the object exists, so the mirror hooks' reference to it pickles."""
+    """Pickle as the user's class: the generated code, not the Graph (as GraphModule does), and
+    the state (modules, constants, the user's attributes) restored by ``__setstate__``."""
     from torch.fx.graph_module import _format_import_block
     from torch.package import sys_importer
     code = self.recompile()
@@ -111,8 +111,9 @@ def _reduce(self: fx.GraphModule) -> tuple:
 
 
 def _setstate(self: fx.GraphModule, state: dict) -> None:
-    if "precondfx_state" not in state:     # a plain module state
-        nn.Module.__setstate__(self, state)
+    if "precondfx_state" not in state:     # a plain module state: the user's class's way
+        mine = next(c for c in type(self).__mro__ if "_precondfx_user_class" in vars(c))
+        super(mine, self).__setstate__(state)
         return
     from torch.fx.graph_module import _deserialize_graph_module, _forward_from_src
     body = state["precondfx_state"]
@@ -365,15 +366,3 @@ def mirror(res: fx.GraphModule, kinds: dict[str, str]) -> tuple[list[str], list[
             only.append(name)
     res.__dict__[MIRRORS] = tuple(sites)
     return done, only
-
-
-def graph_only_modules(res: fx.GraphModule) -> list[str]:
-    """Modules the graph calls that the user's code does not (precondfx's own: a replacement
-    for a functional max-pool, a scheme's input module), dropouts excepted (they stand for the
-    user's own functional dropout)."""
-    out = []
-    for n in res.graph.nodes:
-        t = str(n.target)
-        if n.op == "call_module" and PREFIX in t and "precondfx_dropout_" not in t:
-            out.append(t)
-    return out
