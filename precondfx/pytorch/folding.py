@@ -30,10 +30,8 @@ turned into strides or strided convolutions, modules replaced by a scheme: preco
 
 For a GraphModule (fx back end), ``precondition`` keeps a reference to the model of your class
 it traced (it shares the GraphModule's layers, so it costs no memory); fold copies it and loads
-the GraphModule's weights into it.  That reference is not pickled; the GraphModule
-``precondition`` returns is of your class and holds your module tree, so after ``torch.load``
-fold builds the plain model from it (``apply.user_class.user_model``).  For another
-GraphModule, pass ``source=YourModel(...)``.
+the GraphModule's weights into it.  That reference is not pickled: after ``torch.load`` of a
+pickled GraphModule, pass ``source=YourModel(...)``.
 """
 from __future__ import annotations
 
@@ -47,7 +45,6 @@ import torch.fx as fx
 from torch import nn
 
 from precondfx.pytorch.apply.common import PREFIX
-from precondfx.pytorch.apply.user_class import is_user_graph, user_model
 from precondfx.errors import PrecondError
 
 RECIPE = "_precondfx_recipe"
@@ -478,8 +475,6 @@ def _plan(model: nn.Module, source: nn.Module | None) -> tuple[dict[str, float],
     recipe = recipe_of(model)
     if isinstance(model, fx.GraphModule):
         src = source if source is not None else (recipe.source if recipe else None)
-        if src is None and is_user_graph(model):   # the result is of the user's class itself
-            src = user_model(model)
         if src is None:
             return {}, [("model", "a GraphModule without the model of your class it was traced "
                          "from (a pickled GraphModule drops it): pass source=YourModel(...)")], None

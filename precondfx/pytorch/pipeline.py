@@ -271,7 +271,9 @@ def capture_stage(st: TorchState) -> None:
 
 def backend(st: TorchState) -> None:
     """The fx back end on the traced GraphModule, else the eager one on the module itself
-    (``inplace=True``, or a forward fx cannot keep)."""
+    (``inplace=True``, or a forward fx cannot keep).  Either way the result is of the user's
+    class: the GraphModule is rebuilt on the working copy's own module tree as
+    ``Preconditioned<YourClass>`` (``apply.user_class.adopt``)."""
     gm = st.captured.gm
     if gm is not None and not st.inplace:
         restore_unused(gm, st.work)

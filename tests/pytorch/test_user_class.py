@@ -248,23 +248,6 @@ def test_bert_submodules_and_head_compose_to_the_forward():
                               rtol=1e-5, atol=1e-6)
 
 
-def test_fx_pickled_result_folds_without_source():
-    """The pickled result is still of the user's class and holds its module tree: fold needs no
-    ``source=`` (a plain GraphModule did)."""
-    pm, _ = _pre(TimmResNet(norm=False), maxpool="keep")
-    back = pickle.loads(pickle.dumps(pm))
-    assert isinstance(back, TimmResNet)
-    a, b = precondfx.fold(pm), precondfx.fold(back)
-    assert type(b) is TimmResNet and set(b.state_dict()) == set(TimmResNet(norm=False).state_dict())
-    x = _x(7)
-    a.eval()
-    b.eval()
-    back.eval()
-    with torch.no_grad():
-        assert torch.equal(a(x), b(x))
-        assert torch.allclose(b(x), back(x), rtol=1e-4, atol=1e-5)
-
-
 def _count_saves(module, state_dict, prefix, local_metadata) -> None:
     module.saves += 1
 

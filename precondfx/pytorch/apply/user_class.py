@@ -225,26 +225,6 @@ def adopt(gm: fx.GraphModule, work: nn.Module) -> tuple[fx.GraphModule, str | No
     return res, None
 
 
-def user_model(res: fx.GraphModule) -> nn.Module:
-    """A plain instance of the user's class on ``res``'s module tree (shared, not copied),
-    without the graph, precondfx's constants and root modules: what ``fold`` loads the folded
-    weights into when the traced model is not at hand (after pickling)."""
-    cls = type(res)._precondfx_user_class
-    plain = cls.__new__(cls)
-    skip = _GM_KEYS | {DEPTH, METHODS, MIRRORS, "_precondfx_recipe"}
-    plain.__dict__.update({k: v for k, v in res.__dict__.items() if k not in skip})
-    plain.__dict__.update(
-        training=res.training,
-        _modules=collections.OrderedDict((k, v) for k, v in res._modules.items()
-                                         if not k.startswith(PREFIX)),
-        _parameters=collections.OrderedDict(res._parameters),
-        _buffers=collections.OrderedDict((k, v) for k, v in res._buffers.items()
-                                         if not k.startswith(PREFIX)),
-        _non_persistent_buffers_set={k for k in res._non_persistent_buffers_set
-                                     if not k.startswith(PREFIX)})
-    return plain
-
-
 def is_user_graph(model: nn.Module) -> bool:
     return isinstance(model, fx.GraphModule) and hasattr(type(model), "_precondfx_user_class")
 
