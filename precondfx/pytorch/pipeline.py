@@ -394,6 +394,11 @@ def result_record(st: TorchState) -> None:
             [f"module {a.split(' ')[1]} at the input" for a in st.backend.applied
              if "applied at the input" in a]
     mine = isinstance(res, cls)
+    if not mine:        # never silently: the report's result line says it too
+        warnings.warn(f"precondfx: the result is a torch.fx.GraphModule, not your class "
+                      f"{cls.__name__} ({st.not_user_class}): its methods other than forward "
+                      f"are not available; precondition with capture='eager' to keep your "
+                      f"class", RuntimeWarning, stacklevel=2)
     rep.graph_module = res if graph else None
     rep.result = {
         "class": f"{cls.__module__}.{cls.__qualname__}", "is_user_class": mine,

@@ -267,3 +267,18 @@ def test_fx_user_state_dict_hook_keeps_working():
     before = pm.fc.saves
     pm.state_dict()
     assert pm.fc.saves == before + 1
+
+
+class _Final(TimmResNet):
+    """A class that refuses subclasses: the GraphModule cannot be of it."""
+
+    def __init_subclass__(cls, **kw):
+        raise TypeError("_Final cannot be subclassed")
+
+
+def test_fx_result_that_cannot_be_the_users_class_says_so():
+    with pytest.warns(RuntimeWarning, match="not your class _Final"):
+        pm, rep = _pre(_Final())
+    assert isinstance(pm, torch.fx.GraphModule) and not isinstance(pm, _Final)
+    assert rep.result["is_user_class"] is False and "cannot be combined" in rep.result["note"]
+    assert "not your class _Final" in rep.table(width=200)
