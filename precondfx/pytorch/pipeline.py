@@ -391,8 +391,8 @@ def result_record(st: TorchState) -> None:
         only = [f"constant {c}" for c in consts] + list(st.backend.graph_only)
     elif not graph:         # the eager back end: constants on the root act on forward only
         only = [f"constant {c}" for c in st.constants if "." not in c] + \
-            [f"module {a.split(' ')[1]} at the input" for a in st.backend.applied
-             if "applied at the input" in a]
+            [f"module {k.partition(':')[2]} at the input"
+             for k, o in st.backend.outcomes.items() if k.startswith("module:") and o.done]
     mine = isinstance(res, cls)
     if not mine:        # never silently: the report's result line says it too
         warnings.warn(f"precondfx: the result is a torch.fx.GraphModule, not your class "
