@@ -232,6 +232,15 @@ class Report:
     planned: Plan | None = None
     #: what calibration, balancing and the schemes set after the plan was applied
     measured: Measured = field(default_factory=Measured)
+    #: what the returned model is (``precondition``): ``class`` (the user's), ``is_user_class``,
+    #: ``graph_module`` (whether it is also the rewritten ``torch.fx.GraphModule``), and
+    #: ``forward_only``: constants and edits at functional sites that only its ``forward``
+    #: applies (the user's other methods, e.g. ``forward_features``, run without them)
+    result: dict[str, Any] = field(default_factory=dict)
+    #: (not a field: not in the JSON) the rewritten ``torch.fx.GraphModule`` (fx capture; the
+    #: returned model itself, which is also of the user's class), None where the model was
+    #: rewritten with hooks on its own modules (the other capture methods, ``inplace=True``)
+    graph_module = None
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -334,6 +343,8 @@ class Report:
         consts = self.constants_line()
         if consts:
             lines.append(consts)
+        if self.result:
+            lines.append(self.result_line())
         if self.skipped:
             lines.append("")
             lines.append("NOT APPLIED:")
@@ -368,6 +379,21 @@ class Report:
             tot = self.stage_seconds.get("total")
             lines.append(f"time: {tot:.2f} s ({st})" if tot is not None else f"time: {st}")
         return lines
+
+    def result_line(self) -> str:
+        """What the returned model is, and what only its forward sees."""
+        r = self.result
+        name = r["class"].rpartition(".")[2]
+        if not r.get("is_user_class"):
+            return f"result: a torch.fx.GraphModule, not your class {name} ({r.get('note')})"
+        what = f"result: your class {name}" + (" (also the rewritten torch.fx.GraphModule: "
+                                               "report.graph_module)" if r["graph_module"] else "")
+        only = r.get("forward_only") or []
+        if not only:
+            return what + "; every method computes with the constants"
+        return (what + f"; only its forward applies {len(only)} change(s) at functional sites "
+                f"(your other methods, e.g. forward_features, run without them): "
+                f"{'; '.join(only[:6])}" + (" ..." if len(only) > 6 else ""))
 
     def constants_line(self) -> str:
         """Every constant the plan set, in one line: alphas by origin and range, residual
@@ -418,6 +444,7 @@ class Report:
             "stage_seconds": self.stage_seconds, "verification": self.verification,
             "planned": self.planned.to_dict() if self.planned is not None else None,
             "measured": self.measured.to_dict(),
+            "result": dict(self.result),
         }
 
     @classmethod

@@ -24,6 +24,7 @@ from precondfx.core import driver
 from precondfx.pytorch.apply.common import PREFIX, output_path
 from precondfx.pytorch.apply.eager_apply import EagerApplier
 from precondfx.pytorch.apply.fx_apply import FxApplier
+from precondfx.pytorch.apply import user_class
 from precondfx.pytorch.balance import balance_measured, balanceable, held_out, record_factors
 from precondfx.pytorch.capture import meta
 from precondfx.pytorch.capture.common import Sample, main_output, make_sample
@@ -53,6 +54,7 @@ class TorchState(State):
     modes: dict[str, bool] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     analysis: bool = False           # ``analyze``: plan only, on a copy, refusing nothing more
+    not_user_class: str | None = None   # why a GraphModule result is not the user's class
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -279,10 +281,14 @@ def capture_stage(st: TorchState) -> None:
 
 def backend(st: TorchState) -> None:
     """The fx back end on the traced GraphModule, else the eager one on the module itself
-    (``inplace=True``, or a forward fx cannot keep)."""
+    (``inplace=True``, or a forward fx cannot keep).  Either way the result is of the user's
+    class: the GraphModule is rebuilt on the working copy's own module tree as
+    ``Preconditioned<YourClass>`` (``apply.user_class.adopt``)."""
     gm = st.captured.gm
     if gm is not None and not st.inplace:
         restore_unused(gm, st.work)
+        # the graph on the user's own module tree, as a GraphModule of the user's class
+        gm, st.not_user_class = user_class.adopt(gm, st.work)
         st.backend, st.result = FxApplier(gm, st.graph), gm
         # a new GraphModule is in train mode: give it the user's flags before any calibration
         # run, so that a model the user left in eval is calibrated as it will train
@@ -365,12 +371,42 @@ def finish(st: TorchState) -> None:
     distributed.record_aliases(st.result, st.plan.aliases)
     distributed.record_balanceable(st.result, *balanceable(st.alpha_buffers, st.plan, st.graph))
     restore_modes(st.result, st.modes)
+    result_record(st)
     st.say("recording how to fold the constants back into the weights")
     record(st.result, st.work, st.backend, st.graph, lambda m: run_on(m, st.sample, "eval"))
     if hf_checkpoints.is_transformers_model(st.result):   # config entry, checkpoint folding
         hf_checkpoints.prepare(st.result, st.report)
     if st.dtype is not None:
         st.result = st.result.to(st.dtype)
+
+
+def result_record(st: TorchState) -> None:
+    """What the result is (``report.result``): the user's class or not, and what only its
+    ``forward`` sees.  On a GraphModule of the user's class, the constants at module sites get
+    mirror hooks for the other methods (``apply.user_class.mirror``)."""
+    res, rep = st.result, st.report
+    cls = type(st.model)
+    graph = isinstance(res, torch.fx.GraphModule)
+    only: list[str] = []
+    if user_class.is_user_graph(res):
+        _, consts = user_class.mirror(res, {n.name: n.kind for n in st.graph})
+        only = [f"constant {c}" for c in consts] + list(st.backend.graph_only)
+    elif not graph:         # the eager back end: constants on the root act on forward only
+        only = [f"constant {c}" for c in st.constants if "." not in c] + \
+            [f"module {k.partition(':')[2]} at the input"
+             for k, o in st.backend.outcomes.items() if k.startswith("module:") and o.done]
+    mine = isinstance(res, cls)
+    if not mine:        # never silently: the report's result line says it too
+        warnings.warn(f"precondfx: the result is a torch.fx.GraphModule, not your class "
+                      f"{cls.__name__} ({st.not_user_class}): its methods other than forward "
+                      f"are not available; precondition with capture='eager' to keep your "
+                      f"class", RuntimeWarning, stacklevel=2)
+    rep.graph_module = res if graph else None
+    rep.result = {
+        "class": f"{cls.__module__}.{cls.__qualname__}", "is_user_class": mine,
+        "graph_module": graph, "forward_only": only,
+        "note": st.not_user_class if not mine else None,
+    }
 
 
 #: what ``precondition`` runs (``driver.run``)

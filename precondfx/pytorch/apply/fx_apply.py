@@ -65,6 +65,9 @@ class FxApplier(TorchBackend, Records):
         self.kinds: dict[str, str] = {n.name: n.kind for n in graph} if graph is not None else {}
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self._records()
+        #: edits at functional sites, which only the graph's forward sees (not the user's other
+        #: methods, on a result that is the user's class: ``apply.user_class``)
+        self.graph_only: list[str] = []
 
     def _buffer(self, name: str, value: float) -> fx.Node:
         self.gm.register_buffer(name, scalar_buffer(value, _like(self.gm)))
@@ -114,10 +117,12 @@ class FxApplier(TorchBackend, Records):
                 conv.stride = tuple(pc.geometry["conv_stride"])
                 node.replace_all_uses_with(src)
                 self.gm.graph.erase_node(node)
-                if node.op == "call_module" and not any(
-                        n.op == "call_module" and n.target == node.target
-                        for n in self.gm.graph.nodes):
-                    self.gm.delete_submodule(str(node.target))
+                if node.op != "call_module":
+                    self.graph_only.append(f"max-pool {pc.node} (a functional call) folded "
+                                           f"into {conv_node.target}'s stride")
+                elif not any(n.op == "call_module" and n.target == node.target
+                             for n in self.gm.graph.nodes):
+                    self._drop(str(node.target), torch.nn.Identity())
                 self._done(f"pool:{pc.node}", f"maxpool {pc.node} folded into {conv_node.target}")
                 continue
             mod = replacement_pool(pc, _like(self.gm))
@@ -140,6 +145,9 @@ class FxApplier(TorchBackend, Records):
         src = _activation_args(node)[0]
         old = str(node.target) if node.op == "call_module" else None
         path = path or old or f"precondfx_{name}"
+        if old != path:
+            self.graph_only.append(f"{name} ({old or 'a functional call'}) replaced by "
+                                   f"{type(mod).__name__} at {path}")
         if old == path:
             _set_submodule(self.gm, path, mod)
             node.args, node.kwargs = (src,), {}
@@ -153,9 +161,19 @@ class FxApplier(TorchBackend, Records):
         self.nodes[name] = new
         if old is not None and not any(n.op == "call_module" and n.target == old
                                        for n in self.gm.graph.nodes):
-            self.gm.delete_submodule(old)
+            self._drop(old, None)
         self._done(f"replace:{name}", None)
         return True
+
+    def _drop(self, path: str, instead: torch.nn.Module | None) -> None:
+        """A submodule the graph no longer calls: deleted from a plain GraphModule; on one
+        that is the user's class (its own module tree, which the user's methods call) replaced
+        by ``instead`` (an ``Identity`` for a pool folded into a stride), or kept (None)."""
+        from precondfx.pytorch.apply.user_class import is_user_graph
+        if not is_user_graph(self.gm):
+            self.gm.delete_submodule(path)
+        elif instead is not None:
+            _set_submodule(self.gm, path, instead)
 
     def input_scale(self, value: float) -> list[str]:
         names = []
@@ -262,6 +280,7 @@ class FxApplier(TorchBackend, Records):
         with self.gm.graph.inserting_after(ph):
             new = self.gm.graph.call_module(name, (ph,))
         ph.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+        self.graph_only.append(f"{type(mod).__name__} {name} at the input")
         self.finish()
         self._done(f"module:{name}", f"{type(mod).__name__} inserted at the input ({name})")
         return True

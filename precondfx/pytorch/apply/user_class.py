@@ -1,0 +1,348 @@
+"""The fx back end's result is the user's model: a GraphModule that is also the user's class.
+
+``precondition`` plans on the traced graph and edits it (``apply.fx_apply``); the GraphModule it
+returns is built here so that it is *also* an instance of the user's class:
+
+* its class is ``Preconditioned<YourClass>``, a subclass of both ``torch.fx.GraphModule`` and
+  the user's class (made once per class), so ``isinstance(result, YourClass)`` holds and every
+  method of the class (``forward_features``, ``reset_classifier``, ``generate``...) is there;
+* its submodules are the user's own module tree (a copy: the blocks keep their classes, so a
+  method calling ``self.layer1(x)`` runs the block's own forward), and the root keeps the
+  user's plain attributes (``pretrained_cfg``, ``num_classes``, ``config``) and hooks; its
+  ``state_dict`` keys are the user model's keys plus the constants';
+* ``forward`` is the rewritten graph.  The other methods of the user's class run the user's
+  code on the same modules; each constant the graph multiplies in where one module call
+  produces (or consumes) the value is also applied by a hook on that module (:func:`mirror`
+  records where), installed only while one of those methods runs (and off inside a ``self(x)``
+  it makes), so that every method computes with the constants, the graph never sees them
+  twice, and training through ``forward`` runs no hook at all.  A
+  submodule called directly (``model.layer1(x)``), ``fx.Interpreter`` and other fx tools see
+  the modules as the graph does (no mirror).  Constants and edits at functional sites no module owns (an ``F.relu``
+  before a residual add, an ``F.max_pool2d`` turned into a strided convolution) only the graph's
+  forward sees: :func:`mirror` lists them and the report says so (``report.result``).
+
+It deep-copies, pickles (``torch.save`` of the whole model) and re-traces like a GraphModule,
+keeping its class.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import functools
+import inspect
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from precondfx.core.backend import PREFIX
+
+#: the attribute counting the graph forwards running on a model (its mirror hooks are off then)
+DEPTH = "_precondfx_graph_depth"
+#: the attribute counting the user's methods running on it (its mirror hooks are on then)
+METHODS = "_precondfx_methods"
+#: the attribute recording the mirror hooks: ((module path, 'out' or 'in', constant), ...)
+MIRRORS = "_precondfx_mirrors"
+#: ops through which a positive scale on a module's output is a scale on the value (the eager
+#: back end's ``_PASS_THROUGH``)
+PASS_THROUGH = ("relu", "leaky_relu", "prelu", "dropout", "avgpool", "mean", "neg", "reshape",
+                "select", "pad", "cast")
+#: GraphModule's own state in ``__dict__`` (never taken from the user's model)
+_GM_KEYS = {"_graph", "_code", "_lineno_map", "_prologue_start", "_tracer_cls",
+            "_tracer_extras", "meta", "_in_spec", "_out_spec", "_erased", "training",
+            "_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"}
+
+
+# -- the class -----------------------------------------------------------------------------------
+def _gated(fn: Any) -> Any:
+    """The graph's forward, counted in ``DEPTH`` while it runs inside one of the user's methods
+    (the mirror hooks, installed then, stay off)."""
+    @functools.wraps(fn)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, METHODS):     # training: no hook installed, nothing to do
+            return fn(self, *args, **kwargs)
+        setattr(self, DEPTH, getattr(self, DEPTH) + 1)
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            setattr(self, DEPTH, getattr(self, DEPTH) - 1)
+    forward._precondfx_gated = True  # type: ignore[attr-defined]
+    return forward
+
+
+def _recompile(self: fx.GraphModule) -> Any:
+    code = fx.GraphModule.recompile(self)
+    cls = type(self)
+    cls.forward = _gated(cls.forward)
+    return code
+
+
+def _deepcopy(self: fx.GraphModule, memo: dict) -> fx.GraphModule:
+    res = type(self).__new__(type(self))
+    memo[id(self)] = res
+    state = {k: v for k, v in self.__dict__.items() if k != "_graph"}
+    res.__dict__.update(copy.deepcopy(state, memo))
+    res.__dict__[DEPTH] = res.__dict__[METHODS] = 0
+    res.graph = copy.deepcopy(self._graph)
+    return res
+
+
+def _copy(self: fx.GraphModule) -> fx.GraphModule:
+    res = type(self).__new__(type(self))
+    res.__dict__.update(self.__dict__)
+    for k in ("_modules", "_parameters", "_buffers"):
+        res.__dict__[k] = collections.OrderedDict(self.__dict__[k])
+    res.graph = copy.deepcopy(self._graph)
+    return res
+
+
+def _reduce(self: fx.GraphModule) -> tuple:
+    """Pickle as the user's class: the generated code, not the Graph (as GraphModule does), and
+    the state (modules, constants, the user's attributes) restored by ``__setstate__``."""
+    from torch.fx.graph_module import _format_import_block
+    from torch.package import sys_importer
+    code = self.recompile()
+    state = {k: v for k, v in self.__dict__.items() if k != "_graph"}
+    return (_empty, (self._precondfx_user_class,),
+            {"precondfx_state": state,
+             "import_block": _format_import_block(code.globals, sys_importer)})
+
+
+def _setstate(self: fx.GraphModule, state: dict) -> None:
+    if "precondfx_state" not in state:     # a plain module state: the user's class's way
+        mine = next(c for c in type(self).__mro__ if "_precondfx_user_class" in vars(c))
+        super(mine, self).__setstate__(state)
+        return
+    from torch.fx.graph_module import _deserialize_graph_module, _forward_from_src
+    body = state["precondfx_state"]
+    forward = _forward_from_src(state["import_block"] + body["_code"], {})
+    plain = _deserialize_graph_module(forward, dict(body))   # re-traces the code
+    self.__dict__.update(body)
+    self.__dict__[DEPTH] = self.__dict__[METHODS] = 0
+    self.graph = plain.graph
+
+
+def _empty(user_cls: type) -> fx.GraphModule:
+    cls = graph_class(user_cls)
+    return cls.__new__(cls)
+
+
+def _in_method(fn: Any) -> Any:
+    """A method of the user's class, run with the mirror hooks installed (by the outermost
+    call; counted in ``METHODS``): outside the user's methods the modules carry no hook."""
+    @functools.wraps(fn)
+    def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        n = getattr(self, METHODS)
+        handles = _install(self) if n == 0 else []
+        setattr(self, METHODS, n + 1)
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            setattr(self, METHODS, n)
+            for h in handles:
+                h.remove()
+    return method
+
+
+def _user_methods(user_cls: type) -> dict[str, Any]:
+    """The plain functions the user's class and its bases (up to ``nn.Module``) define, other
+    than ``forward`` and special methods, each wrapped by :func:`_in_method`."""
+    out: dict[str, Any] = {}
+    for klass in user_cls.__mro__:
+        if klass in (nn.Module, object) or issubclass(nn.Module, klass):
+            continue
+        for name, v in vars(klass).items():
+            if name in out or name == "forward" or name.startswith("__") or \
+                    not inspect.isfunction(v) or hasattr(fx.GraphModule, name):
+                continue
+            out[name] = _in_method(v)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def graph_class(user_cls: type) -> type | None:
+    """``Preconditioned<user_cls>``: a GraphModule subclass that is also ``user_cls`` (None
+    where the two classes cannot be combined)."""
+    if issubclass(user_cls, fx.GraphModule) or not issubclass(user_cls, nn.Module):
+        return None
+    ns = {"__module__": __name__, "__doc__": user_cls.__doc__,
+          "recompile": _recompile, "__deepcopy__": _deepcopy, "__copy__": _copy,
+          "__reduce__": _reduce, "__setstate__": _setstate, DEPTH: 0, METHODS: 0,
+          "_precondfx_user_class": user_cls, **_user_methods(user_cls)}
+    try:
+        return type(f"Preconditioned{user_cls.__name__}", (fx.GraphModule, user_cls), ns)
+    except TypeError:       # a metaclass or layout conflict
+        return None
+
+
+# -- building it ---------------------------------------------------------------------------------
+def _resolves(root: nn.Module, target: str) -> bool:
+    obj: Any = root
+    for part in target.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def adopt(gm: fx.GraphModule, work: nn.Module) -> tuple[fx.GraphModule, str | None]:
+    """``gm``'s graph on ``work``'s own module tree, as ``Preconditioned<type(work)>``; with why
+    not (``gm`` itself is returned) where the class cannot be combined or the tree does not hold
+    what the graph reads."""
+    cls = graph_class(type(work))
+    if cls is None:
+        return gm, f"the class {type(work).__name__} cannot be combined with GraphModule"
+    d = dict(gm.__dict__)
+    d.update({k: v for k, v in vars(work).items() if k not in _GM_KEYS})
+    d["_modules"] = collections.OrderedDict(work._modules)
+    d["_parameters"] = collections.OrderedDict(work._parameters)
+    d["_buffers"] = collections.OrderedDict(work._buffers)
+    d["_non_persistent_buffers_set"] = set(work._non_persistent_buffers_set)
+    d[DEPTH] = d[METHODS] = 0
+    res = cls.__new__(cls)
+    res.__dict__.update(d)
+    # what fx added: dropout modules for functional dropout, tensor constants as buffers
+    for path, m in gm.named_modules():
+        if path and not _resolves(res, path):
+            parent, _, leaf = path.rpartition(".")
+            if parent and not _resolves(res, parent):
+                return gm, f"the traced graph calls {path}, which the model does not hold"
+            (res.get_submodule(parent) if parent else res).add_module(leaf, m)
+    for name, t in gm.named_buffers():
+        if _resolves(res, name):
+            continue
+        path, _, leaf = name.rpartition(".")
+        src = gm.get_submodule(path) if path else gm
+        (res.get_submodule(path) if path else res).register_buffer(
+            leaf, t, persistent=leaf not in src._non_persistent_buffers_set)
+    missing = [str(n.target) for n in gm.graph.nodes if n.op in ("get_attr", "call_module")
+               and not _resolves(res, str(n.target))]
+    if missing:
+        return gm, f"the traced graph reads {missing[0]}, which the model does not hold"
+    res.graph = gm.graph        # owning module and generated code (gated forward)
+    return res, None
+
+
+def is_user_graph(model: nn.Module) -> bool:
+    return isinstance(model, fx.GraphModule) and hasattr(type(model), "_precondfx_user_class")
+
+
+# -- the mirror hooks ----------------------------------------------------------------------------
+def _times_first(out: Any, s: torch.Tensor) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out * s
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return (out[0] * s,) + tuple(out[1:])
+    return out
+
+
+def _install(root: nn.Module) -> list[Any]:
+    """Register the mirror hooks ``root`` records (``MIRRORS``: (module path, 'out' or 'in',
+    constant)); returns their handles.  Each reads the constant from ``root`` when it runs and
+    does nothing while the graph's forward runs."""
+    handles = []
+    for path, where, name in root.__dict__.get(MIRRORS, ()):
+        try:
+            mod = root.get_submodule(path)
+        except AttributeError:      # replaced by the user (reset_classifier): nothing to mirror
+            continue
+        if where == "out":
+            def hook(m: nn.Module, args: tuple, out: Any, name: str = name) -> Any:
+                if getattr(root, DEPTH):
+                    return None
+                return _times_first(out, getattr(root, name))
+            handles.append(mod.register_forward_hook(hook))
+        else:
+            def pre(m: nn.Module, args: tuple, name: str = name) -> Any:
+                if getattr(root, DEPTH) or not args or not isinstance(args[0], torch.Tensor):
+                    return None
+                return (args[0] * getattr(root, name),) + tuple(args[1:])
+            handles.append(mod.register_forward_pre_hook(pre))
+    return handles
+
+
+def _const_of(n: fx.Node, consts: set[str]) -> tuple[fx.Node, str] | None:
+    """``(x, c)`` for a node ``x * c`` with ``c`` one of the root's constants."""
+    if n.op != "call_function" or n.target is not operator.mul or len(n.args) != 2 or n.kwargs:
+        return None
+    a, b = n.args
+    for x, c in ((a, b), (b, a)):
+        if isinstance(c, fx.Node) and c.op == "get_attr" and c.target in consts and \
+                isinstance(x, fx.Node):
+            return x, str(c.target)
+    return None
+
+
+def _tensor_inputs(n: fx.Node) -> list[fx.Node]:
+    return [a for a in n.all_input_nodes if a.op != "get_attr"]
+
+
+def mirror(res: fx.GraphModule, kinds: dict[str, str]) -> tuple[list[str], list[str]]:
+    """Record (``MIRRORS``) the hooks that apply, while a user's method runs (not in the
+    graph's forward), each constant the graph multiplies in at a
+    module's output (up through ops that commute with a positive scale) or at its first input;
+    returns the constants mirrored and those only the forward applies (``kinds``: node name ->
+    kind, from the captured graph)."""
+    consts = {n for n in res._buffers if n.startswith(PREFIX)}
+    nodes = list(res.graph.nodes)
+    calls = collections.Counter(str(n.target) for n in nodes if n.op == "call_module")
+    owners = collections.Counter(id(m) for _, m in res.named_modules(remove_duplicate=False))
+
+    def module_of(n: fx.Node) -> str | None:
+        if n.op != "call_module" or calls[str(n.target)] != 1:
+            return None
+        return str(n.target) if owners[id(res.get_submodule(str(n.target)))] == 1 else None
+
+    def output_site(x: fx.Node, c: fx.Node, through: bool) -> str | None:
+        cur, user = x, c
+        while True:
+            if set(cur.users) != {user}:
+                return None
+            path = module_of(cur)
+            if path is not None:
+                return path
+            inner = _const_of(cur, consts)
+            ins = _tensor_inputs(cur)
+            if inner is not None:
+                cur, user = inner[0], cur
+            elif through and kinds.get(cur.name) in PASS_THROUGH and len(ins) == 1:
+                cur, user = ins[0], cur
+            else:
+                return None
+
+    def input_site(m: fx.Node) -> str | None:
+        cur = m
+        while len(cur.users) == 1:
+            (u,) = cur.users
+            if _const_of(u, consts) is not None:
+                cur = u
+                continue
+            path = module_of(u)
+            return path if path is not None and u.args and u.args[0] is cur else None
+        return None
+
+    done: list[str] = []
+    only: list[str] = []
+    sites: list[tuple[str, str, str]] = []
+    for n in nodes:
+        got = _const_of(n, consts)
+        if got is None:
+            continue
+        x, name = got
+        # where the value is scaled exactly as the graph scales it: the producing module's
+        # output, else the consuming module's input, else (through ops commuting with a
+        # positive scale) an upstream module's output, whose intermediates then differ from
+        # the graph's by the factor (a value returned between them would show it)
+        out = output_site(x, n, through=False)
+        inp = input_site(n) if out is None else None
+        up = output_site(x, n, through=True) if out is None and inp is None else None
+        if out or up or inp:
+            site = (out or up, "out") if out or up else (inp, "in")
+            sites.append((site[0], site[1], name))
+            done.append(name)
+        else:
+            only.append(name)
+    res.__dict__[MIRRORS] = tuple(sites)
+    return done, only
