@@ -138,8 +138,15 @@ def test_backend_limits():
     with pytest.raises(PrecondError, match="meta device"):
         resolve_options(Options(balance="none", scheme="lsuv"), META)
     model = nn.Linear(4, 4, device="meta")
+    # measured balancing on the meta device is deferred to precondfx.distributed.balance (issue
+    # 21, item 6): an alpha at 1 on every weighted layer, the report says what to call
+    _, rep = precondfx.precondition(model, torch.randn(2, 4), balance="hessian")
+    assert rep.conditioning["hessian"]["applied"] is False
+    assert "distributed.balance" in rep.conditioning["hessian"]["decision"]
+    assert [s.value for s in rep.planned.scales if s.tag == "alpha"] == [1.0]
     with pytest.raises(PrecondError, match="meta device"):
-        precondfx.precondition(model, torch.randn(2, 4), balance="hessian")
+        precondfx.precondition(nn.Linear(4, 4, device="meta"), torch.randn(2, 4),
+                               balance="auto")
 
 
 def test_measured_balancing_mode_is_explicit():
