@@ -76,3 +76,11 @@ def scale_at_path(out: Any, path: list, scale: torch.Tensor) -> Any:
     out[k] = new
     return out
 
+
+def times_first(out: Any, s: torch.Tensor) -> Any:
+    """``out`` with its tensor (or a tuple's first tensor) multiplied by ``s``."""
+    if isinstance(out, torch.Tensor):
+        return out * s
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return (out[0] * s,) + tuple(out[1:])
+    return out

@@ -1,0 +1,217 @@
+"""The eager back end's output-scale search: which module's output carries the main output.
+
+With no graph surgery, the output scale must sit on a module whose output *is* the main
+output (or is scaled into it exactly): the root, a unique module producing a tensor of the
+output's shape, found by running the model with a doubling hook on each candidate.  A mixin of
+:class:`~precondfx.pytorch.apply.eager_apply.EagerApplier`, which holds the state it reads.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from precondfx.core.outputs import bounded_output, bounded_producer, skip_bounded
+from precondfx.errors import PrecondError
+from precondfx.pytorch.apply.common import PREFIX, scale_at_path, times_first
+from precondfx.pytorch.capture.common import at_path
+
+
+def _module_output_scale_hook(module: nn.Module, args: tuple, out: Any) -> Any:
+    """The output scale on the module that produces the main output (e.g. ``lm_head``), so
+    that everything the model computes from it inside forward (its own loss) sees it."""
+    return times_first(out, getattr(module, PREFIX + "output_scale"))
+
+
+def _root_output_hook(module: nn.Module, args: tuple, out: Any) -> Any:
+    path = getattr(module, PREFIX + "output_path")
+    if internal_loss(out, list(path)):
+        raise PrecondError(LOSS_BEFORE_SCALE)
+    return scale_at_path(out, list(path), getattr(module, PREFIX + "output_scale"))
+
+
+LOSS_BEFORE_SCALE = (
+    "this preconditioned model computed a loss inside its forward (the output has a 'loss'), but "
+    "its output scale sits on the returned value, after that loss: the loss would not see the "
+    "scale.  precondfx found no module producing the main output to carry the scale.  Compute "
+    "the loss outside the model from the returned output (do not pass labels), or precondition "
+    "with target_std=None")
+
+
+def internal_loss(out: Any, path: list) -> bool:
+    """Whether a model output carries a loss computed inside forward (transformers models with
+    ``labels``), other than the main output itself."""
+    if not (isinstance(out, Mapping) or hasattr(out, "keys")) or isinstance(out, torch.Tensor):
+        return False
+    try:
+        loss = out["loss"] if "loss" in out.keys() else None
+    except (KeyError, TypeError):
+        return False
+    return isinstance(loss, torch.Tensor) and (not path or path[0] != "loss")
+
+
+class OutputSearch:
+    """The output-scale half of the eager back end (``EagerApplier`` mixes it in)."""
+
+    def output_scale(self, path: list, run: Callable[[nn.Module], Any] | None = None
+                     ) -> str | None:
+        """The output scale, on the module whose output *is* the main output (found by running
+        ``run(model)``), so that a loss the model computes from it inside forward sees the
+        scale; on the returned value otherwise (refused when the model returns a loss).
+        ``run`` defaults to the one given to the constructor."""
+        run = run or self.runner
+        found, out = self._output_module(path, run) if run is not None else (None, None)
+        if found is not None and self.train_runner is not None and \
+                self._output_module(path, self.train_runner)[0] != found:
+            found = None    # another module produces it in train mode (a self.training branch)
+        bounded = self._bounded(found, out, path)
+        if bounded is not None:
+            skip_bounded(self, bounded)
+            return None
+        if found is not None:
+            mod = self.model.get_submodule(found)
+            self._register(mod, PREFIX + "output_scale", 1.0)
+            self._hook(mod.register_forward_hook(_module_output_scale_hook))
+            self.output_module = found
+            self._done("output", f"output scale on the output of {found} (the main output): "
+                       f"everything forward computes from it, its own loss included, sees the "
+                       f"scale", f"{found}.{PREFIX}output_scale")
+            return f"{found}.{PREFIX}output_scale"
+        if out is not None and internal_loss(out, path):
+            raise PrecondError(LOSS_BEFORE_SCALE.replace("this preconditioned model computed",
+                                                         "the model computes"))
+        self._register(self.model, PREFIX + "output_scale", 1.0)
+        setattr(self.model, PREFIX + "output_path", tuple(path))
+        self.undo.append(("attrdel", self.model, PREFIX + "output_path"))
+        self._hook(self.model.register_forward_hook(_root_output_hook))
+        self._done("output", None, PREFIX + "output_scale")
+        return PREFIX + "output_scale"
+
+    def _output_module(self, path: list, run: Callable[[nn.Module], Any]
+                       ) -> tuple[str | None, Any]:
+        """The innermost submodule, called once per forward, whose returned tensor is the main
+        output itself (forward hooks run innermost first and see earlier hooks' results)."""
+        first: dict[int, str] = {}
+        calls: dict[str, int] = {}
+        keep: list[torch.Tensor] = []
+        handles = []
+        for name, m in self.model.named_modules():
+            if not name:
+                continue
+
+            def hook(mod: nn.Module, args: tuple, out: Any, name: str = name) -> None:
+                calls[name] = calls.get(name, 0) + 1
+                t = out[0] if isinstance(out, tuple) and out else out
+                if isinstance(t, torch.Tensor):
+                    first.setdefault(id(t), name)
+                    keep.append(t)
+            handles.append(m.register_forward_hook(hook))
+        try:
+            out = run(self.model)
+        finally:
+            for h in handles:
+                h.remove()
+        try:
+            target = at_path(out, path)
+        except (KeyError, IndexError, TypeError, AttributeError):
+            return None, out
+        name = first.get(id(target)) if isinstance(target, torch.Tensor) else None
+        if name is not None and calls.get(name, 0) == 1 and self._unique(name):
+            return name, out
+        if not isinstance(target, torch.Tensor):
+            return None, out
+        for cand in self._graph_candidates(tuple(target.shape)):
+            if calls.get(cand, 0) == 1 and self._unique(cand) and \
+                    self._scales_output(cand, path, run, target):
+                return cand, out
+        return None, out
+
+    def _bounded(self, found: str | None, out: Any, path: list) -> str | None:
+        """Why the main output cannot take a scale (``outputs.bounded_output``): the op of the
+        module that produces it, or of the graph node the model's output comes from."""
+        if found is not None:
+            nodes = [n for n in self.graph if n.module == found]
+            return bounded_output(nodes[-1].kind, nodes[-1].target) if nodes else None
+        try:
+            target = at_path(out, path) if out is not None else None
+        except (KeyError, IndexError, TypeError, AttributeError):
+            return None
+        if not isinstance(target, torch.Tensor):
+            return None
+        same = [self.graph.get(o) for o in self.graph.outputs]
+        same = [n for n in same if n is not None and n.out_shape is not None and
+                tuple(n.out_shape) == tuple(target.shape)]
+        if len(same) != 1:      # which output is the main one cannot be told from the graph
+            return None
+        return bounded_producer(self.graph, same[0].name)
+
+    def _unique(self, path: str) -> bool:
+        mod = self.model.get_submodule(path)
+        return sum(m is mod for m in self.model.modules()) == 1 and \
+            sum(1 for n, m in self.model.named_modules(remove_duplicate=False)
+                if m is mod) == 1
+
+    def _graph_candidates(self, shape: tuple) -> list[str]:
+        """Modules whose output the main output is a reshape, cast or sole selection of (walking
+        up the captured graph from the model outputs of the same shape)."""
+        found = []
+        for o in self.graph.outputs:
+            node = self.graph.get(o)
+            if node is None or node.out_shape is None or tuple(node.out_shape) != shape:
+                continue
+            while node is not None and node.module is None:
+                live = [i for i in node.inputs if not self._frozen(i)]
+                if node.kind in ("add", "sub", "mul") and len(live) == 1 and \
+                        self._frozen_params(node):
+                    # plus a zero buffer (BART's final_logits_bias), times a constant
+                    # (Granite's / logits_scaling): exact only when the run check says so
+                    src = live[0]
+                    node = self.graph.get(src)
+                    continue
+                if node.kind not in ("reshape", "cast", "select") or len(node.inputs) != 1:
+                    node = None
+                    break
+                src = node.inputs[0]
+                if node.kind == "select" and len(self.users.get(src, [])) != 1:
+                    node = None
+                    break
+                node = self.graph.get(src)
+            if node is not None and node.module and node.module not in found:
+                found.append(node.module)
+        return found
+
+    def _frozen_params(self, node: Any) -> bool:
+        """Whether every parameter-like operand ``node`` reads is a buffer of the model (no
+        trainable parameter: it does not change in training)."""
+        bufs = getattr(self, "_buffer_names", None)
+        if bufs is None:
+            bufs = self._buffer_names = {n for n, _ in self.model.named_buffers()}
+        return all(v in bufs for v in node.params.values())
+
+    def _frozen(self, name: str) -> bool:
+        """Whether node ``name`` computes from the model's buffers alone (no model input, no
+        trainable parameter): a constant of the forward, such as an added logits bias."""
+        node = self.graph.get(name)
+        if node is None or not self._frozen_params(node) or \
+                len(node.params) + len(node.inputs) < len(node.in_shapes):
+            return False
+        return all(self._frozen(i) for i in node.inputs)
+
+    def _scales_output(self, path: str, out_path: list, run: Callable[[nn.Module], Any],
+                       before: torch.Tensor) -> bool:
+        """Check, by running, that doubling ``path``'s output doubles the main output."""
+        def double(mod: nn.Module, args: tuple, out: Any) -> Any:
+            if isinstance(out, torch.Tensor):
+                return out * 2
+            return out
+        h = self.model.get_submodule(path).register_forward_hook(double)
+        try:
+            after = at_path(run(self.model), out_path)
+            return isinstance(after, torch.Tensor) and after.shape == before.shape and \
+                bool(torch.allclose(after, before * 2, rtol=1e-5, atol=1e-30))
+        except Exception:   # the model does not run that way, or has no data (meta device)
+            return False
+        finally:
+            h.remove()
