@@ -23,7 +23,7 @@ from precondfx.pytorch.capture.common import Sample, main_output
 from precondfx.errors import PrecondError
 from precondfx.core.graph import Graph
 from precondfx.pytorch.measure import batchdim
-from precondfx.pytorch.measure.conditioning.estimates import _mean_estimate
+from precondfx.pytorch.measure.conditioning.estimates import mean_estimate
 from precondfx.pytorch.measure.ranks import Ranks, for_group
 from precondfx.pytorch.measure.sketch import geometric_mean, hessian_sketch, precise, rtol_for, spread_of
 from precondfx.core.measured import Measured
@@ -90,7 +90,7 @@ def _measure_per(model: nn.Module, s: Sample, weights: list[str], n_samples: int
 
 def _estimates(per: np.ndarray, weights: list[str]) -> tuple[dict[str, float], dict[str, float]]:
     """Means and standard errors over samples of per-sample values."""
-    est = {w: _mean_estimate(per[:, j]) for j, w in enumerate(weights)}
+    est = {w: mean_estimate(per[:, j]) for j, w in enumerate(weights)}
     return {w: e.mean for w, e in est.items()}, {w: e.stderr for w, e in est.items()}
 
 

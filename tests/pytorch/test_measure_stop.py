@@ -57,7 +57,7 @@ def _bn_net(n_out=200):
 
 def test_balancing_stops_once_precise_enough_for_its_threshold():
     import precondfx
-    from precondfx.pytorch.measure.conditioning.estimates import _t975
+    from precondfx.pytorch.measure.conditioning.estimates import t975
     from precondfx.pytorch.measure.sketch import rtol_for
     net, x = _bn_net()
     seen = {}
@@ -69,7 +69,7 @@ def test_balancing_stops_once_precise_enough_for_its_threshold():
         if n < 16:   # stopped: every layer's 95% half-width within rtol_for(threshold)
             assert h["stopped_early"].startswith(f"stopped after {n} samples")
             for w, m in h["before"].items():
-                assert _t975(n - 1) * h["stderr_before"][w] / m <= rtol_for(thr) + 1e-12
+                assert t975(n - 1) * h["stderr_before"][w] / m <= rtol_for(thr) + 1e-12
         else:
             assert h["stopped_early"] == ""
     assert seen[2.0] < 16 and seen[1.1] > seen[2.0]   # a tighter threshold measures longer

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from precondfx.errors import PrecondError
-from precondfx.pytorch.measure.conditioning.estimates import _mean_estimate
+from precondfx.pytorch.measure.conditioning.estimates import mean_estimate
 from precondfx.pytorch.measure.conditioning.inputs import (default_output_fn, measurement_state,
                                                            per_sample, run_sample)
 from precondfx.pytorch.measure.conditioning.results import Estimate
@@ -112,7 +112,7 @@ def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_s
                 gen.set_state(state)
                 bar.restart()
             else:
-                vals = {w: _mean_estimate(per[:, j]) for j, w in enumerate(weights)}
+                vals = {w: mean_estimate(per[:, j]) for j, w in enumerate(weights)}
                 return SketchResult(vals, len(per), n_cotangents, "pairs", "batched", per)
         shape = None
         if ranks is not None:   # the draws of samples other ranks hold are skipped, not made
@@ -139,7 +139,7 @@ def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_s
             if stop is not None and first <= s + 1 < n_samples and stop(per[:s + 1]):
                 per = per[:s + 1]
                 break
-    vals = {w: _mean_estimate(per[:, j]) for j, w in enumerate(weights)}
+    vals = {w: mean_estimate(per[:, j]) for j, w in enumerate(weights)}
     return SketchResult(vals, len(per), n_cotangents, "pairs", note or "per-sample loop", per)
 
 
@@ -185,7 +185,7 @@ def precise(per: np.ndarray, rtol: float = RTOL) -> bool:
     if per.ndim != 2 or per.shape[0] < 2:
         return False
     for j in range(per.shape[1]):
-        e = _mean_estimate(per[:, j])
+        e = mean_estimate(per[:, j])
         if not (e.mean > 0 and math.isfinite(e.ci_high) and
                 (e.ci_high - e.ci_low) / 2 <= rtol * e.mean):
             return False

@@ -19,18 +19,18 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
          2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
-def _t975(df: int) -> float:
+def t975(df: int) -> float:
     return _T975[df - 1] if df <= len(_T975) else 1.96 + 2.4 / df
 
 
-def _mean_estimate(values: np.ndarray, scale: float = 1.0) -> Estimate:
+def mean_estimate(values: np.ndarray, scale: float = 1.0) -> Estimate:
     v = np.asarray(values, dtype=float) * scale
     n = v.size
     mean = float(v.mean())
     if n < 2:
         return Estimate(mean, float("nan"), float("nan"), float("nan"), n)
     se = float(v.std(ddof=1) / math.sqrt(n))
-    t = _t975(n - 1)
+    t = t975(n - 1)
     return Estimate(mean, se, mean - t * se, mean + t * se, n)
 
 
@@ -58,17 +58,17 @@ def _layer_result(r: LayerRef, w: torch.Tensor, c: "_Capture", rec: _Records, l:
                            module_type=c.kind, numel=w.numel(), weight_sq=w2, alpha=r.alpha)
     notes_l = []
     if "hessian" in stats:
-        lc.hessian = _mean_estimate(rec.blk[:, l, l])
+        lc.hessian = mean_estimate(rec.blk[:, l, l])
     if "ratio" in stats:
-        lc.grad_sq = _mean_estimate(rec.grad_sq[:, l])
-        lc.ratio = _mean_estimate(rec.grad_sq[:, l], 1.0 / w2) if w2 > 0 else None
+        lc.grad_sq = mean_estimate(rec.grad_sq[:, l])
+        lc.ratio = mean_estimate(rec.grad_sq[:, l], 1.0 / w2) if w2 > 0 else None
         if w2 == 0:
             notes_l.append("weights are all zero: ratio undefined")
     captured = np.all(np.isfinite(rec.y2[:, l])) and np.all(np.isfinite(rec.x2[:, l]))
     if ("gr" in stats or "ratio" in stats) and captured:
-        lc.x_sq = _mean_estimate(rec.x2[:, l])
-        lc.y_sq = _mean_estimate(rec.y2[:, l])
-        lc.dy_sq = _mean_estimate(rec.dy2[:, l])
+        lc.x_sq = mean_estimate(rec.x2[:, l])
+        lc.y_sq = mean_estimate(rec.y2[:, l])
+        lc.dy_sq = mean_estimate(rec.dy2[:, l])
     if "gr" in stats:
         if not c.supported:
             notes_l.append(c.note)
@@ -113,6 +113,6 @@ def _block_matrix(rec: _Records, blocks: _Blocks, results: list[LayerConditionin
     se = rec.blk.std(axis=0, ddof=1) / math.sqrt(n) if n > 1 else np.full_like(mean, np.nan)
     for b, (l, kind) in enumerate(blocks.layer):
         if kind == "bias":
-            results[l].hessian_bias = _mean_estimate(rec.blk[:, b, b])
+            results[l].hessian_bias = mean_estimate(rec.blk[:, b, b])
     return BlockMatrix(blocks.names, mean, se, "ggn" if method == "ggn" else "hessian")
 
