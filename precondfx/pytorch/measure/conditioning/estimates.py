@@ -20,10 +20,14 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
 
 
 def t975(df: int) -> float:
+    """The 97.5% quantile of Student's t with ``df`` degrees of freedom (a table, then the
+    large-df approximation): the half-width factor of a 95% interval."""
     return _T975[df - 1] if df <= len(_T975) else 1.96 + 2.4 / df
 
 
 def mean_estimate(values: np.ndarray, scale: float = 1.0) -> Estimate:
+    """The mean of per-sample ``values`` (times ``scale``) with its standard error and 95%
+    t-interval."""
     v = np.asarray(values, dtype=float) * scale
     n = v.size
     mean = float(v.mean())
