@@ -24,6 +24,9 @@ from precondfx.errors import PrecondError
 
 INIT_RULES = ("geometric", "fan_in", "fan_out", "xavier")
 MAXPOOL_MODES = ("stride", "conv", "avgpool", "keep")
+#: the strided convolution that replaces a max-pool which is not folded (precondfx.plan):
+#: full C->C, depthwise (groups=C), or full C->C initialized as average pooling
+POOL_CONVS = ("full", "depthwise", "avg")
 BALANCE_MODES = ("auto", "none", "analytic", "hessian")
 #: balance modes that measure Hessian blocks through the PyTorch model
 MEASURED = ("hessian", "auto")
@@ -154,6 +157,12 @@ class Options:
                         "max-pool replacement: fold the stride into the conv before it when "
                         "possible, else a strided conv (stride); always a conv; average pool; "
                         "keep", cli=True)
+    pool_conv: str = _opt("full", one_of(*POOL_CONVS),
+                          "the strided convolution that replaces a max-pool which is not "
+                          "folded (maxpool='stride' or 'conv'): full (C->C, re-initialized by "
+                          "the init rule), depthwise (one filter per channel, re-initialized), "
+                          "avg (C->C, initialized as average pooling of the pool's geometry, "
+                          "trained)", cli=True)
     balance: str = _opt("auto", one_of(*BALANCE_MODES),
                         "alpha constants: auto (PyTorch: measured where layers are out of "
                         "balance; ONNX: analytic), none, analytic (Sec. 5, App. E), hessian "
