@@ -98,12 +98,15 @@ PFX: dict[str, dict] = {
     "pfx_pool_full": {"pool_conv": "full"},              # full strided conv, re-initialized
     "pfx_pool_dw": {"pool_conv": "depthwise"},           # depthwise strided conv
     "pfx_pool_avgconv": {"pool_conv": "avg"},            # full conv = average pooling at init
+    # pfx with every weight matrix stored at the user's model's own init scale (see user_scale)
+    "pfx_ws": {},
+    "pfx_lr_user": {"lr_scale": "user"},
 }
 
 #: ``pfx_lr``: the lr_scale of each optimizer of the suite (the model depends on the optimizer)
 OPT_LR_SCALE = {"sgd": "sgd", "adamw": "adam"}
 #: methods whose model depends on the optimizer
-PER_OPTIMIZER = ("mup", "pfx_lr")
+PER_OPTIMIZER = ("mup", "pfx_lr", "pfx_ws")
 
 BASELINES = ["default", "torch_default", "default_std0.05", "default_zb", "fan_in", "lsuv", "mup"]
 MAIN_METHODS = ["default", "torch_default", "fan_in", "lsuv", "mup", "pfx", "pfx_lr"]
@@ -129,6 +132,8 @@ LABELS = {
     "pfx_pool_keep": "pfx maxpool=keep", "pfx_pool_avgpool": "pfx maxpool=avgpool (frozen)",
     "pfx_pool_full": "pfx pool_conv=full", "pfx_pool_dw": "pfx pool_conv=depthwise",
     "pfx_pool_avgconv": "pfx pool_conv=avg (trained)",
+    "pfx_ws": "pfx, weights at the user's init scale (emulated by per-weight rates)",
+    "pfx_lr_user": "pfx lr_scale=user",
 }
 
 
@@ -621,6 +626,8 @@ def build(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str
         raise ValueError(f"unknown method {method!r}; known: {BASELINES + list(PFX)}")
     kw = dict(PFX[method], lr_scale=OPT_LR_SCALE[opt]) if method == "pfx_lr" else PFX[method]
     out, _ = precondfx.precondition(model, calib, seed=seed, **kw)
+    if method == "pfx_ws":
+        return out.train(), user_scale_mult(model, out, opt)
     if method == "pfx_defbias":
         with torch.no_grad():
             ref = dict(model.named_parameters())
@@ -628,6 +635,27 @@ def build(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str
                 if n.endswith("bias") and n in ref and ref[n].shape == p.shape:
                     p.copy_(ref[n])
     return out.train(), {}
+
+
+def user_scale_mult(user: nn.Module, pfx: nn.Module, opt: str) -> dict[str, float]:
+    """Per-parameter rate multipliers that emulate storing each weight matrix of ``pfx`` at
+    the user's model's own init scale, with the ratio ``c = rms(pfx W) / rms(user W)`` moved
+    into a constant on the layer's input (same function): the stored ``W / c`` then gets
+    gradient ``c g``, so the effective weight moves by ``c`` times an Adam step (AdamW: rate x
+    c, exact up to eps; the decoupled weight decay also runs x c) and ``c^2`` times an SGD step
+    (SGD: rate x c^2).  Biases and normalization parameters: x 1 (an input constant leaves
+    them alone).  Weights with no counterpart of the same name and shape: x 1."""
+    ref = {n: p for n, p in user.named_parameters()}
+    out = {}
+    for n, p in pfx.named_parameters():
+        q = ref.get(n)
+        if p.dim() < 2 or q is None or q.shape != p.shape:
+            continue
+        ru, rp = float(q.detach().pow(2).mean().sqrt()), float(p.detach().pow(2).mean().sqrt())
+        if ru > 0 and rp > 0:
+            c = rp / ru
+            out[n] = c if opt == "adamw" else c * c
+    return out
 
 
 def method_note(task: Task, method: str) -> str | None:

@@ -34,7 +34,7 @@ RESIDUAL_MODES = ("auto", "all", "none")
 CALIBRATION_MODES = ("train", "eval")
 CAPTURE_METHODS = ("fx", "export", "draft_export", "eager")
 #: lr_scale values (precondfx.pytorch.lr_transfer): the optimizer the model will be trained with
-LR_SCALE_MODES = ("sgd", "adam")
+LR_SCALE_MODES = ("sgd", "adam", "user")
 #: seeds are handed to torch and numpy generators: a non-negative 63-bit integer
 SEED_MAX = 2 ** 63 - 1
 
@@ -193,7 +193,10 @@ class Options:
                                 "(each stored weight scaled to rms sqrt(fan_in)/64 (L/3)^1.5, L the "
                                 "main-path depth: equal relative Adam steps in every layer, "
                                 "4x inside residual branches), "
-                                "'sgd' (every stored weight x L/3); None (on the command line "
+                                "'sgd' (every stored weight x L/3), 'user' (every stored weight "
+                                "at the rms the user's model had before the pass, so that a rate "
+                                "tuned for the model's own init keeps working under Adam); "
+                                "None (on the command line "
                                 "'none'): off (precondfx.pytorch.lr_transfer)", cli="OPT")
     seed: int = _opt(0, integer(0, SEED_MAX), "seed of the re-initialization", cli="N")
     reinit: bool = _opt(True, flag, "re-initialize the weights; reinit_weights=False "

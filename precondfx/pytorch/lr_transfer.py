@@ -125,14 +125,26 @@ def _rms_of(model: nn.Module, plan: Plan, w: str) -> float:
                        f"materialize the model first, or use lr_scale='sgd'")
 
 
-def factors(graph: Graph, plan: Plan, mode: str, rms: dict[str, float]
-            ) -> tuple[dict[str, float], int]:
+def factors(graph: Graph, plan: Plan, mode: str, rms: dict[str, float],
+            user_rms: dict[str, float] | None = None) -> tuple[dict[str, float], int]:
     """The factor ``c`` per weight (the first call site's, so that a shared weight gets one
     factor) and the main-path depth ``L``; ``rms``: each stored weight's root mean square
-    (``"adam"`` only; a weight with rms 0 keeps c = 1)."""
+    (``"adam"`` and ``"user"``; a weight with rms 0 keeps c = 1); ``user_rms``: the rms of
+    each weight in the user's model before the pass (``"user"``: ``c = rms / user_rms``, so
+    that the stored weight gets the user's rms; a weight without one keeps c = 1)."""
     if mode not in LR_SCALE_MODES:
         raise PrecondError(f"lr_scale={mode!r} is not one of {LR_SCALE_MODES} (or None)")
     L = main_path_depth(graph, plan)
+    if mode == "user":
+        out_u: dict[str, float] = {}
+        for lay in plan.layers:
+            w = lay.weight
+            if not w or w in out_u:
+                continue
+            r, u = rms.get(w, 0.0), (user_rms or {}).get(w, 0.0)
+            if r > 0 and u > 0 and math.isfinite(r) and math.isfinite(u):
+                out_u[w] = r / u
+        return out_u, L
     depth_c = (DEPTH_REF / L) ** DEPTH_POWER[mode]
     branch = {m for r in plan.residuals for m in r.branch_layers}
     out: dict[str, float] = {}
@@ -204,15 +216,15 @@ def carried(lr_buffers: dict[str, list[str]], plan: Plan, graph: Graph | None = 
 
 def apply(model: nn.Module, graph: Graph, plan: Plan, lr_buffers: dict[str, list[str]],
           mode: str, planned: dict[str, float] | None = None,
-          set_constant: Any = None) -> dict[str, Any]:
+          set_constant: Any = None, user_rms: dict[str, float] | None = None) -> dict[str, Any]:
     """Set each layer's lr multipliers to its factor ``c`` and divide its weight and bias by
     ``c``, keeping the plan (and ``planned``, the constants recorded for materializing) equal
     to what the model holds.  ``set_constant(name, value)``: the back end's
     (``Backend.set_constant``).  Layers whose call sites do not all carry a multiplier keep
     factor 1 and are listed in ``left_out``.  Returns the report section."""
     ok, left = carried(lr_buffers, plan, graph)
-    rms = {w: _rms_of(model, plan, w) for w in ok} if mode == "adam" else {}
-    fac, L = factors(graph, plan, mode, rms)
+    rms = {w: _rms_of(model, plan, w) for w in ok} if mode in ("adam", "user") else {}
+    fac, L = factors(graph, plan, mode, rms, user_rms)
     done = {w: c for w, c in fac.items() if w in ok and c != 1.0}
     bias_of = {lay.weight: lay.bias for lay in plan.layers if lay.weight and lay.bias}
     if set_constant is None:

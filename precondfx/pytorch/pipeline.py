@@ -52,6 +52,8 @@ class TorchState(State):
     dtype: torch.dtype | None = None  # a float16/bfloat16 model's dtype (computed in float32)
     modes: dict[str, bool] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: lr_scale='user': each weight's rms in the user's model before the pass
+    user_rms: dict[str, float] = field(default_factory=dict)
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -232,6 +234,9 @@ def prepare(st: TorchState) -> None:
                                f"returned model")
         st.dtype = dt
     st.modes = {name: m.training for name, m in model.named_modules()}
+    if st.opts.lr_scale == "user" and st.data:
+        from precondfx.lr_transfer import stored_rms
+        st.user_rms = {n: stored_rms(p) for n, p in model.named_parameters() if p.dim() >= 2}
     st.work = model if st.inplace else copy_model(model)
     if st.dtype is not None:
         st.work = st.work.float()
@@ -330,7 +335,7 @@ def lr_scale(st: TorchState) -> None:
     edited = copy.deepcopy(now)
     st.report.conditioning["lr_scale"] = lr_transfer.apply(
         st.result, st.graph, edited, st.lr_buffers, st.opts.lr_scale, st.constants,
-        st.backend.set_constant)
+        st.backend.set_constant, user_rms=st.user_rms)
     st.measured.record_diff("lr_scale", now, edited)      # the plan stays as planned
 
 

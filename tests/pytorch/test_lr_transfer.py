@@ -366,3 +366,26 @@ def test_transformers_conv1d_fan_in_is_the_input_width():
                                               rel=1e-5), name
     # on the main path (token embedding, fan-in 1; tied to the head): no branch factor
     assert _rms(w["transformer.wte.weight"]) == pytest.approx(1 / 64 * (L / 3) ** 1.5, rel=1e-5)
+
+
+# -- lr_scale='user': every stored weight at the user's model's own scale ----------------------
+@pytest.mark.parametrize("inplace", [False, True])
+def test_user_mode_stores_weights_at_the_users_rms_and_keeps_the_function(inplace):
+    """lr_scale='user': the function equals the default pass's (same seed) and each weight
+    matrix is stored with the rms it had in the user's model (PyTorch's init, 1/sqrt(3 fan_in)
+    here), the ratio carried by the layer's multiplier; also with inplace=True (the user's
+    rms is read before the weights are re-drawn)."""
+    m = _mlp()
+    user = {n: float(p.detach().pow(2).mean().sqrt()) for n, p in m.named_parameters()
+            if p.dim() == 2}
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+    ref, _ = precondfx.precondition(copy.deepcopy(m), x, seed=1)
+    out, rep = precondfx.precondition(m, x, seed=1, lr_scale="user", inplace=inplace)
+    torch.testing.assert_close(out(x), ref(x), rtol=1e-4, atol=1e-5)
+    got = {n: float(p.detach().pow(2).mean().sqrt()) for n, p in out.named_parameters()
+           if p.dim() == 2}
+    assert set(got) == set(user)
+    for n in user:
+        assert abs(got[n] / user[n] - 1) < 1e-5, (n, got[n], user[n])
+    fac = rep.conditioning["lr_scale"]["factors"]
+    assert len(fac) == 4 and all(c > 1.5 for c in fac.values())   # geometric init is larger
