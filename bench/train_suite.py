@@ -1214,6 +1214,37 @@ def markdown(payload: dict) -> str:
                 lines.append(f"| {t} | 2^{d} | " + " | ".join(fmt_at_default(r.get(m))
                                                              for m in methods) + " |")
             lines.append("")
+    held = [(t, o) for t, per in res.items() for o in payload["optimizers"]
+            if any(c.get("select") == "val" for c in per.get(o, {}).values())]
+    if held:
+        lines.append("### Per task: rate chosen on validation, and at the framework default's "
+                     "rate\n")
+        lines.append("| task | optimizer | method | test loss ± se | acc | rate (log2) | "
+                     "test loss at the default's rate ± se | acc there |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for t, o in held:
+            cells = res[t][o]
+            d = cells.get("default", {}).get("best_lr_log2")
+            for m in methods:
+                r = cells.get(m)
+                if not r or "best" not in r:
+                    continue
+                se = f" ± {r['se']:.3g}" if r.get("se") is not None and \
+                    math.isfinite(r["se"]) else ""
+                acc = f"{100 * r['acc']:.1f}%" if r.get("acc") is not None and \
+                    r.get("metric") == "test" else "-"
+                v = r.get("at_default_lr")
+                if v and v.get("best") is not None and math.isfinite(v["best"]):
+                    vse = f" ± {v['se']:.3g}" if v.get("se") is not None and \
+                        math.isfinite(v["se"]) else ""
+                    vd = f"{v['best']:.4g}{vse} (2^{d})"
+                    va = f"{100 * v['acc']:.1f}%" if v.get("acc") is not None and \
+                        r.get("metric") == "test" else "-"
+                else:
+                    vd, va = ("not on grid" if v is None and "at_default_lr" in r else "-"), "-"
+                lines.append(f"| {t} | {o} | {LABELS.get(m, m)} | {r['best']:.4g}{se} | {acc} | "
+                             f"{r['best_lr_log2']}{'!' if r['at_edge'] else ''} | {vd} | {va} |")
+        lines.append("")
     if payload["lr_movement"]:
         lines.append("### Best learning rate across widths and depths (octaves)\n")
         lines.append("| family | optimizer | method | members | best log2 LR | octaves (grid) | octaves (fit) |")
