@@ -235,7 +235,7 @@ def prepare(st: TorchState) -> None:
         st.dtype = dt
     st.modes = {name: m.training for name, m in model.named_modules()}
     if st.opts.lr_scale == "user" and st.data:
-        from precondfx.lr_transfer import stored_rms
+        from precondfx.pytorch.lr_transfer import stored_rms
         st.user_rms = {n: stored_rms(p) for n, p in model.named_parameters() if p.dim() >= 2}
     st.work = model if st.inplace else copy_model(model)
     if st.dtype is not None:

@@ -121,7 +121,7 @@ def test_pool_conv_avg_is_average_pooling_at_init():
 
 
 def test_avg_pool_weight_convolution_equals_avg_pool2d():
-    from precondfx.apply.common import avg_pool_weight
+    from precondfx.pytorch.apply.common import avg_pool_weight
     x = torch.randn(2, 6, 9, 9, generator=torch.Generator().manual_seed(0))
     w = avg_pool_weight(6, (3, 3))
     got = F.conv2d(x, w, stride=2, padding=1)
