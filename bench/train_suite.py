@@ -1360,6 +1360,27 @@ def replot(path: str) -> dict:
     return payload
 
 
+def partial_payload(p: dict, path: str) -> dict:
+    """A run's ``.partial.json`` (results and notes only: the run was stopped) completed
+    into a payload ``merge`` can read: tasks, methods and optimizers from its results, the
+    other fields of the ``--cpu`` size, its command marked as partial."""
+    if "tasks" in p:
+        return p
+    res = p["results"]
+    known = {t.name: t for t in all_tasks(dict(SIZES["cpu"], libsvm=False))}
+    for per in res.values():
+        for cells in per.values():
+            at_default_rate(cells)
+    methods = list(dict.fromkeys(m for per in res.values() for c in per.values() for m in c))
+    opts = list(dict.fromkeys(o for per in res.values() for o in per))
+    return {"size": "cpu", "config": SIZES["cpu"], "results": res, "notes": p.get("notes", {}),
+            "tasks": {t: {"family": known[t].family if t in known else "", "metric":
+                          known[t].metric if t in known else "", "select": "val"}
+                      for t in res},
+            "methods": methods, "optimizers": opts, "env": C.env_info(), "wall_s": 0.0,
+            "command": f"(stopped run; partial results from {os.path.basename(path)})"}
+
+
 def merge(paths: list[str], out_base: str) -> dict:
     """One result from several runs of the suite (for example the CPU-reduced runs, each with
     its own tasks and methods): results, tasks, methods and notes united (a later file's cell
@@ -1368,7 +1389,7 @@ def merge(paths: list[str], out_base: str) -> dict:
     payloads = []
     for p in paths:
         with open(p) as f:
-            payloads.append(json.load(f))
+            payloads.append(partial_payload(json.load(f), p))
     out = dict(payloads[0])
     out["results"], out["tasks"], out["notes"] = {}, {}, {}
     methods: list[str] = []
@@ -1488,6 +1509,8 @@ def main(argv: list[str] | None = None) -> dict:
                     continue
                 results[t.name][opt][m] = r
                 say(f"  {t.name:18s} {opt:5s} {m:18s} {fmt(r)}   [{','.join(r['engine'])[:40]}]")
+                at_default_rate(results[t.name][opt])
+                C.write_json(out_base + ".partial.json", {"results": results, "notes": notes})
             at_default_rate(results[t.name][opt])
         C.write_json(out_base + ".partial.json", {"results": results, "notes": notes})
     move = lr_movement(results, {t.name: t.family for t in tasks})
