@@ -1403,6 +1403,9 @@ def merge(paths: list[str], out_base: str) -> dict:
         methods += [m for m in p["methods"] if m not in methods]
         opts += [o for o in p["optimizers"] if o not in opts]
     out["methods"], out["optimizers"] = methods, opts
+    for per in out["results"].values():         # the default's rate may come from another file
+        for cells in per.values():
+            at_default_rate(cells)
     out["command"] = [p.get("command") for p in payloads]
     out["wall_s"] = sum(p.get("wall_s", 0) for p in payloads)
     out["merged_from"] = [os.path.basename(p) for p in paths]
