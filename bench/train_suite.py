@@ -113,7 +113,7 @@ PFX: dict[str, dict] = {
 }
 
 #: ``pfx_lr``: the lr_scale of each optimizer of the suite (the model depends on the optimizer)
-OPT_LR_SCALE = {"sgd": "sgd", "adamw": "adam"}
+OPT_LR_SCALE = {"sgd": "sgd", "adamw": None}        # lr_scale='adam' was removed
 #: methods whose model depends on the optimizer
 PER_OPTIMIZER = ("mup", "pfx_lr", "pfx_ws")
 
@@ -674,6 +674,8 @@ def method_note(task: Task, method: str) -> str | None:
             return "the mup package is not installed (pip install --no-deps mup)"
         if task.mup_width is None:
             return "muP is run on the MLP and CNN families only (needs a width-parametrized builder)"
+    if method == "pfx_lr_adam":
+        return "lr_scale='adam' was removed (docs/results/heldout_cpu.md)"
     if method == "torch_default" and not task.hf:
         return "same as 'default' for a plain PyTorch model"
     if method in ("pfx_res_none", "pfx_res_all") and task.family not in ("conv", "transformer"):
