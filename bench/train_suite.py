@@ -109,13 +109,14 @@ PFX: dict[str, dict] = {
     "pfx_pool_avgconv": {"pool_conv": "avg"},            # full conv = average pooling at init
     # pfx with every weight matrix stored at the user's model's own init scale (see user_scale)
     "pfx_ws": {},
+    "pfx_ws_half": {},          # the same with c^0.5: weights stored halfway (geometric mean)
     "pfx_lr_user": {"lr_scale": "user"},
 }
 
 #: ``pfx_lr``: the lr_scale of each optimizer of the suite (the model depends on the optimizer)
 OPT_LR_SCALE = {"sgd": "sgd", "adamw": None}        # lr_scale='adam' was removed
 #: methods whose model depends on the optimizer
-PER_OPTIMIZER = ("mup", "pfx_lr", "pfx_ws")
+PER_OPTIMIZER = ("mup", "pfx_lr", "pfx_ws", "pfx_ws_half")
 
 BASELINES = ["default", "torch_default", "default_std0.05", "default_zb", "fan_in", "lsuv", "mup"]
 MAIN_METHODS = ["default", "torch_default", "fan_in", "lsuv", "mup", "pfx", "pfx_lr"]
@@ -143,6 +144,7 @@ LABELS = {
     "pfx_pool_avgconv": "pfx pool_conv=avg (trained)",
     "pfx_ws": "pfx, weights at the user's init scale (emulated by per-weight rates)",
     "pfx_lr_user": "pfx lr_scale=user",
+    "pfx_ws_half": "pfx, weights halfway to the user's scale (emulated)",
 }
 
 
@@ -635,8 +637,9 @@ def build(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str
         raise ValueError(f"unknown method {method!r}; known: {BASELINES + list(PFX)}")
     kw = dict(PFX[method], lr_scale=OPT_LR_SCALE[opt]) if method == "pfx_lr" else PFX[method]
     out, _ = precondfx.precondition(model, calib, seed=seed, **kw)
-    if method == "pfx_ws":
-        return out.train(), user_scale_mult(model, out, opt)
+    if method in ("pfx_ws", "pfx_ws_half"):
+        return out.train(), user_scale_mult(model, out, opt,
+                                            0.5 if method == "pfx_ws_half" else 1.0)
     if method == "pfx_defbias":
         with torch.no_grad():
             ref = dict(model.named_parameters())
@@ -646,14 +649,16 @@ def build(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str
     return out.train(), {}
 
 
-def user_scale_mult(user: nn.Module, pfx: nn.Module, opt: str) -> dict[str, float]:
+def user_scale_mult(user: nn.Module, pfx: nn.Module, opt: str, power: float = 1.0
+                    ) -> dict[str, float]:
     """Per-parameter rate multipliers that emulate storing each weight matrix of ``pfx`` at
     the user's model's own init scale, with the ratio ``c = rms(pfx W) / rms(user W)`` moved
     into a constant on the layer's input (same function): the stored ``W / c`` then gets
     gradient ``c g``, so the effective weight moves by ``c`` times an Adam step (AdamW: rate x
     c, exact up to eps; the decoupled weight decay also runs x c) and ``c^2`` times an SGD step
     (SGD: rate x c^2).  Biases and normalization parameters: x 1 (an input constant leaves
-    them alone).  Weights with no counterpart of the same name and shape: x 1."""
+    them alone).  Weights with no counterpart of the same name and shape: x 1.  ``power``:
+    store at ``rms(pfx W) / c^power`` instead (0.5: the geometric mean of the two scales)."""
     ref = {n: p for n, p in user.named_parameters()}
     out = {}
     for n, p in pfx.named_parameters():
@@ -662,7 +667,7 @@ def user_scale_mult(user: nn.Module, pfx: nn.Module, opt: str) -> dict[str, floa
             continue
         ru, rp = float(q.detach().pow(2).mean().sqrt()), float(p.detach().pow(2).mean().sqrt())
         if ru > 0 and rp > 0:
-            c = rp / ru
+            c = (rp / ru) ** power
             out[n] = c if opt == "adamw" else c * c
     return out
 
