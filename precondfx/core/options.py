@@ -178,7 +178,7 @@ class Options:
                         "max-pool replacement: fold the stride into the conv before it when "
                         "possible, else a strided conv (stride); always a conv; average pool; "
                         "keep", cli=True)
-    pool_conv: str = _opt("depthwise", one_of(*POOL_CONVS),
+    pool_conv: str = _opt("full", one_of(*POOL_CONVS),
                           "the strided convolution that replaces a max-pool which is not "
                           "folded (maxpool='stride' or 'conv'): full (C->C, re-initialized by "
                           "the init rule), depthwise (one filter per channel, re-initialized), "

@@ -89,10 +89,8 @@ def geometric_std(n_in, n_out, k2, alpha=1.0):
 def test_cnn_end_to_end(tmp_path):
     src = cnn(tmp_path / "cnn.onnx")
     out = tmp_path / "out.onnx"
-    # pool_conv='full' (the default was, until issue 20 made it 'depthwise'; see
-    # test_pool_conv_avg_and_depthwise): the full 16->16 replacement's geometric std
     rep = precondition_onnx(str(src), str(out), feeds={"x": x_of(256, seed=1)}, seed=3,
-                            target_std=0.05, pool_conv="full")
+                            target_std=0.05)
     onnx.checker.check_model(str(out), full_check=True)
     inits, m = initializers(out)
     ops = [n.op_type for n in m.graph.node]
@@ -597,7 +595,7 @@ def test_pool_conv_avg_and_depthwise(tmp_path):
     outs = {}
     for tag, kw in (("avgpool", dict(maxpool="avgpool")),
                     ("avg", dict(maxpool="conv", pool_conv="avg")),
-                    ("dw", dict())):                        # depthwise: the default
+                    ("dw", dict(pool_conv="depthwise"))):
         outs[tag] = tmp_path / f"{tag}.onnx"
         precondition_onnx(str(src), str(outs[tag]), feeds=feeds, seed=3, **kw)
         onnx.checker.check_model(str(outs[tag]), full_check=True)

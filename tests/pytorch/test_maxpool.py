@@ -129,12 +129,11 @@ def test_avg_pool_weight_convolution_equals_avg_pool2d():
 
 
 def test_pool_conv_depthwise_replaces_unfoldable_pool_with_grouped_conv():
-    """pool_conv='depthwise' (the default since issue 20: docs/results/heldout_cpu.md): the
-    pool that cannot fold (MaxPool2d(3, 2, 1)) becomes a C->C convolution with groups=C
-    (weight (C, 1, 3, 3)), re-initialized with the init rule's second moment for fans
-    (1, 1, taps); the foldable pools still fold."""
+    """pool_conv='depthwise': the pool that cannot fold (MaxPool2d(3, 2, 1)) becomes a C->C
+    convolution with groups=C (weight (C, 1, 3, 3)), re-initialized with the init rule's
+    second moment for fans (1, 1, taps); the foldable pools still fold."""
     model, x = zoo.build("maxpool_cnn")
-    pm, rep = precondfx.precondition(model, x, balance="none")
+    pm, rep = precondfx.precondition(model, x, pool_conv="depthwise", balance="none")
     assert sorted(p.action for p in rep.plan.pools) == ["conv", "fold", "fold", "fold"]
     (pc,) = [p for p in rep.plan.pools if p.action == "conv"]
     assert pc.conv == "depthwise"
