@@ -22,7 +22,7 @@ Each predictor is printed as log2 of the rate it implies (1/lam_max, the greedy 
 training suite measured.  Single thread, seconds per model.
 
     python bench/lr_transfer_probe.py            # writes docs/results/lr_transfer_probe.json
-    python bench/lr_transfer_probe.py --lr-scale adam --tag adam   # the lr_scale='adam' models
+    (--lr-scale adam measured the lr_scale='adam' models, removed since; commit aa5b8de has it)
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def adam_step_rel(m: nn.Module, x: torch.Tensor, y: torch.Tensor,
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=2)
-    ap.add_argument("--lr-scale", default="none", choices=["none", "sgd", "adam"],
+    ap.add_argument("--lr-scale", default="none", choices=["none", "sgd", "user"],
                     help="precondition with this lr_scale= (default: precondfx's defaults)")
     ap.add_argument("--tasks", default="mlp", help="comma list of task names or prefixes")
     C.add_run_args(ap)

@@ -3,8 +3,13 @@ learning rate, with SGD (momentum 0.9) and with AdamW?
 
 For every task and optimizer, each method's learning rate is swept over a grid of powers of two
 (at least 8 rates, 2x apart); the grid is widened by two rates on a side whenever a method's best
-rate (median over seeds) sits at that edge.  The final loss at the best rate is the median over
->= 3 seeds, with its standard error over seeds.  Within a family (MLPs or plain CNNs of several
+rate (median over seeds) sits at that edge.  What users judge is held-out data: every
+classification task (but the LIBSVM sets, which keep the paper's training-loss protocol) has a
+training, a validation and a test split, and the LM a validation and a test set of files.  Each
+method's rate is the one with the lowest median *validation* loss; the reported figure is the
+*test* loss (and accuracy) at that rate, the median over >= 3 seeds with its standard error.
+Each method's test loss is also reported at the framework default's chosen rate (the rate a
+pipeline tuned for the default init uses; every grid is extended to reach it).  Within a family (MLPs or plain CNNs of several
 widths, or of several depths) the best rate's movement is reported in octaves (log2), both on
 the grid and from a parabola through the best rate and its neighbours.
 
@@ -12,17 +17,20 @@ Tasks (``--tasks``, comma list of names or family prefixes; ``--list`` prints th
 
 * ``libsvm/<set>``: the paper's MLP (LayerNorm, 384-64) on bench/libsvm_study.py's 27 sets;
   5 epochs, batch 32; loss = final full training-set cross-entropy (the paper's metric).
-* ``mlp_w<W>_d<D>``: digits (64 pixels in [-1, 1], 1500 train / 297 held out), D hidden ReLU
-  layers of width W; 3 epochs, batch 32.  Families: widths 32..2048 at depth 2, depths 1..16 at
-  width 256.  Loss = final full training-set loss (held-out loss recorded too).
+* ``mlp_w<W>_d<D>``: digits (64 pixels in [-1, 1], 1197 train / 300 validation / 300 test), D
+  hidden ReLU layers of width W; 3 epochs, batch 32.  Families: widths 32..2048 at depth 2,
+  depths 1..16 at width 256.  Training-set loss recorded too.
 * ``cnn_w<W>_d<D>``: plain CNN (D 3x3 convolutions of width W, ReLU, global average pool,
   linear) on the 8x8 digits; families as for the MLP.
 * ``conv_bn`` / ``conv_nobn``: a 5-convolution strided net on 16x16 digits with / without
   BatchNorm.  ``nf_resnet``: a normalization-free ResNet (basic blocks) on the same data.
+* ``pool_cnn`` / ``pool_cnn_bn``: a 3-convolution digits CNN (8x8) with two max-pools that
+  cannot fold into the convolution before them (overlapping ``MaxPool2d(3, 2, 1)``; with
+  BatchNorm, ``conv-BN-ReLU-MaxPool2d(2)``): what replaces them is ``pool_conv``'s choice.
 * ``gpt2``: transformers GPT2LMHeadModel from a config (byte-level, vocabulary 256, dropout 0)
-  on Python's own standard-library sources (every 10th file held out); loss = held-out
-  next-byte cross-entropy (nats).  ``vit``: transformers ViTForImageClassification on 16x16
-  digits.
+  on Python's own standard-library sources (files 8 mod 10 validation, 9 mod 10 test); loss =
+  test next-byte cross-entropy (nats, ``heldout``).  ``vit``: transformers
+  ViTForImageClassification on 16x16 digits.
 
 Methods (``--methods``): ``default`` (the model as constructed: PyTorch's default, or the
 transformers init ``_init_weights`` for transformers models), ``torch_default`` (transformers
@@ -39,6 +47,7 @@ PyTorch's semantics, checked against torch.optim in tests/test_bench_smoke.py); 
 cannot be batched falls back to one ``torch.optim`` run per copy.
 
     python bench/train_suite.py --device cuda            # the full suite (GPU)
+    python bench/train_suite.py --cpu                    # the CPU held-out runs (heldout_cpu.md)
     python bench/train_suite.py --cpu-small              # the CPU-reduced ablation runs
     python bench/train_suite.py --quick                  # CI smoke run (< 30 s)
     python bench/train_suite.py --tasks gpt2 --methods default,pfx,pfx_std0.5 --seeds 5
@@ -94,12 +103,22 @@ PFX: dict[str, dict] = {
     "pfx_lr": {},               # pfx with lr_scale= matching the optimizer (see OPT_LR_SCALE)
     "pfx_lr_sgd": {"lr_scale": "sgd"},
     "pfx_lr_adam": {"lr_scale": "adam"},
+    # what replaces a max-pool that cannot fold into the convolution before it
+    "pfx_pool_keep": {"maxpool": "keep"},
+    "pfx_pool_avgpool": {"maxpool": "avgpool"},          # average pooling: frozen
+    "pfx_pool_full": {"pool_conv": "full"},              # full strided conv, re-initialized
+    "pfx_pool_dw": {"pool_conv": "depthwise"},           # depthwise strided conv
+    "pfx_pool_avgconv": {"pool_conv": "avg"},            # full conv = average pooling at init
+    # pfx with every weight matrix stored at the user's model's own init scale (see user_scale)
+    "pfx_ws": {},
+    "pfx_ws_half": {},          # the same with c^0.5: weights stored halfway (geometric mean)
+    "pfx_lr_user": {"lr_scale": "user"},
 }
 
 #: ``pfx_lr``: the lr_scale of each optimizer of the suite (the model depends on the optimizer)
-OPT_LR_SCALE = {"sgd": "sgd", "adamw": "adam"}
+OPT_LR_SCALE = {"sgd": "sgd", "adamw": None}        # lr_scale='adam' was removed
 #: methods whose model depends on the optimizer
-PER_OPTIMIZER = ("mup", "pfx_lr")
+PER_OPTIMIZER = ("mup", "pfx_lr", "pfx_ws", "pfx_ws_half")
 
 BASELINES = ["default", "torch_default", "default_std0.05", "default_zb", "fan_in", "lsuv", "mup"]
 MAIN_METHODS = ["default", "torch_default", "fan_in", "lsuv", "mup", "pfx", "pfx_lr"]
@@ -123,6 +142,12 @@ LABELS = {
     "pfx_fan_in_stdNone": "pfx init=fan_in, target_std=None",
     "pfx_lr": "pfx lr_scale=<optimizer>", "pfx_lr_sgd": "pfx lr_scale=sgd",
     "pfx_lr_adam": "pfx lr_scale=adam",
+    "pfx_pool_keep": "pfx maxpool=keep", "pfx_pool_avgpool": "pfx maxpool=avgpool (frozen)",
+    "pfx_pool_full": "pfx pool_conv=full", "pfx_pool_dw": "pfx pool_conv=depthwise",
+    "pfx_pool_avgconv": "pfx pool_conv=avg (trained)",
+    "pfx_ws": "pfx, weights at the user's init scale (emulated by per-weight rates)",
+    "pfx_lr_user": "pfx lr_scale=user",
+    "pfx_ws_half": "pfx, weights halfway to the user's scale (emulated)",
 }
 
 
@@ -145,9 +170,13 @@ def _digits_split() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return d.images.astype(np.float32) / 16.0 * 2 - 1, d.target.astype(np.int64), perm
 
 
+#: digits split: training / validation (picks the learning rate) / test (reported)
+DIGITS_SPLIT = (1197, 300, 300)
+
+
 def digits(kind: str) -> dict:
-    """Digits split 1500 / 297: ``flat`` (64 features), ``img8`` (1x8x8), ``img16`` (3x16x16,
-    bilinear)."""
+    """Digits split 1197 train / 300 validation / 300 test (one fixed permutation):
+    ``flat`` (64 features), ``img8`` (1x8x8), ``img16`` (3x16x16, bilinear)."""
     img, y, perm = _digits_split()
     x = torch.tensor(img).unsqueeze(1)
     if kind == "flat":
@@ -155,25 +184,29 @@ def digits(kind: str) -> dict:
     elif kind == "img16":
         x = F.interpolate(x, size=(16, 16), mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
     y = torch.tensor(y)
-    tr, te = torch.tensor(perm[:1500]), torch.tensor(perm[1500:])
-    return {"x": x[tr].contiguous(), "y": y[tr], "x_test": x[te].contiguous(), "y_test": y[te]}
+    a, b, _ = DIGITS_SPLIT
+    tr, va, te = (torch.tensor(perm[:a]), torch.tensor(perm[a:a + b]),
+                  torch.tensor(perm[a + b:]))
+    return {"x": x[tr].contiguous(), "y": y[tr], "x_val": x[va].contiguous(), "y_val": y[va],
+            "x_test": x[te].contiguous(), "y_test": y[te]}
 
 
 def text_corpus(max_bytes: int | None = None) -> dict:
     """Byte-level corpus: Python's own standard-library sources (``Lib/*.py``), sorted by name;
-    every 10th file is held out."""
+    every 10th file (index 9 mod 10) is the test set, the one before it (8 mod 10) the
+    validation set (picks the learning rate), the rest is trained on."""
     lib = os.path.dirname(os.__file__)
     files = sorted(glob.glob(os.path.join(lib, "*.py")))
-    tr, te = [], []
+    tr, va, te = [], [], []
     for i, f in enumerate(files):
         with open(f, "rb") as fh:
-            (te if i % 10 == 9 else tr).append(fh.read())
-    a, b = b"\n".join(tr), b"\n".join(te)
+            (te if i % 10 == 9 else va if i % 10 == 8 else tr).append(fh.read())
+    a, v, b = b"\n".join(tr), b"\n".join(va), b"\n".join(te)
     if max_bytes:
-        a, b = a[:max_bytes], b[:max(max_bytes // 8, 4096)]
+        a, v, b = a[:max_bytes], v[:max(max_bytes // 8, 4096)], b[:max(max_bytes // 8, 4096)]
     to = lambda s: torch.frombuffer(bytearray(s), dtype=torch.uint8).long()  # noqa: E731
-    return {"train": to(a), "test": to(b), "files": len(files), "train_bytes": len(a),
-            "test_bytes": len(b)}
+    return {"train": to(a), "val": to(v), "test": to(b), "files": len(files),
+            "train_bytes": len(a), "val_bytes": len(v), "test_bytes": len(b)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,6 +256,30 @@ class ConvNet(nn.Module):
             layers.append(nn.ReLU())
         self.features = nn.Sequential(*layers)
         self.fc = nn.Linear(128, n_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x).mean((2, 3)))
+
+
+class PoolCNN(nn.Module):
+    """The digits CNN with max-pools that cannot fold into the convolution before them:
+    ``conv3x3(1->32)-ReLU-pool-conv3x3(32->64)-ReLU-pool-conv3x3(64->64)-ReLU``, global
+    average pool, linear.  Without BatchNorm the pools overlap (``MaxPool2d(3, 2, 1)``: kernel
+    differs from stride); with BatchNorm (``conv-BN-ReLU-MaxPool2d(2)``) the normalization
+    sits between the convolution and the pool.  On 8x8 digits: 8 -> 4 -> 2."""
+
+    def __init__(self, bn: bool, n_out: int = 10) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i, (cin, cout) in enumerate([(1, 32), (32, 64), (64, 64)]):
+            layers.append(nn.Conv2d(cin, cout, 3, padding=1, bias=not bn))
+            if bn:
+                layers.append(nn.BatchNorm2d(cout))
+            layers.append(nn.ReLU())
+            if i < 2:
+                layers.append(nn.MaxPool2d(2) if bn else nn.MaxPool2d(3, 2, 1))
+        self.features = nn.Sequential(*layers)
+        self.fc = nn.Linear(64, n_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.features(x).mean((2, 3)))
@@ -290,8 +347,11 @@ def vit(hidden: int, layers: int) -> nn.Module:
 @dataclass
 class Task:
     """One training problem.  ``make(readout)`` builds the user's model (under the caller's
-    ``torch.manual_seed``); ``data``: ``x, y, x_test, y_test`` (classification) or ``train,
-    test`` token streams (``lm``)."""
+    ``torch.manual_seed``); ``data``: ``x, y, x_val, y_val, x_test, y_test``
+    (classification) or ``train, val, test`` token streams (``lm``).  ``metric``: what is
+    reported at the chosen rate (``test`` / ``heldout``: the test split; ``train``: the final
+    training-set loss, the paper's protocol, used where a task has no split); ``select``: the
+    evaluation set that chooses each method's rate (``val``, or ``train`` without a split)."""
 
     name: str
     make: Callable[..., nn.Module]
@@ -305,7 +365,8 @@ class Task:
     member: int = 0                   # width or depth within the family
     hf: bool = False                  # transformers model (default = _init_weights)
     mup_width: Callable[[int], nn.Module] | None = None   # builder at another width (muP)
-    metric: str = "train"             # train (final full training-set loss) | heldout
+    metric: str = "test"              # test | heldout (LM test split) | train (no split)
+    select: str = "val"               # val | train (tasks without a validation split)
 
     def n_steps(self) -> int:
         if self.kind == "lm":
@@ -328,24 +389,34 @@ class Task:
         return torch.cat(perms)[:T]
 
     def get(self, idx: torch.Tensor, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets at ``idx`` of ``split`` (train | val | test; ``heldout`` is the
+        LM test split's name)."""
+        split = "test" if split == "heldout" else split
         if self.kind == "lm":
-            tok = self.data["train" if split == "train" else "test"]
+            tok = self.data[split]
             ar = torch.arange(self.ctx + 1, device=idx.device)
             w = tok[idx.unsqueeze(-1) + ar]
             return w[..., :-1], w[..., 1:]
         if split == "train":
             return self.data["x"][idx], self.data["y"][idx]
-        return self.data["x_test"][idx], self.data["y_test"][idx]
+        return self.data[f"x_{split}"][idx], self.data[f"y_{split}"][idx]
 
     def eval_sets(self) -> dict[str, torch.Tensor]:
-        """Index sets of the evaluations: ``train`` (the whole training set, classification)
-        and ``heldout``."""
+        """Index sets of the evaluations, keyed by split name: classification ``train`` (the
+        whole training set), ``val`` and ``test``; LM ``val`` and ``heldout`` (the test split,
+        256 windows each)."""
         if self.kind == "lm":
-            n = len(self.data["test"]) - self.ctx - 1
-            k = min(256, max(1, n // self.ctx))
-            return {"heldout": torch.linspace(0, n - 1, k).long()}
-        return {"train": torch.arange(len(self.data["y"])),
-                "heldout": torch.arange(len(self.data["y_test"]))}
+            out = {}
+            for k, split in (("val", "val"), ("heldout", "test")):
+                n = len(self.data[split]) - self.ctx - 1
+                m = min(256, max(1, n // self.ctx))
+                out[k] = torch.linspace(0, n - 1, m).long()
+            return out
+        out = {"train": torch.arange(len(self.data["y"]))}
+        for k in ("val", "test"):
+            if len(self.data.get(f"y_{k}", ())):
+                out[k] = torch.arange(len(self.data[f"y_{k}"]))
+        return out
 
 
 def _family(prefix: str, make_net: Callable, data: dict, widths: list[int], depths: list[int],
@@ -378,7 +449,7 @@ def all_tasks(cfg: dict) -> list[Task]:
             data = {"x": X, "y": y, "x_test": X[:0], "y_test": y[:0]}
             tasks.append(Task(f"libsvm/{name}", (lambda readout=nn.Linear, d=d, c=c:
                                                  L.make_net(d, c)), data, 32, epochs=5,
-                              family="libsvm"))
+                              family="libsvm", metric="train", select="train"))
     flat = digits("flat")
     tasks += _family("mlp", lambda w, d, r: mlp(64, w, d, 10, r), flat, cfg["mlp_widths"],
                      cfg["mlp_depths"], cfg["mlp_w0"], cfg["mlp_d0"], cfg["epochs"], 32)
@@ -401,6 +472,10 @@ def all_tasks(cfg: dict) -> list[Task]:
                                                         g["ctx"]),
                       text, g["batch"], steps=g["steps"], kind="lm", ctx=g["ctx"],
                       family="transformer", hf=True, metric="heldout"))
+    tasks.append(Task("pool_cnn", lambda readout=nn.Linear: PoolCNN(False), img8, 32,
+                      epochs=cfg["epochs"], family="pool"))
+    tasks.append(Task("pool_cnn_bn", lambda readout=nn.Linear: PoolCNN(True), img8, 32,
+                      epochs=cfg["epochs"], family="pool"))
     v = cfg["vit"]
     tasks.append(Task("vit", lambda readout=None: vit(v["hidden"], v["layers"]), img16, 32,
                       epochs=cfg["epochs"], family="transformer", hf=True))
@@ -427,6 +502,12 @@ SIZES: dict[str, dict] = {
                    gpt2=dict(n_embd=64, n_layer=2, n_head=4, ctx=32, batch=8, steps=150,
                              max_bytes=2_000_000),
                    vit=dict(hidden=32, layers=2), seeds=3, n_lr=8),
+    # held-out CPU configuration (--cpu): small models, 3 seeds, rate chosen on validation
+    "cpu": dict(epochs=3, mlp_widths=[128], mlp_depths=[2], mlp_w0=128, mlp_d0=2,
+                cnn_widths=[32], cnn_depths=[2], cnn_w0=32, cnn_d0=2, libsvm=False,
+                gpt2=dict(n_embd=64, n_layer=2, n_head=4, ctx=32, batch=8, steps=150,
+                          max_bytes=2_000_000),
+                vit=dict(hidden=32, layers=2), seeds=3, n_lr=8),
     "quick": dict(epochs=0.25, mlp_widths=[32, 64], mlp_depths=[1, 2], mlp_w0=32, mlp_d0=1,
                   cnn_widths=[8], cnn_depths=[1], cnn_w0=8, cnn_d0=1, libsvm=False,
                   gpt2=dict(n_embd=32, n_layer=1, n_head=2, ctx=16, batch=8, steps=6,
@@ -436,9 +517,11 @@ SIZES: dict[str, dict] = {
 
 #: the default task selection of each size (``--tasks`` overrides it)
 DEFAULT_TASKS = {
-    "full": ["libsvm", "mlp", "cnn", "conv_bn", "conv_nobn", "nf_resnet", "gpt2", "vit"],
+    "full": ["libsvm", "mlp", "cnn", "conv_bn", "conv_nobn", "nf_resnet", "gpt2", "vit",
+             "pool_cnn", "pool_cnn_bn"],
     "cpu_small": ["mlp_w512_d1", "gpt2", "mlp"],
     "cpu_lr": ["mlp"],
+    "cpu": ["mlp_w128_d2", "pool_cnn", "pool_cnn_bn", "conv_bn", "gpt2", "vit"],
     "quick": ["mlp_w32_d1", "gpt2"],
 }
 
@@ -557,6 +640,9 @@ def build(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str
         raise ValueError(f"unknown method {method!r}; known: {BASELINES + list(PFX)}")
     kw = dict(PFX[method], lr_scale=OPT_LR_SCALE[opt]) if method == "pfx_lr" else PFX[method]
     out, _ = precondfx.precondition(model, calib, seed=seed, **kw)
+    if method in ("pfx_ws", "pfx_ws_half"):
+        return out.train(), user_scale_mult(model, out, opt,
+                                            0.5 if method == "pfx_ws_half" else 1.0)
     if method == "pfx_defbias":
         with torch.no_grad():
             ref = dict(model.named_parameters())
@@ -566,6 +652,29 @@ def build(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str
     return out.train(), {}
 
 
+def user_scale_mult(user: nn.Module, pfx: nn.Module, opt: str, power: float = 1.0
+                    ) -> dict[str, float]:
+    """Per-parameter rate multipliers that emulate storing each weight matrix of ``pfx`` at
+    the user's model's own init scale, with the ratio ``c = rms(pfx W) / rms(user W)`` moved
+    into a constant on the layer's input (same function): the stored ``W / c`` then gets
+    gradient ``c g``, so the effective weight moves by ``c`` times an Adam step (AdamW: rate x
+    c, exact up to eps; the decoupled weight decay also runs x c) and ``c^2`` times an SGD step
+    (SGD: rate x c^2).  Biases and normalization parameters: x 1 (an input constant leaves
+    them alone).  Weights with no counterpart of the same name and shape: x 1.  ``power``:
+    store at ``rms(pfx W) / c^power`` instead (0.5: the geometric mean of the two scales)."""
+    ref = {n: p for n, p in user.named_parameters()}
+    out = {}
+    for n, p in pfx.named_parameters():
+        q = ref.get(n)
+        if p.dim() < 2 or q is None or q.shape != p.shape:
+            continue
+        ru, rp = float(q.detach().pow(2).mean().sqrt()), float(p.detach().pow(2).mean().sqrt())
+        if ru > 0 and rp > 0:
+            c = (rp / ru) ** power
+            out[n] = c if opt == "adamw" else c * c
+    return out
+
+
 def method_note(task: Task, method: str) -> str | None:
     """Why ``method`` is not run on ``task`` (None: it is)."""
     if method == "mup":
@@ -573,6 +682,8 @@ def method_note(task: Task, method: str) -> str | None:
             return "the mup package is not installed (pip install --no-deps mup)"
         if task.mup_width is None:
             return "muP is run on the MLP and CNN families only (needs a width-parametrized builder)"
+    if method == "pfx_lr_adam":
+        return "lr_scale='adam' was removed (docs/results/heldout_cpu.md)"
     if method == "torch_default" and not task.hf:
         return "same as 'default' for a plain PyTorch model"
     if method in ("pfx_res_none", "pfx_res_all", "pfx_s_nf", "pfx_s_nf1") and \
@@ -601,6 +712,12 @@ def _ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     v = out.shape[-1]
     ce = F.cross_entropy(out.reshape(-1, v).float(), y.reshape(-1), reduction="none")
     return ce.view(m, -1).mean(1)
+
+
+def _acc(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-copy top-1 accuracy: ``out (M, B, ..., V)``, ``y (M, B, ...)``."""
+    m = y.shape[0]
+    return (out.argmax(-1) == y).reshape(m, -1).float().mean(1)
 
 
 class VTrainer:
@@ -678,19 +795,24 @@ class VTrainer:
         return ok
 
     @torch.no_grad()
-    def evaluate(self, task: Task, idx: torch.Tensor, split: str, chunk: int) -> torch.Tensor:
+    def evaluate(self, task: Task, idx: torch.Tensor, split: str, chunk: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-copy mean cross-entropy and accuracy (top-1) on ``idx`` of ``split``."""
         self.base.eval()
         try:
             tot = torch.zeros(len(self.alive), dtype=torch.float64, device=self.device)
+            hit = torch.zeros(len(self.alive), dtype=torch.float64, device=self.device)
             for i in range(0, len(idx), chunk):
                 x, y = task.get(idx[i:i + chunk], split)
                 out = self.forward(x, shared=True)
                 yy = y.unsqueeze(0).expand(out.shape[0], *y.shape)
                 tot += _ce(out, yy).double() * len(y)
+                hit += _acc(out, yy).double() * len(y)
             tot /= len(idx)
+            hit /= len(idx)
         finally:
             self.base.train()
-        return torch.where(torch.isfinite(tot), tot, torch.full_like(tot, math.inf))
+        return torch.where(torch.isfinite(tot), tot, torch.full_like(tot, math.inf)), hit
 
 
 @torch.no_grad()
@@ -737,6 +859,7 @@ def train_copies(task: Task, models: list[nn.Module], lrs: list[float], seeds: l
     chunk = 64 if task.kind == "lm" else 512
     M = len(models)
     res = {k: np.full(M, math.inf) for k in sets}
+    res.update({f"{k}_acc": np.zeros(M) for k in sets})
     if engine in ("auto", "vmap"):
         try:
             tr = VTrainer(models, lrs, hp, mult, device)
@@ -752,9 +875,11 @@ def train_copies(task: Task, models: list[nn.Module], lrs: list[float], seeds: l
                     if len(tr.alive) == 0:
                         break
             if len(tr.alive):
+                alive = tr.alive.cpu().numpy()
                 for k, idx in sets.items():
-                    split = "train" if k == "train" else "test"
-                    res[k][tr.alive.cpu().numpy()] = tr.evaluate(task, idx, split, chunk).cpu().numpy()
+                    lo, acc = tr.evaluate(task, idx, k, chunk)
+                    res[k][alive] = lo.cpu().numpy()
+                    res[f"{k}_acc"][alive] = acc.cpu().numpy()
             return {**res, "engine": "vmap"}
         except Exception as e:          # not batchable: one torch.optim run per copy
             if engine == "vmap":
@@ -780,13 +905,15 @@ def train_copies(task: Task, models: list[nn.Module], lrs: list[float], seeds: l
         m.eval()
         with torch.no_grad():
             for k, idx in sets.items():
-                split = "train" if k == "train" else "test"
-                tot = 0.0
+                tot = hit = 0.0
                 for j in range(0, len(idx), chunk):
-                    x, y = task.get(idx[j:j + chunk], split)
-                    tot += float(_ce(m(x).unsqueeze(0), y.unsqueeze(0))[0]) * len(y)
+                    x, y = task.get(idx[j:j + chunk], k)
+                    out = m(x).unsqueeze(0)
+                    tot += float(_ce(out, y.unsqueeze(0))[0]) * len(y)
+                    hit += float(_acc(out, y.unsqueeze(0))[0]) * len(y)
                 v = tot / len(idx)
                 res[k][i] = v if math.isfinite(v) else math.inf
+                res[f"{k}_acc"][i] = hit / len(idx)
     return {**res, "engine": note}
 
 
@@ -813,8 +940,12 @@ def fit_log2_lr(exps: list[int], med: np.ndarray) -> float:
 
 
 def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device: str,
-          max_widen: int = 3, say: Callable[[str], None] = print, engine: str = "auto") -> dict:
-    """One (task, method, optimizer): the LR grid, widened while the best rate is at an edge."""
+          max_widen: int = 3, say: Callable[[str], None] = print, engine: str = "auto",
+          include: int | None = None) -> dict:
+    """One (task, method, optimizer): the LR grid, widened while the best rate (median over
+    seeds of the ``task.select`` loss) is at an edge; the reported loss (``best``, ``se``) is
+    ``task.metric``'s at that rate.  ``include``: a log2 rate the grid must reach (the
+    framework default's chosen rate, so that every method is measured there too)."""
     hp = Hyper(opt)
     calib = {s: task.get(task.sampler(s)[0].to("cpu") if task.kind != "lm" else
                          task.sampler(s)[0])[0].cpu() for s in seeds}
@@ -831,6 +962,8 @@ def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device
     c = LR_CENTER[opt]
     lo = int(math.ceil(c - n_lr / 2 + 0.5))
     exps = list(range(lo, lo + n_lr))
+    if include is not None:
+        exps = list(range(min(exps[0], include), max(exps[-1], include) + 1))
     losses: dict[int, dict[str, np.ndarray]] = {}
     engines = set()
 
@@ -849,7 +982,7 @@ def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device
 
     run(exps)
     widened = 0
-    key = "train" if task.metric == "train" else "heldout"
+    key = task.select
     while True:
         grid = sorted(losses)
         med = np.array([np.median(losses[e][key]) for e in grid])
@@ -867,23 +1000,59 @@ def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device
             f"2^{new[0]}, 2^{new[1]}")
         run(new)
     grid = sorted(losses)
-    L = np.stack([losses[e][key] for e in grid])                  # (n_lr, seeds)
+    S = np.stack([losses[e][key] for e in grid])                  # (n_lr, seeds): selects
+    sel = np.median(S, axis=1)
+    b = int(np.argmin(sel)) if np.isfinite(sel).any() else 0
+    rep = task.metric
+    L = np.stack([losses[e][rep] for e in grid])                  # (n_lr, seeds): reported
     med = np.median(L, axis=1)
-    b = int(np.argmin(med)) if np.isfinite(med).any() else 0
-    at_b = L[b]
-    fin = at_b[np.isfinite(at_b)]
-    se = (float(np.std(at_b, ddof=1) / math.sqrt(len(at_b)))
-          if len(fin) == len(at_b) and len(at_b) > 1 else math.inf)
     out = {"lr_log2": grid, "losses": {k: np.stack([losses[e][k] for e in grid])
                                        for k in losses[grid[0]]},
-           "median": med, "best": float(med[b]), "se": se, "best_lr_log2": grid[b],
-           "best_lr_log2_fit": fit_log2_lr(grid, med) if np.isfinite(med[b]) else None,
-           "at_edge": b in (0, len(grid) - 1), "widened": widened, "metric": key,
-           "engine": sorted(engines), "lr_mult": {k: v for k, v in mult.items() if v != 1.0}}
+           "median": med, "select_median": sel, **at_rate(L, b), "best_lr_log2": grid[b],
+           "best_lr_log2_fit": fit_log2_lr(grid, sel) if np.isfinite(sel[b]) else None,
+           "at_edge": b in (0, len(grid) - 1), "widened": widened, "metric": rep,
+           "select": key, "engine": sorted(engines),
+           "lr_mult": {k: v for k, v in mult.items() if v != 1.0}}
+    if f"{rep}_acc" in losses[grid[0]]:
+        out["acc"] = float(np.median(out["losses"][f"{rep}_acc"][b]))
+    out["own_best"] = float(np.nanmin(np.where(np.isfinite(med), med, np.nan))) \
+        if np.isfinite(med).any() else math.inf       # the reported loss at its own best rate
     for k in out["losses"]:
-        if k != key:
+        if k != rep and not k.endswith("_acc"):
             out[f"{k}_at_best"] = float(np.median(out["losses"][k][b]))
     return out
+
+
+def at_rate(L: np.ndarray, b: int) -> dict:
+    """``best`` (median over seeds of row ``b`` of ``L``) and ``se`` (its standard error over
+    seeds; inf when a seed diverged)."""
+    row = L[b]
+    fin = row[np.isfinite(row)]
+    se = (float(np.std(row, ddof=1) / math.sqrt(len(row)))
+          if len(fin) == len(row) and len(row) > 1 else math.inf)
+    return {"best": float(np.median(row)), "se": se}
+
+
+def at_default_rate(cells: dict) -> None:
+    """Every method's reported loss (and accuracy) at the framework default's chosen rate,
+    stored as ``cells[m]['at_default_lr']`` (None where its grid does not reach that rate)."""
+    d = cells.get("default")
+    if not d or "best_lr_log2" not in d:
+        return
+    e = d["best_lr_log2"]
+    for m, r in cells.items():
+        if "lr_log2" not in r:
+            continue
+        if e not in r["lr_log2"]:
+            r["at_default_lr"] = None
+            continue
+        i = r["lr_log2"].index(e)
+        L = np.asarray(r["losses"][r["metric"]], float)
+        v = {"lr_log2": e, **at_rate(L, i)}
+        acc = r["losses"].get(f"{r['metric']}_acc")
+        if acc is not None:
+            v["acc"] = float(np.median(np.asarray(acc, float)[i]))
+        r["at_default_lr"] = v
 
 
 # ---------------------------------------------------------------------------------------------
@@ -940,7 +1109,8 @@ def claims(results: dict, tasks: list[str], move: dict) -> dict:
     default (``pfx``) and for every ``pfx_std*`` variant present (candidate defaults)."""
     out: dict = {}
     cands = ["pfx"] + sorted({m for per in results.values() for cells in per.values()
-                              for m in cells if m.startswith("pfx_std")})
+                              for m in cells if m.startswith(("pfx_std", "pfx_ws", "pfx_lr",
+                                                              "pfx_pool"))})
     for cand in cands:
         sfx = "" if cand == "pfx" else f"[{cand}]"
         for opt in ("sgd", "adamw"):
@@ -961,6 +1131,19 @@ def claims(results: dict, tasks: list[str], move: dict) -> dict:
                 out[f"default_vs_framework_{opt}{sfx}"] = {
                     "tasks": n, "worse_beyond_noise": worse, "better_beyond_noise": better,
                     "lower": lower, "never_worse": not worse, "better_on_half": 2 * len(better) >= n}
+            # at the framework default's chosen rate (the user's rate)
+            worse, better, n = [], [], 0
+            for t in tasks:
+                r = results.get(t, {}).get(opt, {})
+                if cand not in r or "default" not in r or not r[cand].get("at_default_lr"):
+                    continue
+                n += 1
+                c = compare(r[cand]["at_default_lr"], r["default"])
+                (worse if c > 0 else better if c < 0 else []).append(t)
+            if n:
+                out[f"at_users_rate_{opt}{sfx}"] = {
+                    "tasks": n, "worse_beyond_noise": worse, "better_beyond_noise": better,
+                    "never_worse": not worse}
         g = results.get("gpt2", {})
         for opt in ("sgd", "adamw"):
             c = g.get(opt, {})
@@ -988,7 +1171,24 @@ def fmt(r: dict | None) -> str:
         return "diverged"
     se = f" ± {r['se']:.3g}" if r.get("se") is not None and math.isfinite(r["se"]) else ""
     edge = "!" if r["at_edge"] else ""
-    return f"{r['best']:.4g}{se} @2^{r['best_lr_log2']}{edge}"
+    acc = f" ({100 * r['acc']:.1f}%)" if r.get("acc") is not None and r.get("metric") == "test" \
+        else ""
+    return f"{r['best']:.4g}{se}{acc} @2^{r['best_lr_log2']}{edge}"
+
+
+def fmt_at_default(r: dict | None) -> str:
+    """A method's reported loss at the framework default's chosen rate."""
+    if r is None or "at_default_lr" not in r:
+        return "-"
+    v = r["at_default_lr"]
+    if v is None:
+        return "not on grid"
+    if v.get("best") is None or not math.isfinite(v["best"]):
+        return "diverged"
+    se = f" ± {v['se']:.3g}" if v.get("se") is not None and math.isfinite(v["se"]) else ""
+    acc = f" ({100 * v['acc']:.1f}%)" if v.get("acc") is not None and r.get("metric") == "test" \
+        else ""
+    return f"{v['best']:.4g}{se}{acc}"
 
 
 def markdown(payload: dict) -> str:
@@ -1001,16 +1201,60 @@ def markdown(payload: dict) -> str:
                      for cells in per.values() for r in cells.values() if "losses" in r})
     lines.append(f"Size `{payload['size']}`, seeds per cell {nseeds}, device "
                  f"{payload['env']['device']}, wall {payload['wall_s']:.0f} s. Cells: median "
-                 f"final loss at the best learning rate ± standard error over seeds @ log2 of "
-                 f"that rate (`!`: still at the grid's edge after widening).\n")
+                 f"over seeds of the reported loss (column `metric`; `test`: the test split, "
+                 f"with its accuracy; `heldout`: the LM test split) at the learning rate chosen "
+                 f"on the `select` split (median over seeds), ± standard error over seeds @ "
+                 f"log2 of that rate (`!`: still at the grid's edge after widening).\n")
     for opt in payload["optimizers"]:
         lines.append(f"### {opt}\n")
         lines.append("| task | metric | " + " | ".join(LABELS.get(m, m) for m in methods) + " |")
         lines.append("|---|---|" + "---|" * len(methods))
         for t, per in res.items():
             r = per.get(opt, {})
-            metric = next((v["metric"] for v in r.values() if "metric" in v), "")
+            metric = next((f"{v['metric']}" + (f" @{v['select']}" if v.get("select") else "")
+                           for v in r.values() if "metric" in v), "")
             lines.append(f"| {t} | {metric} | " + " | ".join(fmt(r.get(m)) for m in methods) + " |")
+        lines.append("")
+        if any("at_default_lr" in c for per in res.values() for c in per.get(opt, {}).values()):
+            lines.append(f"#### {opt}: at the framework default's chosen rate\n")
+            lines.append("| task | rate | " + " | ".join(LABELS.get(m, m) for m in methods) + " |")
+            lines.append("|---|---|" + "---|" * len(methods))
+            for t, per in res.items():
+                r = per.get(opt, {})
+                d = r.get("default", {}).get("best_lr_log2")
+                lines.append(f"| {t} | 2^{d} | " + " | ".join(fmt_at_default(r.get(m))
+                                                             for m in methods) + " |")
+            lines.append("")
+    held = [(t, o) for t, per in res.items() for o in payload["optimizers"]
+            if any(c.get("select") == "val" for c in per.get(o, {}).values())]
+    if held:
+        lines.append("### Per task: rate chosen on validation, and at the framework default's "
+                     "rate\n")
+        lines.append("| task | optimizer | method | test loss ± se | acc | rate (log2) | "
+                     "test loss at the default's rate ± se | acc there |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for t, o in held:
+            cells = res[t][o]
+            d = cells.get("default", {}).get("best_lr_log2")
+            for m in methods:
+                r = cells.get(m)
+                if not r or "best" not in r:
+                    continue
+                se = f" ± {r['se']:.3g}" if r.get("se") is not None and \
+                    math.isfinite(r["se"]) else ""
+                acc = f"{100 * r['acc']:.1f}%" if r.get("acc") is not None and \
+                    r.get("metric") == "test" else "-"
+                v = r.get("at_default_lr")
+                if v and v.get("best") is not None and math.isfinite(v["best"]):
+                    vse = f" ± {v['se']:.3g}" if v.get("se") is not None and \
+                        math.isfinite(v["se"]) else ""
+                    vd = f"{v['best']:.4g}{vse} (2^{d})"
+                    va = f"{100 * v['acc']:.1f}%" if v.get("acc") is not None and \
+                        r.get("metric") == "test" else "-"
+                else:
+                    vd, va = ("not on grid" if v is None and "at_default_lr" in r else "-"), "-"
+                lines.append(f"| {t} | {o} | {LABELS.get(m, m)} | {r['best']:.4g}{se} | {acc} | "
+                             f"{r['best_lr_log2']}{'!' if r['at_edge'] else ''} | {vd} | {va} |")
         lines.append("")
     if payload["lr_movement"]:
         lines.append("### Best learning rate across widths and depths (octaves)\n")
@@ -1127,6 +1371,27 @@ def replot(path: str) -> dict:
     return payload
 
 
+def partial_payload(p: dict, path: str) -> dict:
+    """A run's ``.partial.json`` (results and notes only: the run was stopped) completed
+    into a payload ``merge`` can read: tasks, methods and optimizers from its results, the
+    other fields of the ``--cpu`` size, its command marked as partial."""
+    if "tasks" in p:
+        return p
+    res = p["results"]
+    known = {t.name: t for t in all_tasks(dict(SIZES["cpu"], libsvm=False))}
+    for per in res.values():
+        for cells in per.values():
+            at_default_rate(cells)
+    methods = list(dict.fromkeys(m for per in res.values() for c in per.values() for m in c))
+    opts = list(dict.fromkeys(o for per in res.values() for o in per))
+    return {"size": "cpu", "config": SIZES["cpu"], "results": res, "notes": p.get("notes", {}),
+            "tasks": {t: {"family": known[t].family if t in known else "", "metric":
+                          known[t].metric if t in known else "", "select": "val"}
+                      for t in res},
+            "methods": methods, "optimizers": opts, "env": C.env_info(), "wall_s": 0.0,
+            "command": f"(stopped run; partial results from {os.path.basename(path)})"}
+
+
 def merge(paths: list[str], out_base: str) -> dict:
     """One result from several runs of the suite (for example the CPU-reduced runs, each with
     its own tasks and methods): results, tasks, methods and notes united (a later file's cell
@@ -1135,7 +1400,7 @@ def merge(paths: list[str], out_base: str) -> dict:
     payloads = []
     for p in paths:
         with open(p) as f:
-            payloads.append(json.load(f))
+            payloads.append(partial_payload(json.load(f), p))
     out = dict(payloads[0])
     out["results"], out["tasks"], out["notes"] = {}, {}, {}
     methods: list[str] = []
@@ -1149,6 +1414,9 @@ def merge(paths: list[str], out_base: str) -> dict:
         methods += [m for m in p["methods"] if m not in methods]
         opts += [o for o in p["optimizers"] if o not in opts]
     out["methods"], out["optimizers"] = methods, opts
+    for per in out["results"].values():         # the default's rate may come from another file
+        for cells in per.values():
+            at_default_rate(cells)
     out["command"] = [p.get("command") for p in payloads]
     out["wall_s"] = sum(p.get("wall_s", 0) for p in payloads)
     out["merged_from"] = [os.path.basename(p) for p in paths]
@@ -1173,6 +1441,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="CI smoke run (< 30 s)")
+    ap.add_argument("--cpu", action="store_true", help="the CPU held-out configuration (every "
+                    "run of it a few minutes of one core): digits MLP, the max-pool CNNs with "
+                    "and without BatchNorm, the strided BatchNorm CNN, GPT-2, ViT")
     ap.add_argument("--cpu-small", action="store_true", help="the CPU-reduced configuration")
     ap.add_argument("--cpu-lr", action="store_true", help="the CPU learning-rate transfer "
                     "configuration (MLP widths 32-2048, depths 1-16)")
@@ -1181,6 +1452,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "'ablation' adds ABLATIONS)")
     ap.add_argument("--optimizers", default="sgd,adamw")
     ap.add_argument("--seeds", type=int, default=None)
+    ap.add_argument("--epochs", type=float, default=None, help="epochs of the classification "
+                    "tasks (default: the size's)")
     ap.add_argument("--n-lr", type=int, default=None)
     ap.add_argument("--max-widen", type=int, default=3)
     ap.add_argument("--engine", default="auto", choices=["auto", "vmap", "loop"])
@@ -1195,12 +1468,15 @@ def main(argv: list[str] | None = None) -> dict:
     if args.merge:
         return merge(args.merge, os.path.join(args.out, "train_suite_" + (args.tag or "merged")))
     size = ("quick" if args.quick else "cpu_small" if args.cpu_small else
-            "cpu_lr" if args.cpu_lr else "full")
-    cfg = SIZES[size]
+            "cpu_lr" if args.cpu_lr else "cpu" if args.cpu else "full")
+    cfg = dict(SIZES[size])
+    if args.epochs:
+        cfg["epochs"] = args.epochs
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    tag = args.tag or ("quick" if args.quick else "cpu" if args.cpu_small else "")
+    tag = args.tag or ("quick" if args.quick else "cpu" if args.cpu_small else
+                       "heldout_cpu" if args.cpu else "")
     say = C.Progress("train_suite")
     spec = [s for s in args.tasks.split(",") if s] or DEFAULT_TASKS[size]
     need_libsvm = any(s.startswith("libsvm") for s in spec)
@@ -1213,6 +1489,8 @@ def main(argv: list[str] | None = None) -> dict:
     if "ablation" in methods:
         methods = [m for m in methods if m != "ablation"] + ABLATIONS
     methods = list(dict.fromkeys(methods))
+    if "default" in methods:       # first: every other method's grid reaches its chosen rate
+        methods = ["default"] + [m for m in methods if m != "default"]
     if args.quick:
         methods = methods if args.methods else ["default", "pfx"]
         args.max_widen = min(args.max_widen, 1)
@@ -1229,13 +1507,14 @@ def main(argv: list[str] | None = None) -> dict:
         for opt in opts:
             results[t.name][opt] = {}
             for m in methods:
+                inc = results[t.name][opt].get("default", {}).get("best_lr_log2")
                 n = method_note(t, m)
                 if n:
                     notes[f"{t.name}/{m}"] = n
                     continue
                 try:
                     r = sweep(t, m, opt, seeds, n_lr, args.device, args.max_widen, say,
-                              args.engine)
+                              args.engine, include=inc)
                 except Exception as e:
                     if args.quick:
                         raise
@@ -1244,11 +1523,14 @@ def main(argv: list[str] | None = None) -> dict:
                     continue
                 results[t.name][opt][m] = r
                 say(f"  {t.name:18s} {opt:5s} {m:18s} {fmt(r)}   [{','.join(r['engine'])[:40]}]")
+                at_default_rate(results[t.name][opt])
+                C.write_json(out_base + ".partial.json", {"results": results, "notes": notes})
+            at_default_rate(results[t.name][opt])
         C.write_json(out_base + ".partial.json", {"results": results, "notes": notes})
     move = lr_movement(results, {t.name: t.family for t in tasks})
     payload = {"size": size, "config": cfg, "tasks": {t.name: {
         "family": t.family, "steps": t.n_steps(), "batch": t.batch, "kind": t.kind,
-        "metric": t.metric, "hf": t.hf} for t in tasks},
+        "metric": t.metric, "select": t.select, "hf": t.hf} for t in tasks},
         "methods": methods, "optimizers": opts, "seeds": seeds, "n_lr": n_lr,
         "hyper": {o: Hyper(o).__dict__ for o in opts}, "lr_center_log2": LR_CENTER,
         "results": results, "lr_movement": move, "notes": notes, "env": C.env_info(),

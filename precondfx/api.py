@@ -111,7 +111,8 @@ def analyze(model: nn.Module, sample: Any, *, forward_kwargs: dict | None = None
 @guarded
 def precondition(model: nn.Module, sample: Any, *, init: str = D.init,
                  balance: str = D.balance, balance_threshold: float = D.balance_threshold,
-                 maxpool: str = D.maxpool, residual: str = D.residual,
+                 maxpool: str = D.maxpool, pool_conv: str = D.pool_conv,
+                 residual: str = D.residual,
                  residual_scale: float | str = D.residual_scale,
                  target_std: float | None = D.target_std,
                  input_scale: float | str | None = D.input_scale,
@@ -133,7 +134,7 @@ def precondition(model: nn.Module, sample: Any, *, init: str = D.init,
     values, meaning) in ``precondfx.core.options.Options``; see also docs/reference/options.md.
     """
     started = time.perf_counter()
-    user = Options(init=init, maxpool=maxpool, balance=balance,
+    user = Options(init=init, maxpool=maxpool, pool_conv=pool_conv, balance=balance,
                    balance_threshold=balance_threshold, residual=residual,
                    residual_scale=residual_scale, target_std=target_std,
                    input_scale=input_scale, output_key=output_key, seed=seed,

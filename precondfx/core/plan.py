@@ -93,6 +93,7 @@ class PoolChange:
     into: str | None = None      # conv node the stride is folded into
     new_param: str | None = None  # weight of the replacement conv
     geometry: dict = field(default_factory=dict)
+    conv: str = "full"   # replacement conv (action 'conv'): full | depthwise | avg (POOL_CONVS)
 
 
 @dataclass
@@ -322,12 +323,15 @@ def _plan_pools(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                                          f"geometry would give spatial size {outs}, not "
                                          f"{geo['out_shape'][2:]} (ceil_mode)", geometry=geo))
             continue
-        plan.pools.append(PoolChange(n.name, "conv", f"replaced by a strided {geo['channels']}->"
-                                     f"{geo['channels']} convolution of the same geometry "
-                                     f"(not folded: {why_not})", new_param=new_param,
-                                     geometry=geo))
+        kind = opts.pool_conv
+        what = {"full": "", "depthwise": "depthwise ",
+                "avg": "average-pooling-initialized "}[kind]
+        plan.pools.append(PoolChange(n.name, "conv", f"replaced by a {what}strided "
+                                     f"{geo['channels']}->{geo['channels']} convolution of the "
+                                     f"same geometry (not folded: {why_not})",
+                                     new_param=new_param, geometry=geo, conv=kind))
         c = geo["channels"]
-        params[new_param] = ParamInfo((c, c) + tuple(k))
+        params[new_param] = ParamInfo((c, 1 if kind == "depthwise" else c) + tuple(k))
         params[new_param[:-len("weight")] + "bias"] = ParamInfo((c,))
 
 
@@ -396,7 +400,7 @@ def _plan_layers(graph: Graph, params: dict[str, ParamInfo], plan: Plan) -> None
                                      else None))
         elif n.kind == "maxpool" and n.name in folded and folded[n.name].action == "conv":
             pc = folded[n.name]
-            c = pc.geometry["channels"]
+            c = 1 if pc.conv == "depthwise" else pc.geometry["channels"]   # fans per group
             k2 = math.prod(pc.geometry["kernel"])
             w = pc.new_param
             eff = fanlib.effective_taps_of(pc.geometry["in_shape"][2:], pc.geometry["kernel"],
@@ -599,12 +603,20 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
         inits[name] = pi
 
     layer_of = {lay.node: lay for lay in plan.layers}
+    avg_pools = {pc.node for pc in plan.pools if pc.action == "conv" and pc.conv == "avg"}
     for n in graph:
         lay = layer_of.get(n.name)
         if lay is not None:
             f = fanlib.Fans(lay.n_in, lay.n_out, lay.k2_eff or lay.k2,
                             gain=1.0 if lay.kind == "embedding" else 2.0)
-            if rule == "keep":
+            if n.name in avg_pools and rule != "keep":
+                # built holding average pooling's weights (apply.common.replacement_pool):
+                # kept, divided by alpha (the function at init is average pooling)
+                put(lay.weight, ParamInit(lay.weight, "scale", 1.0 / lay.alpha,
+                                          "replacement conv initialized as average pooling"
+                                          + (f", divided by alpha={lay.alpha:.4g}"
+                                             if lay.alpha != 1 else "")))
+            elif rule == "keep":
                 put(lay.weight, ParamInit(lay.weight, "keep", None, "init='keep'"))
             else:
                 r = "geometric" if lay.kind == "embedding" else rule

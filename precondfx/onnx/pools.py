@@ -108,12 +108,18 @@ class PoolSurgery:
         c, k = int(geo["channels"]), [int(v) for v in geo["kernel"]]
         wname = pc.new_param or f"{PREFIX}pool_{pool.name}.weight"
         bname = wname[: -len("weight")] + "bias" if wname.endswith("weight") else wname + ".bias"
-        fan_in = c * math.prod(k)
+        kind = getattr(pc, "conv", "full")
+        cin = 1 if kind == "depthwise" else c            # input channels per group
+        fan_in = cin * math.prod(k)
         bound = 1.0 / math.sqrt(fan_in)
         # PyTorch's default init of a new Conv (uniform +-1/sqrt(fan_in)); re-init replaces it
         rng = np.random.default_rng([self.seed, len(self.new_params)])
-        w = rng.uniform(-bound, bound, size=(c, c, *k)).astype(np.float32)
+        w = rng.uniform(-bound, bound, size=(c, cin, *k)).astype(np.float32)
         b = rng.uniform(-bound, bound, size=(c,)).astype(np.float32)
+        if kind == "avg":       # average pooling (kept by the plan's init, divided by alpha)
+            w = np.zeros((c, c, *k), np.float32)
+            w[np.arange(c), np.arange(c)] = 1.0 / math.prod(k)
+            b = np.zeros((c,), np.float32)
         vals = []
         for name, arr in ((wname, w), (bname, b)):
             if name in self.g.initializers:
@@ -131,7 +137,7 @@ class PoolSurgery:
                  ir.AttrInt64s("strides", [int(s) for s in geo["stride"]]),
                  ir.AttrInt64s("pads", pads),
                  ir.AttrInt64s("dilations", [int(d) for d in geo["dilation"]]),
-                 ir.AttrInt64("group", 1)]
+                 ir.AttrInt64("group", c if kind == "depthwise" else 1)]
         new = ir.Node("", "Conv", [x, vals[0], vals[1]], attributes=attrs,
                       outputs=[ir.Value()], name=self._fresh(f"{pool.name}.conv", self._names))
         self._swap_node(pool, new)

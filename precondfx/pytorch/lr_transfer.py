@@ -23,26 +23,23 @@ Each weighted layer ``y = W x + b`` (after the alpha balancing put on its input,
 
 ``lr_scale`` picks ``c`` per layer:
 
-* ``"adam"``: an Adam step moves each stored weight by about ``lr`` per entry, with signs that
-  follow the input, so it changes the layer's output by ``lr * sqrt(fan_in) / rms(W)`` relative
-  to its size (``rms(W)``: the stored weight's root mean square; the alpha cancels).  Scaling
-  every stored weight to ``rms(W) = sqrt(fan_in) / NU_REF * (L / DEPTH_REF)^1.5`` makes that
-  relative change ``lr * NU_REF * (DEPTH_REF / L)^1.5`` in every layer, whatever its shape (for
-  fan-in-scaled hidden weights this is muP's Adam rule, learning rate ~ 1/fan_in; it also
-  covers the input and output layers of geometric init, whose scales muP does not assume).
-  Layers inside a residual branch (the blocks of a transformer, a ResNet's residual convs;
-  not an embedding added to the stream, such as GPT-2's position embedding) get
-  ``BRANCH_ADAM`` times that relative change: with equal steps everywhere GPT-2 lost to the
-  default (held-out 2.625 against 2.558, 5 seeds), with the block layers' steps 4x the
-  embeddings' and head's it matched it (2.554; docs/results/lr_transfer_cpu.md).
+* ``"user"`` (experimental): ``c = rms(W) / rms(W_user)``, every stored weight at the root mean
+  square it had in the user's model before the pass (read before the re-draw), so that an
+  Adam step is the same relative change of it as in the user's model.  Measured
+  (docs/results/heldout_cpu.md): it moves the best AdamW rate 1-3 octaves *below* the rate
+  tuned for the framework's init, and at that rate it is worse than the default pass on the
+  digits MLP, a BatchNorm CNN, a tiny ViT and GPT-2; it is not the default.
 * ``"sgd"``: ``c = DEPTH_REF / L`` for every layer (effective rate ``x (DEPTH_REF/L)^2``).  Under
   SGD the relative update of a layer is its GR scaling, which precondfx already makes equal
   across layers; its best rate did not move across widths and fell with depth.
 
 The depth factors come from training (docs/results/lr_transfer_cpu.md): on the digits MLPs the
 best rate of precondfx's default fell as about ``L^-2`` with both optimizers; under Adam, with
-the biases covered too, the best rate of ``lr_scale="adam"`` rose with depth under
-``(3/L)^2`` and stayed within 1 octave over depths 1-16 under ``(3/L)^1.5``.  ``L`` is the
+the biases covered too, the best rate of the former ``lr_scale="adam"`` rose with depth under
+``(3/L)^2``.  ``lr_scale="adam"`` (stored weights at rms ``sqrt(fan_in)/64 (L/3)^1.5``, 4x the
+relative step inside residual branches) was removed: on held-out data it lost to the default
+on a tiny ViT at every rate and at the user's rate on three of four tasks
+(docs/results/heldout_cpu.md; ``options.LR_SCALE_REMOVED``).  ``L`` is the
 number of weighted layers on the longest input-to-output path with every residual branch cut
 (the stream through the skip connections): ``D + 1`` for a plain MLP with ``D`` hidden layers;
 stem, head and projection shortcuts for a residual network; embedding and head for a
@@ -68,16 +65,10 @@ from precondfx.core.graph import Graph
 from precondfx.core.options import INIT_RULES, LR_SCALE_MODES
 from precondfx.core.plan import Plan
 
-#: Adam: relative change of a layer's output per unit learning rate (at depth DEPTH_REF);
-#: 64 keeps c near 1 for a 128-wide hidden layer of geometric init
-NU_REF = 64.0
 #: depth (weighted layers on the main path) at which the depth factor is 1
 DEPTH_REF = 3
-#: Adam: relative step of a layer inside a residual branch over a main-path layer's (GPT-2)
-BRANCH_ADAM = 4.0
-#: c = (DEPTH_REF / L) ** DEPTH_POWER[mode]: effective rate ~ L^-2 under SGD (c^2), ~ L^-1.5
-#: under Adam (c; 2 before the biases were covered, refitted: docs/results/lr_transfer_cpu.md)
-DEPTH_POWER = {"sgd": 1.0, "adam": 1.5}
+#: c = (DEPTH_REF / L) ** DEPTH_POWER[mode]: effective rate ~ L^-2 under SGD (c^2)
+DEPTH_POWER = {"sgd": 1.0}
 
 
 def main_path_depth(graph: Graph, plan: Plan) -> int:
@@ -120,34 +111,37 @@ def _rms_of(model: nn.Module, plan: Plan, w: str) -> float:
     pi = plan.inits.get(w)
     if pi is not None and pi.rule in INIT_RULES and pi.std:
         return float(pi.std)
-    raise PrecondError(f"lr_scale='adam' needs the scale of {w}, which is on the meta device and "
+    raise PrecondError(f"lr_scale='user' needs the scale of {w}, which is on the meta device and "
                        f"not re-drawn by the plan ({pi.rule if pi else 'no plan entry'}): "
                        f"materialize the model first, or use lr_scale='sgd'")
 
 
-def factors(graph: Graph, plan: Plan, mode: str, rms: dict[str, float]
-            ) -> tuple[dict[str, float], int]:
+def factors(graph: Graph, plan: Plan, mode: str, rms: dict[str, float],
+            user_rms: dict[str, float] | None = None) -> tuple[dict[str, float], int]:
     """The factor ``c`` per weight (the first call site's, so that a shared weight gets one
     factor) and the main-path depth ``L``; ``rms``: each stored weight's root mean square
-    (``"adam"`` only; a weight with rms 0 keeps c = 1)."""
+    (``"user"``; a weight with rms 0 keeps c = 1); ``user_rms``: the rms of
+    each weight in the user's model before the pass (``"user"``: ``c = rms / user_rms``, so
+    that the stored weight gets the user's rms; a weight without one keeps c = 1)."""
     if mode not in LR_SCALE_MODES:
         raise PrecondError(f"lr_scale={mode!r} is not one of {LR_SCALE_MODES} (or None)")
     L = main_path_depth(graph, plan)
+    if mode == "user":
+        out_u: dict[str, float] = {}
+        for lay in plan.layers:
+            w = lay.weight
+            if not w or w in out_u:
+                continue
+            r, u = rms.get(w, 0.0), (user_rms or {}).get(w, 0.0)
+            if r > 0 and u > 0 and math.isfinite(r) and math.isfinite(u):
+                out_u[w] = r / u
+        return out_u, L
     depth_c = (DEPTH_REF / L) ** DEPTH_POWER[mode]
-    branch = {m for r in plan.residuals for m in r.branch_layers}
     out: dict[str, float] = {}
     for lay in plan.layers:
         if not lay.weight or lay.weight in out:
             continue
-        c = depth_c
-        if mode == "adam":
-            r = rms.get(lay.weight, 0.0)
-            if not (r > 0 and math.isfinite(r)):
-                continue
-            c *= NU_REF * r / math.sqrt(fan_in(lay, graph.get(lay.node)))
-            if lay.node in branch and lay.kind != "embedding":
-                c *= BRANCH_ADAM
-        out[lay.weight] = c
+        out[lay.weight] = depth_c
     return out, L
 
 
@@ -204,15 +198,15 @@ def carried(lr_buffers: dict[str, list[str]], plan: Plan, graph: Graph | None = 
 
 def apply(model: nn.Module, graph: Graph, plan: Plan, lr_buffers: dict[str, list[str]],
           mode: str, planned: dict[str, float] | None = None,
-          set_constant: Any = None) -> dict[str, Any]:
+          set_constant: Any = None, user_rms: dict[str, float] | None = None) -> dict[str, Any]:
     """Set each layer's lr multipliers to its factor ``c`` and divide its weight and bias by
     ``c``, keeping the plan (and ``planned``, the constants recorded for materializing) equal
     to what the model holds.  ``set_constant(name, value)``: the back end's
     (``Backend.set_constant``).  Layers whose call sites do not all carry a multiplier keep
     factor 1 and are listed in ``left_out``.  Returns the report section."""
     ok, left = carried(lr_buffers, plan, graph)
-    rms = {w: _rms_of(model, plan, w) for w in ok} if mode == "adam" else {}
-    fac, L = factors(graph, plan, mode, rms)
+    rms = {w: _rms_of(model, plan, w) for w in ok} if mode == "user" else {}
+    fac, L = factors(graph, plan, mode, rms, user_rms)
     done = {w: c for w, c in fac.items() if w in ok and c != 1.0}
     bias_of = {lay.weight: lay.bias for lay in plan.layers if lay.weight and lay.bias}
     if set_constant is None:
@@ -257,5 +251,5 @@ def effective_lr_multiplier(c: float, mode: str) -> float:
     return c * c if mode == "sgd" else c
 
 
-__all__ = ["NU_REF", "DEPTH_REF", "BRANCH_ADAM", "DEPTH_POWER", "main_path_depth", "fan_in",
+__all__ = ["DEPTH_REF", "DEPTH_POWER", "main_path_depth", "fan_in",
            "stored_rms", "factors", "carried", "apply", "effective_lr_multiplier", "summary"]

@@ -55,6 +55,8 @@ class TorchState(State):
     notes: list[str] = field(default_factory=list)
     analysis: bool = False           # ``analyze``: plan only, on a copy, refusing nothing more
     not_user_class: str | None = None   # why a GraphModule result is not the user's class
+    #: lr_scale='user': each weight's rms in the user's model before the pass
+    user_rms: dict[str, float] = field(default_factory=dict)
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -243,6 +245,9 @@ def prepare(st: TorchState) -> None:
                                f"returned model")
         st.dtype = dt
     st.modes = {name: m.training for name, m in model.named_modules()}
+    if st.opts.lr_scale == "user" and st.data:
+        from precondfx.pytorch.lr_transfer import stored_rms
+        st.user_rms = {n: stored_rms(p) for n, p in model.named_parameters() if p.dim() >= 2}
     st.work = model if st.inplace else copy_model(model, lenient=st.analysis)
     if st.dtype is not None:
         st.work = st.work.float()
@@ -336,7 +341,7 @@ def lr_scale(st: TorchState) -> None:
     edited = copy.deepcopy(now)
     st.report.conditioning["lr_scale"] = lr_transfer.apply(
         st.result, st.graph, edited, st.lr_buffers, st.opts.lr_scale, st.constants,
-        st.backend.set_constant)
+        st.backend.set_constant, user_rms=st.user_rms)
     st.measured.record_diff("lr_scale", now, edited)      # the plan stays as planned
 
 

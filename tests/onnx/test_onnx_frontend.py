@@ -583,3 +583,29 @@ def test_bf16_weights_drawn_in_fp32_then_cast():
     z = np.random.default_rng(11).standard_normal((64, 64), dtype=np.float32)
     ref = z * (0.25 / float(np.mean(z.astype(np.float64) ** 2)) ** 0.5)  # second moment matched
     np.testing.assert_array_equal(got, ref.astype(ml_dtypes.bfloat16))
+
+
+def test_pool_conv_avg_and_depthwise(tmp_path):
+    """pool_conv on the ONNX path: 'avg' (with maxpool='conv') makes both pools trainable
+    Convs holding average pooling, so the file computes what maxpool='avgpool' gives (same
+    seed, onnxruntime, fresh inputs); 'depthwise' makes the unfoldable MaxPool(3,2,1) a grouped Conv (group 16, weight
+    (16, 1, 3, 3)) drawn with the geometric std of fans (1, 1, 9) and the analytic alpha."""
+    src = cnn(tmp_path / "cnn.onnx")
+    feeds = {"x": x_of(64, seed=1)}
+    outs = {}
+    for tag, kw in (("avgpool", dict(maxpool="avgpool")),
+                    ("avg", dict(maxpool="conv", pool_conv="avg")),
+                    ("dw", dict(pool_conv="depthwise"))):
+        outs[tag] = tmp_path / f"{tag}.onnx"
+        precondition_onnx(str(src), str(outs[tag]), feeds=feeds, seed=3, **kw)
+        onnx.checker.check_model(str(outs[tag]), full_check=True)
+    x = {"x": x_of(32, seed=7)}
+    np.testing.assert_allclose(run(outs["avg"], x)[0], run(outs["avgpool"], x)[0],
+                               rtol=1e-4, atol=1e-5)
+    inits, m = initializers(outs["dw"])
+    pool2 = next(n for n in m.graph.node if n.name == "pool2")
+    assert pool2.op_type == "Conv"
+    assert next(a.i for a in pool2.attribute if a.name == "group") == 16
+    w = inits["precondfx_pool_pool2.weight"]
+    assert w.shape == (16, 1, 3, 3)
+    assert float(w.std()) == pytest.approx(geometric_std(1, 1, 9, 9 ** -0.25), rel=0.15)

@@ -101,3 +101,66 @@ def test_ceil_mode_pool_that_cannot_match_is_kept_with_reason():
     pm, rep = precondfx.precondition(M(), torch.randn(4, 3, 7, 7), maxpool="conv")
     (pc,) = rep.plan.pools
     assert pc.action == "keep" and "ceil_mode" in pc.reason
+
+
+# -- pool_conv: which strided convolution replaces a max-pool that is not folded -------------
+def test_pool_conv_avg_is_average_pooling_at_init():
+    """pool_conv='avg': the replacement convolutions (trainable, C->C) compute average pooling
+    at init, so the preconditioned model equals maxpool='avgpool' with the same seed (every
+    other weight, alpha and the output scale included) to float rounding, on fresh inputs."""
+    model, x = zoo.build("maxpool_cnn")
+    pa, ra = precondfx.precondition(model, x, seed=3, maxpool="avgpool")
+    pc, rc = precondfx.precondition(model, x, seed=3, maxpool="conv", pool_conv="avg")
+    assert [p.action for p in rc.plan.pools] == ["conv"] * 4
+    assert all(p.conv == "avg" for p in rc.plan.pools)
+    new = [m for n, m in pc.named_modules() if isinstance(m, nn.Conv2d) and "pool" in n]
+    assert len(new) == 4 and all(m.weight.requires_grad for m in new)
+    xx = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with frozen(pa, False), frozen(pc, False):
+        torch.testing.assert_close(main(call(pc, xx)), main(call(pa, xx)), rtol=1e-5, atol=1e-5)
+
+
+def test_avg_pool_weight_convolution_equals_avg_pool2d():
+    from precondfx.pytorch.apply.common import avg_pool_weight
+    x = torch.randn(2, 6, 9, 9, generator=torch.Generator().manual_seed(0))
+    w = avg_pool_weight(6, (3, 3))
+    got = F.conv2d(x, w, stride=2, padding=1)
+    torch.testing.assert_close(got, F.avg_pool2d(x, 3, 2, 1), rtol=1e-6, atol=1e-6)
+
+
+def test_pool_conv_depthwise_replaces_unfoldable_pool_with_grouped_conv():
+    """pool_conv='depthwise': the pool that cannot fold (MaxPool2d(3, 2, 1)) becomes a C->C
+    convolution with groups=C (weight (C, 1, 3, 3)), re-initialized with the init rule's
+    second moment for fans (1, 1, taps); the foldable pools still fold."""
+    model, x = zoo.build("maxpool_cnn")
+    pm, rep = precondfx.precondition(model, x, pool_conv="depthwise", balance="none")
+    assert sorted(p.action for p in rep.plan.pools) == ["conv", "fold", "fold", "fold"]
+    (pc,) = [p for p in rep.plan.pools if p.action == "conv"]
+    assert pc.conv == "depthwise"
+    mod = pm.get_submodule(pc.new_param[:-len(".weight")])
+    assert isinstance(mod, nn.Conv2d) and mod.groups == 16 and tuple(mod.weight.shape) == (16, 1, 3, 3)
+    lay = next(lay for lay in rep.plan.layers if lay.weight == pc.new_param)
+    assert (lay.n_in, lay.n_out) == (1, 1)
+    pi = rep.plan.inits[pc.new_param]
+    assert pi.rule == "geometric"
+    ms = float(mod.weight.detach().pow(2).mean())
+    assert abs(ms - pi.std ** 2) < 1e-4 * pi.std ** 2          # moment-matched draw
+    assert torch.isfinite(main(call(pm, x))).all()
+
+
+def test_pool_conv_full_is_the_old_replacement():
+    model, x = zoo.build("maxpool_cnn")
+    pm, rep = precondfx.precondition(model, x, pool_conv="full")
+    (pc,) = [p for p in rep.plan.pools if p.action == "conv"]
+    mod = pm.get_submodule(pc.new_param[:-len(".weight")])
+    assert mod.groups == 1 and tuple(mod.weight.shape) == (16, 16, 3, 3)
+
+
+def test_pool_conv_bad_value_is_refused():
+    model, x = zoo.build("maxpool_cnn")
+    try:
+        precondfx.precondition(model, x, pool_conv="grouped")
+    except precondfx.PrecondError as e:
+        assert "pool_conv" in str(e) and "depthwise" in str(e)
+    else:
+        raise AssertionError("pool_conv='grouped' was accepted")

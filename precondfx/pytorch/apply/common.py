@@ -38,8 +38,17 @@ def replacement_pool(pc: PoolChange, like: torch.Tensor | None) -> nn.Module:
         if like is not None:
             kw = {"dtype": like.dtype if like.is_floating_point() else torch.float32,
                   "device": like.device}
-        return cls(g["channels"], g["channels"], tuple(g["kernel"]), stride=tuple(g["stride"]),
-                   padding=tuple(g["padding"]), dilation=tuple(g["dilation"]), bias=True, **kw)
+        kind = getattr(pc, "conv", "full")
+        c = g["channels"]
+        mod = cls(c, c, tuple(g["kernel"]), stride=tuple(g["stride"]),
+                  padding=tuple(g["padding"]), dilation=tuple(g["dilation"]), bias=True,
+                  groups=c if kind == "depthwise" else 1, **kw)
+        if kind == "avg":
+            if mod.weight.device.type != "meta":
+                with torch.no_grad():
+                    mod.weight.copy_(avg_pool_weight(c, tuple(g["kernel"]), mod.weight.dtype))
+                    mod.bias.zero_()
+        return mod
     if pc.action == "avgpool":
         cls = {1: nn.AvgPool1d, 2: nn.AvgPool2d, 3: nn.AvgPool3d}[d]
         if any(x != 1 for x in g["dilation"]):
@@ -47,6 +56,17 @@ def replacement_pool(pc: PoolChange, like: torch.Tensor | None) -> nn.Module:
         return cls(tuple(g["kernel"]), stride=tuple(g["stride"]), padding=tuple(g["padding"]),
                    ceil_mode=g["ceil_mode"])
     raise ValueError(pc.action)
+
+
+def avg_pool_weight(channels: int, kernel: tuple[int, ...],
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight of a C->C convolution that computes average pooling (``count_include_pad``:
+    zero padding counts, as AvgPool's default): ``1/prod(kernel)`` on the diagonal of the
+    channel dimensions, 0 elsewhere."""
+    w = torch.zeros((channels, channels) + tuple(kernel), dtype=dtype)
+    idx = torch.arange(channels)
+    w[idx, idx] = 1.0 / float(torch.tensor(kernel).prod())
+    return w
 
 
 def scale_at_path(out: Any, path: list, scale: torch.Tensor) -> Any:
