@@ -37,6 +37,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from precondfx.pytorch.capture.common import Sample
+from precondfx.pytorch.measure.ranks import agreed
 
 
 class Unsupported(Exception):
@@ -427,18 +428,14 @@ def batched_sketch(model: nn.Module, smp: Sample, batch: int, params: Sequence[t
         for ri, (s0, cnt) in enumerate(rounds):
             gs = [g for g in mine if g < cnt]        # this round's draws s0 + g, local rows 0..
             k = len(gs)
-            try:
+            def one_round() -> None:
                 if k:
                     _round(y, vs, gs, s0, k, sites, outs, owner, params, names, iu, per,
                            n_cotangents, check=ri == 0,
                            keep_graph=any(g < c for _, c in rounds[ri + 1:] for g in mine))
-            except Exception as e:  # noqa: BLE001 - agreed over the ranks below
-                if ranks is None:
-                    raise
-                error = e
+            if (err := agreed(ranks, one_round)) is not None:
+                raise Unsupported(f"{type(err).__name__}: {err}")
             if ranks is not None:
-                if (err := ranks.failed(error)) is not None:
-                    raise Unsupported(f"{type(err).__name__}: {err}")
                 per[s0:s0 + cnt] = ranks.sum(per[s0:s0 + cnt])
             step(cnt)
             done = s0 + cnt

@@ -14,7 +14,7 @@ early-stop decisions and the factors are those of one process balancing on ``x``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -92,6 +92,20 @@ class Ranks:
             return error
         bad = [r for r, f in enumerate(flags) if f > 0]
         return RuntimeError(f"the measurement failed on rank {bad[0]}") if bad else None
+
+
+def agreed(ranks: Ranks | None, step: Callable[[], None]) -> BaseException | None:
+    """Run one measuring step.  Alone (``ranks`` None) its exception propagates; over ranks
+    every rank runs the same agreement after it (:meth:`Ranks.failed`), so a failure on any
+    rank is returned on all of them and the collectives stay paired (None: no rank failed)."""
+    error: BaseException | None = None
+    try:
+        step()
+    except Exception as e:  # noqa: BLE001 - agreed over the ranks below
+        if ranks is None:
+            raise
+        error = e
+    return None if ranks is None else ranks.failed(error)
 
 
 def for_group(n_local: int, group: Any = None) -> Ranks | None:

@@ -33,6 +33,7 @@ from precondfx.pytorch.measure.conditioning.inputs import (default_output_fn, me
                                                            per_sample, run_sample)
 from precondfx.pytorch.measure.conditioning.results import Estimate
 from precondfx.pytorch.measure.persample import batched_sketch
+from precondfx.pytorch.measure.ranks import agreed
 from precondfx.pytorch.measure.runtime import one_thread
 from precondfx.core.progress import Progress
 
@@ -120,20 +121,15 @@ def hessian_sketch(model: nn.Module, sample: Any, weights: Sequence[str], *, n_s
                 shape = run_sample(model, smp, 0, output_fn).shape
         for s in range(n_samples):
             i = s % total if ranks is None else ranks.local(s % total)
-            error: BaseException | None = None
-            if i is None:
-                for _ in range(n_cotangents):
-                    torch.randn(shape, generator=gen, dtype=torch.float32)
-            else:
-                try:
+            def one(s: int = s, i: int | None = i) -> None:
+                if i is None:       # a sample another rank holds: its directions are skipped
+                    for _ in range(n_cotangents):
+                        torch.randn(shape, generator=gen, dtype=torch.float32)
+                else:
                     per[s] = _one(model, smp, i, params, n_cotangents, gen, output_fn, iu)
-                except Exception as e:  # noqa: BLE001 - agreed over the ranks below
-                    if ranks is None:
-                        raise
-                    error = e
+            if (err := agreed(ranks, one)) is not None:
+                raise err
             if ranks is not None:
-                if (err := ranks.failed(error)) is not None:
-                    raise err
                 per[s] = ranks.sum(per[s])
             bar.step()
             if stop is not None and first <= s + 1 < n_samples and stop(per[:s + 1]):
