@@ -69,7 +69,7 @@ def orthogonal(shape: tuple[int, ...], gates: int, ops: ArrayOps) -> Any:
 def draw(pi: ParamInit, shape: tuple[int, ...], ops: ArrayOps) -> Any | None:
     """The new value of one parameter (float32), or None where the rule keeps or rescales the
     current value (``keep``, ``scale``: the back end multiplies in place)."""
-    if pi.rule in ("keep", "scale"):
+    if pi.rule in ("keep", "scale") or (pi.rule == "match" and pi.std is None):
         return None
     if pi.rule == "zeros":
         return ops.full(shape, 0.0)
@@ -80,3 +80,17 @@ def draw(pi: ParamInit, shape: tuple[int, ...], ops: ArrayOps) -> Any | None:
     if pi.rule == "orthogonal":
         return orthogonal(shape, pi.gates, ops) * float(pi.std or 1.0)
     return moment_matched(ops.normal(shape), float(pi.std), ops)
+
+
+#: ``match`` draws (core.tokens) come from their own stream, seeded ``seed + MATCH_STREAM``,
+#: after every other draw: whether they are drawn (measured) or not, the other parameters get
+#: the same values, in the pass and in ``precondfx.reinit`` from its plan
+MATCH_STREAM = 7919
+
+
+def split_match(inits: Any) -> tuple[list, list]:
+    """``plan.inits`` items in order, the ``match`` rules apart: (others, matches)."""
+    items = list(inits.items())
+    return ([kv for kv in items if kv[1].rule != "match"],
+            [kv for kv in items if kv[1].rule == "match"])
+

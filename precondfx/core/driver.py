@@ -22,10 +22,12 @@ import math
 import sys
 import time
 import warnings
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from precondfx.core import calibration as cal
+from precondfx.core import tokens
 from precondfx.core.backend import Backend
 from precondfx.errors import PrecondError
 from precondfx.core.graph import Graph
@@ -246,6 +248,39 @@ def reinitialize(st: State) -> None:
     st.report.input_scale = st.in_scale
 
 
+def has_matches(st: State) -> bool:
+    return any(pi.rule == "match" for pi in st.plan.inits.values())
+
+
+def match_tokens(st: State) -> None:
+    """Free token and position parameters (``core.tokens``): each drawn at the rms of its
+    partner layer's output on the sample, measured now that the weights are re-drawn (the
+    back end's ``reinit`` on these parameters alone: their own seeded stream).  Without data,
+    or where the partner's output cannot be probed, the parameter is left as is, with why."""
+    pis = {k: pi for k, pi in st.plan.inits.items() if pi.rule == "match"}
+    rep = st.report
+    if not st.data:
+        for k in pis:
+            rep.skipped.append((f"init {k}", f"left as is: {st.no_data} (a token's std is "
+                                             f"measured on data)"))
+        return
+    got = st.backend.probe_sample(st.sample, sorted({str(pi.match) for pi in pis.values()}),
+                                  st.opts.calibration)
+    sub = Plan(options=st.plan.options, aliases=dict(st.plan.aliases))
+    for k, pi in pis.items():
+        r = tokens.rms(got.get(str(pi.match)))
+        if r is None or not math.isfinite(r) or r <= 0:
+            rep.skipped.append((f"init {k}", f"left as is: the output of {pi.match} could not "
+                                             f"be measured on this back end "
+                                             f"({'no value' if r is None else f'rms {r}'})"))
+            continue
+        sub.inits[k] = dataclasses.replace(pi, std=r)
+        st.measured.add("match", "std", k, r,
+                        reason=f"rms of {pi.match}'s output on the calibration batch")
+    if sub.inits:
+        st.backend.reinit(sub, st.opts.seed)
+
+
 def has_scheme_step(st: State) -> bool:
     return type(st.scheme).calibrate is not Scheme.calibrate
 
@@ -357,6 +392,8 @@ APPLY = Stage("apply", apply, "applying the plan", requires=("plan", "backend"))
 REINIT = Stage("reinit", reinitialize, lambda st: "re-initializing parameters" if st.opts.reinit
                else "rescaling weights for alpha", requires=("plan", "backend"),
                ensures=("report",))
+MATCH = Stage("match", match_tokens, "drawing token and position parameters at their "
+              "partner's scale", when=has_matches, requires=("report", "plan"))
 SCHEME = Stage("scheme", scheme_step, lambda st: f"scheme {st.scheme.name}: data-driven step",
                when=has_scheme_step, requires=("report",))
 CALIBRATE = Stage("calibrate", calibrate, lambda st: "calibrating the output scale" if st.data

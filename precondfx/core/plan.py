@@ -15,6 +15,7 @@ from typing import Any
 
 from precondfx.core import beta as betalib
 from precondfx.core import fans as fanlib
+from precondfx.core import tokens as tokens_mod
 from precondfx.core import optable, residual_schedule
 from precondfx.core.graph import Graph, Node
 from precondfx.core.options import (BALANCE_MODES, MAXPOOL_MODES, MEASURED, RESIDUAL_MODES,
@@ -33,12 +34,15 @@ class ParamInit:
     name: str
     rule: str            # geometric | fan_in | fan_out | xavier | zeros | ones | orthogonal |
     #                      scale (multiply the current value by ``std``) |
-    #                      constant (every element ``std``) | keep
+    #                      constant (every element ``std``) | keep |
+    #                      match (a normal draw at the measured rms of node ``match``'s
+    #                      output: a free token or position parameter, core.tokens)
     std: float | None    # standard deviation of the normal draw (weights), the factor for
-    #                      ``scale``, else None
+    #                      ``scale``, else None (``match``: None until measured)
     reason: str
     shape: list[int] = field(default_factory=list)
     gates: int = 1       # orthogonal per gate block (recurrent weights)
+    match: str | None = None   # rule ``match``: the node whose output rms is the draw's std
 
 
 @dataclass
@@ -645,8 +649,20 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                 elif role.endswith("bias"):
                     put(pname, ParamInit(pname, "zeros", None, "normalization shift starts at 0"))
     read = {p for n in graph for p in n.params.values()}
+    tokens = tokens_mod.token_partners(graph, {k: v.shape for k, v in params.items()}) \
+        if opts.reinit and rule != "keep" else {}
     for name, info in params.items():
         if name in inits:
+            continue
+        if name in tokens and info.trainable and not info.parametrized:
+            partner, join = tokens[name]
+            what = "concatenated to" if join.kind == "concat" else "added to"
+            inits[name] = ParamInit(
+                name, "match", None,
+                f"a free token or position parameter {what} the output of {partner} (at "
+                f"{join.name}): drawn at the rms of that output, measured on the calibration "
+                f"batch after re-initialization, so that the joined parts start at one scale",
+                list(info.shape), match=partner)
             continue
         why = ("read by an op that is not a weighted layer (e.g. a position embedding, a class "
                "token, an activation slope): left as is" if name in read else

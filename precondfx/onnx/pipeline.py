@@ -281,6 +281,7 @@ PIPELINE = (
     Stage("apply", backend, ensures=("backend",)),
     driver.APPLY,
     driver.REINIT,
+    driver.MATCH,
     Stage("reinit", record_gains, when=lambda st: bool(st.captured.gains)),
     driver.CALIBRATE,
     driver.RECORD,

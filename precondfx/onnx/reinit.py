@@ -33,9 +33,11 @@ def reinit(model: ir.Model, plan: Plan, seed: int,
     value is divided by it, so that the weight the layer applies has the planned std."""
     gains = gains or {}
     rng = np.random.default_rng(int(seed))
+    match_rng = np.random.default_rng(int(seed) + core.MATCH_STREAM)
     inits = model.graph.initializers
     changed = []
-    for name, pi in plan.inits.items():
+    others, matches = core.split_match(plan.inits)
+    for name, pi in others + matches:
         v = inits.get(name)
         if v is None or v.const_value is None or v.dtype not in FLOAT_TYPES:
             continue
@@ -46,7 +48,7 @@ def reinit(model: ir.Model, plan: Plan, seed: int,
             new = cur * float(pi.std)
         else:
             logical = tuple(pi.shape) if pi.shape else file_shape
-            new = draw(pi, logical, rng)
+            new = draw(pi, logical, match_rng if pi.rule == "match" else rng)
             if new is None:
                 continue
             new = new.reshape(file_shape)

@@ -354,6 +354,15 @@ def measure(st: TorchState) -> None:
     held_out(st.report.conditioning.get("hessian"), mr)
 
 
+def suggest(st: TorchState) -> None:
+    """``suggest_lr=True``: SGD and Adam rates from the returned model's curvature
+    (``report.suggested_lr``; :mod:`precondfx.pytorch.measure.suggest`)."""
+    from precondfx.pytorch.measure.suggest import suggest_lr
+    o = st.opts
+    st.report.conditioning["suggested_lr"] = suggest_lr(
+        st.result, st.sample, mode=o.calibration, key=o.output_key, seed=o.seed)
+
+
 def verify(st: TorchState) -> None:
     """Run the finished model in both modes: finite outputs, the output std at its target."""
     st.report.verification = v = verify_result(
@@ -422,6 +431,7 @@ STAGES = (
     Stage("apply", backend, ensures=("backend", "result")),
     driver.APPLY,
     driver.REINIT,
+    driver.MATCH,
     driver.SCHEME,
     driver.CALIBRATE,
     Stage("balance", balance, lambda st: f"measured balancing ({st.opts.balance})",
@@ -429,6 +439,8 @@ STAGES = (
     Stage("lr_scale", lr_scale, lambda st: f"lr_scale={st.opts.lr_scale!r}",
           when=lambda st: st.opts.lr_scale is not None),
     Stage("measure", measure, when=lambda st: st.opts.measure),
+    Stage("suggest_lr", suggest, "suggesting learning rates from the curvature",
+          when=lambda st: st.opts.suggest_lr and st.data),
     Stage("verify", verify, when=lambda st: st.data),
     driver.RECORD,
     Stage("record", finish),

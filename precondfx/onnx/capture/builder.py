@@ -103,6 +103,7 @@ class _Builder:
             f"{node.domain}::{node.op_type}"
         if not is_data:
             vals.note_view(node, ins)
+            vals.note_derived(node, ins)
         call = call_of(vals, node, ins) if is_data else _Call([vals.marker(v) for v in ins])
         if call.kind is not None:
             spec = optable.BY_KIND[call.kind]

@@ -59,6 +59,8 @@ def call_of(vals: Values, node: ir.Node, ins: list) -> _Call:
         return _recurrent(vals, node, ins)
     if _is_lookup(vals, node, ins):
         return _Call([vals.marker(ins[1]), vals.marker(ins[0], True)], kind="embedding")
+    if op in ("Concat", "Add"):         # a class token or a position embedding (core.tokens)
+        return _Call([vals.join_marker(v) for v in ins])
     if op == "LeakyRelu":
         return _Call([vals.marker(ins[0])],
                      {"negative_slope": Const(_float(node, "alpha", 0.01))})

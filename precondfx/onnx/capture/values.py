@@ -35,6 +35,9 @@ class Values:
         self.views: dict[int, ir.Value] = {}     # id(weight view) -> the initializer it reads
         self.transposed: set[int] = set()        # ids of 2-D transposes of an initializer
         self.viewed: set[str] = set()            # parameters registered with a view's shape
+        #: id(value) -> the parameter a value computed without activations reads (an Expand of
+        #: a class token by a shape computed from the input): a token, for core.tokens
+        self.derived: dict[int, str] = {}
 
     def shape_of(self, v: ir.Value | None) -> tuple[int, ...] | None:
         if v is None or v.name is None:
@@ -95,6 +98,26 @@ class Values:
             if shape is not None:
                 self.viewed.add(v.name)
         self.param_shapes.setdefault(v.name, file_shape)
+
+    def note_derived(self, node: ir.Node, ins: list) -> None:
+        """Record the outputs of a node computed without activations from one float
+        initializer (or from such a value) as reading that parameter."""
+        src = [self.derived[id(v)] if id(v) in self.derived else
+               self.views.get(id(v), v).name for v in ins if v is not None and
+               (id(v) in self.derived or self.is_param(self.views.get(id(v), v), False))]
+        if len(set(src)) == 1:
+            for o in node.outputs:
+                self.derived[id(o)] = src[0]
+
+    def join_marker(self, v: ir.Value | None) -> Any:
+        """An operand of a concatenation or addition: a value computed from a parameter
+        without activations is that parameter (``Param``), as in the PyTorch captures."""
+        if v is not None and id(v) not in self.data and id(v) in self.derived:
+            name = self.derived[id(v)]
+            if name in self.inits:
+                self.add_param(self.inits[name])
+                return Param(name)
+        return self.marker(v)
 
     def marker(self, v: ir.Value | None, weight_slot: bool = False) -> Any:
         if v is None:

@@ -59,10 +59,19 @@ def reinit(model: nn.Module, plan: Plan, seed: int | None = None, rng: str = "st
     untied = retie(model, plan, sharded)
     named = dict(model.named_parameters(remove_duplicate=False))
     gen = torch.Generator().manual_seed(int(seed))
+    match_gen = torch.Generator().manual_seed(int(seed) + core.MATCH_STREAM)
     changed = []
-    for name, pi in plan.inits.items():
+    others, matches = core.split_match(plan.inits)
+    for name, pi in others + matches:
         p = named.get(name)
         if p is None:
+            continue
+        if pi.rule == "match":        # its own stream, after the others (core.draw)
+            new = draw(pi, tuple(p.shape), match_gen)
+            if new is not None:
+                for q in [p, *[named[a] for a in untied.get(name, ())]]:
+                    shards.write(q, new)
+                changed.append(name)
             continue
         copies = [named[a] for a in untied.get(name, ())]
         if pi.rule == "scale":
