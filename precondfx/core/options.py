@@ -219,10 +219,11 @@ class Options:
     lr_scale: str | None = _opt(None, lr_scale_check(),
                                 "function-preserving per-layer scales (output x c, weight and "
                                 "bias / c): 'sgd' (every stored weight x 3/L, L the main-path "
-                                "depth: one SGD rate across depths), 'user' (experimental: every "
-                                "stored weight at the rms it had in the user's model; measured "
-                                "to move the best AdamW rate 1-3 octaves below the user's, "
-                                "docs/results/heldout_cpu.md); None (on the command line "
+                                "depth: one SGD rate across depths), 'user' (for a learning "
+                                "rate tuned for your model's own init: every stored weight at "
+                                "the geometric mean of precondfx's rms and the rms it had in "
+                                "your model; docs/results/heldout_cpu.md); None (on the command "
+                                "line "
                                 "'none'): off ('adam' was removed; precondfx.pytorch."
                                 "lr_transfer)", cli="OPT")
     seed: int = _opt(0, integer(0, SEED_MAX), "seed of the re-initialization", cli="N")
@@ -241,6 +242,9 @@ class Options:
                                 "measure=True", plan=False, cli="N")
     measure: bool = _opt(False, flag, "measure the conditioning before and after",
                          plan=False)
+    suggest_lr: bool = _opt(False, flag, "suggest SGD and Adam learning rates from the "
+                            "rewritten model's curvature on the sample (report.suggested_lr; "
+                            "precondfx.pytorch.measure.suggest)", plan=False)
     calibration: str = _opt("train", one_of(*CALIBRATION_MODES),
                             "mode the model runs in for calibration", plan=False, cli=True)
     capture: tuple[str, ...] = _opt(CAPTURE_METHODS, capture_methods,
