@@ -122,6 +122,7 @@ def precondition(model: nn.Module, sample: Any, *, init: str = D.init,
                  capture: Any = D.capture, calibration: str = D.calibration,
                  forward_kwargs: dict | None = None, verbose: bool = False,
                  balance_samples: int = D.balance_samples, measure: bool = D.measure,
+                 suggest_lr: bool = D.suggest_lr,
                  scheme: str = D.scheme, scheme_options: dict | None = D.scheme_options,
                  **more_forward_kwargs: Any) -> Result:
     """Rewrite ``model`` so that it starts well conditioned; returns ``(model, report)``.
@@ -140,7 +141,8 @@ def precondition(model: nn.Module, sample: Any, *, init: str = D.init,
                    input_scale=input_scale, output_key=output_key, seed=seed,
                    lr_scale=lr_scale, reinit=reinit_weights, scheme=scheme,
                    scheme_options=scheme_options,
-                   balance_samples=balance_samples, measure=measure, calibration=calibration,
+                   balance_samples=balance_samples, measure=measure, suggest_lr=suggest_lr,
+                   calibration=calibration,
                    capture=capture)
     flag("inplace", inplace)
     flag("verbose", verbose)

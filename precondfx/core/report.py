@@ -6,6 +6,8 @@ why earlier ones failed, and what could not be applied.
 """
 from __future__ import annotations
 
+import math
+
 import json
 import os
 import re
@@ -366,8 +368,12 @@ class Report:
             lines.append(f"Hessian-block spread, original model {m['before']['spread']:.3g}x, "
                          f"rewritten model {m['after']['spread']:.3g}x (held-out half of the "
                          f"batch)")
+        sl = self.suggested_lr
+        if sl:
+            lines.append(f"suggested learning rate: SGD {_rate(sl.get('sgd'))}, Adam "
+                         f"{_rate(sl.get('adam'))} ({sl.get('how', '')})")
         for k, v in self.conditioning.items():
-            if k not in ("hessian", "measure") and isinstance(v, dict) and v:
+            if k not in ("hessian", "measure", "suggested_lr") and isinstance(v, dict) and v:
                 brief = ", ".join(f"{a}={b}" for a, b in v.items()
                                   if isinstance(b, (int, float, str)) and len(str(b)) < 40)
                 if brief:
@@ -379,6 +385,12 @@ class Report:
             tot = self.stage_seconds.get("total")
             lines.append(f"time: {tot:.2f} s ({st})" if tot is not None else f"time: {st}")
         return lines
+
+    @property
+    def suggested_lr(self) -> dict[str, Any] | None:
+        """``suggest_lr=True``: ``{"sgd": rate, "adam": rate, "sgd_curvature",
+        "adam_curvature", "loss", "how"}`` (``conditioning["suggested_lr"]``), else None."""
+        return self.conditioning.get("suggested_lr") or None
 
     def result_line(self) -> str:
         """What the returned model is, and what only its forward sees."""
@@ -494,3 +506,10 @@ class Report:
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
+
+
+def _rate(v: Any) -> str:
+    if not isinstance(v, (int, float)) or v <= 0:
+        return "-"
+    return f"{v:.3g} (2^{math.log2(v):.1f})"
+
