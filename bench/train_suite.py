@@ -112,15 +112,24 @@ PFX: dict[str, dict] = {
     # pfx with every weight matrix stored at the user's model's own init scale (see user_scale)
     "pfx_ws": {},
     "pfx_ws_half": {},          # the same with c^0.5: weights stored halfway (geometric mean)
-    "pfx_lr_user": {"lr_scale": "user"},
+    "pfx_lr_user": {"lr_scale": "user"},   # until 2026-11-25: power 1 (rms = the user's)
+    "pfx_user": {"lr_scale": "user"},      # halfway: rms = sqrt(precondfx's x the user's)
+    "pfx_emb": {},              # pfx, then the ViT's cls token and position embeddings redrawn
+                                # at the rms of the patch embedding (emulation, see vit_tokens_)
 }
 
 #: ``pfx_lr``: the lr_scale of each optimizer of the suite (the model depends on the optimizer)
 OPT_LR_SCALE = {"sgd": "sgd", "adamw": None}        # lr_scale='adam' was removed
 #: methods whose model depends on the optimizer
-PER_OPTIMIZER = ("mup", "pfx_lr", "pfx_ws", "pfx_ws_half")
+PER_OPTIMIZER = ("mup", "umup", "pfx_lr", "pfx_ws", "pfx_ws_half")
 
-BASELINES = ["default", "torch_default", "default_std0.05", "default_zb", "fan_in", "lsuv", "mup"]
+BASELINES = ["default", "torch_default", "default_std0.05", "default_zb", "fan_in", "lsuv", "mup",
+             "umup",
+             "default_eq", "fan_in_eq", "fan_out_eq", "xavier_eq"]
+#: the plain init rules brought to precondfx's output scale (the paper's Table-2 protocol: every
+#: method's output std made equal, here 1, precondfx's target_std, by one scalar on the output)
+EQ_RULES = {"default_eq": "default", "fan_in_eq": "fan_in", "fan_out_eq": "fan_out",
+            "xavier_eq": "xavier"}
 MAIN_METHODS = ["default", "torch_default", "fan_in", "lsuv", "mup", "pfx", "pfx_lr"]
 ABLATIONS = ["default_std0.05", "default_zb", "pfx_std0.5", "pfx_stdNone", "pfx_in_auto",
              "pfx_fan_in", "pfx_none", "pfx_analytic", "pfx_hessian", "pfx_res_none",
@@ -146,7 +155,12 @@ LABELS = {
     "pfx_pool_full": "pfx pool_conv=full", "pfx_pool_dw": "pfx pool_conv=depthwise",
     "pfx_pool_avgconv": "pfx pool_conv=avg (trained)",
     "pfx_ws": "pfx, weights at the user's init scale (emulated by per-weight rates)",
-    "pfx_lr_user": "pfx lr_scale=user",
+    "pfx_lr_user": "pfx lr_scale=user (power 1, replaced)",
+    "pfx_user": "pfx lr_scale=user (halfway)",
+    "umup": "u-muP (unit_scaling)",
+    "pfx_emb": "pfx, ViT tokens at the patch scale (emulated)",
+    "default_eq": "PyTorch default, output std 1", "fan_in_eq": "fan-in, output std 1",
+    "fan_out_eq": "fan-out, output std 1", "xavier_eq": "Xavier (Eq. 6), output std 1",
     "pfx_ws_half": "pfx, weights halfway to the user's scale (emulated)",
 }
 
@@ -606,6 +620,41 @@ def build_mup(task: Task, seed: int, opt: str, base_width: int = 32) -> tuple[nn
     return model, mult
 
 
+class ScaledReLU(nn.Module):
+    """ReLU x sqrt(2): unit second moment out for a unit Gaussian in (unit_scaling has no relu;
+    its GELU would change the architecture)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) * math.sqrt(2.0)
+
+
+def build_umup(task: Task, seed: int, opt: str) -> tuple[nn.Module, dict]:
+    """u-muP (the unit_scaling package) for the MLP family: the same layers as ``mlp`` with
+    ``uu.Linear`` (unit-variance weights, 1/sqrt(fan_in) in the forward), ``uu.LinearReadout``
+    (1/fan_in: u-muP's readout) and a unit-scaled ReLU; per-parameter rate multipliers from
+    ``unit_scaling.optim.lr_scale_func_adam`` / ``_sgd`` (what its Adam/SGD wrappers apply).
+    The loss is the suite's plain cross-entropy, not ``uu.functional.cross_entropy``: its
+    backward scale is a constant factor, which Adam does not see (SGD does)."""
+    import re
+
+    import unit_scaling as uu
+    from unit_scaling.optim import lr_scale_func_adam, lr_scale_func_sgd
+    m = re.fullmatch(r"mlp_w(\d+)_d(\d+)", task.name)
+    if m is None:
+        raise ValueError(f"u-muP is built for the MLP family only, not {task.name}")
+    width, depth = int(m.group(1)), int(m.group(2))
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    prev = 64
+    for _ in range(depth):
+        layers += [uu.Linear(prev, width, bias=True), ScaledReLU()]
+        prev = width
+    layers.append(uu.LinearReadout(prev, 10, bias=True))
+    model = nn.Sequential(*layers)
+    rule = lr_scale_func_adam if opt == "adamw" else lr_scale_func_sgd
+    return model, {n: float(rule(p)) for n, p in model.named_parameters()}
+
+
 def build(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str
           ) -> tuple[nn.Module, dict]:
     """The initialized model of ``method`` for ``seed`` (built under ``torch.manual_seed(seed)``
@@ -613,6 +662,8 @@ def build(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str
     learning-rate multipliers (empty: all 1)."""
     if method == "mup":
         return build_mup(task, seed, opt)
+    if method == "umup":
+        return build_umup(task, seed, opt)
     torch.manual_seed(seed)
     model = task.make()
     model.train()
@@ -632,6 +683,8 @@ def build(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str
         return model, {}
     if method == "fan_in":
         return fan_in_(model, seed), {}
+    if method in EQ_RULES:
+        return C.calibrated(C.init_rule_(model, EQ_RULES[method], seed), calib, 1.0), {}
     import precondfx
     if method == "lsuv":
         out, _ = precondfx.precondition(model, calib, seed=seed, scheme="lsuv", target_std=None)
@@ -643,6 +696,8 @@ def build(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str
     if method in ("pfx_ws", "pfx_ws_half"):
         return out.train(), user_scale_mult(model, out, opt,
                                             0.5 if method == "pfx_ws_half" else 1.0)
+    if method == "pfx_emb":
+        return vit_tokens_(out, calib, seed).train(), {}
     if method == "pfx_defbias":
         with torch.no_grad():
             ref = dict(model.named_parameters())
@@ -650,6 +705,29 @@ def build(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str
                 if n.endswith("bias") and n in ref and ref[n].shape == p.shape:
                     p.copy_(ref[n])
     return out.train(), {}
+
+
+@torch.no_grad()
+def vit_tokens_(out: nn.Module, calib: torch.Tensor, seed: int) -> nn.Module:
+    """Emulation: redraw a ViT's cls token and position embeddings (transformers' init: std
+    0.02, which precondfx leaves alone) at the rms of the patch embedding's output on
+    ``calib``, so that every token of the residual stream starts at one scale (the cls token's
+    stream at 0.02 puts a 1/0.02 gain in the LayerNorms it meets: the top Gauss-Newton
+    eigenvalue of the ViT's precondfx result lies on these two parameters,
+    bench/suggested_lr_probe.py), then bring the output's std back to 1 through the output
+    scale constant."""
+    emb = out.model.vit.embeddings
+    seen: list[float] = []
+    h = emb.patch_embeddings.projection.register_forward_hook(
+        lambda m, a, o: seen.append(float(o.pow(2).mean().sqrt())))
+    out(calib)
+    h.remove()
+    gen = torch.Generator().manual_seed(20_000 + seed)
+    for p in (emb.cls_token, emb.position_embeddings):
+        p.copy_(torch.randn(p.shape, generator=gen) * seen[0])
+    sc = dict(out.named_buffers())["model.classifier.precondfx_output_scale"]
+    sc.mul_(1.0 / float(out(calib).std()))
+    return out
 
 
 def user_scale_mult(user: nn.Module, pfx: nn.Module, opt: str, power: float = 1.0
@@ -682,8 +760,20 @@ def method_note(task: Task, method: str) -> str | None:
             return "the mup package is not installed (pip install --no-deps mup)"
         if task.mup_width is None:
             return "muP is run on the MLP and CNN families only (needs a width-parametrized builder)"
+    if method == "pfx_emb" and task.name != "vit":
+        return "the cls-token emulation is written for the ViT task"
+    if method == "umup":
+        try:
+            import unit_scaling  # noqa: F401
+        except ImportError:
+            return "the unit-scaling package is not installed (pip install unit-scaling)"
+        if not task.name.startswith("mlp_w"):
+            return "u-muP is run on the MLP family only"
     if method == "pfx_lr_adam":
         return "lr_scale='adam' was removed (docs/results/heldout_cpu.md)"
+    if method == "pfx_lr_user":
+        return ("lr_scale='user' at power 1 (weights stored at the user's rms) was replaced by "
+                "the halfway rule: run 'pfx_user' (docs/results/heldout_cpu.md)")
     if method == "torch_default" and not task.hf:
         return "same as 'default' for a plain PyTorch model"
     if method in ("pfx_res_none", "pfx_res_all", "pfx_s_nf", "pfx_s_nf1") and \
