@@ -368,6 +368,18 @@ class Report:
             lines.append(f"Hessian-block spread, original model {m['before']['spread']:.3g}x, "
                          f"rewritten model {m['after']['spread']:.3g}x (held-out half of the "
                          f"batch)")
+        tok = [pi for pi in (self.plan.inits.values() if self.plan is not None else ())
+               if pi.rule == "match"]
+        if tok and not any(pi.std for pi in tok) and "match" not in self.stage_seconds:
+            lines.append("token/position parameters to be drawn at the rms of the layer output "
+                         "they join (measured on the sample by precondition): "
+                         + ", ".join(pi.name for pi in tok))
+        elif tok:
+            drawn = [f"{pi.name} ({pi.std:.3g})" for pi in tok if pi.std]
+            kept = [pi.name for pi in tok if not pi.std]
+            lines.append("token/position parameters drawn at the rms of the layer output they "
+                         "join: " + (", ".join(drawn) or "none")
+                         + (f"; left as is (not measured): {', '.join(kept)}" if kept else ""))
         sl = self.suggested_lr
         if sl:
             lines.append(f"suggested learning rate: SGD {_rate(sl.get('sgd'))}, Adam "

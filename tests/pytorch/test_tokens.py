@@ -70,6 +70,7 @@ def test_tokens_drawn_at_the_patch_embedding_rms(capture):
         p = dict(out.named_parameters())[name]
         assert _rms(p) == pytest.approx(seen[0], rel=1e-4), name
         assert rep.plan.inits[name].std == pytest.approx(seen[0], rel=1e-4)
+    assert "token/position parameters drawn at the rms" in str(rep)
     # the user's model is not touched
     assert _rms(m.cls) < 0.05 and _rms(m.pos) < 0.05
     # the output scale is calibrated after the draw
