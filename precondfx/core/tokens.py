@@ -67,7 +67,7 @@ def _param_only(g: Graph, name: str, seen: set[str] | None = None) -> list[str] 
     return out
 
 
-def _partner(g: Graph, start: str, free: set[str]) -> str | None:
+def _partner(g: Graph, start: str) -> str | None:
     """The one weighted layer the activation ``start`` comes from through
     :data:`THROUGH_KINDS` (operands that are chains of parameters skipped); None when the
     walk meets anything else or forks into two activations."""
@@ -113,7 +113,7 @@ def token_partners(graph: Graph, shapes: dict[str, Any]) -> dict[str, tuple[str,
         free += list(n.params.values())
         if not free or len(acts) != 1:
             continue
-        partner = _partner(graph, acts[0], set(free))
+        partner = _partner(graph, acts[0])
         if partner is None:
             continue
         if n.kind == "add":
