@@ -130,7 +130,7 @@ BASELINES = ["default", "torch_default", "default_std0.05", "default_zb", "fan_i
 #: method's output std made equal, here 1, precondfx's target_std, by one scalar on the output)
 EQ_RULES = {"default_eq": "default", "fan_in_eq": "fan_in", "fan_out_eq": "fan_out",
             "xavier_eq": "xavier"}
-MAIN_METHODS = ["default", "torch_default", "fan_in", "lsuv", "mup", "pfx", "pfx_lr"]
+MAIN_METHODS = ["default", "torch_default", "fan_in", "lsuv", "mup", "umup", "pfx", "pfx_lr", "pfx_user"]
 ABLATIONS = ["default_std0.05", "default_zb", "pfx_std0.5", "pfx_stdNone", "pfx_in_auto",
              "pfx_fan_in", "pfx_none", "pfx_analytic", "pfx_hessian", "pfx_res_none",
              "pfx_defbias"]
