@@ -58,6 +58,7 @@ import torch.fx as fx
 from torch import nn
 
 from precondfx.pytorch import ops
+from precondfx.pytorch.apply import weight_side
 from precondfx.pytorch.apply.common import PREFIX
 from precondfx.errors import PrecondError
 
@@ -632,12 +633,15 @@ def _plan(model: nn.Module, source: nn.Module | None) -> tuple[dict[str, float],
             recipe = Recipe(src, recipe.structural, recipe.upstream, idle=recipe.idle)
         elif recipe is None:
             recipe = Recipe(src)
-        sc = _fx_scales(model)
+        # read in the module-call form (constants multiplying activations), which the
+        # result computes in only where precondition did not move them onto the weights
+        view = weight_side.module_call_view(model)
+        sc = _fx_scales(view)
         _recipe_links(model, recipe, sc)
     else:
-        src, same = None, True
+        src, same, view = None, True, model
         sc = _eager_scales(model, recipe)
-    problems = _structural(model, recipe, same)
+    problems = _structural(view, recipe, same)
     factors = _param_factors(model, sc)
     return factors, problems + sc.problems, src
 
