@@ -756,6 +756,9 @@ def strip(model: nn.Module) -> None:
             mod._non_persistent_buffers_set.discard(name)
         for name in [a for a in vars(mod) if a.startswith(PREFIX) or a == RECIPE]:
             delattr(mod, name)
+        fwd = vars(mod).get("forward")     # the weight-side forward (apply.eager_apply)
+        if fwd is not None and _ours(getattr(fwd, "func", fwd)):
+            del mod.__dict__["forward"]
         for attr in ("_forward_hooks", "_forward_pre_hooks", "_state_dict_hooks",
                      "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                      "_load_state_dict_post_hooks"):

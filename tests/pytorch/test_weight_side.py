@@ -258,7 +258,106 @@ def test_module_call_form_round_trip(monkeypatch):
     assert calls == sorted(str(n.target) for n in old.graph.nodes if n.op == "call_module")
 
 
-def test_eager_back_end_untouched():
-    pm, rep = precondfx.precondition(_model(False), _x(), maxpool="keep", capture="eager")
-    assert rep.capture == "eager" and not isinstance(pm, torch.fx.GraphModule)
-    assert weight_side.sites(pm) == []
+# -- the eager back end (hooks): a weight-side forward on the layers ---------------------------
+def _both_eager(monkeypatch, model_fn, sample, **kw):
+    with monkeypatch.context() as mp:
+        mp.setattr(pipeline, "weight_side_forwards", lambda model: [])
+        old, _ = precondfx.precondition(model_fn(), sample, **kw)
+    new, rep = precondfx.precondition(model_fn(), sample, **kw)
+    return old, new, rep
+
+
+def _own_forwards(m: nn.Module) -> list[str]:
+    return [n for n, mod in m.named_modules() if "forward" in vars(mod)]
+
+
+def test_eager_back_end_trains_exactly_like_the_hooks(monkeypatch):
+    old, new, rep = _both_eager(monkeypatch, lambda: _model(False), _x(), maxpool="keep",
+                                capture="eager")
+    assert rep.capture == "eager" and type(new) is TimmResNet
+    assert weight_side.sites(new) == [] and _own_forwards(old) == []
+    fw = _own_forwards(new)
+    # every Conv/Linear carrying only scale hooks, whose weight is at most the activation
+    # (all of them at this batch but the deepest convolutions)
+    assert "conv1" in fw and "fc" in fw and len(fw) >= 5
+    # the hooks stay (they apply the constants where the forward does not)
+    assert all(new.get_submodule(p)._forward_pre_hooks or new.get_submodule(p)._forward_hooks
+               for p in fw)
+    with torch.no_grad():
+        for mode in ("train", "eval"):
+            getattr(old, mode)()
+            getattr(new, mode)()
+            assert _rel(new(_x(seed=5)), old(_x(seed=5))) < 1e-5
+    _assert_same_training(_train(copy.deepcopy(new)), _train(copy.deepcopy(old)))
+    # copies keep the forward, bound to their own layer; fold removes it
+    for other in (copy.deepcopy(new), torch.load(_saved(new), weights_only=False)):
+        assert _own_forwards(other) == fw
+        assert all(vars(mod)["forward"].args[0] is mod for mod in other.modules()
+                   if "forward" in vars(mod))
+    folded = precondfx.fold(new)
+    assert _own_forwards(folded) == [] and type(folded) is TimmResNet
+    new.eval()
+    folded.eval()
+    with torch.no_grad():
+        assert _rel(folded(_x(seed=6)), new(_x(seed=6))) < 1e-5
+
+
+def _saved(m: nn.Module) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    return buf
+
+
+def test_eager_back_end_hooks_see_the_scaled_input(monkeypatch):
+    """A user's hook on a layer gets what the hooks-only result gave it (the input already
+    scaled by precondfx's pre-hook, registered first); the output is unchanged."""
+    old, new, _ = _both_eager(monkeypatch, lambda: _model(False), _x(), maxpool="keep",
+                              capture="eager")
+    path = "conv1"
+    assert path in _own_forwards(new)
+    got = {}
+    for tag, m in (("new", new), ("old", old)):
+        m.eval()
+        m.get_submodule(path).register_forward_pre_hook(
+            lambda mod, a, tag=tag: got.__setitem__(tag, a[0].detach().clone()))
+    x = _x(seed=8)
+    with torch.no_grad():
+        assert _rel(new(x), old(x)) < 1e-5
+    assert torch.equal(got["new"], got["old"])
+    assert not torch.allclose(got["new"], x)      # the constant was applied
+
+
+def test_eager_back_end_transformers_tied_embedding(monkeypatch):
+    """GPT-2 (export capture, the eager back end): the tied embedding and head, the per-block
+    Conv1D layers; same loss and gradients as the hooks-only result."""
+    tf = pytest.importorskip("transformers")
+
+    def make():
+        torch.manual_seed(0)
+        cfg = tf.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=97, n_positions=32,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return tf.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(0))
+    old, new, rep = _both_eager(monkeypatch, make, {"input_ids": ids}, use_cache=False)
+    assert not isinstance(new, torch.fx.GraphModule)
+    fw = _own_forwards(new)
+    assert "transformer.wte" in fw and "lm_head" in fw and \
+        any(p.endswith("attn.c_attn") for p in fw)
+    res = []
+    for m in (new, old):
+        m.train()
+        loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        res.append((float(loss), {k: p.grad.clone() for k, p in m.named_parameters()}))
+    assert res[0][0] == pytest.approx(res[1][0], rel=1e-6)
+    for k, g in res[1][1].items():
+        assert _rel(res[0][1][k], g) < 1e-5, k
+    folded = precondfx.fold(new)
+    assert _own_forwards(folded) == []
+    new.eval()
+    folded.eval()
+    with torch.no_grad():
+        a = new(input_ids=ids, use_cache=False).logits
+        b = folded(input_ids=ids, use_cache=False).logits
+    assert _rel(b, a) < 1e-5
