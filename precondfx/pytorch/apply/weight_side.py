@@ -12,8 +12,11 @@ For a linear layer the same function with the same gradients puts the constant o
 ``conv(alpha x, W) + b == conv(x, alpha W) + b`` and ``s (conv(x, W) + b) == conv(x, s W, s b)``
 (the gradients with respect to ``x``, ``W`` and ``b`` are identical).  :func:`to_weight_side`
 rewrites the finished GraphModule so: the module call and its products become one call
-``layer(self.conv, x, (alpha,), (s,))`` (:func:`layer`), where the weight has at most as many
-elements as the activation (the traced sample's shapes; ``policy='weight'``: always).  The
+``layer(self.conv, x, (alpha,), (s,), eager, compiled)`` (:func:`layer`), which puts them on
+the weight in eager runs where the weight (and bias) has at most as many elements as the
+activations the products pass over (the traced sample's shapes), and under ``torch.compile``
+also where a product follows a ReLU-like op and the weight is at most 16 times the
+activation (the mask's measured cost); ``policy='weight'``: always.  The
 constants stay buffers read at run time (``set_constant``, ``load_state_dict``,
 ``distributed.calibrate`` still act) and the parameters keep their names.  :func:`layer` falls
 back to the module call with the products whenever the module has hooks (the user's, FSDP's,
@@ -40,7 +43,6 @@ from precondfx.core.backend import PREFIX
 #: its own forward)
 _FUNCS: dict[type, Any] = {nn.Linear: F.linear, nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d,
                            nn.Conv3d: F.conv3d}
-_BY_FUNC = {f: c for c, f in _FUNCS.items()}
 POLICIES = ("cheaper", "weight")
 
 
