@@ -99,8 +99,12 @@ def test_trains_exactly_like_the_activation_form(monkeypatch, norm, policy):
     # every constant moved is one product less on the activations
     moved = sum(len(n.args[2]) + len(n.args[3]) for n in sites)
     assert _const_muls(new) == _const_muls(old) - moved
-    if policy == "weight":      # every layer's constants on its weight: no product left
-        assert _const_muls(new) == 0
+    if policy == "weight":      # every layer's constants on its weight: only the output
+        # scale is left a product (the main output is the layers' output times it)
+        assert _const_muls(new) == 1
+        assert [str(a.target) for n in new.graph.nodes if n.target is operator.mul
+                for a in n.args if isinstance(a, torch.fx.Node) and a.op == "get_attr"] == \
+            [weight_side.OUTPUT_SCALE]
         assert all(n.args[4] and n.args[5] for n in sites)
     with torch.no_grad():
         for mode in ("train", "eval"):

@@ -76,13 +76,14 @@ def _scale_output_hook(module: nn.Module, args: tuple, out: Any) -> Any:
 
 
 # -- the constants on the weight side (``apply.weight_side`` for the fx back end) -------------
-# A layer whose only hooks are the in/out scale hooks above gets a forward of its own
-# (:func:`weight_side_forwards`) that, in eager runs where the weight has at most as many
-# elements as the activation, computes ``F.linear(x, W * in * out, b * out)``: the same function
-# and gradients without a pass over the activation; the hooks then do nothing.  With any other
-# hook on the module (the user's, a measurement's), under torch.compile or exports, or with the
-# input passed by keyword, the hooks scale the activations as before and the forward is the
-# class's own.
+# A layer whose only hooks are the in/out scale hooks above (and the model's output scale,
+# which stays a product on the output: the main output is exactly the layers' times it) gets a
+# forward of its own (:func:`weight_side_forwards`) that, in eager runs where the weight has at
+# most as many elements as the activation, computes ``F.linear(x, W * in * out, b * out)``: the
+# same function and gradients without a pass over the activation; the in/out hooks then do
+# nothing.  With any other hook on the module (the user's, a measurement's), under
+# torch.compile or exports, or with the input passed by keyword, the hooks scale the
+# activations as before and the forward is the class's own.
 
 def _hf_conv1d(mod: nn.Module) -> bool:
     """transformers' ``Conv1D`` (``x @ W + b`` with ``W`` of shape ``(nx, nf)``)."""
@@ -118,17 +119,14 @@ def _weight_side_forward(m: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not _on_weight(m, args):
         return type(m).forward(m, *args, **kwargs)
     x = args[0]
-    posts = list(m._forward_hooks.values())
-    outs = [getattr(m, PREFIX + "out_scale")] if _scale_output_hook in posts else []
-    if _module_output_scale_hook in posts:
-        outs.append(getattr(m, PREFIX + "output_scale"))
-    cs = ([getattr(m, PREFIX + "in_scale")] if m._forward_pre_hooks else []) + outs
-    s = cs[0]
-    for c in cs[1:]:
-        s = s * c
-    cout = None
-    for c in outs:
-        cout = c if cout is None else cout * c
+    # the model's output scale (lm_head's) stays a product on the output, applied by its hook
+    cout = getattr(m, PREFIX + "out_scale") \
+        if _scale_output_hook in m._forward_hooks.values() else None
+    cin = getattr(m, PREFIX + "in_scale") if m._forward_pre_hooks else None
+    if cin is None and cout is None:
+        return type(m).forward(m, *args, **kwargs)
+    s = cin * cout if cin is not None and cout is not None else \
+        cin if cin is not None else cout
     w = m.weight * s
     if isinstance(m, nn.Embedding):
         return F.embedding(x, w, m.padding_idx, m.max_norm, m.norm_type,
@@ -154,8 +152,8 @@ def weight_side_forwards(model: nn.Module) -> list[str]:
     scaled at this use only, as the hooks scale this use's activations."""
     out = []
     for path, m in model.named_modules():
-        if not (m._forward_pre_hooks or m._forward_hooks) or not _only_scale_hooks(m) or \
-                "forward" in m.__dict__:
+        if not (m._forward_pre_hooks or _scale_output_hook in m._forward_hooks.values()) or \
+                not _only_scale_hooks(m) or "forward" in m.__dict__:
             continue
         if isinstance(m, nn.Embedding):
             ok = type(m) is nn.Embedding and m.max_norm is None and not m._forward_pre_hooks

@@ -21,11 +21,7 @@ from precondfx.pytorch.capture.common import at_path
 
 def _module_output_scale_hook(module: nn.Module, args: tuple, out: Any) -> Any:
     """The output scale on the module that produces the main output (e.g. ``lm_head``), so
-    that everything the model computes from it inside forward (its own loss) sees it (nothing
-    where the module's forward puts it on the weight: ``eager_apply._on_weight``)."""
-    from precondfx.pytorch.apply import eager_apply      # (imports this module)
-    if eager_apply._on_weight(module, args):
-        return None
+    that everything the model computes from it inside forward (its own loss) sees it."""
     return times_first(out, getattr(module, PREFIX + "output_scale"))
 
 

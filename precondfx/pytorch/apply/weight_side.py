@@ -44,6 +44,8 @@ from precondfx.core.backend import PREFIX
 _FUNCS: dict[type, Any] = {nn.Linear: F.linear, nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d,
                            nn.Conv3d: F.conv3d}
 POLICIES = ("cheaper", "weight")
+#: the output scale's buffer (``FxApplier.output_scale``)
+OUTPUT_SCALE = PREFIX + "output_scale"
 
 
 def _hooked(mod: nn.Module) -> bool:
@@ -181,7 +183,9 @@ def to_weight_side(gm: fx.GraphModule, policy: str = "cheaper") -> list[str]:
     always.  Returns the constants moved."""
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r}: one of {POLICIES}")
-    consts = {n for n in gm._buffers if n.startswith(PREFIX)}
+    # the model's output scale stays a product: the main output is exactly the layers' output
+    # times it (fold's and the tests' contract), and it multiplies an output, usually small
+    consts = {n for n in gm._buffers if n.startswith(PREFIX) and n != OUTPUT_SCALE}
     if not consts:
         return []
     g = gm.graph
