@@ -100,6 +100,13 @@ def products_form(result: torch.nn.Module) -> torch.nn.Module:
     return g
 
 
+# Dynamo does not guard on module hooks by default: the variants share their classes' code
+# objects, so a hook-carrying variant (the eager back end's constants are hooks) compiled
+# after a hook-free one of the same class would run the hook-free graph (silently: wrong
+# outputs, and the user's speed).  Guarding on hooks keeps each variant's own graph.
+torch._dynamo.config.skip_nnmodule_hook_guards = False
+
+
 def _step_fn(model: torch.nn.Module, loss_of: Callable, compiled: bool) -> Callable[[], None]:
     run = torch.compile(model) if compiled else model
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)

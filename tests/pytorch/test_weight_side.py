@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import io
 import operator
+import re
 
 import pytest
 import torch
@@ -365,3 +366,27 @@ def test_eager_back_end_transformers_tied_embedding(monkeypatch):
         a = new(input_ids=ids, use_cache=False).logits
         b = folded(input_ids=ids, use_cache=False).logits
     assert _rel(b, a) < 1e-5
+
+
+def test_eager_back_end_compiled(monkeypatch):
+    """Under torch.compile the eager back end's layers put the constants on their weights too
+    (the traced graph multiplies weights, not activations, for the layers whose weight is at
+    most the activation) and train like the hooks-only result."""
+    old, new, _ = _both_eager(monkeypatch, lambda: _model(False), _x(), maxpool="keep",
+                              capture="eager")
+    import torch._dynamo
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+    new.eval()
+    with torch.no_grad():
+        out = torch.compile(copy.deepcopy(new), backend=backend)(_x(seed=9))
+        assert _rel(out, new(_x(seed=9))) < 1e-5
+    code = "\n".join(g.code for g in graphs)
+    assert len(re.findall(r"parameters_weight_ \* \S+in_scale", code)) >= 3, code
+    torch._dynamo.reset()
+    _assert_same_training(_train(copy.deepcopy(new), steps=2, compiled=True),
+                          _train(copy.deepcopy(old), steps=2), rtol=1e-4)

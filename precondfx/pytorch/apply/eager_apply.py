@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from precondfx.core.backend import Records
 from precondfx.pytorch.apply.common import PREFIX, replacement_pool, scalar_buffer, times_first
@@ -81,8 +82,9 @@ def _scale_output_hook(module: nn.Module, args: tuple, out: Any) -> Any:
 # forward of its own (:func:`weight_side_forwards`) that, in eager runs where the weight has at
 # most as many elements as the activation, computes ``F.linear(x, W * in * out, b * out)``: the
 # same function and gradients without a pass over the activation; the in/out hooks then do
-# nothing.  With any other hook on the module (the user's, a measurement's), under
-# torch.compile or exports, or with the input passed by keyword, the hooks scale the
+# nothing (under torch.compile too: a product between a ReLU and a convolution costs a slow
+# boolean mask there, see ``apply.weight_side``).  With any other hook on the module (the
+# user's, a measurement's) or with the input passed by keyword, the hooks scale the
 # activations as before and the forward is the class's own.
 
 def _hf_conv1d(mod: nn.Module) -> bool:
@@ -107,12 +109,15 @@ def _on_weight(m: nn.Module, args: tuple) -> bool:
     pre-hook, the forward and the hook of one call)."""
     f = m.__dict__.get("forward")
     if not (isinstance(f, functools.partial) and f.func is _weight_side_forward) or \
-            len(args) != 1 or not isinstance(args[0], torch.Tensor) or \
-            torch.compiler.is_compiling():
+            len(args) != 1 or not isinstance(args[0], torch.Tensor):
         return False
     x = args[0]
     act = x.numel() * m.embedding_dim if isinstance(m, nn.Embedding) else x.numel()
-    return act >= m.weight.numel() and _only_scale_hooks(m)
+    # decided without a guard on the shapes (an export with a dynamic batch size, where it is
+    # not known, keeps the products); under torch.jit.trace the sizes are traced tensors
+    big = bool(act >= m.weight.numel()) if isinstance(act, torch.Tensor) else \
+        statically_known_true(act >= m.weight.numel())
+    return big and _only_scale_hooks(m)
 
 
 def _weight_side_forward(m: nn.Module, *args: Any, **kwargs: Any) -> Any:
