@@ -58,6 +58,7 @@ import torch.fx as fx
 from torch import nn
 
 from precondfx.pytorch import ops
+from precondfx.pytorch.apply import weight_side
 from precondfx.pytorch.apply.common import PREFIX
 from precondfx.errors import PrecondError
 
@@ -632,12 +633,15 @@ def _plan(model: nn.Module, source: nn.Module | None) -> tuple[dict[str, float],
             recipe = Recipe(src, recipe.structural, recipe.upstream, idle=recipe.idle)
         elif recipe is None:
             recipe = Recipe(src)
-        sc = _fx_scales(model)
+        # read in the module-call form (constants multiplying activations), which the
+        # result computes in only where precondition did not move them onto the weights
+        view = weight_side.module_call_view(model)
+        sc = _fx_scales(view)
         _recipe_links(model, recipe, sc)
     else:
-        src, same = None, True
+        src, same, view = None, True, model
         sc = _eager_scales(model, recipe)
-    problems = _structural(model, recipe, same)
+    problems = _structural(view, recipe, same)
     factors = _param_factors(model, sc)
     return factors, problems + sc.problems, src
 
@@ -752,6 +756,9 @@ def strip(model: nn.Module) -> None:
             mod._non_persistent_buffers_set.discard(name)
         for name in [a for a in vars(mod) if a.startswith(PREFIX) or a == RECIPE]:
             delattr(mod, name)
+        fwd = vars(mod).get("forward")     # the weight-side forward (apply.eager_apply)
+        if fwd is not None and _ours(getattr(fwd, "func", fwd)):
+            del mod.__dict__["forward"]
         for attr in ("_forward_hooks", "_forward_pre_hooks", "_state_dict_hooks",
                      "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                      "_load_state_dict_post_hooks"):

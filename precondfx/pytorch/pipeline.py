@@ -22,9 +22,9 @@ from precondfx.pytorch import calibrate as cal
 from precondfx.pytorch import checks, distributed
 from precondfx.core import driver
 from precondfx.pytorch.apply.common import PREFIX, output_path
-from precondfx.pytorch.apply.eager_apply import EagerApplier
+from precondfx.pytorch.apply.eager_apply import EagerApplier, weight_side_forwards
 from precondfx.pytorch.apply.fx_apply import FxApplier
-from precondfx.pytorch.apply import user_class
+from precondfx.pytorch.apply import user_class, weight_side
 from precondfx.pytorch.balance import balance_measured, balanceable, held_out, record_factors
 from precondfx.pytorch.capture import meta
 from precondfx.pytorch.capture.common import Sample, main_output, make_sample
@@ -392,6 +392,13 @@ def finish(st: TorchState) -> None:
         hf_checkpoints.prepare(st.result, st.report)
     if st.dtype is not None:
         st.result = st.result.to(st.dtype)
+    if isinstance(st.result, torch.fx.GraphModule):
+        # last: every stage above (and the mirror hooks, fold's record) reads the constants as
+        # products on activations; training runs them on the weights (same function and
+        # gradients, no pass over the activations)
+        weight_side.to_weight_side(st.result)
+    else:       # the eager back end: the same, by a forward of their own on the layers
+        weight_side_forwards(st.result)
 
 
 def result_record(st: TorchState) -> None:

@@ -14,7 +14,9 @@ import inspect
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from precondfx.core.backend import Records
 from precondfx.pytorch.apply.common import PREFIX, replacement_pool, scalar_buffer, times_first
@@ -44,8 +46,11 @@ def _first_input(cls: type) -> str | None:
 
 
 # Hooks: module-level functions reading buffers, so that models pickle and deep-copy.
-def _scale_input_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
-    """The module's input times its ``in_scale``, whether passed by position or by keyword."""
+def _scale_input_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+    """The module's input times its ``in_scale``, whether passed by position or by keyword
+    (nothing where the module's forward puts it on the weight: :func:`_on_weight`)."""
+    if _on_weight(module, args):
+        return None
     return _times_input(module, args, kwargs, getattr(module, PREFIX + "in_scale"))
 
 
@@ -66,7 +71,107 @@ def _times_input(module: nn.Module, args: tuple, kwargs: dict, s: torch.Tensor) 
 
 
 def _scale_output_hook(module: nn.Module, args: tuple, out: Any) -> Any:
+    if _on_weight(module, args):
+        return None
     return times_first(out, getattr(module, PREFIX + "out_scale"))
+
+
+# -- the constants on the weight side (``apply.weight_side`` for the fx back end) -------------
+# A layer whose only hooks are the in/out scale hooks above (and the model's output scale,
+# which stays a product on the output: the main output is exactly the layers' times it) gets a
+# forward of its own (:func:`weight_side_forwards`) that, in eager runs where the weight has at
+# most as many elements as the activation, computes ``F.linear(x, W * in * out, b * out)``: the
+# same function and gradients without a pass over the activation; the in/out hooks then do
+# nothing (under torch.compile too: a product between a ReLU and a convolution costs a slow
+# boolean mask there, see ``apply.weight_side``).  With any other hook on the module (the
+# user's, a measurement's) or with the input passed by keyword, the hooks scale the
+# activations as before and the forward is the class's own.
+
+def _hf_conv1d(mod: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (``x @ W + b`` with ``W`` of shape ``(nx, nf)``)."""
+    return type(mod).__name__ == "Conv1D" and hasattr(mod, "nf") and \
+        getattr(mod, "weight", None) is not None and mod.weight.dim() == 2
+
+
+def _only_scale_hooks(m: nn.Module) -> bool:
+    g = nn.modules.module
+    if m._backward_hooks or m._backward_pre_hooks or g._global_forward_hooks or \
+            g._global_forward_pre_hooks or g._global_backward_hooks or \
+            g._global_backward_pre_hooks:
+        return False
+    return all(h is _scale_input_hook for h in m._forward_pre_hooks.values()) and \
+        all(h is _scale_output_hook or h is _module_output_scale_hook
+            for h in m._forward_hooks.values())
+
+
+def _on_weight(m: nn.Module, args: tuple) -> bool:
+    """Whether this call of ``m`` applies its scales on the weight (the same answer in the
+    pre-hook, the forward and the hook of one call)."""
+    f = m.__dict__.get("forward")
+    if not (isinstance(f, functools.partial) and f.func is _weight_side_forward) or \
+            len(args) != 1 or not isinstance(args[0], torch.Tensor):
+        return False
+    x = args[0]
+    act = x.numel() * m.embedding_dim if isinstance(m, nn.Embedding) else x.numel()
+    # decided without a guard on the shapes (an export with a dynamic batch size, where it is
+    # not known, keeps the products); under torch.jit.trace the sizes are traced tensors
+    big = bool(act >= m.weight.numel()) if isinstance(act, torch.Tensor) else \
+        statically_known_true(act >= m.weight.numel())
+    return big and _only_scale_hooks(m)
+
+
+def _weight_side_forward(m: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if not _on_weight(m, args):
+        return type(m).forward(m, *args, **kwargs)
+    x = args[0]
+    # the model's output scale (lm_head's) stays a product on the output, applied by its hook
+    cout = getattr(m, PREFIX + "out_scale") \
+        if _scale_output_hook in m._forward_hooks.values() else None
+    cin = getattr(m, PREFIX + "in_scale") if m._forward_pre_hooks else None
+    if cin is None and cout is None:
+        return type(m).forward(m, *args, **kwargs)
+    s = cin * cout if cin is not None and cout is not None else \
+        cin if cin is not None else cout
+    w = m.weight * s
+    if isinstance(m, nn.Embedding):
+        return F.embedding(x, w, m.padding_idx, m.max_norm, m.norm_type,
+                           m.scale_grad_by_freq, m.sparse)
+    b = m.bias
+    if b is not None and cout is not None:
+        b = b * cout
+    if _hf_conv1d(m):
+        y = torch.addmm(b, x.view(-1, x.size(-1)), w)
+        return y.view(x.size()[:-1] + (m.nf,))
+    if type(m) is nn.Linear:
+        return F.linear(x, w, b)
+    return _CONVS[type(m)](x, w, b, m.stride, m.padding, m.dilation, m.groups)
+
+
+_CONVS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+
+
+def weight_side_forwards(model: nn.Module) -> list[str]:
+    """Give each layer of ``model`` scaled only by the in/out scale hooks the weight-side
+    forward (:func:`_weight_side_forward`, an instance attribute: ``fold`` and ``strip``
+    remove it); returns their paths.  A weight another module shares (a tied embedding) is
+    scaled at this use only, as the hooks scale this use's activations."""
+    out = []
+    for path, m in model.named_modules():
+        if not (m._forward_pre_hooks or _scale_output_hook in m._forward_hooks.values()) or \
+                not _only_scale_hooks(m) or "forward" in m.__dict__:
+            continue
+        if isinstance(m, nn.Embedding):
+            ok = type(m) is nn.Embedding and m.max_norm is None and not m._forward_pre_hooks
+        else:
+            ok = type(m) is nn.Linear or _hf_conv1d(m) or \
+                (type(m) in _CONVS and m.padding_mode == "zeros")
+        params = [p for p in (getattr(m, "weight", None), getattr(m, "bias", None))
+                  if p is not None]
+        if not ok or any(type(p) is not nn.Parameter for p in params):
+            continue
+        m.forward = functools.partial(_weight_side_forward, m)
+        out.append(path)
+    return out
 
 
 def _lr_scale_hook(module: nn.Module, args: tuple, out: Any) -> Any:
