@@ -124,3 +124,33 @@ def test_token_partners_rule_on_the_graph():
     assert "concatenated" in inits["cls"].reason and "added" in inits["pos"].reason
     assert tokens.bias_like((8,)) and tokens.bias_like((1, 8, 1)) and \
         not tokens.bias_like((1, 17, 8))
+
+
+def test_transformers_vision_tokens():
+    """transformers models: DeiT's class, distillation and position parameters are matched to
+    the patch embedding's output rms; Swin's relative position bias tables (added to attention
+    scores, not to a layer's output) are left alone."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 32, 32)
+    deit = tf.DeiTForImageClassificationWithTeacher(tf.DeiTConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, num_labels=5))
+    out, rep = precondfx.precondition(deit, {"pixel_values": x})
+    got = {k: pi.std for k, pi in rep.plan.inits.items() if pi.rule == "match"}
+    assert set(got) == {"deit.embeddings.cls_token", "deit.embeddings.distillation_token",
+                        "deit.embeddings.position_embeddings"}
+    seen = []
+    proj = out.deit.embeddings.patch_embeddings.projection
+    h = proj.register_forward_hook(lambda mod, a, o: seen.append(_rms(o)))
+    with torch.no_grad():
+        out(pixel_values=x)
+    h.remove()
+    for k, std in got.items():
+        assert std == pytest.approx(seen[0], rel=1e-4), k
+    swin = tf.SwinForImageClassification(tf.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+        window_size=4, num_labels=5))
+    _, rep = precondfx.precondition(swin, {"pixel_values": x})
+    tables = [k for k in rep.plan.inits if "relative_position_bias_table" in k]
+    assert tables and all(rep.plan.inits[k].rule == "keep" for k in tables)
