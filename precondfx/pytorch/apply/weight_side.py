@@ -15,8 +15,8 @@ rewrites the finished GraphModule so: the module call and its products become on
 ``layer(self.conv, x, (alpha,), (s,), eager, compiled)`` (:func:`layer`), which puts them on
 the weight in eager runs where the weight (and bias) has at most as many elements as the
 activations the products pass over (the traced sample's shapes), and under ``torch.compile``
-also where a product follows a ReLU-like op and the weight is at most 16 times the
-activation (the mask's measured cost); ``policy='weight'``: always.  The
+also where a product follows a ReLU-like op and the weight is at most :data:`MASK_PASSES`
+times the activation (the mask's measured cost); ``policy='weight'``: always.  The
 constants stay buffers read at run time (``set_constant``, ``load_state_dict``,
 ``distributed.calibrate`` still act) and the parameters keep their names.  :func:`layer` falls
 back to the module call with the products whenever the module has hooks (the user's, FSDP's,
@@ -142,6 +142,13 @@ def _eligible(gm: fx.GraphModule, path: str, shared: set[int]) -> nn.Module | No
 
 
 _MASKING_MODULES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh, nn.Threshold)
+#: under torch.compile a product after a ReLU-like op costs a boolean mask; the weight side is
+#: taken while the weight has at most this many times the activation's elements.  16 (one
+#: measurement of the mask alone) left the deepest layers of the normalization-free ResNet of
+#: bench/user_class_cost.py (weight / activation = 18) on the activation side: compiled
+#: result/user 1.032 and 1.045 in two runs; at 32, 0.986 and 1.016 (folded model, the floor:
+#: 0.98-1.03)
+MASK_PASSES = 32
 _MASKING_FUNCTIONS = {F.relu, torch.relu, F.relu6, F.leaky_relu, F.hardtanh, F.threshold,
                       torch.threshold}
 
@@ -230,11 +237,12 @@ def to_weight_side(gm: fx.GraphModule, policy: str = "cheaper") -> list[str]:
             continue
         # what the products cost on the activations (elements per pass) against one pass over
         # the weight; under torch.compile a product fuses into its neighbours except after a
-        # ReLU-like op, where it costs a slow boolean mask (about 16 passes' worth, measured)
+        # ReLU-like op, where it costs a slow boolean mask (MASK_PASSES)
         act = (_numel(x) or 0) * len(ins) + (_numel(u) or 0) * len(outs)
         masked = bool(ins) and _masking(gm, x)
         eager = policy == "weight" or wn <= act
-        compiled = policy == "weight" or wn <= act or (masked and wn <= 16 * (_numel(x) or 0))
+        compiled = policy == "weight" or wn <= act or \
+            (masked and wn <= MASK_PASSES * (_numel(x) or 0))
         if not eager and not compiled:
             continue
         names_in = [str(_const(n, consts).target) for n in ins]
