@@ -38,6 +38,7 @@ import torch.fx as fx
 from torch import nn
 
 from precondfx.core.backend import PREFIX
+from precondfx.pytorch.apply.common import times_first
 
 #: the attribute counting the graph forwards running on a model (its mirror hooks are off then)
 DEPTH = "_precondfx_graph_depth"
@@ -230,14 +231,6 @@ def is_user_graph(model: nn.Module) -> bool:
 
 
 # -- the mirror hooks ----------------------------------------------------------------------------
-def _times_first(out: Any, s: torch.Tensor) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out * s
-    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-        return (out[0] * s,) + tuple(out[1:])
-    return out
-
-
 def _install(root: nn.Module) -> list[Any]:
     """Register the mirror hooks ``root`` records (``MIRRORS``: (module path, 'out' or 'in',
     constant)); returns their handles.  Each reads the constant from ``root`` when it runs and
@@ -252,7 +245,7 @@ def _install(root: nn.Module) -> list[Any]:
             def hook(m: nn.Module, args: tuple, out: Any, name: str = name) -> Any:
                 if getattr(root, DEPTH):
                     return None
-                return _times_first(out, getattr(root, name))
+                return times_first(out, getattr(root, name))
             handles.append(mod.register_forward_hook(hook))
         else:
             def pre(m: nn.Module, args: tuple, name: str = name) -> Any:

@@ -10,7 +10,8 @@ from typing import Any, Callable
 from precondfx.core.graph import Graph, Node
 from precondfx.core.plan import Plan
 from precondfx.errors import PrecondError
-from precondfx.schemes.tat.arch import Act, Affine, Arch, Concat, Identity, Seq, Sum, subnet_max
+from precondfx.schemes.tat.arch import (Act, Affine, Arch, Concat, Identity, Seq, Sum, count_leaves,
+                                        subnet_max)
 from precondfx.schemes.tat.elements import _REFUSE_HELP, _Findings, _element
 
 
@@ -56,13 +57,7 @@ class Analysis:
 
 
 def _count_affine(a: Arch) -> int:
-    if isinstance(a, Affine):
-        return 1
-    if isinstance(a, Seq):
-        return sum(_count_affine(p) for p in a.parts)
-    if isinstance(a, (Sum, Concat)):
-        return sum(_count_affine(b) for b in a.branches)
-    return 0
+    return count_leaves(a, Affine)
 
 
 def _fresh(a: Arch) -> bool:

@@ -265,15 +265,20 @@ def make_subnet_max_func(arch: Arch) -> Callable[[float, RFn], float]:
     return lambda x, r_fn: max(float(u_map(g, x, r_fn)) for g in cands)
 
 
-def count_activations(arch: Arch) -> int:
-    """Number of Act leaves in the tree (with multiplicity)."""
-    if isinstance(arch, Act):
+def count_leaves(arch: Arch, leaf: type) -> int:
+    """Number of ``leaf`` nodes in the tree (with multiplicity)."""
+    if isinstance(arch, leaf):
         return 1
     if isinstance(arch, Seq):
-        return sum(count_activations(p) for p in arch.parts)
+        return sum(count_leaves(p, leaf) for p in arch.parts)
     if isinstance(arch, (Sum, Concat)):
-        return sum(count_activations(b) for b in arch.branches)
+        return sum(count_leaves(b, leaf) for b in arch.branches)
     return 0
+
+
+def count_activations(arch: Arch) -> int:
+    """Number of Act leaves in the tree (with multiplicity)."""
+    return count_leaves(arch, Act)
 
 
 def _as_arch(arch: Arch | int) -> Arch:
