@@ -122,6 +122,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def gloo_rank(rank: int, port: int, world: int) -> Iterator[Any]:
+    """This process as rank ``rank`` of a ``world``-rank gloo group (rendezvous on ``port``),
+    one CPU thread; yields the 1-D CPU device mesh and destroys the group on exit."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+
+
 def run_ranks(worker: Any, world: int, out: str) -> list[dict]:
     """Run ``worker(rank, port, out)`` on ``world`` CPU processes; each saves ``rank{r}.pt``
     into ``out``, which comes back as a list of dicts, by rank."""

@@ -17,7 +17,7 @@ from torch import nn
 
 import precondfx
 from tests import zoo
-from tests.helpers import run_ranks
+from tests.helpers import gloo_rank, run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -61,12 +61,7 @@ def _shard(pm: nn.Module, mesh) -> None:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cpu", (WORLD,))
+    with gloo_rank(rank, port, WORLD) as mesh:
         res = {}
         for name, (m, x, _) in _models().items():
             pm, plan = _plan(m, x)
@@ -95,8 +90,6 @@ def _worker(rank: int, port: int, out: str) -> None:
         res["pass"] = {"scale": rep.output_scale, "std_after": rep.output_std_after,
                        "full": {n: p.full_tensor() for n, p in real.named_parameters()}}
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from torch import nn
 
 import precondfx
 from tests import zoo
-from tests.helpers import run_ranks
+from tests.helpers import gloo_rank, run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -108,13 +108,8 @@ def _recipe(rank: int, mesh: Any) -> dict:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor
-        mesh = init_device_mesh("cpu", (WORLD,))
+    from torch.distributed.tensor import DTensor
+    with gloo_rank(rank, port, WORLD) as mesh:
         res = {}
         for case in CASES:
             model, x = _mlp()
@@ -124,8 +119,6 @@ def _worker(rank: int, port: int, out: str) -> None:
             res[case] = {**r, **_state(model)}
         res["recipe"] = _recipe(rank, mesh)
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

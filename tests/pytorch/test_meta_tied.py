@@ -13,7 +13,7 @@ from torch import nn
 
 import precondfx
 from tests import zoo
-from tests.helpers import free_port
+from tests.helpers import free_port, gloo_rank
 
 pytestmark = pytest.mark.skipif(not zoo.HAS_TRANSFORMERS, reason="transformers not installed")
 
@@ -216,14 +216,8 @@ def _tied_worker(rank: int, port: int, out: str) -> None:
     random streams, calibrated on this rank's half of the batch."""
     import os
 
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
+    with gloo_rank(rank, port, 2) as mesh:
         torch.manual_seed(0)
         real = _gpt2()
         with torch.device("meta"):
@@ -249,8 +243,6 @@ def _tied_worker(rank: int, port: int, out: str) -> None:
             res[rng] = {"scale": stats["scale"], "std_after": stats["std_after"],
                         "full": {n: p.full_tensor().detach() for n, p in pm.named_parameters()}}
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
