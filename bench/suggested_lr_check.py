@@ -13,7 +13,6 @@ Writes docs/results/suggested_lr_check.{md,json}.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -22,6 +21,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 import train_suite as T  # noqa: E402
+from suggested_lr_probe import JSONS, cells  # noqa: E402  (the suite's cells, one reader)
 from results_io import write_table  # noqa: E402
 
 from precondfx.pytorch.capture.common import Sample  # noqa: E402
@@ -31,13 +31,12 @@ TASKS = ["mlp_w128_d2", "conv_bn", "pool_cnn", "pool_cnn_bn", "vit", "gpt2"]
 #: the pooling CNNs ran 10 epochs in the held-out suite (heldout_cpu.md, section 1)
 EPOCHS = {"pool_cnn": 10, "pool_cnn_bn": 10}
 SEEDS = [0, 1, 2]
-REF = "train_suite_heldout_v2_cpu.json"
 
 
 def main() -> None:
     C.setup(1)
     say = C.Progress("suggested_lr_check")
-    ref = json.load(open(os.path.join(C.RESULTS, REF)))["results"]
+    ref = cells()
     rows = []
     for tn in TASKS:
         cfg = dict(T.SIZES["cpu"])
@@ -55,14 +54,14 @@ def main() -> None:
             r = T.train_copies(task, models, lrs, SEEDS, T.Hyper(opt), {}, "cpu")
             key = "heldout" if task.kind == "lm" else "test"
             got = float(np.median(r[key]))
-            cell = ref[tn][opt]["pfx"]
+            cell = ref[(tn, opt, "pfx")]
             best = float(cell["best"])
             lm = task.kind == "lm"
             ok = (got - best <= 0.03) if lm else (got <= 1.1 * best)
             rows.append({"task": tn, "optimizer": opt, "suggested_log2": [float(np.log2(x))
                                                                           for x in lrs],
                          "test_at_suggested": got, "per_seed": [float(v) for v in r[key]],
-                         "test_at_chosen": best, "chosen_log2": cell.get("best_lr_log2"),
+                         "test_at_chosen": best, "chosen_log2": cell["best_log2"],
                          "within_target": bool(ok)})
             say(f"{tn} {opt}: suggested 2^{np.median(np.log2(lrs)):.2f} -> {got:.4g} "
                 f"(chosen rate: {best:.4g}) {'ok' if ok else 'MISS'}")
@@ -70,7 +69,7 @@ def main() -> None:
              "precondfx's default result of each held-out task trained at exactly the rate "
              "`suggest_lr=True` reports for that seed (3 seeds, the suite's protocol); "
              "against the test loss at the rate the suite chose on validation "
-             f"({REF}). Target: within 10% (0.03 nats for GPT-2).", "",
+             f"({', '.join(JSONS)}). Target: within 10% (0.03 nats for GPT-2).", "",
              "| task | optimizer | suggested log2 (per seed) | test loss there (median) | at the "
              "chosen rate | within target |", "|---|---|---|---|---|---|"]
     for r in rows:
