@@ -5,7 +5,7 @@ powers of two (interpolated).  This trains precondfx's result of each held-out t
 the rate ``precondition(..., suggest_lr=True)`` reports for it (per seed: the suggestion made on
 that seed's model and calibration batch), with the suite's own trainer, protocol and seeds, and
 sets the test loss against the one at the rate the suite chose on validation
-(``docs/results/train_suite_heldout_v2_cpu.json``).  Target: within 10% (0.03 nats for GPT-2).
+(``docs/results/train_suite_heldout_v3_cpu.json``).  Target: within 10% (0.03 nats for GPT-2).
 
     python bench/suggested_lr_check.py          # ~15 minutes on one CPU thread
 

@@ -43,7 +43,7 @@ METHODS = ["default", "pfx", "pfx_user"]
 #: method names of the result JSON that differ from the suite's (none since the v2 merge,
 #: whose pool rows hold pool_conv="full", the default, as pfx)
 ALIAS: dict[tuple[str, str], str] = {}
-JSONS = ["train_suite_heldout_v2_cpu.json"]
+JSONS = ["train_suite_heldout_v3_cpu.json"]
 #: the targets of issue 20 for a suggested rate: within 10% of the best rate's test loss
 #: (classification), within 0.03 nats (language model)
 TARGET_REL, TARGET_NATS = 0.10, 0.03

@@ -81,7 +81,8 @@ import common as C  # noqa: E402
 #: precondfx variants: name -> keyword arguments of ``precondfx.precondition`` (beyond seed).
 #: ``pfx`` passes nothing, so it always measures the current defaults.
 PFX: dict[str, dict] = {
-    "pfx": {},
+    "pfx": {},                  # the library's defaults (lr_scale='auto' since 2026-11-25)
+    "pfx_off": {"lr_scale": None},   # the default until 2026-11-25: no lr scales
     "pfx_std0.05": {"target_std": 0.05},
     "pfx_std0.5": {"target_std": 0.5},
     "pfx_std1": {"target_std": 1.0},
@@ -157,6 +158,7 @@ LABELS = {
     "pfx_ws": "pfx, weights at the user's init scale (emulated by per-weight rates)",
     "pfx_lr_user": "pfx lr_scale=user (power 1, replaced)",
     "pfx_user": "pfx lr_scale=user (halfway)",
+    "pfx_off": "pfx lr_scale=None (the default before 'auto')",
     "umup": "u-muP (unit_scaling)",
     "pfx_emb": "pfx, ViT tokens at the patch scale (emulated)",
     "default_eq": "PyTorch default, output std 1", "fan_in_eq": "fan-in, output std 1",
@@ -221,6 +223,56 @@ def text_corpus(max_bytes: int | None = None) -> dict:
     to = lambda s: torch.frombuffer(bytearray(s), dtype=torch.uint8).long()  # noqa: E731
     return {"train": to(a), "val": to(v), "test": to(b), "files": len(files),
             "train_bytes": len(a), "val_bytes": len(v), "test_bytes": len(b)}
+
+
+def _site_packages() -> str:
+    import sysconfig
+    return sysconfig.get_paths()["purelib"]
+
+
+#: ``code_languages``' classes: the files each is read from (globs; the standard library's and
+#: the installed packages' own files, so the data is on every machine that runs the suite)
+CODE_LANGUAGES: dict[str, Callable[[], list[str]]] = {
+    "python": lambda: glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")),
+    "c_header": lambda: glob.glob(os.path.join(_site_packages(), "**", "*.h"), recursive=True),
+    "javascript": lambda: glob.glob(os.path.join(_site_packages(), "**", "*.js"),
+                                    recursive=True),
+    "restructuredtext": lambda: glob.glob(os.path.join(_site_packages(), "**", "*.rst"),
+                                          recursive=True),
+    "json": lambda: glob.glob(os.path.join(_site_packages(), "**", "*.json"), recursive=True),
+}
+
+
+def code_languages(ctx: int = 64, per_class: int = 300, seed: int = 0,
+                   max_files: int = 400) -> dict:
+    """Text classification on real, offline data: which language (``CODE_LANGUAGES``: Python,
+    C headers, JavaScript, reStructuredText, JSON) a ``ctx``-byte window comes from.  Files are
+    split, not windows: within each language, files (at least 256 bytes; the first
+    ``max_files`` in sorted order) with index ``i % 5 == 4`` are test, ``== 3`` validation, the
+    rest training, so every held-out window comes from a file never trained on.
+    ``per_class`` training windows per language (a fifth of that for validation and test),
+    drawn at fixed random offsets; bytes are the tokens."""
+    g = np.random.default_rng(seed)
+    parts: dict[str, tuple[list, list]] = {"train": ([], []), "val": ([], []), "test": ([], [])}
+    for c, (_lang, find) in enumerate(CODE_LANGUAGES.items()):
+        files = sorted(f for f in find() if os.path.getsize(f) >= 256)[:max_files]
+        split: dict[str, list[bytes]] = {"train": [], "val": [], "test": []}
+        for i, f in enumerate(files):
+            with open(f, "rb") as fh:
+                split["test" if i % 5 == 4 else "val" if i % 5 == 3 else "train"].append(
+                    fh.read(1 << 16))
+        for k, n in (("train", per_class), ("val", per_class // 5), ("test", per_class // 5)):
+            blob = b"\n".join(split[k])
+            starts = g.integers(0, len(blob) - ctx, n)
+            arr = np.frombuffer(blob, np.uint8)
+            parts[k][0].extend(arr[s:s + ctx] for s in starts)
+            parts[k][1].extend([c] * n)
+    out = {}
+    for k, (xs, ys) in parts.items():
+        sfx = "" if k == "train" else f"_{k}"
+        out[f"x{sfx}"] = torch.from_numpy(np.stack(xs).astype(np.int64))
+        out[f"y{sfx}"] = torch.tensor(ys)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,6 +395,17 @@ def gpt2(n_embd: int, n_layer: int, n_head: int, ctx: int) -> nn.Module:
                      n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                      bos_token_id=0, eos_token_id=0, attn_implementation="eager")
     return HFLogits(GPT2LMHeadModel(cfg), "input_ids")
+
+
+def bert(hidden: int, layers: int, ctx: int, n_out: int = len(CODE_LANGUAGES)) -> nn.Module:
+    """A byte-level BERT sequence classifier from a config (transformers' own init)."""
+    from transformers import BertConfig, BertForSequenceClassification
+    cfg = BertConfig(vocab_size=256, hidden_size=hidden, num_hidden_layers=layers,
+                     num_attention_heads=4, intermediate_size=4 * hidden,
+                     max_position_embeddings=ctx, type_vocab_size=1, num_labels=n_out,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                     attn_implementation="eager")
+    return HFLogits(BertForSequenceClassification(cfg), "input_ids")
 
 
 def vit(hidden: int, layers: int) -> nn.Module:
@@ -486,6 +549,17 @@ def all_tasks(cfg: dict) -> list[Task]:
                                                         g["ctx"]),
                       text, g["batch"], steps=g["steps"], kind="lm", ctx=g["ctx"],
                       family="transformer", hf=True, metric="heldout"))
+    if "gpt2_l" in cfg:        # the larger GPT-2 (issue 20's 4-layer, n_embd 128 model)
+        gl = cfg["gpt2_l"]
+        tasks.append(Task("gpt2_l", lambda readout=None: gpt2(gl["n_embd"], gl["n_layer"],
+                                                              gl["n_head"], gl["ctx"]),
+                          text, gl["batch"], steps=gl["steps"], kind="lm", ctx=gl["ctx"],
+                          family="transformer", hf=True, metric="heldout"))
+    if "bert" in cfg:
+        b = cfg["bert"]
+        tasks.append(Task("bert", lambda readout=None: bert(b["hidden"], b["layers"], b["ctx"]),
+                          code_languages(b["ctx"], b["per_class"]), 32, epochs=cfg["epochs"],
+                          family="transformer", hf=True))
     tasks.append(Task("pool_cnn", lambda readout=nn.Linear: PoolCNN(False), img8, 32,
                       epochs=cfg["epochs"], family="pool"))
     tasks.append(Task("pool_cnn_bn", lambda readout=nn.Linear: PoolCNN(True), img8, 32,
@@ -521,7 +595,10 @@ SIZES: dict[str, dict] = {
                 cnn_widths=[32], cnn_depths=[2], cnn_w0=32, cnn_d0=2, libsvm=False,
                 gpt2=dict(n_embd=64, n_layer=2, n_head=4, ctx=32, batch=8, steps=150,
                           max_bytes=2_000_000),
-                vit=dict(hidden=32, layers=2), seeds=3, n_lr=8),
+                vit=dict(hidden=32, layers=2), seeds=3, n_lr=8,
+                gpt2_l=dict(n_embd=128, n_layer=4, n_head=4, ctx=64, batch=16, steps=200,
+                            max_bytes=2_000_000),
+                bert=dict(hidden=64, layers=2, ctx=64, per_class=300)),
     "quick": dict(epochs=0.25, mlp_widths=[32, 64], mlp_depths=[1, 2], mlp_w0=32, mlp_d0=1,
                   cnn_widths=[8], cnn_depths=[1], cnn_w0=8, cnn_d0=1, libsvm=False,
                   gpt2=dict(n_embd=32, n_layer=1, n_head=2, ctx=16, batch=8, steps=6,

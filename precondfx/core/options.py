@@ -85,8 +85,9 @@ def one_of_or_none(*values: str) -> Check:
 
 
 def lr_scale_check() -> Check:
-    """``lr_scale``: one of LR_SCALE_MODES or None; a removed value says why it was removed."""
-    base = one_of_or_none(*LR_SCALE_MODES)
+    """``lr_scale``: "auto", one of LR_SCALE_MODES or None; a removed value says why it was
+    removed."""
+    base = one_of_or_none("auto", *LR_SCALE_MODES)
 
     def check(name: str, v: Any) -> str | None:
         if isinstance(v, str) and v in LR_SCALE_REMOVED:
@@ -216,16 +217,19 @@ class Options:
     output_key: str | int | None = _opt(None, output_key,
                                         "output to scale (name or index; default 'logits' or "
                                         "the first floating-point output)", cli="KEY")
-    lr_scale: str | None = _opt(None, lr_scale_check(),
+    lr_scale: str | None = _opt("auto", lr_scale_check(),
                                 "function-preserving per-layer scales (output x c, weight and "
-                                "bias / c): 'sgd' (every stored weight x 3/L, L the main-path "
-                                "depth: one SGD rate across depths), 'user' (for a learning "
-                                "rate tuned for your model's own init: every stored weight at "
-                                "the geometric mean of precondfx's rms and the rms it had in "
-                                "your model; docs/results/heldout_cpu.md); None (on the command "
-                                "line "
-                                "'none'): off ('adam' was removed; precondfx.pytorch."
-                                "lr_transfer)", cli="OPT")
+                                "bias / c): 'auto' (default: 'user' where the model declares "
+                                "its init std, as a transformers config's initializer_range, "
+                                "and precondfx would store the median weight at least 4x larger "
+                                "than that; else off; precondfx.core.lr_mode), 'user' (for a "
+                                "learning rate tuned for "
+                                "your model's own init: every stored weight at the geometric "
+                                "mean of precondfx's rms and the rms it had in your model), "
+                                "'sgd' (every stored weight x 3/L, L the main-path depth: one "
+                                "SGD rate across depths); None (on the command line 'none'): "
+                                "off ('adam' was removed; precondfx.pytorch.lr_transfer, "
+                                "docs/results/heldout_cpu.md)", cli="OPT")
     seed: int = _opt(0, integer(0, SEED_MAX), "seed of the re-initialization", cli="N")
     reinit: bool = _opt(True, flag, "re-initialize the weights; reinit_weights=False "
                         "(--no-reinit) keeps them, divided by their alpha, and only inserts "
@@ -254,7 +258,7 @@ class Options:
         for f in fields(self):
             object.__setattr__(self, f.name, f.metadata["check"](keyword_of(f), getattr(self,
                                                                                      f.name)))
-        if self.lr_scale is not None and self.scheme != "geometric":
+        if self.lr_scale not in (None, "auto") and self.scheme != "geometric":
             raise PrecondError(f"lr_scale= works with scheme='geometric' (scheme={self.scheme!r} "
                                f"sets its own per-layer constants from data after the plan): "
                                f"drop lr_scale or use the geometric scheme")

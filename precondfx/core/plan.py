@@ -16,7 +16,7 @@ from typing import Any
 from precondfx.core import beta as betalib
 from precondfx.core import fans as fanlib
 from precondfx.core import tokens as tokens_mod
-from precondfx.core import optable, residual_schedule
+from precondfx.core import lr_mode, optable, residual_schedule
 from precondfx.core.graph import Graph, Node
 from precondfx.core.options import (BALANCE_MODES, MAXPOOL_MODES, MEASURED, RESIDUAL_MODES,
                                Options)
@@ -131,6 +131,9 @@ class Plan:
     #: tied parameters: every other name of a parameter -> the name its init is planned under
     #: (``model.to_empty`` unties them; ``precondfx.reinit`` ties them again)
     aliases: dict[str, str] = field(default_factory=dict)
+    #: the lr_scale mode the pass applies ("sgd", "user" or None), ``options['lr_scale']``
+    #: resolved ("auto": ``precondfx.core.lr_mode``)
+    lr_mode: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -148,7 +151,7 @@ class Plan:
                           for x in d.get("pools", [])],
                    residuals=[Residual(**x) for x in d.get("residuals", [])],
                    notes=list(d.get("notes", [])), reasons=dict(d.get("reasons", {})),
-                   aliases=dict(d.get("aliases", {})))
+                   aliases=dict(d.get("aliases", {})), lr_mode=d.get("lr_mode"))
 
     def alphas(self) -> dict[str, float]:
         """alpha per weight parameter name (first call site)."""
@@ -170,6 +173,10 @@ class ParamInfo:
     trainable: bool = True
     parametrized: bool = False
     aliases: tuple[str, ...] = ()   # the other names of a tied parameter
+    #: its scale in the user's model (its rms before the pass, or the init std the model
+    #: declares; None: not known): what ``lr_scale`` compares the planned scale with
+    #: (``precondfx.core.lr_mode``, ``precondfx.pytorch.lr_transfer.user_scales``)
+    user_scale: float | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,8 +192,11 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
     _plan_residuals(graph, params, plan, opts)
     if opts.balance == "analytic":
         _analytic_alphas(plan, {n.name: i for i, n in enumerate(graph)})
-    lr_scale = getattr(opts, "lr_scale", None)   # lr_transfer sets the "lr" multipliers
     _plan_inits(graph, params, plan, opts)
+    # lr_transfer sets the "lr" multipliers; "auto" compares the planned stds with the weights
+    plan.lr_mode, why = lr_mode.resolve(plan, params, opts)
+    if why:
+        plan.notes.append(why)
     for lay in plan.layers:
         info = params.get(lay.weight or "")
         if info is not None and not info.trainable:
@@ -199,7 +209,7 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
         plan.scales.append(Scale("alpha", lay.node, where, 0, lay.alpha,
                                  lay.alpha_reason or "alpha site for measured balancing"))
     _beta_sites(plan)
-    if lr_scale is not None:
+    if plan.lr_mode is not None:
         _lr_sites(plan, params)
     return plan
 
@@ -574,7 +584,7 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
     # lr_scale divides these afterwards: with reinit=False they get a 'scale' rule (1/alpha),
     # whose factor lr_transfer divides, so that the plan keeps saying what the model holds
     lr_params = {p for lay in plan.layers for p in (lay.weight, lay.bias) if p} \
-        if getattr(opts, "lr_scale", None) is not None else set()
+        if getattr(opts, "lr_scale", None) not in (None, "auto") else set()
 
     def put(name: str | None, pi: ParamInit) -> None:
         if not name or name not in params:

@@ -305,7 +305,10 @@ class Report:
         changes = [", ".join(r.actions) for r in shown]
         wk = max([len("kind")] + [len(r.kind) for r in shown])
         ws = max([len("status")] + [len(r.status) for r in shown])
-        wc = min(60, max([len("change")] + [len(x) for x in changes]))
+        # the change column gives way first: names need room to stay unique, reasons 16
+        wn_need = _fit_unique(labels, min(24, max([len("node")] + [len(x) for x in labels])))
+        wc = max(len("change"), min(60, max([len("change")] + [len(x) for x in changes]),
+                                    width - wk - ws - 4 - wn_need - 16))
         wn, wr = _name_reason_widths(labels, [r.reason for r in shown], width - wk - ws - wc - 4)
         lines: list[str] = [
             "", f"{'node':{wn}} {'kind':{wk}} {'status':{ws}} {'change':{wc}} "
@@ -384,8 +387,12 @@ class Report:
         if sl:
             lines.append(f"suggested learning rate: SGD {_rate(sl.get('sgd'))}, Adam "
                          f"{_rate(sl.get('adam'))} ({sl.get('how', '')})")
+        lr = self.conditioning.get("lr_scale")
+        if isinstance(lr, dict) and lr.get("summary"):      # what was scaled, and why
+            lines += [lr[k] for k in ("summary", "decision") if lr.get(k)]
         for k, v in self.conditioning.items():
-            if k not in ("hessian", "measure", "suggested_lr") and isinstance(v, dict) and v:
+            if k not in ("hessian", "measure", "suggested_lr", "lr_scale") and \
+                    isinstance(v, dict) and v:
                 brief = ", ".join(f"{a}={b}" for a, b in v.items()
                                   if isinstance(b, (int, float, str)) and len(str(b)) < 40)
                 if brief:

@@ -197,6 +197,8 @@ def reattach(model: nn.Module) -> nn.Module:
             mod.register_forward_pre_hook(ea._beta_input_hook, with_kwargs=True)
         elif name == PREFIX + "out_scale":
             mod.register_forward_hook(ea._scale_output_hook)
+        elif name == PREFIX + "lr_scale":
+            mod.register_forward_hook(ea._lr_scale_hook)
         elif name == PREFIX + "output_scale" and path:
             mod.register_forward_hook(ea._module_output_scale_hook)
         elif name == PREFIX + "output_scale":

@@ -54,7 +54,8 @@ ONNX = Support("ONNX back end", (
     Rule("scheme", lambda v: v != "geometric", REFUSE, f"scheme= other than 'geometric' "
          f"{_TORCH_ONLY}"),
     Rule("measure", lambda v: v, REFUSE, f"measure=True {_TORCH_ONLY}"),
-    Rule("lr_scale", lambda v: v is not None, REFUSE, f"lr_scale= {_TORCH_ONLY}"),
+    # "auto" (the default) stays: an ONNX file declares no init std, so the plan leaves it off
+    Rule("lr_scale", lambda v: v not in (None, "auto"), REFUSE, f"lr_scale= {_TORCH_ONLY}"),
     Rule("capture", lambda v: v != D.capture, REFUSE, f"capture= (a PyTorch capture method) "
          f"{_TORCH_ONLY}"),
     Rule("calibration", lambda v: v != D.calibration, REFUSE, "calibration= sets the PyTorch "

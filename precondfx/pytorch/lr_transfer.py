@@ -109,6 +109,58 @@ def stored_rms(w: torch.Tensor) -> float:
     return float(w.detach().double().pow(2).mean().sqrt())
 
 
+#: the config attributes in which a transformers model declares the std its ``_init_weights``
+#: draws Linear and Embedding weights with
+INIT_STD_KEYS = ("initializer_range", "init_std")
+
+
+def declared_stds(model: nn.Module) -> dict[str, float]:
+    """Each weight's (dim >= 2) init std as the model declares it, without reading values: the
+    ``initializer_range`` (or ``init_std``) of the config of every transformers model in it.
+    Data-free, so that a model on the meta device, a sharded one and the same model with its
+    values get the same ``lr_scale='auto'`` decision and factors."""
+    from precondfx.integrations.hf_checkpoints import is_transformers_model
+    out: dict[str, float] = {}
+    for path, mod in model.named_modules():
+        if not is_transformers_model(mod):
+            continue
+        cfg = getattr(mod, "config", None)
+        std = next((float(v) for k in INIT_STD_KEYS for v in [getattr(cfg, k, None)]
+                    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0), None)
+        if std is None:
+            continue
+        for n, p in mod.named_parameters(remove_duplicate=False):
+            if p.dim() >= 2:
+                out.setdefault(f"{path}.{n}" if path else n, std)
+    return out
+
+
+def user_scales(model: nn.Module, mode: str | None) -> dict[str, float]:
+    """What ``lr_scale`` compares each weight's planned scale with: ``"user"``: its rms in
+    ``model`` now (before the re-draw; none on the meta device); ``"auto"``: the std the model
+    declares (``declared_stds``); otherwise nothing."""
+    if mode == "user":
+        return {n: stored_rms(p) for n, p in model.named_parameters(remove_duplicate=False)
+                if p.dim() >= 2 and p.numel() and p.device.type != "meta"}
+    return declared_stds(model) if mode == "auto" else {}
+
+
+def power_of_two(c: float) -> float:
+    """``c`` rounded to the nearest power of two (on the log scale): dividing a weight by it and
+    drawing at ``std / c`` are exact in every float format, so a half-precision model planned
+    on the meta device holds bit for bit what the same model preconditioned with data holds,
+    and its constants hold the factor exactly."""
+    if not (c > 0 and math.isfinite(c)):
+        return c
+    return 2.0 ** round(math.log2(c))
+
+
+def _planned_rms(plan: Plan, w: str) -> float:
+    """The planned draw's std of ``w`` (0: not re-drawn by an init rule: factor 1)."""
+    pi = plan.inits.get(w)
+    return float(pi.std) if pi is not None and pi.rule in INIT_RULES and pi.std else 0.0
+
+
 def _rms_of(model: nn.Module, plan: Plan, w: str) -> float:
     """The stored weight's rms: measured, or on the meta device the planned draw's std."""
     p = model.get_parameter(w)
@@ -205,15 +257,21 @@ def carried(lr_buffers: dict[str, list[str]], plan: Plan, graph: Graph | None = 
 
 def apply(model: nn.Module, graph: Graph, plan: Plan, lr_buffers: dict[str, list[str]],
           mode: str, planned: dict[str, float] | None = None,
-          set_constant: Any = None, user_rms: dict[str, float] | None = None) -> dict[str, Any]:
+          set_constant: Any = None, user_rms: dict[str, float] | None = None,
+          from_plan: bool = False) -> dict[str, Any]:
     """Set each layer's lr multipliers to its factor ``c`` and divide its weight and bias by
     ``c``, keeping the plan (and ``planned``, the constants recorded for materializing) equal
     to what the model holds.  ``set_constant(name, value)``: the back end's
     (``Backend.set_constant``).  Layers whose call sites do not all carry a multiplier keep
-    factor 1 and are listed in ``left_out``.  Returns the report section."""
+    factor 1 and are listed in ``left_out``.  ``from_plan``: take each weight's scale from the
+    plan's std rather than its values (``lr_scale='auto'``: data-free, so that the meta device,
+    sharded and real runs get the same factors).  Returns the report section."""
     ok, left = carried(lr_buffers, plan, graph)
-    rms = {w: _rms_of(model, plan, w) for w in ok} if mode == "user" else {}
+    rms = {w: _planned_rms(plan, w) if from_plan else _rms_of(model, plan, w)
+           for w in ok} if mode == "user" else {}
     fac, L = factors(graph, plan, mode, rms, user_rms)
+    if from_plan:       # exact in every dtype: meta == real, bit for bit (power_of_two)
+        fac = {w: power_of_two(c) for w, c in fac.items()}
     done = {w: c for w, c in fac.items() if w in ok and c != 1.0}
     bias_of = {lay.weight: lay.bias for lay in plan.layers if lay.weight and lay.bias}
     if set_constant is None:
@@ -258,5 +316,5 @@ def effective_lr_multiplier(c: float, mode: str) -> float:
     return c * c if mode == "sgd" else c
 
 
-__all__ = ["DEPTH_REF", "DEPTH_POWER", "USER_POWER", "main_path_depth", "fan_in",
-           "stored_rms", "factors", "carried", "apply", "effective_lr_multiplier", "summary"]
+__all__ = ["DEPTH_REF", "DEPTH_POWER", "USER_POWER", "INIT_STD_KEYS", "main_path_depth", "fan_in",
+           "stored_rms", "declared_stds", "user_scales", "power_of_two", "factors", "carried", "apply", "effective_lr_multiplier", "summary"]

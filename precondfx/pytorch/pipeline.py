@@ -34,6 +34,7 @@ from precondfx.core.classify import classify
 from precondfx.core.driver import Stage, State
 from precondfx.errors import PrecondError
 from precondfx.pytorch.folding import record
+from precondfx.pytorch import lr_transfer
 from precondfx.integrations import hf_checkpoints
 from precondfx.core.plan import ParamInfo
 from precondfx.core.report import Report
@@ -55,8 +56,6 @@ class TorchState(State):
     notes: list[str] = field(default_factory=list)
     analysis: bool = False           # ``analyze``: plan only, on a copy, refusing nothing more
     not_user_class: str | None = None   # why a GraphModule result is not the user's class
-    #: lr_scale='user': each weight's rms in the user's model before the pass
-    user_rms: dict[str, float] = field(default_factory=dict)
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -121,8 +120,11 @@ def input_arrays(s: Sample, opts: Any) -> list:
             if t.is_floating_point() and t.device.type != "meta"]
 
 
-def param_infos(model: nn.Module) -> tuple[dict[str, ParamInfo], dict[str, str]]:
-    """ParamInfo per canonical parameter name, and the alias -> canonical map for tied ones."""
+def param_infos(model: nn.Module, user_scale: dict[str, float] | None = None
+                ) -> tuple[dict[str, ParamInfo], dict[str, str]]:
+    """ParamInfo per canonical parameter name, and the alias -> canonical map for tied ones;
+    ``user_scale``: the scale of each weight in the user's model that ``lr_scale`` compares
+    the planned scale with (``lr_transfer.user_scales``)."""
     infos: dict[str, ParamInfo] = {}
     canon: dict[str, str] = {}
     first: dict[int, str] = {}
@@ -131,19 +133,22 @@ def param_infos(model: nn.Module) -> tuple[dict[str, ParamInfo], dict[str, str]]
         canon[name] = c
         if c == name:
             infos[name] = ParamInfo(tuple(p.shape), p.requires_grad,
-                                    ".parametrizations." in name)
+                                    ".parametrizations." in name,
+                                    user_scale=(user_scale or {}).get(name))
         else:
             infos[c].aliases += (name,)
     return infos, canon
 
 
-def capture_classify(model: nn.Module, s: Sample, methods: Any, mode: str, notes: list[str]
+def capture_classify(model: nn.Module, s: Sample, methods: Any, mode: str, notes: list[str],
+                     user_scale: dict[str, float] | None = None
                      ) -> tuple[Captured, dict[str, ParamInfo]]:
-    """Capture (the ladder of methods), classify, and name tied parameters canonically."""
+    """Capture (the ladder of methods), classify, and name tied parameters canonically
+    (``user_scale``: see ``param_infos``)."""
     cap = capture(model, s, (methods,) if isinstance(methods, str) else tuple(methods), mode)
     cap.graph.notes.extend(notes)
     classify(cap.graph)
-    infos, canon = param_infos(model)
+    infos, canon = param_infos(model, user_scale)
     for n in cap.graph:
         n.params = {k: canon.get(v, v) for k, v in n.params.items()}
     return cap, infos
@@ -245,9 +250,6 @@ def prepare(st: TorchState) -> None:
                                f"returned model")
         st.dtype = dt
     st.modes = {name: m.training for name, m in model.named_modules()}
-    if st.opts.lr_scale == "user" and st.data:
-        from precondfx.pytorch.lr_transfer import stored_rms
-        st.user_rms = {n: stored_rms(p) for n, p in model.named_parameters() if p.dim() >= 2}
     st.work = model if st.inplace else copy_model(model, lenient=st.analysis)
     if st.dtype is not None:
         st.work = st.work.float()
@@ -276,7 +278,8 @@ def _restore_state(model: nn.Module, snapshot: dict[str, torch.Tensor]) -> None:
 def capture_stage(st: TorchState) -> None:
     """Capture and classify the working model; refuse one with nothing to precondition."""
     st.captured, st.params = capture_classify(st.work, st.sample, st.opts.capture,
-                                              st.opts.calibration, st.notes)
+                                              st.opts.calibration, st.notes,
+                                              lr_transfer.user_scales(st.work, st.opts.lr_scale))
     st.graph = st.captured.graph
     if not st.analysis:
         driver.has_work(st.graph, "convolution, linear, embedding, matmul with a parameter... "
@@ -336,12 +339,16 @@ def balance(st: TorchState) -> None:
 def lr_scale(st: TorchState) -> None:
     """``lr_scale=``: per-layer scales for learning-rate transfer (``precondfx.pytorch.lr_transfer``),
     after balancing, which would undo them."""
-    from precondfx.pytorch import lr_transfer
     now = st.measured.final(st.plan)        # what the model holds (after balancing)
     edited = copy.deepcopy(now)
     st.report.conditioning["lr_scale"] = lr_transfer.apply(
-        st.result, st.graph, edited, st.lr_buffers, st.opts.lr_scale, st.constants,
-        st.backend.set_constant, user_rms=st.user_rms)
+        st.result, st.graph, edited, st.lr_buffers, st.plan.lr_mode, st.constants,
+        st.backend.set_constant,
+        user_rms={n: i.user_scale for n, i in st.params.items() if i.user_scale is not None},
+        from_plan=st.opts.lr_scale == "auto")
+    why = [n for n in st.plan.notes if n.startswith("lr_scale='auto'")]
+    if why:
+        st.report.conditioning["lr_scale"]["decision"] = why[0]
     st.measured.record_diff("lr_scale", now, edited)      # the plan stays as planned
 
 
@@ -443,8 +450,8 @@ STAGES = (
     driver.CALIBRATE,
     Stage("balance", balance, lambda st: f"measured balancing ({st.opts.balance})",
           when=lambda st: st.opts.balance in ("hessian", "auto")),
-    Stage("lr_scale", lr_scale, lambda st: f"lr_scale={st.opts.lr_scale!r}",
-          when=lambda st: st.opts.lr_scale is not None),
+    Stage("lr_scale", lr_scale, lambda st: f"lr_scale={st.plan.lr_mode!r}",
+          when=lambda st: st.plan.lr_mode is not None),
     Stage("measure", measure, when=lambda st: st.opts.measure),
     Stage("suggest_lr", suggest, "suggesting learning rates from the curvature",
           when=lambda st: st.opts.suggest_lr and st.data),

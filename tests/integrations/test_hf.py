@@ -175,9 +175,16 @@ def test_trainer_matches_a_plain_loop(tmp_path) -> None:
     assert abs(losses[0] - math.log(hf_tiny.VOCAB)) < 0.05
     assert losses[-1] < losses[0] - 0.05, losses
     # AdamW divides by sqrt(v): float-rounding differences in near-zero gradients move a few
-    # parameters by a fraction of lr; compare with how far training moved them
-    diff = max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
-    moved = max(float((p - q).abs().max()) for p, q in zip(a.parameters(), pre.parameters()))
+    # parameters by a fraction of lr; compare with how far training moved them.  The key third
+    # of each c_attn bias has an exactly zero gradient (softmax ignores a shift of every
+    # score), so AdamW's steps there are normalized rounding noise: left out of the comparison.
+    n = pre.config.n_embd
+
+    def kept(name: str, t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[:n], t[2 * n:]]) if name.endswith("attn.c_attn.bias") else t
+    pa, pb, p0 = (dict(m.named_parameters()) for m in (a, b, pre))
+    diff = max(float((kept(k, pa[k]) - kept(k, pb[k])).abs().max()) for k in pa)
+    moved = max(float((kept(k, pa[k]) - kept(k, p0[k])).abs().max()) for k in pa)
     assert diff < 0.02 * moved, (diff, moved)
 
 

@@ -100,7 +100,7 @@ def _only_scale_hooks(m: nn.Module) -> bool:
             g._global_backward_pre_hooks:
         return False
     return all(h is _scale_input_hook for h in m._forward_pre_hooks.values()) and \
-        all(h is _scale_output_hook or h is _module_output_scale_hook
+        all(h is _scale_output_hook or h is _lr_scale_hook or h is _module_output_scale_hook
             for h in m._forward_hooks.values())
 
 
@@ -125,8 +125,11 @@ def _weight_side_forward(m: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return type(m).forward(m, *args, **kwargs)
     x = args[0]
     # the model's output scale (lm_head's) stays a product on the output, applied by its hook
-    cout = getattr(m, PREFIX + "out_scale") \
-        if _scale_output_hook in m._forward_hooks.values() else None
+    hooks = list(m._forward_hooks.values())
+    outs = [getattr(m, PREFIX + name) for h, name in ((_scale_output_hook, "out_scale"),
+                                                      (_lr_scale_hook, "lr_scale"))
+            if h in hooks]
+    cout = outs[0] * outs[1] if len(outs) == 2 else outs[0] if outs else None
     cin = getattr(m, PREFIX + "in_scale") if m._forward_pre_hooks else None
     if cin is None and cout is None:
         return type(m).forward(m, *args, **kwargs)
@@ -157,7 +160,8 @@ def weight_side_forwards(model: nn.Module) -> list[str]:
     scaled at this use only, as the hooks scale this use's activations."""
     out = []
     for path, m in model.named_modules():
-        if not (m._forward_pre_hooks or _scale_output_hook in m._forward_hooks.values()) or \
+        if not (m._forward_pre_hooks or _scale_output_hook in m._forward_hooks.values() or
+                _lr_scale_hook in m._forward_hooks.values()) or \
                 not _only_scale_hooks(m) or "forward" in m.__dict__:
             continue
         if isinstance(m, nn.Embedding):
@@ -176,7 +180,10 @@ def weight_side_forwards(model: nn.Module) -> list[str]:
 
 def _lr_scale_hook(module: nn.Module, args: tuple, out: Any) -> Any:
     """lr_scale's multiplier on a layer's output (its weight and bias are stored divided by
-    it); a buffer of its own, apart from a residual branch scale on the same module."""
+    it); a buffer of its own, apart from a residual branch scale on the same module (nothing
+    where the module's forward puts it on the weight: :func:`_on_weight`)."""
+    if _on_weight(module, args):
+        return None
     return times_first(out, getattr(module, PREFIX + "lr_scale"))
 
 
