@@ -15,6 +15,10 @@ best rate moves up.  ``R`` decides:
   back to the transformers init's and won at that rate (docs/results/heldout_cpu.md).  At
   GPT-2's own width 768 the same std gives 3.0, PyTorch's default's ratio: no change.
 
+Under SGD the same storage moves a layer's rate by ``c^2``, the wrong way: at the transformers
+init's SGD rate the result diverged on BERT and the ViT (GPT-2 was better).  Transformers are
+trained with Adam-family optimizers almost always; with SGD, pass ``lr_scale=None``.
+
 So ``"auto"`` is ``"user"`` when the median ``R`` over the re-drawn weighted layers is at least
 ``AUTO_RATIO`` = 4, with the user's scale of each weight taken from what the model *declares*
 (``ParamInfo.user_scale``: a transformers config's ``initializer_range``, set by
@@ -34,8 +38,8 @@ from typing import Any
 
 from precondfx.core.fans import INIT_RULES
 
-#: "auto" -> "user" when precondfx stores the median weight at least this many times larger
-#: (rms) than the user's model did
+#: "auto" -> "user" when precondfx would store the median re-drawn weight at least this many
+#: times larger (std) than the init std the model declares
 AUTO_RATIO = 4.0
 
 
@@ -80,7 +84,8 @@ def resolve(plan: Any, params: dict[str, Any], opts: Any) -> tuple[str | None, s
         return "user", (f"lr_scale='auto' -> 'user': {what}: a learning rate tuned for your "
                         f"init meets weights that much larger, so each weight is stored near the "
                         f"geometric mean of the two scales (a power-of-two factor), its layer's "
-                        f"output scaled to match: the same function")
+                        f"output scaled to match: the same function (for Adam-family "
+                        f"optimizers; with SGD, whose rate it moves by c^2, pass lr_scale=None)")
     return None, f"lr_scale='auto': off ({what})"
 
 

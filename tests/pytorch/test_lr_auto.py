@@ -84,6 +84,7 @@ def test_transformers_declared_std_stores_halfway_same_logits() -> None:
     lin = [lay for lay in rep.plan.layers if lay.kind == "linear" and "lm_head" not in lay.node]
     ratios = sorted(_eq7(lay) / 0.02 for lay in lin)
     assert min(ratios) > AUTO_RATIO and "-> 'user'" in note
+    assert "lr_scale='auto' -> 'user'" in rep.table(width=150)      # the report says why
     with torch.no_grad():
         a, b = out(x, use_cache=False).logits, off(x, use_cache=False).logits
     assert (a - b).abs().max() <= 1e-5 * b.abs().max()
