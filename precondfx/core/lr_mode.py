@@ -25,10 +25,10 @@ So ``"auto"`` is ``"user"`` when the median ``R`` over the re-drawn weighted lay
 ``precondfx.pytorch.lr_transfer.declared_stds``), not from its values: a model on the meta
 device, a sharded one and the same model with its values decide alike and get the same
 factors (each rounded to a power of two, ``lr_transfer.power_of_two``, so that they are exact
-in every float format).  A model that declares no init (plain PyTorch modules) is left as it was before
-``"auto"`` (no lr scales; ``lr_scale="user"`` compares with the measured rms instead).  Also
-off when the weights are kept (``reinit=False``) and for schemes other than ``geometric``,
-which set their own constants from data; ONNX files have no optimizer to serve.
+in every float format).  A model that declares no init (plain PyTorch modules) is left as it
+was before ``"auto"`` (no lr scales; ``lr_scale="user"`` compares with the measured rms
+instead).  Also off when the weights are kept (``reinit=False``) and for schemes other than
+``geometric``, which set their own constants from data; ONNX files declare no init std.
 """
 from __future__ import annotations
 

@@ -316,5 +316,6 @@ def effective_lr_multiplier(c: float, mode: str) -> float:
     return c * c if mode == "sgd" else c
 
 
-__all__ = ["DEPTH_REF", "DEPTH_POWER", "USER_POWER", "INIT_STD_KEYS", "main_path_depth", "fan_in",
-           "stored_rms", "declared_stds", "user_scales", "power_of_two", "factors", "carried", "apply", "effective_lr_multiplier", "summary"]
+__all__ = ["DEPTH_REF", "DEPTH_POWER", "USER_POWER", "INIT_STD_KEYS", "main_path_depth",
+           "fan_in", "stored_rms", "declared_stds", "user_scales", "power_of_two", "factors",
+           "carried", "apply", "effective_lr_multiplier", "summary"]
