@@ -122,6 +122,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rms(t: torch.Tensor) -> float:
+    """Root mean square of a tensor, in float64 (a measurement the tests make themselves)."""
+    return float(t.detach().double().pow(2).mean().sqrt())
+
+
 @contextlib.contextmanager
 def gloo_rank(rank: int, port: int, world: int) -> Iterator[Any]:
     """This process as rank ``rank`` of a ``world``-rank gloo group (rendezvous on ``port``),

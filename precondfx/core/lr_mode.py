@@ -15,9 +15,10 @@ best rate moves up.  ``R`` decides:
   back to the transformers init's and won at that rate (docs/results/heldout_cpu.md).  At
   GPT-2's own width 768 the same std gives 3.0, PyTorch's default's ratio: no change.
 
-Under SGD the same storage moves a layer's rate by ``c^2``, not always the right way: at the transformers
-init's SGD rate the result diverged on BERT and the ViT (both GPT-2 sizes were better).  Transformers are
-trained with Adam-family optimizers almost always; with SGD, pass ``lr_scale=None``.
+Under SGD the same storage moves a layer's rate by ``c^2``, not always the right way: at the
+transformers init's SGD rate the result diverged on BERT and the ViT (both GPT-2 sizes were
+better).  Transformers are trained with Adam-family optimizers almost always; with SGD, pass
+``lr_scale=None``.
 
 So ``"auto"`` is ``"user"`` when the median ``R`` over the re-drawn weighted layers is at least
 ``AUTO_RATIO`` = 4, with the user's scale of each weight taken from what the model *declares*

@@ -13,6 +13,7 @@ from torch import nn
 import precondfx
 from precondfx.core.lr_mode import AUTO_RATIO
 from tests import zoo
+from tests.helpers import rms
 
 needs_hf = pytest.mark.skipif(not zoo.HAS_TRANSFORMERS, reason="transformers not installed")
 
@@ -31,10 +32,6 @@ def _mlp(std: float | None = None, widths=(64, 128, 128, 10), seed: int = 0) -> 
                     mod.weight.normal_(0, std)
                     mod.bias.zero_()
     return m
-
-
-def _rms(t: torch.Tensor) -> float:
-    return float(t.detach().double().pow(2).mean().sqrt())
 
 
 @pytest.mark.parametrize("std", [None, 0.01])
@@ -91,7 +88,7 @@ def test_transformers_declared_std_stores_halfway_same_logits() -> None:
     o, w = dict(off.named_parameters()), dict(out.named_parameters())
     for lay in lin:
         c = 2.0 ** round(math.log2(math.sqrt(_eq7(lay) / 0.02)))   # nearest power of two
-        assert _rms(w[lay.weight]) == pytest.approx(_rms(o[lay.weight]) / c, rel=1e-5)
+        assert rms(w[lay.weight]) == pytest.approx(rms(o[lay.weight]) / c, rel=1e-5)
 
 
 @needs_hf

@@ -10,6 +10,7 @@ from torch import nn
 import precondfx
 from precondfx.errors import PrecondError
 from precondfx.core.options import Options, from_text
+from tests.helpers import rms as _rms
 
 
 def _mlp(n_in=64, width=100, depth=3, n_out=10, seed=0):
@@ -80,10 +81,6 @@ def test_function_unchanged_residual_conv():
         assert (out(x) - ref(x)).abs().max().item() <= 1e-5
     # main path: stem and head (both residual branches cut)
     assert rep.conditioning["lr_scale"]["depth"] == 2
-
-
-def _rms(t):
-    return float(t.detach().double().pow(2).mean().sqrt())
 
 
 def test_factors_match_the_formula():

@@ -11,6 +11,7 @@ from torch import nn
 
 import precondfx
 from precondfx.core import tokens
+from tests.helpers import rms
 
 
 class TinyViT(nn.Module):
@@ -46,10 +47,6 @@ class HandBias(nn.Module):
         return self.head(torch.relu(self.fc(x) + self.offset))
 
 
-def _rms(t: torch.Tensor) -> float:
-    return float(t.detach().double().pow(2).mean().sqrt())
-
-
 @pytest.mark.parametrize("capture", ["fx", "eager"])
 def test_tokens_drawn_at_the_patch_embedding_rms(capture):
     torch.manual_seed(0)
@@ -61,18 +58,18 @@ def test_tokens_drawn_at_the_patch_embedding_rms(capture):
         assert pi.rule == "match" and pi.match is not None, pi
     # the patch conv's output on the same batch, measured here with a hook on the result
     seen = []
-    h = out.patch.register_forward_hook(lambda mod, a, o: seen.append(_rms(o)))
+    h = out.patch.register_forward_hook(lambda mod, a, o: seen.append(rms(o)))
     with torch.no_grad():
         out(x)
     h.remove()
     assert seen and seen[0] > 0.1          # not transformers' 0.02: the re-drawn conv's scale
     for name in ("cls", "pos"):
         p = dict(out.named_parameters())[name]
-        assert _rms(p) == pytest.approx(seen[0], rel=1e-4), name
+        assert rms(p) == pytest.approx(seen[0], rel=1e-4), name
         assert rep.plan.inits[name].std == pytest.approx(seen[0], rel=1e-4)
     assert "token/position parameters drawn at the rms" in str(rep)
     # the user's model is not touched
-    assert _rms(m.cls) < 0.05 and _rms(m.pos) < 0.05
+    assert rms(m.cls) < 0.05 and rms(m.pos) < 0.05
     # the output scale is calibrated after the draw
     with torch.no_grad():
         assert float(out(x).std(correction=0)) == pytest.approx(1.0, rel=1e-3)
@@ -142,7 +139,7 @@ def test_transformers_vision_tokens():
                         "deit.embeddings.position_embeddings"}
     seen = []
     proj = out.deit.embeddings.patch_embeddings.projection
-    h = proj.register_forward_hook(lambda mod, a, o: seen.append(_rms(o)))
+    h = proj.register_forward_hook(lambda mod, a, o: seen.append(rms(o)))
     with torch.no_grad():
         out(pixel_values=x)
     h.remove()

@@ -56,10 +56,6 @@ class Analysis:
                 "activation_types": sorted(set(self.act_names.values()))}
 
 
-def _count_affine(a: Arch) -> int:
-    return count_leaves(a, Affine)
-
-
 def _fresh(a: Arch) -> bool:
     """Does the branch end in an affine layer (fresh weights: uncorrelated with the others)?"""
     if isinstance(a, Seq):
@@ -177,7 +173,7 @@ class _Expression:
             n, d, ops = self.graph[v], self.idom[v], self.preds[v]
             idx = [n.inputs.index(p) for p in ops]
             branches = [self.seg(p, d) for p in ops]  # type: ignore[arg-type]
-            counts = [_count_affine(b) for b in branches]
+            counts = [count_leaves(b, Affine) for b in branches]
             fresh = [_fresh(b) for b in branches]
             if self.elem[v][1] == "concat":
                 sizes = _concat_sizes(self.graph, n, ops, self.f.note)
