@@ -28,8 +28,6 @@ from precondfx.pytorch.capture.common import Sample  # noqa: E402
 from precondfx.pytorch.measure.suggest import suggest_lr  # noqa: E402
 
 TASKS = ["mlp_w128_d2", "conv_bn", "pool_cnn", "pool_cnn_bn", "vit", "gpt2"]
-#: the pooling CNNs ran 10 epochs in the held-out suite (heldout_cpu.md, section 1)
-EPOCHS = {"pool_cnn": 10, "pool_cnn_bn": 10}
 SEEDS = [0, 1, 2]
 
 
@@ -39,10 +37,7 @@ def main() -> None:
     ref = cells()
     rows = []
     for tn in TASKS:
-        cfg = dict(T.SIZES["cpu"])
-        if tn in EPOCHS:
-            cfg["epochs"] = EPOCHS[tn]
-        task = next(t for t in T.all_tasks(cfg) if t.name == tn)
+        task = T.heldout_task(tn)
         for opt in ("sgd", "adamw"):
             models, lrs = [], []
             for s in SEEDS:

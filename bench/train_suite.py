@@ -606,6 +606,18 @@ SIZES: dict[str, dict] = {
                   vit=dict(hidden=16, layers=1), seeds=3, n_lr=8),
 }
 
+#: epochs of the held-out suite's max-pool CNNs (heldout_cpu.md, section 1: 10, not 3)
+HELDOUT_EPOCHS = {"pool_cnn": 10, "pool_cnn_bn": 10}
+
+
+def heldout_task(name: str) -> "Task":
+    """The ``--cpu`` size's task ``name`` as the held-out suite ran it (its epochs)."""
+    cfg = dict(SIZES["cpu"])
+    if name in HELDOUT_EPOCHS:
+        cfg["epochs"] = HELDOUT_EPOCHS[name]
+    return next(t for t in all_tasks(cfg) if t.name == name)
+
+
 #: the default task selection of each size (``--tasks`` overrides it)
 DEFAULT_TASKS = {
     "full": ["libsvm", "mlp", "cnn", "conv_bn", "conv_nobn", "nf_resnet", "gpt2", "vit",

@@ -43,6 +43,12 @@ def _measures_data(scheme: str) -> bool:
     return getattr(scheme_class(scheme), "calibrate", Scheme.calibrate) is not Scheme.calibrate
 
 
+#: lr= (precondfx.pytorch.lr_target) measures the rewritten model's curvature on the sample
+LR_NEEDS_DATA = ("lr= measures the rewritten model's curvature on the sample, which needs the "
+                 "model's values on one process: precondition the materialized, unsharded "
+                 "model, or drop lr= and optimizer= (and pick the rate from a short sweep)")
+
+
 def _no_data_support(name: str, balance: str, input_scale: str, scheme: str) -> Support:
     """A setting where the model cannot be measured on the calibration batch: measured
     balancing (``'auto'``; ``'hessian'`` plans its alpha sites and is measured after
@@ -52,6 +58,9 @@ def _no_data_support(name: str, balance: str, input_scale: str, scheme: str) -> 
         Rule("balance", lambda v: v == "auto", REFUSE, balance),
         Rule("input_scale", lambda v: v == "auto", REFUSE, input_scale),
         Rule("scheme", _measures_data, REFUSE, scheme),
+        Rule("lr", lambda v: v is not None, REFUSE, LR_NEEDS_DATA),
+        Rule("suggest_lr", lambda v: v, REFUSE, LR_NEEDS_DATA.replace("lr= measures",
+                                                                      "suggest_lr=True measures")),
     ))
 
 
@@ -77,6 +86,7 @@ SHARDED = Support("sharded model", (
     Rule("input_scale", lambda v: v == "auto", REFUSE,
          "input_scale='auto' would differ between ranks (each sees its own batch): pass a "
          "number or None"),
+    Rule("lr", lambda v: v is not None, REFUSE, LR_NEEDS_DATA),
     Rule("scheme", _measures_data, REFUSE,
          "this scheme measures the model on each rank's own batch: use scheme='geometric'"),
 ))
@@ -117,7 +127,8 @@ def precondition(model: nn.Module, sample: Any, *, init: str = D.init,
                  target_std: float | None = D.target_std,
                  input_scale: float | str | None = D.input_scale,
                  output_key: str | int | None = D.output_key, seed: int = D.seed,
-                 lr_scale: str | None = D.lr_scale, reinit_weights: bool = D.reinit,
+                 lr_scale: str | None = D.lr_scale, lr: float | None = D.lr,
+                 optimizer: str | None = D.optimizer, reinit_weights: bool = D.reinit,
                  inplace: bool = False,
                  capture: Any = D.capture, calibration: str = D.calibration,
                  forward_kwargs: dict | None = None, verbose: bool = False,
@@ -139,7 +150,8 @@ def precondition(model: nn.Module, sample: Any, *, init: str = D.init,
                    balance_threshold=balance_threshold, residual=residual,
                    residual_scale=residual_scale, target_std=target_std,
                    input_scale=input_scale, output_key=output_key, seed=seed,
-                   lr_scale=lr_scale, reinit=reinit_weights, scheme=scheme,
+                   lr_scale=lr_scale, lr=lr, optimizer=optimizer, reinit=reinit_weights,
+                   scheme=scheme,
                    scheme_options=scheme_options,
                    balance_samples=balance_samples, measure=measure, suggest_lr=suggest_lr,
                    calibration=calibration,

@@ -18,7 +18,9 @@ best rate moves up.  ``R`` decides:
 Under SGD the same storage moves a layer's rate by ``c^2``, not always the right way: at the
 transformers init's SGD rate the result diverged on BERT and the ViT (both GPT-2 sizes were
 better).  Transformers are trained with Adam-family optimizers almost always; with SGD, pass
-``lr_scale=None``.
+your rate as ``lr=`` with ``optimizer="sgd"`` (:mod:`precondfx.pytorch.lr_target`: the
+curvature's suggested SGD rate is put on it; ``precondition_trainer`` does this for a Trainer
+whose optimizer is SGD).
 
 So ``"auto"`` is ``"user"`` when the median ``R`` over the re-drawn weighted layers is at least
 ``AUTO_RATIO`` = 4, with the user's scale of each weight taken from what the model *declares*
@@ -86,7 +88,8 @@ def resolve(plan: Any, params: dict[str, Any], opts: Any) -> tuple[str | None, s
                         f"init meets weights that much larger, so each weight is stored near the "
                         f"geometric mean of the two scales (a power-of-two factor), its layer's "
                         f"output scaled to match: the same function (for Adam-family "
-                        f"optimizers; with SGD, whose rate it moves by c^2, pass lr_scale=None)")
+                        f"optimizers; with SGD, whose rate it moves by c^2, pass your rate as "
+                        f"lr= with optimizer='sgd')")
     return None, f"lr_scale='auto': off ({what})"
 
 

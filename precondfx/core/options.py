@@ -45,7 +45,9 @@ LR_SCALE_REMOVED = {
             "loss 1.08 against 0.50), and at the rate tuned for the framework's default init it "
             "lost on the BatchNorm CNN (0.30 against 0.061), the ViT (1.57 against 0.88) and "
             "GPT-2 (2.762 against 2.691 nats/byte), without a win beyond the noise anywhere. "
-            "Use the default (lr_scale=None) with AdamW"}
+            "Use the default (lr_scale='auto') with AdamW"}
+#: optimizer= values: the family whose learning rate ``lr=`` is (precondfx.pytorch.lr_target)
+OPTIMIZERS = ("sgd", "adam", "adamw")
 #: seeds are handed to torch and numpy generators: a non-negative 63-bit integer
 SEED_MAX = 2 ** 63 - 1
 
@@ -96,6 +98,28 @@ def lr_scale_check() -> Check:
         return base(name, v)
     check.words = base.words  # type: ignore[attr-defined]
     return check
+
+
+def optimizer_family(name: str, v: Any) -> str | None:
+    """``optimizer=``: one of OPTIMIZERS in any case, or a torch optimizer class (SGD and its
+    subclasses: 'sgd'; Adam, AdamW and their subclasses: 'adam'); stored as the string."""
+    if v is None:
+        return None
+    if isinstance(v, str) and v.lower() in OPTIMIZERS:
+        return v.lower()
+    if isinstance(v, type):       # by name along the MRO: the core imports no framework
+        for c in v.__mro__:
+            if c.__module__.startswith("torch.optim"):
+                fam = {"SGD": "sgd", "Adam": "adam", "AdamW": "adam"}.get(c.__name__)
+                if fam:
+                    return fam
+    raise PrecondError(f"{name}={v!r} is not an optimizer family lr= knows: pass 'sgd' "
+                       f"(momentum included) or 'adam'/'adamw', or torch.optim.SGD / Adam / "
+                       f"AdamW (the class); another optimizer's rate moves in its own way with "
+                       f"the stored weight scale, so drop lr= and optimizer= for it")
+
+
+optimizer_family.words = (None,) + OPTIMIZERS  # type: ignore[attr-defined]
 
 
 def number(what: str, ok: Callable[[float], bool], words: tuple[Any, ...] = ()) -> Check:
@@ -230,6 +254,18 @@ class Options:
                                 "SGD rate across depths); None (on the command line 'none'): "
                                 "off ('adam' was removed; precondfx.pytorch.lr_transfer, "
                                 "docs/results/heldout_cpu.md)", cli="OPT")
+    lr: float | None = _opt(None, number("a positive learning rate", lambda x: x > 0, (None,)),
+                            "the learning rate your training uses (with optimizer=): every "
+                            "re-drawn layer's stored weight and bias are divided by one "
+                            "factor c, its output multiplied by c (the same function), so "
+                            "that the rewritten model's curvature-suggested rate for that "
+                            "optimizer is this rate (precondfx.pytorch.lr_target; "
+                            "report.conditioning['lr_target']); measured on the sample: "
+                            "not on the meta device")
+    optimizer: str | None = _opt(None, optimizer_family,
+                                 "the optimizer family lr= is a rate of: 'sgd' (momentum "
+                                 "included) or 'adam'/'adamw'; required with lr=, read only "
+                                 "with it")
     seed: int = _opt(0, integer(0, SEED_MAX), "seed of the re-initialization", cli="N")
     reinit: bool = _opt(True, flag, "re-initialize the weights; reinit_weights=False "
                         "(--no-reinit) keeps them, divided by their alpha, and only inserts "
@@ -258,6 +294,16 @@ class Options:
         for f in fields(self):
             object.__setattr__(self, f.name, f.metadata["check"](keyword_of(f), getattr(self,
                                                                                      f.name)))
+        if (self.lr is None) != (self.optimizer is None):
+            raise PrecondError(
+                "lr= and optimizer= go together: lr= is the learning rate your training uses "
+                "and optimizer= ('sgd' or 'adam') says which optimizer's rate it is (an SGD "
+                "rate and an Adam rate move differently with the stored weight scale); got "
+                f"lr={self.lr!r}, optimizer={self.optimizer!r}")
+        if self.lr is not None and self.scheme != "geometric":
+            raise PrecondError(f"lr= works with scheme='geometric' (scheme={self.scheme!r} "
+                               f"sets its own per-layer constants from data after the plan): "
+                               f"drop lr= or use the geometric scheme")
         if self.lr_scale not in (None, "auto") and self.scheme != "geometric":
             raise PrecondError(f"lr_scale= works with scheme='geometric' (scheme={self.scheme!r} "
                                f"sets its own per-layer constants from data after the plan): "

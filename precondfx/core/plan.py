@@ -209,8 +209,8 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
         plan.scales.append(Scale("alpha", lay.node, where, 0, lay.alpha,
                                  lay.alpha_reason or "alpha site for measured balancing"))
     _beta_sites(plan)
-    if plan.lr_mode is not None:
-        _lr_sites(plan, params)
+    if plan.lr_mode is not None or getattr(opts, "lr", None) is not None:
+        _lr_sites(plan, params)     # lr= (precondfx.pytorch.lr_target) sets them too
     return plan
 
 
@@ -584,7 +584,8 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
     # lr_scale divides these afterwards: with reinit=False they get a 'scale' rule (1/alpha),
     # whose factor lr_transfer divides, so that the plan keeps saying what the model holds
     lr_params = {p for lay in plan.layers for p in (lay.weight, lay.bias) if p} \
-        if getattr(opts, "lr_scale", None) not in (None, "auto") else set()
+        if getattr(opts, "lr_scale", None) not in (None, "auto") or \
+        getattr(opts, "lr", None) is not None else set()
 
     def put(name: str | None, pi: ParamInit) -> None:
         if not name or name not in params:

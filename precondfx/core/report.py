@@ -387,11 +387,12 @@ class Report:
         if sl:
             lines.append(f"suggested learning rate: SGD {_rate(sl.get('sgd'))}, Adam "
                          f"{_rate(sl.get('adam'))} ({sl.get('how', '')})")
-        lr = self.conditioning.get("lr_scale")
-        if isinstance(lr, dict) and lr.get("summary"):      # what was scaled, and why
-            lines += [lr[k] for k in ("summary", "decision") if lr.get(k)]
+        for sec in ("lr_scale", "lr_target"):                # what was scaled, and why
+            lr = self.conditioning.get(sec)
+            if isinstance(lr, dict) and lr.get("summary"):
+                lines += [lr[k] for k in ("summary", "decision") if lr.get(k)]
         for k, v in self.conditioning.items():
-            if k not in ("hessian", "measure", "suggested_lr", "lr_scale") and \
+            if k not in ("hessian", "measure", "suggested_lr", "lr_scale", "lr_target") and \
                     isinstance(v, dict) and v:
                 brief = ", ".join(f"{a}={b}" for a, b in v.items()
                                   if isinstance(b, (int, float, str)) and len(str(b)) < 40)

@@ -37,7 +37,7 @@ from precondfx.integrations.hf_checkpoints import CONFIG_KEY, is_transformers_mo
     reattach
 
 __all__ = ["CONFIG_KEY", "is_transformers_model", "prepare", "reattach", "precondition_callback",
-           "precondition_trainer"]
+           "precondition_trainer", "sgd_rate"]
 
 
 def _batch_sample(batch: Any, drop: tuple[str, ...]) -> Any:
@@ -120,6 +120,29 @@ def _first_batch(trainer: Any) -> Any:
         return next(iter(trainer.get_train_dataloader()))
 
 
+def sgd_rate(trainer: Any) -> float | None:
+    """The learning rate ``trainer`` will train with if its optimizer is SGD (torch's, or a
+    subclass), else None: an optimizer given to the Trainer (``optimizers=``), else
+    ``optimizer_cls_and_kwargs``, else ``args.optim == "sgd"`` with ``args.learning_rate``."""
+    import torch
+    opt = getattr(trainer, "optimizer", None)
+    if opt is not None:
+        inner = getattr(opt, "optimizer", opt)          # accelerate's AcceleratedOptimizer
+        if isinstance(inner, torch.optim.SGD) and inner.param_groups:
+            return float(inner.param_groups[0]["lr"])
+        return None
+    given = getattr(trainer, "optimizer_cls_and_kwargs", None)
+    if given:
+        cls, kw = given
+        if isinstance(cls, type) and issubclass(cls, torch.optim.SGD):
+            return float((kw or {}).get("lr", trainer.args.learning_rate))
+        return None
+    optim = getattr(trainer.args, "optim", None)
+    if str(getattr(optim, "value", optim)) == "sgd":
+        return float(trainer.args.learning_rate)
+    return None
+
+
 def precondition_trainer(trainer: Any, **options: Any) -> Any:
     """Make ``trainer`` (a ``transformers.Trainer``, any subclass) precondition its model in
     place on its first training batch *before* it builds its optimizer, so that parameters
@@ -130,7 +153,18 @@ def precondition_trainer(trainer: Any, **options: Any) -> Any:
     ``resume_from_checkpoint`` loads into the preconditioned model, unfoldable constants and
     added parameters included) or builds the optimizer, whichever comes first.  An optimizer
     passed to the Trainer (``optimizers=``) was built before: if it misses an added parameter
-    the call refuses with a ``PrecondError``."""
+    the call refuses with a ``PrecondError``.
+
+    With an SGD optimizer (:func:`sgd_rate`) and neither ``lr`` nor ``optimizer`` among
+    ``options``, it passes ``lr=`` the Trainer's rate and ``optimizer="sgd"``
+    (:mod:`precondfx.pytorch.lr_target`): at the rate tuned for the framework's init the
+    default's stored scale diverged under SGD on two of the suite's four transformers, and with
+    ``lr=`` none was worse than the framework's init (docs/results/keep_rate_check.md).  With
+    Adam-family optimizers the default (``lr_scale='auto'``) stays: adding ``lr=`` was no better
+    there."""
+    rate = sgd_rate(trainer)
+    if rate is not None and "lr" not in options and "optimizer" not in options:
+        options = {**options, "lr": rate, "optimizer": "sgd"}
     cb = precondition_callback(**options)
     trainer.add_callback(cb)
 

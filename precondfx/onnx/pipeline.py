@@ -56,6 +56,9 @@ ONNX = Support("ONNX back end", (
     Rule("measure", lambda v: v, REFUSE, f"measure=True {_TORCH_ONLY}"),
     # "auto" (the default) stays: an ONNX file declares no init std, so the plan leaves it off
     Rule("lr_scale", lambda v: v not in (None, "auto"), REFUSE, f"lr_scale= {_TORCH_ONLY}"),
+    Rule("lr", lambda v: v is not None, REFUSE, f"lr= (it measures curvature through torch) "
+         f"{_TORCH_ONLY}"),
+    Rule("suggest_lr", lambda v: v, REFUSE, f"suggest_lr=True {_TORCH_ONLY}"),
     Rule("capture", lambda v: v != D.capture, REFUSE, f"capture= (a PyTorch capture method) "
          f"{_TORCH_ONLY}"),
     Rule("calibration", lambda v: v != D.calibration, REFUSE, "calibration= sets the PyTorch "

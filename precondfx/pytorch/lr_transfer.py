@@ -204,10 +204,6 @@ def factors(graph: Graph, plan: Plan, mode: str, rms: dict[str, float],
     return out, L
 
 
-def _why(mode: str, c: float, L: int) -> str:
-    return f"lr_scale={mode!r} x{c:.4g} (main-path depth {L})"
-
-
 def summary(mode: str, fac: dict[str, float], L: int) -> str:
     vals = list(fac.values()) or [1.0]
     return (f"lr_scale={mode!r}: main-path depth {L}, {len(fac)} layers scaled by "
@@ -273,20 +269,8 @@ def apply(model: nn.Module, graph: Graph, plan: Plan, lr_buffers: dict[str, list
     if from_plan:       # exact in every dtype: meta == real, bit for bit (power_of_two)
         fac = {w: power_of_two(c) for w, c in fac.items()}
     done = {w: c for w, c in fac.items() if w in ok and c != 1.0}
-    bias_of = {lay.weight: lay.bias for lay in plan.layers if lay.weight and lay.bias}
-    if set_constant is None:
-        def set_constant(name: str, value: float) -> None:
-            model.get_buffer(name).fill_(value)
-    with torch.no_grad():
-        for w, c in done.items():
-            for b in ok[w]:
-                set_constant(b, c)
-                if planned is not None:
-                    planned[b] = c
-            model.get_parameter(w).div_(c)
-            if w in bias_of:
-                model.get_parameter(bias_of[w]).div_(c)
-    _record(plan, done, bias_of, mode, L)
+    store(model, plan, ok, done, f"lr_scale={mode!r} (main-path depth {L})", planned,
+          set_constant)
     note = summary(mode, done, L)
     plan.notes.append(note)
     vals = list(done.values()) or [1.0]
@@ -294,15 +278,42 @@ def apply(model: nn.Module, graph: Graph, plan: Plan, lr_buffers: dict[str, list
             "factors": done, "left_out": dict(left), "summary": note}
 
 
-def _record(plan: Plan, done: dict[str, float], bias_of: dict[str, str], mode: str, L: int
-            ) -> None:
-    """Keep the plan equal to what the model now holds: each layer's ``lr`` scale = c, its
+def store(model: nn.Module, plan: Plan, ok: dict[str, list[str]], done: dict[str, float],
+          why: str, planned: dict[str, float] | None = None, set_constant: Any = None) -> None:
+    """Multiply the lr multipliers of each weight in ``done`` (``ok``: weight -> its
+    constants, from :func:`carried`) by its factor ``c`` and divide the weight and its bias by
+    ``c``: the same function, the layer's effective rate x c^2 (SGD) or x c (Adam).  The plan
+    (and ``planned``, the constants recorded for materializing) is kept equal to what the
+    model holds; ``why`` goes into each changed scale's reason."""
+    bias_of = {lay.weight: lay.bias for lay in plan.layers if lay.weight and lay.bias}
+    if set_constant is None:
+        def set_constant(name: str, value: float) -> None:
+            model.get_buffer(name).fill_(value)
+    with torch.no_grad():
+        for w, c in done.items():
+            for b in ok[w]:
+                now = planned.get(b, 1.0) if planned is not None else \
+                    float(model.get_buffer(b).reshape(-1)[0])
+                set_constant(b, now * c)
+                if planned is not None:
+                    planned[b] = now * c
+            model.get_parameter(w).div_(c)
+            if w in bias_of:
+                model.get_parameter(bias_of[w]).div_(c)
+    _record(plan, done, bias_of, why)
+
+
+def _record(plan: Plan, done: dict[str, float], bias_of: dict[str, str], why: str) -> None:
+    """Keep the plan equal to what the model now holds: each layer's ``lr`` scale x c, its
     weight's and bias's std (or rescaling factor) / c (a zero bias stays zero)."""
     node_w = {lay.node: lay.weight for lay in plan.layers}
     for sc in plan.scales:
         c = done.get(node_w.get(sc.node) or "") if sc.tag == "lr" else None
         if c is not None:
-            sc.value, sc.reason = c, f"{_why(mode, c, L)}: weight and bias stored / {c:.4g}"
+            first = sc.value == 1.0 and sc.reason.startswith("lr_scale multiplier")
+            sc.value *= c
+            what = f"{why} x{c:.4g}: weight and bias stored / {c:.4g}"
+            sc.reason = what if first else f"{sc.reason}; {what}"
     for w, c in done.items():
         for name in (w, bias_of.get(w)):
             pi = plan.inits.get(name or "")
@@ -318,4 +329,4 @@ def effective_lr_multiplier(c: float, mode: str) -> float:
 
 __all__ = ["DEPTH_REF", "DEPTH_POWER", "USER_POWER", "INIT_STD_KEYS", "main_path_depth",
            "fan_in", "stored_rms", "declared_stds", "user_scales", "power_of_two", "factors",
-           "carried", "apply", "effective_lr_multiplier", "summary"]
+           "carried", "apply", "store", "effective_lr_multiplier", "summary"]

@@ -1,7 +1,7 @@
 """The PyTorch pipeline: the stage list ``precondition`` runs, and its PyTorch-only stages.
 
     prepare -> capture -> plan -> backend -> apply -> reinit -> scheme -> calibrate
-    -> balance -> lr_scale -> measure -> verify -> record
+    -> balance -> lr_scale -> lr_target -> measure -> suggest_lr -> verify -> record
 
 ``plan``, ``apply``, ``reinit``, ``scheme`` and ``calibrate`` are the shared stages of
 ``precondfx.core.driver`` (the ONNX pipeline runs them too); the others need the PyTorch model.
@@ -35,6 +35,7 @@ from precondfx.core.driver import Stage, State
 from precondfx.errors import PrecondError
 from precondfx.pytorch.folding import record
 from precondfx.pytorch import lr_transfer
+from precondfx.pytorch import lr_target as lr_target_mod
 from precondfx.integrations import hf_checkpoints
 from precondfx.core.plan import ParamInfo
 from precondfx.core.report import Report
@@ -352,6 +353,31 @@ def lr_scale(st: TorchState) -> None:
     st.measured.record_diff("lr_scale", now, edited)      # the plan stays as planned
 
 
+def lr_target(st: TorchState) -> None:
+    """``lr=`` with ``optimizer=``: one factor on every re-drawn layer puts the result's
+    suggested rate on the user's (:mod:`precondfx.pytorch.lr_target`)."""
+    from precondfx.pytorch.measure.suggest import suggest_lr
+    o = st.opts
+
+    def rate(fam: str) -> float | None:
+        return suggest_lr(st.result, st.sample, mode=o.calibration, key=o.output_key,
+                          seed=o.seed, families=(fam,))[fam]
+
+    if lr_target_mod.family(o.optimizer) == "adam" and st.plan.lr_mode == "user":
+        st.report.conditioning["lr_target"] = lr_target_mod.kept_for_adam(o.lr, o.optimizer)
+        st.plan.notes.append(st.report.conditioning["lr_target"]["summary"])
+        return
+    now = st.measured.final(st.plan)
+    edited = copy.deepcopy(now)
+    st.report.conditioning["lr_target"] = sec = lr_target_mod.keep_rate(
+        st.result, st.graph, edited, st.lr_buffers, o.lr, o.optimizer, rate, st.constants,
+        st.backend.set_constant, say=st.say)
+    if sec.get("warning"):
+        warnings.warn(f"precondfx: {sec['warning']}", RuntimeWarning, stacklevel=2)
+        st.report.skipped.append(("warning: lr=", sec["warning"]))
+    st.measured.record_diff("lr_target", now, edited)
+
+
 def measure(st: TorchState) -> None:
     """``measure=True``: Hessian statistics of the original and the rewritten model."""
     o = st.opts
@@ -452,6 +478,8 @@ STAGES = (
           when=lambda st: st.opts.balance in ("hessian", "auto")),
     Stage("lr_scale", lr_scale, lambda st: f"lr_scale={st.plan.lr_mode!r}",
           when=lambda st: st.plan.lr_mode is not None),
+    Stage("lr_target", lr_target, lambda st: f"putting the suggested {st.opts.optimizer} "
+          f"rate on lr={st.opts.lr:g}", when=lambda st: st.opts.lr is not None and st.data),
     Stage("measure", measure, when=lambda st: st.opts.measure),
     Stage("suggest_lr", suggest, "suggesting learning rates from the curvature",
           when=lambda st: st.opts.suggest_lr and st.data),

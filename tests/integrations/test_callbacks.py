@@ -402,3 +402,44 @@ def test_trainer_trains_as_a_model_preconditioned_beforehand(tmp_path) -> None:
     assert max(float((pa[n] - pb[n]).abs().max()) for n in pa) < 1e-6
     bufs = dict(by_hand.named_buffers())
     assert all(torch.equal(bufs[n], b_) for n, b_ in auto.named_buffers())
+
+
+@pytest.mark.parametrize("how", ["args", "given", "explicit", "adamw"])
+def test_trainer_with_sgd_puts_the_suggested_rate_on_its_rate(how: str, tmp_path) -> None:
+    """precondition_trainer with an SGD optimizer passes lr= the Trainer's rate and
+    optimizer='sgd' (precondfx.pytorch.lr_target): the preconditioned model's suggested SGD rate,
+    measured here again with another start vector, is within half an octave of it.  The
+    options the user passes win; with AdamW (the Trainer's default) nothing is passed."""
+    pytest.importorskip("accelerate")
+    import math
+    import transformers as tf
+    from precondfx.integrations.hf import precondition_trainer
+    from precondfx.pytorch.capture.common import Sample
+    from precondfx.pytorch.measure.suggest import suggest_lr
+    model = LossCNN()
+    data = _images()
+    if how == "given":
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        targs = tf.TrainingArguments(output_dir=str(tmp_path), max_steps=2,
+                                     per_device_train_batch_size=8, report_to=[], use_cpu=True,
+                                     disable_tqdm=True, save_strategy="no")
+        trainer = tf.Trainer(model=model, args=targs, train_dataset=data,
+                             optimizers=(opt, None))
+        want = 0.05
+    else:
+        trainer = _trainer(model, data, str(tmp_path),
+                           **({} if how == "adamw" else {"optim": "sgd"}))
+        want = 2 ** -8 if how == "explicit" else 1e-2
+    cb = precondition_trainer(trainer, **({"lr": want, "optimizer": "sgd"}
+                                          if how == "explicit" else {}))
+    trainer.train()
+    sec = cb.report.conditioning.get("lr_target")
+    if how == "adamw":
+        assert sec is None
+        return
+    assert sec["lr"] == want and sec["optimizer"] == "sgd"
+    x = torch.stack([d["pixel_values"] for d in data[:8]])
+    fresh = LossCNN()
+    out, _ = precondfx.precondition(fresh, {"pixel_values": x}, lr=want, optimizer="sgd")
+    got = suggest_lr(out, Sample((), {"pixel_values": x}), iters=100, seed=5)["sgd"]
+    assert abs(math.log2(got / want)) < 0.5
