@@ -191,16 +191,8 @@ def reattach(model: nn.Module) -> nn.Module:
         path, _, name = fqn.rpartition(".")
         mod = model.get_submodule(path) if path else model
         mod.register_buffer(name, scalar_buffer(value, like))
-        if name == PREFIX + "in_scale":
-            mod.register_forward_pre_hook(ea._scale_input_hook, with_kwargs=True)
-        elif name == PREFIX + "beta_scale":
-            mod.register_forward_pre_hook(ea._beta_input_hook, with_kwargs=True)
-        elif name == PREFIX + "out_scale":
-            mod.register_forward_hook(ea._scale_output_hook)
-        elif name == PREFIX + "lr_scale":
-            mod.register_forward_hook(ea._lr_scale_hook)
-        elif name == PREFIX + "output_scale" and path:
-            mod.register_forward_hook(ea._module_output_scale_hook)
+        if name in ea.MODULE_HOOKS and (path or name != PREFIX + "output_scale"):
+            ea.module_hook(mod, name)
         elif name == PREFIX + "output_scale":
             setattr(model, PREFIX + "output_path", tuple(entry.get("output_path", ())))
             model.register_forward_hook(ea._root_output_hook)

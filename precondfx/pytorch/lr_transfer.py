@@ -116,7 +116,8 @@ INIT_STD_KEYS = ("initializer_range", "init_std")
 
 def declared_stds(model: nn.Module) -> dict[str, float]:
     """Each weight's (dim >= 2) init std as the model declares it, without reading values: the
-    ``initializer_range`` (or ``init_std``) of the config of every transformers model in it.
+    ``initializer_range`` (or ``init_std``) of the config of the innermost transformers model
+    holding it (an encoder-decoder's encoder and decoder each declare their own).
     Data-free, so that a model on the meta device, a sharded one and the same model with its
     values get the same ``lr_scale='auto'`` decision and factors."""
     from precondfx.integrations.hf_checkpoints import is_transformers_model
@@ -131,7 +132,7 @@ def declared_stds(model: nn.Module) -> dict[str, float]:
             continue
         for n, p in mod.named_parameters(remove_duplicate=False):
             if p.dim() >= 2:
-                out.setdefault(f"{path}.{n}" if path else n, std)
+                out[f"{path}.{n}" if path else n] = std   # an inner model's own config wins
     return out
 
 
@@ -238,7 +239,10 @@ def carried(lr_buffers: dict[str, list[str]], plan: Plan, graph: Graph | None = 
                   for b in [lay.bias] if len(bias_users[b]) > 1]
         outside = others.get(w) or [o for lay in plan.layers if lay.weight == w and lay.bias
                                     for o in others.get(lay.bias, [])]
-        if len(bufs) != n:
+        pi = plan.inits.get(w)
+        if not bufs and pi is not None and pi.reason.startswith("frozen"):
+            left[w] = "frozen (requires_grad=False): the optimizer does not move it: factor 1"
+        elif len(bufs) != n:
             left[w] = (f"an lr multiplier was placed on {len(bufs)} of its {n} call sites (see "
                        f"NOT APPLIED): factor 1")
         elif outside:

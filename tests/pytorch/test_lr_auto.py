@@ -154,3 +154,23 @@ def test_onnx_default_is_accepted_explicit_refused(tmp_path) -> None:
     with pytest.raises(precondfx.PrecondError, match="lr_scale"):
         precondition_onnx(str(src), str(tmp_path / "p.onnx"), feeds={"x": x.numpy()},
                           lr_scale="user")
+
+
+@needs_hf
+def test_nested_models_declare_their_own_init_std() -> None:
+    """An encoder-decoder whose decoder declares initializer_range 0.05 and whose outer config
+    declares 0.1: each weight gets the std of the innermost config that holds it."""
+    import transformers as tf
+    from precondfx.pytorch.lr_transfer import declared_stds
+
+    def cfg(r: float, **kw):
+        return tf.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                             num_attention_heads=2, intermediate_size=32, initializer_range=r,
+                             **kw)
+    both = tf.EncoderDecoderConfig.from_encoder_decoder_configs(
+        cfg(0.02), cfg(0.05, is_decoder=True, add_cross_attention=True))
+    both.initializer_range = 0.1
+    got = declared_stds(tf.EncoderDecoderModel(config=both))
+    assert got["encoder.encoder.layer.0.attention.self.query.weight"] == 0.02
+    assert got["decoder.bert.encoder.layer.0.crossattention.self.query.weight"] == 0.05
+    assert set(got.values()) == {0.02, 0.05}

@@ -166,3 +166,44 @@ def test_adam_keeps_the_declared_init_storage_sgd_moves_it():
     with torch.no_grad():
         a, b = base(**sample).logits, moved(**sample).logits
     assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(a.abs().max()))
+
+
+def test_frozen_layer_left_out_with_its_reason():
+    """A frozen weight gets no factor (no optimizer step to move) and the report says why; the
+    trainable layers still carry one, and the function is unchanged."""
+    m = _mlp()
+    m[0].weight.requires_grad_(False)
+    m[0].bias.requires_grad_(False)
+    ref, _ = precondfx.precondition(m, X, lr_scale=None)
+    out, rep = precondfx.precondition(m, X, lr_scale=None, lr=2 ** -7, optimizer="sgd")
+    sec = rep.conditioning["lr_target"]
+    assert sec["layers"] == 2
+    assert sec["left_out"]["0.weight"].startswith("frozen")
+    assert torch.equal(out[0].weight, ref[0].weight)
+    with torch.no_grad():
+        a, b = ref(X), out(X)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(a.abs().max()))
+
+
+@pytest.mark.skipif(not zoo.HAS_TRANSFORMERS, reason="transformers not installed")
+def test_transformers_checkpoint_round_trip(tmp_path):
+    """lr='s factors fold into save_pretrained's weights like any constant: from_pretrained with
+    transformers alone gives the result's logits, and reattach gives back its stored weights."""
+    from transformers import GPT2LMHeadModel
+    from precondfx.integrations.hf import reattach
+    from tests.pytorch.test_lr_auto import _gpt2, _ids
+    ids = _ids()
+    out, rep = precondfx.precondition(_gpt2(), {"input_ids": ids}, use_cache=False, lr=0.5,
+                                      optimizer="sgd")
+    assert abs(math.log2(rep.conditioning["lr_target"]["factor"])) > 0.5
+    out.save_pretrained(tmp_path)
+    plain = GPT2LMHeadModel.from_pretrained(tmp_path)
+    back = reattach(GPT2LMHeadModel.from_pretrained(tmp_path))
+    with torch.no_grad():
+        a = out(input_ids=ids).logits
+        b, c = plain(input_ids=ids).logits, back(input_ids=ids).logits
+    tol = 1e-5 * float(a.abs().max())
+    assert float((a - b).abs().max()) < tol and float((a - c).abs().max()) < tol
+    mine = dict(out.named_parameters())
+    for n, p in back.named_parameters():
+        assert torch.allclose(p, mine[n], rtol=1e-5, atol=1e-7), n

@@ -187,6 +187,25 @@ def _lr_scale_hook(module: nn.Module, args: tuple, out: Any) -> Any:
     return times_first(out, getattr(module, PREFIX + "lr_scale"))
 
 
+#: a module's own constant (buffer name) -> its hook: (is a forward pre-hook, the hook); the one
+#: place that says it, for placing the constants here and for ``hf_checkpoints.reattach``
+MODULE_HOOKS: dict[str, tuple[bool, Callable[..., Any]]] = {
+    PREFIX + "in_scale": (True, _scale_input_hook),
+    PREFIX + "beta_scale": (True, _beta_input_hook),
+    PREFIX + "out_scale": (False, _scale_output_hook),
+    PREFIX + "lr_scale": (False, _lr_scale_hook),
+    PREFIX + "output_scale": (False, _module_output_scale_hook),
+}
+
+
+def module_hook(mod: nn.Module, bname: str) -> Any:
+    """Register the hook of constant ``bname`` (a key of :data:`MODULE_HOOKS`) on ``mod``;
+    returns the handle."""
+    pre, hook = MODULE_HOOKS[bname]
+    return mod.register_forward_pre_hook(hook, with_kwargs=True) if pre else \
+        mod.register_forward_hook(hook)
+
+
 def _root_input_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     s = getattr(module, PREFIX + "input_scale")
 
@@ -259,11 +278,7 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
             return fqn
         mod = self.model.get_submodule(path)
         self._register(mod, bname, value)
-        if where == "input":
-            self._hook(mod.register_forward_pre_hook(_beta_input_hook if beta else
-                                                     _scale_input_hook, with_kwargs=True))
-        else:
-            self._hook(mod.register_forward_hook(_lr_scale_hook if lr else _scale_output_hook))
+        self._hook(module_hook(mod, bname))
         self._done_modules[key] = value
         return fqn
 
