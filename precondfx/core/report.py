@@ -448,7 +448,10 @@ class Report:
         for k, vs in by.items():
             lo, hi = min(vs), max(vs)
             rng = f"{lo:.3g}" if f"{lo:.3g}" == f"{hi:.3g}" else f"{lo:.3g}..{hi:.3g}"
-            parts.append(f"{len(vs)} {k} = {rng}")
+            later = k == "lr" and (self.plan.options or {}).get("lr") is not None and \
+                "lr_target" not in self.conditioning
+            parts.append(f"{len(vs)} {k} = {rng}" + (" (lr=: precondition sets them from the "
+                                                     "measured curvature)" if later else ""))
         if self.input_scale is not None:
             parts.append(f"input scale {self.input_scale:.4g}")
         if self.output_scale is not None:

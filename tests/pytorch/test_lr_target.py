@@ -207,3 +207,15 @@ def test_transformers_checkpoint_round_trip(tmp_path):
     mine = dict(out.named_parameters())
     for n, p in back.named_parameters():
         assert torch.allclose(p, mine[n], rtol=1e-5, atol=1e-7), n
+
+
+def test_analyze_says_the_factor_is_set_by_precondition():
+    """analyze plans the lr multipliers at 1 and says precondition measures them; precondition's
+    report holds the measured factor (the constants the plan records equal the buffers)."""
+    rep = precondfx.analyze(_mlp(), X, lr=2 ** -7, optimizer="sgd")
+    assert "lr = 1 (lr=: precondition sets them" in rep.constants_line()
+    out, rep = precondfx.precondition(_mlp(), X, lr=2 ** -7, optimizer="sgd")
+    c = rep.conditioning["lr_target"]["factor"]
+    bufs = [float(b) for n, b in out.named_buffers() if "precondfx_lr" in n]
+    assert len(bufs) == 3 and all(v == pytest.approx(c, rel=1e-6) for v in bufs)
+    assert "precondition sets them" not in rep.constants_line()
