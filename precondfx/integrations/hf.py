@@ -160,8 +160,8 @@ def precondition_trainer(trainer: Any, **options: Any) -> Any:
     (:mod:`precondfx.pytorch.lr_target`): at the rate tuned for the framework's init the
     default's stored scale diverged under SGD on two of the suite's four transformers, and with
     ``lr=`` none was worse than the framework's init (docs/results/keep_rate_check.md).  With
-    Adam-family optimizers the default (``lr_scale='auto'``) stays: adding ``lr=`` was no better
-    there."""
+    Adam-family optimizers nothing is passed: on a transformers model ``lr=`` would keep the
+    default's storage anyway (``lr_target.kept_for_adam``)."""
     rate = sgd_rate(trainer)
     if rate is not None and "lr" not in options and "optimizer" not in options:
         options = {**options, "lr": rate, "optimizer": "sgd"}

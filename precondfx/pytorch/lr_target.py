@@ -17,9 +17,10 @@ preconditioned curvature by ``c``, so
 * SGD: ``c = sqrt(suggested / lr)``;
 * Adam: ``c = suggested / lr``, except where ``lr_scale`` already stored the weights for the
   init the model declares (``lr_scale='auto'`` on a transformers model): that storage put the
-  best AdamW rate on the framework init's on all four of the suite's transformers, while the
-  Adam curvature suggested rates 1.5-2 octaves below the best there, and moving onto it lost
-  on two of them (:func:`kept_for_adam`).
+  best AdamW rate within an octave of the framework init's on all four of the suite's
+  transformers, while the Adam curvature suggested rates 1.5-2 octaves below the best there;
+  moved onto the user's rate instead, the 4-layer GPT-2 lost to the transformers init at all
+  three rates tried (docs/results/keep_rate_check_curv.md; :func:`kept_for_adam`).
 
 Parameters outside the layers (normalization gains, tokens) keep their scale, so the suggested
 rate moves a little less than that; the factor is re-measured and corrected up to
@@ -100,13 +101,11 @@ def keep_rate(model: nn.Module, graph: Any, plan: Any, lr_buffers: dict[str, lis
 
 def kept_for_adam(lr: float, optimizer: str) -> dict[str, Any]:
     """The report section when ``lr_scale`` already stored each weight for the init the model
-    declares (``plan.lr_mode == "user"``) and the rate is an Adam rate: that storage is kept.
-    On the suite's four transformers it put the best AdamW rate on the framework init's; the
-    Adam curvature suggested rates 1.5-2 octaves below the best there, and moving onto it lost
-    on two of four (docs/results/keep_rate_check.md)."""
+    declares (``plan.lr_mode == "user"``) and the rate is an Adam rate: that storage is kept
+    (see the module docstring; docs/results/keep_rate_check_curv.md)."""
     return {"lr": lr, "optimizer": optimizer, "factor": 1.0, "layers": 0, "rounds": [],
             "summary": f"lr={lr:.4g} ({optimizer}): kept the storage lr_scale chose from your "
-                       f"model's declared init (under Adam it lands the best rate on a rate "
+                       f"model's declared init (under Adam it lands the best rate near a rate "
                        f"tuned for that init; the curvature's suggestion is lower on "
                        f"transformers)"}
 
