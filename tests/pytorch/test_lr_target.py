@@ -219,3 +219,18 @@ def test_analyze_says_the_factor_is_set_by_precondition():
     bufs = [float(b) for n, b in out.named_buffers() if "precondfx_lr" in n]
     assert len(bufs) == 3 and all(v == pytest.approx(c, rel=1e-6) for v in bufs)
     assert "precondition sets them" not in rep.constants_line()
+
+
+def test_batchnorm_statistics_untouched_by_the_measurement():
+    """The curvature is measured with the BatchNorm buffers cloned: the result's running
+    statistics equal those of the call without lr=, and the user's model keeps its own."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(12, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 6))
+    mean0 = m[1].running_mean.clone()
+    ref, _ = precondfx.precondition(m, X, lr_scale=None)
+    out, rep = precondfx.precondition(m, X, lr_scale=None, lr=2 ** -6, optimizer="sgd")
+    assert abs(math.log2(rep.conditioning["lr_target"]["factor"])) > 0.25
+    assert torch.equal(out[1].running_mean, ref[1].running_mean)
+    assert torch.equal(out[1].running_var, ref[1].running_var)
+    assert int(out[1].num_batches_tracked) == int(ref[1].num_batches_tracked)
+    assert torch.equal(m[1].running_mean, mean0)
