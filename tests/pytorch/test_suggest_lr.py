@@ -101,3 +101,55 @@ def test_precondition_reports_the_rates_of_the_returned_model():
     # off by default, and then not in the report
     _, rep2 = precondfx.precondition(m, x)
     assert rep2.suggested_lr is None
+
+
+class _ClampF(torch.autograd.Function):
+    """An autograd.Function without setup_context: torch.func's jvp/vjp refuse it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * (x > 0)
+
+
+class _CustomFn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(_ClampF.apply(self.a(x)))
+
+
+class _LSTMHead(nn.Module):
+    """CPU LSTM: its fused kernel has no forward-mode AD rule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.out = nn.LSTM(5, 6, batch_first=True), nn.Linear(6, 4)
+
+    def forward(self, x):
+        return self.out(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("which", ["custom_function", "lstm"])
+def test_reverse_mode_fallback_matches_the_dense_ggn(which):
+    """Where forward-mode AD is refused, the products come from reverse mode only (J v as the
+    gradient of <J^T u, v> in u): the top eigenvalue still matches the dense matrix."""
+    torch.manual_seed(0)
+    m = _CustomFn() if which == "custom_function" else _LSTMHead()
+    shape = (16, 5) if which == "custom_function" else (6, 3, 5)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    with pytest.raises((NotImplementedError, RuntimeError)):      # the case is real
+        torch.func.jvp(lambda p: functional_call(m, p, (x,)),
+                       (dict(m.named_parameters()),),
+                       ({n: torch.ones_like(p) for n, p in m.named_parameters()},))
+    g, _ = _dense_ggn(m, x)
+    lam = float(torch.linalg.eigvalsh(g)[-1])
+    got = suggest.suggest_lr(m, Sample((x,), {}), iters=300)
+    assert got["sgd_curvature"] == pytest.approx(lam, rel=1e-3)

@@ -94,15 +94,54 @@ def suggest_lr(model: nn.Module, sample: Sample, *, mode: str = "train", key: An
     return out
 
 
+def _gn_forward(f: Any, params: dict, v: dict) -> tuple[Any, Any]:
+    """``J v`` by forward-mode AD and the vector-Jacobian map ``u -> J^T u`` (torch.func)."""
+    _, jv = jvp(f, (params,), (v,))
+    _, back = vjp(f, params)
+    return jv, lambda u: back(u)[0]
+
+
+def _gn_reverse(f: Any, params: dict, v: dict) -> tuple[Any, Any]:
+    """The same by reverse mode only, for ops without a forward-mode rule (an RNN's fused
+    kernel, an ``autograd.Function`` without ``setup_context``): ``J v`` is the gradient with
+    respect to ``u`` of ``<J^T u, v>``, which is linear in ``u``."""
+    keys = list(params)
+    p = {k: t.detach().requires_grad_(True) for k, t in params.items()}
+    with torch.enable_grad():
+        z = f(p)
+        u = torch.zeros_like(z, requires_grad=True)
+        g = torch.autograd.grad(z, [p[k] for k in keys], grad_outputs=u, create_graph=True,
+                                allow_unused=True)
+        dot = sum((gi * v[k]).sum() for gi, k in zip(g, keys) if gi is not None)
+        jv = torch.autograd.grad(dot, u, retain_graph=True, allow_unused=True)[0] \
+            if torch.is_tensor(dot) and dot.requires_grad else None
+    jv = torch.zeros_like(z) if jv is None else jv
+
+    def back(hu: torch.Tensor) -> dict:
+        with torch.enable_grad():
+            gs = torch.autograd.grad(z, [p[k] for k in keys], grad_outputs=hu,
+                                     allow_unused=True)
+        return {k: torch.zeros_like(p[k]) if gk is None else gk for k, gk in zip(keys, gs)}
+    return jv.detach(), back
+
+
 def _top(f: Any, params: dict, h: Any, n_rows: int, d: dict | None, iters: int,
          gen: torch.Generator) -> float:
-    """Top eigenvalue of ``J^T H J / n`` (``d``: of ``D^-1/2 (.) D^-1/2``), power iteration."""
+    """Top eigenvalue of ``J^T H J / n`` (``d``: of ``D^-1/2 (.) D^-1/2``), power iteration;
+    forward-mode products where every op has a rule, reverse-mode ones otherwise."""
+    how = [_gn_forward]
+
     def mv(v: dict) -> dict:
         vv = {k: v[k] / d[k] for k in v} if d else v
-        _, jv = jvp(f, (params,), (vv,))
+        try:
+            jv, back = how[0](f, params, vv)
+        except (NotImplementedError, RuntimeError):
+            if how[0] is _gn_reverse:
+                raise
+            how[0] = _gn_reverse
+            jv, back = how[0](f, params, vv)
         hu = h(jv.double()) / n_rows
-        _, back = vjp(f, params)
-        (g,) = back(hu.to(jv.dtype))
+        g = back(hu.to(jv.dtype))
         return {k: g[k] / d[k] for k in g} if d else g
 
     v = {k: torch.randn(t.shape, generator=gen).to(t) for k, t in params.items()}
