@@ -90,8 +90,10 @@ def keep_rate(model: nn.Module, graph: Any, plan: Any, lr_buffers: dict[str, lis
         out["warning"] = "lr=: no layer carries an lr multiplier; nothing was scaled"
     elif abs(math.log2(total)) > FAR:
         out["warning"] = (f"lr=: the stored weights moved by a factor {total:.3g} to put the "
-                          f"suggested rate on {lr:.4g}: check that optimizer={optimizer!r} is "
-                          f"the optimizer you train with and lr= its rate")
+                          f"suggested {fam} rate ({first:.3g} before) on {lr:.4g}: check that "
+                          f"optimizer={optimizer!r} is the optimizer you train with and lr= its "
+                          f"rate; if so, the model as preconditioned wants a rate that far from "
+                          f"yours (the function is unchanged either way)")
     elif rate and abs(math.log2(rate / lr)) > 1.0:
         out["warning"] = (f"lr=: the suggested {fam} rate reached {rate:.4g}, not {lr:.4g}: the "
                           f"curvature sits on parameters outside the scaled layers")
