@@ -24,7 +24,8 @@ preconditioned curvature by ``c``, so
 
 Parameters outside the layers (normalization gains, tokens) keep their scale, so the suggested
 rate moves a little less than that; the factor is re-measured and corrected up to
-:data:`ROUNDS` times, until the suggested rate is within :data:`TOLERANCE` octaves of ``lr``.
+:data:`ROUNDS` times, until the suggested rate is within :data:`TOLERANCE` octaves of ``lr``,
+and kept within ``2^-FAR..2^FAR``.
 Measured on the sample, so a model on the meta device or a sharded one is refused
 (``precondfx.api.LR_NEEDS_DATA``).
 """
@@ -41,7 +42,8 @@ from precondfx.pytorch import lr_transfer
 ROUNDS = 3
 #: stop once the suggested rate is within this many octaves of lr=
 TOLERANCE = 0.25
-#: a factor beyond 2^FAR (either way) is reported as a likely mistaken rate or optimizer
+#: the factor stays within 2^-FAR..2^FAR (stored weights at most 256x off precondfx's scale,
+#: safe in half precision); reaching it is reported as a likely mistaken rate or optimizer
 FAR = 8.0
 
 
@@ -73,7 +75,10 @@ def keep_rate(model: nn.Module, graph: Any, plan: Any, lr_buffers: dict[str, lis
         if not ok or not rate or not math.isfinite(rate) or \
                 abs(math.log2(rate / lr)) <= TOLERANCE:
             break
-        c = factor(rate, lr, fam)
+        lim = 2.0 ** FAR
+        c = min(max(factor(rate, lr, fam), 1.0 / (lim * total)), lim / total)
+        if abs(math.log2(c)) < 1e-9:
+            break           # at the limit already
         lr_transfer.store(model, plan, ok, {w: c for w in ok}, why, planned, set_constant)
         total *= c
         before, rate = rate, measure(fam)
@@ -88,12 +93,12 @@ def keep_rate(model: nn.Module, graph: Any, plan: Any, lr_buffers: dict[str, lis
     out["summary"] = _summary(out, fam)
     if not ok:
         out["warning"] = "lr=: no layer carries an lr multiplier; nothing was scaled"
-    elif abs(math.log2(total)) > FAR:
-        out["warning"] = (f"lr=: the stored weights moved by a factor {total:.3g} to put the "
-                          f"suggested {fam} rate ({first:.3g} before) on {lr:.4g}: check that "
-                          f"optimizer={optimizer!r} is the optimizer you train with and lr= its "
-                          f"rate; if so, the model as preconditioned wants a rate that far from "
-                          f"yours (the function is unchanged either way)")
+    elif abs(math.log2(total)) >= FAR - 1e-9:
+        out["warning"] = (f"lr=: the factor reached its limit {total:.3g} (2^{FAR:g} either "
+                          f"way) and the suggested {fam} rate went {first:.3g} -> {rate:.3g}, "
+                          f"not {lr:.4g}: check that optimizer={optimizer!r} is the optimizer "
+                          f"you train with and lr= its rate; if so, the model as preconditioned "
+                          f"wants a rate that far from yours (the function is unchanged)")
     elif rate and abs(math.log2(rate / lr)) > 1.0:
         out["warning"] = (f"lr=: the suggested {fam} rate reached {rate:.4g}, not {lr:.4g}: the "
                           f"curvature sits on parameters outside the scaled layers")

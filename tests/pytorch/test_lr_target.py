@@ -134,7 +134,12 @@ def test_user_model_untouched_and_far_rate_warned():
     before = {n: p.clone() for n, p in m.state_dict().items()}
     with pytest.warns(RuntimeWarning, match="check that optimizer='adam'"):
         _, rep = precondfx.precondition(m, X, lr=1e3, optimizer="adam")
-    assert "warning" in rep.conditioning["lr_target"]
+    sec = rep.conditioning["lr_target"]
+    assert "limit" in sec["warning"]
+    assert sec["factor"] == pytest.approx(2.0 ** -8, rel=1e-9)   # clamped: weights x 256 at most
+    # Adam's suggested rate moves by 1/c: 256x up, still far below lr
+    assert sec["suggested_after"] == pytest.approx(256 * sec["suggested_before"], rel=0.1)
+    assert sec["suggested_after"] < 1e3 / 16
     for n, p in m.state_dict().items():
         assert torch.equal(p, before[n])
 
