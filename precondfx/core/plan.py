@@ -227,6 +227,10 @@ def _beta_sites(plan: Plan) -> None:
                                      f"beta_l times its std"))
 
 
+#: the reason an lr multiplier carries until lr_scale or lr= sets it
+LR_SITE_REASON = "lr_scale multiplier (weight and bias stored divided by it)"
+
+
 def _lr_sites(plan: Plan, params: dict[str, ParamInfo]) -> None:
     """``lr_scale=``: a multiplier on the output of every weighted call site (1 here; set by
     ``precondfx.pytorch.lr_transfer`` after balancing, with the layer's weight and bias divided by it),
@@ -235,8 +239,7 @@ def _lr_sites(plan: Plan, params: dict[str, ParamInfo]) -> None:
         info = params.get(lay.weight or "")
         if info is None or not info.trainable:
             continue
-        plan.scales.append(Scale("lr", lay.node, "output", 0, 1.0,
-                                 "lr_scale multiplier (weight and bias stored divided by it)"))
+        plan.scales.append(Scale("lr", lay.node, "output", 0, 1.0, LR_SITE_REASON))
 
 
 def plan_io(plan: Plan, opts: Options, input_value: float | None) -> None:

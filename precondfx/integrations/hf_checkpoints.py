@@ -191,13 +191,13 @@ def reattach(model: nn.Module) -> nn.Module:
         path, _, name = fqn.rpartition(".")
         mod = model.get_submodule(path) if path else model
         mod.register_buffer(name, scalar_buffer(value, like))
-        if name in ea.MODULE_HOOKS and (path or name != PREFIX + "output_scale"):
-            ea.module_hook(mod, name)
-        elif name == PREFIX + "output_scale":
+        if name == PREFIX + "output_scale" and not path:        # on the returned value
             setattr(model, PREFIX + "output_path", tuple(entry.get("output_path", ())))
             model.register_forward_hook(ea._root_output_hook)
         elif name == PREFIX + "input_scale":
             model.register_forward_pre_hook(ea._root_input_hook, with_kwargs=True, prepend=True)
+        elif name in ea.MODULE_HOOKS:
+            ea.module_hook(mod, name)
         else:
             raise PrecondError(f"config.precondfx records an unknown constant {fqn}")
     attach(model, Recipe(None, [], dict(entry.get("upstream", {})),

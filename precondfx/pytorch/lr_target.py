@@ -64,18 +64,22 @@ def keep_rate(model: nn.Module, graph: Any, plan: Any, lr_buffers: dict[str, lis
               planned: dict[str, float] | None = None, set_constant: Any = None,
               say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Scale every re-drawn layer by one factor until ``measure(family)`` (the suggested rate of
-    ``model`` as it now is) is within :data:`TOLERANCE` octaves of ``lr``.  Returns the report
+    ``model`` as it now is) is within :data:`TOLERANCE` octaves of ``lr`` (an Adam rate on a
+    plan whose ``lr_mode`` is ``"user"``: nothing, :func:`kept_for_adam`).  Returns the report
     section (``conditioning["lr_target"]``)."""
     fam = family(optimizer)
+    if fam == "adam" and plan.lr_mode == "user":
+        out = kept_for_adam(lr, optimizer)
+        plan.notes.append(out["summary"])
+        return out
     ok, left = lr_transfer.carried(lr_buffers, plan, graph)
     first = rate = measure(fam)
-    total, rounds = 1.0, []
+    total, rounds, lim = 1.0, [], 2.0 ** FAR
     why = f"lr={lr:.4g} ({optimizer})"
     for _ in range(ROUNDS):
         if not ok or not rate or not math.isfinite(rate) or \
                 abs(math.log2(rate / lr)) <= TOLERANCE:
             break
-        lim = 2.0 ** FAR
         c = min(max(factor(rate, lr, fam), 1.0 / (lim * total)), lim / total)
         if abs(math.log2(c)) < 1e-9:
             break           # at the limit already

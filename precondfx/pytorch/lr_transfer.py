@@ -66,7 +66,7 @@ from torch import nn
 from precondfx.errors import PrecondError
 from precondfx.core.graph import Graph
 from precondfx.core.options import INIT_RULES, LR_SCALE_MODES
-from precondfx.core.plan import Plan
+from precondfx.core.plan import LR_SITE_REASON, Plan
 
 #: depth (weighted layers on the main path) at which the depth factor is 1
 DEPTH_REF = 3
@@ -314,10 +314,9 @@ def _record(plan: Plan, done: dict[str, float], bias_of: dict[str, str], why: st
     for sc in plan.scales:
         c = done.get(node_w.get(sc.node) or "") if sc.tag == "lr" else None
         if c is not None:
-            first = sc.value == 1.0 and sc.reason.startswith("lr_scale multiplier")
             sc.value *= c
             what = f"{why} x{c:.4g}: weight and bias stored / {c:.4g}"
-            sc.reason = what if first else f"{sc.reason}; {what}"
+            sc.reason = what if sc.reason == LR_SITE_REASON else f"{sc.reason}; {what}"
     for w, c in done.items():
         for name in (w, bias_of.get(w)):
             pi = plan.inits.get(name or "")

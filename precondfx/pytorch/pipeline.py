@@ -10,10 +10,11 @@
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -337,45 +338,51 @@ def balance(st: TorchState) -> None:
                             f"{e}"))
 
 
+@contextlib.contextmanager
+def _plan_edit(st: TorchState, stage: str) -> Iterator[Any]:
+    """A copy of the plan as the model holds it now, for a stage that changes constants after
+    calibration; what the stage changed in it is recorded in ``report.measured`` (the plan
+    stays as planned)."""
+    now = st.measured.final(st.plan)        # what the model holds (after balancing)
+    edited = copy.deepcopy(now)
+    yield edited
+    st.measured.record_diff(stage, now, edited)
+
+
+def _suggested(st: TorchState, families: tuple[str, ...] = ("sgd", "adam")) -> dict[str, Any]:
+    """``suggest_lr`` on the returned model as it is now, in the calibration mode."""
+    from precondfx.pytorch.measure.suggest import suggest_lr
+    o = st.opts
+    return suggest_lr(st.result, st.sample, mode=o.calibration, key=o.output_key, seed=o.seed,
+                      families=families)
+
+
 def lr_scale(st: TorchState) -> None:
     """``lr_scale=``: per-layer scales for learning-rate transfer (``precondfx.pytorch.lr_transfer``),
     after balancing, which would undo them."""
-    now = st.measured.final(st.plan)        # what the model holds (after balancing)
-    edited = copy.deepcopy(now)
-    st.report.conditioning["lr_scale"] = lr_transfer.apply(
-        st.result, st.graph, edited, st.lr_buffers, st.plan.lr_mode, st.constants,
-        st.backend.set_constant,
-        user_rms={n: i.user_scale for n, i in st.params.items() if i.user_scale is not None},
-        from_plan=st.opts.lr_scale == "auto")
+    with _plan_edit(st, "lr_scale") as edited:
+        st.report.conditioning["lr_scale"] = lr_transfer.apply(
+            st.result, st.graph, edited, st.lr_buffers, st.plan.lr_mode, st.constants,
+            st.backend.set_constant,
+            user_rms={n: i.user_scale for n, i in st.params.items() if i.user_scale is not None},
+            from_plan=st.opts.lr_scale == "auto")
     why = [n for n in st.plan.notes if n.startswith("lr_scale='auto'")]
     if why:
         st.report.conditioning["lr_scale"]["decision"] = why[0]
-    st.measured.record_diff("lr_scale", now, edited)      # the plan stays as planned
 
 
 def lr_target(st: TorchState) -> None:
     """``lr=`` with ``optimizer=``: one factor on every re-drawn layer puts the result's
     suggested rate on the user's (:mod:`precondfx.pytorch.lr_target`)."""
-    from precondfx.pytorch.measure.suggest import suggest_lr
     o = st.opts
-
-    def rate(fam: str) -> float | None:
-        return suggest_lr(st.result, st.sample, mode=o.calibration, key=o.output_key,
-                          seed=o.seed, families=(fam,))[fam]
-
-    if lr_target_mod.family(o.optimizer) == "adam" and st.plan.lr_mode == "user":
-        st.report.conditioning["lr_target"] = lr_target_mod.kept_for_adam(o.lr, o.optimizer)
-        st.plan.notes.append(st.report.conditioning["lr_target"]["summary"])
-        return
-    now = st.measured.final(st.plan)
-    edited = copy.deepcopy(now)
-    st.report.conditioning["lr_target"] = sec = lr_target_mod.keep_rate(
-        st.result, st.graph, edited, st.lr_buffers, o.lr, o.optimizer, rate, st.constants,
-        st.backend.set_constant, say=st.say)
+    with _plan_edit(st, "lr_target") as edited:
+        st.report.conditioning["lr_target"] = sec = lr_target_mod.keep_rate(
+            st.result, st.graph, edited, st.lr_buffers, o.lr, o.optimizer,
+            lambda fam: _suggested(st, (fam,))[fam], st.constants, st.backend.set_constant,
+            say=st.say)
     if sec.get("warning"):
         warnings.warn(f"precondfx: {sec['warning']}", RuntimeWarning, stacklevel=2)
         st.report.skipped.append(("warning: lr=", sec["warning"]))
-    st.measured.record_diff("lr_target", now, edited)
 
 
 def measure(st: TorchState) -> None:
@@ -390,10 +397,7 @@ def measure(st: TorchState) -> None:
 def suggest(st: TorchState) -> None:
     """``suggest_lr=True``: SGD and Adam rates from the returned model's curvature
     (``report.suggested_lr``; :mod:`precondfx.pytorch.measure.suggest`)."""
-    from precondfx.pytorch.measure.suggest import suggest_lr
-    o = st.opts
-    st.report.conditioning["suggested_lr"] = suggest_lr(
-        st.result, st.sample, mode=o.calibration, key=o.output_key, seed=o.seed)
+    st.report.conditioning["suggested_lr"] = _suggested(st)
 
 
 def verify(st: TorchState) -> None:

@@ -73,7 +73,8 @@ class OutputSearch:
         if found is not None:
             mod = self.model.get_submodule(found)
             self._register(mod, PREFIX + "output_scale", 1.0)
-            self._hook(mod.register_forward_hook(_module_output_scale_hook))
+            from precondfx.pytorch.apply.eager_apply import module_hook   # imports this module
+            self._hook(module_hook(mod, PREFIX + "output_scale"))
             self.output_module = found
             self._done("output", f"output scale on the output of {found} (the main output): "
                        f"everything forward computes from it, its own loss included, sees the "
