@@ -15,6 +15,7 @@ import torch.fx as fx
 from precondfx.core.backend import Records, key_of
 from precondfx.pytorch.apply.common import buffer_name, replacement_pool, scalar_buffer
 from precondfx.pytorch.apply.torch_backend import TorchBackend
+from precondfx.pytorch.capture.common import placeholder_values
 from precondfx.core.outputs import bounded_output, skip_bounded
 from precondfx.core.plan import Plan, Scale
 
@@ -264,11 +265,9 @@ class FxApplier(TorchBackend, Records):
                 return out
 
         interp = Rec(self.gm)
-        placeholders = [p.target for p in self.gm.graph.nodes if p.op == "placeholder"]
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            vals = list(args) + [kwargs.get(t.lstrip("*")) for t in placeholders[len(args):]]
-            return interp.run(*vals)
+            return interp.run(*placeholder_values(self.gm.graph, args, kwargs))
 
         run(call)
         return got

@@ -23,6 +23,20 @@ from precondfx.errors import PrecondError
 from precondfx.core.graph import Node
 
 
+def placeholder_values(graph: "torch.fx.Graph", args: tuple, kwargs: Mapping[str, Any]
+                       ) -> list:
+    """The values an ``fx.Interpreter`` run of ``graph`` takes for one call ``(*args,
+    **kwargs)``: positional arguments in order, then each remaining placeholder by name, and for
+    one the call leaves out, the default the trace recorded from the user's ``forward`` (a
+    ``None`` there would turn ``is_causal=False`` into ``None``), else ``None``."""
+    out = list(args)
+    phs = [n for n in graph.nodes if n.op == "placeholder"]
+    for p in phs[len(args):]:
+        name = str(p.target).lstrip("*")
+        out.append(kwargs[name] if name in kwargs else (p.args[0] if p.args else None))
+    return out
+
+
 @dataclass
 class Sample:
     """A normalized sample: positional args and keyword args for ``model(*args, **kwargs)``.

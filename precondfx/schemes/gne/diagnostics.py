@@ -15,6 +15,7 @@ from precondfx.core.graph import Node
 from precondfx.core.scheme import SchemeContext
 from precondfx.errors import PrecondError
 from precondfx.pytorch.calibrate import quiet_run
+from precondfx.pytorch.capture.common import placeholder_values
 from precondfx.pytorch.measure.isometry import estimate_block_isometry
 from precondfx.schemes.activations import activation_of
 from precondfx.schemes.gne.blocks import _SMOOTH, following_activation
@@ -113,7 +114,6 @@ def _fx_run(gm: fx.GraphModule, ctx: SchemeContext, src: fx.Node, dst: fx.Node,
     """Interpret ``gm`` on the calibration batch up to ``dst``; with ``x`` given, ``src``'s
     value is replaced by ``x`` and everything upstream of it runs without autograd."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    placeholders = [p.target for p in gm.graph.nodes if p.op == "placeholder"]
 
     class Run(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
@@ -134,8 +134,7 @@ def _fx_run(gm: fx.GraphModule, ctx: SchemeContext, src: fx.Node, dst: fx.Node,
     interp.extra_traceback = False
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        vals = list(args) + [kwargs.get(t.lstrip("*")) for t in placeholders[len(args):]]
-        return interp.run(*vals)
+        return interp.run(*placeholder_values(gm.graph, args, kwargs))
     try:
         ctx.sample.call(call)
     except _Stop as s:

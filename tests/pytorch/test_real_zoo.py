@@ -1,0 +1,131 @@
+"""Stand-ins for what a sweep over torchvision and timm found (``bench/zoo_sweep.py`` on a GPU
+machine; timm and torchvision do not import on the CI machine, so each pattern is written out
+here the way those libraries write it).
+
+* timm's ViTs (DeiT, EVA-02, FlexiViT) take ``is_causal: bool = False`` in ``forward`` and pass it
+  to ``scaled_dot_product_attention``; the pass's fx Interpreter runs filled every argument the
+  sample leaves out with ``None`` instead of the recorded default, and the token stage failed.
+* ConvNeXt-V2's global response norm calls ``torch.addcmul``, Swin builds its shifted-window
+  mask with ``new_zeros``/``expand_as``/``zero_``, EdgeNeXt calls ``F.normalize`` and ``~mask``:
+  all were "unknown" to the op table.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import precondfx
+
+
+class _Attn(nn.Module):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.h, self.qkv, self.proj = h, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x, attn_mask=None, is_causal: bool = False):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.h, c // self.h).permute(2, 0, 3, 1, 4) \
+            .unbind(0)
+        x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=0.0,
+                                           is_causal=is_causal)
+        return self.proj(x.transpose(1, 2).reshape(b, n, c))
+
+
+class TimmStyleViT(nn.Module):
+    """A class token and position embedding (the token stage probes them through an fx
+    Interpreter run) and optional arguments with non-None defaults, as timm writes them."""
+
+    def __init__(self, d: int = 32, h: int = 4) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, d, 4, 4)
+        self.cls = nn.Parameter(torch.zeros(1, 1, d))
+        self.pos = nn.Parameter(torch.randn(1, 17, d) * 0.02)
+        self.n1, self.attn = nn.LayerNorm(d), _Attn(d, h)
+        self.n2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 64), nn.GELU(), nn.Linear(64, d))
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x, attn_mask=None, is_causal: bool = False):
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1) + self.pos
+        x = x + self.attn(self.n1(x), attn_mask=attn_mask, is_causal=is_causal)
+        x = x + self.mlp(self.n2(x))
+        return self.head(x[:, 0])
+
+
+def test_forward_defaults_reach_the_interpreter_runs():
+    torch.manual_seed(0)
+    model, x = TimmStyleViT(), torch.randn(16, 3, 16, 16)
+    pm, rep = precondfx.precondition(model, x)
+    assert rep.capture == "fx"
+    assert rep.output_std_after == pytest.approx(1.0, rel=1e-3)
+    # the token stage ran (it is the one that probes): the class token now has the patch
+    # embedding's output rms, measured here with a hook
+    got = {}
+
+    def hook(mod, inp, out) -> None:
+        got["rms"] = out.pow(2).mean().sqrt()
+
+    h = pm.patch.register_forward_hook(hook)
+    with torch.no_grad():
+        out = pm(x)
+    h.remove()
+    assert float(pm.cls.pow(2).mean().sqrt()) == pytest.approx(float(got["rms"]), rel=0.25)
+    with torch.no_grad():
+        torch.testing.assert_close(out, pm(x, None, False))
+
+
+class GRN(nn.Module):
+    """ConvNeXt-V2's global response normalization, as timm writes it (channels last)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.zeros(c)), nn.Parameter(torch.zeros(c))
+
+    def forward(self, x):
+        gx = x.norm(p=2, dim=(1, 2), keepdim=True)
+        nx = gx / (gx.mean(dim=-1, keepdim=True) + 1e-6)
+        return x + torch.addcmul(self.bias, self.weight, x * nx)
+
+
+class TimmStyleOps(nn.Module):
+    """GRN (addcmul), a Swin-like mask built with new_zeros / zero_ / expand_as, F.normalize
+    and an inverted boolean mask (EdgeNeXt's cross-covariance attention)."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Linear(12, c)
+        self.fc1, self.grn, self.fc2 = nn.Linear(c, 2 * c), GRN(2 * c), nn.Linear(2 * c, c)
+        self.q, self.head = nn.Linear(c, c), nn.Linear(c, 5)
+        self.temp = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):                                   # x: (B, H, W, 12)
+        x = self.stem(x)
+        x = x + self.fc2(self.grn(F.gelu(self.fc1(x))))
+        b, hh, ww, c = x.shape
+        t = x.reshape(b, hh * ww, c)
+        mask = t.new_zeros(hh * ww, hh * ww)
+        mask.zero_()
+        keep = ~(mask.expand_as(mask) > 0)
+        q = F.normalize(self.q(t), dim=-1)
+        k = F.normalize(t, dim=-1)
+        attn = (q @ k.transpose(1, 2) * self.temp).masked_fill(~keep, -1e4).softmax(-1)
+        return self.head((attn @ t).mean(1))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_timm_ops_are_in_the_table(capture):
+    torch.manual_seed(0)
+    model, x = TimmStyleOps(), torch.randn(32, 4, 4, 12)
+    pm, rep = precondfx.precondition(model, x, capture=capture)
+    assert rep.capture == capture
+    unknown = [(r.name, r.target) for r in rep.nodes if r.status == "unknown"]
+    assert unknown == []
+    assert rep.output_std_after == pytest.approx(1.0, rel=1e-3)
+    if capture == "fx":          # torch.export decomposes F.normalize into norm, clamp, div
+        assert [r.kind for r in rep.nodes if r.target.endswith("normalize")] == \
+            ["normalization", "normalization"]
+    grn = [r for r in rep.nodes if "addcmul" in r.target]
+    assert grn and all(r.kind == "mul" and r.status == "breaks" for r in grn)
