@@ -22,6 +22,8 @@ import torch
 import precondfx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests import zoo  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zoo_sweep import report_row  # noqa: E402
 
 
 def _sync() -> None:
@@ -62,14 +64,7 @@ def check_models(dev: str) -> list[dict]:
             pm, rep = precondfx.precondition(model, x)
             _sync()
             row["seconds"] = time.perf_counter() - t0
-            row["capture"] = rep.capture
-            row["std_after"] = rep.output_std_after
-            row["counts"] = rep.counts()
-            unk: dict[str, int] = {}
-            for r in rep.nodes:
-                if r.status == "unknown":
-                    unk[r.target] = unk.get(r.target, 0) + 1
-            row["unknown_targets"] = unk
+            row.update(report_row(rep))
             row["skipped"] = len(rep.skipped)
             row["balance"] = rep.conditioning.get("hessian", {}).get("decision") or \
                 rep.conditioning.get("hessian", {}).get("spread")

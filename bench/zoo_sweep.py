@@ -103,6 +103,21 @@ def _first_tensor(out):
     return None
 
 
+def report_row(rep) -> dict:
+    """What a sweep row keeps of a report: capture, output std against the target, the op
+    counts and the ops the table does not know (by target)."""
+    row = {"capture": rep.capture, "std_after": rep.output_std_after,
+           "target_std": rep.target_std, "counts": rep.counts()}
+    if rep.output_std_after and rep.target_std:
+        row["std_ratio"] = rep.output_std_after / rep.target_std
+    unk: dict[str, int] = {}
+    for r in rep.nodes:
+        if r.status == "unknown":
+            unk[r.target] = unk.get(r.target, 0) + 1
+    row["unknown_targets"] = unk
+    return row
+
+
 def _to(x, dev: str):
     import torch
     if isinstance(x, torch.Tensor):
@@ -144,17 +159,7 @@ def check(name: str, dev: str) -> dict:
     if dev == "cuda":
         torch.cuda.synchronize()
     row["seconds"] = time.perf_counter() - t0
-    row["capture"] = rep.capture
-    row["std_after"] = rep.output_std_after
-    row["target_std"] = rep.target_std
-    if rep.output_std_after and rep.target_std:
-        row["std_ratio"] = rep.output_std_after / rep.target_std
-    row["counts"] = rep.counts()
-    unk: dict[str, int] = {}
-    for r in rep.nodes:
-        if r.status == "unknown":
-            unk[r.target] = unk.get(r.target, 0) + 1
-    row["unknown_targets"] = unk
+    row.update(report_row(rep))
     row["skipped"] = [list(s) for s in rep.skipped][:20]
     after = model.state_dict()
     row["user_model_max_change"] = max(

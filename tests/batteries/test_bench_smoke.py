@@ -187,3 +187,24 @@ def test_train_suite_batched_update_matches_torch_optim(opt):
     for i, m in enumerate(refs):
         for k, p in m.named_parameters():
             assert torch.allclose(tr.p[k][i], p.detach(), rtol=1e-5, atol=1e-6), (opt, i, k)
+
+
+def test_zoo_sweep_rows_measure_what_they_claim(tmp_path):
+    """bench/zoo_sweep.py's per-model checks on two of the tests' zoo models (torchvision and
+    timm do not import here): on target, the user's model untouched, the user's class, finite
+    gradients; and a planted defect is flagged by the summary."""
+    mod = _study("zoo_sweep")
+    rows = [mod.check(name, "cpu") for name in ("zoo:mlp", "zoo:two_inputs_dict_out")]
+    for row in rows:
+        assert row["std_ratio"] == pytest.approx(1.0, abs=1e-3)
+        assert row["user_model_max_change"] == 0.0
+        assert row["same_class"] is True and row["nonfinite_grads"] == []
+        assert row["params_with_grad"] > 0
+        assert mod.flags(row) == []
+    assert rows[0]["params_with_grad"] == rows[0]["n_params"] == 6   # the MLP: 3 layers
+    bad = dict(rows[0], std_ratio=1.5, unknown_targets={"aten.foo": 2})
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (rows[1], bad)) + "\n")
+    text = mod.summarize(str(path))
+    assert text.startswith("2 models; every check held on 1;")
+    assert "output std 1.500 x target" in text and "aten.foo x2" in text
