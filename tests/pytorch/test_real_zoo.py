@@ -129,3 +129,32 @@ def test_timm_ops_are_in_the_table(capture):
             ["normalization", "normalization"]
     grn = [r for r in rep.nodes if "addcmul" in r.target]
     assert grn and all(r.kind == "mul" and r.status == "breaks" for r in grn)
+
+
+class AutocastRegion(nn.Module):
+    """EfficientViT's pattern: attention computed in float32 inside ``autocast(enabled=False)``,
+    a no-op while tracing (autocast is off then) but not under the user's own autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        with torch.autocast("cpu", enabled=False):
+            h = torch.relu(self.b(h.float()))
+            region = h
+        return self.head(h), region
+
+
+def test_autocast_region_kept_under_the_users_autocast():
+    torch.manual_seed(0)
+    model, x = AutocastRegion(), torch.randn(64, 16)
+    pm, rep = precondfx.precondition(model, x)
+    assert rep.capture != "fx" and type(pm) is AutocastRegion
+    assert rep.output_std_after == pytest.approx(1.0, rel=1e-3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, r_user = model(x)
+        out, r_pm = pm(x)
+    assert r_user.dtype == r_pm.dtype == torch.float32      # a traced graph gave bfloat16
+    assert out.dtype == torch.bfloat16                       # the rest follows the autocast

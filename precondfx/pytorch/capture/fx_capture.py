@@ -151,6 +151,28 @@ def _refuse_autograd_functions() -> Iterator[None]:
         torch.autograd.Function.apply = orig  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def _refuse_autocast() -> Iterator[None]:
+    """While tracing, entering a ``torch.autocast`` region raises :class:`Unkeepable`, also one
+    that changes nothing at trace time (``enabled=False`` with autocast already off): a traced
+    graph drops the region, so under the user's own autocast (bf16 training) it would compute
+    in the low precision where their model computes in float32 (transformers' rotary
+    embeddings, EfficientViT's attention)."""
+    cls = torch.amp.autocast_mode.autocast
+    orig = cls.__dict__["__enter__"]
+
+    def enter(self: Any) -> Any:
+        raise Unkeepable(f"the forward enters a torch.autocast region, which a traced graph "
+                         f"drops (under your own autocast it would compute in the low "
+                         f"precision where your model does not): {_KEEP}")
+
+    cls.__enter__ = enter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.__enter__ = orig  # type: ignore[method-assign]
+
+
 _FUNCTIONAL_DROPOUT = {F.dropout: nn.Dropout, F.dropout1d: nn.Dropout1d,
                        F.dropout2d: nn.Dropout2d, F.dropout3d: nn.Dropout3d,
                        F.alpha_dropout: nn.AlphaDropout}
@@ -246,7 +268,7 @@ def _trace_once(model: torch.nn.Module, concrete: dict) -> fx.GraphModule:
     added = {m: set(vars(m)) for m in model.modules()}
     tensors = {m: (dict(m._parameters), dict(m._buffers)) for m in model.modules()}
     try:
-        with _refuse_autograd_functions(), _refuse_python_random(), \
+        with _refuse_autograd_functions(), _refuse_python_random(), _refuse_autocast(), \
                 _TraceTimeCompute(model):
             graph = tracer.trace(model, concrete_args=concrete or None)
         name = model.__class__.__name__ if isinstance(model, torch.nn.Module) else "module"
