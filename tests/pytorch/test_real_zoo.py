@@ -11,6 +11,8 @@ here the way those libraries write it).
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -158,3 +160,38 @@ def test_autocast_region_kept_under_the_users_autocast():
         out, r_pm = pm(x)
     assert r_user.dtype == r_pm.dtype == torch.float32      # a traced graph gave bfloat16
     assert out.dtype == torch.bfloat16                       # the rest follows the autocast
+
+
+def _maybe_autocast(device: str, enabled: bool):
+    """transformers.utils.generic.maybe_autocast: a real autocast region only when autocast is
+    on already (as in the user's training) or asked for."""
+    if torch.is_autocast_enabled(device) or enabled:
+        return torch.autocast(device, enabled=enabled)
+    return contextlib.nullcontext()
+
+
+class RotaryStyle(nn.Module):
+    """Rotary-embedding style: cos/sin computed in float32 under ``maybe_autocast(enabled=False)``,
+    which is a null context while tracing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.head = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        with _maybe_autocast("cpu", enabled=False):
+            angle = h.float() * 0.5
+            rot = torch.cos(angle) + torch.sin(angle)
+        return self.head(h * rot), rot
+
+
+def test_a_forward_that_reads_the_autocast_state_is_not_traced():
+    torch.manual_seed(0)
+    model, x = RotaryStyle(), torch.randn(64, 16)
+    pm, rep = precondfx.precondition(model, x)
+    assert rep.capture != "fx" and type(pm) is RotaryStyle
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, r_user = model(x)
+        _, r_pm = pm(x)
+    assert r_user.dtype == r_pm.dtype == torch.float32

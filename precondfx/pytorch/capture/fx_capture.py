@@ -66,12 +66,7 @@ class _Tracer(fx.Tracer):
             super().is_leaf_module(m, qualname)
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
-        f = sys._getframe(1)
-        while f is not None:
-            if f.f_code in _CHECKPOINT_CODES:
-                raise Unkeepable(f"the forward calls torch.utils.checkpoint, whose recomputation "
-                                 f"a traced graph drops: {_KEEP}")
-            f = f.f_back
+        _refuse_checkpoint()
         if torch.is_grad_enabled() != self._grad or \
                 torch.is_inference_mode_enabled() != self._inference:
             raise Unkeepable(f"the forward changes the grad mode (a torch.no_grad / "
@@ -83,10 +78,20 @@ class _Tracer(fx.Tracer):
         return super().create_node(*args, **kwargs)
 
 
+def _refuse_checkpoint() -> None:
+    """Raise :class:`Unkeepable` when called (while tracing) from inside
+    ``torch.utils.checkpoint``."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code in _CHECKPOINT_CODES:
+            raise Unkeepable(f"the forward calls torch.utils.checkpoint, whose recomputation "
+                             f"a traced graph drops: {_KEEP}")
+        f = f.f_back
+
+
 def _autocast_state() -> tuple:
     """Whether autocast is on, and its dtype, for the CPU and CUDA."""
-    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                 for d in ("cpu", "cuda"))
+    return tuple((_IS_AUTOCAST(d), _AUTOCAST_DTYPE(d)) for d in ("cpu", "cuda"))
 
 
 _HOOKS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward pre-hook",
@@ -160,17 +165,36 @@ def _refuse_autocast() -> Iterator[None]:
     embeddings, EfficientViT's attention)."""
     cls = torch.amp.autocast_mode.autocast
     orig = cls.__dict__["__enter__"]
+    reads = {n: getattr(torch, n) for n in _AUTOCAST_READS if hasattr(torch, n)}
 
     def enter(self: Any) -> Any:
+        _refuse_checkpoint()
         raise Unkeepable(f"the forward enters a torch.autocast region, which a traced graph "
                          f"drops (under your own autocast it would compute in the low "
                          f"precision where your model does not): {_KEEP}")
 
+    def read(*args: Any, **kwargs: Any) -> Any:
+        _refuse_checkpoint()        # checkpoint reads the autocast state: name the cause
+        raise Unkeepable(f"the forward reads the autocast state (torch.is_autocast_enabled, "
+                         f"as transformers' maybe_autocast does), which a traced graph would "
+                         f"freeze at its value while tracing: {_KEEP}")
+
     cls.__enter__ = enter  # type: ignore[method-assign]
+    for n in reads:
+        setattr(torch, n, read)
     try:
         yield
     finally:
         cls.__enter__ = orig  # type: ignore[method-assign]
+        for n, f in reads.items():
+            setattr(torch, n, f)
+
+
+#: torch functions that read the autocast state (refused while tracing, see _refuse_autocast);
+#: the tracer's own check (_autocast_state) keeps the originals
+_AUTOCAST_READS = ("is_autocast_enabled", "get_autocast_dtype", "is_autocast_cpu_enabled",
+                   "get_autocast_gpu_dtype", "get_autocast_cpu_dtype")
+_IS_AUTOCAST, _AUTOCAST_DTYPE = torch.is_autocast_enabled, torch.get_autocast_dtype
 
 
 _FUNCTIONAL_DROPOUT = {F.dropout: nn.Dropout, F.dropout1d: nn.Dropout1d,
