@@ -134,6 +134,8 @@ class Plan:
     #: the lr_scale mode the pass applies ("sgd", "user" or None), ``options['lr_scale']``
     #: resolved ("auto": ``precondfx.core.lr_mode``)
     lr_mode: str | None = None
+    #: why ``lr_mode`` is what it is, when ``lr_scale="auto"`` decided it (also in ``notes``)
+    lr_mode_reason: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -151,7 +153,8 @@ class Plan:
                           for x in d.get("pools", [])],
                    residuals=[Residual(**x) for x in d.get("residuals", [])],
                    notes=list(d.get("notes", [])), reasons=dict(d.get("reasons", {})),
-                   aliases=dict(d.get("aliases", {})), lr_mode=d.get("lr_mode"))
+                   aliases=dict(d.get("aliases", {})), lr_mode=d.get("lr_mode"),
+                   lr_mode_reason=d.get("lr_mode_reason", ""))
 
     def alphas(self) -> dict[str, float]:
         """alpha per weight parameter name (first call site)."""
@@ -196,6 +199,7 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
     # lr_transfer sets the "lr" multipliers; "auto" compares the planned stds with the weights
     plan.lr_mode, why = lr_mode.resolve(plan, params, opts)
     if why:
+        plan.lr_mode_reason = why
         plan.notes.append(why)
     for lay in plan.layers:
         info = params.get(lay.weight or "")

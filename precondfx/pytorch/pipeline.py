@@ -366,9 +366,8 @@ def lr_scale(st: TorchState) -> None:
             st.backend.set_constant,
             user_rms={n: i.user_scale for n, i in st.params.items() if i.user_scale is not None},
             from_plan=st.opts.lr_scale == "auto")
-    why = [n for n in st.plan.notes if n.startswith("lr_scale='auto'")]
-    if why:
-        st.report.conditioning["lr_scale"]["decision"] = why[0]
+    if st.plan.lr_mode_reason:
+        st.report.conditioning["lr_scale"]["decision"] = st.plan.lr_mode_reason
 
 
 def lr_target(st: TorchState) -> None:
