@@ -195,3 +195,61 @@ def test_a_forward_that_reads_the_autocast_state_is_not_traced():
         _, r_user = model(x)
         _, r_pm = pm(x)
     assert r_user.dtype == r_pm.dtype == torch.float32
+
+
+def window_attention(x, qkv_weight, proj_weight, qkv_bias, proj_bias, num_heads: int):
+    """torchvision's Swin calls its attention as a function with the layers' weights, and
+    registers it with ``torch.fx.wrap``: a trace records one opaque call."""
+    b, n, c = x.shape
+    qkv = F.linear(x, qkv_weight, qkv_bias).reshape(b, n, 3, num_heads, c // num_heads) \
+        .permute(2, 0, 3, 1, 4)
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    attn = (q * (c // num_heads) ** -0.5) @ k.transpose(-2, -1)
+    x = (attn.softmax(-1) @ v).transpose(1, 2).reshape(b, n, c)
+    return F.linear(x, proj_weight, proj_bias)
+
+
+torch.fx.wrap("window_attention")
+
+
+class _WindowAttention(nn.Module):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.qkv, self.proj, self.h = nn.Linear(d, 3 * d), nn.Linear(d, d), h
+
+    def forward(self, x):
+        return window_attention(x, self.qkv.weight, self.proj.weight, self.qkv.bias,
+                                self.proj.bias, self.h)
+
+
+class SwinStyle(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.emb, self.n1, self.attn = nn.Linear(12, d), nn.LayerNorm(d), _WindowAttention(d, 4)
+        self.n2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 64), nn.GELU(), nn.Linear(64, d))
+        self.head = nn.Linear(d, 5)
+
+    def forward(self, x):
+        x = self.emb(x)
+        x = x + self.attn(self.n1(x))
+        x = x + self.mlp(self.n2(x))
+        return self.head(x.mean(1))
+
+
+def test_layers_inside_an_fx_wrapped_function_are_planned():
+    torch.manual_seed(0)
+    model, x = SwinStyle(), torch.randn(32, 16, 12)
+    before = model.attn.qkv.weight.detach().clone()
+    pm, rep = precondfx.precondition(model, x)
+    assert rep.capture == "export"
+    assert any("window_attention" in n and "hidden" in n for n in rep.capture_notes)
+    for name, (n_in, n_out) in {"attn.qkv.weight": (32, 96), "attn.proj.weight": (32, 32)}.items():
+        assert rep.plan.inits[name].rule == "geometric"
+        got = float(pm.get_parameter(name).pow(2).mean())
+        assert got == pytest.approx(2 * (n_in * n_out) ** -0.5, rel=0.2)   # D&B eq. 2
+    torch.testing.assert_close(model.attn.qkv.weight, before)               # yours untouched
+    assert rep.output_std_after == pytest.approx(1.0, rel=1e-3)
+    # only fx works: the fx graph is used after all, and the report says what it hides
+    pm2, rep2 = precondfx.precondition(model, x, capture=("fx",))
+    assert rep2.capture == "fx" and rep2.plan.inits["attn.qkv.weight"].rule == "keep"

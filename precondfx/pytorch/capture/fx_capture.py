@@ -374,6 +374,26 @@ def _check_python_state(before: dict, after: dict) -> None:
                          f"log...), which a traced graph drops: {_KEEP}")
 
 
+def opaque_parameter_calls(gm: fx.GraphModule) -> list[tuple[str, str]]:
+    """(function, parameter) for each call of a function the op table does not know that is
+    passed a parameter: a ``torch.fx.wrap``-ed function (torchvision's Swin attention) is one
+    opaque node, and the layers whose weights it takes are hidden from the plan (left as they
+    are).  Capture methods that run the function see into it."""
+    from precondfx.pytorch import ops
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    out: list[tuple[str, str]] = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or ops.for_function(n.target) is not None:
+            continue
+        for a in tree_leaves((n.args, n.kwargs)):
+            if isinstance(a, fx.Node) and a.op == "get_attr" and a.target in params:
+                name = getattr(n.target, "__qualname__", None) or str(n.target)
+                out.append((f"{getattr(n.target, '__module__', '') or ''}.{name}".lstrip("."),
+                            str(a.target)))
+                break
+    return out
+
+
 def trace(model: torch.nn.Module, sample: Sample) -> fx.GraphModule:
     """Symbolically trace ``model``; non-tensor keyword inputs become concrete arguments.
 

@@ -79,6 +79,7 @@ def capture(model: torch.nn.Module, sample: Sample, methods: tuple[str, ...] | l
     # tensors on a meta model; torch.export makes its own.
     fake = meta.fake_mode if on_meta else contextlib.nullcontext
     value_error: BaseException | None = None
+    fallback: Captured | None = None   # an fx graph with layers hidden in opaque calls
     for method in methods:
         sample = sample.copy()  # a forward that changes its inputs in place changes a copy
         try:
@@ -91,6 +92,15 @@ def capture(model: torch.nn.Module, sample: Sample, methods: tuple[str, ...] | l
                         fx_capture.check_same(gm, model, sample)
                     graph = fx_capture.to_graph(gm)
                     result = Captured(graph, gm)
+                    hidden = fx_capture.opaque_parameter_calls(gm)
+                    if hidden and method != methods[-1]:
+                        fallback = result
+                        fn, par = hidden[0]
+                        attempts.append((method, (
+                            f"not used: the trace records {fn} as one call and it takes "
+                            f"{par} ({len(hidden)} such call(s)): the layers inside would be "
+                            f"hidden from the plan; a method that runs it sees into it")))
+                        continue
                 elif method in ("export", "draft_export"):
                     with meta.default_meta() if on_meta else contextlib.nullcontext():
                         ep = export_capture.export(model, sample,
@@ -123,6 +133,12 @@ def capture(model: torch.nn.Module, sample: Sample, methods: tuple[str, ...] | l
                 f"(a branch the sample did not take, or a module not called): {shown}; they "
                 f"keep their current values (not re-initialized, not scaled)")
         return result
+    if fallback is not None:     # nothing saw more: the fx graph, with what it hides said
+        fallback.attempts = attempts
+        fallback.graph.notes[:0] = [f"{m} {why}" for m, why in attempts] + [
+            "fx used after all: the later methods failed; the layers inside the opaque calls "
+            "keep their weights (see the parameters left as they are)"]
+        return fallback
     if value_error is not None:
         raise meta.explain(value_error, "no capture method worked (" + "; ".join(
             f"{m}: {why}" for m, why in attempts) + ")") from value_error
