@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator
 
 import torch
@@ -98,7 +99,9 @@ def per_sample_ratios(model: nn.Module, weights: list[torch.Tensor], x: torch.Te
         r = (a + a.transpose(1, 2)) / 2
         grads = per(ws, x[idx], r)
         for j, gj in enumerate(grads):
-            acc[j] += float(gj.double().pow(2).flatten(1).mean(1).sum()) / w2[j]
+            # sum over the chunk of each sample's mean square, accumulated in float64
+            sq = float(torch.linalg.vector_norm(gj, dtype=torch.float64)) ** 2
+            acc[j] += sq / gj[0].numel() / w2[j]
         done += m
     return (acc / n).tolist()
 
@@ -154,9 +157,10 @@ def run_ranks(worker: Any, world: int, out: str) -> list[dict]:
     return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
 
 
+@functools.lru_cache(maxsize=None)
 def cli_help(command: str) -> str:
     """``python -m precondfx COMMAND --help`` from the repository root, wide enough that each
-    option stays on one line."""
+    option stays on one line (run once per command and session: the text is fixed)."""
     import os
     import subprocess
     import sys
