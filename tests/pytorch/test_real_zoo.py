@@ -253,3 +253,48 @@ def test_layers_inside_an_fx_wrapped_function_are_planned():
     # only fx works: the fx graph is used after all, and the report says what it hides
     pm2, rep2 = precondfx.precondition(model, x, capture=("fx",))
     assert rep2.capture == "fx" and rep2.plan.inits["attn.qkv.weight"].rule == "keep"
+
+
+class RegionsWithoutParameters(nn.Module):
+    """EfficientViT's linear attention (``autocast(enabled=False)`` around the kernel math) and
+    a vision tower's position ids built under ``torch.no_grad()``: torch.export keeps each
+    region as one higher-order op (``wrap_with_autocast``, ``wrap_with_set_grad_enabled``)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.qkv, self.proj, self.head = nn.Linear(12, 3 * d), nn.Linear(d, d), nn.Linear(d, 5)
+        self.pos = nn.Embedding(16, d)
+
+    def forward(self, x):                                   # x: (B, 16, 12)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        with torch.autocast("cpu", enabled=False):
+            q, k, v = torch.relu(q.float()), torch.relu(k.float()), v.float()
+            kv = k.transpose(-1, -2) @ v
+            out = (q @ kv) / (q @ k.sum(1, keepdim=True).transpose(-1, -2) + 1e-6)
+        with torch.no_grad():
+            ids = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+        h = self.proj(out) + self.pos(ids)
+        return self.head(h.mean(1)), out
+
+
+@pytest.mark.parametrize("capture", [None, "export"])
+def test_autocast_and_no_grad_regions_are_seen_into(capture):
+    """The regions' ops are classified (not one unknown node each), the layers around them
+    planned, and the user's module keeps the regions under their own autocast."""
+    torch.manual_seed(0)
+    model, x = RegionsWithoutParameters(), torch.randn(32, 16, 12)
+    kw = {} if capture is None else {"capture": capture}
+    pm, rep = precondfx.precondition(model, x, **kw)
+    assert rep.capture == "export" and type(pm) is RegionsWithoutParameters
+    unknown = [(r.name, r.target) for r in rep.nodes if r.status == "unknown"]
+    assert unknown == []                      # was: wrap_with_autocast, wrap_with_set_grad_enabled
+    targets = " ".join(r.target for r in rep.nodes)
+    assert "aten.matmul" in targets or "aten.bmm" in targets
+    assert "aten.arange" in targets
+    for name in ("qkv.weight", "proj.weight", "head.weight"):
+        assert rep.plan.inits[name].rule == "geometric"
+    assert rep.output_std_after == pytest.approx(1.0, rel=1e-3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, r_user = model(x)
+        _, r_pm = pm(x)
+    assert r_user.dtype == r_pm.dtype == torch.float32

@@ -9,6 +9,7 @@ the sample, which the report says.
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Callable, Iterator
 
 import torch
@@ -94,15 +95,71 @@ def _clean_path(path: str) -> str:
     return p.strip(".")
 
 
+#: higher-order ops that run a nested graph under a context (an autocast region, a
+#: ``torch.no_grad()`` block) and return its outputs as a tuple -> the position of the nested
+#: graph among their arguments (its operands follow it)
+_REGIONS = {"wrap_with_autocast": 4, "wrap_with_set_grad_enabled": 1}
+
+
+def _region_at(n: fx.Node) -> int | None:
+    """The position of the nested graph if ``n`` calls one of :data:`_REGIONS`, else None."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.HigherOrderOperator):
+        return None
+    return _REGIONS.get(getattr(n.target, "__name__", ""))
+
+
+def inline_regions(ep: torch.export.ExportedProgram) -> fx.Graph:
+    """The program's graph with each autocast or grad-mode region (:data:`_REGIONS`) replaced
+    by the ops of its nested graph, for analysis.  torch.export keeps such a region as one
+    higher-order op, whose ops would otherwise be one unknown node; the region's context
+    changes the dtype the ops compute in or whether they record gradients, not how they
+    scale, and the plan goes onto the user's module, which keeps the region.  Names and
+    metadata (module stack, shapes) are kept; a name a nested graph repeats gets a suffix."""
+    flat = fx.Graph()
+    _copy_graph(flat, ep.graph, ep.graph_module, {}, top=True)
+    return flat
+
+
+def _copy_graph(flat: fx.Graph, graph: fx.Graph, owner: torch.nn.Module,
+                env: dict[fx.Node, Any], top: bool) -> Any:
+    """Copy ``graph``'s nodes into ``flat``, expanding regions recursively (``owner`` holds
+    their nested graphs).  A nested graph's placeholders arrive mapped in ``env``; it returns
+    what its output node returns, mapped."""
+    for n in graph.nodes:
+        if n.op == "placeholder" and n in env:
+            continue
+        if n.op == "output":
+            if top:
+                flat.node_copy(n, lambda a: env[a])
+                return None
+            return fx.map_arg(n.args[0], lambda a: env[a])
+        at = _region_at(n)
+        if at is not None:
+            sub = getattr(owner, n.args[at].target)
+            holes = [p for p in sub.graph.nodes if p.op == "placeholder"]
+            inner = {p: env[a] if isinstance(a, fx.Node) else a
+                     for p, a in zip(holes, n.args[at + 1:])}
+            env[n] = _copy_graph(flat, sub.graph, sub, inner, top=False)
+        elif n.op == "call_function" and n.target is operator.getitem and \
+                _region_at(n.args[0]) is not None:
+            env[n] = env[n.args[0]][n.args[1]]
+        elif n.op == "get_attr" and n.users and all(_region_at(u) is not None for u in n.users):
+            continue                                    # a nested graph, expanded where used
+        else:
+            env[n] = flat.node_copy(n, lambda a: env[a])
+    raise ValueError("an fx graph without an output node")
+
+
 def to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, method: str) -> Graph:
-    """Convert an ExportedProgram into the neutral graph, grouping leaf-module calls."""
+    """Convert an ExportedProgram into the neutral graph, grouping leaf-module calls (autocast
+    and grad-mode regions inlined, :func:`inline_regions`)."""
     sig = ep.graph_signature
     pmap: dict[str, str] = {}
     pmap.update(sig.inputs_to_parameters)
     pmap.update(sig.inputs_to_buffers)
     pmap.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
     user_inputs = set(sig.user_inputs)
-    order, groups, group_of = _group_leaf_calls(ep.graph)
+    order, groups, group_of = _group_leaf_calls(inline_regions(ep))
     marker = _marker(pmap, group_of)
     nodes: list[Node] = []
     outputs: list[str] = []
