@@ -43,6 +43,7 @@ class ParamInit:
     shape: list[int] = field(default_factory=list)
     gates: int = 1       # orthogonal per gate block (recurrent weights)
     match: str | None = None   # rule ``match``: the node whose output rms is the draw's std
+    frozen: bool = False       # requires_grad=False: kept, and no optimizer moves it
 
 
 @dataclass
@@ -606,7 +607,7 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
             return
         if not info.trainable:
             pi = ParamInit(name, "keep", None, "frozen (requires_grad=False): left as is",
-                           list(info.shape))
+                           list(info.shape), frozen=True)
         elif info.parametrized:
             pi = ParamInit(name, "keep", None, "parametrized weight: left as is",
                            list(info.shape))

@@ -240,7 +240,7 @@ def carried(lr_buffers: dict[str, list[str]], plan: Plan, graph: Graph | None = 
         outside = others.get(w) or [o for lay in plan.layers if lay.weight == w and lay.bias
                                     for o in others.get(lay.bias, [])]
         pi = plan.inits.get(w)
-        if not bufs and pi is not None and pi.reason.startswith("frozen"):
+        if not bufs and pi is not None and pi.frozen:
             left[w] = "frozen (requires_grad=False): the optimizer does not move it: factor 1"
         elif len(bufs) != n:
             left[w] = (f"an lr multiplier was placed on {len(bufs)} of its {n} call sites (see "
