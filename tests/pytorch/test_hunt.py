@@ -135,3 +135,74 @@ def test_inplace_failure_restores_plain_list_references():
             precondfx.precondition(m, _x(6, 3, 8, 8), inplace=True, capture="eager")
     assert m.pool is pool and m.stages[2] is pool
     assert _same_state(before, _state(m))
+
+
+# -------------------------------------------------- the output the scale would act on
+
+
+class _ArgMax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x))).argmax(-1)
+
+
+class _Mask(_ArgMax):
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x))) > 0
+
+
+@pytest.mark.parametrize("make, dtype", [(_ArgMax, "int64"), (_Mask, "bool")])
+def test_integer_output_is_refused(make, dtype):
+    """A model returning class indices (``argmax``) got an output scale: the result returned
+    ``indices * 2.07``, a float tensor of other numbers (report: "output std 0.48 -> 1").
+    Fixed by ``calibrate.check_scalable`` (called from ``pipeline``)."""
+    model = make()
+    x = _x(8, 6)
+    before = _state(model)
+    with pytest.raises(PrecondError, match=rf"dtype {dtype}.*target_std=None"):
+        precondfx.precondition(model, x)
+    assert _same_state(before, _state(model))
+    # with target_std=None it is preconditioned without an output scale: indices stay indices
+    # (measured balancing there raised autograd's raw "element 0 of tensors does not require
+    # grad"; now 'auto' leaves the alphas as planned and says why, 'hessian' refuses)
+    res, rep = precondfx.precondition(model, x, target_std=None)
+    assert rep.output_scale is None and res(x).dtype == getattr(torch, dtype)
+    h = rep.conditioning["hessian"]
+    assert h["applied"] is False and f"dtype {dtype}" in h["decision"]
+    with pytest.raises(PrecondError, match=rf"dtype {dtype}.*balance='analytic' or 'none'"):
+        precondfx.precondition(model, x, target_std=None, balance="hessian")
+    with pytest.raises(PrecondError, match=rf"dtype {dtype}.*drop suggest_lr=True"):
+        precondfx.precondition(model, x, target_std=None, suggest_lr=True)
+    assert _same_state(before, _state(model))
+
+
+def test_output_key_selecting_integer_output_is_refused():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(6, 4)
+
+        def forward(self, x):
+            logits = self.fc(x)
+            return {"pred": logits.argmax(-1), "logits": logits}
+
+    x = _x(8, 6)
+    with pytest.raises(PrecondError, match=r"output_key='pred' selects a tensor of dtype int64"):
+        precondfx.precondition(Net(), x, output_key="pred")
+    res, rep = precondfx.precondition(Net(), x)          # the logits, found by name
+    out = res(x)
+    assert out["pred"].dtype == torch.int64
+    assert abs(float(out["logits"].double().std(correction=0)) - 1) < 0.02
+
+
+@pytest.mark.parametrize("key", [0, "logits"])
+def test_output_key_on_a_single_tensor_output_is_refused(key):
+    """``output_key=0`` on a model returning one tensor selected its first row: the pass went
+    on, set no output scale (std 0.45, target 1) and blamed "a structseq such as torch.topk's"
+    under NOT APPLIED; ``output_key='logits'`` said "too many indices" without what to do."""
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+    with pytest.raises(PrecondError, match=r"single tensor of shape \(8, 2\).*Drop output_key="):
+        precondfx.precondition(model, _x(8, 6), output_key=key)
