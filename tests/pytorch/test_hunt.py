@@ -206,3 +206,54 @@ def test_output_key_on_a_single_tensor_output_is_refused(key):
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
     with pytest.raises(PrecondError, match=r"single tensor of shape \(8, 2\).*Drop output_key="):
         precondfx.precondition(model, _x(8, 6), output_key=key)
+
+
+# -------------------------------------------------- a max-pool the back end keeps
+
+
+class _SharedPool(nn.Module):
+    """One MaxPool2d module called after two conv -> BatchNorm -> ReLU stages (not foldable
+    into a stride: a BatchNorm sits between): the eager back end keeps a pool module called
+    twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.b2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(8 * 2 * 2, 3)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.b1(self.c1(x))))
+        x = self.pool(F.relu(self.b2(self.c2(x))))
+        return self.fc(x.flatten(1))
+
+
+@pytest.mark.parametrize("balance", ["auto", "hessian", "analytic"])
+def test_kept_pool_gets_no_constants_of_its_missing_replacement(balance):
+    """The plan replaces each call of the pool by a strided convolution with an alpha; the
+    eager back end keeps a pool module called twice, but the alphas were still placed (on the
+    pool's output) and measured balancing looked the missing convolution's weight up: a raw
+    ``AttributeError: _SharedPool has no attribute `precondfx_pool_pool``` with the default
+    options.  Fixed in ``core.driver.apply``."""
+    x = _x(6, 3, 8, 8)
+    torch.manual_seed(0)
+    model = _SharedPool()
+    before = _state(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res, rep = precondfx.precondition(model, x, capture="eager", balance=balance)
+    assert _same_state(before, _state(model))
+    assert rep.capture == "eager" and isinstance(res, _SharedPool)
+    assert isinstance(res.pool, nn.MaxPool2d)
+    assert {n for n, _ in res.named_parameters()} == {n for n, _ in model.named_parameters()}
+    assert not any("pool" in n for n, _ in res.named_buffers() if "precondfx" in n)
+    notes = [why for what, why in rep.skipped if what.startswith("alpha pool")]
+    assert len(notes) == 2 and all("was not created" in w for w in notes)
+    with torch.no_grad():
+        out = res(x)
+    assert abs(float(out.double().std(correction=0)) - 1) < 0.02
+    res.zero_grad()
+    res(x).pow(2).mean().backward()
+    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all())
+               for p in res.parameters())
