@@ -257,3 +257,45 @@ def test_kept_pool_gets_no_constants_of_its_missing_replacement(balance):
     res(x).pow(2).mean().backward()
     assert all(p.grad is not None and bool(torch.isfinite(p.grad).all())
                for p in res.parameters())
+
+
+# -------------------------------------------------- an output changed in place after its module
+
+
+class _AddAfterHead(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.head = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.offset = nn.Parameter(torch.full((3,), 0.5))
+        self.how = how
+
+    def forward(self, x):
+        h = self.a(x)
+        h.relu_()
+        out = self.head(h)
+        if self.how == "add_":
+            return out.add_(1.0)
+        out += self.offset
+        return out
+
+
+@pytest.mark.parametrize("how", ["add_", "+="])
+def test_eager_output_scale_not_on_a_module_whose_output_changed_in_place(how):
+    """``return self.head(h).add_(1.0)``: the eager back end found the main output by tensor
+    identity, so ``head`` looked like its producer and carried the output scale: the result
+    computed ``s * head(h) + 1`` instead of ``s * (head(h) + 1)`` (12% off; the std check
+    could not see it: an added constant has no std).  Fixed in
+    ``apply.eager_output.OutputSearch._output_module`` (the tensor's version counter)."""
+    x = _x(16, 8)
+    torch.manual_seed(0)
+    model = _AddAfterHead(how)
+    res, rep = precondfx.precondition(model, x, capture="eager", balance="none",
+                                      residual="none", maxpool="keep")
+    assert rep.capture == "eager"
+    ref = _AddAfterHead(how)
+    ref.load_state_dict({k: v for k, v in res.state_dict().items() if "precondfx" not in k})
+    res.eval(), ref.eval()
+    with torch.no_grad():
+        got, want = res(x), ref(x) * rep.output_scale
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), float((got - want).abs().max())
+    assert abs(float(got.double().std(correction=0)) - 1) < 0.02
