@@ -212,8 +212,19 @@ def apply(st: State) -> None:
         if be.replace(node, mod, path, all_calls=True):
             be.applied.append(f"{st.scheme.name}: {node} replaced by {mod}")
     weight_of = {lay.node: lay.weight for lay in p.layers}
+    # a max-pool the back end kept as it was (a pool module called twice on the eager back
+    # end): the convolution planned to replace it does not exist, so neither do its constants
+    # (an alpha there would scale the pool's output, and measured balancing would look for
+    # the missing convolution's weight)
+    kept = {pc.node: pc.new_param for pc in p.pools
+            if pc.node in be.pool_notes and pc.new_param}
     for sc in p.scales:
         if sc.tag in IO_TAGS:
+            continue
+        if sc.node in kept and weight_of.get(sc.node) == kept[sc.node]:
+            be.skipped.append((f"{sc.tag} {sc.node}", f"not placed: max-pool {sc.node} was "
+                               f"kept ({be.pool_notes[sc.node]}), so the convolution this "
+                               f"constant scales ({kept[sc.node]}) was not created"))
             continue
         name = be.scale(sc)
         if name is None:

@@ -56,6 +56,22 @@ def _measure(model: nn.Module, s: Sample, weights: list[str], n_samples: int, n_
     return means, se, note
 
 
+def _differentiable_output(output_key: Any) -> Callable[[Any], torch.Tensor]:
+    """The main output measuring differentiates; an integer or boolean one (class indices, a
+    mask: with ``target_std=None`` nothing else refuses it) is a ``PrecondError`` that says
+    what to pass, not autograd's "does not require grad" from deep inside."""
+    def fn(out: Any) -> torch.Tensor:
+        y = main_output(out, output_key)
+        if isinstance(y, torch.Tensor) and not (y.is_floating_point() or y.is_complex()):
+            raise PrecondError(
+                f"measured balancing differentiates the model's main output, which is a "
+                f"tensor of dtype {str(y.dtype).replace('torch.', '')} (indices, ids or a "
+                f"mask?) with no gradient: return the logits (or name a floating-point output "
+                f"with output_key=), or pass balance='analytic' or 'none'")
+        return y
+    return fn
+
+
 def _measure_per(model: nn.Module, s: Sample, weights: list[str], n_samples: int, n_cot: int,
                  seed: int, output_key: Any, mode: str, verbose: bool | None = None,
                  desc: str = "measured balancing", first: int = 0,
@@ -64,7 +80,7 @@ def _measure_per(model: nn.Module, s: Sample, weights: list[str], n_samples: int
     """Per-sample statistics (samples measured x weights), the engine that ran, and a note.
     With ``ranks``, those of every rank's samples, the same on every rank (the parameters of a
     sharded model gathered whole meanwhile: :func:`~precondfx.pytorch.apply.shards.gathered`)."""
-    fn = (lambda out: main_output(out, output_key))
+    fn = _differentiable_output(output_key)
 
     def sketch(data: Any) -> Any:
         with shards.gathered(model):

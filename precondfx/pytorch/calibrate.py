@@ -12,7 +12,7 @@ import contextvars
 import math
 import random
 import weakref
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -306,6 +306,21 @@ def output_std(out: object, key: str | int | None = None) -> float:
     t = main_output(out, key).detach()
     check_calibratable(t)
     return float(t.to(torch.float64).std(correction=0))
+
+
+def check_scalable(t: Any, key: str | int | None = None) -> None:
+    """Refuse a main output that is not a floating-point (or complex) tensor: class indices
+    (``argmax``), a boolean mask or token ids.  An output scale there would change the values
+    the user's model returns, and their dtype (``int64 * float`` is a float tensor)."""
+    if isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex()):
+        what = f"output_key={key!r} selects" if key is not None else "the model returns"
+        raise PrecondError(
+            f"{what} a tensor of dtype {str(t.dtype).replace('torch.', '')} and shape "
+            f"{tuple(t.shape)} "
+            f"(indices, ids or a mask?), which an output scale would turn into other numbers: "
+            f"the output scale acts on the model's floating-point predictions. Return the "
+            f"logits too (a tuple or a dict under 'logits'), name a floating-point output "
+            f"with output_key=, or pass target_std=None to skip output scaling")
 
 
 def check_calibratable(t: torch.Tensor) -> None:

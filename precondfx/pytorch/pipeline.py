@@ -262,6 +262,8 @@ def prepare(st: TorchState) -> None:
         out0 = run_on(st.work, s, st.opts.calibration)
     st.main_path = output_path(out0, st.opts.output_key) if st.opts.target_std is not None \
         else []
+    if st.opts.target_std is not None:
+        cal.check_scalable(main_output(out0, st.opts.output_key), st.opts.output_key)
     if st.opts.target_std is not None and not st.data:   # on data, calibration checks it
         cal.check_calibratable(main_output(out0, st.opts.output_key))
     st.input_arrays = input_arrays(s, st.opts)

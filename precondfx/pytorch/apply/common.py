@@ -58,6 +58,74 @@ def replacement_pool(pc: PoolChange, like: torch.Tensor | None) -> nn.Module:
     raise ValueError(pc.action)
 
 
+#: module attributes that hold no references to modules (tensors, hooks) and are not searched
+_NOT_SEARCHED = frozenset({"_parameters", "_buffers", "_non_persistent_buffers_set"})
+
+
+def swap_references(root: nn.Module, old: nn.Module, new: nn.Module | None
+                    ) -> list[tuple[Any, Any, Any]]:
+    """Point every other reference to ``old`` held in ``root``'s module tree at ``new``.
+
+    A module replaced at one path (a max-pool replaced by a strided convolution, or dropped
+    for an ``Identity`` when its stride is folded into the convolution before it) may also be
+    held elsewhere: registered under a second name (``self.body = nn.Sequential(self.conv,
+    self.pool)``) or in a plain Python attribute, list, tuple or dict that the forward or the
+    user's methods iterate (``self.stages = [self.conv, self.pool]``).  Left pointing at the
+    old module, those calls would still run it next to the changed convolution (pooling
+    twice).  Returns ``(container, key, previous)`` records (a module's ``__dict__``, a list
+    or a dict) that undo the change in reverse order (``restore_references``).  ``new=None``
+    changes nothing."""
+    undo: list[tuple[Any, Any, Any]] = []
+    if new is None or new is old:
+        return undo
+
+    def fix(value: Any, depth: int) -> tuple[Any, bool]:
+        """(the value with ``old`` replaced, whether anything was) for an immutable value;
+        mutable containers are changed in place (recorded in ``undo``)."""
+        if value is old:
+            return new, True
+        if depth > 4 or isinstance(value, (nn.Module, torch.Tensor, str, bytes)):
+            return value, False
+        if isinstance(value, list):
+            for i, v in enumerate(value):
+                nv, hit = fix(v, depth + 1)
+                if hit and nv is not v:
+                    undo.append((value, i, v))
+                    value[i] = nv
+            return value, False
+        if isinstance(value, dict):
+            for k, v in list(value.items()):
+                nv, hit = fix(v, depth + 1)
+                if hit and nv is not v:
+                    undo.append((value, k, v))
+                    value[k] = nv
+            return value, False
+        if type(value) is tuple or (isinstance(value, tuple) and hasattr(value, "_fields")):
+            items = [fix(v, depth + 1) for v in value]
+            if any(hit for _, hit in items):
+                vals = [v for v, _ in items]
+                return (type(value)(*vals) if hasattr(value, "_fields") else tuple(vals)), True
+        return value, False
+
+    for m in list(root.modules()):
+        d = m.__dict__
+        for name in list(d):
+            if name in _NOT_SEARCHED:
+                continue
+            value = d[name]
+            nv, hit = fix(value, 0)
+            if hit and nv is not value:
+                undo.append((d, name, value))
+                d[name] = nv
+    return undo
+
+
+def restore_references(undo: list[tuple[Any, Any, Any]]) -> None:
+    """Undo ``swap_references`` (its records, newest first)."""
+    for container, key, previous in reversed(undo):
+        container[key] = previous
+
+
 def avg_pool_weight(channels: int, kernel: tuple[int, ...],
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight of a C->C convolution that computes average pooling (``count_include_pad``:

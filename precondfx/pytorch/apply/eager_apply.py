@@ -19,7 +19,8 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from precondfx.core.backend import Records
-from precondfx.pytorch.apply.common import PREFIX, replacement_pool, scalar_buffer, times_first
+from precondfx.pytorch.apply.common import (PREFIX, replacement_pool, restore_references,
+                                            scalar_buffer, swap_references, times_first)
 from precondfx.pytorch.apply.eager_output import (LOSS_BEFORE_SCALE,  # noqa: F401 (used by
                                                    OutputSearch, _module_output_scale_hook,
                                                    _root_output_hook, internal_loss)  # hf)
@@ -402,8 +403,12 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
     def _replace(self, path: str, mod: nn.Module) -> None:
         parent, _, leaf = path.rpartition(".")
         p = self.model.get_submodule(parent) if parent else self.model
-        self.undo.append(("module", p, leaf, getattr(p, leaf)))
+        previous = getattr(p, leaf)
+        self.undo.append(("module", p, leaf, previous))
         setattr(p, leaf, mod)
+        # the forward or a method may reach the module by another name or through a plain
+        # list or dict (``for s in self.stages``): those references follow
+        self.undo.append(("refs", swap_references(self.model, previous, mod)))
 
     def input_scale(self, value: float) -> list[str]:
         self._register(self.model, PREFIX + "input_scale", value)
@@ -474,6 +479,8 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
                 setattr(item[1], item[2], item[3])
             elif kind == "module":
                 setattr(item[1], item[2], item[3])
+            elif kind == "refs":
+                restore_references(item[1])
             elif kind == "attrdel":
                 if hasattr(item[1], item[2]):
                     delattr(item[1], item[2])

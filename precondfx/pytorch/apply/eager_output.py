@@ -52,6 +52,15 @@ def internal_loss(out: Any, path: list) -> bool:
     return isinstance(loss, torch.Tensor) and (not path or path[0] != "loss")
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's version counter (bumped by every in-place op); None where it has none
+    (inference-mode tensors)."""
+    try:
+        return t._version
+    except (RuntimeError, AttributeError):
+        return None
+
+
 class OutputSearch:
     """The output-scale half of the eager back end (``EagerApplier`` mixes it in)."""
 
@@ -94,7 +103,10 @@ class OutputSearch:
                        ) -> tuple[str | None, Any]:
         """The innermost submodule, called once per forward, whose returned tensor is the main
         output itself (forward hooks run innermost first and see earlier hooks' results)."""
-        first: dict[int, str] = {}
+        # tensor id -> (module, the tensor's version counter when the module returned it),
+        # innermost first: a tensor changed in place afterwards (``self.head(h).add_(1)``,
+        # ``out += bias``) is not that module's output any more
+        seen: dict[int, list[tuple[str, int | None]]] = {}
         calls: dict[str, int] = {}
         keep: list[torch.Tensor] = []
         handles = []
@@ -106,7 +118,7 @@ class OutputSearch:
                 calls[name] = calls.get(name, 0) + 1
                 t = out[0] if isinstance(out, tuple) and out else out
                 if isinstance(t, torch.Tensor):
-                    first.setdefault(id(t), name)
+                    seen.setdefault(id(t), []).append((name, _version(t)))
                     keep.append(t)
             handles.append(m.register_forward_hook(hook))
         try:
@@ -118,7 +130,10 @@ class OutputSearch:
             target = at_path(out, path)
         except (KeyError, IndexError, TypeError, AttributeError):
             return None, out
-        name = first.get(id(target)) if isinstance(target, torch.Tensor) else None
+        name = None
+        if isinstance(target, torch.Tensor):
+            now = _version(target)
+            name = next((n for n, v in seen.get(id(target), []) if v == now), None)
         if name is not None and calls.get(name, 0) == 1 and self._unique(name):
             return name, out
         if not isinstance(target, torch.Tensor):

@@ -13,7 +13,8 @@ import torch
 import torch.fx as fx
 
 from precondfx.core.backend import Records, key_of
-from precondfx.pytorch.apply.common import buffer_name, replacement_pool, scalar_buffer
+from precondfx.pytorch.apply.common import (buffer_name, replacement_pool, scalar_buffer,
+                                            swap_references)
 from precondfx.pytorch.apply.torch_backend import TorchBackend
 from precondfx.pytorch.capture.common import placeholder_values
 from precondfx.core.outputs import bounded_output, skip_bounded
@@ -46,8 +47,14 @@ def _like(gm: fx.GraphModule) -> torch.Tensor | None:
 
 
 def _set_submodule(gm: fx.GraphModule, path: str, mod: torch.nn.Module) -> None:
+    """Put ``mod`` at ``path``; every other reference to the module there (another name, a
+    plain list or dict the user's methods iterate) follows (``swap_references``)."""
     parent, _, leaf = path.rpartition(".")
-    setattr(gm.get_submodule(parent) if parent else gm, leaf, mod)
+    owner = gm.get_submodule(parent) if parent else gm
+    previous = owner._modules.get(leaf)
+    setattr(owner, leaf, mod)
+    if previous is not None:
+        swap_references(gm, previous, mod)
 
 
 def _is_tensor(n: fx.Node) -> bool:

@@ -315,13 +315,18 @@ def output_path(out: Any, key: str | int | None = None) -> list:
     rule: ``out[key]``; ``out`` itself; ``logits`` or the first floating-point tensor of a
     tuple, list, dict or transformers ModelOutput)."""
     if key is not None:
+        if isinstance(out, torch.Tensor):   # out[key] would be a slice of it (a row)
+            raise PrecondError(f"output_key={key!r} names an output, but the model returns a "
+                               f"single tensor of shape {tuple(out.shape)}, which has no named "
+                               f"or numbered outputs. {_key_advice(out)}")
         try:
             val = child(out, key)
         except (KeyError, IndexError, TypeError, AttributeError) as e:
             raise PrecondError(f"output_key={key!r} does not select an output of the model "
-                               f"({type(out).__name__}): {e}") from None
+                               f"({type(out).__name__}): {e}. {_key_advice(out)}") from None
         if not isinstance(val, torch.Tensor):
-            raise PrecondError(f"output_key={key!r} selects a {type(val).__name__}, not a tensor")
+            raise PrecondError(f"output_key={key!r} selects a {type(val).__name__}, not a "
+                               f"tensor. {_key_advice(out)}")
         return [key]
     if isinstance(out, torch.Tensor):
         return []
@@ -338,6 +343,16 @@ def output_path(out: Any, key: str | int | None = None) -> list:
         f"cannot find a floating-point tensor in the model's output ({type(out).__name__}); "
         f"pass output_key= to name the output to scale, or target_std=None to skip output "
         f"scaling")
+
+
+def _key_advice(out: Any) -> str:
+    """What to pass instead of an ``output_key`` that selects nothing usable."""
+    if isinstance(out, torch.Tensor):
+        return ("Drop output_key= (that tensor is the one scaled), "
+                "or pass target_std=None to skip output scaling")
+    keys = [k for k, v in _items(out) if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    return (f"Pass the key or index of a floating-point output ({keys[:8]} here), or "
+            f"target_std=None to skip output scaling")
 
 
 def _items(out: Any) -> list[tuple[Any, Any]]:
