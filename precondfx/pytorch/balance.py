@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from precondfx.pytorch import calibrate as cal
 from precondfx.pytorch.apply import shards
 from precondfx.pytorch.capture.common import Sample, main_output
 from precondfx.errors import PrecondError
@@ -57,17 +58,10 @@ def _measure(model: nn.Module, s: Sample, weights: list[str], n_samples: int, n_
 
 
 def _differentiable_output(output_key: Any) -> Callable[[Any], torch.Tensor]:
-    """The main output measuring differentiates; an integer or boolean one (class indices, a
-    mask: with ``target_std=None`` nothing else refuses it) is a ``PrecondError`` that says
-    what to pass, not autograd's "does not require grad" from deep inside."""
+    """The main output measuring differentiates (refused where it has no gradient)."""
     def fn(out: Any) -> torch.Tensor:
         y = main_output(out, output_key)
-        if isinstance(y, torch.Tensor) and not (y.is_floating_point() or y.is_complex()):
-            raise PrecondError(
-                f"measured balancing differentiates the model's main output, which is a "
-                f"tensor of dtype {str(y.dtype).replace('torch.', '')} (indices, ids or a "
-                f"mask?) with no gradient: return the logits (or name a floating-point output "
-                f"with output_key=), or pass balance='analytic' or 'none'")
+        cal.check_differentiable(y, "measured balancing", "pass balance='analytic' or 'none'")
         return y
     return fn
 

@@ -323,6 +323,19 @@ def check_scalable(t: Any, key: str | int | None = None) -> None:
             f"with output_key=, or pass target_std=None to skip output scaling")
 
 
+def check_differentiable(y: Any, what: str, instead: str) -> None:
+    """Refuse a main output with no gradient (an integer or boolean tensor: class indices, a
+    mask) where ``what`` differentiates it: a ``PrecondError`` that says what to pass
+    (``instead``: the option that avoids the measurement), not autograd's "does not require
+    grad" from deep inside."""
+    if isinstance(y, torch.Tensor) and not (y.is_floating_point() or y.is_complex()):
+        raise PrecondError(
+            f"{what} differentiates the model's main output, which is a tensor of dtype "
+            f"{str(y.dtype).replace('torch.', '')} (indices, ids or a mask?) with no gradient: "
+            f"return the logits (or name a floating-point output with output_key=), or "
+            f"{instead}")
+
+
 def check_calibratable(t: torch.Tensor) -> None:
     """Refuse a main output whose std cannot be calibrated (a single number, fewer than two
     elements); shapes only, so it also runs on the meta device, before materializing."""

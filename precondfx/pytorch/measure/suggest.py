@@ -31,7 +31,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from precondfx.pytorch import calibrate as cal
 from precondfx.pytorch.capture.common import Sample
-from precondfx.errors import PrecondError
 
 #: power-iteration steps (each a Jacobian-vector and a vector-Jacobian product)
 ITERS = 20
@@ -68,12 +67,8 @@ def suggest_lr(model: nn.Module, sample: Sample, *, mode: str = "train", key: An
         out = sample.call(lambda *a, **k: functional_call(
             model, ({n: b.clone() for n, b in bufs.items()}, p), a, k))
         y = cal.main_output(out, key)
-        if not (y.is_floating_point() or y.is_complex()):   # .float() would hide it
-            raise PrecondError(
-                f"suggest_lr=True measures the curvature of a loss on the model's main output, "
-                f"which is a tensor of dtype {str(y.dtype).replace('torch.', '')} (indices, "
-                f"ids or a mask?) with no gradient: return the logits (or name a "
-                f"floating-point output with output_key=), or drop suggest_lr=True")
+        cal.check_differentiable(y, "suggest_lr=True (the curvature of a loss on it)",
+                                 "drop suggest_lr=True")          # .float() would hide it
         return _logits(y.float())
 
     # forward-mode AD (jvp) has no rule for the fused attention kernels (CPU flash attention):
