@@ -110,6 +110,12 @@ def prepare_sample(model: Any, sample: Any, forward_kwargs: dict | None
         s = s.map(lambda t: t.to("meta"))
     if dt is not None:  # float samples in the dtype the pipeline computes in
         work_dt = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
+        other = sorted({str(t.dtype).replace("torch.", "") for t in s.tensors()
+                        if t.is_floating_point() and t.dtype != dt})
+        if other and work_dt == dt:
+            notes.append(f"the sample's {', '.join(other)} tensors were cast to the model's "
+                         f"{str(dt).replace('torch.', '')} for the pass (your model itself "
+                         f"may refuse them: cast your data the same way)")
         s = s.map(lambda t: t.to(work_dt) if t.is_floating_point() else t)
     return model, s, notes
 

@@ -299,3 +299,18 @@ def test_eager_output_scale_not_on_a_module_whose_output_changed_in_place(how):
         got, want = res(x), ref(x) * rep.output_scale
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), float((got - want).abs().max())
     assert abs(float(got.double().std(correction=0)) - 1) < 0.02
+
+
+def test_a_float64_sample_for_a_float32_model_is_cast_and_said():
+    """The pass computes in the model's dtype: a float64 sample is cast (the sample only
+    calibrates), the report says so, and the result is the same as with the float32 sample."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+    x = torch.randn(64, 6)
+    r64, rep64 = precondfx.precondition(model, x.double(), seed=0)
+    r32, rep32 = precondfx.precondition(model, x, seed=0)
+    assert any("float64 tensors were cast to the model's float32" in n
+               for n in rep64.capture_notes)
+    assert not any("were cast" in n for n in rep32.capture_notes)
+    torch.testing.assert_close(r64(x), r32(x), rtol=1e-5, atol=1e-6)
+    assert next(r64.parameters()).dtype == torch.float32
