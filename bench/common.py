@@ -146,6 +146,33 @@ def init_rule_(model: nn.Module, rule: str, seed: int) -> nn.Module:
     return model
 
 
+@torch.no_grad()
+def init_rule_from_draws_(model: nn.Module, rule: str, drawn: nn.Module, plan: Any) -> nn.Module:
+    """Like :func:`init_rule_`, but with precondfx's own normal draws: every Linear/Conv weight
+    of ``model`` becomes ``z * rule_std`` where ``z = W / std`` is the unit-moment draw behind
+    the same weight of ``drawn`` (a precondfx result) and ``std`` its planned std; biases 0.
+    Methods compared this way differ only in each layer's scale (common random numbers), so
+    their difference is not blurred by which draws each got.  Refuses a weight precondfx did
+    not draw with the geometric rule or whose stored moment is not the planned one (an alpha,
+    an lr factor or measured balancing stored in it)."""
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            continue
+        pi = plan.inits.get(f"{name}.weight")
+        w = drawn.get_parameter(f"{name}.weight")
+        if pi is None or pi.rule != "geometric" or not pi.std:
+            raise ValueError(f"{name}.weight: not a geometric draw of precondfx ({pi})")
+        z = w.double() / pi.std
+        if abs(float(z.pow(2).mean()) - 1.0) > 1e-3:
+            raise ValueError(f"{name}.weight: stored moment {float(z.pow(2).mean()):.4f} x the "
+                             f"planned one: not the plain draw")
+        n_in, n_out, k2 = _fans(m)
+        m.weight.copy_((z * rule_std(rule, n_in, n_out, k2)).to(m.weight.dtype))
+        if m.bias is not None:
+            m.bias.zero_()
+    return model
+
+
 def _linear_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))]
 

@@ -126,11 +126,16 @@ PER_OPTIMIZER = ("mup", "umup", "pfx_lr", "pfx_ws", "pfx_ws_half")
 
 BASELINES = ["default", "torch_default", "default_std0.05", "default_zb", "fan_in", "lsuv", "mup",
              "umup",
-             "default_eq", "fan_in_eq", "fan_out_eq", "xavier_eq"]
+             "default_eq", "fan_in_eq", "fan_out_eq", "xavier_eq", "geometric_eq",
+             "fan_in_pair", "fan_out_pair", "xavier_pair", "geometric_pair"]
 #: the plain init rules brought to precondfx's output scale (the paper's Table-2 protocol: every
 #: method's output std made equal, here 1, precondfx's target_std, by one scalar on the output)
 EQ_RULES = {"default_eq": "default", "fan_in_eq": "fan_in", "fan_out_eq": "fan_out",
-            "xavier_eq": "xavier"}
+            "xavier_eq": "xavier", "geometric_eq": "geometric"}
+#: the same rules, output std 1, on precondfx's own draws for the seed (common random numbers:
+#: common.init_rule_from_draws_); against "pfx" they differ only in each layer's scale
+PAIRED_RULES = {"fan_in_pair": "fan_in", "fan_out_pair": "fan_out", "xavier_pair": "xavier",
+                "geometric_pair": "geometric"}
 MAIN_METHODS = ["default", "torch_default", "fan_in", "lsuv", "mup", "umup", "pfx", "pfx_lr", "pfx_user"]
 ABLATIONS = ["default_std0.05", "default_zb", "pfx_std0.5", "pfx_stdNone", "pfx_in_auto",
              "pfx_fan_in", "pfx_none", "pfx_analytic", "pfx_hessian", "pfx_res_none",
@@ -163,6 +168,11 @@ LABELS = {
     "pfx_emb": "pfx, ViT tokens at the patch scale (emulated)",
     "default_eq": "PyTorch default, output std 1", "fan_in_eq": "fan-in, output std 1",
     "fan_out_eq": "fan-out, output std 1", "xavier_eq": "Xavier (Eq. 6), output std 1",
+    "geometric_eq": "geometric (Eq. 7, a plain draw), output std 1",
+    "fan_in_pair": "fan-in on precondfx's draws, output std 1",
+    "fan_out_pair": "fan-out on precondfx's draws, output std 1",
+    "xavier_pair": "Xavier on precondfx's draws, output std 1",
+    "geometric_pair": "geometric on precondfx's draws, output std 1 (pfx without its pass)",
     "pfx_ws_half": "pfx, weights halfway to the user's scale (emulated)",
 }
 
@@ -775,6 +785,10 @@ def build(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str
     if method in EQ_RULES:
         return C.calibrated(C.init_rule_(model, EQ_RULES[method], seed), calib, 1.0), {}
     import precondfx
+    if method in PAIRED_RULES:
+        drawn, rep = precondfx.precondition(model, calib, seed=seed)
+        return C.calibrated(C.init_rule_from_draws_(model, PAIRED_RULES[method], drawn,
+                                                     rep.plan), calib, 1.0), {}
     if method == "lsuv":
         out, _ = precondfx.precondition(model, calib, seed=seed, scheme="lsuv", target_std=None)
         return out.train(), {}
@@ -1118,13 +1132,22 @@ def fit_log2_lr(exps: list[int], med: np.ndarray) -> float:
     return float(exps[b] + 0.5 * (y0 - y2) / den)
 
 
+def _grid_point(k: int, step: float) -> float | int:
+    """The k-th rate exponent of a grid with spacing ``step`` (an int where it is one, so a
+    2x grid's JSON is unchanged)."""
+    e = k * step
+    return int(e) if float(e).is_integer() else e
+
+
 def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device: str,
           max_widen: int = 3, say: Callable[[str], None] = print, engine: str = "auto",
-          include: int | None = None) -> dict:
+          include: float | None = None, step: float = 1.0) -> dict:
     """One (task, method, optimizer): the LR grid, widened while the best rate (median over
     seeds of the ``task.select`` loss) is at an edge; the reported loss (``best``, ``se``) is
     ``task.metric``'s at that rate.  ``include``: a log2 rate the grid must reach (the
-    framework default's chosen rate, so that every method is measured there too)."""
+    framework default's chosen rate, so that every method is measured there too).  ``step``:
+    the grid's spacing in octaves (1: rates 2x apart; 0.5: sqrt(2) apart, for comparisons
+    that a 2x grid's placement could decide)."""
     hp = Hyper(opt)
     calib = {s: task.get(task.sampler(s)[0].to("cpu") if task.kind != "lm" else
                          task.sampler(s)[0])[0].cpu() for s in seeds}
@@ -1139,10 +1162,11 @@ def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device
         built[s] = _BUILT[key]
     mult = built[seeds[0]][1]
     c = LR_CENTER[opt]
-    lo = int(math.ceil(c - n_lr / 2 + 0.5))
-    exps = list(range(lo, lo + n_lr))
+    lo = int(math.ceil((c - n_lr * step / 2) / step + 0.5))
+    exps = [_grid_point(k, step) for k in range(lo, lo + n_lr)]
     if include is not None:
-        exps = list(range(min(exps[0], include), max(exps[-1], include) + 1))
+        k0, k1 = min(lo, math.floor(include / step)), max(lo + n_lr - 1, math.ceil(include / step))
+        exps = [_grid_point(k, step) for k in range(k0, k1 + 1)]
     losses: dict[int, dict[str, np.ndarray]] = {}
     engines = set()
 
@@ -1169,9 +1193,9 @@ def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device
         if widened >= max_widen:
             break
         if b == 0:
-            new = [grid[0] - 2, grid[0] - 1]
+            new = [_grid_point(round(grid[0] / step) - i, step) for i in (2, 1)]
         elif b == len(grid) - 1:
-            new = [grid[-1] + 1, grid[-1] + 2]
+            new = [_grid_point(round(grid[-1] / step) + i, step) for i in (1, 2)]
         else:
             break
         widened += 1
@@ -1633,6 +1657,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seeds", type=int, default=None)
     ap.add_argument("--epochs", type=float, default=None, help="epochs of the classification "
                     "tasks (default: the size's)")
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="seeds first_seed .. first_seed + seeds - 1 (default 0): another set "
+                         "of draws and data orders")
+    ap.add_argument("--lr-step", type=float, default=1.0,
+                    help="the rate grid's spacing in octaves (default 1: rates 2x apart)")
     ap.add_argument("--n-lr", type=int, default=None)
     ap.add_argument("--max-widen", type=int, default=3)
     ap.add_argument("--engine", default="auto", choices=["auto", "vmap", "loop"])
@@ -1677,7 +1706,8 @@ def main(argv: list[str] | None = None) -> dict:
         methods = methods if args.methods else ["default", "pfx"]
         args.max_widen = min(args.max_widen, 1)
     opts = [o for o in args.optimizers.split(",") if o]
-    seeds = list(range(args.seeds or cfg["seeds"]))
+    n_seeds = args.seeds or cfg["seeds"]
+    seeds = list(range(args.first_seed, args.first_seed + n_seeds))
     n_lr = args.n_lr or cfg["n_lr"]
     say(f"size {size}: {len(tasks)} tasks, methods {methods}, optimizers {opts}, seeds "
         f"{len(seeds)}, {n_lr} rates, device {args.device}")
@@ -1696,7 +1726,7 @@ def main(argv: list[str] | None = None) -> dict:
                     continue
                 try:
                     r = sweep(t, m, opt, seeds, n_lr, args.device, args.max_widen, say,
-                              args.engine, include=inc)
+                              args.engine, include=inc, step=args.lr_step)
                 except Exception as e:
                     if args.quick:
                         raise

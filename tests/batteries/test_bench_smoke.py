@@ -192,6 +192,76 @@ def test_train_suite_batched_update_matches_torch_optim(opt):
             assert torch.allclose(tr.p[k][i], p.detach(), rtol=1e-5, atol=1e-6), (opt, i, k)
 
 
+def test_paired_rules_use_precondfx_draws_at_their_own_scale():
+    """``*_pair`` baselines: each weight is precondfx's draw for the seed times the rule's std
+    over the planned one (correlation 1 with precondfx's weight, the rule's exact second
+    moment), biases 0, output std 1; 'geometric_pair' computes what precondfx's result does."""
+    import torch
+    mod = _study("train_suite")
+    common = _study("common")
+    torch.manual_seed(0)
+    calib = torch.rand(64, 64) * 16
+    task = mod.Task("t", lambda readout=torch.nn.Linear: mod.mlp(64, 32, 1, 10, readout),
+                    {}, 32)
+    pfx, _ = mod.build(task, "pfx", 3, calib, "sgd")
+    for method, rule in mod.PAIRED_RULES.items():
+        model, mult = mod.build(task, method, 3, calib, "sgd")
+        assert mult == {}
+        assert float(model(calib).std(correction=0)) == pytest.approx(1.0, rel=1e-4)
+        lin = [(n, m) for n, m in model.inner.named_modules()
+               if isinstance(m, torch.nn.Linear)]
+        assert len(lin) == 2
+        for name, m in lin:
+            w, ref = m.weight.detach().double(), pfx.get_parameter(f"{name}.weight").double()
+            corr = float((w * ref).sum() / (w.norm() * ref.norm()))
+            assert corr == pytest.approx(1.0, abs=1e-6), (method, name)
+            n_in, n_out, k2 = common._fans(m)
+            want = common.rule_std(rule, n_in, n_out, k2)
+            assert float(w.pow(2).mean().sqrt()) == pytest.approx(want, rel=1e-5), (method, name)
+            assert float(m.bias.abs().max()) == 0.0
+        if rule == "geometric":
+            torch.testing.assert_close(model(calib), pfx(calib), rtol=1e-4, atol=1e-4)
+
+
+def test_eq_scale_paired_summary_from_known_cells():
+    """bench/eq_scale_paired.py: each method's test losses at its validation-chosen rate, the
+    paired per-seed differences, and the mean over nets of the loss over the best method."""
+    import numpy as np
+    mod = _study("eq_scale_paired")
+
+    def cell(test_by_rate, chosen):                 # validation lowest at index ``chosen``
+        val = [[1.0] * 4 for _ in test_by_rate]
+        val[chosen] = [0.5] * 4
+        return {"losses": {"val": val, "test": test_by_rate}, "select": "val",
+                "metric": "test", "best_lr_log2": [-5, -4][chosen], "se": 0.01}
+
+    base = {"pfx": [[9, 9, 9, 9], [0.2, 0.2, 0.2, 0.2]],      # chosen: 2nd rate
+            "fan_in_pair": [[0.1, 0.1, 0.1, 0.1], [9, 9, 9, 9]],
+            "fan_out_pair": [[0.3, 0.3, 0.3, 0.3], [9, 9, 9, 9]],
+            "xavier_pair": [[9, 9, 9, 9], [0.4, 0.4, 0.4, 0.4]]}
+    results = {"net_a": {"sgd": {m: cell(v, 0 if v[0][0] < 9 else 1) for m, v in base.items()}},
+               "net_b": {"sgd": {m: cell([[0.1] * 4, [9] * 4], 0) for m in base}}}
+    res = mod.analyse(results, n_boot=50)
+    assert res["rows"]["net_a"]["fan_in_pair"]["pfx_minus"] == pytest.approx(0.1)
+    assert res["rows"]["net_a"]["xavier_pair"]["pfx_minus"] == pytest.approx(-0.2)
+    s = res["summary"]
+    assert s["pfx"]["mean_over_best"] == pytest.approx((2.0 + 1.0) / 2)
+    assert s["xavier_pair"]["mean_over_best"] == pytest.approx((4.0 + 1.0) / 2)
+    assert s["fan_in_pair"]["best_on"] == ["net_a", "net_b"]
+    assert s["xavier_pair"]["worst_on"] == ["net_a", "net_b"] and s["pfx_never_worst"] is False
+    assert s["pfx_at_least_best_on_average"] is False
+    assert np.isclose(s["pfx_at_or_below_best_other_share"], 0.0)
+
+
+def test_train_suite_half_octave_grid():
+    """``--lr-step 0.5``: the grid's rates are sqrt(2) apart around the optimizer's centre,
+    and widening at an edge continues at that spacing; step 1 keeps the integer grid."""
+    mod = _study("train_suite")
+    assert [mod._grid_point(k, 1.0) for k in (-6, -5)] == [-6, -5]
+    assert all(isinstance(mod._grid_point(k, 1.0), int) for k in range(-3, 3))
+    assert [mod._grid_point(k, 0.5) for k in (-13, -12, -11)] == [-6.5, -6, -5.5]
+
+
 def test_zoo_sweep_rows_measure_what_they_claim(tmp_path):
     """bench/zoo_sweep.py's per-model checks on two of the tests' zoo models (torchvision and
     timm do not import here): on target, the user's model untouched, the user's class, finite
