@@ -104,10 +104,12 @@ def _first_tensor(out):
 
 
 def report_row(rep) -> dict:
-    """What a sweep row keeps of a report: capture, output std against the target, the op
-    counts and the ops the table does not know (by target)."""
-    row = {"capture": rep.capture, "std_after": rep.output_std_after,
-           "target_std": rep.target_std, "counts": rep.counts()}
+    """What a sweep row keeps of a report: capture and its notes (why a capture method was
+    passed over), output std against the target, the op counts and the ops the table does not
+    know (by target)."""
+    row = {"capture": rep.capture, "capture_notes": [n[:300] for n in rep.capture_notes],
+           "std_after": rep.output_std_after, "target_std": rep.target_std,
+           "counts": rep.counts()}
     if rep.output_std_after and rep.target_std:
         row["std_ratio"] = rep.output_std_after / rep.target_std
     unk: dict[str, int] = {}

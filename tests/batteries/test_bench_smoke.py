@@ -262,6 +262,24 @@ def test_train_suite_half_octave_grid():
     assert [mod._grid_point(k, 0.5) for k in (-13, -12, -11)] == [-6.5, -6, -5.5]
 
 
+def precondfx_report_with_fx_refused():
+    """The report of a model whose forward enters an autocast region (fx refuses it)."""
+    import torch
+    import precondfx
+
+    class Region(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            with torch.autocast("cpu", enabled=False):
+                h = torch.relu(self.a(x.float()))
+            return self.b(h)
+
+    return precondfx.precondition(Region(), torch.randn(16, 8))[1]
+
+
 def test_zoo_sweep_rows_measure_what_they_claim(tmp_path):
     """bench/zoo_sweep.py's per-model checks on two of the tests' zoo models (torchvision and
     timm do not import here): on target, the user's model untouched, the user's class, finite
@@ -275,6 +293,10 @@ def test_zoo_sweep_rows_measure_what_they_claim(tmp_path):
         assert row["params_with_grad"] > 0
         assert mod.flags(row) == []
     assert rows[0]["params_with_grad"] == rows[0]["n_params"] == 6   # the MLP: 3 layers
+    assert isinstance(rows[0]["capture_notes"], list)
+    refused = mod.report_row(precondfx_report_with_fx_refused())
+    assert refused["capture"] != "fx"
+    assert any("autocast" in n for n in refused["capture_notes"])   # why fx was passed over
     bad = dict(rows[0], std_ratio=1.5, unknown_targets={"aten.foo": 2})
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in (rows[1], bad)) + "\n")
