@@ -431,6 +431,38 @@ def load_calibration(inputs: list[InputSpec], calib: str | None = None,
     return out
 
 
+def _is_array(a: Any) -> bool:
+    return isinstance(a, np.ndarray) or (hasattr(a, "detach") and hasattr(a, "cpu"))
+
+
+def feeds_by_name(inputs: list[InputSpec], feeds: Any) -> dict[str, Any]:
+    """``feeds`` of ``precondition_onnx`` as ``{input name: array}``: a mapping by input name, as
+    the ``.npz`` does; one array (a numpy array or torch tensor) for a single-input model, as
+    an ``.npy`` does; or a list/tuple of arrays in input order (``arr_0, arr_1...``)."""
+    names = [i.name for i in inputs]
+    if feeds is None:
+        return {}
+    if isinstance(feeds, Mapping):
+        return dict(feeds)
+    if _is_array(feeds):
+        if len(names) != 1:
+            raise PrecondError(f"feeds= is one array, which fits a single-input model; this "
+                               f"model has inputs {names}: pass {{name: array}} or a list in "
+                               f"that order")
+        return {names[0]: feeds}
+    if isinstance(feeds, (list, tuple)):
+        if len(feeds) > len(names) or not all(_is_array(a) or isinstance(a, (list, tuple))
+                                              for a in feeds):
+            raise PrecondError(f"feeds= as a sequence holds one array per model input, in "
+                               f"input order; got {len(feeds)} item(s) "
+                               f"({', '.join(type(a).__name__ for a in feeds[:4])}) for inputs "
+                               f"{names}: pass {{name: array}}")
+        return dict(zip(names, feeds))
+    raise PrecondError(f"feeds= must map input names to arrays ({{name: array}}), or be one "
+                       f"array (single-input models) or a list of arrays in input order; got "
+                       f"{type(feeds).__name__} (the inputs are {names})")
+
+
 def _split_assign(s: str, flag: str) -> tuple[str, str]:
     name, sep, val = s.partition("=")
     if not sep or not name or not val:

@@ -75,3 +75,35 @@ def test_opset_newer_than_onnxruntime_says_so_and_what_to_do(tmp_path, capsys):
     assert "onnxruntime::" not in line[0]             # no C++ signature
     assert not out.exists() and _sha(src) == before
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".precondfx")]
+
+
+def test_feeds_as_one_array_or_a_list_in_input_order(tmp_path):
+    """``feeds=`` as one array (the API twin of ``--calib x.npy``) raised numpy's 'truth value of
+    an array is ambiguous'; a list raised dict()'s 'update sequence element' error.  Now one array
+    feeds a single-input model and a list feeds the inputs in order (as arr_0, arr_1...)."""
+    src = _mlp(tmp_path / "one.onnx")
+    x = RNG.standard_normal((64, 10)).astype(np.float32)
+    by_name = precondition_onnx(src, str(tmp_path / "a.onnx"), feeds={"x": x})
+    one = precondition_onnx(src, str(tmp_path / "b.onnx"), feeds=x)
+    assert one.output_scale == pytest.approx(by_name.output_scale, rel=1e-12)
+    assert np.std(_run(tmp_path / "b.onnx", {"x": x}).astype(np.float64)) == \
+        pytest.approx(1.0, rel=1e-3)
+    assert not any("random" in n for n in one.capture_notes)
+
+    src2 = _mlp(tmp_path / "two.onnx", inputs=("a", "b"))
+    a, b = (RNG.standard_normal((64, 10)).astype(np.float32) for _ in range(2))
+    named = precondition_onnx(src2, str(tmp_path / "c.onnx"), feeds={"a": a, "b": b})
+    listed = precondition_onnx(src2, str(tmp_path / "d.onnx"), feeds=[a, b])
+    swapped = precondition_onnx(src2, str(tmp_path / "e.onnx"), feeds=[b, a])
+    assert listed.output_scale == pytest.approx(named.output_scale, rel=1e-12)
+    assert swapped.output_scale != pytest.approx(named.output_scale, rel=1e-6)
+    y = _run(tmp_path / "d.onnx", {"a": a, "b": b}).astype(np.float64)
+    assert np.std(y) == pytest.approx(1.0, rel=1e-3)
+
+    with pytest.raises(PrecondError, match=r"one array.*single-input.*\['a', 'b'\]"):
+        precondition_onnx(src2, str(tmp_path / "f.onnx"), feeds=a)
+    with pytest.raises(PrecondError, match=r"one array per model input.*3 item"):
+        precondition_onnx(src2, str(tmp_path / "g.onnx"), feeds=[a, b, a])
+    with pytest.raises(PrecondError, match=r"feeds= must map input names.*got int"):
+        precondition_onnx(src2, str(tmp_path / "h.onnx"), feeds=5)
+    assert not (tmp_path / "f.onnx").exists() and not (tmp_path / "h.onnx").exists()
