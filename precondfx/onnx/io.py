@@ -32,9 +32,20 @@ FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.
 # --------------------------------------------------------------------------------------------
 # loading
 # --------------------------------------------------------------------------------------------
+def check_path_arg(path: Any, what: str) -> None:
+    """Refuse a model object where a file path is expected (an ``onnx.ModelProto`` or an
+    ``onnx_ir.Model`` in memory): the ONNX path reads and writes files."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        hint = " (save it first: onnx.save(model, 'model.onnx'), then pass 'model.onnx')" \
+            if hasattr(path, "graph") else ""
+        raise PrecondError(f"{what} must be a path to an .onnx file, got "
+                           f"{type(path).__module__}.{type(path).__name__}{hint}")
+
+
 def load(path: str | os.PathLike) -> ir.Model:
     """Load an ONNX model lazily (external data stays on disk until read)."""
-    path = os.fspath(path)
+    check_path_arg(path, "the input model")
+    path = os.fsdecode(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no such file: {path}")
     if os.path.isdir(path):
@@ -200,8 +211,9 @@ def data_path(out_path: str) -> str:
 def check_output_name(out_path: str | os.PathLike) -> None:
     """Refuse an output that does not end in ``.onnx`` (``-o out.txt`` is almost always a slip,
     and the weights file beside it would be named ``out.txt.data``)."""
-    if not os.fspath(out_path).lower().endswith(".onnx"):
-        raise PrecondError(f"output {os.fspath(out_path)}: the rewritten model is an ONNX file; "
+    check_path_arg(out_path, "the output")
+    if not os.fsdecode(out_path).lower().endswith(".onnx"):
+        raise PrecondError(f"output {os.fsdecode(out_path)}: the rewritten model is an ONNX file; "
                            f"give a name ending in .onnx (e.g. -o model_pc.onnx)")
 
 

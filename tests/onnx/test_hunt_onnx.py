@@ -107,3 +107,13 @@ def test_feeds_as_one_array_or_a_list_in_input_order(tmp_path):
     with pytest.raises(PrecondError, match=r"feeds= must map input names.*got int"):
         precondition_onnx(src2, str(tmp_path / "h.onnx"), feeds=5)
     assert not (tmp_path / "f.onnx").exists() and not (tmp_path / "h.onnx").exists()
+
+
+def test_a_model_object_instead_of_a_path_is_refused_with_the_fix(tmp_path):
+    """``precondition_onnx(onnx.load(p), ...)`` raised os.fspath's bare TypeError."""
+    src = _mlp(tmp_path / "m.onnx")
+    with pytest.raises(PrecondError, match=r"input model must be a path.*ModelProto.*onnx\.save"):
+        precondition_onnx(onnx.load(src), str(tmp_path / "out.onnx"))
+    with pytest.raises(PrecondError, match=r"output must be a path.*ModelProto"):
+        precondition_onnx(src, onnx.load(src))
+    assert not (tmp_path / "out.onnx").exists()
