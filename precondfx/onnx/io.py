@@ -641,5 +641,13 @@ def _cast(spec: InputSpec, a: np.ndarray) -> np.ndarray:
                                f"be integers, got {a.dtype}")
         return np.ascontiguousarray(a.astype(want, copy=False))
     if spec.dtype == ir.DataType.BOOL:
+        if a.dtype != np.bool_:
+            # 0/1 numbers are a mask; anything else (random normal data, token ids) would all
+            # turn True without a word
+            numeric = np.issubdtype(a.dtype, np.number)
+            if not numeric or not np.isin(a, (0, 1)).all():
+                raise PrecondError(f"input {spec.name!r} is BOOL (a mask): calibration data must "
+                                   f"be booleans or 0/1 numbers, got {a.dtype}"
+                                   f"{' with other values' if numeric else ''}")
         return np.ascontiguousarray(a.astype(bool, copy=False))
     return a

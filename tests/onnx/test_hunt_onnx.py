@@ -117,3 +117,30 @@ def test_a_model_object_instead_of_a_path_is_refused_with_the_fix(tmp_path):
     with pytest.raises(PrecondError, match=r"output must be a path.*ModelProto"):
         precondition_onnx(src, onnx.load(src))
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_bool_input_takes_booleans_or_0_1_only(tmp_path):
+    """Float calibration data for a BOOL mask input was cast with astype(bool): random normal
+    values all became True without a word, and the output scale was fitted to an all-ones
+    mask."""
+    nodes = [helper.make_node("Cast", ["mask"], ["mf"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["x", "mf"], ["xm"]),
+             helper.make_node("MatMul", ["xm", "w1"], ["h"]),
+             helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("MatMul", ["r", "w2"], ["y"])]
+    g = helper.make_graph(nodes, "masked", [_vi("x", ["N", 10]),
+                                            _vi("mask", ["N", 10], TensorProto.BOOL)],
+                          [_vi("y", ["N", 4])], [_w("w1", (10, 16)), _w("w2", (16, 4))])
+    src = str(tmp_path / "masked.onnx")
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), src)
+    x = RNG.standard_normal((64, 10)).astype(np.float32)
+    with pytest.raises(PrecondError, match=r"'mask' is BOOL.*booleans or 0/1.*float64 with other"):
+        precondition_onnx(src, str(tmp_path / "bad.onnx"),
+                          feeds={"x": x, "mask": RNG.standard_normal((64, 10))})
+    assert not (tmp_path / "bad.onnx").exists()
+    mask = RNG.random((64, 10)) < 0.3
+    for given in (mask, mask.astype(np.float32), mask.astype(np.int64)):
+        rep = precondition_onnx(src, str(tmp_path / "ok.onnx"), feeds={"x": x, "mask": given})
+        y = _run(tmp_path / "ok.onnx", {"x": x, "mask": mask}).astype(np.float64)
+        assert np.std(y) == pytest.approx(1.0, rel=1e-3)
+        assert rep.output_std_after == pytest.approx(1.0, rel=1e-6)
