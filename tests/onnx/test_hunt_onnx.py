@@ -119,6 +119,24 @@ def test_a_model_object_instead_of_a_path_is_refused_with_the_fix(tmp_path):
     assert not (tmp_path / "out.onnx").exists()
 
 
+def test_calibration_file_that_is_not_numpy(tmp_path, capsys):
+    """``--calib model.onnx`` (any non-NumPy file) was reported as 'pickled (object) data ... load
+    it unsafely using allow_pickle=': the file is not NumPy data at all."""
+    src = _mlp(tmp_path / "m.onnx")
+    out = tmp_path / "out.onnx"
+    (tmp_path / "batch.csv").write_text("1,2,3\n")
+    for bad in (src, str(tmp_path / "batch.csv")):
+        assert main(["precondition", src, "-o", str(out), "--calib", bad, "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert "cannot read calibration file" in err and "as .npy: it is not NumPy data" in err
+        assert "np.save" in err, err
+        assert "pickle" not in err and "Traceback" not in err
+        assert not out.exists()
+    np.save(tmp_path / "ok.npy", RNG.standard_normal((32, 10)).astype(np.float32))
+    assert main(["precondition", src, "-o", str(out), "--calib", str(tmp_path / "ok.npy"),
+                 "--quiet"]) == 0
+
+
 def test_bool_input_takes_booleans_or_0_1_only(tmp_path):
     """Float calibration data for a BOOL mask input was cast with astype(bool): random normal
     values all became True without a word, and the output scale was fitted to an all-ones
