@@ -162,3 +162,20 @@ def test_bool_input_takes_booleans_or_0_1_only(tmp_path):
         y = _run(tmp_path / "ok.onnx", {"x": x, "mask": mask}).astype(np.float64)
         assert np.std(y) == pytest.approx(1.0, rel=1e-3)
         assert rep.output_std_after == pytest.approx(1.0, rel=1e-6)
+
+
+def test_overflow_with_kept_weights_is_not_blamed_on_reinitialization(tmp_path):
+    """With reinit_weights=False the NaN/inf output is the model's own (here an fp16 model that
+    overflows on the batch), yet the error said 'after re-initialization'."""
+    src = _mlp(tmp_path / "fp16.onnx", elem=TensorProto.FLOAT16, dtype=np.float16, scale=30.0,
+               hidden=256)
+    x = RNG.standard_normal((64, 10)).astype(np.float16)
+    assert not np.isfinite(_run(src, {"x": x})).all()     # the input model overflows
+    with pytest.raises(PrecondError, match=r"NaN/inf.*own weights kept \(reinit_weights=False\)"
+                       ) as e:
+        precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"x": x},
+                          reinit_weights=False)
+    assert "after re-initialization" not in str(e.value)
+    assert not (tmp_path / "out.onnx").exists()
+    rep = precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"x": x})  # re-initialized
+    assert rep.output_std_after == pytest.approx(1.0, rel=2e-3)
