@@ -270,6 +270,10 @@ class Staging:
     def save(self, model: ir.Model, external: bool) -> str:
         """Write the model into the staging folder; returns the staged model path."""
         self.external = external
+        target = data_path(self.out_path)
+        if external and os.path.isdir(target):
+            raise PrecondError(f"the weights go to {target} beside the output, and a folder has "
+                               f"that name: remove or rename it, or choose another output name")
         for p in (self.path, self.data):
             if os.path.exists(p):
                 os.remove(p)

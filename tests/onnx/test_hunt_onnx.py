@@ -179,3 +179,30 @@ def test_overflow_with_kept_weights_is_not_blamed_on_reinitialization(tmp_path):
     assert not (tmp_path / "out.onnx").exists()
     rep = precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"x": x})  # re-initialized
     assert rep.output_std_after == pytest.approx(1.0, rel=2e-3)
+
+
+def test_a_folder_named_like_the_weights_file_is_refused_before_writing(tmp_path, capsys):
+    """With external data, a folder named ``out.onnx.data`` made the final move fail with a raw
+    '[Errno 21] Is a directory' naming the staging folder."""
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["m"]), helper.make_node("Relu", ["m"], ["r"]),
+             helper.make_node("MatMul", ["r", "w2"], ["y"])]
+    g = helper.make_graph(nodes, "ext", [_vi("x", ["N", 32])], [_vi("y", ["N", 4])],
+                          [_w("w1", (32, 64)), _w("w2", (64, 4))])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    src = str(src_dir / "m.onnx")
+    onnx.save(m, src, save_as_external_data=True, location="m.data", size_threshold=0)
+    out = tmp_path / "out.onnx"
+    (tmp_path / "out.onnx.data").mkdir()
+    assert main(["precondition", src, "-o", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "out.onnx.data beside the output, and a folder has that name" in err, err
+    assert "Errno" not in err and ".precondfx-" not in err
+    assert not out.exists() and (tmp_path / "out.onnx.data").is_dir()
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".precondfx")]
+    (tmp_path / "out.onnx.data").rmdir()
+    assert main(["precondition", src, "-o", str(out), "--quiet"]) == 0
+    x = RNG.standard_normal((32, 32)).astype(np.float32)
+    assert (tmp_path / "out.onnx.data").is_file()
+    assert np.isfinite(_run(out, {"x": x})).all()
