@@ -206,3 +206,28 @@ def test_a_folder_named_like_the_weights_file_is_refused_before_writing(tmp_path
     x = RNG.standard_normal((32, 32)).astype(np.float32)
     assert (tmp_path / "out.onnx.data").is_file()
     assert np.isfinite(_run(out, {"x": x})).all()
+
+
+def test_loop_holding_weights_is_refused_with_loop_advice(tmp_path):
+    """A Loop (unnamed, as helper-built and some converted files have them) with a weight in its
+    body was refused with 'node '?'' and the If advice 'export the model with the branch
+    fixed'."""
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["h_in", "wl"], ["mm"]), helper.make_node("Tanh", ["mm"], ["h_out"]),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
+        [_vi("i", [], TensorProto.INT64), _vi("cond_in", [], TensorProto.BOOL), _vi("h_in", None)],
+        [_vi("cond_out", [], TensorProto.BOOL), _vi("h_out", None)])
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["m"]),
+             helper.make_node("Loop", ["trip", "cond", "m"], ["r"], body=body),
+             helper.make_node("MatMul", ["r", "w2"], ["y"])]
+    inits = [_w("w1", (10, 16)), _w("wl", (16, 16)), _w("w2", (16, 4)),
+             numpy_helper.from_array(np.array(3, np.int64), "trip"),
+             numpy_helper.from_array(np.array(True), "cond")]
+    g = helper.make_graph(nodes, "loop", [_vi("x", ["N", 10])], [_vi("y", ["N", 4])], inits)
+    src = str(tmp_path / "loop.onnx")
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), src)
+    with pytest.raises(PrecondError, match=r"Loop node \(unnamed, node #1\) holds weights.*"
+                                           r"MatMul reading wl.*loop unrolled") as e:
+        precondition_onnx(src, str(tmp_path / "out.onnx"))
+    assert "'?'" not in str(e.value) and "branch fixed" not in str(e.value)
+    assert not (tmp_path / "out.onnx").exists()
