@@ -196,6 +196,8 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
     _plan_residuals(graph, params, plan, opts)
     if opts.balance == "analytic":
         _analytic_alphas(plan, {n.name: i for i, n in enumerate(graph)})
+    if not opts.reinit:
+        _shared_weight_constants(plan)
     _plan_inits(graph, params, plan, opts)
     # lr_transfer sets the "lr" multipliers; "auto" compares the planned stds with the weights
     plan.lr_mode, why = lr_mode.resolve(plan, params, opts)
@@ -556,6 +558,27 @@ def _analytic_alphas(plan: Plan, order: dict[str, int]) -> None:
                        + ("" if flat else ", s of the next join") + ")")
         lay.alpha = a
         lay.alpha_reason = "; ".join(why) if why else "no correction needed"
+
+
+def _shared_weight_constants(plan: Plan) -> None:
+    """``reinit=False`` keeps one stored weight per parameter, divided by one constant
+    (alpha/beta, the first layer's that uses it): a later layer sharing the weight with another
+    alpha would compute with a weight scaled for another layer, and the function would change.
+    Such a layer takes the first layer's constant (its alpha is set so that alpha/beta equals
+    it), and says why."""
+    first: dict[str, Layer] = {}
+    for lay in plan.layers:
+        if not lay.weight:
+            continue
+        f = first.setdefault(lay.weight, lay)
+        c = f.constant()
+        if f is lay or math.isclose(lay.constant(), c, rel_tol=1e-12):
+            continue
+        lay.alpha = c * lay.beta
+        lay.alpha_reason = (f"shares its weight {lay.weight} with {f.node}, which is kept divided "
+                            f"by that layer's constant {c:.4g} (reinit_weights=False): the same "
+                            f"constant here keeps the function (was: "
+                            f"{lay.alpha_reason or 'no correction'})")
 
 
 def _opaque_inits(n: Node, params: dict[str, ParamInfo], rule: str, put: Any) -> None:

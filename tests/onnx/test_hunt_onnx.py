@@ -231,3 +231,73 @@ def test_loop_holding_weights_is_refused_with_loop_advice(tmp_path):
         precondition_onnx(src, str(tmp_path / "out.onnx"))
     assert "'?'" not in str(e.value) and "branch fixed" not in str(e.value)
     assert not (tmp_path / "out.onnx").exists()
+
+
+def _shared_weight_residual(path):
+    """W is the first layer (outside the residual branch: alpha s/sqrt(1+s^2)) and the branch's
+    first layer (alpha 1): y = Wo (h + W2 relu(h W)), h = relu(x W)."""
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["a"]), helper.make_node("Relu", ["a"], ["h"]),
+             helper.make_node("MatMul", ["h", "W"], ["b"]), helper.make_node("Relu", ["b"], ["br"]),
+             helper.make_node("MatMul", ["br", "W2"], ["b2"]),
+             helper.make_node("Add", ["h", "b2"], ["j"]),
+             helper.make_node("MatMul", ["j", "Wo"], ["y"])]
+    g = helper.make_graph(nodes, "shared", [_vi("x", ["N", 16])], [_vi("y", ["N", 4])],
+                          [_w("W", (16, 16)), _w("W2", (16, 16)), _w("Wo", (16, 4))])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return str(path)
+
+
+def test_kept_weight_shared_by_layers_with_different_alphas_keeps_the_function(tmp_path):
+    """reinit_weights=False divides a weight by its first layer's constant (alpha 0.707 here);
+    a second layer using the same weight kept its own alpha (1), so it computed with W/0.707
+    and the output changed by 8% (the PyTorch path too: core.plan).  Both layers now take
+    the first's constant; the output is the original's times the output scale."""
+    src = _shared_weight_residual(tmp_path / "shared.onnx")
+    x = RNG.standard_normal((64, 16)).astype(np.float32)
+    out = tmp_path / "out.onnx"
+    rep = precondition_onnx(src, str(out), feeds={"x": x}, reinit_weights=False,
+                            balance="analytic")
+    alphas = {lay.node: lay.alpha for lay in rep.plan.layers if lay.weight == "W"}
+    assert len(alphas) == 2 and len(set(round(a, 12) for a in alphas.values())) == 1
+    assert list(alphas.values())[0] == pytest.approx(2 ** -0.5)
+    assert any("shares its weight W" in lay.alpha_reason for lay in rep.plan.layers)
+    y0 = _run(src, {"x": x}).astype(np.float64)
+    y1 = _run(out, {"x": x}).astype(np.float64)
+    np.testing.assert_allclose(y1, rep.output_scale * y0, rtol=1e-5,
+                               atol=1e-5 * np.abs(rep.output_scale * y0).max())
+    assert np.std(y1) == pytest.approx(1.0, rel=1e-4)
+    # re-initialized, the plan is as before: the second use keeps its own alpha
+    rep2 = precondition_onnx(src, str(tmp_path / "re.onnx"), feeds={"x": x}, balance="analytic")
+    assert sorted(round(lay.alpha, 6) for lay in rep2.plan.layers if lay.weight == "W") == \
+        [round(2 ** -0.5, 6), 1.0]
+
+
+def test_pytorch_tied_weight_kept_keeps_the_function():
+    """The same on the PyTorch path: a Linear weight tied to a residual-branch Linear."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    import precondfx
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b1, self.b2, self.o = (nn.Linear(16, 16), nn.Linear(16, 16),
+                                                nn.Linear(16, 16), nn.Linear(16, 4))
+            self.b1.weight = self.a.weight
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            return self.o(h + self.b2(torch.relu(self.b1(h))))
+
+    torch.manual_seed(0)
+    m = Tied().eval()
+    x = torch.randn(64, 16)
+    y0 = m(x).detach().double()
+    pm, rep = precondfx.precondition(copy.deepcopy(m), x, reinit_weights=False,
+                                     balance="analytic", target_std=None)
+    y1 = pm(x).detach().double()
+    assert float((y1 - y0).abs().max() / y0.abs().max()) < 1e-5
+    assert pm.a.weight is pm.b1.weight
