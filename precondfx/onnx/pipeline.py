@@ -309,7 +309,8 @@ def precondition_onnx(in_path: str, out_path: str, *,
     """Rewrite the ONNX model at ``in_path`` so that it starts well conditioned and write it to
     ``out_path``; returns the report.
 
-    ``feeds`` maps input names to calibration arrays (``calib``: an .npy file for a single-input
+    ``feeds`` maps input names to calibration arrays (or is one array, for a single-input model,
+    or a list of arrays in input order; ``calib``: an .npy file for a single-input
     model or an .npz keyed by input names or arr_0, arr_1...; ``calib_inputs``: ``{name: .npy}``
     or ``['name=file.npy']``); inputs without data get random N(0, 1)
     data of the model's shape (symbolic dims from ``dims``, a leading one from ``batch``,
