@@ -301,3 +301,53 @@ def test_pytorch_tied_weight_kept_keeps_the_function():
     y1 = pm(x).detach().double()
     assert float((y1 - y0).abs().max() / y0.abs().max()) < 1e-5
     assert pm.a.weight is pm.b1.weight
+
+
+def _conv_weight_read_elsewhere(path, as_output):
+    """A 3x3 conv (alpha 9^-1/4 under balance='analytic') whose weight is also read outside the
+    layer: its mean added after the conv, or returned as a second graph output."""
+    nodes = [helper.make_node("Conv", ["x", "Wc"], ["c"], pads=[1, 1, 1, 1])]
+    inits = [_w("Wc", (8, 3, 3, 3)), _w("Wf", (4, 8))]
+    if as_output:
+        nodes.append(helper.make_node("Relu", ["c"], ["r"]))
+    else:
+        nodes += [helper.make_node("ReduceMean", ["Wc"], ["wm"], axes=[1, 2, 3], keepdims=1),
+                  helper.make_node("Reshape", ["wm", "shp"], ["wmr"]),
+                  helper.make_node("Add", ["c", "wmr"], ["cb"]),
+                  helper.make_node("Relu", ["cb"], ["r"])]
+        inits.append(numpy_helper.from_array(np.array([1, 8, 1, 1], np.int64), "shp"))
+    nodes += [helper.make_node("GlobalAveragePool", ["r"], ["g"]),
+              helper.make_node("Flatten", ["g"], ["f"]),
+              helper.make_node("Gemm", ["f", "Wf"], ["y"], transB=1)]
+    outs = [_vi("y", ["N", 4])] + ([_vi("Wc", [8, 3, 3, 3])] if as_output else [])
+    g = helper.make_graph(nodes, "dual", [_vi("x", ["N", 3, 6, 6])], outs, inits)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("as_output", [False, True], ids=["read_by_a_node", "graph_output"])
+def test_kept_weight_read_outside_its_layer_is_not_rescaled(tmp_path, as_output):
+    """reinit_weights=False divided the conv weight by its alpha (0.577) and put alpha on the
+    conv's input: the conv was unchanged, but whatever else read the weight saw it 1.73x larger
+    (the added mean: the output changed by 2%; a graph output returning the weight: 1.73x).
+    Such a weight now gets no constant (core.plan; the ONNX capture shows weights returned as
+    graph outputs on its output node)."""
+    src = _conv_weight_read_elsewhere(tmp_path / "dual.onnx", as_output)
+    x = RNG.standard_normal((32, 3, 6, 6)).astype(np.float32)
+    out = tmp_path / "out.onnx"
+    rep = precondition_onnx(src, str(out), feeds={"x": x}, reinit_weights=False,
+                            balance="analytic")
+    conv = next(lay for lay in rep.plan.layers if lay.weight == "Wc")
+    assert conv.alpha == 1.0 and "also read by" in conv.alpha_reason
+    s0 = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
+    s1 = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    o0 = dict(zip([o.name for o in s0.get_outputs()], s0.run(None, {"x": x})))
+    o1 = dict(zip([o.name for o in s1.get_outputs()], s1.run(None, {"x": x})))
+    np.testing.assert_allclose(o1["y"], rep.output_scale * o0["y"], rtol=1e-5,
+                               atol=1e-5 * np.abs(rep.output_scale * o0["y"]).max())
+    if as_output:
+        np.testing.assert_array_equal(o1["Wc"], o0["Wc"])
+    # re-initialized, the conv keeps its kernel alpha
+    rep2 = precondition_onnx(src, str(tmp_path / "re.onnx"), feeds={"x": x}, balance="analytic")
+    assert next(lay for lay in rep2.plan.layers if lay.weight == "Wc").alpha == \
+        pytest.approx(9 ** -0.25)
