@@ -18,6 +18,17 @@ def _load(path: str, kind: str):
     if not os.path.exists(path):
         raise FileNotFoundError(f"calibration file not found: {path}")
     try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except OSError as e:
+        raise PrecondError(f"cannot read calibration file {path} ({_why(e)})") from None
+    if not head.startswith((b"\x93NUMPY", b"PK")):
+        # np.load would take any other file for a pickle and suggest allow_pickle=True
+        raise PrecondError(f"cannot read calibration file {path} as {kind}: it is not NumPy "
+                           f"data (it starts with {head[:6]!r}, not .npy's or .npz's header); "
+                           f"save the batch with np.save (one array) or np.savez (one array "
+                           f"per input)")
+    try:
         return np.load(path, allow_pickle=False)
     except Exception as e:
         raise PrecondError(f"cannot read calibration file {path} as {kind} ({_why(e)})") from None

@@ -44,11 +44,14 @@ def refuse_empty(empty: list[str]) -> None:
             f"Remove the layer or give it a non-zero width")
 
 
-def solve_output_scale(std: float, target: float) -> float:
-    """The scalar that brings the output std to ``target``, with a clear error for std 0."""
+def solve_output_scale(std: float, target: float, reinit: bool = True) -> float:
+    """The scalar that brings the output std to ``target``, with a clear error for std 0
+    (``reinit``: whether the weights were re-initialized, for the wording)."""
+    weights = "after re-initialization" if reinit else \
+        "with the model's own weights kept (reinit_weights=False)"
     if not math.isfinite(std):
-        raise PrecondError("the model's output on the calibration batch has NaN/inf values "
-                           "after re-initialization; check the model for numerical issues")
+        raise PrecondError(f"the model's output on the calibration batch has NaN/inf values "
+                           f"{weights}; check the model for numerical issues")
     if std <= 1e-30:
         raise PrecondError("the model's output has zero variance on the calibration batch, so no "
                            "output scale can reach the target std; use a batch of varied inputs, "
@@ -57,7 +60,9 @@ def solve_output_scale(std: float, target: float) -> float:
     if not SCALE_REFUSE[0] <= scale <= SCALE_REFUSE[1]:
         way = "vanishes" if scale > 1 else "explodes"
         raise PrecondError(
-            f"the signal {way} through the re-initialized model: its output std on the "
+            f"the signal {way} through the "
+            f"{'re-initialized model' if reinit else 'model with its own weights'}: its output "
+            f"std on the "
             f"calibration batch is {std:.3g}, so the output scale would be {scale:.3g} (beyond "
             f"{SCALE_REFUSE[0]:g}..{SCALE_REFUSE[1]:g}); a model trained from there overflows "
             f"within a few steps. Make the model shallower or wider, add normalization or "

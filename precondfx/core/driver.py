@@ -339,7 +339,7 @@ def calibrate(st: State) -> None:
         rep.skipped.append(("output scale", st.no_data))
         return
     std, draws = output_std(st)
-    scale = cal.solve_output_scale(std, opts.target_std)
+    scale = cal.solve_output_scale(std, opts.target_std, reinit=opts.reinit)
     warn = cal.scale_warning(std, scale)
     if warn:
         warnings.warn(f"precondfx: {warn}", RuntimeWarning, stacklevel=2)

@@ -196,6 +196,8 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
     _plan_residuals(graph, params, plan, opts)
     if opts.balance == "analytic":
         _analytic_alphas(plan, {n.name: i for i, n in enumerate(graph)})
+    if not opts.reinit:
+        _shared_weight_constants(graph, plan)
     _plan_inits(graph, params, plan, opts)
     # lr_transfer sets the "lr" multipliers; "auto" compares the planned stds with the weights
     plan.lr_mode, why = lr_mode.resolve(plan, params, opts)
@@ -556,6 +558,47 @@ def _analytic_alphas(plan: Plan, order: dict[str, int]) -> None:
                        + ("" if flat else ", s of the next join") + ")")
         lay.alpha = a
         lay.alpha_reason = "; ".join(why) if why else "no correction needed"
+
+
+def _shared_weight_constants(graph: Graph, plan: Plan) -> None:
+    """``reinit=False`` keeps one stored weight per parameter, divided by one constant
+    (alpha/beta, the first layer's that uses it): a later layer sharing the weight with another
+    alpha would compute with a weight scaled for another layer, and the function would change.
+    Such a layer takes the first layer's constant (its alpha is set so that alpha/beta equals
+    it), and says why.  A weight that other nodes read too (not as a layer's weight: its mean
+    added somewhere, say) cannot be divided at all without changing what they compute: its
+    layers get the constant 1."""
+    layer_nodes: dict[str, set[str]] = {}
+    for lay in plan.layers:
+        if lay.weight:
+            layer_nodes.setdefault(lay.weight, set()).add(lay.node)
+    readers: dict[str, str] = {}
+    for n in graph:
+        for pname in n.params.values():
+            if pname in layer_nodes and n.name not in layer_nodes[pname]:
+                readers.setdefault(pname, n.name)
+    first: dict[str, Layer] = {}
+    for lay in plan.layers:
+        if not lay.weight:
+            continue
+        if lay.weight in readers:
+            if not math.isclose(lay.constant(), 1.0, rel_tol=1e-12):
+                lay.alpha_reason = (f"its weight {lay.weight} is also read by "
+                                    f"{readers[lay.weight]} (not as a layer's weight): kept "
+                                    f"(reinit_weights=False), it cannot be divided by a constant "
+                                    f"without changing what that node computes, so none (was: "
+                                    f"alpha {lay.alpha:.4g}: {lay.alpha_reason or '-'})")
+                lay.alpha = lay.beta
+            continue
+        f = first.setdefault(lay.weight, lay)
+        c = f.constant()
+        if f is lay or math.isclose(lay.constant(), c, rel_tol=1e-12):
+            continue
+        lay.alpha = c * lay.beta
+        lay.alpha_reason = (f"shares its weight {lay.weight} with {f.node}, which is kept divided "
+                            f"by that layer's constant {c:.4g} (reinit_weights=False): the same "
+                            f"constant here keeps the function (was: "
+                            f"{lay.alpha_reason or 'no correction'})")
 
 
 def _opaque_inits(n: Node, params: dict[str, ParamInfo], rule: str, put: Any) -> None:

@@ -13,6 +13,7 @@ ORT as OrtValues sharing the numpy (or memory-mapped) buffers, so there is neith
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
 import numpy as np
@@ -40,10 +41,28 @@ def session(source: str | bytes) -> "object":
         raise _load_error(e) from None
 
 
+#: onnxruntime's refusal of an opset newer than it was built for (a file from a newer exporter)
+_OPSET_TOO_NEW = re.compile(r"Opset (\d+) is under development.*?Current official support for "
+                            r"domain (\S+) is till opset (\d+)")
+
+
+def _ort_version() -> str:
+    return str(getattr(_ort(), "__version__", "?"))
+
+
 def _load_error(e: BaseException) -> PrecondError:
     """onnxruntime's refusal to load the model, with what to do when the CPU provider has no
     kernel for an op (bfloat16 arithmetic, most often): the input model has the same op."""
     msg = " ".join(str(e).split())
+    newer = _OPSET_TOO_NEW.search(msg)
+    if newer:
+        opset, domain, top = newer.group(1), newer.group(2).rstrip("."), newer.group(3)
+        return PrecondError(f"the model uses opset {opset} of domain {domain!r}, newer than "
+                            f"onnxruntime {_ort_version()} runs (up to opset {top}), and "
+                            f"precondfx calibrates and checks ONNX files with it: re-export the "
+                            f"model with opset_version={top} or lower (or convert it: "
+                            f"onnx.version_converter.convert_version(model, {top})), or upgrade "
+                            f"onnxruntime")
     if "NOT_IMPLEMENTED" in msg or "Could not find an implementation" in msg:
         return PrecondError(f"onnxruntime's CPU provider has no kernel for an op of this model "
                             f"({msg[:300]}), and precondfx calibrates and checks ONNX files with "

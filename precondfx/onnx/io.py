@@ -32,9 +32,20 @@ FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.
 # --------------------------------------------------------------------------------------------
 # loading
 # --------------------------------------------------------------------------------------------
+def check_path_arg(path: Any, what: str) -> None:
+    """Refuse a model object where a file path is expected (an ``onnx.ModelProto`` or an
+    ``onnx_ir.Model`` in memory): the ONNX path reads and writes files."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        hint = " (save it first: onnx.save(model, 'model.onnx'), then pass 'model.onnx')" \
+            if hasattr(path, "graph") else ""
+        raise PrecondError(f"{what} must be a path to an .onnx file, got "
+                           f"{type(path).__module__}.{type(path).__name__}{hint}")
+
+
 def load(path: str | os.PathLike) -> ir.Model:
     """Load an ONNX model lazily (external data stays on disk until read)."""
-    path = os.fspath(path)
+    check_path_arg(path, "the input model")
+    path = os.fsdecode(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no such file: {path}")
     if os.path.isdir(path):
@@ -200,8 +211,9 @@ def data_path(out_path: str) -> str:
 def check_output_name(out_path: str | os.PathLike) -> None:
     """Refuse an output that does not end in ``.onnx`` (``-o out.txt`` is almost always a slip,
     and the weights file beside it would be named ``out.txt.data``)."""
-    if not os.fspath(out_path).lower().endswith(".onnx"):
-        raise PrecondError(f"output {os.fspath(out_path)}: the rewritten model is an ONNX file; "
+    check_path_arg(out_path, "the output")
+    if not os.fsdecode(out_path).lower().endswith(".onnx"):
+        raise PrecondError(f"output {os.fsdecode(out_path)}: the rewritten model is an ONNX file; "
                            f"give a name ending in .onnx (e.g. -o model_pc.onnx)")
 
 
@@ -258,6 +270,10 @@ class Staging:
     def save(self, model: ir.Model, external: bool) -> str:
         """Write the model into the staging folder; returns the staged model path."""
         self.external = external
+        target = data_path(self.out_path)
+        if external and os.path.isdir(target):
+            raise PrecondError(f"the weights go to {target} beside the output, and a folder has "
+                               f"that name: remove or rename it, or choose another output name")
         for p in (self.path, self.data):
             if os.path.exists(p):
                 os.remove(p)
@@ -431,6 +447,38 @@ def load_calibration(inputs: list[InputSpec], calib: str | None = None,
     return out
 
 
+def _is_array(a: Any) -> bool:
+    return isinstance(a, np.ndarray) or (hasattr(a, "detach") and hasattr(a, "cpu"))
+
+
+def feeds_by_name(inputs: list[InputSpec], feeds: Any) -> dict[str, Any]:
+    """``feeds`` of ``precondition_onnx`` as ``{input name: array}``: a mapping by input name, as
+    the ``.npz`` does; one array (a numpy array or torch tensor) for a single-input model, as
+    an ``.npy`` does; or a list/tuple of arrays in input order (``arr_0, arr_1...``)."""
+    names = [i.name for i in inputs]
+    if feeds is None:
+        return {}
+    if isinstance(feeds, Mapping):
+        return dict(feeds)
+    if _is_array(feeds):
+        if len(names) != 1:
+            raise PrecondError(f"feeds= is one array, which fits a single-input model; this "
+                               f"model has inputs {names}: pass {{name: array}} or a list in "
+                               f"that order")
+        return {names[0]: feeds}
+    if isinstance(feeds, (list, tuple)):
+        if len(feeds) > len(names) or not all(_is_array(a) or isinstance(a, (list, tuple))
+                                              for a in feeds):
+            raise PrecondError(f"feeds= as a sequence holds one array per model input, in "
+                               f"input order; got {len(feeds)} item(s) "
+                               f"({', '.join(type(a).__name__ for a in feeds[:4])}) for inputs "
+                               f"{names}: pass {{name: array}}")
+        return dict(zip(names, feeds))
+    raise PrecondError(f"feeds= must map input names to arrays ({{name: array}}), or be one "
+                       f"array (single-input models) or a list of arrays in input order; got "
+                       f"{type(feeds).__name__} (the inputs are {names})")
+
+
 def _split_assign(s: str, flag: str) -> tuple[str, str]:
     name, sep, val = s.partition("=")
     if not sep or not name or not val:
@@ -597,5 +645,13 @@ def _cast(spec: InputSpec, a: np.ndarray) -> np.ndarray:
                                f"be integers, got {a.dtype}")
         return np.ascontiguousarray(a.astype(want, copy=False))
     if spec.dtype == ir.DataType.BOOL:
+        if a.dtype != np.bool_:
+            # 0/1 numbers are a mask; anything else (random normal data, token ids) would all
+            # turn True without a word
+            numeric = np.issubdtype(a.dtype, np.number)
+            if not numeric or not np.isin(a, (0, 1)).all():
+                raise PrecondError(f"input {spec.name!r} is BOOL (a mask): calibration data must "
+                                   f"be booleans or 0/1 numbers, got {a.dtype}"
+                                   f"{' with other values' if numeric else ''}")
         return np.ascontiguousarray(a.astype(bool, copy=False))
     return a

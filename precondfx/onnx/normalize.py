@@ -85,7 +85,7 @@ def check_supported(model: ir.Model) -> None:
                 f"weights and activations, which precondfx would re-initialize and rescale; "
                 f"precondition the float model, and quantize after training")
     inits = model.graph.initializers
-    for node in model.graph:
+    for index, node in enumerate(model.graph):
         if node.op_type not in CONTROL_FLOW:
             continue
         for attr in node.attributes.values():
@@ -97,11 +97,14 @@ def check_supported(model: ir.Model) -> None:
             for g in graphs:
                 why = _weights_in(g, inits)
                 if why:
+                    name = repr(node.name) if node.name else f"(unnamed, node #{index})"
+                    fix = ("export the model with the branch fixed (e.g. torch.export "
+                           "specializes data-dependent branches)") if node.op_type == "If" else \
+                        ("export the model with the loop unrolled (a fixed number of steps: "
+                         "torch.export and torch.jit.trace unroll Python loops)")
                     raise PrecondError(
-                        f"{node.op_type} node {node.name or '?'!r} holds weights in its "
-                        f"subgraph ({why}): control flow with weights inside is not supported; "
-                        f"export the model with the branch fixed (e.g. torch.export specializes "
-                        f"data-dependent branches)")
+                        f"{node.op_type} node {name} holds weights in its subgraph ({why}): "
+                        f"control flow with weights inside is not supported; {fix}")
 
 
 def _weights_in(g: ir.Graph, outer_inits: dict) -> str | None:

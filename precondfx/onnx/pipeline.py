@@ -132,7 +132,7 @@ class OnnxState(State):
 
     in_path: str = ""
     out_path: str = ""
-    given: dict = field(default_factory=dict)        # feeds given as arrays
+    given: Any = None                                # feeds given as arrays
     calib: str | None = None
     calib_inputs: Any = None
     dims: Any = None
@@ -181,7 +181,7 @@ def normalize_stage(st: OnnxState) -> None:
     dimmap = io.parse_dims(st.dims)
     io.check_dims(st.specs, dimmap)
     given = io.load_calibration(st.specs, st.calib, st.calib_inputs)
-    given.update(st.given)
+    given.update(io.feeds_by_name(st.specs, st.given))
     try:
         st.feeds = io.resolve_feeds(st.specs, given, dims=dimmap, batch=st.batch,
                                     seed=st.opts.seed)
@@ -309,7 +309,8 @@ def precondition_onnx(in_path: str, out_path: str, *,
     """Rewrite the ONNX model at ``in_path`` so that it starts well conditioned and write it to
     ``out_path``; returns the report.
 
-    ``feeds`` maps input names to calibration arrays (``calib``: an .npy file for a single-input
+    ``feeds`` maps input names to calibration arrays (or is one array, for a single-input model,
+    or a list of arrays in input order; ``calib``: an .npy file for a single-input
     model or an .npz keyed by input names or arr_0, arr_1...; ``calib_inputs``: ``{name: .npy}``
     or ``['name=file.npy']``); inputs without data get random N(0, 1)
     data of the model's shape (symbolic dims from ``dims``, a leading one from ``batch``,
@@ -326,7 +327,7 @@ def precondition_onnx(in_path: str, out_path: str, *,
     io.check_output_name(out_path)
     io.check_batch(batch)
     st = OnnxState(r, verbose=verbose, progress=progress, in_path=in_path, out_path=out_path,
-                   given=dict(feeds or {}), calib=calib, calib_inputs=calib_inputs, dims=dims,
+                   given=feeds, calib=calib, calib_inputs=calib_inputs, dims=dims,
                    batch=batch, external_data=external_data, check=verify, started=started)
     return driver.run(PIPELINE, st).report
 

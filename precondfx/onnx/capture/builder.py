@@ -75,12 +75,16 @@ class _Builder:
                        vals.views)
         _packed_projections(self.nodes, self.ir_nodes, vals.shape_of)
         outs: list[str] = []
-        for o in self.g.outputs:
+        read: dict[str, str] = {}       # parameters the graph returns (as is, or derived)
+        for i, o in enumerate(self.g.outputs):
             src = vals.producer.get(id(o))
             if src is not None and src not in outs:
                 outs.append(src)
+            pname = vals.derived.get(id(o), o.name)
+            if pname in vals.params:
+                read[f"output{i}"] = pname
         out_name = "output" if "output" not in self.taken else "output:graph"
-        self.nodes.append(Node(out_name, "output", "output", inputs=outs))
+        self.nodes.append(Node(out_name, "output", "output", inputs=outs, params=read))
         return Captured(Graph(self.nodes, "onnx", outputs=outs), vals.params, self.ir_nodes,
                         self.act_index, self.input_nodes,
                         dtypes={k: v[1] for k, v in vals.shapes.items()},
