@@ -33,7 +33,7 @@ from precondfx.onnx.apply import OnnxApplier
 from precondfx.onnx.capture import Captured, infer_shapes, symbolic_values, to_graph
 from precondfx.onnx.normalize import NormalizeInfo, normalize
 from precondfx.core.options import DEFAULTS as D
-from precondfx.core.options import REFUSE, Options, Resolved, Rule, Support
+from precondfx.core.options import REFUSE, Options, Resolved, Rule, Support, flag
 import precondfx.schemes  # noqa: F401 (registers the schemes)
 from precondfx.core.scheme import resolve_options
 from precondfx.core.report import Report
@@ -63,6 +63,11 @@ ONNX = Support("ONNX back end", (
          f"{_TORCH_ONLY}"),
     Rule("calibration", lambda v: v != D.calibration, REFUSE, "calibration= sets the PyTorch "
          "module's train/eval mode; an ONNX graph runs as exported"),
+    Rule("balance_samples", lambda v: v != D.balance_samples, REFUSE, f"balance_samples= sets "
+         f"measured balancing, which {_TORCH_ONLY} (ONNX files get the analytic constants)"),
+    Rule("balance_threshold", lambda v: v != D.balance_threshold, REFUSE, f"balance_threshold= "
+         f"sets measured balancing, which {_TORCH_ONLY} (ONNX files get the analytic "
+         f"constants)"),
 ))
 #: inspecting runs no data through the model; the plan does not depend on the input scale
 INSPECT = Support("ONNX inspect", (
@@ -323,6 +328,8 @@ def precondition_onnx(in_path: str, out_path: str, *,
     ``verbose`` prints the progress lines.
     """
     started = time.perf_counter()
+    flag("verify", verify)
+    flag("verbose", verbose)
     r = _options(options)
     io.check_output_name(out_path)
     io.check_batch(batch)

@@ -351,3 +351,21 @@ def test_kept_weight_read_outside_its_layer_is_not_rescaled(tmp_path, as_output)
     rep2 = precondition_onnx(src, str(tmp_path / "re.onnx"), feeds={"x": x}, balance="analytic")
     assert next(lay for lay in rep2.plan.layers if lay.weight == "Wc").alpha == \
         pytest.approx(9 ** -0.25)
+
+
+@pytest.mark.parametrize("kw, words", [({"verify": "no"}, "verify='no' must be True or False"),
+                                       ({"verbose": 1}, "verbose=1 must be True or False"),
+                                       ({"balance_samples": 4}, "balance_samples="),
+                                       ({"balance_threshold": 3.0}, "balance_threshold=")])
+def test_options_that_would_be_swallowed_are_refused(tmp_path, kw, words):
+    """A non-bool ``verify``/``verbose`` (``"no"`` is truthy: it verified) and the measured
+    balancing options, which the ONNX back end never reads, are refused; nothing is written."""
+    src, out = str(tmp_path / "m.onnx"), str(tmp_path / "o.onnx")
+    _mlp(src)
+    before = _sha(src)
+    with pytest.raises(PrecondError, match=words):
+        precondition_onnx(src, out, **kw)
+    assert not os.path.exists(out) and _sha(src) == before
+    if "balance_samples" in kw:       # the command line says the same, exit code 2
+        assert main(["precondition", src, "-o", out, "--balance-samples", "4"]) == 2
+        assert not os.path.exists(out)
