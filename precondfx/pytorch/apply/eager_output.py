@@ -186,7 +186,10 @@ class OutputSearch:
                     src = live[0]
                     node = self.graph.get(src)
                     continue
-                if node.kind not in ("reshape", "cast", "select") or len(node.inputs) != 1:
+                # a selection reads its data first, then any index tensors (the pooled last
+                # token of a decoder's sequence classifier: logits[arange(b), last])
+                if node.kind not in ("reshape", "cast", "select") or not node.inputs or \
+                        (len(node.inputs) != 1 and node.kind != "select"):
                     node = None
                     break
                 src = node.inputs[0]
