@@ -147,3 +147,30 @@ def test_resize_token_embeddings_keeps_the_constants(tied: bool, tmp_path) -> No
     assert (res.lm_head.weight is res.model.embed_tokens.weight) == tied
     _reloads(res, {"input_ids": ids}, tmp_path, use_cache=False)
     assert "set_output_embeddings" not in vars(precondfx.fold(res))
+
+
+def test_question_answering_head_split_into_start_and_end_takes_positions(tmp_path) -> None:
+    """One module's output is cut into start and end logits: the output scale sits on that
+    module, so the model's own loss (the mean of both cross-entropies) sees it, and the end
+    logits carry the same factor (the checkpoint reloads both)."""
+    torch.manual_seed(0)
+    model = tf.BertForQuestionAnswering(tf.BertConfig(**_ENC))
+    ids = _ids()
+    pos = {"start_positions": torch.tensor([1, 5, 7, 2]),
+           "end_positions": torch.tensor([3, 6, 9, 11])}
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    res, rep = _pre(model, {**batch, **pos})
+    assert float(res.qa_outputs.precondfx_output_scale) == pytest.approx(rep.output_scale)
+    with torch.no_grad():
+        out = res.eval()(**batch, **pos)
+    assert abs(float(out.start_logits.std()) - 1.0) < 0.05
+    want = (F.cross_entropy(out.start_logits.double(), pos["start_positions"]) +
+            F.cross_entropy(out.end_logits.double(), pos["end_positions"])) / 2
+    assert abs(float(out.loss) - float(want)) < 1e-5
+    assert res.config.precondfx["checkpoints"] == "folded"
+    res.save_pretrained(tmp_path)
+    with torch.no_grad():
+        back = type(res).from_pretrained(tmp_path).eval()(**batch)
+    for k in ("start_logits", "end_logits"):
+        ref = getattr(out, k)
+        assert float((getattr(back, k) - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
