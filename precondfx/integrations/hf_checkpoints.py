@@ -53,6 +53,7 @@ def prepare(model: nn.Module, report: Any = None) -> None:
         entry["options"] = old["options"]
     if cfg is not None:
         setattr(cfg, CONFIG_KEY, entry)
+    follow_output_embeddings(model)
     if rec is not None and rec.pending:
         # planned on the meta device: whether a tied weight's factor can move upstream is
         # checked by running once the model holds data (precondfx.pytorch.distributed.calibrate, which
@@ -95,6 +96,33 @@ def _warn_raw(module: nn.Module, state_dict: dict, prefix: str, meta: Any) -> No
         "precondfx_* entries, which from_pretrained drops as unexpected. Load such a checkpoint "
         "into a model preconditioned the same way (load_state_dict), or keep it with "
         "torch.save(model)", UserWarning, stacklevel=2)
+
+
+def set_output_embeddings(self: nn.Module, new: Any) -> None:
+    """The model's own ``set_output_embeddings``, then the precondfx constants of the output
+    embedding it replaces (buffers and hooks) moved onto the new one: ``resize_token_embeddings``
+    of an untied model builds a new ``lm_head``, which would otherwise drop its input scale and
+    the output scale (the function and the loss's scale would change silently)."""
+    from precondfx.pytorch.apply import eager_apply as ea
+    old = self.get_output_embeddings()
+    type(self).set_output_embeddings(self, new)
+    if not isinstance(old, nn.Module) or not isinstance(new, nn.Module) or new is old:
+        return
+    for name, buf in list(old._buffers.items()):
+        if buf is None or not name.startswith(PREFIX) or name in new._buffers:
+            continue
+        new.register_buffer(name, buf, persistent=name not in old._non_persistent_buffers_set)
+        if name in ea.MODULE_HOOKS:
+            ea.module_hook(new, name)
+
+
+def follow_output_embeddings(model: nn.Module) -> None:
+    """Make the model's ``set_output_embeddings`` carry the constants over (see
+    :func:`set_output_embeddings`); an instance attribute, so the class is untouched."""
+    import types
+    if callable(getattr(type(model), "set_output_embeddings", None)) and \
+            "set_output_embeddings" not in vars(model):
+        model.__dict__["set_output_embeddings"] = types.MethodType(set_output_embeddings, model)
 
 
 def _install(model: nn.Module) -> None:
@@ -202,6 +230,7 @@ def reattach(model: nn.Module) -> nn.Module:
             raise PrecondError(f"config.precondfx records an unknown constant {fqn}")
     attach(model, Recipe(None, [], dict(entry.get("upstream", {})),
                          idle=list(entry.get("idle", []))))
+    follow_output_embeddings(model)
     factors = fold_factors(model)
     named = dict(model.named_parameters())
     for name, f in factors.items():

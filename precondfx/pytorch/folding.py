@@ -86,7 +86,9 @@ class Recipe:
     pending: dict[str, str] = field(default_factory=dict)
     #: modules holding a parameter tied to another module's that the forward never calls
     #: (BART's and T5's ``shared`` embedding, whose copies ``embed_tokens`` run): they put no
-    #: constraint on the factor the tied weight folds with
+    #: constraint on the factor the tied weight folds with; an entry ``path.name`` is one
+    #: slot of a tied parameter that a called module holds but never reads itself (BERT's
+    #: ``cls.predictions.bias``: only its ``decoder`` reads the tensor)
     idle: list[str] = field(default_factory=list)
 
     def __deepcopy__(self, memo: dict) -> "Recipe":
@@ -177,6 +179,8 @@ class _Scales:
     problems: list[tuple[str, str]] = field(default_factory=list)
     upstream: dict[int, int] = field(default_factory=dict)
     idle: set[int] = field(default_factory=set)     # tied owners the forward never calls
+    #: (module id, parameter name): a tied slot a called module never reads itself
+    idle_slots: set[tuple[int, str]] = field(default_factory=set)
 
     #: a ParametrizationList (module id) -> the module whose tensor it computes (module id)
     #: and that tensor's name: its carrier original takes the factor the tensor needs
@@ -228,8 +232,16 @@ def _recipe_links(model: nn.Module, recipe: Recipe | None, sc: _Scales) -> None:
         for m in recipe.idle:
             try:
                 sc.idle.add(id(model.get_submodule(m)))
+                continue
+            except AttributeError:
+                pass
+            path, _, pname = m.rpartition(".")     # a slot a called module never reads
+            try:
+                mod = model.get_submodule(path)
             except AttributeError:
                 continue
+            if mod._parameters.get(pname) is not None:
+                sc.idle_slots.add((id(mod), pname))
 
 
 _SAME_VALUES_METHODS = {"view", "reshape", "contiguous", "float", "to", "flatten", "squeeze",
@@ -478,7 +490,8 @@ def _owners(model: nn.Module, sc: _Scales) -> tuple[dict[int, list[tuple[int, st
             if p is None:
                 continue
             owners.setdefault(id(p), [])
-            idle = id(mod) in sc.idle and id(mod) not in sc.inp and id(mod) not in sc.out
+            idle = (id(mod) in sc.idle or (id(mod), pname) in sc.idle_slots) and \
+                id(mod) not in sc.inp and id(mod) not in sc.out
             if not idle and (id(mod), pname) not in owners[id(p)]:
                 owners[id(p)].append((id(mod), pname))
             names.setdefault(id(p), f"{path}.{pname}" if path else pname)
@@ -503,8 +516,7 @@ def _movable(sc: _Scales, mid: int, pname: str) -> bool:
     """Can a different factor on this (tied) weight move upstream (a bias-free linear with a
     known producer of its input)?"""
     mod = sc.mods[mid][1]
-    return kind(mod) == "linear" and pname == "weight" and \
-        getattr(mod, "bias", None) is None and mid in sc.upstream
+    return kind(mod) == "linear" and pname == "weight" and mid in sc.upstream
 
 
 def _untie(sc: _Scales, owners: dict[int, list[tuple[int, str]]], names: dict[int, str]
@@ -759,6 +771,9 @@ def strip(model: nn.Module) -> None:
         fwd = vars(mod).get("forward")     # the weight-side forward (apply.eager_apply)
         if fwd is not None and _ours(getattr(fwd, "func", fwd)):
             del mod.__dict__["forward"]
+        seo = vars(mod).get("set_output_embeddings")   # integrations.hf_checkpoints
+        if seo is not None and _ours(getattr(seo, "__func__", seo)):
+            del mod.__dict__["set_output_embeddings"]
         for attr in ("_forward_hooks", "_forward_pre_hooks", "_state_dict_hooks",
                      "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                      "_load_state_dict_post_hooks"):
@@ -797,7 +812,9 @@ def tied_upstream(model: nn.Module, graph: Any, run: Callable[[nn.Module], Any],
         for p in mod._parameters.values():
             if p is not None:
                 shared[id(p)] = shared.get(id(p), 0) + 1
-    users = graph.users()
+    # an export's dtype assertions read a value without using it
+    users = {k: [u for u in v if not _assertion(graph.get(u))]
+             for k, v in graph.users().items()}
     calls: dict[str, int] = {}
     for n in graph:
         if n.module:
@@ -808,8 +825,7 @@ def tied_upstream(model: nn.Module, graph: Any, run: Callable[[nn.Module], Any],
             continue
         mod = model.get_submodule(n.module)
         w = mod._parameters.get("weight")
-        tied = kind(mod) == "linear" and getattr(mod, "bias", None) is None and \
-            w is not None and shared.get(id(w), 0) >= 2
+        tied = kind(mod) == "linear" and w is not None and shared.get(id(w), 0) >= 2
         bare = kind(mod) is None and any(b.startswith(PREFIX) for b in mod._buffers)
         if not (tied or bare):
             continue
@@ -825,12 +841,16 @@ def tied_upstream(model: nn.Module, graph: Any, run: Callable[[nn.Module], Any],
             cur = graph.get(cur.inputs[0])
         if cur is None or len(users.get(cur.name, [])) != 1:
             continue
-        up = cur.module or _norm_owner(model, cur)
+        up = cur.module or _norm_owner(model, cur, ("norm", "linear"), graph)
+        if up and not cur.module and sum(
+                1 for m in graph if not _assertion(m) and
+                any(q.rpartition(".")[0] == up for q in m.params.values())) != 1:
+            continue    # a module captured as ops, called more than once
         if not up or (cur.module and calls.get(cur.module) != 1):
             continue
         if pending is not None:
             pending[n.module] = up
-        elif _doubles(model, up, n.module, run):
+        elif _doubles(model, up, n.module, run, inputs=tied):
             out[n.module] = up
     return out
 
@@ -857,20 +877,86 @@ def idle_tied(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[str]:
     finally:
         for h in handles:
             h.remove()
-    return [m for m in cands if m not in seen]
+    idle = [m for m in cands if m not in seen]
+    return idle + _idle_slots(model, holders, idle, run)
 
 
-def _norm_owner(model: nn.Module, node: Any) -> str | None:
+def _leaves(out: Any) -> list[torch.Tensor]:
+    """The tensors of a model output (nested tuples, lists, dicts, ModelOutputs)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        return [t for k in out.keys() for t in _leaves(out[k])]
+    if isinstance(out, (tuple, list)):
+        return [t for v in out for t in _leaves(v)]
+    return []
+
+
+def _idle_slots(model: nn.Module, holders: dict[int, list[str]], idle: list[str],
+                run: Callable[[nn.Module], Any]) -> list[str]:
+    """Slots ``path.name`` of a tied parameter that a called module holds but never reads
+    itself (BERT's ``cls.predictions.bias``, which only its ``decoder`` reads): found by
+    running with that slot alone set to NaN, the output unchanged.  They put no constraint on
+    the factor the tied tensor folds with."""
+    try:
+        with torch.no_grad():
+            ref = _leaves(run(model))
+    except Exception:
+        return []
+    found = []
+    for pid, paths in holders.items():
+        if len(paths) < 2:
+            continue
+        for path in paths:
+            if path in idle:
+                continue
+            mod = model.get_submodule(path)
+            for pname, p in list(mod._parameters.items()):
+                if p is None or id(p) != pid or not p.is_floating_point():
+                    continue
+                mod._parameters[pname] = nn.Parameter(torch.full_like(p, float("nan")),
+                                                      p.requires_grad)
+                try:
+                    with torch.no_grad():
+                        got = _leaves(run(model))
+                    same = len(got) == len(ref) and all(
+                        a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, ref))
+                except Exception:
+                    same = False
+                finally:
+                    mod._parameters[pname] = p
+                if same:
+                    found.append(f"{path}.{pname}" if path else pname)
+    return found
+
+
+def _assertion(node: Any) -> bool:
+    """An export's runtime check (``aten._assert_tensor_metadata`` after a ``.to(dtype)``):
+    it reads a value and computes nothing from it."""
+    return node is not None and str(node.target).rpartition(".")[2].startswith("_assert")
+
+
+def _norm_owner(model: nn.Module, node: Any, kinds: tuple[str, ...] = ("norm",),
+                graph: Any = None) -> str | None:
     """The normalization module whose weight a captured op reads, for a normalization the
-    capture left as separate ops (transformers' LlamaRMSNorm ends in ``weight * x``); the
-    check by running then says whether its output carries the factor."""
-    for p in node.params.values():
+    capture left as separate ops (transformers' LlamaRMSNorm ends in ``weight * x``), or with
+    ``kinds`` another module, such as a linear map captured as its ``addmm`` (transformers'
+    ``Conv1D``); the check by running then says whether its output carries the factor.
+    With ``graph``, also a weight read through a cast of its own (CohereLayerNorm's
+    ``weight.to(float32) * x``)."""
+    params = list(node.params.values())
+    if graph is not None:
+        for i in node.inputs:
+            src = graph.get(i)
+            if src is not None and not src.inputs and src.kind in ("reshape", "cast"):
+                params += list(src.params.values())
+    for p in params:
         path = p.rpartition(".")[0]
         try:
             mod = model.get_submodule(path)
         except AttributeError:
             continue
-        if kind(mod) == "norm":
+        if kind(mod) in kinds:
             return path
     return None
 
@@ -882,21 +968,27 @@ def confirm_upstream(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[
     rec = recipe_of(model)
     if rec is None or not rec.pending:
         return []
-    done = [m for m, u in rec.pending.items() if _doubles(model, u, m, run)]
+    done = [m for m, u in rec.pending.items()
+            if _doubles(model, u, m, run, inputs=kind(model.get_submodule(m)) == "linear")]
     rec.upstream.update({m: rec.pending[m] for m in done})
     rec.pending.clear()
     return done
 
 
-def _doubles(model: nn.Module, up: str, down: str, run: Callable[[nn.Module], Any]) -> bool:
+def _doubles(model: nn.Module, up: str, down: str, run: Callable[[nn.Module], Any],
+             inputs: bool = False) -> bool:
+    """Whether doubling ``up``'s output doubles ``down``'s output (``inputs``: its input, for a
+    linear ``down`` whose weight takes the factor as an input scale, bias or not)."""
     seen: list[torch.Tensor] = []
 
-    def grab(m: nn.Module, a: tuple, o: Any) -> None:
-        seen.append(o if isinstance(o, torch.Tensor) else torch.empty(0))
+    def grab(m: nn.Module, a: tuple, o: Any = None) -> None:
+        t = (a[0] if a else None) if inputs else o
+        seen.append(t if isinstance(t, torch.Tensor) else torch.empty(0))
 
     def double(m: nn.Module, a: tuple, o: Any) -> Any:
         return o * 2 if isinstance(o, torch.Tensor) else o
-    h = model.get_submodule(down).register_forward_hook(grab)
+    mod = model.get_submodule(down)
+    h = mod.register_forward_pre_hook(grab) if inputs else mod.register_forward_hook(grab)
     try:
         run(model)
         h2 = model.get_submodule(up).register_forward_hook(double)

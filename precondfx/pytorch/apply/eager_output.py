@@ -7,6 +7,7 @@ output's shape, found by running the model with a doubling hook on each candidat
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -71,6 +72,7 @@ class OutputSearch:
         scale; on the returned value otherwise (refused when the model returns a loss).
         ``run`` defaults to the one given to the constructor."""
         run = run or self.runner
+        self.split_outputs: set[str] = set()
         found, out = self._output_module(path, run) if run is not None else (None, None)
         if found is not None and self.train_runner is not None and \
                 self._output_module(path, self.train_runner)[0] != found:
@@ -85,9 +87,11 @@ class OutputSearch:
             from precondfx.pytorch.apply.eager_apply import module_hook   # imports this module
             self._hook(module_hook(mod, PREFIX + "output_scale"))
             self.output_module = found
-            self._done("output", f"output scale on the output of {found} (the main output): "
-                       f"everything forward computes from it, its own loss included, sees the "
-                       f"scale", f"{found}.{PREFIX}output_scale")
+            also = (" and the outputs split from it alongside (a question-answering head's "
+                    "end logits)") if found in self.split_outputs else ""
+            self._done("output", f"output scale on the output of {found} (the main output"
+                       f"{also}): everything forward computes from it, its own loss included, "
+                       f"sees the scale", f"{found}.{PREFIX}output_scale")
             return f"{found}.{PREFIX}output_scale"
         if out is not None and internal_loss(out, path):
             raise PrecondError(LOSS_BEFORE_SCALE.replace("this preconditioned model computed",
@@ -177,6 +181,7 @@ class OutputSearch:
             node = self.graph.get(o)
             if node is None or node.out_shape is None or tuple(node.out_shape) != shape:
                 continue
+            split = False
             while node is not None and node.module is None:
                 live = [i for i in node.inputs if not self._frozen(i)]
                 if node.kind in ("add", "sub", "mul") and len(live) == 1 and \
@@ -186,17 +191,35 @@ class OutputSearch:
                     src = live[0]
                     node = self.graph.get(src)
                     continue
-                if node.kind not in ("reshape", "cast", "select") or len(node.inputs) != 1:
+                # a selection reads its data first, then any index tensors (the pooled last
+                # token of a decoder's sequence classifier: logits[arange(b), last])
+                if node.kind not in ("reshape", "cast", "select") or not node.inputs or \
+                        (len(node.inputs) != 1 and node.kind != "select"):
                     node = None
                     break
                 src = node.inputs[0]
                 if node.kind == "select" and len(self.users.get(src, [])) != 1:
-                    node = None
-                    break
+                    if not self._partitioned(src, shape):
+                        node = None
+                        break
+                    split = True
                 node = self.graph.get(src)
             if node is not None and node.module and node.module not in found:
                 found.append(node.module)
+                if split:
+                    self.split_outputs.add(node.module)
         return found
+
+    def _partitioned(self, src: str, shape: tuple) -> bool:
+        """Whether ``src`` is only cut into parts of the main output's size (a question-answering
+        head's start and end logits): its every reader a selection of that many elements."""
+        n = math.prod(shape)
+        for u in self.users.get(src, []):
+            node = self.graph.get(u)
+            if node is None or node.kind != "select" or node.out_shape is None or \
+                    math.prod(node.out_shape) != n:
+                return False
+        return True
 
     def _frozen_params(self, node: Any) -> bool:
         """Whether every parameter-like operand ``node`` reads is a buffer of the model (no
