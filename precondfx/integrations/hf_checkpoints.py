@@ -116,13 +116,25 @@ def set_output_embeddings(self: nn.Module, new: Any) -> None:
             ea.module_hook(new, name)
 
 
+class _FollowOutputEmbeddings:
+    """``model.set_output_embeddings`` as an instance attribute: :func:`set_output_embeddings`
+    on the model it belongs to.  A plain object (not a bound method), so that ``pickle``,
+    ``torch.save`` and ``deepcopy`` of the model keep it (a bound method is pickled as
+    ``getattr(model, name)``, which on loading finds the class's method instead)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, new: Any) -> None:
+        set_output_embeddings(self.model, new)
+
+
 def follow_output_embeddings(model: nn.Module) -> None:
     """Make the model's ``set_output_embeddings`` carry the constants over (see
     :func:`set_output_embeddings`); an instance attribute, so the class is untouched."""
-    import types
     if callable(getattr(type(model), "set_output_embeddings", None)) and \
             "set_output_embeddings" not in vars(model):
-        model.__dict__["set_output_embeddings"] = types.MethodType(set_output_embeddings, model)
+        model.__dict__["set_output_embeddings"] = _FollowOutputEmbeddings(model)
 
 
 def _install(model: nn.Module) -> None:

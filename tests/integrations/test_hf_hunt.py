@@ -131,12 +131,17 @@ def test_decoder_sequence_classifier_pooling_by_index_takes_labels(tmp_path) -> 
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_resize_token_embeddings_keeps_the_constants(tied: bool, tmp_path) -> None:
+@pytest.mark.parametrize("copy_by", ["deepcopy", "torch.save"])
+def test_resize_token_embeddings_keeps_the_constants(tied: bool, copy_by: str, tmp_path) -> None:
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(tie_word_embeddings=tied, **_DEC))
     ids = _ids()
     res, rep = _pre(model, {"input_ids": ids}, use_cache=False)
-    res = copy.deepcopy(res)    # a copy keeps the behaviour
+    if copy_by == "deepcopy":   # a copy keeps the behaviour
+        res = copy.deepcopy(res)
+    else:                       # so does a pickled one (torch.save of the whole model)
+        torch.save(res, tmp_path / "whole.pt")
+        res = torch.load(tmp_path / "whole.pt", weights_only=False)
     before = _logits(res, {"input_ids": ids}, use_cache=False)
     res.resize_token_embeddings(V + 8)
     after = _logits(res, {"input_ids": ids}, use_cache=False)
