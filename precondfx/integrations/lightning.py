@@ -222,7 +222,9 @@ def precondition_callback(*, module_attr: str | None = None, sample: Any = None,
                 self._run(trainer, pl_module, data, late=False)
                 return
             # the network or its data comes later (the LightningModule's setup or
-            # configure_model): precondition just before configure_optimizers
+            # configure_model): precondition just before configure_optimizers, or, resuming
+            # (ckpt_path), just before Lightning loads the checkpoint, which comes first
+            self._before_restore(trainer, pl_module, stage)
             original = pl_module.configure_optimizers
 
             def configure_optimizers(*args: Any, **kwargs: Any) -> Any:
@@ -235,7 +237,8 @@ def precondition_callback(*, module_attr: str | None = None, sample: Any = None,
             pl_module.configure_optimizers = configure_optimizers
 
         def _before_restore(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
-            """validate/test/predict with ``ckpt_path``: a checkpoint of a preconditioned
+            """validate/test/predict with ``ckpt_path``, and resuming a fit whose network is
+            built late (after the callback's ``setup``): a checkpoint of a preconditioned
             network holds its ``precondfx_*`` constants (and the parameters preconditioning
             added), which a fresh LightningModule lacks.  Lightning calls the module's
             ``on_load_checkpoint`` just before loading the weights: precondition there (on

@@ -127,3 +127,58 @@ def test_evaluation_with_ckpt_path_loads_a_preconditioned_checkpoint(stage, tmp_
         _trainer(pl_int.precondition_callback(module_attr="model"), tmp_path).validate(
             plain, _loader(), verbose=False)
         assert not _preconditioned(plain) and "on_load_checkpoint" not in plain.__dict__
+
+
+def _late_module(where: str) -> object:
+    class Late(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = None
+
+        def configure_model(self) -> None:
+            if where == "configure_model" and self.model is None:
+                self.model = _net()
+
+        def setup(self, stage: str) -> None:
+            if where == "setup" and self.model is None:
+                self.model = _net()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.model(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+    return Late()
+
+
+@needs_pl
+@pytest.mark.parametrize("where", ["setup", "configure_model"])
+def test_resume_of_a_network_built_late_loads_the_checkpoint(where, tmp_path) -> None:
+    """A network built in the LightningModule's setup or configure_model was preconditioned
+    just before configure_optimizers, but resuming loads the checkpoint before that: torch's
+    'Unexpected key(s) ... precondfx_*'.  Now it is preconditioned before the load, and the
+    resumed run starts from exactly the saved weights and constants."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = _late_module(where)
+        trainer = _trainer(pl_int.precondition_callback(module_attr="model"), tmp_path)
+        trainer.fit(module, _loader())
+        ckpt = tmp_path / "a.ckpt"
+        trainer.save_checkpoint(ckpt)
+        saved = {k: v.clone() for k, v in module.state_dict().items()}
+        seen = {}
+
+        class Spy(pl.Callback):
+            def on_train_start(self, trainer, pl_module) -> None:
+                seen.update({k: v.clone() for k, v in pl_module.state_dict().items()})
+
+        fresh = _late_module(where)
+        resumed = _trainer(pl_int.precondition_callback(module_attr="model"), tmp_path, steps=3)
+        resumed.callbacks.append(Spy())
+        resumed.fit(fresh, _loader(), ckpt_path=str(ckpt))
+    assert resumed.global_step == 3
+    assert seen.keys() == saved.keys() and any("precondfx" in k for k in saved)
+    assert all(torch.equal(seen[k], saved[k]) for k in saved)
+    held = {id(p) for o in resumed.optimizers for g in o.param_groups for p in g["params"]}
+    assert held == {id(p) for p in fresh.parameters()}
