@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from precondfx.core.backend import PREFIX
 from precondfx.errors import PrecondError
 from precondfx.integrations.common import is_preconditioned, missing_from_optimizers, \
     parameter_ids, refuse_missing
@@ -107,10 +108,16 @@ def default_batch_to_sample(batch: Any, net: nn.Module) -> Any:
     raise _cannot(batch, "it is neither a tensor, a tuple/list nor a dict")
 
 
-def _first_training_batch(trainer: Any) -> Any:
-    """The first batch of the trainer's training dataloader, or None where Lightning does not
-    say which dataloader it will use before training starts."""
-    source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
+#: the Trainer's loop for each stage (its ``_data_source`` says where the batches come from)
+LOOPS = {"fit": "fit_loop", "validate": "validate_loop", "test": "test_loop",
+         "predict": "predict_loop"}
+
+
+def _first_training_batch(trainer: Any, stage: str = "fit") -> Any:
+    """The first batch of the trainer's dataloader for ``stage`` (training by default; the
+    first dataloader of an evaluation stage), or None where Lightning does not say which
+    dataloader it will use before the stage starts."""
+    source = getattr(getattr(trainer, LOOPS.get(stage, "fit_loop"), None), "_data_source", None)
     if source is None or not hasattr(source, "dataloader"):
         return None
     if hasattr(source, "is_defined") and not source.is_defined():
@@ -120,6 +127,8 @@ def _first_training_batch(trainer: Any) -> Any:
             loader = source.dataloader()   # the train_dataloader hook, called once more
         except Exception:  # noqa: BLE001 - e.g. a dataset the LightningModule's setup builds
             return None
+        if stage != "fit" and isinstance(loader, (list, tuple)) and loader:
+            loader = loader[0]   # an evaluation stage runs its dataloaders one after another
         if isinstance(loader, (dict, list, tuple)) or loader is None:
             return None   # several dataloaders (combined by Lightning): not guessed
         return next(iter(loader))
@@ -134,6 +143,17 @@ def precondition_callback(*, module_attr: str | None = None, sample: Any = None,
     if pl is None:
         raise PrecondError("the Lightning callback needs Lightning: pip install lightning")
     from precondfx.api import precondition
+    from precondfx.core.options import Options, option_names
+    if "inplace" in options:
+        raise PrecondError("precondition_callback always preconditions the LightningModule's "
+                           "network in place (the optimizer Lightning builds must hold its "
+                           "parameters): drop inplace=")
+    if module_attr is not None and not (isinstance(module_attr, str) and module_attr):
+        raise PrecondError(f"module_attr={module_attr!r} must be the name of the network's "
+                           f"attribute (a string such as 'model') or None")
+    # the options' values are checked now, not at the first fit (other keywords go to the
+    # network's forward, which precondition checks when it has the network)
+    Options.from_keywords(**{k: v for k, v in options.items() if k in set(option_names())})
 
     def net_of(pl_module: nn.Module) -> nn.Module:
         if module_attr is None:
@@ -192,28 +212,70 @@ def precondition_callback(*, module_attr: str | None = None, sample: Any = None,
             return None if batch is None else to_sample(batch, net_of(pl_module))
 
         def setup(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
-            if stage != "fit" or self.report is not None:
+            if has_net(pl_module) and is_preconditioned(net_of(pl_module)):
+                return
+            if stage != "fit":
+                self._before_restore(trainer, pl_module, stage)
                 return
             data = self._sample_now(trainer, pl_module)
             if data is not None:   # before checkpoint restore and configure_optimizers
                 self._run(trainer, pl_module, data, late=False)
                 return
             # the network or its data comes later (the LightningModule's setup or
-            # configure_model): precondition just before configure_optimizers
+            # configure_model): precondition just before configure_optimizers, or, resuming
+            # (ckpt_path), just before Lightning loads the checkpoint, which comes first
+            self._before_restore(trainer, pl_module, stage)
             original = pl_module.configure_optimizers
 
             def configure_optimizers(*args: Any, **kwargs: Any) -> Any:
                 pl_module.__dict__.pop("configure_optimizers", None)
-                if self.report is None:
+                if not (has_net(pl_module) and is_preconditioned(net_of(pl_module))):
                     data = self._sample_now(trainer, pl_module)
                     if data is not None:
                         self._run(trainer, pl_module, data, late=False)
                 return original(*args, **kwargs)
             pl_module.configure_optimizers = configure_optimizers
 
+        def _before_restore(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
+            """validate/test/predict with ``ckpt_path``, and resuming a fit whose network is
+            built late (after the callback's ``setup``): a checkpoint of a preconditioned
+            network holds its ``precondfx_*`` constants (and the parameters preconditioning
+            added), which a fresh LightningModule lacks.  Lightning calls the module's
+            ``on_load_checkpoint`` just before loading the weights: precondition there (on
+            ``sample=`` or the stage's first batch; the checkpoint then overwrites the weights
+            and constants), only when the checkpoint holds a preconditioned network."""
+            original = pl_module.on_load_checkpoint
+
+            def on_load_checkpoint(checkpoint: Any, *args: Any, **kwargs: Any) -> Any:
+                pl_module.__dict__.pop("on_load_checkpoint", None)
+                state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
+                if isinstance(state, dict) and any(PREFIX in k for k in state) \
+                        and has_net(pl_module) and not is_preconditioned(net_of(pl_module)):
+                    data = sample
+                    if data is None:
+                        batch = _first_training_batch(trainer, stage)
+                        data = None if batch is None else to_sample(batch, net_of(pl_module))
+                    if data is None:
+                        raise PrecondError(
+                            f"trainer.{stage}(ckpt_path=...) loads a checkpoint of a "
+                            f"preconditioned network (it holds precondfx_* constants) into a "
+                            f"network that is not preconditioned, and the callback found no "
+                            f"batch to precondition it on first: pass sample= (a batch the "
+                            f"network takes) to precondition_callback")
+                    self._run(trainer, pl_module, data, late=False)
+                return original(checkpoint, *args, **kwargs)
+            pl_module.on_load_checkpoint = on_load_checkpoint
+            self._installed = pl_module
+
+        def teardown(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
+            # the hook wrapper of an evaluation stage that loaded no checkpoint
+            if getattr(self, "_installed", None) is pl_module:
+                pl_module.__dict__.pop("on_load_checkpoint", None)
+                self._installed = None
+
         def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any,
                                  batch_idx: int) -> None:
-            if self.report is None and not is_preconditioned(net_of(pl_module)):
+            if not is_preconditioned(net_of(pl_module)):
                 self._run(trainer, pl_module, to_sample(batch, net_of(pl_module)), late=True)
 
     return PreconditionCallback()

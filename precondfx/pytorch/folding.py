@@ -634,6 +634,10 @@ def _structural(model: nn.Module, recipe: Recipe | None, same_objects: bool = Tr
 def _plan(model: nn.Module, source: nn.Module | None) -> tuple[dict[str, float],
                                                               list[tuple[str, str]],
                                                               nn.Module | None]:
+    if any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers())):
+        return {}, [("model", "it is on the meta device (shapes, no values): materialize it "
+                     "first (model.to_empty(device=...), precondfx.reinit(model, report.plan, "
+                     "seed), precondfx.distributed.calibrate(model, batch)), then fold")], None
     recipe = recipe_of(model)
     if isinstance(model, fx.GraphModule):
         src = source if source is not None else (recipe.source if recipe else None)

@@ -106,6 +106,13 @@ def reinit(model: nn.Module, plan: Plan, seed: int | None = None, rng: str = "st
 def check_shapes(named: dict[str, torch.Tensor], plan: Plan) -> None:
     """Refuse a plan made for another model: the first parameter whose shape differs from the
     one the plan recorded (a plan of another width would write that width's inits)."""
+    drawn = [n for n, pi in plan.inits.items() if pi.rule != "keep"]
+    if drawn and not any(n in named for n in drawn):
+        raise PrecondError(
+            f"the plan was made for another model: none of the {len(drawn)} parameters it "
+            f"re-initializes ({', '.join(drawn[:3])}{', ...' if len(drawn) > 3 else ''}) is a "
+            f"parameter of this model, so reinit would change nothing; re-initialize with the "
+            f"plan of this model (the one precondfx.precondition returned with it: report.plan)")
     for name, pi in plan.inits.items():
         p = named.get(name)
         if p is None or not pi.shape and p.dim() > 0:   # no shape recorded: nothing to check
