@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from precondfx.core import calibration as cal
+from precondfx.core import options as options_mod
 from precondfx.core import tokens
 from precondfx.core.backend import Backend
 from precondfx.errors import PrecondError
@@ -189,6 +190,14 @@ def plan(st: State) -> None:
     scheme's changes, the input and output scales (``plan_io``)."""
     p = make_plan(st.graph, st.params, st.opts, alpha_sites=st.scheme.needs_alpha_sites)
     p.notes.extend(st.resolved.notes())
+    p.notes.extend(options_mod.moot(st.resolved.user, st.opts))
+    if st.resolved.user.pool_conv != options_mod.DEFAULTS.pool_conv and \
+            st.opts.maxpool in ("stride", "conv") and \
+            not any(pc.action == "conv" for pc in p.pools):
+        how = ("the model has no max-pool" if not p.pools else "its max-pools: " +
+               ", ".join(f"{pc.node} {pc.action}" for pc in p.pools))
+        p.notes.append(f"pool_conv={st.resolved.user.pool_conv!r} has no effect: no max-pool "
+                       f"is replaced by a convolution ({how})")
     st.scheme.plan(st.graph, p, st.params, st.opts)
     st.in_scale = input_scale(st.opts, p, st.input_arrays)
     plan_io(p, st.opts, st.in_scale)

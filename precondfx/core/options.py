@@ -495,6 +495,34 @@ def resolve(user: Options, *supports: Support, scheme: Any = None) -> Resolved:
     return Resolved(opts, user, tuple(changes), scheme)
 
 
+def moot(user: Options, opts: Options) -> list[str]:
+    """A note for each option the user set (a value other than the default) that the other
+    resolved options leave without effect, so that no option is ignored silently (e.g.
+    ``pool_conv`` with ``maxpool='keep'``, ``balance_threshold`` with ``balance='none'``)."""
+    rules = (
+        ("pool_conv", opts.maxpool in ("keep", "avgpool"),
+         f"maxpool={opts.maxpool!r} replaces no max-pool by a convolution"),
+        ("balance_threshold", opts.balance not in MEASURED,
+         f"it is read by measured balancing (balance='auto' or 'hessian') only "
+         f"(balance={opts.balance!r})"),
+        ("residual_scale", opts.residual == "none",
+         "residual='none' scales no residual branch"),
+        ("balance_samples", opts.balance not in MEASURED and not opts.measure,
+         f"it is read by measured balancing (balance='auto' or 'hessian') and measure=True "
+         f"only (balance={opts.balance!r})"),
+        ("init", not opts.reinit,
+         "reinit_weights=False keeps the weights (only a new layer, the convolution that "
+         "replaces a max-pool, is drawn)"),
+    )
+    out = []
+    for name, idle, why in rules:
+        f = next(f for f in fields(Options) if f.name == name)
+        given = getattr(user, name)
+        if idle and given != f.default:
+            out.append(f"{keyword_of(f)}={given!r} has no effect: {why}")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # the command line: flags built from the same fields
 # ---------------------------------------------------------------------------------------------

@@ -47,3 +47,33 @@ def test_replacement_conv_is_drawn_from_the_seed(opts):
         assert float(res.pool.bias.detach().abs().max()) == 0.0
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return (nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)),
+            torch.randn(16, 6, generator=torch.Generator().manual_seed(1)))
+
+
+@pytest.mark.parametrize("opts,said", [
+    (dict(maxpool="keep", pool_conv="avg"), "pool_conv='avg' has no effect"),
+    (dict(pool_conv="depthwise"), "pool_conv='depthwise' has no effect"),     # no max-pool
+    (dict(balance="none", balance_threshold=5.0), "balance_threshold=5.0 has no effect"),
+    (dict(balance="analytic", balance_samples=2), "balance_samples=2 has no effect"),
+    (dict(residual="none", residual_scale=0.5), "residual_scale=0.5 has no effect"),
+    (dict(reinit_weights=False, init="xavier"), "init='xavier' has no effect"),
+])
+def test_an_option_without_effect_is_said(opts, said):
+    """An option set to a value the other options leave without effect was ignored without a
+    word; the plan (precondition's and analyze's) now says so."""
+    model, x = _mlp()
+    _, rep = precondfx.precondition(model, x, **opts)
+    assert sum(said in n for n in rep.plan.notes) == 1, rep.plan.notes
+    assert rep.plan.notes == precondfx.analyze(model, x, **opts).plan.notes
+
+
+def test_an_option_with_effect_gets_no_note():
+    model, x = _mlp()
+    _, rep = precondfx.precondition(model, x, balance="hessian", balance_samples=4,
+                                    balance_threshold=3.0)
+    assert not any("has no effect" in n for n in rep.plan.notes), rep.plan.notes
