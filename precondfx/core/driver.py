@@ -191,17 +191,32 @@ def plan(st: State) -> None:
     p = make_plan(st.graph, st.params, st.opts, alpha_sites=st.scheme.needs_alpha_sites)
     p.notes.extend(st.resolved.notes())
     p.notes.extend(options_mod.moot(st.resolved.user, st.opts))
-    if st.resolved.user.pool_conv != options_mod.DEFAULTS.pool_conv and \
-            st.opts.maxpool in ("stride", "conv") and \
-            not any(pc.action == "conv" for pc in p.pools):
-        how = ("the model has no max-pool" if not p.pools else "its max-pools: " +
-               ", ".join(f"{pc.node} {pc.action}" for pc in p.pools))
-        p.notes.append(f"pool_conv={st.resolved.user.pool_conv!r} has no effect: no max-pool "
-                       f"is replaced by a convolution ({how})")
+    p.notes.extend(moot_in_model(st.resolved.user, st.opts, p))
     st.scheme.plan(st.graph, p, st.params, st.opts)
     st.in_scale = input_scale(st.opts, p, st.input_arrays)
     plan_io(p, st.opts, st.in_scale)
     st.plan = p
+
+
+def moot_in_model(user: Options, opts: Options, p: Plan) -> list[str]:
+    """A note for each option the user set (not the default) that this model leaves without
+    effect: the pool options without a max-pool replaced, the residual options without a
+    residual join."""
+    D, out = options_mod.DEFAULTS, []
+    if not p.pools:
+        out += [f"{k}={getattr(user, k)!r} has no effect: the model has no max-pool"
+                for k in ("maxpool", "pool_conv") if getattr(user, k) != getattr(D, k)
+                and not (k == "pool_conv" and opts.maxpool in ("keep", "avgpool"))]
+    elif user.pool_conv != D.pool_conv and opts.maxpool in ("stride", "conv") and \
+            not any(pc.action == "conv" for pc in p.pools):
+        out.append(f"pool_conv={user.pool_conv!r} has no effect: no max-pool is replaced by a "
+                   f"convolution (" + ", ".join(f"{pc.node}: {pc.action}" for pc in p.pools)
+                   + ")")
+    if not p.residuals:
+        out += [f"{k}={getattr(user, k)!r} has no effect: the model has no residual join"
+                for k in ("residual", "residual_scale") if getattr(user, k) != getattr(D, k)
+                and not (k == "residual_scale" and opts.residual == "none")]
+    return out
 
 
 #: the scales the back ends place with ``input_scale`` / ``output_scale``

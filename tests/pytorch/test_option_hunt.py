@@ -77,3 +77,26 @@ def test_an_option_with_effect_gets_no_note():
     _, rep = precondfx.precondition(model, x, balance="hessian", balance_samples=4,
                                     balance_threshold=3.0)
     assert not any("has no effect" in n for n in rep.plan.notes), rep.plan.notes
+
+
+@pytest.mark.parametrize("opts,said", [
+    (dict(maxpool="conv"), "maxpool='conv' has no effect: the model has no max-pool"),
+    (dict(residual="all"), "residual='all' has no effect: the model has no residual join"),
+    (dict(residual_scale="nf"), "residual_scale='nf' has no effect: the model has no residual"),
+])
+def test_an_option_this_model_leaves_without_effect_is_said(opts, said):
+    model, x = _mlp()
+    _, rep = precondfx.precondition(model, x, **opts)
+    assert sum(said in n for n in rep.plan.notes) == 1, rep.plan.notes
+
+
+def test_pool_conv_without_a_replaced_pool_is_said():
+    model, x = _pool_net()
+    _, rep = precondfx.precondition(model, x, maxpool="avgpool", pool_conv="depthwise")
+    assert [n for n in rep.plan.notes if "has no effect" in n] == [
+        "pool_conv='depthwise' has no effect: maxpool='avgpool' replaces no max-pool by a "
+        "convolution"]
+    model, x = _pool_net()
+    _, rep = precondfx.precondition(model, x, maxpool="conv", pool_conv="depthwise")
+    assert not any("has no effect" in n for n in rep.plan.notes)
+    assert rep.plan.pools[0].conv == "depthwise"
