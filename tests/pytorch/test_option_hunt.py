@@ -100,3 +100,38 @@ def test_pool_conv_without_a_replaced_pool_is_said():
     _, rep = precondfx.precondition(model, x, maxpool="conv", pool_conv="depthwise")
     assert not any("has no effect" in n for n in rep.plan.notes)
     assert rep.plan.pools[0].conv == "depthwise"
+
+
+class DeepTanh(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(16, 16), nn.Tanh())])
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.layers(x))
+
+
+@pytest.mark.parametrize("scheme", ["lsuv", "gne", "dks"])
+def test_init_a_scheme_ignores_is_said(scheme):
+    """init='xavier' with a scheme that draws every weight its own way changed nothing and the
+    report did not say so."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+    states, notes = [], []
+    for init in ("geometric", "xavier"):
+        torch.manual_seed(0)
+        res, rep = precondfx.precondition(DeepTanh(), x, scheme=scheme, init=init)
+        states.append(res.state_dict())
+        notes.append([n for n in rep.plan.notes if n.startswith("init=")])
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])  # no effect ...
+    assert notes[0] == []
+    assert notes[1] == [f"init='xavier' has no effect: scheme={scheme!r} draws every weight "
+                        f"its own way"]                                  # ... and it says so
+
+
+def test_init_the_geometric_scheme_reads_gets_no_note():
+    model, x = _mlp()
+    _, rep = precondfx.precondition(model, x, init="xavier")
+    assert not any(n.startswith("init=") for n in rep.plan.notes)
+    assert any(pi.rule == "xavier" for pi in rep.plan.inits.values())
