@@ -51,6 +51,9 @@ class State:
     progress: Callable[[str, float], None] | None = None   # (stage, seconds since start)
     sample: Any = None               # what ``backend.run`` takes: a Sample, or ONNX feeds
     input_arrays: list[Any] = field(default_factory=list)  # numpy inputs, input_scale="auto"
+    #: whether the model takes a floating-point input (an input scale has one to scale);
+    #: None where the back end does not say
+    float_inputs: bool | None = None
     graph: Graph | None = None
     params: dict[str, ParamInfo] = field(default_factory=dict)
     plan: Plan | None = None
@@ -200,6 +203,11 @@ def plan(st: State) -> None:
               else "no weight of this model is drawn by the init rule")
         p.notes.append(f"init={st.resolved.user.init!r} has no effect: {by}")
     st.in_scale = input_scale(st.opts, p, st.input_arrays)
+    if st.in_scale is not None and st.float_inputs is False:
+        p.notes.append(f"input_scale={st.resolved.user.input_scale!r} has no effect: the model "
+                       f"takes no floating-point input (token ids and other integer inputs are "
+                       f"not scaled)")
+        st.in_scale = None
     plan_io(p, st.opts, st.in_scale)
     st.plan = p
 

@@ -273,6 +273,7 @@ def prepare(st: TorchState) -> None:
     if st.opts.target_std is not None and not st.data:   # on data, calibration checks it
         cal.check_calibratable(main_output(out0, st.opts.output_key))
     st.input_arrays = input_arrays(s, st.opts)
+    st.float_inputs = any(t.is_floating_point() for t in s.tensors())
     if st.inplace:
         snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
         st.undo.append(lambda: _restore_state(model, snapshot))

@@ -135,3 +135,33 @@ def test_init_the_geometric_scheme_reads_gets_no_note():
     _, rep = precondfx.precondition(model, x, init="xavier")
     assert not any(n.startswith("init=") for n in rep.plan.notes)
     assert any(pi.rule == "xavier" for pi in rep.plan.inits.values())
+
+
+class TokenNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(30, 16)
+        self.head = nn.Linear(16, 30)
+
+    def forward(self, idx):
+        return self.head(torch.relu(self.emb(idx)))
+
+
+@pytest.mark.parametrize("capture", ["fx", "eager"])
+def test_input_scale_on_integer_inputs_is_not_claimed(capture):
+    """input_scale=2.0 on a model of token ids scaled nothing, yet the report said 'input
+    scale: 2' (report.input_scale, an input scale in the plan) and the result held a buffer
+    for it."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 30, (8, 6), generator=torch.Generator().manual_seed(1))
+    _, plain = precondfx.precondition(TokenNet(), ids, capture=capture)
+    torch.manual_seed(0)
+    res, rep = precondfx.precondition(TokenNet(), ids, input_scale=2.0, capture=capture)
+    assert rep.input_scale is None
+    assert not any(sc.tag == "input" for sc in rep.plan.scales)
+    assert [n for n in rep.plan.notes if n.startswith("input_scale=")] == [
+        "input_scale=2.0 has no effect: the model takes no floating-point input (token ids and "
+        "other integer inputs are not scaled)"]
+    assert rep.output_scale == pytest.approx(plain.output_scale, rel=1e-6)
+    assert not any("input_scale" in k for k in res.state_dict())
+    assert precondfx.analyze(TokenNet(), ids, input_scale=2.0).plan.notes == rep.plan.notes
