@@ -230,6 +230,10 @@ def moot_in_model(user: Options, opts: Options, p: Plan) -> list[str]:
         out += [f"{k}={getattr(user, k)!r} has no effect: the model has no residual join"
                 for k in ("residual", "residual_scale") if getattr(user, k) != getattr(D, k)
                 and not (k == "residual_scale" and opts.residual == "none")]
+    elif user.residual_scale != D.residual_scale and opts.residual != "none" and \
+            all(r.s is None for r in p.residuals):
+        out.append(f"residual_scale={user.residual_scale!r} has no effect: no residual join gets "
+                   f"a branch scale ({p.residuals[0].node}: {p.residuals[0].reason})")
     return out
 
 

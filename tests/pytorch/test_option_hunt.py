@@ -165,3 +165,33 @@ def test_input_scale_on_integer_inputs_is_not_claimed(capture):
     assert rep.output_scale == pytest.approx(plain.output_scale, rel=1e-6)
     assert not any("input_scale" in k for k in res.state_dict())
     assert precondfx.analyze(TokenNet(), ids, input_scale=2.0).plan.notes == rep.plan.notes
+
+
+class NormedRes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.a = nn.Linear(16, 16)
+        self.ln = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = h + self.ln(self.a(torch.relu(h)))       # normalized branch: residual='auto' skips it
+        return self.out(h)
+
+
+def test_residual_scale_without_a_scaled_branch_is_said():
+    """residual_scale=0.5 where residual='auto' scales no branch (every branch normalized)
+    changed nothing and was not mentioned; residual='all' still takes it."""
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    _, rep = precondfx.precondition(NormedRes(), x, residual_scale=0.5)
+    assert [r.s for r in rep.plan.residuals] == [None]
+    notes = [n for n in rep.plan.notes if n.startswith("residual_scale=")]
+    assert len(notes) == 1 and notes[0].startswith(
+        "residual_scale=0.5 has no effect: no residual join gets a branch scale (add")
+    torch.manual_seed(0)
+    _, rep = precondfx.precondition(NormedRes(), x, residual_scale=0.5, residual="all")
+    assert [r.s for r in rep.plan.residuals] == [0.5]
+    assert not any(n.startswith("residual_scale=") for n in rep.plan.notes)
