@@ -523,4 +523,10 @@ def analyze(model: nn.Module, sample: Any, resolved: Any, forward_kwargs: dict) 
         driver.run(STAGES, st, until="plan")
     rep = Report.from_graph(st.graph, st.plan)
     rep.planned = st.plan
+    o = st.opts
+    for name, on in (("measure", o.measure), ("suggest_lr", o.suggest_lr)):
+        if on:   # measurements of the rewritten model, which analyze does not build
+            rep.skipped.append((f"{name}=True", f"analyze rewrites nothing, so nothing is "
+                                f"measured: precondition(..., {name}=True) measures the "
+                                f"rewritten model"))
     return rep

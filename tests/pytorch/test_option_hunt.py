@@ -195,3 +195,13 @@ def test_residual_scale_without_a_scaled_branch_is_said():
     _, rep = precondfx.precondition(NormedRes(), x, residual_scale=0.5, residual="all")
     assert [r.s for r in rep.plan.residuals] == [0.5]
     assert not any(n.startswith("residual_scale=") for n in rep.plan.notes)
+
+
+@pytest.mark.parametrize("option", ["measure", "suggest_lr"])
+def test_analyze_says_it_does_not_measure(option):
+    """analyze(measure=True) / analyze(suggest_lr=True) returned a report without the
+    measurement and without a word about it."""
+    model, x = _mlp()
+    rep = precondfx.analyze(model, x, **{option: True})
+    assert [w for w, _ in rep.skipped] == [f"{option}=True"]
+    assert precondfx.analyze(model, x).skipped == []
