@@ -205,3 +205,31 @@ def test_analyze_says_it_does_not_measure(option):
     rep = precondfx.analyze(model, x, **{option: True})
     assert [w for w, _ in rep.skipped] == [f"{option}=True"]
     assert precondfx.analyze(model, x).skipped == []
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if h.sum() > 0:                  # data-dependent control flow: fx cannot trace it
+            h = h * 2
+        return self.b(h)
+
+
+def test_a_capture_restricted_to_one_method_says_the_others_may_work():
+    """capture='fx' on a model fx cannot trace ended in 'Check that the model runs on the
+    sample' (it does): the error now names the methods not tried and how to try them."""
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    with pytest.raises(precondfx.PrecondError) as e:
+        precondfx.precondition(Branchy(), x, capture="fx")
+    msg = str(e.value)
+    assert "fx: failed" in msg
+    assert "the other methods (export, draft_export, eager) may capture it" in msg
+    assert "drop capture=" in msg
+    res, rep = precondfx.precondition(Branchy(), x, capture="eager")     # which it does
+    assert rep.capture == "eager"
