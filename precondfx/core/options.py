@@ -162,6 +162,9 @@ def output_key(name: str, v: Any) -> str | int | None:
 
 def capture_methods(name: str, v: Any) -> tuple[str, ...]:
     ms = (v,) if isinstance(v, str) else tuple(v) if isinstance(v, (list, tuple)) else None
+    if ms == ():
+        raise PrecondError(f"{name}={v!r} is empty: pass one method of {CAPTURE_METHODS} or a "
+                           f"list of them (or drop {name}= to try them all in turn)")
     bad = [m for m in ms or (v,) if m not in CAPTURE_METHODS]
     if ms is None or bad or not ms:
         raise PrecondError(f"{name}={bad or v!r} is not among {CAPTURE_METHODS}: pass one "

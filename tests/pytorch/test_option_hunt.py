@@ -233,3 +233,12 @@ def test_a_capture_restricted_to_one_method_says_the_others_may_work():
     assert "drop capture=" in msg
     res, rep = precondfx.precondition(Branchy(), x, capture="eager")     # which it does
     assert rep.capture == "eager"
+
+
+@pytest.mark.parametrize("empty", [[], ()])
+def test_an_empty_capture_list_is_said_to_be_empty(empty):
+    """capture=[] said "capture=[[]] is not among (...)"."""
+    model, x = _mlp()
+    with pytest.raises(precondfx.PrecondError, match=r"capture=(\[\]|\(\)) is empty: pass one "
+                       r"method"):
+        precondfx.precondition(model, x, capture=empty)
