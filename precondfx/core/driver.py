@@ -197,9 +197,11 @@ def plan(st: State) -> None:
     p.notes.extend(moot_in_model(st.resolved.user, st.opts, p))
     st.scheme.plan(st.graph, p, st.params, st.opts)
     o = st.opts
-    if o.reinit and o.init not in (options_mod.DEFAULTS.init, "keep") and \
+    if o.init not in (options_mod.DEFAULTS.init, "keep") and \
             not any(pi.rule == o.init for pi in p.inits.values()):
-        by = (f"scheme={o.scheme!r} draws every weight its own way" if o.scheme != "geometric"
+        by = ("reinit_weights=False keeps the weights (only a new layer, the convolution "
+              "that replaces a max-pool, is drawn)" if not o.reinit else
+              f"scheme={o.scheme!r} draws every weight its own way" if o.scheme != "geometric"
               else "no weight of this model is drawn by the init rule")
         p.notes.append(f"init={st.resolved.user.init!r} has no effect: {by}")
     st.in_scale = input_scale(st.opts, p, st.input_arrays)

@@ -513,9 +513,6 @@ def moot(user: Options, opts: Options) -> list[str]:
         ("balance_samples", opts.balance not in MEASURED and not opts.measure,
          f"it is read by measured balancing (balance='auto' or 'hessian') and measure=True "
          f"only (balance={opts.balance!r})"),
-        ("init", not opts.reinit,
-         "reinit_weights=False keeps the weights (only a new layer, the convolution that "
-         "replaces a max-pool, is drawn)"),
     )
     out = []
     for name, idle, why in rules:

@@ -242,3 +242,19 @@ def test_an_empty_capture_list_is_said_to_be_empty(empty):
     with pytest.raises(precondfx.PrecondError, match=r"capture=(\[\]|\(\)) is empty: pass one "
                        r"method"):
         precondfx.precondition(model, x, capture=empty)
+
+
+def test_init_with_reinit_false_draws_the_replacement_conv():
+    """With reinit_weights=False, init= still draws a max-pool's replacement conv: no 'has no
+    effect' note there, and the note where nothing is drawn."""
+    model, x = _pool_net()
+    _, rep = precondfx.precondition(model, x, reinit_weights=False, init="xavier",
+                                    maxpool="conv")
+    assert rep.plan.inits["pool.weight"].rule == "xavier"
+    assert not any(n.startswith("init=") for n in rep.plan.notes)
+    model, x = _pool_net()
+    _, rep = precondfx.precondition(model, x, reinit_weights=False, init="xavier",
+                                    maxpool="keep")
+    assert [n for n in rep.plan.notes if n.startswith("init=")] == [
+        "init='xavier' has no effect: reinit_weights=False keeps the weights (only a new "
+        "layer, the convolution that replaces a max-pool, is drawn)"]
