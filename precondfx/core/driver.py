@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from precondfx.core import calibration as cal
+from precondfx.core import options as options_mod
 from precondfx.core import tokens
 from precondfx.core.backend import Backend
 from precondfx.errors import PrecondError
@@ -50,6 +51,9 @@ class State:
     progress: Callable[[str, float], None] | None = None   # (stage, seconds since start)
     sample: Any = None               # what ``backend.run`` takes: a Sample, or ONNX feeds
     input_arrays: list[Any] = field(default_factory=list)  # numpy inputs, input_scale="auto"
+    #: whether the model takes a floating-point input (an input scale has one to scale);
+    #: None where the back end does not say
+    float_inputs: bool | None = None
     graph: Graph | None = None
     params: dict[str, ParamInfo] = field(default_factory=dict)
     plan: Plan | None = None
@@ -189,10 +193,50 @@ def plan(st: State) -> None:
     scheme's changes, the input and output scales (``plan_io``)."""
     p = make_plan(st.graph, st.params, st.opts, alpha_sites=st.scheme.needs_alpha_sites)
     p.notes.extend(st.resolved.notes())
+    p.notes.extend(options_mod.moot(st.resolved.user, st.opts))
+    p.notes.extend(moot_in_model(st.resolved.user, st.opts, p))
     st.scheme.plan(st.graph, p, st.params, st.opts)
+    o = st.opts
+    if o.init not in (options_mod.DEFAULTS.init, "keep") and \
+            not any(pi.rule == o.init for pi in p.inits.values()):
+        by = ("reinit_weights=False keeps the weights (only a new layer, the convolution "
+              "that replaces a max-pool, is drawn)" if not o.reinit else
+              f"scheme={o.scheme!r} draws every weight its own way" if o.scheme != "geometric"
+              else "no weight of this model is drawn by the init rule")
+        p.notes.append(f"init={st.resolved.user.init!r} has no effect: {by}")
     st.in_scale = input_scale(st.opts, p, st.input_arrays)
+    if st.in_scale is not None and st.float_inputs is False:
+        p.notes.append(f"input_scale={st.resolved.user.input_scale!r} has no effect: the model "
+                       f"takes no floating-point input (token ids and other integer inputs are "
+                       f"not scaled)")
+        st.in_scale = None
     plan_io(p, st.opts, st.in_scale)
     st.plan = p
+
+
+def moot_in_model(user: Options, opts: Options, p: Plan) -> list[str]:
+    """A note for each option the user set (not the default) that this model leaves without
+    effect: the pool options without a max-pool replaced, the residual options without a
+    residual join."""
+    D, out = options_mod.DEFAULTS, []
+    if not p.pools:
+        out += [f"{k}={getattr(user, k)!r} has no effect: the model has no max-pool"
+                for k in ("maxpool", "pool_conv") if getattr(user, k) != getattr(D, k)
+                and not (k == "pool_conv" and opts.maxpool in ("keep", "avgpool"))]
+    elif user.pool_conv != D.pool_conv and opts.maxpool in ("stride", "conv") and \
+            not any(pc.action == "conv" for pc in p.pools):
+        out.append(f"pool_conv={user.pool_conv!r} has no effect: no max-pool is replaced by a "
+                   f"convolution (" + ", ".join(f"{pc.node}: {pc.action}" for pc in p.pools)
+                   + ")")
+    if not p.residuals:
+        out += [f"{k}={getattr(user, k)!r} has no effect: the model has no residual join"
+                for k in ("residual", "residual_scale") if getattr(user, k) != getattr(D, k)
+                and not (k == "residual_scale" and opts.residual == "none")]
+    elif user.residual_scale != D.residual_scale and opts.residual != "none" and \
+            all(r.s is None for r in p.residuals):
+        out.append(f"residual_scale={user.residual_scale!r} has no effect: no residual join gets "
+                   f"a branch scale ({p.residuals[0].node}: {p.residuals[0].reason})")
+    return out
 
 
 #: the scales the back ends place with ``input_scale`` / ``output_scale``

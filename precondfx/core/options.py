@@ -162,6 +162,9 @@ def output_key(name: str, v: Any) -> str | int | None:
 
 def capture_methods(name: str, v: Any) -> tuple[str, ...]:
     ms = (v,) if isinstance(v, str) else tuple(v) if isinstance(v, (list, tuple)) else None
+    if ms == ():
+        raise PrecondError(f"{name}={v!r} is empty: pass one method of {CAPTURE_METHODS} or a "
+                           f"list of them (or drop {name}= to try them all in turn)")
     bad = [m for m in ms or (v,) if m not in CAPTURE_METHODS]
     if ms is None or bad or not ms:
         raise PrecondError(f"{name}={bad or v!r} is not among {CAPTURE_METHODS}: pass one "
@@ -493,6 +496,31 @@ def resolve(user: Options, *supports: Support, scheme: Any = None) -> Resolved:
         opts, more = apply_overrides(opts, sup.overrides(opts), sup.name)
         changes += more
     return Resolved(opts, user, tuple(changes), scheme)
+
+
+def moot(user: Options, opts: Options) -> list[str]:
+    """A note for each option the user set (a value other than the default) that the other
+    resolved options leave without effect, so that no option is ignored silently (e.g.
+    ``pool_conv`` with ``maxpool='keep'``, ``balance_threshold`` with ``balance='none'``)."""
+    rules = (
+        ("pool_conv", opts.maxpool in ("keep", "avgpool"),
+         f"maxpool={opts.maxpool!r} replaces no max-pool by a convolution"),
+        ("balance_threshold", opts.balance not in MEASURED,
+         f"it is read by measured balancing (balance='auto' or 'hessian') only "
+         f"(balance={opts.balance!r})"),
+        ("residual_scale", opts.residual == "none",
+         "residual='none' scales no residual branch"),
+        ("balance_samples", opts.balance not in MEASURED and not opts.measure,
+         f"it is read by measured balancing (balance='auto' or 'hessian') and measure=True "
+         f"only (balance={opts.balance!r})"),
+    )
+    out = []
+    for name, idle, why in rules:
+        f = next(f for f in fields(Options) if f.name == name)
+        given = getattr(user, name)
+        if idle and given != f.default:
+            out.append(f"{keyword_of(f)}={given!r} has no effect: {why}")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

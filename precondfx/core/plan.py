@@ -638,7 +638,9 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
         if getattr(opts, "lr_scale", None) not in (None, "auto") or \
         getattr(opts, "lr", None) is not None else set()
 
-    def put(name: str | None, pi: ParamInit) -> None:
+    def put(name: str | None, pi: ParamInit, new: bool = False) -> None:
+        """``new``: a parameter the pass creates (a max-pool's replacement conv): there is no
+        user value to keep, so reinit=False and init='keep' do not apply to it."""
         if not name or name not in params:
             return
         info = params[name]
@@ -654,7 +656,7 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
         elif info.parametrized:
             pi = ParamInit(name, "keep", None, "parametrized weight: left as is",
                            list(info.shape))
-        elif not opts.reinit:
+        elif not opts.reinit and not new:
             alpha = alpha_of.get(name, 1.0)
             if alpha != 1.0:
                 pi = ParamInit(name, "scale", 1.0 / alpha, f"reinit=False: existing weight "
@@ -670,22 +672,26 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
 
     layer_of = {lay.node: lay for lay in plan.layers}
     avg_pools = {pc.node for pc in plan.pools if pc.action == "conv" and pc.conv == "avg"}
+    # the replacement convs of max-pools are new layers: drawn from the seed even with
+    # init='keep' or reinit=False (else torch's default init, from the global RNG)
+    new_convs = {pc.node for pc in plan.pools if pc.action == "conv"}
     for n in graph:
         lay = layer_of.get(n.name)
         if lay is not None:
+            new = n.name in new_convs
             f = fanlib.Fans(lay.n_in, lay.n_out, lay.k2_eff or lay.k2,
                             gain=1.0 if lay.kind == "embedding" else 2.0)
-            if n.name in avg_pools and rule != "keep":
+            if n.name in avg_pools:
                 # built holding average pooling's weights (apply.common.replacement_pool):
                 # kept, divided by alpha (the function at init is average pooling)
                 put(lay.weight, ParamInit(lay.weight, "scale", 1.0 / lay.alpha,
                                           "replacement conv initialized as average pooling"
                                           + (f", divided by alpha={lay.alpha:.4g}"
-                                             if lay.alpha != 1 else "")))
-            elif rule == "keep":
+                                             if lay.alpha != 1 else "")), new)
+            elif rule == "keep" and not new:
                 put(lay.weight, ParamInit(lay.weight, "keep", None, "init='keep'"))
             else:
-                r = "geometric" if lay.kind == "embedding" else rule
+                r = "geometric" if lay.kind == "embedding" or rule == "keep" else rule
                 std = math.sqrt(fanlib.second_moment(f, r)) / lay.constant()
                 put(lay.weight, ParamInit(lay.weight, r, std,
                                           f"E[W^2]={fanlib.second_moment(f, r):.4g} ({r}, n_in="
@@ -696,8 +702,12 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                                           + (f", divided by alpha^2={lay.alpha**2:.4g}"
                                              if lay.alpha != 1 else "")
                                           + (f", times beta^2={lay.beta**2:.6g} (App. E)"
-                                             if lay.beta != 1 else "")))
-            put(lay.bias, ParamInit(lay.bias or "", "zeros", None, "biases start at zero (Sec. 6)"))
+                                             if lay.beta != 1 else "")
+                                          + ("; a new layer (max-pool replacement): drawn "
+                                             "whatever init/reinit_weights say" if new else "")),
+                    new)
+            put(lay.bias, ParamInit(lay.bias or "", "zeros", None, "biases start at zero (Sec. 6)"),
+                new)
             for role, pname in n.params.items():
                 if role not in ("weight", "bias"):
                     put(pname, ParamInit(pname, "keep", None,

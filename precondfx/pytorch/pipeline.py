@@ -273,6 +273,7 @@ def prepare(st: TorchState) -> None:
     if st.opts.target_std is not None and not st.data:   # on data, calibration checks it
         cal.check_calibratable(main_output(out0, st.opts.output_key))
     st.input_arrays = input_arrays(s, st.opts)
+    st.float_inputs = any(t.is_floating_point() for t in s.tensors())
     if st.inplace:
         snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
         st.undo.append(lambda: _restore_state(model, snapshot))
@@ -522,4 +523,10 @@ def analyze(model: nn.Module, sample: Any, resolved: Any, forward_kwargs: dict) 
         driver.run(STAGES, st, until="plan")
     rep = Report.from_graph(st.graph, st.plan)
     rep.planned = st.plan
+    o = st.opts
+    for name, on in (("measure", o.measure), ("suggest_lr", o.suggest_lr)):
+        if on:   # measurements of the rewritten model, which analyze does not build
+            rep.skipped.append((f"{name}=True", f"analyze rewrites nothing, so nothing is "
+                                f"measured: precondition(..., {name}=True) measures the "
+                                f"rewritten model"))
     return rep

@@ -142,6 +142,10 @@ def capture(model: torch.nn.Module, sample: Sample, methods: tuple[str, ...] | l
     if value_error is not None:
         raise meta.explain(value_error, "no capture method worked (" + "; ".join(
             f"{m}: {why}" for m, why in attempts) + ")") from value_error
+    untried = [m for m in METHODS if m not in methods]
+    hint = (f" capture={tuple(methods)!r} tried only {', '.join(methods)}: the other methods "
+            f"({', '.join(untried)}) may capture it; drop capture= to try every method in turn "
+            f"({', '.join(METHODS)}), or pass capture={untried[0]!r}. Else check that the model "
+            f"runs on the sample." if untried else " Check that the model runs on the sample.")
     raise PrecondError("no capture method worked on this model: " +
-                       "; ".join(f"{m}: {why}" for m, why in attempts) +
-                       ". Check that the model runs on the sample.")
+                       "; ".join(f"{m}: {why}" for m, why in attempts) + "." + hint)
