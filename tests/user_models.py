@@ -85,3 +85,18 @@ class Branchy(TimmResNet):
         return self.forward_head(f)
 
 
+class PoolCNN(nn.Module):
+    """conv -> ReLU -> max-pool -> conv -> ReLU -> global mean -> linear: a max-pool that
+    cannot fold into the convolution before it (a ReLU sits between)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.pool = nn.MaxPool2d(2)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(torch.relu(self.c1(x)))
+        return self.fc(torch.relu(self.c2(x)).mean((2, 3)))
+

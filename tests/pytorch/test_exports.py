@@ -18,24 +18,12 @@ import torch
 from torch import nn
 
 import precondfx
+from tests.user_models import PoolCNN
 
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 EXPORTERS = ["onnx_dynamo", "onnx_torchscript", "jit_trace", "torch_export"]
-
-
-class CNN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.pool = nn.MaxPool2d(2)
-        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
-        self.fc = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.c2(self.pool(torch.relu(self.c1(x))))
-        return self.fc(torch.relu(h).mean((2, 3)))
 
 
 class Logits(nn.Module):
@@ -56,7 +44,7 @@ def _case(name: str) -> tuple[nn.Module, tuple, tuple, str]:
     if name in ("cnn_fx", "cnn_eager"):
         x = torch.randn(4, 3, 16, 16)
         capture = "fx" if name == "cnn_fx" else "eager"
-        pm, rep = precondfx.precondition(CNN(), x, maxpool="conv", capture=capture,
+        pm, rep = precondfx.precondition(PoolCNN(), x, maxpool="conv", capture=capture,
                                          input_scale="auto")
         return pm, (x,), (torch.randn(4, 3, 16, 16, generator=g),), rep.capture
     pytest.importorskip("transformers")

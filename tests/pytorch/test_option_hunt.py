@@ -7,24 +7,12 @@ import torch
 from torch import nn
 
 import precondfx
-
-
-class PoolNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.pool = nn.MaxPool2d(2)
-        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
-        self.fc = nn.Linear(8, 4)
-
-    def forward(self, x):
-        x = self.pool(torch.relu(self.c1(x)))     # not foldable: a ReLU sits between
-        return self.fc(torch.relu(self.c2(x)).mean((2, 3)))
+from tests.user_models import PoolCNN
 
 
 def _pool_net():
     torch.manual_seed(3)
-    return PoolNet(), torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    return PoolCNN(), torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(1))
 
 
 @pytest.mark.parametrize("opts", [dict(init="keep", maxpool="conv"),
