@@ -52,6 +52,9 @@ def check(name: str, v: Any) -> Any:
     schedule string, or a tuple of floats), else a PrecondError saying what to pass."""
     if isinstance(v, str) and (v == "auto" or _named(v)):
         return v
+    if not isinstance(v, (str, bytes)) and callable(getattr(v, "tolist", None)) and \
+            getattr(v, "ndim", 1) <= 1:
+        v = v.tolist()          # a numpy array or tensor of values: the same as a list
     if _real(v) and 0 < float(v) <= 1:
         return float(v)
     if isinstance(v, (list, tuple)) and v and all(_real(x) and 0 < float(x) <= 1 for x in v):

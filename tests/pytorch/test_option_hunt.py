@@ -246,3 +246,16 @@ def test_init_with_reinit_false_draws_the_replacement_conv():
     assert [n for n in rep.plan.notes if n.startswith("init=")] == [
         "init='xavier' has no effect: reinit_weights=False keeps the weights (only a new "
         "layer, the convolution that replaces a max-pool, is drawn)"]
+
+
+def test_residual_scale_as_an_array_is_the_same_as_a_list():
+    """A numpy array or a tensor of per-join values is taken as the list of them (it was
+    refused as not 'a sequence of numbers'); a 2-d array is still refused."""
+    import numpy as np
+    from precondfx.core import residual_schedule as rs
+    want = (0.5, 0.25, 1.0)
+    assert rs.check("residual_scale", np.array(want)) == want
+    assert rs.check("residual_scale", torch.tensor(want, dtype=torch.float64)) == want
+    assert rs.check("residual_scale", np.float32(0.5)) == 0.5
+    with pytest.raises(precondfx.PrecondError, match="residual_scale="):
+        rs.check("residual_scale", np.full((2, 2), 0.5))
