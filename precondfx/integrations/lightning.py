@@ -113,7 +113,7 @@ LOOPS = {"fit": "fit_loop", "validate": "validate_loop", "test": "test_loop",
          "predict": "predict_loop"}
 
 
-def _first_training_batch(trainer: Any, stage: str = "fit") -> Any:
+def _first_batch(trainer: Any, stage: str = "fit") -> Any:
     """The first batch of the trainer's dataloader for ``stage`` (training by default; the
     first dataloader of an evaluation stage), or None where Lightning does not say which
     dataloader it will use before the stage starts."""
@@ -169,6 +169,10 @@ def precondition_callback(*, module_attr: str | None = None, sample: Any = None,
     def has_net(pl_module: nn.Module) -> bool:
         return module_attr is None or isinstance(getattr(pl_module, module_attr, None), nn.Module)
 
+    def done(pl_module: nn.Module) -> bool:
+        """Whether the network is there and already preconditioned."""
+        return has_net(pl_module) and is_preconditioned(net_of(pl_module))
+
     class PreconditionCallback(pl.Callback):
         """Preconditions the network once, in place, before the optimizers are built."""
 
@@ -201,18 +205,18 @@ def precondition_callback(*, module_attr: str | None = None, sample: Any = None,
                     "configure_model; or pass maxpool='keep' or maxpool='avgpool', which add "
                     "no parameters.")
 
-        def _sample_now(self, trainer: Any, pl_module: nn.Module) -> Any:
-            """``sample``, else the first training batch turned into the network's input;
-            None when there is no network or no batch yet."""
+        def _sample_now(self, trainer: Any, pl_module: nn.Module, stage: str = "fit") -> Any:
+            """``sample``, else the stage's first batch (training for fit) turned into the
+            network's input; None when there is no network or no batch yet."""
             if not has_net(pl_module):
                 return None
             if sample is not None:
                 return sample
-            batch = _first_training_batch(trainer)
+            batch = _first_batch(trainer, stage)
             return None if batch is None else to_sample(batch, net_of(pl_module))
 
         def setup(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
-            if has_net(pl_module) and is_preconditioned(net_of(pl_module)):
+            if done(pl_module):
                 return
             if stage != "fit":
                 self._before_restore(trainer, pl_module, stage)
@@ -229,7 +233,7 @@ def precondition_callback(*, module_attr: str | None = None, sample: Any = None,
 
             def configure_optimizers(*args: Any, **kwargs: Any) -> Any:
                 pl_module.__dict__.pop("configure_optimizers", None)
-                if not (has_net(pl_module) and is_preconditioned(net_of(pl_module))):
+                if not done(pl_module):
                     data = self._sample_now(trainer, pl_module)
                     if data is not None:
                         self._run(trainer, pl_module, data, late=False)
@@ -250,11 +254,8 @@ def precondition_callback(*, module_attr: str | None = None, sample: Any = None,
                 pl_module.__dict__.pop("on_load_checkpoint", None)
                 state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
                 if isinstance(state, dict) and any(PREFIX in k for k in state) \
-                        and has_net(pl_module) and not is_preconditioned(net_of(pl_module)):
-                    data = sample
-                    if data is None:
-                        batch = _first_training_batch(trainer, stage)
-                        data = None if batch is None else to_sample(batch, net_of(pl_module))
+                        and has_net(pl_module) and not done(pl_module):
+                    data = self._sample_now(trainer, pl_module, stage)
                     if data is None:
                         raise PrecondError(
                             f"trainer.{stage}(ckpt_path=...) loads a checkpoint of a "
