@@ -60,6 +60,7 @@ from torch import nn
 from precondfx.pytorch import ops
 from precondfx.pytorch.apply import weight_side
 from precondfx.pytorch.apply.common import PREFIX
+from precondfx.pytorch.capture.common import leaves
 from precondfx.errors import PrecondError
 
 RECIPE = "_precondfx_recipe"
@@ -887,13 +888,7 @@ def idle_tied(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[str]:
 
 def _leaves(out: Any) -> list[torch.Tensor]:
     """The tensors of a model output (nested tuples, lists, dicts, ModelOutputs)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, dict) or hasattr(out, "keys"):
-        return [t for k in out.keys() for t in _leaves(out[k])]
-    if isinstance(out, (tuple, list)):
-        return [t for v in out for t in _leaves(v)]
-    return []
+    return [t for t in leaves(out) if isinstance(t, torch.Tensor)]
 
 
 def _idle_slots(model: nn.Module, holders: dict[int, list[str]], idle: list[str],
