@@ -308,11 +308,17 @@ def output_std(out: object, key: str | int | None = None) -> float:
     return float(t.to(torch.float64).std(correction=0))
 
 
+def _not_real(t: Any) -> bool:
+    """A tensor that holds no real-valued prediction: integers or booleans (class indices,
+    token ids, a mask), which neither take an output scale nor have a gradient."""
+    return isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex())
+
+
 def check_scalable(t: Any, key: str | int | None = None) -> None:
     """Refuse a main output that is not a floating-point (or complex) tensor: class indices
     (``argmax``), a boolean mask or token ids.  An output scale there would change the values
     the user's model returns, and their dtype (``int64 * float`` is a float tensor)."""
-    if isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex()):
+    if _not_real(t):
         what = f"output_key={key!r} selects" if key is not None else "the model returns"
         raise PrecondError(
             f"{what} a tensor of dtype {str(t.dtype).replace('torch.', '')} and shape "
@@ -328,7 +334,7 @@ def check_differentiable(y: Any, what: str, instead: str) -> None:
     mask) where ``what`` differentiates it: a ``PrecondError`` that says what to pass
     (``instead``: the option that avoids the measurement), not autograd's "does not require
     grad" from deep inside."""
-    if isinstance(y, torch.Tensor) and not (y.is_floating_point() or y.is_complex()):
+    if _not_real(y):
         raise PrecondError(
             f"{what} differentiates the model's main output, which is a tensor of dtype "
             f"{str(y.dtype).replace('torch.', '')} (indices, ids or a mask?) with no gradient: "
