@@ -196,14 +196,7 @@ def plan(st: State) -> None:
     p.notes.extend(options_mod.moot(st.resolved.user, st.opts))
     p.notes.extend(moot_in_model(st.resolved.user, st.opts, p))
     st.scheme.plan(st.graph, p, st.params, st.opts)
-    o = st.opts
-    if o.init not in (options_mod.DEFAULTS.init, "keep") and \
-            not any(pi.rule == o.init for pi in p.inits.values()):
-        by = ("reinit_weights=False keeps the weights (only a new layer, the convolution "
-              "that replaces a max-pool, is drawn)" if not o.reinit else
-              f"scheme={o.scheme!r} draws every weight its own way" if o.scheme != "geometric"
-              else "no weight of this model is drawn by the init rule")
-        p.notes.append(f"init={st.resolved.user.init!r} has no effect: {by}")
+    p.notes.extend(moot_init(st.resolved.user, st.opts, p))
     st.in_scale = input_scale(st.opts, p, st.input_arrays)
     if st.in_scale is not None and st.float_inputs is False:
         p.notes.append(f"input_scale={st.resolved.user.input_scale!r} has no effect: the model "
@@ -237,6 +230,19 @@ def moot_in_model(user: Options, opts: Options, p: Plan) -> list[str]:
         out.append(f"residual_scale={user.residual_scale!r} has no effect: no residual join gets "
                    f"a branch scale ({p.residuals[0].node}: {p.residuals[0].reason})")
     return out
+
+
+def moot_init(user: Options, opts: Options, p: Plan) -> list[str]:
+    """A note when ``init=`` (set by the user) draws no weight of the finished plan (the
+    scheme's own draws included): ``reinit_weights=False`` or a scheme with its own draws."""
+    if opts.init in (options_mod.DEFAULTS.init, "keep") or \
+            any(pi.rule == opts.init for pi in p.inits.values()):
+        return []
+    by = ("reinit_weights=False keeps the weights (only a new layer, the convolution that "
+          "replaces a max-pool, is drawn)" if not opts.reinit else
+          f"scheme={opts.scheme!r} draws every weight its own way" if opts.scheme != "geometric"
+          else "no weight of this model is drawn by the init rule")
+    return [f"init={user.init!r} has no effect: {by}"]
 
 
 #: the scales the back ends place with ``input_scale`` / ``output_scale``
