@@ -137,13 +137,7 @@ def init_rule_(model: nn.Module, rule: str, seed: int) -> nn.Module:
     if rule == "default":
         return model
     gen = torch.Generator().manual_seed(10_000 + seed)
-    for m in model.modules():
-        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-            n_in, n_out, k2 = _fans(m)
-            m.weight.copy_(torch.randn(m.weight.shape, generator=gen) * rule_std(rule, n_in, n_out, k2))
-            if m.bias is not None:
-                m.bias.zero_()
-    return model
+    return _set_rule_(model, rule, lambda name, m: torch.randn(m.weight.shape, generator=gen))
 
 
 @torch.no_grad()
@@ -155,9 +149,7 @@ def init_rule_from_draws_(model: nn.Module, rule: str, drawn: nn.Module, plan: A
     their difference is not blurred by which draws each got.  Refuses a weight precondfx did
     not draw with the geometric rule or whose stored moment is not the planned one (an alpha,
     an lr factor or measured balancing stored in it)."""
-    for name, m in model.named_modules():
-        if not isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-            continue
+    def unit_draw(name: str, m: nn.Module) -> torch.Tensor:
         pi = plan.inits.get(f"{name}.weight")
         w = drawn.get_parameter(f"{name}.weight")
         if pi is None or pi.rule != "geometric" or not pi.std:
@@ -166,10 +158,21 @@ def init_rule_from_draws_(model: nn.Module, rule: str, drawn: nn.Module, plan: A
         if abs(float(z.pow(2).mean()) - 1.0) > 1e-3:
             raise ValueError(f"{name}.weight: stored moment {float(z.pow(2).mean()):.4f} x the "
                              f"planned one: not the plain draw")
-        n_in, n_out, k2 = _fans(m)
-        m.weight.copy_((z * rule_std(rule, n_in, n_out, k2)).to(m.weight.dtype))
-        if m.bias is not None:
-            m.bias.zero_()
+        return z
+    return _set_rule_(model, rule, unit_draw)
+
+
+def _set_rule_(model: nn.Module, rule: str, unit_draw: Callable[[str, nn.Module], torch.Tensor]
+               ) -> nn.Module:
+    """Every Linear/Conv weight ``unit_draw(name, module) * rule_std`` (in module order),
+    biases 0."""
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            n_in, n_out, k2 = _fans(m)
+            m.weight.copy_((unit_draw(name, m) * rule_std(rule, n_in, n_out, k2))
+                           .to(m.weight.dtype))
+            if m.bias is not None:
+                m.bias.zero_()
     return model
 
 
