@@ -40,11 +40,10 @@ LABEL = {"pfx": "precondfx default", "fan_in_pair": "fan-in", "fan_out_pair": "f
 
 
 def chosen(cell: dict) -> np.ndarray:
-    """Per-seed test losses at the rate the cell chose on validation (median over seeds)."""
-    sel = np.asarray(cell["losses"][cell["select"]], float)
-    rep = np.asarray(cell["losses"][cell["metric"]], float)
-    med = np.median(np.where(np.isfinite(sel), sel, np.inf), axis=1)
-    return rep[int(np.argmin(med))]
+    """Per-seed reported (test) losses at the rate the suite chose on validation for the cell
+    (its ``best_lr_log2``)."""
+    i = cell["lr_log2"].index(cell["best_lr_log2"])
+    return np.asarray(cell["losses"][cell["metric"]], float)[i]
 
 
 def analyse(results: dict, opt: str = "sgd", n_boot: int = 1000, seed: int = 0) -> dict:

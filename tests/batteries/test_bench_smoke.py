@@ -233,7 +233,8 @@ def test_eq_scale_paired_summary_from_known_cells():
         val = [[1.0] * 4 for _ in test_by_rate]
         val[chosen] = [0.5] * 4
         return {"losses": {"val": val, "test": test_by_rate}, "select": "val",
-                "metric": "test", "best_lr_log2": [-5, -4][chosen], "se": 0.01}
+                "metric": "test", "lr_log2": [-5, -4], "best_lr_log2": [-5, -4][chosen],
+                "se": 0.01}
 
     base = {"pfx": [[9, 9, 9, 9], [0.2, 0.2, 0.2, 0.2]],      # chosen: 2nd rate
             "fan_in_pair": [[0.1, 0.1, 0.1, 0.1], [9, 9, 9, 9]],
