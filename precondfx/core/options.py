@@ -307,6 +307,12 @@ class Options:
             raise PrecondError(f"lr= works with scheme='geometric' (scheme={self.scheme!r} "
                                f"sets its own per-layer constants from data after the plan): "
                                f"drop lr= or use the geometric scheme")
+        if self.lr is not None and self.lr_scale == "sgd":
+            raise PrecondError(
+                "lr_scale='sgd' with lr=: both set the one factor every layer's stored weights "
+                "share (lr_scale='sgd': 3/depth; lr=: the factor that puts the suggested rate on "
+                "your rate), and lr= decides it, so lr_scale='sgd' would change nothing: drop "
+                "lr_scale (or drop lr= and optimizer= to train at a rate of your own)")
         if self.lr_scale not in (None, "auto") and self.scheme != "geometric":
             raise PrecondError(f"lr_scale= works with scheme='geometric' (scheme={self.scheme!r} "
                                f"sets its own per-layer constants from data after the plan): "

@@ -99,19 +99,21 @@ def test_step_is_the_unscaled_results_step_at_the_moved_rate(opt, lr):
     assert float((a - b).abs().max()) < 1e-4 * float(a.abs().max())
 
 
-def test_composes_with_lr_scale_sgd():
-    """lr= multiplies onto the factors lr_scale set: the constants are their product."""
-    m = _mlp()
-    base, rb = precondfx.precondition(m, X, lr_scale="sgd")
-    out, rep = precondfx.precondition(m, X, lr_scale="sgd", lr=0.05, optimizer="sgd")
-    c = rep.conditioning["lr_target"]["factor"]
-    got = {n: float(b) for n, b in out.named_buffers() if "precondfx_lr" in n}
-    want = {n: float(b) for n, b in base.named_buffers() if "precondfx_lr" in n}
-    assert got and got.keys() == want.keys()
-    for n in got:
-        assert got[n] == pytest.approx(want[n] * c, rel=1e-6)
-    lr_scales = [s.value for s in rep.plan.scales if s.tag == "lr"]
-    assert sorted(lr_scales) == pytest.approx(sorted(got.values()), rel=1e-6)
+def test_lr_scale_sgd_with_lr_is_refused():
+    """lr_scale='sgd' is one factor shared by every layer (3/depth), and lr= sets that same
+    shared factor from the measured curvature, so lr= would undo it (measured before the
+    refusal: 2.683 then x 1/2.667, ending at 1.006 against 1.000 for lr= alone).  The
+    combination is refused rather than swallowed, whichever optimizer lr= is for."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(12, 48), nn.ReLU(),
+                      *[mod for _ in range(6) for mod in (nn.Linear(48, 48), nn.ReLU())],
+                      nn.Linear(48, 6))                                  # depth 8
+    base, _ = precondfx.precondition(m, X, lr_scale="sgd")
+    c_sgd = {float(b) for n, b in base.named_buffers() if "precondfx_lr" in n}
+    assert len(c_sgd) == 1 and next(iter(c_sgd)) != pytest.approx(1.0)   # one shared factor
+    for opt in ("sgd", "adam"):
+        with pytest.raises(PrecondError, match="lr_scale='sgd' with lr=.*drop lr_scale"):
+            precondfx.precondition(m, X, lr_scale="sgd", lr=0.05, optimizer=opt)
 
 
 def test_refusals():
