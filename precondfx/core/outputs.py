@@ -43,16 +43,18 @@ BOUNDED = {"softmax": "softmax/log_softmax (a probability vector)",
            "clipped_relu": "a clipped activation (a bounded range)"}
 
 
-def bounded_output(kind: str | None, target: str = "") -> str | None:
+def bounded_output(kind: str | None, target: str = "", part: bool = False) -> str | None:
     """Why the main output cannot take the output scale (None when it can): it comes out of
-    an op with a fixed range or normalization (by kind, or ``F.normalize`` by name)."""
+    an op with a fixed range or normalization (by kind, or ``F.normalize`` by name); ``part``:
+    only a part of it does (one input of a concatenation)."""
     if kind in BOUNDED:
         what = BOUNDED[kind]
     elif target.rpartition(".")[2] == "normalize":
         what = "F.normalize (unit-norm vectors)"
     else:
         return None
-    return (f"the main output comes out of {what}: a scale after it would break that range "
+    who = "a part of the main output (a concatenation)" if part else "the main output"
+    return (f"{who} comes out of {what}: a scale after it would break that range "
             f"(probabilities above 1, log-probabilities that no longer normalize), so the "
             f"output scale is not applied. To get it, return the values before that op (the "
             f"logits) and apply the op in the loss (CrossEntropyLoss, BCEWithLogitsLoss), or "
@@ -66,12 +68,25 @@ PASS_THROUGH = ("reshape", "cast", "select")
 def bounded_producer(graph: Any, name: str | None) -> str | None:
     """Why the value of ``graph`` node ``name`` cannot take the output scale (None when it can):
     ``bounded_output`` of the node, looked up through single-input reshapes, casts and
-    selections (``softmax(x).view(n, -1)``, an ONNX ``Identity`` after a ``Sigmoid``).  The one
-    rule the fx, eager and ONNX back ends apply to the main output's producer."""
-    node = graph.get(name) if name is not None else None
-    while node is not None and node.kind in PASS_THROUGH and len(node.inputs) == 1:
-        node = graph.get(node.inputs[0])
-    return bounded_output(node.kind, node.target) if node is not None else None
+    selections (``softmax(x).view(n, -1)``, an ONNX ``Identity`` after a ``Sigmoid``) and
+    through every part of a concatenation (``cat([sigmoid(rgb), softplus(sigma)])``: a scale
+    would take the bounded part out of its range too).  The one rule the fx, eager and ONNX
+    back ends apply to the main output's producer."""
+    seen: set[str] = set()
+    todo = [(name, False)] if name is not None else []
+    while todo:
+        at, part = todo.pop()
+        node = graph.get(at)
+        if node is None or node.name in seen:
+            continue
+        seen.add(node.name)
+        if node.kind in PASS_THROUGH and len(node.inputs) == 1 or node.kind == "concat":
+            todo.extend((i, part or node.kind == "concat") for i in node.inputs)
+            continue
+        why = bounded_output(node.kind, node.target, part)
+        if why is not None:
+            return why
+    return None
 
 
 def skip_bounded(backend: Any, why: str) -> None:

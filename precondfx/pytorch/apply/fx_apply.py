@@ -17,7 +17,7 @@ from precondfx.pytorch.apply.common import (buffer_name, replacement_pool, scala
                                             swap_references)
 from precondfx.pytorch.apply.torch_backend import TorchBackend
 from precondfx.pytorch.capture.common import placeholder_values
-from precondfx.core.outputs import bounded_output, skip_bounded
+from precondfx.core.outputs import bounded_output, bounded_producer, skip_bounded
 from precondfx.core.plan import Plan, Scale
 
 
@@ -71,6 +71,7 @@ class FxApplier(TorchBackend, Records):
     def __init__(self, gm: fx.GraphModule, graph: Any = None) -> None:
         self.gm = self.module = gm
         self.kinds: dict[str, str] = {n.name: n.kind for n in graph} if graph is not None else {}
+        self.core = graph       # the captured graph (precondfx.core.graph), None if not given
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self._records()
         #: edits at functional sites, which only the graph's forward sees (not the user's other
@@ -225,8 +226,10 @@ class FxApplier(TorchBackend, Records):
             self._skip("output", "output", why)
             return None
         node = self._producer(target)
-        bounded = bounded_output(self.kinds.get(node.name), str(getattr(node.target, "__name__",
-                                                                          node.target)))
+        bounded = bounded_producer(self.core, node.name) if self.core is not None and \
+            node.name in self.kinds else \
+            bounded_output(self.kinds.get(node.name), str(getattr(node.target, "__name__",
+                                                                  node.target)))
         if bounded is not None:
             skip_bounded(self, bounded)
             return None
