@@ -379,6 +379,17 @@ def output_std(st: State) -> tuple[float, list[float]]:
     return math.sqrt(sum(x * x for x in stds) / len(stds)), stds
 
 
+#: extra measure-and-rescale rounds when the main output is not linear in its scale
+REFINE_ROUNDS = 3
+
+
+def _off_target(after: float, opts: Any) -> bool:
+    """The measured std after scaling misses the target by more than 1e-3 (relative), and
+    is a usable number."""
+    return math.isfinite(after) and after > 0 and \
+        abs(after - opts.target_std) > 1e-3 * opts.target_std
+
+
 def calibrate(st: State) -> None:
     """The output scale: the main output's std on the sample brought to ``target_std`` (for a
     random forward, its root-mean-square std over seeded draws, :func:`output_std`).  The back
@@ -396,9 +407,24 @@ def calibrate(st: State) -> None:
         rep.skipped.append(("warning: output scale", warn))
     be.set_constant(st.out_const, scale)
     after = output_std(st)[0] if be.rerun_after_scale else std * scale
+    rounds = 0
+    while be.rerun_after_scale and rounds < REFINE_ROUNDS and _off_target(after, opts):
+        # the main output is not linear in the scale (a Categorical normalizes its logits):
+        # a secant step on the measured std, kept only if it comes closer
+        trial = scale * opts.target_std / after
+        be.set_constant(st.out_const, trial)
+        got = output_std(st)[0]
+        rounds += 1
+        if not abs(got - opts.target_std) < abs(after - opts.target_std):
+            be.set_constant(st.out_const, scale)
+            break
+        scale, after = trial, got
     rep.output_std_before, rep.output_std_after = std, after
     rep.target_std, rep.output_scale = opts.target_std, scale
     why = f"output std {std:.4g} -> {opts.target_std}"
+    if rounds:
+        why += (f" (refined in {rounds} more measurement(s): the main output is not linear "
+                f"in the scale, e.g. a distribution's normalized logits)")
     if draws:
         st.random_draws = len(draws)
         why += (f" (the forward draws random numbers: root mean square over {len(draws)} "

@@ -50,3 +50,85 @@ def test_a_concatenated_output_with_a_sigmoid_part_keeps_its_range(capture):
     assert 0.0 < float(y[:, :3].min()) and float(y[:, :3].max()) < 1.0
     assert not [b for b, _ in out.named_buffers() if "output_scale" in b]
     assert any("output" in str(s) for s in rep.skipped)
+
+
+# ------------------------------------------ a policy that returns a torch.distributions object
+
+class _Policy(nn.Module):
+    """An actor as RL code writes it: the forward returns a distribution built from the head."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.body = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, 4)
+        self.log_std = nn.Parameter(torch.zeros(4))
+
+    def forward(self, obs: torch.Tensor) -> torch.distributions.Distribution:
+        D = torch.distributions
+        h = self.head(self.body(obs))
+        if self.kind == "categorical":
+            return D.Categorical(logits=h)
+        if self.kind == "normal":
+            return D.Normal(h, self.log_std.exp())
+        if self.kind == "independent":
+            return D.Independent(D.Normal(h, self.log_std.exp()), 1)
+        return D.TransformedDistribution(D.Normal(h, self.log_std.exp()),
+                                         [D.TanhTransform(cache_size=1)])
+
+
+def _raw(d: torch.distributions.Distribution) -> torch.Tensor:
+    while hasattr(d, "base_dist"):
+        d = d.base_dist
+    return d.logits if isinstance(d, torch.distributions.Categorical) else d.loc
+
+
+@pytest.mark.parametrize("kind", ["categorical", "normal", "independent", "tanh"])
+def test_a_distribution_output_gets_its_scale(kind):
+    """A forward returning a ``torch.distributions`` object was refused ("cannot find a
+    floating-point tensor in the model's output (Normal)"; ``output_key='loc'``: "'Normal'
+    object is not subscriptable").  Its parameters are now outputs: the mean (or the logits)
+    is brought to the target std, the distribution is rebuilt around it where the scale cannot
+    go on the module (a Categorical normalizes its logits, which the calibration refines
+    since that is not linear in the scale), and its log-probability trains every parameter."""
+    obs = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = _Policy(kind)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)     # no "output std ... not the target"
+        out, rep = precondfx.precondition(model, obs)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert isinstance(out, _Policy)
+    d = out(obs)
+    assert type(d) is type(model(obs))
+    assert float(_raw(d).std()) == pytest.approx(1.0, abs=2e-3)
+    assert rep.output_std_after == pytest.approx(1.0, abs=1e-3)
+    if kind != "categorical":      # the scale multiplies the head: scale ~ 1, exp(0)
+        assert float(d.base_dist.scale.mean() if hasattr(d, "base_dist") else d.scale.mean()) \
+            == pytest.approx(1.0)
+    loss = -d.log_prob(d.sample()).mean()
+    loss.backward()
+    missing = [n for n, p in out.named_parameters() if p.grad is None or
+               not torch.isfinite(p.grad).all()]
+    assert missing == ([] if kind != "categorical" else ["log_std"])
+
+
+def test_a_distribution_that_cannot_be_rebuilt_is_refused_clearly():
+    """A distribution subclass whose constructor does not take its parameters by name cannot
+    be rebuilt around a scaled value: a PrecondError that says what to do, not a raw
+    TypeError from inside the forward."""
+    class Shifted(torch.distributions.Normal):
+        def __init__(self, mean: torch.Tensor) -> None:
+            super().__init__(mean * 0 + mean, torch.ones_like(mean))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.distributions.Distribution:
+            return Shifted(self.b(torch.relu(self.a(x))))
+
+    with pytest.raises(precondfx.PrecondError, match="build the distribution outside"):
+        precondfx.precondition(Net(), torch.randn(32, 8))

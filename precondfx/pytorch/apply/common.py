@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from precondfx.pytorch.capture.common import is_dataclass_output
+from precondfx.pytorch.capture.common import child, is_dataclass_output, rebuild_distribution
 from precondfx.pytorch.capture.common import output_path  # noqa: F401  (the one rule, re-exported)
 from precondfx.errors import PrecondError
 from precondfx.core.backend import PREFIX
@@ -142,6 +142,8 @@ def scale_at_path(out: Any, path: list, scale: torch.Tensor) -> Any:
     if not path:
         return out * scale
     k, rest = path[0], path[1:]
+    if isinstance(out, torch.distributions.Distribution):
+        return rebuild_distribution(out, k, scale_at_path(child(out, k), rest, scale))
     if isinstance(out, tuple) and not hasattr(out, "_fields"):
         lst = list(out)
         lst[k] = scale_at_path(lst[k], rest, scale)

@@ -259,6 +259,9 @@ def leaves(obj: Any) -> list:
         elif hasattr(o, "__dataclass_fields__"):
             for x in vars(o).values():
                 walk(x)
+        elif isinstance(o, torch.distributions.Distribution):
+            for _, x in _dist_items(o) or []:
+                walk(x)
         else:
             out.append(o)
 
@@ -355,11 +358,68 @@ def _key_advice(out: Any) -> str:
             f"target_std=None to skip output scaling")
 
 
+#: attributes of torch.distributions wrappers that hold the distribution they wrap
+_DIST_WRAPPED = ("base_dist", "mixture_distribution", "component_distribution")
+
+
+def _dist_items(d: Any) -> list[tuple[str, Any]] | None:
+    """(name, value) of a ``torch.distributions.Distribution`` output: the parameters it was
+    built from (``arg_constraints`` names set on it: ``loc``/``scale``, ``logits`` or
+    ``probs``), then any distribution it wraps (``Independent``, ``TransformedDistribution``,
+    ``MixtureSameFamily``); None for anything that is not a distribution."""
+    if not isinstance(d, torch.distributions.Distribution):
+        return None
+    own = vars(d)
+    try:
+        names = list(d.arg_constraints)
+    except NotImplementedError:     # a user subclass that declares no constraints
+        names = []
+    found = [(n, own[n]) for n in names if n in own]
+    found += [(n, own.get(n, own.get("_" + n))) for n in _DIST_WRAPPED
+              if isinstance(own.get(n, own.get("_" + n)), torch.distributions.Distribution)]
+    return found
+
+
+def rebuild_distribution(d: Any, name: str, value: Any) -> Any:
+    """A new distribution like ``d`` with its parameter (or wrapped distribution) ``name``
+    replaced by ``value``: built anew from its constructor's parameters (torch.distributions
+    names them as ``arg_constraints`` does), so what it derives from them (a Categorical's
+    normalized logits) follows.  Wrappers: ``Independent``, ``TransformedDistribution`` and
+    ``MixtureSameFamily``.  PrecondError for a distribution that cannot be rebuilt that way."""
+    D = torch.distributions
+    kw = {"validate_args": getattr(d, "_validate_args", None)}
+    own = dict(_dist_items(d) or [])
+    try:
+        if type(d) is D.Independent and name == "base_dist":
+            return D.Independent(value, d.reinterpreted_batch_ndims, **kw)
+        if type(d) is D.TransformedDistribution and name == "base_dist":
+            return D.TransformedDistribution(value, d.transforms, **kw)
+        if type(d) is D.MixtureSameFamily and name in ("mixture_distribution",
+                                                       "component_distribution"):
+            parts = {"mixture_distribution": d.mixture_distribution,
+                     "component_distribution": d.component_distribution, name: value}
+            return D.MixtureSameFamily(**parts, **kw)
+        if name in own and not any(n in _DIST_WRAPPED for n in own):
+            return type(d)(**{**own, name: value}, **kw)
+    except (TypeError, ValueError) as e:
+        why = f"{type(e).__name__}: {e}"
+    else:
+        why = "it is not one precondfx knows how to rebuild"
+    raise PrecondError(
+        f"the main output is {name!r} of the {type(d).__name__} the model returns, and the "
+        f"output scale would have to rebuild that distribution around the scaled value ({why}). "
+        f"Return the tensor (the logits or the mean) and build the distribution outside "
+        f"forward, or pass target_std=None to skip output scaling")
+
+
 def _items(out: Any) -> list[tuple[Any, Any]]:
-    """(key, value) of a dict, ModelOutput, tuple, list or dataclass output; [] for anything
-    else."""
+    """(key, value) of a dict, ModelOutput, tuple, list, dataclass or
+    ``torch.distributions`` output; [] for anything else."""
     if isinstance(out, torch.Tensor):
         return []
+    dist = _dist_items(out)
+    if dist is not None:
+        return dist
     if is_dataclass_output(out) and not hasattr(out, "__getitem__"):
         return [(f.name, getattr(out, f.name)) for f in dataclasses.fields(out)]
     if isinstance(out, Mapping) or (hasattr(out, "keys") and hasattr(out, "__getitem__")):
@@ -387,9 +447,15 @@ def is_dataclass_output(out: Any) -> bool:
 
 
 def child(out: Any, k: Any) -> Any:
-    """``out[k]``, or field ``k`` of a dataclass output."""
+    """``out[k]``, field ``k`` of a dataclass output, or parameter ``k`` of a distribution."""
     if is_dataclass_output(out) and isinstance(k, str) and not hasattr(out, "__getitem__"):
         return getattr(out, k)
+    if isinstance(out, torch.distributions.Distribution) and isinstance(k, str):
+        found = dict(_dist_items(out) or [])
+        if k not in found:
+            raise KeyError(f"{k!r} is not a parameter of this {type(out).__name__} "
+                           f"({sorted(found)})")
+        return found[k]
     return out[k]
 
 
