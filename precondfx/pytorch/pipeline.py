@@ -169,12 +169,23 @@ def run_on(model: nn.Module, s: Sample, mode: str) -> Any:
     return cal.forward(model, s, mode)
 
 
+def _uninitialized_buffers(model: nn.Module) -> dict[int, Any]:
+    """A deepcopy memo holding a fresh twin of every uninitialized buffer (a LazyBatchNorm's
+    running statistics before its first forward): torch's ``UninitializedBuffer`` defines no
+    ``__deepcopy__`` (its ``UninitializedParameter`` twin does), so a lazy model could not be
+    copied."""
+    from torch.nn.parameter import UninitializedBuffer
+    return {id(b): UninitializedBuffer(requires_grad=b.requires_grad, device=b.device,
+                                       dtype=b.dtype)
+            for b in model.buffers() if isinstance(b, UninitializedBuffer)}
+
+
 def copy_model(model: nn.Module, lenient: bool = False) -> nn.Module:
     """The copy ``precondition`` rewrites; a model that cannot be deep-copied is an error that
     says to pass ``inplace=True`` (``lenient``: the model itself, for ``analyze``, which runs
     it with its state preserved)."""
     try:
-        work = copy.deepcopy(model)
+        work = copy.deepcopy(model, _uninitialized_buffers(model))
     except RecursionError:
         raise
     except Exception as e:  # noqa: BLE001 - e.g. a module holding a lock or an open file
@@ -263,6 +274,10 @@ def prepare(st: TorchState) -> None:
         st.work = st.work.float()
         st.notes.append(f"model in {dt}: preconditioned and calibrated in float32, result cast "
                         f"back to {dt}")
+    if materialize_lazy(st.work, s):
+        st.notes.append("lazy modules (LazyLinear, LazyConv, LazyBatchNorm...) initialized on "
+                        "the sample: their shapes come from it"
+                        + ("" if st.inplace else "; your model keeps its uninitialized ones"))
     st.say("checking that the model runs on the sample")
     with checks.at_user_limit():     # at the recursion limit the user's training runs with
         out0 = run_on(st.work, s, st.opts.calibration)
@@ -277,6 +292,35 @@ def prepare(st: TorchState) -> None:
     if st.inplace:
         snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
         st.undo.append(lambda: _restore_state(model, snapshot))
+
+
+def materialize_lazy(model: nn.Module, s: Sample) -> bool:
+    """Run ``model`` once on the sample (eval mode, no grad, the global RNG left as it was) if
+    it holds uninitialized lazy parameters or buffers, so that they get their shapes, as the
+    first forward of training would; True if it did.  The pass reads every weight's shape."""
+    from torch.nn.parameter import is_lazy
+    if not any(is_lazy(t) for t in [*model.parameters(), *model.buffers()]):
+        return False
+    if meta.on_meta(model):
+        raise PrecondError("the model has uninitialized lazy modules (LazyLinear, LazyConv...) "
+                           "on the meta device: run it once on a batch (or build it with "
+                           "explicit sizes) before planning on meta")
+    modes = {m: m.training for m in model.modules()}
+    cuda = sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()]
+                   if t.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            model.eval()
+            s.call(model)
+    except Exception as e:  # noqa: BLE001 - the user's forward
+        raise PrecondError(f"the model has uninitialized lazy modules, and running it on the "
+                           f"sample to give them their shapes raised {type(e).__name__}: "
+                           f"{str(e)[:200]}. Check that the sample is what forward expects, "
+                           f"or run the model once on a batch first") from e
+    finally:
+        for m, training in modes.items():
+            m.train(training)
+    return True
 
 
 def _restore_state(model: nn.Module, snapshot: dict[str, torch.Tensor]) -> None:

@@ -132,3 +132,41 @@ def test_a_distribution_that_cannot_be_rebuilt_is_refused_clearly():
 
     with pytest.raises(precondfx.PrecondError, match="build the distribution outside"):
         precondfx.precondition(Net(), torch.randn(32, 8))
+
+
+# ------------------------------------------------------------------ lazy modules, not yet run
+
+class _LazyNet(nn.Module):
+    """Shapes left to the first forward: LazyConv2d, LazyBatchNorm2d, LazyLinear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.LazyConv2d(8, 3)
+        self.bn = nn.LazyBatchNorm2d()
+        self.head = nn.LazyLinear(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def test_lazy_modules_get_their_shapes_from_the_sample():
+    """A model with lazy modules never run failed with "the model cannot be deep-copied
+    (ValueError: Attempted to use an uninitialized parameter ...)" and advice to pass
+    inplace=True or define __deepcopy__ (torch's UninitializedBuffer cannot be deep-copied);
+    past that, every buffer snapshot raised the same.  The copy is now initialized on the
+    sample; the user's model keeps its uninitialized modules."""
+    x = torch.randn(16, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    model = _LazyNet()
+    out, rep = precondfx.precondition(model, x)
+    assert isinstance(model.conv.weight, nn.parameter.UninitializedParameter)
+    assert isinstance(model.bn.running_mean, nn.parameter.UninitializedBuffer)
+    assert isinstance(out, _LazyNet)
+    assert tuple(out.conv.weight.shape) == (8, 3, 3, 3)
+    assert tuple(out.head.weight.shape) == (5, 8 * 6 * 6)
+    assert float(out(x).std(correction=0)) == pytest.approx(1.0, abs=1e-3)
+    assert any("lazy modules" in n for n in rep.capture_notes)
+    # every parameter is a real tensor the optimizer can take and step
+    opt = torch.optim.SGD(out.parameters(), lr=0.1)
+    out(x).square().mean().backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in out.parameters())
