@@ -170,3 +170,50 @@ def test_lazy_modules_get_their_shapes_from_the_sample():
     out(x).square().mean().backward()
     opt.step()
     assert all(torch.isfinite(p).all() for p in out.parameters())
+
+
+# ------------------------------------- an output whose structure differs in train and eval mode
+
+class _AuxInTrain(nn.Module):
+    """Inception-style: ``(logits, aux_logits)`` in train mode, ``logits`` in eval.  With
+    ``functional`` the logits come out of ``F.linear`` on the model's own parameters (no module
+    produces them)."""
+
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.functional = functional
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.ReLU())
+        self.head = nn.Linear(64, 5)
+        self.aux = nn.Linear(64, 5)
+
+    def forward(self, x: torch.Tensor):
+        h = self.body(x)
+        logits = F.linear(h, self.head.weight, self.head.bias) * 1.0 if self.functional \
+            else self.head(h)
+        if self.training:
+            return logits, self.aux(h)
+        return logits
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_an_output_that_changes_structure_in_eval_is_scaled_whole(functional):
+    """The main output's path was found in train mode (``[0]`` of the tuple) and kept for eval,
+    where the model returns the tensor itself: ``[0]`` then selected the tensor's first row,
+    so in eval mode only row 0 was scaled, in place (output std 2.25 against 1.0 in train
+    mode; the report said "verified ... in train and eval mode").  The path is now found per
+    call by the same rule."""
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    out, rep = precondfx.precondition(_AuxInTrain(functional), x)
+    ref = _AuxInTrain(functional)
+    ref.load_state_dict({k: v for k, v in out.state_dict().items() if "precondfx" not in k})
+    s = rep.output_scale
+    out.train()
+    ref.train()
+    with torch.no_grad():
+        assert float(out(x)[0].std(correction=0)) == pytest.approx(1.0, abs=1e-3)
+        torch.testing.assert_close(out(x)[1], ref(x)[1])          # the aux head unscaled
+        out.eval()
+        ref.eval()
+        got, want = out(x), ref(x) * s
+    torch.testing.assert_close(got, want)                          # every row, once

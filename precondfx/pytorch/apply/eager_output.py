@@ -17,7 +17,7 @@ from torch import nn
 from precondfx.core.outputs import bounded_output, bounded_producer, skip_bounded
 from precondfx.errors import PrecondError
 from precondfx.pytorch.apply.common import PREFIX, scale_at_path, times_first
-from precondfx.pytorch.capture.common import at_path
+from precondfx.pytorch.capture.common import at_path, child, output_path
 
 
 def _module_output_scale_hook(module: nn.Module, args: tuple, out: Any) -> Any:
@@ -26,8 +26,35 @@ def _module_output_scale_hook(module: nn.Module, args: tuple, out: Any) -> Any:
     return times_first(out, getattr(module, PREFIX + "output_scale"))
 
 
+def fits(out: Any, path: list) -> bool:
+    """Whether ``path`` leads through ``out``'s containers to a tensor (not into a tensor: on
+    a plain tensor output, ``[0]`` would select its first row)."""
+    for k in path:
+        if isinstance(out, torch.Tensor):
+            return False
+        try:
+            out = child(out, k)
+        except (KeyError, IndexError, TypeError, AttributeError):
+            return False
+    return isinstance(out, torch.Tensor)
+
+
+def mode_path(out: Any, path: list) -> list:
+    """The main output's path in this call's output: ``path`` (found in the calibration mode)
+    where it fits, else the rule applied to this output (a model returning ``(logits, aux)``
+    in train mode and ``logits`` in eval: there the whole tensor)."""
+    if fits(out, path):
+        return path
+    try:
+        return output_path(out)
+    except PrecondError:
+        return path
+
+
 def _root_output_hook(module: nn.Module, args: tuple, out: Any) -> Any:
-    path = getattr(module, PREFIX + "output_path")
+    path = mode_path(out, list(getattr(module, PREFIX + "output_path")))
+    if not fits(out, path):     # no floating-point output in this call: nothing to scale
+        return out
     if internal_loss(out, list(path)):
         raise PrecondError(LOSS_BEFORE_SCALE)
     return scale_at_path(out, list(path), getattr(module, PREFIX + "output_scale"))
@@ -130,6 +157,7 @@ class OutputSearch:
         finally:
             for h in handles:
                 h.remove()
+        path = mode_path(out, path)
         try:
             target = at_path(out, path)
         except (KeyError, IndexError, TypeError, AttributeError):
