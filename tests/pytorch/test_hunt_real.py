@@ -4,6 +4,8 @@ retriever, a multi-task head, LeNet) through the pass on every back end; each te
 before its fix, named in its docstring."""
 from __future__ import annotations
 
+import copy
+import pickle
 import warnings
 
 import pytest
@@ -217,3 +219,14 @@ def test_an_output_that_changes_structure_in_eval_is_scaled_whole(functional):
         ref.eval()
         got, want = out(x), ref(x) * s
     torch.testing.assert_close(got, want)                          # every row, once
+
+
+def test_the_fx_result_prints_as_the_users_class():
+    """``repr(result)`` began with torch.fx's per-instance class name, ``GraphModuleImpl(``,
+    in logs and notebooks, and so did its copies; it now names the user's class."""
+    x = torch.rand(32, 3, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    out, rep = precondfx.precondition(_NeRF(), x, target_std=None)
+    assert rep.capture == "fx"
+    for m in (out, copy.deepcopy(out), pickle.loads(pickle.dumps(out))):
+        assert isinstance(m, _NeRF) and repr(m).startswith("_NeRF(\n  (body): Sequential(")

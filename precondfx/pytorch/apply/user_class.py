@@ -171,7 +171,9 @@ def graph_class(user_cls: type) -> type | None:
     ns = {"__module__": __name__, "__doc__": user_cls.__doc__,
           "recompile": _recompile, "__deepcopy__": _deepcopy, "__copy__": _copy,
           "__reduce__": _reduce, "__setstate__": _setstate, DEPTH: 0, METHODS: 0,
-          "_precondfx_user_class": user_cls, **_user_methods(user_cls)}
+          "_precondfx_user_class": user_cls,
+          # repr() names the user's class, not torch.fx's per-instance "GraphModuleImpl"
+          "_get_name": lambda self: user_cls.__name__, **_user_methods(user_cls)}
     try:
         return type(f"Preconditioned{user_cls.__name__}", (fx.GraphModule, user_cls), ns)
     except TypeError:       # a metaclass or layout conflict
