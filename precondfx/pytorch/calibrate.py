@@ -340,6 +340,13 @@ def check_differentiable(y: Any, what: str, instead: str) -> None:
             f"{str(y.dtype).replace('torch.', '')} (indices, ids or a mask?) with no gradient: "
             f"return the logits (or name a floating-point output with output_key=), or "
             f"{instead}")
+    if isinstance(y, torch.Tensor) and torch.is_grad_enabled() and not y.requires_grad:
+        raise PrecondError(
+            f"{what} differentiates the model's main output, which carries no gradient: the "
+            f"forward runs under torch.no_grad() or torch.inference_mode(), or detaches the "
+            f"output, so no gradient reaches the weights (training it would not move them "
+            f"either). Remove that from forward (wrap the calls that should not train "
+            f"instead), or {instead}")
 
 
 def check_calibratable(t: torch.Tensor) -> None:

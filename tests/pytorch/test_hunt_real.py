@@ -230,3 +230,34 @@ def test_the_fx_result_prints_as_the_users_class():
     assert rep.capture == "fx"
     for m in (out, copy.deepcopy(out), pickle.loads(pickle.dumps(out))):
         assert isinstance(m, _NeRF) and repr(m).startswith("_NeRF(\n  (body): Sequential(")
+
+
+# ----------------------------------------------------- a forward that turns gradients off itself
+
+class _NoGradForward(nn.Module):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = torch.no_grad() if self.mode == "no_grad" else torch.inference_mode()
+        with ctx:
+            return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_forward_without_gradients_is_said_not_a_raw_autograd_error(mode):
+    """A forward under ``torch.no_grad()``/``inference_mode()`` failed with autograd's raw
+    "element 0 of tensors does not require grad and does not have a grad_fn" from measured
+    balancing.  Now balance='auto' leaves the planned alphas and says why, and what needs the
+    gradient (balance='hessian', suggest_lr=True) is refused with what to do."""
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    out, rep = precondfx.precondition(_NoGradForward(mode), x)
+    assert float(out(x).std(correction=0)) == pytest.approx(1.0, abs=1e-3)
+    said = [why for what, why in rep.skipped if what == "balance='auto'"]
+    assert len(said) == 1 and "carries no gradient" in said[0] and "no_grad" in said[0]
+    for kw in ({"balance": "hessian"}, {"suggest_lr": True}):
+        with pytest.raises(precondfx.PrecondError, match="carries no gradient"):
+            precondfx.precondition(_NoGradForward(mode), x, **kw)
