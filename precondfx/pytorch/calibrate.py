@@ -329,6 +329,15 @@ def check_scalable(t: Any, key: str | int | None = None) -> None:
             f"with output_key=, or pass target_std=None to skip output scaling")
 
 
+def _in_func_transform() -> bool:
+    """Whether a torch.func transform (jvp, vjp, vmap) is running: there ``requires_grad``
+    does not tell whether the output depends on the weights."""
+    try:
+        return torch._C._functorch.peek_interpreter_stack() is not None
+    except AttributeError:      # pragma: no cover - a torch without functorch's C API
+        return True
+
+
 def check_differentiable(y: Any, what: str, instead: str) -> None:
     """Refuse a main output with no gradient (an integer or boolean tensor: class indices, a
     mask) where ``what`` differentiates it: a ``PrecondError`` that says what to pass
@@ -340,7 +349,8 @@ def check_differentiable(y: Any, what: str, instead: str) -> None:
             f"{str(y.dtype).replace('torch.', '')} (indices, ids or a mask?) with no gradient: "
             f"return the logits (or name a floating-point output with output_key=), or "
             f"{instead}")
-    if isinstance(y, torch.Tensor) and torch.is_grad_enabled() and not y.requires_grad:
+    if isinstance(y, torch.Tensor) and torch.is_grad_enabled() and not y.requires_grad and \
+            not _in_func_transform():       # under torch.func.jvp no tensor requires grad
         raise PrecondError(
             f"{what} differentiates the model's main output, which carries no gradient: the "
             f"forward runs under torch.no_grad() or torch.inference_mode(), or detaches the "
