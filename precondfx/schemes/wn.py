@@ -69,6 +69,10 @@ class WeightNormInit(Scheme):
             raise PrecondError(f"wn: residual={residual!r} must be 'absorb' (1/B_k inside g, "
                                f"the paper's implementation) or 'pipeline' (keep the pass's "
                                f"branch scale s)")
+        if not (gamma_relu > 0 and math.isfinite(gamma_relu)):
+            raise PrecondError(f"wn: gamma_relu={gamma_relu!r} must be a positive finite number "
+                               f"(gamma of layers followed by a ReLU, g = sqrt(gamma fan_in/"
+                               f"fan_out); 2 in the paper, B.2.4)")
         self.direction, self.residual, self.gamma_relu = direction, residual, float(gamma_relu)
         self._rows: list[dict[str, Any]] = []
         self._stages: list[dict[str, Any]] = []
@@ -94,6 +98,7 @@ class WeightNormInit(Scheme):
         last_of, stage_of = self._residual_roles(graph, plan)
         done: set[str] = set()
         n_wn = 0
+        relu_used = False
         for n in graph:
             if n.status != "weighted" or n.kind not in _WEIGHTED:
                 continue
@@ -112,7 +117,9 @@ class WeightNormInit(Scheme):
                     row["note"] = (row.get("note", "") + "; " if row.get("note") else "") + \
                         f"followed by {name} before the join: Theorem 3 assumes a linear end"
             elif name == "relu":
-                gamma, why = self.gamma_relu, "followed by ReLU: gamma = 2 (B.2.4)"
+                gamma, relu_used = self.gamma_relu, True
+                why = (f"followed by ReLU: gamma = {self.gamma_relu:g} ("
+                       + ("B.2.4)" if self.gamma_relu == 2.0 else "gamma_relu; B.2.4 has 2)"))
             elif name == "linear":
                 gamma, why = W.wn_layer_gamma("linear"), "no activation follows (linear output, stem or shortcut): " \
                                   "gamma = 1 (B.2.5)"
@@ -167,6 +174,9 @@ class WeightNormInit(Scheme):
                                              list(params[bias].shape))
             row.update(fan_in=fan_in, fan_out=fan_out, g=gval, g_param=g, v_param=v,
                        action=f"g = {gval:.4g}, v {self.direction}")
+        if self.gamma_relu != 2.0 and not relu_used:
+            self._notes.append(f"gamma_relu={self.gamma_relu!r} has no effect: no weighted "
+                               f"layer is followed by a ReLU")
         if not n_wn:
             self._notes.append("no weight-normalized layer (torch.nn.utils.parametrizations."
                                "weight_norm) found: only the forward rule on plain weights was "

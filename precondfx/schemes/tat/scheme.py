@@ -47,6 +47,7 @@ inserts a :class:`~precondfx.pytorch.modules.PerLocationNorm` (no homogeneous co
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from torch import nn
@@ -100,7 +101,15 @@ class TatScheme(Scheme):
             raise PrecondError(f"eta={eta!r} must be in (0, 1): the target C_f(0)")
         if input_norm not in _INPUT_NORM:
             raise PrecondError(f"input_norm={input_norm!r} is not one of {_INPUT_NORM}")
+        if not (0.0 < float(tau) < math.inf):
+            raise PrecondError(f"tau={tau!r} must be a positive finite number (TAT's network "
+                               f"curvature C''_f(1); the paper's grid is 0.2, 0.3, 0.5)")
+        if not 0.0 <= float(shortcut_weight) <= 1.0:
+            raise PrecondError(f"shortcut_weight={shortcut_weight!r} must be in [0, 1] (the "
+                               f"weight w of the normalized sum w*x + sqrt(1-w^2)*F(x))")
         self.eta, self.tau = float(eta), float(tau)
+        self._given = {k: v for k, v, d in (("eta", eta, 0.9), ("tau", tau, 0.3))
+                       if float(v) != d}
         self.shortcut_weight, self.delta = float(shortcut_weight), bool(delta)
         self.input_norm = input_norm
         self.analysis: Analysis | None = None
@@ -125,6 +134,7 @@ class TatScheme(Scheme):
                                f"data path, so there is no kernel to shape; use "
                                f"scheme='geometric'")
         self._solve(graph, an, params, notes)
+        notes.extend(self._idle_options())
         plan.reasons.update(self._repl.reasons)
         self.info["normalized_sums"] = plan_joins(self.name, plan, an)
         self.info["shortcut_weight"] = self.shortcut_weight
@@ -153,6 +163,14 @@ class TatScheme(Scheme):
         kappa = _curvature_target(an, self.tau)
         self.info.update(method="TAT smooth", tau=self.tau, local_curvature=kappa)
         self._transform(graph, an, {k: solve_tat_smooth_local(k, kappa) for k in kinds})
+
+    def _idle_options(self) -> list[str]:
+        """A note for each TAT option given that the solved method does not read (eta is the
+        TReLU target, tau the smooth activations' curvature)."""
+        reads = {"TReLU": "eta", "TAT-smooth": "tau"}.get(self.method)
+        return [f"scheme_options {k}={v!r} has no effect: the {self.method} method reads "
+                f"{reads} only" for k, v in getattr(self, "_given", {}).items()
+                if reads is not None and k != reads]
 
     def _solve_trelu(self, graph: Graph, an: Analysis, params: dict[str, ParamInfo]) -> None:
         """TAT's TReLU: the negative slope whose network C_f(0) is eta (spec §2.7)."""
@@ -228,6 +246,12 @@ class DksScheme(TatScheme):
     def __init__(self, zeta: float = 1.5, q_slope: float = 1.0, shortcut_weight: float = 0.8,
                  delta: bool = True, input_norm: str = "auto") -> None:
         super().__init__(shortcut_weight=shortcut_weight, delta=delta, input_norm=input_norm)
+        if not (1.0 < float(zeta) < math.inf):
+            raise PrecondError(f"zeta={zeta!r} must be a finite number > 1 (DKS's network slope "
+                               f"C'_f(1); the paper uses 1.5, 10, 100)")
+        if not (0.0 < float(q_slope) < math.inf):
+            raise PrecondError(f"q_slope={q_slope!r} must be a positive finite number (the "
+                               f"local Q'(1) target; 1 in DKS)")
         self.zeta, self.q_slope = float(zeta), float(q_slope)
 
     def _solve(self, graph: Graph, an: Analysis, params: dict[str, ParamInfo],

@@ -1,0 +1,80 @@
+"""Regression tests from the schemes hunt: scheme_options values that were accepted and then
+crashed, silently changed or did nothing, and a report line that misstated the gamma used."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.parametrizations import weight_norm
+
+import precondfx
+from precondfx.errors import PrecondError
+
+
+def _mlp(act: type[nn.Module], depth: int = 2) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    n = 16
+    for _ in range(depth):
+        layers += [nn.Linear(n, 32), act()]
+        n = 32
+    layers.append(nn.Linear(n, 10))
+    return nn.Sequential(*layers)
+
+
+def _wn_mlp() -> nn.Sequential:
+    return nn.Sequential(weight_norm(nn.Linear(16, 32)), nn.ReLU(), weight_norm(nn.Linear(32, 10)))
+
+
+def _run(model: nn.Module, scheme: str, **so):
+    torch.manual_seed(0)
+    return precondfx.precondition(model, torch.randn(64, 16), scheme=scheme, scheme_options=so)
+
+
+@pytest.mark.parametrize("scheme,opts,model,names", [
+    # wn: a negative gamma on a plain-weight ReLU layer was math.sqrt's ValueError; NaN was a
+    # misleading "NaN after re-initialization" error about the model
+    ("wn", {"gamma_relu": -1.0}, lambda: _mlp(nn.ReLU), "gamma_relu"),
+    ("wn", {"gamma_relu": float("nan")}, lambda: _mlp(nn.ReLU), "gamma_relu"),
+    ("wn", {"gamma_relu": 0.0}, _wn_mlp, "gamma_relu"),
+    # gne: a string epsilon was a TypeError; diag_probes=0 became 4 silently; gamma0=inf passed
+    ("gne", {"selu": "depth", "selu_epsilon": "x"},
+     lambda: nn.Sequential(nn.Linear(16, 32), nn.SELU(), nn.Linear(32, 10)), "selu_epsilon"),
+    ("gne", {"diagnostics": True, "diag_probes": 0}, lambda: _mlp(nn.ReLU), "diag_probes"),
+    ("gne", {"gamma0": float("inf")}, lambda: _mlp(nn.ReLU), "gamma0"),
+    # tat/dks: NaN tau reached the solver ("solve_increasing: fn(0.1) returned 0.3"); q_slope<=0
+    # ended in "failed to find transformation parameters" without naming the option
+    ("tat", {"tau": float("nan")}, lambda: _mlp(nn.Tanh), "tau"),
+    ("dks", {"q_slope": 0.0}, lambda: _mlp(nn.Tanh), "q_slope"),
+    ("dks", {"zeta": float("inf")}, lambda: _mlp(nn.Tanh), "zeta"),
+])
+def test_bad_scheme_option_values_are_refused_by_name(scheme, opts, model, names):
+    with pytest.raises(PrecondError, match=names):
+        _run(model(), scheme, **opts)
+
+
+@pytest.mark.parametrize("scheme,opts,model,key", [
+    ("gne", {"selu_epsilon": 0.1}, lambda: _mlp(nn.ReLU), "selu_epsilon"),
+    ("gne", {"diag_probes": 8}, lambda: _mlp(nn.ReLU), "diag_probes"),
+    ("gne", {"smn_center": False}, lambda: _mlp(nn.ReLU), "smn_center"),
+    ("gne", {"gamma0": 4.0}, lambda: _mlp(nn.ReLU), "gamma0"),
+    ("tat", {"eta": 0.5}, lambda: _mlp(nn.Tanh), "eta"),            # smooth: tau is read
+    ("tat", {"eta": 0.5, "tau": 0.5}, lambda: _mlp(nn.ReLU, 12), "tau"),   # TReLU: eta is read
+    ("wn", {"gamma_relu": 3.0}, lambda: _mlp(nn.Tanh), "gamma_relu"),
+])
+def test_scheme_option_without_effect_is_said(scheme, opts, model, key):
+    _, rep = _run(model(), scheme, **opts)
+    said = [n for n in rep.plan.notes if key in n and "no effect" in n]
+    assert said, rep.plan.notes
+
+
+def test_wn_report_states_the_gamma_relu_used():
+    """gamma_relu=3 sets g = sqrt(3 fan_in/fan_out) (checked on the weights), and the report
+    said 'gamma = 2' for those layers."""
+    model, rep = _run(_wn_mlp(), "wn", gamma_relu=3.0)
+    g = model[0].parametrizations.weight.original0.detach()
+    assert torch.allclose(g, torch.full_like(g, math.sqrt(3.0 * 16 / 32)))
+    row = rep.conditioning["wn"]["layers"][0]
+    assert row["gamma"] == 3.0
+    assert "gamma = 3" in row["gamma_source"] and "gamma = 2" not in row["gamma_source"]
