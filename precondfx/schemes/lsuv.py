@@ -139,6 +139,10 @@ class LSUV(Scheme):
                                   and abs(r["variance"] / tgt - 1.0) < self.tol)
             r["scale"] = float(ctx.buffer(n))
         notes = list(self._notes) + _shared_notes(group, rows, ctx.graph.method)
+        if not rows:
+            notes.append(f"LSUV scaled no call site: none of the {len(skipped)} weighted layers "
+                         f"is a plain convolution or fully-connected call site it can scale "
+                         f"(see skipped); the weights are the core plan's")
         folded = self._fold(ctx, sites, rows) if self.fold else []
         self._record(ctx, rows)
         return {
@@ -147,7 +151,7 @@ class LSUV(Scheme):
             "sites": list(rows.values()),
             "forwards": lsuv_forwards,
             "forwards_total": ctx.forwards,
-            "all_converged": all(r["converged"] for r in rows.values()),
+            "all_converged": bool(rows) and all(r["converged"] for r in rows.values()),
             "folded": folded,
             "skipped": skipped,
             "notes": notes,

@@ -78,3 +78,13 @@ def test_wn_report_states_the_gamma_relu_used():
     row = rep.conditioning["wn"]["layers"][0]
     assert row["gamma"] == 3.0
     assert "gamma = 3" in row["gamma_source"] and "gamma = 2" not in row["gamma_source"]
+
+
+def test_lsuv_that_scales_nothing_does_not_report_convergence():
+    """Every layer weight-normalized (parametrized): LSUV skips them all; its section said
+    all_converged=True with no site, and the summary line showed it."""
+    _, rep = _run(_wn_mlp(), "lsuv")
+    sec = rep.conditioning["lsuv"]
+    assert sec["sites"] == [] and len(sec["skipped"]) == 2
+    assert sec["all_converged"] is False
+    assert any("scaled no call site" in n for n in sec["notes"])
