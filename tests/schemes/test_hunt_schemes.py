@@ -88,3 +88,36 @@ def test_lsuv_that_scales_nothing_does_not_report_convergence():
     assert sec["sites"] == [] and len(sec["skipped"]) == 2
     assert sec["all_converged"] is False
     assert any("scaled no call site" in n for n in sec["notes"])
+
+
+class _AvgPoolTanhCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.c2 = nn.Conv2d(16, 16, 3, padding=1)
+        self.pool = nn.AvgPool2d(2)
+        self.fc = nn.Linear(16 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = self.pool(torch.tanh(self.c1(x)))
+        x = self.pool(torch.tanh(self.c2(x)))
+        return self.fc(torch.flatten(x, 1))
+
+
+def test_tat_self_check_says_when_q_at_an_activation_is_far_from_one():
+    """A 2x2 average pooling between two transformed tanh layers averages four weakly
+    correlated locations: q drops to ~1/4 at the next activation (measured here on a held-out
+    batch), where the transform was solved for q = 1.  The q self-check measured it and the
+    report did not say it."""
+    torch.manual_seed(0)
+    x, held = torch.randn(32, 3, 16, 16), torch.randn(32, 3, 16, 16)
+    model, rep = precondfx.precondition(_AvgPoolTanhCNN(), x, scheme="tat")
+    got = {}
+    hook = model.c2.register_forward_hook(lambda m, i, o: got.setdefault("q_in", i[0]))
+    with torch.no_grad():
+        model(held)
+    hook.remove()
+    assert float(got["q_in"].pow(2).mean()) < 0.5      # q entering c2 (delta-orthogonal keeps q)
+    notes = rep.conditioning["tat"]["notes"]
+    assert any("self-check" in n and "q = 1" in n for n in notes), notes
+    assert rep.conditioning["tat"]["q_at_activations"]["off_target"]

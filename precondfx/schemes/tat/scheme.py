@@ -223,6 +223,14 @@ class TatScheme(Scheme):
         init = draw_weights(ctx, self._redraw, self.delta)
         inp = input_norm(ctx, self.input_norm, trelu, notes)
         qs = q_check(ctx, an)
+        if qs.get("off_target") and not trelu:
+            notes.append(
+                f"self-check: the second moment q at {len(qs['off_target'])} activation(s) is "
+                f"far from the q = 1 the transforms were solved for ("
+                + ", ".join(f"{k}: {v:.3g}" for k, v in list(qs["off_target"].items())[:5])
+                + "): the kernel is not shaped as solved there (an average pooling or "
+                f"mean mixes locations and lowers q; input_norm='off'/'check' leaves the "
+                f"input's q)")
         out = {k: v for k, v in self.info.items() if k != "notes"}
         out.update(an.summary())
         out.update(scheme=self.name, replaced=len(self._repl.items), init=init, input=inp,
