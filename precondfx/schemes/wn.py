@@ -41,7 +41,7 @@ from precondfx.core.options import Options, Override
 from precondfx.core.plan import ParamInfo, ParamInit, Plan
 from precondfx.core.scheme import Scheme, SchemeContext, register
 from precondfx.schemes import wn_math as W
-from precondfx.schemes.activations import activation_of
+from precondfx.schemes.activations import activation_of, activation_params
 from precondfx.schemes.gne import activation_gain, following_activation
 
 _G = "parametrizations.weight.original0"
@@ -124,7 +124,7 @@ class WeightNormInit(Scheme):
                 gamma, why = W.wn_layer_gamma("linear"), "no activation follows (linear output, stem or shortcut): " \
                                   "gamma = 1 (B.2.5)"
             else:
-                c, src = activation_gain(name, slope)
+                c, src = activation_gain(name, slope, params=activation_params(act))
                 gamma, why = c * c, f"followed by {name}: gamma = 1/phi_act ({src}) [DERIVED]"
             row.update(gamma=gamma, gamma_source=why)
             if n.name in stage_of:

@@ -121,3 +121,69 @@ def test_tat_self_check_says_when_q_at_an_activation_is_far_from_one():
     notes = rep.conditioning["tat"]["notes"]
     assert any("self-check" in n and "q = 1" in n for n in notes), notes
     assert rep.conditioning["tat"]["q_at_activations"]["off_target"]
+
+
+# -- activation parameters (ELU/CELU alpha, Softplus beta/threshold, GELU's tanh form) --------
+# They were not captured for modules (and positional functional arguments were not parsed), so
+# every scheme worked with torch's default activation: TAT/DKS replaced ELU(0.5) by a transform
+# of ELU(1) (the network computed another activation, 34% off), gne/wn drew the weights for
+# the default activation's E[f'(x)^2] (gne std 0.90-1.21x the formula, wn gamma up to 46% off).
+
+def _phi_closed_form(name: str) -> float:
+    """E[f'(x)^2], x ~ N(0, 1), in closed form: f' = 1 for x > 0, and for x < 0 ELU(alpha)
+    has f' = alpha e^x (E[alpha^2 e^(2x); x<0] = alpha^2 e^2 Phi(-2)), CELU(alpha) has
+    f' = e^(x/alpha) (alpha = 2: E[e^x; x<0] = e^(1/2) Phi(-1))."""
+    Phi = lambda t: 0.5 * math.erfc(-t / math.sqrt(2))  # noqa: E731
+    if name == "elu0.5":
+        return 0.5 + 0.25 * math.exp(2.0) * Phi(-2.0)
+    if name == "celu2":     # E[exp(2x/2); x<0] = e^(1/2) Phi(-1)
+        return 0.5 + math.exp(0.5) * Phi(-1.0)
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("name,act", [("elu0.5", lambda: nn.ELU(0.5)),
+                                      ("celu2", lambda: nn.CELU(2.0))])
+def test_gne_and_wn_gains_use_the_activation_parameters(name, act):
+    phi = _phi_closed_form(name)
+    model, _ = _run(_mlp(act), "gne")
+    w = model[2].weight.detach().double()            # 32 -> 32, followed by the activation
+    assert float(w.pow(2).mean().sqrt()) == pytest.approx(1 / math.sqrt(phi * 32), rel=1e-6)
+    _, rep = _run(_mlp(act), "wn")
+    assert rep.conditioning["wn"]["layers"][1]["gamma"] == pytest.approx(1 / phi, rel=1e-6)
+
+
+def test_gne_reads_positional_functional_activation_parameters():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 10)
+
+        def forward(self, x):
+            return self.b(nn.functional.elu(self.a(x), 0.5))
+
+    model, _ = _run(Net(), "gne")
+    phi = _phi_closed_form("elu0.5")
+    w = model.a.weight.detach().double()
+    assert float(w.pow(2).mean().sqrt()) == pytest.approx(1 / math.sqrt(phi * 16), rel=1e-6)
+
+
+@pytest.mark.parametrize("scheme", ["tat", "dks"])
+def test_tat_dks_refuse_activation_parameters_they_cannot_transform(scheme):
+    with pytest.raises(PrecondError, match="alpha=0.5"):
+        _run(_mlp(lambda: nn.ELU(0.5), 3), scheme)
+    with pytest.raises(PrecondError, match="beta=2"):
+        _run(_mlp(lambda: nn.Softplus(beta=2.0), 3), scheme)
+
+
+@pytest.mark.parametrize("scheme", ["tat", "dks"])
+def test_tat_dks_transform_gelu_tanh_with_its_own_function(scheme):
+    """nn.GELU('tanh') got the exact GELU's transform and the replacement computed the exact
+    GELU; now the activation computes gamma*(gelu_tanh(alpha x + beta) + delta)."""
+    model, rep = _run(_mlp(lambda: nn.GELU("tanh"), 3), scheme)
+    (name, t), = rep.conditioning[scheme]["transforms"].items()
+    z = torch.linspace(-3, 3, 13, dtype=torch.float64)
+    want = t["gamma"] * (nn.functional.gelu(t["alpha"] * z + t["beta"], approximate="tanh")
+                         + t["delta"])
+    with torch.no_grad():
+        got = model[1](z.float()).double()
+    assert float((got - want).abs().max()) < 1e-5 * float(want.abs().max())

@@ -47,7 +47,7 @@ from precondfx.core.options import Options, Override
 from precondfx.core.plan import Layer, ParamInfo, ParamInit, Plan
 from precondfx.core.scheme import Scheme, SchemeContext, register
 from precondfx.errors import PrecondError
-from precondfx.schemes.activations import activation_of
+from precondfx.schemes.activations import activation_of, activation_params
 from precondfx.schemes.gne.blocks import activation_gain, following_activation
 from precondfx.schemes.gne.diagnostics import block_diagnostics
 from precondfx.schemes.gne.planning import fan_in, layer_std, uncovered_rows
@@ -148,7 +148,8 @@ class GNE(Scheme):
             return
         act, path, note = following_activation(graph, lay.node, users)
         name, slope = activation_of(act) if act is not None else ("linear", None)
-        gain, gsrc = activation_gain(name, slope, self.gamma0)
+        gain, gsrc = activation_gain(name, slope, self.gamma0,
+                                     activation_params(act) if act is not None else None)
         row.update(activation=act.name if act is not None else None, act=name,
                    slope=slope, gain=gain, gain_source=gsrc)
         if note:
