@@ -187,3 +187,20 @@ def test_tat_dks_transform_gelu_tanh_with_its_own_function(scheme):
     with torch.no_grad():
         got = model[1](z.float()).double()
     assert float((got - want).abs().max()) < 1e-5 * float(want.abs().max())
+
+
+def test_tat_says_which_weights_it_did_not_draw_orthogonal():
+    """A frozen layer (kept with its own init) and weight-normalized layers (parametrized, not
+    in the plan) are not drawn orthogonal, which the kernel analysis assumes; reinit=False was
+    said, these were not (only q at the activations, 0.3 instead of 1, showed it)."""
+    frozen = _mlp(nn.Tanh, 3)
+    for p in frozen[2].parameters():
+        p.requires_grad_(False)
+    _, rep = _run(frozen, "tat")
+    said = [n for n in rep.conditioning["tat"]["notes"] if "not drawn orthogonal" in n]
+    assert said and "2.weight" in said[0] and "frozen" in said[0]
+    wn = nn.Sequential(weight_norm(nn.Linear(16, 32)), nn.Tanh(), weight_norm(nn.Linear(32, 32)),
+                       nn.Tanh(), nn.Linear(32, 10))
+    _, rep = _run(wn, "dks")
+    said = [n for n in rep.conditioning["dks"]["notes"] if "not drawn orthogonal" in n]
+    assert said and said[0].startswith("2 weighted layer(s)"), rep.conditioning["dks"]["notes"]
