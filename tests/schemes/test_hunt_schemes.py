@@ -204,3 +204,13 @@ def test_tat_says_which_weights_it_did_not_draw_orthogonal():
     _, rep = _run(wn, "dks")
     said = [n for n in rep.conditioning["dks"]["notes"] if "not drawn orthogonal" in n]
     assert said and said[0].startswith("2 weighted layer(s)"), rep.conditioning["dks"]["notes"]
+
+
+def test_printed_report_shows_the_scheme_notes():
+    """The scheme's notes (an option without effect, what it skipped) were only in
+    report.conditioning[scheme]['notes']; the printed report showed the scalars alone."""
+    _, rep = _run(_mlp(nn.Tanh), "wn", gamma_relu=3.0)
+    text = str(rep)
+    assert "wn note: gamma_relu=3.0 has no effect" in text
+    _, rep = _run(_wn_mlp(), "lsuv")
+    assert "lsuv note: LSUV scaled no call site" in str(rep)
