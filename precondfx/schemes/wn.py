@@ -99,8 +99,11 @@ class WeightNormInit(Scheme):
         done: set[str] = set()
         n_wn = 0
         relu_used = False
+        # the plan's layers on a node that is not a weighted one: a max-pool replaced by a
+        # strided convolution (a new plain weight, drawn by the forward rule too)
+        pool_convs = {lay.node for lay in plan.layers if lay.kind in _WEIGHTED}
         for n in graph:
-            if n.status != "weighted" or n.kind not in _WEIGHTED:
+            if not (n.status == "weighted" and n.kind in _WEIGHTED or n.name in pool_convs):
                 continue
             gv = wn_params(n)
             act, _, note = following_activation(graph, n.name, users)
@@ -187,7 +190,7 @@ class WeightNormInit(Scheme):
                row: dict[str, Any], done: set[str]) -> None:
         """A weighted layer without weight norm: the same forward rule on its weight."""
         lay = next((x for x in plan.layers if x.node == n.name), None)
-        w = n.params.get("weight")
+        w = n.params.get("weight") or (lay.weight if lay is not None else None)
         pi = plan.inits.get(w or "")
         if lay is None or pi is None or pi.rule in ("keep", "scale") or w in done or \
                 lay.kind == "embedding":

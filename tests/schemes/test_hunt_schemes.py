@@ -214,3 +214,33 @@ def test_printed_report_shows_the_scheme_notes():
     assert "wn note: gamma_relu=3.0 has no effect" in text
     _, rep = _run(_wn_mlp(), "lsuv")
     assert "lsuv note: LSUV scaled no call site" in str(rep)
+
+
+def test_wn_draws_the_maxpool_replacement_conv_by_its_rule():
+    """maxpool='stride' replaces a max-pool that cannot be folded by a new strided 2x2 conv;
+    wn walked the graph's weighted nodes only, so that conv kept the core's geometric init
+    (std sqrt(2/(k^2 C)) = 0.177 here, 41% above the forward rule) and was not in its rows."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1 = nn.Conv2d(3, 16, 3, padding=1)
+            self.bn = nn.BatchNorm2d(16)
+            self.pool = nn.MaxPool2d(2)
+            self.c2 = nn.Conv2d(16, 8, 3, padding=1)
+            self.fc = nn.Linear(8 * 4 * 4, 10)
+
+        def forward(self, x):
+            x = self.pool(torch.relu(self.bn(self.c1(x))))
+            return self.fc(torch.flatten(self.pool(torch.relu(self.c2(x))), 1))
+
+    torch.manual_seed(0)
+    model, rep = precondfx.precondition(Net(), torch.randn(16, 3, 16, 16), scheme="wn")
+    pool_convs = [m for n, m in model.named_modules()
+                  if isinstance(m, nn.Conv2d) and n.startswith("precondfx_pool")]
+    assert pool_convs
+    for conv in pool_convs:           # followed by a conv or the flatten + fc: gamma = 1
+        fan_out = conv.out_channels * conv.kernel_size[0] * conv.kernel_size[1]
+        std = float(conv.weight.detach().double().pow(2).mean().sqrt())
+        assert std == pytest.approx(math.sqrt(1.0 / fan_out), rel=1e-3)
+    rows = {r["node"] for r in rep.conditioning["wn"]["layers"]}
+    assert "pool" in rows and {lay.node for lay in rep.plan.layers} <= rows
