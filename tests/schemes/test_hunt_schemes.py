@@ -62,6 +62,8 @@ def test_bad_scheme_option_values_are_refused_by_name(scheme, opts, model, names
     ("tat", {"eta": 0.5}, lambda: _mlp(nn.Tanh), "eta"),            # smooth: tau is read
     ("tat", {"eta": 0.5, "tau": 0.5}, lambda: _mlp(nn.ReLU, 12), "tau"),   # TReLU: eta is read
     ("wn", {"gamma_relu": 3.0}, lambda: _mlp(nn.Tanh), "gamma_relu"),
+    ("tat", {"shortcut_weight": 0.5}, lambda: _mlp(nn.Tanh), "shortcut_weight"),  # no join
+    ("dks", {"delta": False}, lambda: _mlp(nn.Tanh), "delta"),                    # no conv
 ])
 def test_scheme_option_without_effect_is_said(scheme, opts, model, key):
     _, rep = _run(model(), scheme, **opts)

@@ -108,8 +108,11 @@ class TatScheme(Scheme):
             raise PrecondError(f"shortcut_weight={shortcut_weight!r} must be in [0, 1] (the "
                                f"weight w of the normalized sum w*x + sqrt(1-w^2)*F(x))")
         self.eta, self.tau = float(eta), float(tau)
-        self._given = {k: v for k, v, d in (("eta", eta, 0.9), ("tau", tau, 0.3))
+        self._given = {k: v for k, v, d in (("eta", eta, 0.9), ("tau", tau, 0.3),
+                                            ("shortcut_weight", shortcut_weight, 0.8))
                        if float(v) != d}
+        if not delta:
+            self._given["delta"] = False
         self.shortcut_weight, self.delta = float(shortcut_weight), bool(delta)
         self.input_norm = input_norm
         self.analysis: Analysis | None = None
@@ -135,6 +138,15 @@ class TatScheme(Scheme):
                                f"scheme='geometric'")
         self._solve(graph, an, params, notes)
         notes.extend(self._idle_options())
+        given = getattr(self, "_given", {})
+        if "shortcut_weight" in given and not any(j.kind == "sum" and j.shortcut is not None
+                                                  for j in an.joins):
+            notes.append(f"scheme_options shortcut_weight={given['shortcut_weight']!r} has no "
+                         f"effect: the network has no residual sum with a shortcut")
+        if "delta" in given and not any(lay.kind in ("conv", "conv_transpose")
+                                        for lay in plan.layers):
+            notes.append("scheme_options delta=False has no effect: the network has no "
+                         "convolution (Delta initialization is for convolutions)")
         plan.reasons.update(self._repl.reasons)
         self.info["normalized_sums"] = plan_joins(self.name, plan, an)
         self.info["shortcut_weight"] = self.shortcut_weight
@@ -170,7 +182,7 @@ class TatScheme(Scheme):
         reads = {"TReLU": "eta", "TAT-smooth": "tau"}.get(self.method)
         return [f"scheme_options {k}={v!r} has no effect: the {self.method} method reads "
                 f"{reads} only" for k, v in getattr(self, "_given", {}).items()
-                if reads is not None and k != reads]
+                if reads is not None and k in ("eta", "tau") and k != reads]
 
     def _solve_trelu(self, graph: Graph, an: Analysis, params: dict[str, ParamInfo]) -> None:
         """TAT's TReLU: the negative slope whose network C_f(0) is eta (spec §2.7)."""
