@@ -90,6 +90,11 @@ class LSUV(Scheme):
         ``balance='hessian'`` (never a default, so asked for) is kept: it only redistributes
         alphas against the weights after LSUV, leaving the forward pass (and so LSUV's unit
         variances) unchanged."""
+        if self.alphas == "keep" and opts.balance not in ("auto", "analytic"):
+            note = (f"scheme_options alphas='keep' has no effect: it keeps the alphas of "
+                    f"balance='auto' or 'analytic', and balance={opts.balance!r}")
+            if note not in self._notes:
+                self._notes.append(note)
         if opts.balance in ("auto", "analytic") and self.alphas == "none":
             return [Override("balance", "none", "LSUV fixes each call site's scale from data; "
                              "the alphas of the geometric scheme are not used "

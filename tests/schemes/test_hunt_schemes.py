@@ -29,7 +29,10 @@ def _wn_mlp() -> nn.Sequential:
 
 def _run(model: nn.Module, scheme: str, **so):
     torch.manual_seed(0)
-    return precondfx.precondition(model, torch.randn(64, 16), scheme=scheme, scheme_options=so)
+    kw = {k[1:]: v for k, v in so.items() if k.startswith("_")}     # precondition options
+    so = {k: v for k, v in so.items() if not k.startswith("_")}
+    return precondfx.precondition(model, torch.randn(64, 16), scheme=scheme, scheme_options=so,
+                                  **kw)
 
 
 @pytest.mark.parametrize("scheme,opts,model,names", [
@@ -64,6 +67,7 @@ def test_bad_scheme_option_values_are_refused_by_name(scheme, opts, model, names
     ("wn", {"gamma_relu": 3.0}, lambda: _mlp(nn.Tanh), "gamma_relu"),
     ("tat", {"shortcut_weight": 0.5}, lambda: _mlp(nn.Tanh), "shortcut_weight"),  # no join
     ("dks", {"delta": False}, lambda: _mlp(nn.Tanh), "delta"),                    # no conv
+    ("lsuv", {"alphas": "keep", "_balance": "none"}, lambda: _mlp(nn.Tanh), "alphas"),
 ])
 def test_scheme_option_without_effect_is_said(scheme, opts, model, key):
     _, rep = _run(model(), scheme, **opts)
