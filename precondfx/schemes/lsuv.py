@@ -149,6 +149,8 @@ class LSUV(Scheme):
                          f"is a plain convolution or fully-connected call site it can scale "
                          f"(see skipped); the weights are the core plan's")
         folded = self._fold(ctx, sites, rows) if self.fold else []
+        notes += sorted({r["note"] for r in rows.values()
+                         if r.get("note", "").startswith("scale kept in the alpha")})
         self._record(ctx, rows)
         return {
             "target_var": tgt, "tol": self.tol, "max_iter": self.max_iter,
@@ -229,10 +231,20 @@ class LSUV(Scheme):
         for lay in sites:
             if lay.node in rows and lay.weight:
                 by_weight.setdefault(lay.weight, []).append(lay.node)
+        readers: dict[str, set[str]] = {}    # parameter -> every node that reads it
+        for n in ctx.graph:
+            for p in n.params.values():
+                readers.setdefault(p, set()).add(n.name)
         for w, nodes in by_weight.items():
             pi = ctx.plan.inits.get(w)
             if pi is None or pi.rule in ("keep", "scale") or pi.std is None:
                 continue  # frozen / reinit=False weights stay as they are: scale kept in alpha
+            others = sorted(readers.get(w, set()) - set(nodes))
+            if others:    # a tied weight (an embedding's, read transposed...): folding the scale
+                for n in nodes:     # would scale those reads too, and the earlier call sites
+                    rows[n]["note"] = (f"scale kept in the alpha: the weight {w} is also read by "
+                                       f"{others}, which folding would change")
+                continue
             names = list(dict.fromkeys(ctx.site_buffers[n] for n in nodes))
             a = float(ctx.model.get_buffer(names[0]))
             if not (a > 0 and math.isfinite(a)):

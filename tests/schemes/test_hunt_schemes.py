@@ -250,3 +250,34 @@ def test_wn_draws_the_maxpool_replacement_conv_by_its_rule():
         assert std == pytest.approx(math.sqrt(1.0 / fan_out), rel=1e-3)
     rows = {r["node"] for r in rep.conditioning["wn"]["layers"]}
     assert "pool" in rows and {lay.node for lay in rep.plan.layers} <= rows
+
+
+def test_lsuv_does_not_fold_a_scale_into_a_tied_weight():
+    """An LM head tied to the embedding: folding the head's LSUV scale (1.9x) into the shared
+    weight also scaled the embedding lookup, so the hidden layer fitted before it ran at
+    variance 3.6 on the very calibration batch while the report said 1.0."""
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 32)
+            self.hidden = nn.Linear(32, 32)
+            self.head = nn.Linear(32, 50, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(nn.functional.gelu(self.hidden(self.emb(ids))))
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (64, 12))
+    model, rep = precondfx.precondition(Tied(), ids, scheme="lsuv")
+    got = {}
+    hook = model.hidden.register_forward_hook(lambda m, i, o: got.setdefault("h", o.detach()))
+    model.train()
+    with torch.no_grad():
+        model(ids)
+    hook.remove()
+    var = float(got["h"].double().var(correction=0))
+    sec = rep.conditioning["lsuv"]
+    assert abs(var - 1.0) < sec["tol"]                      # what the report claims
+    assert "emb.weight" not in sec["folded"]
+    assert any("also read by" in n for n in sec["notes"])
