@@ -68,11 +68,14 @@ def test_bad_scheme_option_values_are_refused_by_name(scheme, opts, model, names
     ("tat", {"shortcut_weight": 0.5}, lambda: _mlp(nn.Tanh), "shortcut_weight"),  # no join
     ("dks", {"delta": False}, lambda: _mlp(nn.Tanh), "delta"),                    # no conv
     ("lsuv", {"alphas": "keep", "_balance": "none"}, lambda: _mlp(nn.Tanh), "alphas"),
+    ("gne", {"effective_kernel": False}, lambda: _mlp(nn.ReLU), "effective_kernel"),
+    ("gne", {"norm": "smn"}, lambda: _mlp(nn.ReLU), "norm='smn'"),      # no BatchNorm
 ])
 def test_scheme_option_without_effect_is_said(scheme, opts, model, key):
     _, rep = _run(model(), scheme, **opts)
-    said = [n for n in rep.plan.notes if key in n and "no effect" in n]
-    assert said, rep.plan.notes
+    notes = rep.plan.notes + rep.conditioning[scheme]["notes"]
+    said = [n for n in notes if key in n and "no effect" in n]
+    assert said, notes
 
 
 def test_wn_report_states_the_gamma_relu_used():

@@ -134,6 +134,10 @@ class GNE(Scheme):
             rows.append(row)
             self._plan_layer(graph, plan, params, lay, users, planned, row)
         rows.extend(uncovered_rows(graph, plan))
+        if not self.effective_kernel and not any(lay.kind in ("conv", "conv_transpose")
+                                                 for lay in plan.layers):
+            self._notes.append("scheme_options effective_kernel=False has no effect: the model "
+                               "has no convolution")
         self._plan_selu(plan)
         self._rows = rows
         plan.notes.extend(f"gne: {n}" for n in self._notes)
@@ -204,6 +208,9 @@ class GNE(Scheme):
             out.extend(selu_replacements(graph, self._selu_coef))
         if self.norm == "smn":
             out.extend(smn_replacements(graph, plan, self.model, self._smn))
+            if not self._smn:
+                self._notes.append("norm='smn' has no effect: the model has no BatchNorm to "
+                                   "replace by Second Moment Normalization")
         self._repl = list(out)
         return out
 
