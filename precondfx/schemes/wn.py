@@ -211,6 +211,9 @@ class WeightNormInit(Scheme):
             if plan.residuals and self.residual != "absorb":
                 self._notes.append("residual='pipeline': the pass's branch scale s is kept and "
                                    "branch ends get gamma = 1")
+            elif self.residual != "absorb":
+                self._notes.append("scheme_options residual='pipeline' has no effect: the "
+                                   "model has no residual join")
             return {}, {}
         anc = graph.ancestors()
         order = {n.name: i for i, n in enumerate(graph)}

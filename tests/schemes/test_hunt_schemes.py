@@ -70,6 +70,7 @@ def test_bad_scheme_option_values_are_refused_by_name(scheme, opts, model, names
     ("lsuv", {"alphas": "keep", "_balance": "none"}, lambda: _mlp(nn.Tanh), "alphas"),
     ("gne", {"effective_kernel": False}, lambda: _mlp(nn.ReLU), "effective_kernel"),
     ("gne", {"norm": "smn"}, lambda: _mlp(nn.ReLU), "norm='smn'"),      # no BatchNorm
+    ("wn", {"residual": "pipeline"}, _wn_mlp, "residual"),                # no residual join
 ])
 def test_scheme_option_without_effect_is_said(scheme, opts, model, key):
     _, rep = _run(model(), scheme, **opts)
