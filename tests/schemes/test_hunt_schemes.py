@@ -51,6 +51,9 @@ def _run(model: nn.Module, scheme: str, **so):
     ("tat", {"tau": float("nan")}, lambda: _mlp(nn.Tanh), "tau"),
     ("dks", {"q_slope": 0.0}, lambda: _mlp(nn.Tanh), "q_slope"),
     ("dks", {"zeta": float("inf")}, lambda: _mlp(nn.Tanh), "zeta"),
+    # w = 1 multiplied every residual branch by sqrt(1 - w^2) = 0: the branch layers got zero
+    # gradient (measured: 0.0 on a residual tanh net), silently
+    ("tat", {"shortcut_weight": 1.0}, lambda: _mlp(nn.Tanh), "shortcut_weight"),
 ])
 def test_bad_scheme_option_values_are_refused_by_name(scheme, opts, model, names):
     with pytest.raises(PrecondError, match=names):

@@ -104,9 +104,11 @@ class TatScheme(Scheme):
         if not (0.0 < float(tau) < math.inf):
             raise PrecondError(f"tau={tau!r} must be a positive finite number (TAT's network "
                                f"curvature C''_f(1); the paper's grid is 0.2, 0.3, 0.5)")
-        if not 0.0 <= float(shortcut_weight) <= 1.0:
-            raise PrecondError(f"shortcut_weight={shortcut_weight!r} must be in [0, 1] (the "
-                               f"weight w of the normalized sum w*x + sqrt(1-w^2)*F(x))")
+        if not 0.0 <= float(shortcut_weight) < 1.0:
+            raise PrecondError(f"shortcut_weight={shortcut_weight!r} must be in [0, 1) (the "
+                               f"weight w of the normalized sum w*x + sqrt(1-w^2)*F(x); w = 1 "
+                               f"multiplies every residual branch by 0, so its layers would "
+                               f"never train)")
         self.eta, self.tau = float(eta), float(tau)
         self._given = {k: v for k, v, d in (("eta", eta, 0.9), ("tau", tau, 0.3),
                                             ("shortcut_weight", shortcut_weight, 0.8))
