@@ -51,6 +51,10 @@ _ARGS: dict[str, tuple[str, ...]] = {
                 "return_indices"),
     "avgpool": ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad"),
     "leaky_relu": ("input", "negative_slope"),
+    # F.elu(input, alpha, inplace), aten.elu(self, alpha, ...), F.celu / aten.celu likewise,
+    # F.softplus / aten.softplus(input, beta, threshold): positional parameters by name
+    "elu": ("input", "alpha"),
+    "softplus": ("input", "beta", "threshold"),
 }
 
 
@@ -82,6 +86,11 @@ def _family(kind: str, target: str) -> str:
         return "addmm"
     if kind == "embedding" and target.startswith("aten."):
         return "aten_embedding"
+    name = target.rsplit(".", 1)[-1]
+    if kind == "exp_linear" and name in ("elu", "elu_", "celu", "celu_"):
+        return "elu"
+    if kind == "smooth_gate" and name == "softplus":
+        return "softplus"
     return kind
 
 

@@ -398,6 +398,9 @@ class Report:
                                   if isinstance(b, (int, float, str)) and len(str(b)) < 40)
                 if brief:
                     lines.append(f"{k}: {brief[:200]}")
+                notes = v.get("notes")
+                if isinstance(notes, list):     # what a stage or scheme says it did or skipped
+                    lines += [f"  {k} note: {n}" for n in notes if isinstance(n, str)]
         if self.verification.get("note") and self.verification["note"] not in self.capture_notes:
             lines.append(self.verification["note"])
         if self.stage_seconds:

@@ -255,6 +255,51 @@ def get_activation(name: str, negative_slope: float | None = None) -> NumpyActiv
     return ACTIVATIONS[key]
 
 
+#: parameters of activations whose registry function above is at these defaults (torch's)
+_PARAM_DEFAULTS: dict[str, dict[str, float]] = {
+    "elu": {"alpha": 1.0}, "celu": {"alpha": 1.0}, "softplus": {"beta": 1.0, "threshold": 20.0}}
+
+
+def activation_params(node: Any) -> dict[str, Any]:
+    """The parameters of an activation node that differ from those of the registry's function of
+    its name: ELU/CELU ``alpha``, Softplus ``beta``/``threshold`` (read from the node's attrs, as
+    the capture records them for modules and functional calls), GELU ``approximate='tanh'``."""
+    name, _ = activation_of(node)
+    out: dict[str, Any] = {}
+    for k, d in _PARAM_DEFAULTS.get(name, {}).items():
+        v = node.attrs.get(k, d)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and float(v) != d:
+            out[k] = float(v)
+    if name == "gelu" and node.attrs.get("approximate") == "tanh":
+        out["approximate"] = "tanh"
+    return out
+
+
+def parametrized_activation(name: str, params: dict[str, Any]) -> NumpyActivation:
+    """The registry activation ``name`` at ``params`` (:func:`activation_params`): ELU and CELU
+    with their ``alpha``, Softplus with ``beta`` and ``threshold``, GELU's tanh form."""
+    if name == "gelu":
+        return get_activation("gelu" if params.get("approximate") == "tanh" else "gelu_exact")
+    if name == "elu" and "alpha" in params:
+        f, d1, d2 = _elu(float(params["alpha"]), 1.0)
+        return NumpyActivation("elu", f, d1, d2, kinks=(0.0,))
+    if name == "celu" and "alpha" in params:
+        a = float(params["alpha"])
+        neg = lambda x: np.exp(np.minimum(x, 0.0) / a)  # noqa: E731
+        return NumpyActivation("celu", lambda x: np.where(x < 0, a * (neg(x) - 1.0), x),
+                               lambda x: np.where(x < 0, neg(x), 1.0),
+                               lambda x: np.where(x < 0, neg(x) / a, 0.0), kinks=(0.0,))
+    if name == "softplus" and params:
+        b = float(params.get("beta", 1.0))
+        t = float(params.get("threshold", 20.0))
+        lin = lambda x: b * x > t  # noqa: E731
+        return NumpyActivation(
+            "softplus", lambda x: np.where(lin(x), x, np.logaddexp(0.0, b * x) / b),
+            lambda x: np.where(lin(x), 1.0, _sigmoid(b * x)),
+            lambda x: np.where(lin(x), 0.0, b * _sig_d1(b * x)), kinks=(t / b,))
+    return get_activation(name)
+
+
 # ---------------------------------------------------------------------------------------------
 # Gaussian quadrature (spec §2.8 "Quadrature")
 # ---------------------------------------------------------------------------------------------

@@ -90,6 +90,11 @@ class LSUV(Scheme):
         ``balance='hessian'`` (never a default, so asked for) is kept: it only redistributes
         alphas against the weights after LSUV, leaving the forward pass (and so LSUV's unit
         variances) unchanged."""
+        if self.alphas == "keep" and opts.balance not in ("auto", "analytic"):
+            note = (f"scheme_options alphas='keep' has no effect: it keeps the alphas of "
+                    f"balance='auto' or 'analytic', and balance={opts.balance!r}")
+            if note not in self._notes:
+                self._notes.append(note)
         if opts.balance in ("auto", "analytic") and self.alphas == "none":
             return [Override("balance", "none", "LSUV fixes each call site's scale from data; "
                              "the alphas of the geometric scheme are not used "
@@ -139,7 +144,13 @@ class LSUV(Scheme):
                                   and abs(r["variance"] / tgt - 1.0) < self.tol)
             r["scale"] = float(ctx.buffer(n))
         notes = list(self._notes) + _shared_notes(group, rows, ctx.graph.method)
+        if not rows:
+            notes.append(f"LSUV scaled no call site: none of the {len(skipped)} weighted layers "
+                         f"is a plain convolution or fully-connected call site it can scale "
+                         f"(see skipped); the weights are the core plan's")
         folded = self._fold(ctx, sites, rows) if self.fold else []
+        notes += sorted({r["note"] for r in rows.values()
+                         if r.get("note", "").startswith("scale kept in the alpha")})
         self._record(ctx, rows)
         return {
             "target_var": tgt, "tol": self.tol, "max_iter": self.max_iter,
@@ -147,7 +158,7 @@ class LSUV(Scheme):
             "sites": list(rows.values()),
             "forwards": lsuv_forwards,
             "forwards_total": ctx.forwards,
-            "all_converged": all(r["converged"] for r in rows.values()),
+            "all_converged": bool(rows) and all(r["converged"] for r in rows.values()),
             "folded": folded,
             "skipped": skipped,
             "notes": notes,
@@ -220,10 +231,20 @@ class LSUV(Scheme):
         for lay in sites:
             if lay.node in rows and lay.weight:
                 by_weight.setdefault(lay.weight, []).append(lay.node)
+        readers: dict[str, set[str]] = {}    # parameter -> every node that reads it
+        for n in ctx.graph:
+            for p in n.params.values():
+                readers.setdefault(p, set()).add(n.name)
         for w, nodes in by_weight.items():
             pi = ctx.plan.inits.get(w)
             if pi is None or pi.rule in ("keep", "scale") or pi.std is None:
                 continue  # frozen / reinit=False weights stay as they are: scale kept in alpha
+            others = sorted(readers.get(w, set()) - set(nodes))
+            if others:    # a tied weight (an embedding's, read transposed...): folding the scale
+                for n in nodes:     # would scale those reads too, and the earlier call sites
+                    rows[n]["note"] = (f"scale kept in the alpha: the weight {w} is also read by "
+                                       f"{others}, which folding would change")
+                continue
             names = list(dict.fromkeys(ctx.site_buffers[n] for n in nodes))
             a = float(ctx.model.get_buffer(names[0]))
             if not (a > 0 and math.isfinite(a)):

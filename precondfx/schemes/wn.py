@@ -41,7 +41,7 @@ from precondfx.core.options import Options, Override
 from precondfx.core.plan import ParamInfo, ParamInit, Plan
 from precondfx.core.scheme import Scheme, SchemeContext, register
 from precondfx.schemes import wn_math as W
-from precondfx.schemes.activations import activation_of
+from precondfx.schemes.activations import activation_of, activation_params
 from precondfx.schemes.gne import activation_gain, following_activation
 
 _G = "parametrizations.weight.original0"
@@ -69,6 +69,10 @@ class WeightNormInit(Scheme):
             raise PrecondError(f"wn: residual={residual!r} must be 'absorb' (1/B_k inside g, "
                                f"the paper's implementation) or 'pipeline' (keep the pass's "
                                f"branch scale s)")
+        if not (gamma_relu > 0 and math.isfinite(gamma_relu)):
+            raise PrecondError(f"wn: gamma_relu={gamma_relu!r} must be a positive finite number "
+                               f"(gamma of layers followed by a ReLU, g = sqrt(gamma fan_in/"
+                               f"fan_out); 2 in the paper, B.2.4)")
         self.direction, self.residual, self.gamma_relu = direction, residual, float(gamma_relu)
         self._rows: list[dict[str, Any]] = []
         self._stages: list[dict[str, Any]] = []
@@ -94,8 +98,12 @@ class WeightNormInit(Scheme):
         last_of, stage_of = self._residual_roles(graph, plan)
         done: set[str] = set()
         n_wn = 0
+        relu_used = False
+        # the plan's layers on a node that is not a weighted one: a max-pool replaced by a
+        # strided convolution (a new plain weight, drawn by the forward rule too)
+        pool_convs = {lay.node for lay in plan.layers if lay.kind in _WEIGHTED}
         for n in graph:
-            if n.status != "weighted" or n.kind not in _WEIGHTED:
+            if not (n.status == "weighted" and n.kind in _WEIGHTED or n.name in pool_convs):
                 continue
             gv = wn_params(n)
             act, _, note = following_activation(graph, n.name, users)
@@ -112,12 +120,14 @@ class WeightNormInit(Scheme):
                     row["note"] = (row.get("note", "") + "; " if row.get("note") else "") + \
                         f"followed by {name} before the join: Theorem 3 assumes a linear end"
             elif name == "relu":
-                gamma, why = self.gamma_relu, "followed by ReLU: gamma = 2 (B.2.4)"
+                gamma, relu_used = self.gamma_relu, True
+                why = (f"followed by ReLU: gamma = {self.gamma_relu:g} ("
+                       + ("B.2.4)" if self.gamma_relu == 2.0 else "gamma_relu; B.2.4 has 2)"))
             elif name == "linear":
                 gamma, why = W.wn_layer_gamma("linear"), "no activation follows (linear output, stem or shortcut): " \
                                   "gamma = 1 (B.2.5)"
             else:
-                c, src = activation_gain(name, slope)
+                c, src = activation_gain(name, slope, params=activation_params(act))
                 gamma, why = c * c, f"followed by {name}: gamma = 1/phi_act ({src}) [DERIVED]"
             row.update(gamma=gamma, gamma_source=why)
             if n.name in stage_of:
@@ -167,6 +177,9 @@ class WeightNormInit(Scheme):
                                              list(params[bias].shape))
             row.update(fan_in=fan_in, fan_out=fan_out, g=gval, g_param=g, v_param=v,
                        action=f"g = {gval:.4g}, v {self.direction}")
+        if self.gamma_relu != 2.0 and not relu_used:
+            self._notes.append(f"gamma_relu={self.gamma_relu!r} has no effect: no weighted "
+                               f"layer is followed by a ReLU")
         if not n_wn:
             self._notes.append("no weight-normalized layer (torch.nn.utils.parametrizations."
                                "weight_norm) found: only the forward rule on plain weights was "
@@ -177,7 +190,7 @@ class WeightNormInit(Scheme):
                row: dict[str, Any], done: set[str]) -> None:
         """A weighted layer without weight norm: the same forward rule on its weight."""
         lay = next((x for x in plan.layers if x.node == n.name), None)
-        w = n.params.get("weight")
+        w = n.params.get("weight") or (lay.weight if lay is not None else None)
         pi = plan.inits.get(w or "")
         if lay is None or pi is None or pi.rule in ("keep", "scale") or w in done or \
                 lay.kind == "embedding":
@@ -198,6 +211,9 @@ class WeightNormInit(Scheme):
             if plan.residuals and self.residual != "absorb":
                 self._notes.append("residual='pipeline': the pass's branch scale s is kept and "
                                    "branch ends get gamma = 1")
+            elif self.residual != "absorb":
+                self._notes.append("scheme_options residual='pipeline' has no effect: the "
+                                   "model has no residual join")
             return {}, {}
         anc = graph.ancestors()
         order = {n.name: i for i, n in enumerate(graph)}

@@ -466,7 +466,10 @@ def module_attrs(mod: nn.Module) -> dict[str, Any]:
                  "out_channels", "in_features", "out_features", "ceil_mode", "return_indices",
                  "transposed", "padding_mode", "num_embeddings", "embedding_dim",
                  "negative_slope", "output_size", "embed_dim", "num_heads", "hidden_size",
-                 "num_layers", "input_size", "count_include_pad"):
+                 "num_layers", "input_size", "count_include_pad",
+                 # activation parameters (ELU/CELU alpha, Softplus beta and threshold, GELU's
+                 # approximation): the schemes' activation maths depends on them
+                 "alpha", "beta", "threshold", "approximate"):
         if hasattr(mod, name):
             v = getattr(mod, name)
             if isinstance(v, (int, float, bool, str, tuple, list)) or v is None:

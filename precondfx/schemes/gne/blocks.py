@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from precondfx.core.graph import Graph, Node
 from precondfx.core.plan import Layer, Plan
 from precondfx.errors import PrecondError
-from precondfx.schemes.activations import get_activation
+from precondfx.schemes.activations import get_activation, parametrized_activation
 from precondfx.core.fans import effective_kernel_size
 from precondfx.schemes.gne.gains import gne_gain
 from precondfx.schemes.gne.moments import pointwise_moments
@@ -62,16 +62,20 @@ def following_activation(graph: Graph, name: str, users: dict[str, list[str]] | 
 _REGISTRY_NAME = {"gelu": "gelu_exact", "silu": "swish"}
 
 
-def _smooth_phi(name: str, var: float = 1.0) -> float:
+def _smooth_phi(name: str, var: float = 1.0, params: dict | None = None) -> float:
     """``E[f'(x)^2]`` at ``x ~ N(0, var)`` for a smooth activation (A.2.6 extension), from the
-    shared activation registry's analytic derivative."""
-    act = get_activation(_REGISTRY_NAME.get(name, name))
+    shared activation registry's analytic derivative (at the activation's ``params``: ELU/CELU
+    alpha, Softplus beta/threshold, GELU's tanh form)."""
+    act = (parametrized_activation(name, params) if params else
+           get_activation(_REGISTRY_NAME.get(name, name)))
     return pointwise_moments(act.d1, var, breaks=act.kinks).phi
 
 
-def activation_gain(name: str, slope: float | None, gamma0: float = 1.0
-                    ) -> tuple[float, str]:
-    """BDI gain ``c = 1/sqrt(phi_act)`` (Tables 4-6) and where it comes from."""
+def activation_gain(name: str, slope: float | None, gamma0: float = 1.0,
+                    params: dict | None = None) -> tuple[float, str]:
+    """BDI gain ``c = 1/sqrt(phi_act)`` (Tables 4-6) and where it comes from; ``params``: the
+    activation's parameters that differ from torch's defaults
+    (``precondfx.schemes.activations.activation_params``)."""
     if name in ("linear", "tanh"):
         return 1.0, f"{name}: phi_act = 1 (Table 3/4), gain 1"
     if name in ("relu", "prelu", "leaky_relu", "selu"):
@@ -87,8 +91,10 @@ def activation_gain(name: str, slope: float | None, gamma0: float = 1.0
             src = f"SELU: linear layer phi = gamma0 = {gamma0:g} (eq. 32), gain sqrt(gamma0)"
         return g, src
     if name in _SMOOTH:
-        phi = _smooth_phi(name)
-        return 1.0 / math.sqrt(phi), (f"{name}: phi_act = E[f'(x)^2] = {phi:.4g} at x ~ N(0,1) "
+        phi = _smooth_phi(name, params=params)
+        at = "".join(f", {k}={v}" for k, v in (params or {}).items())
+        return 1.0 / math.sqrt(phi), (f"{name}{at}: phi_act = E[f'(x)^2] = {phi:.4g} at x ~ "
+                                      f"N(0,1) "
                                       f"(components-table extension, A.2.6 [DERIVED])")
     if name == "relu6":
         return math.sqrt(2.0), "ReLU6: a ReLU at initialization scales, gain sqrt 2"

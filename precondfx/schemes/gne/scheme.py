@@ -36,6 +36,8 @@ default) becomes 'none'; 'hessian' is kept (it does not change the forward pass)
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 from torch import nn
@@ -45,7 +47,7 @@ from precondfx.core.options import Options, Override
 from precondfx.core.plan import Layer, ParamInfo, ParamInit, Plan
 from precondfx.core.scheme import Scheme, SchemeContext, register
 from precondfx.errors import PrecondError
-from precondfx.schemes.activations import activation_of
+from precondfx.schemes.activations import activation_of, activation_params
 from precondfx.schemes.gne.blocks import activation_gain, following_activation
 from precondfx.schemes.gne.diagnostics import block_diagnostics
 from precondfx.schemes.gne.planning import fan_in, layer_std, uncovered_rows
@@ -72,8 +74,16 @@ class GNE(Scheme):
             raise PrecondError(f"gne: norm={norm!r} must be None or 'smn'")
         if selu not in ("standard", "depth"):
             raise PrecondError(f"gne: selu={selu!r} must be 'standard' or 'depth'")
-        if not gamma0 > 0:
-            raise PrecondError(f"gne: gamma0={gamma0!r} must be > 0")
+        if not (gamma0 > 0 and math.isfinite(gamma0)):
+            raise PrecondError(f"gne: gamma0={gamma0!r} must be a positive finite number")
+        if selu_epsilon is not None and (
+                isinstance(selu_epsilon, bool) or not isinstance(selu_epsilon, numbers.Real)
+                or not (0 <= selu_epsilon < math.inf)):
+            raise PrecondError(f"gne: selu_epsilon={selu_epsilon!r} must be None (0.95/L) or a "
+                               f"finite number >= 0 (eq. 32's epsilon)")
+        if int(diag_probes) < 1:
+            raise PrecondError(f"gne: diag_probes={diag_probes!r} must be >= 1 (Hutchinson "
+                               f"probes per block; at least 4 are drawn)")
         if diag_mode not in ("train", "eval"):
             raise PrecondError(f"gne: diag_mode={diag_mode!r} must be 'train' or 'eval'")
         self.kind, self.norm = kind, (None if norm == "none" else norm)
@@ -88,6 +98,18 @@ class GNE(Scheme):
         self._selu_layers = 0
         self._smn: list[dict[str, Any]] = []
         self._repl: list[tuple[str, nn.Module, str]] = []
+        # options given (not their defaults) that the other options leave without effect
+        idle = (("selu_epsilon", selu_epsilon, selu_epsilon is not None, selu != "depth",
+                 "selu='depth'"),
+                ("diag_probes", diag_probes, diag_probes != 32, not diagnostics,
+                 "diagnostics=True"),
+                ("diag_mode", diag_mode, diag_mode != "eval", not diagnostics,
+                 "diagnostics=True"),
+                ("smn_center", smn_center, not smn_center, self.norm != "smn", "norm='smn'"))
+        for key, value, given, moot, needs in idle:
+            if given and moot:
+                self._notes.append(f"scheme_options {key}={value!r} has no effect: it is read "
+                                   f"only with {needs}")
 
     # -- before planning ----------------------------------------------------------------------
     def overrides(self, opts: Options) -> list[Override]:
@@ -112,6 +134,10 @@ class GNE(Scheme):
             rows.append(row)
             self._plan_layer(graph, plan, params, lay, users, planned, row)
         rows.extend(uncovered_rows(graph, plan))
+        if not self.effective_kernel and not any(lay.kind in ("conv", "conv_transpose")
+                                                 for lay in plan.layers):
+            self._notes.append("scheme_options effective_kernel=False has no effect: the model "
+                               "has no convolution")
         self._plan_selu(plan)
         self._rows = rows
         plan.notes.extend(f"gne: {n}" for n in self._notes)
@@ -126,7 +152,8 @@ class GNE(Scheme):
             return
         act, path, note = following_activation(graph, lay.node, users)
         name, slope = activation_of(act) if act is not None else ("linear", None)
-        gain, gsrc = activation_gain(name, slope, self.gamma0)
+        gain, gsrc = activation_gain(name, slope, self.gamma0,
+                                     activation_params(act) if act is not None else None)
         row.update(activation=act.name if act is not None else None, act=name,
                    slope=slope, gain=gain, gain_source=gsrc)
         if note:
@@ -170,6 +197,9 @@ class GNE(Scheme):
                               f"alpha={self._selu_coef[1]:.5g} (eq. 32)")
         elif self.selu == "depth":
             self._notes.append("selu='depth' asked for, but no layer is followed by a SELU")
+        if self.gamma0 != 1.0 and not self._selu_layers:
+            self._notes.append(f"scheme_options gamma0={self.gamma0!r} has no effect: it sets "
+                               f"the gain of layers followed by a SELU, and no layer is")
 
     # -- replacements -------------------------------------------------------------------------
     def replacements(self, graph: Graph, plan: Plan) -> list[tuple[str, nn.Module, str]]:
@@ -178,6 +208,9 @@ class GNE(Scheme):
             out.extend(selu_replacements(graph, self._selu_coef))
         if self.norm == "smn":
             out.extend(smn_replacements(graph, plan, self.model, self._smn))
+            if not self._smn:
+                self._notes.append("norm='smn' has no effect: the model has no BatchNorm to "
+                                   "replace by Second Moment Normalization")
         self._repl = list(out)
         return out
 

@@ -8,7 +8,7 @@ from typing import Any
 from precondfx.core import optable
 from precondfx.core.graph import Node
 from precondfx.errors import PrecondError
-from precondfx.schemes.activations import activation_of
+from precondfx.schemes.activations import activation_of, activation_params
 from precondfx.schemes.tat.arch import Act, Affine
 
 RELU_FAMILY = ("relu", "leaky_relu", "prelu")
@@ -47,6 +47,10 @@ _REFUSE_HELP = {
                   "relu, leaky_relu, prelu; smooth: tanh, sigmoid, softplus, gelu, silu, elu, "
                   "selu (dks only), softsign; kinked functions such as relu6, hardtanh, hardswish "
                   "have an infinite C''(1)): replace it by one of these in the model",
+    "act_params": "the transforms are solved for and applied to the activation at torch's "
+                  "default parameters (ELU/CELU alpha=1, Softplus beta=1, threshold=20); this "
+                  "one has others, so the rewritten network would compute a different "
+                  "activation: use the defaults, or scheme='geometric', 'lsuv' or 'gne'",
     "elementwise": "a non-linear elementwise function or reduction without a TAT/DKS transform: "
                    "its C map is unknown (spec §3.1)",
     "unknown": "an op not in precondfx's op table: its C map is unknown; rewrite it with "
@@ -178,7 +182,14 @@ def _element(n: Node, nin: int, pc: Any, f: _Findings) -> Any:
         e = f.refuse("maxpool", n, "adaptive max pooling has no stride to fold")
     elif k in _ACT_KINDS:
         name = _act_name(n)
-        e = f.refuse("activation", n, what) if name is None else Act(name)
+        params = {p: v for p, v in activation_params(n).items() if p != "approximate"}
+        if name is None:
+            e = f.refuse("activation", n, what)
+        elif params:
+            e = f.refuse("act_params", n, f"{what}: " + ", ".join(f"{p}={v:g}"
+                                                                  for p, v in params.items()))
+        else:
+            e = Act(name)
     else:
         e = _other_element(n, nin, what, f)
     if e is not _REFUSED and not isinstance(e, tuple) and nin > 1 and \

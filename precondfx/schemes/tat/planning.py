@@ -44,12 +44,29 @@ def plan_inits(scheme: str, graph: Graph, plan: Plan, params: dict[str, ParamInf
         notes.append("reinit=False: weights kept; the kernel analysis assumes orthogonal "
                      "(Delta) initialization (spec §2.9)")
         return
+    kept: dict[str, str] = {}
     for lay in plan.layers:
         w = lay.weight
         pi = plan.inits.get(w or "")
+        if w and pi is not None and pi.rule in ("keep", "scale"):
+            kept.setdefault(w, pi.reason)
         if not w or pi is None or pi.rule in ("keep", "scale") or w not in params:
             continue
         _plan_orthogonal(scheme, graph, plan, params, opts, notes, delta, redraw, lay)
+    in_plan = {lay.node for lay in plan.layers}
+    for n in graph:
+        if n.status == "weighted" and n.name not in in_plan:
+            kept.setdefault(n.name, "its weight is not a plain parameter of the plan "
+                            "(parametrized, e.g. weight_norm): not re-drawn")
+    if kept:
+        by_why: dict[str, list[str]] = {}
+        for w, why in kept.items():
+            by_why.setdefault(why, []).append(w)
+        notes.append(f"{len(kept)} weighted layer(s) kept as they are, not drawn orthogonal: "
+                     + "; ".join(f"{', '.join(ws[:4])}{' ...' if len(ws) > 4 else ''} ({why})"
+                                 for why, ws in by_why.items())
+                     + ": the kernel analysis assumes orthogonal (Delta) initialization there "
+                     "(spec §2.9)")
     for v in (an.activations if an else []):
         n = graph[v]
         w = n.params.get("weight")

@@ -47,6 +47,7 @@ inserts a :class:`~precondfx.pytorch.modules.PerLocationNorm` (no homogeneous co
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from torch import nn
@@ -100,7 +101,20 @@ class TatScheme(Scheme):
             raise PrecondError(f"eta={eta!r} must be in (0, 1): the target C_f(0)")
         if input_norm not in _INPUT_NORM:
             raise PrecondError(f"input_norm={input_norm!r} is not one of {_INPUT_NORM}")
+        if not (0.0 < float(tau) < math.inf):
+            raise PrecondError(f"tau={tau!r} must be a positive finite number (TAT's network "
+                               f"curvature C''_f(1); the paper's grid is 0.2, 0.3, 0.5)")
+        if not 0.0 <= float(shortcut_weight) < 1.0:
+            raise PrecondError(f"shortcut_weight={shortcut_weight!r} must be in [0, 1) (the "
+                               f"weight w of the normalized sum w*x + sqrt(1-w^2)*F(x); w = 1 "
+                               f"multiplies every residual branch by 0, so its layers would "
+                               f"never train)")
         self.eta, self.tau = float(eta), float(tau)
+        self._given = {k: v for k, v, d in (("eta", eta, 0.9), ("tau", tau, 0.3),
+                                            ("shortcut_weight", shortcut_weight, 0.8))
+                       if float(v) != d}
+        if not delta:
+            self._given["delta"] = False
         self.shortcut_weight, self.delta = float(shortcut_weight), bool(delta)
         self.input_norm = input_norm
         self.analysis: Analysis | None = None
@@ -125,6 +139,16 @@ class TatScheme(Scheme):
                                f"data path, so there is no kernel to shape; use "
                                f"scheme='geometric'")
         self._solve(graph, an, params, notes)
+        notes.extend(self._idle_options())
+        given = getattr(self, "_given", {})
+        if "shortcut_weight" in given and not any(j.kind == "sum" and j.shortcut is not None
+                                                  for j in an.joins):
+            notes.append(f"scheme_options shortcut_weight={given['shortcut_weight']!r} has no "
+                         f"effect: the network has no residual sum with a shortcut")
+        if "delta" in given and not any(lay.kind in ("conv", "conv_transpose")
+                                        for lay in plan.layers):
+            notes.append("scheme_options delta=False has no effect: the network has no "
+                         "convolution (Delta initialization is for convolutions)")
         plan.reasons.update(self._repl.reasons)
         self.info["normalized_sums"] = plan_joins(self.name, plan, an)
         self.info["shortcut_weight"] = self.shortcut_weight
@@ -153,6 +177,14 @@ class TatScheme(Scheme):
         kappa = _curvature_target(an, self.tau)
         self.info.update(method="TAT smooth", tau=self.tau, local_curvature=kappa)
         self._transform(graph, an, {k: solve_tat_smooth_local(k, kappa) for k in kinds})
+
+    def _idle_options(self) -> list[str]:
+        """A note for each TAT option given that the solved method does not read (eta is the
+        TReLU target, tau the smooth activations' curvature)."""
+        reads = {"TReLU": "eta", "TAT-smooth": "tau"}.get(self.method)
+        return [f"scheme_options {k}={v!r} has no effect: the {self.method} method reads "
+                f"{reads} only" for k, v in getattr(self, "_given", {}).items()
+                if reads is not None and k in ("eta", "tau") and k != reads]
 
     def _solve_trelu(self, graph: Graph, an: Analysis, params: dict[str, ParamInfo]) -> None:
         """TAT's TReLU: the negative slope whose network C_f(0) is eta (spec §2.7)."""
@@ -205,6 +237,14 @@ class TatScheme(Scheme):
         init = draw_weights(ctx, self._redraw, self.delta)
         inp = input_norm(ctx, self.input_norm, trelu, notes)
         qs = q_check(ctx, an)
+        if qs.get("off_target") and not trelu:
+            notes.append(
+                f"self-check: the second moment q at {len(qs['off_target'])} activation(s) is "
+                f"far from the q = 1 the transforms were solved for ("
+                + ", ".join(f"{k}: {v:.3g}" for k, v in list(qs["off_target"].items())[:5])
+                + "): the kernel is not shaped as solved there (an average pooling or "
+                f"mean mixes locations and lowers q; input_norm='off'/'check' leaves the "
+                f"input's q)")
         out = {k: v for k, v in self.info.items() if k != "notes"}
         out.update(an.summary())
         out.update(scheme=self.name, replaced=len(self._repl.items), init=init, input=inp,
@@ -228,6 +268,12 @@ class DksScheme(TatScheme):
     def __init__(self, zeta: float = 1.5, q_slope: float = 1.0, shortcut_weight: float = 0.8,
                  delta: bool = True, input_norm: str = "auto") -> None:
         super().__init__(shortcut_weight=shortcut_weight, delta=delta, input_norm=input_norm)
+        if not (1.0 < float(zeta) < math.inf):
+            raise PrecondError(f"zeta={zeta!r} must be a finite number > 1 (DKS's network slope "
+                               f"C'_f(1); the paper uses 1.5, 10, 100)")
+        if not (0.0 < float(q_slope) < math.inf):
+            raise PrecondError(f"q_slope={q_slope!r} must be a positive finite number (the "
+                               f"local Q'(1) target; 1 in DKS)")
         self.zeta, self.q_slope = float(zeta), float(q_slope)
 
     def _solve(self, graph: Graph, an: Analysis, params: dict[str, ParamInfo],
