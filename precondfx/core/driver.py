@@ -62,6 +62,7 @@ class State:
     report: Report | None = None
     main_path: list = field(default_factory=list)  # where the main output is in the output
     out_const: str | None = None     # the output scale's constant
+    moot: list[str] = field(default_factory=list)   # options the user set that do nothing
     constants: dict[str, float] = field(default_factory=dict)   # constant -> planned value
     alpha_buffers: dict[str, list[str]] = field(default_factory=dict)  # weight -> constants
     site_buffers: dict[str, str] = field(default_factory=dict)         # node -> alpha constant
@@ -193,16 +194,20 @@ def plan(st: State) -> None:
     scheme's changes, the input and output scales (``plan_io``)."""
     p = make_plan(st.graph, st.params, st.opts, alpha_sites=st.scheme.needs_alpha_sites)
     p.notes.extend(st.resolved.notes())
-    p.notes.extend(options_mod.moot(st.resolved.user, st.opts))
-    p.notes.extend(moot_in_model(st.resolved.user, st.opts, p))
+    moot = options_mod.moot(st.resolved.user, st.opts) + moot_in_model(st.resolved.user,
+                                                                       st.opts, p)
+    p.notes.extend(moot)
     st.scheme.plan(st.graph, p, st.params, st.opts)
-    p.notes.extend(moot_init(st.resolved.user, st.opts, p))
+    late = moot_init(st.resolved.user, st.opts, p)
+    p.notes.extend(late)
     st.in_scale = input_scale(st.opts, p, st.input_arrays)
     if st.in_scale is not None and st.float_inputs is False:
-        p.notes.append(f"input_scale={st.resolved.user.input_scale!r} has no effect: the model "
-                       f"takes no floating-point input (token ids and other integer inputs are "
-                       f"not scaled)")
+        late.append(f"input_scale={st.resolved.user.input_scale!r} has no effect: the model "
+                    f"takes no floating-point input (token ids and other integer inputs are "
+                    f"not scaled)")
+        p.notes.append(late[-1])
         st.in_scale = None
+    st.moot = moot + late       # the report lists them with what was not applied
     plan_io(p, st.opts, st.in_scale)
     st.plan = p
 
@@ -306,6 +311,7 @@ def reinitialize(st: State) -> None:
     st.backend.reinit(st.plan, st.opts.seed)
     st.report = Report.from_graph(st.graph, st.plan)
     st.report.applied, st.report.skipped = st.backend.applied, st.backend.skipped
+    st.report.skipped += [("option", why) for why in st.moot]
     st.report.input_scale = st.in_scale
 
 

@@ -261,3 +261,22 @@ def test_a_forward_without_gradients_is_said_not_a_raw_autograd_error(mode):
     for kw in ({"balance": "hessian"}, {"suggest_lr": True}):
         with pytest.raises(precondfx.PrecondError, match="carries no gradient"):
             precondfx.precondition(_NoGradForward(mode), x, **kw)
+
+
+def test_an_option_without_effect_is_printed_with_what_was_not_applied():
+    """An option the user set that the other options or the model leave without effect was
+    noted in ``report.plan.notes`` only, which the printed report never shows: a user who
+    passed ``balance_threshold=3.0`` with ``balance='none'`` or ``pool_conv='depthwise'`` on a
+    model without a max-pool read nothing about it.  Both now appear under NOT APPLIED."""
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    _, rep = precondfx.precondition(model, x, balance="none", balance_threshold=3.0,
+                                    pool_conv="depthwise")
+    said = [why for what, why in rep.skipped if what == "option"]
+    assert len(said) == 2
+    assert any(w.startswith("balance_threshold=3.0 has no effect") for w in said)
+    assert any(w.startswith("pool_conv='depthwise'") for w in said)
+    text = str(rep)
+    assert text.index("NOT APPLIED") < text.index("option: balance_threshold=3.0 has no effect")
+    _, quiet = precondfx.precondition(model, x)          # defaults: nothing to say
+    assert not [w for what, w in quiet.skipped if what == "option"]
