@@ -323,6 +323,14 @@ def _plan_pools(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
         if n.attrs.get("return_indices"):
             plan.pools.append(PoolChange(n.name, "keep", "it returns indices (return_indices=True)"))
             continue
+        frozen = _frozen_producer(graph, n, params)
+        if frozen:
+            plan.pools.append(PoolChange(n.name, "keep", f"it pools the output of {frozen}, "
+                                         f"whose weight is frozen (requires_grad=False): "
+                                         f"replacing it would change what the frozen layers "
+                                         f"compute, which no training could undo",
+                                         geometry=geo))
+            continue
         new_param = f"{n.module}.weight" if n.module and module_calls.get(n.module) == 1 \
             else f"precondfx_pool_{n.name}.weight"
         if opts.maxpool == "avgpool":
@@ -357,6 +365,21 @@ def _plan_pools(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
         c = geo["channels"]
         params[new_param] = ParamInfo((c, 1 if kind == "depthwise" else c) + tuple(k))
         params[new_param[:-len("weight")] + "bias"] = ParamInfo((c,))
+
+
+def _frozen_producer(graph: Graph, pool: Node, params: dict[str, ParamInfo]) -> str | None:
+    """The layer (module path or node) whose output the pool takes, along the chain of first
+    inputs back to the nearest node holding a weight, where that weight is frozen; else None.
+    A frozen weight is left as is (no re-draw, no alpha): a frozen feature extractor keeps
+    computing what it computed, its pooling included."""
+    cur = graph.get(pool.inputs[0]) if pool.inputs else None
+    while cur is not None:
+        w = cur.params.get("weight")
+        if w is not None:
+            info = params.get(w)
+            return (cur.module or cur.name) if info is not None and not info.trainable else None
+        cur = graph.get(cur.inputs[0]) if cur.inputs else None
+    return None
 
 
 def _try_fold(graph: Graph, pool: Node, geo: dict, users: dict, module_calls: dict

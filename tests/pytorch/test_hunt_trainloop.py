@@ -100,3 +100,42 @@ def test_compiled_submodule_not_recompiled_by_the_pass():
     with torch.compiler.set_stance("force_eager"):        # (compiling here would take seconds)
         y = result(x)
     assert float(y.std()) == pytest.approx(1.0, rel=0.2)
+
+
+class _PooledBackbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                      nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.classifier = nn.Linear(16 * 4 * 4, 10)
+
+    def forward(self, x):
+        return self.classifier(self.features(x).flatten(1))
+
+
+@pytest.mark.parametrize("maxpool", ["stride", "conv", "avgpool"])
+def test_frozen_backbone_keeps_its_max_pools(maxpool):
+    # linear probing: the pretrained features are frozen and only the head trains.  The pass
+    # left the frozen weights as they were but still replaced the backbone's max-pools (the
+    # stride folded into the frozen convs, or new trainable convs inside the frozen part): the
+    # frozen features changed by 79% (stride) to 158% (conv), and nothing could train back
+    torch.manual_seed(0)
+    model = _PooledBackbone()
+    model.features.requires_grad_(False)
+    x = torch.randn(8, 3, 16, 16)
+    result, report = precondfx.precondition(model, x, maxpool=maxpool)
+    assert [n for n, p in result.named_parameters() if p.requires_grad] == \
+        ["classifier.weight", "classifier.bias"]
+    assert {pc.action for pc in report.plan.pools} == {"keep"}
+    assert any("frozen" in pc.reason for pc in report.plan.pools)
+    seen = {}
+    result.classifier.register_forward_pre_hook(lambda m, i: seen.setdefault("f", i[0]))
+    result(x)
+    torch.testing.assert_close(seen["f"], model.features(x).flatten(1), rtol=0, atol=0)
+    # a trainable layer before a pool: replaced as before
+    torch.manual_seed(0)
+    model = _PooledBackbone()
+    model.features[3].requires_grad_(False)
+    _, report = precondfx.precondition(model, x, maxpool=maxpool)
+    assert [pc.action for pc in report.plan.pools][0] != "keep"
+    assert [pc.action for pc in report.plan.pools][1] == "keep"
