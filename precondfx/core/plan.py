@@ -374,10 +374,8 @@ def _frozen_producer(graph: Graph, pool: Node, params: dict[str, ParamInfo]) -> 
     computing what it computed, its pooling included."""
     cur = graph.get(pool.inputs[0]) if pool.inputs else None
     while cur is not None:
-        w = cur.params.get("weight")
-        if w is not None:
-            info = params.get(w)
-            return (cur.module or cur.name) if info is not None and not info.trainable else None
+        if cur.params.get("weight") is not None:
+            return (cur.module or cur.name) if _frozen_layer(graph, cur.name, params) else None
         cur = graph.get(cur.inputs[0]) if cur.inputs else None
     return None
 
@@ -467,9 +465,13 @@ def _plan_residuals(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts
     why = residual_schedule.describe(spec, len(joins))
     entries = []
     for (n, bi, fork, branch, has_norm), s in zip(joins, s_of):
-        insert = opts.residual == "all" or (opts.residual == "auto" and not has_norm)
+        frozen = bool(branch) and all(_frozen_layer(graph, w, params) for w in branch)
+        insert = not frozen and (opts.residual == "all" or
+                                 (opts.residual == "auto" and not has_norm))
         if not insert:
             no = ("residual='none'" if opts.residual == "none" else
+                  "the branch's weights are all frozen (requires_grad=False): s would change "
+                  "what the frozen layers compute, without a weight to compensate" if frozen else
                   "the branch has a normalization layer, which sets its scale (residual='all' "
                   "inserts s anyway)")
             plan.residuals.append(Residual(n.name, bi, fork, branch, None, f"no s: {no}"))
@@ -488,6 +490,13 @@ def _plan_residuals(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts
     for r in plan.residuals:
         if r.s is not None and (r.beta != 1.0 or not residual_schedule.is_flat(spec)):
             graph[r.node].reason += f"; {r.beta_reason}"
+
+
+def _frozen_layer(graph: Graph, name: str, params: dict[str, ParamInfo]) -> bool:
+    """Whether the weighted node ``name`` reads a frozen weight (requires_grad=False)."""
+    node = graph.get(name)
+    info = params.get(node.params.get("weight", "")) if node is not None else None
+    return info is not None and not info.trainable
 
 
 def _find_joins(graph: Graph, plan: Plan) -> list[tuple[Node, int, str, list[str], bool]]:

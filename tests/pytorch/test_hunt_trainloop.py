@@ -139,3 +139,49 @@ def test_frozen_backbone_keeps_its_max_pools(maxpool):
     _, report = precondfx.precondition(model, x, maxpool=maxpool)
     assert [pc.action for pc in report.plan.pools][0] != "keep"
     assert [pc.action for pc in report.plan.pools][1] == "keep"
+
+
+class _ResMLP(nn.Module):
+    """A normalization-free residual MLP (residual='auto' scales its branches by s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 32)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.ReLU(),
+                                                   nn.Linear(32, 32)) for _ in range(3)])
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + b(F.relu(h))
+        return self.head(F.relu(h))
+
+
+@pytest.mark.parametrize("residual", ["auto", "all"])
+def test_frozen_residual_branches_get_no_branch_scale(residual):
+    # a frozen residual backbone under a trainable head: each frozen branch was scaled by
+    # s = 0.577 at its join, changing the frozen features by 15.8% with no weight that trains
+    # to undo it (the same reason frozen weights get no alpha)
+    torch.manual_seed(0)
+    model = _ResMLP()
+    model.inp.requires_grad_(False)
+    model.blocks.requires_grad_(False)
+    x = torch.randn(16, 12)
+    result, report = precondfx.precondition(model, x, residual=residual)
+    assert len(report.plan.residuals) == 3
+    assert all(r.s is None and "frozen" in r.reason for r in report.plan.residuals)
+    seen = {}
+    result.head.register_forward_pre_hook(lambda m, i: seen.setdefault("f", i[0]))
+    result(x)
+    h = model.inp(x)
+    for b in model.blocks:
+        h = h + b(F.relu(h))
+    torch.testing.assert_close(seen["f"], F.relu(h), rtol=0, atol=0)
+    # one trainable layer in each branch: the branches are scaled as before
+    torch.manual_seed(0)
+    model = _ResMLP()
+    for b in model.blocks:
+        b[0].requires_grad_(False)
+    _, report = precondfx.precondition(model, x, residual=residual)
+    assert all(r.s is not None for r in report.plan.residuals)
