@@ -369,12 +369,13 @@ def _plan_pools(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
 
 def _frozen_producer(graph: Graph, pool: Node, params: dict[str, ParamInfo]) -> str | None:
     """The layer (module path or node) whose output the pool takes, along the chain of first
-    inputs back to the nearest node holding a weight, where that weight is frozen; else None.
-    A frozen weight is left as is (no re-draw, no alpha): a frozen feature extractor keeps
-    computing what it computed, its pooling included."""
+    inputs back to the nearest weighted layer (a normalization's affine weight passed through),
+    where that layer's weight is frozen; else None.  A frozen weight is left as is (no re-draw,
+    no alpha): a frozen feature extractor keeps computing what it computed, its pooling
+    included."""
     cur = graph.get(pool.inputs[0]) if pool.inputs else None
     while cur is not None:
-        if cur.params.get("weight") is not None:
+        if cur.status == optable.WEIGHTED:
             return (cur.module or cur.name) if _frozen_layer(graph, cur.name, params) else None
         cur = graph.get(cur.inputs[0]) if cur.inputs else None
     return None

@@ -139,6 +139,12 @@ def test_frozen_backbone_keeps_its_max_pools(maxpool):
     _, report = precondfx.precondition(model, x, maxpool=maxpool)
     assert [pc.action for pc in report.plan.pools][0] != "keep"
     assert [pc.action for pc in report.plan.pools][1] == "keep"
+    # a frozen BatchNorm affine after a trainable conv is not a frozen feature extractor
+    seq = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
+    seq[1].requires_grad_(False)
+    _, report = precondfx.precondition(seq, x, maxpool=maxpool)
+    assert report.plan.pools[0].action != "keep"
 
 
 class _ResMLP(nn.Module):
