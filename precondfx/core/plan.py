@@ -331,8 +331,12 @@ def _plan_pools(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                                          f"compute, which no training could undo",
                                          geometry=geo))
             continue
+        # under the module that calls it (a shared pool module: the one holding it), so that
+        # the new parameters are named within the user's module (``backbone.*``)
+        owner = n.attrs.get("owner") or (n.module or "").rpartition(".")[0]
+        owner = f"{owner}." if owner else ""
         new_param = f"{n.module}.weight" if n.module and module_calls.get(n.module) == 1 \
-            else f"precondfx_pool_{n.name}.weight"
+            else f"{owner}precondfx_pool_{n.name}.weight"
         if opts.maxpool == "avgpool":
             plan.pools.append(PoolChange(n.name, "avgpool", "replaced by average pooling of the "
                                          "same geometry (preserves scaling, Table 1)",

@@ -191,3 +191,42 @@ def test_frozen_residual_branches_get_no_branch_scale(residual):
         b[0].requires_grad_(False)
     _, report = precondfx.precondition(model, x, residual=residual)
     assert all(r.s is not None for r in report.plan.residuals)
+
+
+class _FunctionalPoolBackbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.c1(x)), 3, 2, 1)     # not foldable: a new strided conv
+        return self.pool(self.pool(F.relu(self.c2(x))))    # a shared pool module, called twice
+
+
+class _BackboneHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = _FunctionalPoolBackbone()
+        self.head = nn.Linear(8 * 2 * 2, 10)
+
+    def forward(self, x):
+        return self.head(self.backbone(x).flatten(1))
+
+
+def test_replacement_convs_are_named_inside_the_calling_module():
+    # fine-tuning with one learning rate per part, groups built by name prefix: the strided
+    # convolutions replacing a functional max-pool (and a shared pool module) inside the
+    # backbone were named at the root (precondfx_pool_max_pool2d.weight), so they fell
+    # outside 'backbone.' and were silently left out of the optimizer, never trained
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 16, 16)
+    result, report = precondfx.precondition(_BackboneHead(), x, maxpool="conv")
+    assert {pc.action for pc in report.plan.pools} == {"conv"}
+    names = [n for n, p in result.named_parameters() if p.requires_grad]
+    groups = [[n for n in names if n.startswith(k)] for k in ("backbone.", "head.")]
+    assert sorted(groups[0] + groups[1]) == sorted(names)
+    assert sum("precondfx_pool" in n for n in groups[0]) == 6     # 3 convs, weight and bias
+    result(x).sum().backward()
+    assert all(p.grad is not None for p in result.parameters())
