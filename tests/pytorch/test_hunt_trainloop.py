@@ -230,3 +230,36 @@ def test_replacement_convs_are_named_inside_the_calling_module():
     assert sum("precondfx_pool" in n for n in groups[0]) == 6     # 3 convs, weight and bias
     result(x).sum().backward()
     assert all(p.grad is not None for p in result.parameters())
+
+
+class _MixedPrecision(nn.Module):
+    """A bfloat16 body under a float32 norm and head (the model casts between them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(12, 32).to(torch.bfloat16)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.norm(F.relu(self.body(x.to(torch.bfloat16))).float()))
+
+
+@pytest.mark.parametrize("capture", ["fx", "eager"])
+def test_mixed_precision_model_gets_float32_constants(capture):
+    # the constants took the first parameter's dtype: bfloat16 here, so the float32 head's
+    # output scale was rounded to 8 bits (output std 0.9987 after calibration, and a
+    # RuntimeWarning asking to report the model)
+    import warnings
+    torch.manual_seed(0)
+    model = _MixedPrecision()
+    x = torch.randn(32, 12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        result, report = precondfx.precondition(model, x, capture=capture)
+    consts = {n: b.dtype for n, b in result.named_buffers() if "precondfx" in n}
+    assert consts and set(consts.values()) == {torch.float32}
+    assert result.body.weight.dtype == torch.bfloat16 and result.head.weight.dtype == torch.float32
+    y = result(x)
+    assert y.dtype == torch.float32
+    assert float(y.std(correction=0)) == pytest.approx(1.0, abs=1e-4)

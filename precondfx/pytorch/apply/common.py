@@ -21,6 +21,17 @@ def buffer_name(tag: str, node: str, index: int | None = None) -> str:
     return f"{PREFIX}{tag}_{base}" + (f"_{index}" if index is not None else "")
 
 
+def like_param(model: torch.nn.Module) -> torch.Tensor | None:
+    """The parameter whose dtype and device the constants take: the floating one of the widest
+    dtype (a model mixing bfloat16 and float32 layers gets float32 constants,
+    which a 0-d multiplier never promotes a bfloat16 activation to), else the first one."""
+    params = list(model.parameters())
+    floats = [p for p in params if p.is_floating_point()]
+    if floats:
+        return max(floats, key=lambda p: torch.finfo(p.dtype).bits)
+    return params[0] if params else None
+
+
 def scalar_buffer(value: float, like: torch.Tensor | None) -> torch.Tensor:
     """A 0-d tensor holding ``value`` in the dtype/device of ``like`` (float32 CPU if None)."""
     dtype = like.dtype if like is not None and like.is_floating_point() else torch.float32
