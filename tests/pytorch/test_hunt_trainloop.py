@@ -263,3 +263,19 @@ def test_mixed_precision_model_gets_float32_constants(capture):
     y = result(x)
     assert y.dtype == torch.float32
     assert float(y.std(correction=0)) == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("pool_conv", ["full", "avg"])
+def test_channels_last_model_gets_channels_last_replacement_convs(pool_conv):
+    # model.to(memory_format=torch.channels_last): the re-drawn convolutions kept the format,
+    # but the strided convolutions replacing max-pools were made contiguous (NCHW), so every
+    # step converted layouts around them
+    torch.manual_seed(0)
+    model = _PooledBackbone().to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 16, 16).to(memory_format=torch.channels_last)
+    result, report = precondfx.precondition(model, x, maxpool="conv", pool_conv=pool_conv)
+    assert {pc.action for pc in report.plan.pools} == {"conv"}
+    convs = {n: p for n, p in result.named_parameters() if p.dim() == 4}
+    assert len(convs) == 4
+    assert all(p.is_contiguous(memory_format=torch.channels_last) for p in convs.values())
+    assert result(x).is_contiguous()                       # (N, 10) logits

@@ -54,6 +54,10 @@ def replacement_pool(pc: PoolChange, like: torch.Tensor | None) -> nn.Module:
         mod = cls(c, c, tuple(g["kernel"]), stride=tuple(g["stride"]),
                   padding=tuple(g["padding"]), dilation=tuple(g["dilation"]), bias=True,
                   groups=c if kind == "depthwise" else 1, **kw)
+        fmt = {2: torch.channels_last, 3: torch.channels_last_3d}.get(d)
+        if fmt is not None and like is not None and like.dim() == d + 2 and \
+                like.is_contiguous(memory_format=fmt) and not like.is_contiguous():
+            mod = mod.to(memory_format=fmt)    # a channels_last model's memory format
         if kind == "avg":
             if mod.weight.device.type != "meta":
                 with torch.no_grad():
