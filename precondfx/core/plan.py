@@ -323,8 +323,20 @@ def _plan_pools(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
         if n.attrs.get("return_indices"):
             plan.pools.append(PoolChange(n.name, "keep", "it returns indices (return_indices=True)"))
             continue
+        frozen = _frozen_producer(graph, n, params)
+        if frozen:
+            plan.pools.append(PoolChange(n.name, "keep", f"it pools the output of {frozen}, "
+                                         f"whose weight is frozen (requires_grad=False): "
+                                         f"replacing it would change what the frozen layers "
+                                         f"compute, which no training could undo",
+                                         geometry=geo))
+            continue
+        # under the module that calls it (a shared pool module: the one holding it), so that
+        # the new parameters are named within the user's module (``backbone.*``)
+        owner = n.attrs.get("owner") or (n.module or "").rpartition(".")[0]
+        owner = f"{owner}." if owner else ""
         new_param = f"{n.module}.weight" if n.module and module_calls.get(n.module) == 1 \
-            else f"precondfx_pool_{n.name}.weight"
+            else f"{owner}precondfx_pool_{n.name}.weight"
         if opts.maxpool == "avgpool":
             plan.pools.append(PoolChange(n.name, "avgpool", "replaced by average pooling of the "
                                          "same geometry (preserves scaling, Table 1)",
@@ -357,6 +369,20 @@ def _plan_pools(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
         c = geo["channels"]
         params[new_param] = ParamInfo((c, 1 if kind == "depthwise" else c) + tuple(k))
         params[new_param[:-len("weight")] + "bias"] = ParamInfo((c,))
+
+
+def _frozen_producer(graph: Graph, pool: Node, params: dict[str, ParamInfo]) -> str | None:
+    """The layer (module path or node) whose output the pool takes, along the chain of first
+    inputs back to the nearest weighted layer (a normalization's affine weight passed through),
+    where that layer's weight is frozen; else None.  A frozen weight is left as is (no re-draw,
+    no alpha): a frozen feature extractor keeps computing what it computed, its pooling
+    included."""
+    cur = graph.get(pool.inputs[0]) if pool.inputs else None
+    while cur is not None:
+        if cur.status == optable.WEIGHTED:
+            return (cur.module or cur.name) if _frozen_layer(graph, cur.name, params) else None
+        cur = graph.get(cur.inputs[0]) if cur.inputs else None
+    return None
 
 
 def _try_fold(graph: Graph, pool: Node, geo: dict, users: dict, module_calls: dict
@@ -444,9 +470,13 @@ def _plan_residuals(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts
     why = residual_schedule.describe(spec, len(joins))
     entries = []
     for (n, bi, fork, branch, has_norm), s in zip(joins, s_of):
-        insert = opts.residual == "all" or (opts.residual == "auto" and not has_norm)
+        frozen = bool(branch) and all(_frozen_layer(graph, w, params) for w in branch)
+        insert = not frozen and (opts.residual == "all" or
+                                 (opts.residual == "auto" and not has_norm))
         if not insert:
             no = ("residual='none'" if opts.residual == "none" else
+                  "the branch's weights are all frozen (requires_grad=False): s would change "
+                  "what the frozen layers compute, without a weight to compensate" if frozen else
                   "the branch has a normalization layer, which sets its scale (residual='all' "
                   "inserts s anyway)")
             plan.residuals.append(Residual(n.name, bi, fork, branch, None, f"no s: {no}"))
@@ -465,6 +495,13 @@ def _plan_residuals(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts
     for r in plan.residuals:
         if r.s is not None and (r.beta != 1.0 or not residual_schedule.is_flat(spec)):
             graph[r.node].reason += f"; {r.beta_reason}"
+
+
+def _frozen_layer(graph: Graph, name: str, params: dict[str, ParamInfo]) -> bool:
+    """Whether the weighted node ``name`` reads a frozen weight (requires_grad=False)."""
+    node = graph.get(name)
+    info = params.get(node.params.get("weight", "")) if node is not None else None
+    return info is not None and not info.trainable
 
 
 def _find_joins(graph: Graph, plan: Plan) -> list[tuple[Node, int, str, list[str], bool]]:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -72,6 +73,31 @@ class NoDropout(TorchFunctionMode):
             else:
                 kwargs = {**kwargs, "dropout_p": 0.0}
         return func(*args, **kwargs)
+
+
+class _CheckpointAsCall:
+    """Stands in for ``torch.utils.checkpoint.CheckpointFunction`` (reentrant checkpointing)
+    while :func:`checkpoint_as_call` is active: the checkpointed function is called directly."""
+
+    @staticmethod
+    def apply(function: Any, preserve_rng_state: bool, *args: Any) -> Any:
+        return function(*args)
+
+
+@contextlib.contextmanager
+def checkpoint_as_call() -> Iterator[None]:
+    """Run ``torch.utils.checkpoint(..., use_reentrant=True)`` (also its default when
+    ``use_reentrant`` is not passed, and transformers' gradient checkpointing) as a plain call
+    of the checkpointed function: the same values and gradients, without the recomputation,
+    whose backward refuses ``torch.autograd.grad``, which the measurements differentiate with.
+    Only for measuring runs: a capture must still see the checkpoint (fx refuses it)."""
+    cp = torch.utils.checkpoint
+    orig = cp.CheckpointFunction
+    cp.CheckpointFunction = _CheckpointAsCall
+    try:
+        yield
+    finally:
+        cp.CheckpointFunction = orig
 
 
 _PLAIN = (int, float, bool, complex, str, bytes, type(None))

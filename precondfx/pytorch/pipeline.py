@@ -66,11 +66,35 @@ def unwrap(model: Any) -> tuple[nn.Module, list[str]]:
     notes = []
     if not isinstance(model, nn.Module):
         raise PrecondError(f"model must be a torch.nn.Module, got {_what_to_pass(model)}")
-    if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+    if _compiled(model):
         notes.append("model was wrapped by torch.compile: the original module was preconditioned "
                      "(compile the result again)")
         model = model._orig_mod
+    nested = compiled_submodules(model)
+    if nested:
+        notes.append(f"submodule(s) {', '.join(nested[:4])} wrapped by torch.compile: run "
+                     f"uncompiled during the pass, and left compiled in the result (its first "
+                     f"training step compiles them)")
     return model, notes
+
+
+def compiled_submodules(model: nn.Module) -> list[str]:
+    """The paths of ``model``'s submodules wrapped by ``torch.compile`` (``model`` itself not
+    included)."""
+    return [n for n, m in model.named_modules() if n and _compiled(m)]
+
+
+def _compiled(m: nn.Module) -> bool:
+    return isinstance(getattr(m, "_orig_mod", None), nn.Module)
+
+
+def uncompiled(model: Any) -> contextlib.AbstractContextManager:
+    """Run what ``torch.compile`` wrapped eagerly while the pass runs: each calibration and
+    measuring forward of a compiled submodule would otherwise recompile it (new hooks, new
+    constants), up to dynamo's recompile limit, taking most of the pass's time."""
+    if isinstance(model, nn.Module) and any(_compiled(m) for m in model.modules()):
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()
 
 
 def _what_to_pass(obj: Any) -> str:
@@ -550,7 +574,7 @@ def precondition(model: nn.Module, sample: Any, resolved: Any, *, inplace: bool,
                  ) -> tuple[nn.Module, Report]:
     """Run :data:`STAGES` over resolved options; the rewritten model and its report
     (``started``: when the public call began, for the report's time)."""
-    with driver.verbose_logging(verbose):
+    with driver.verbose_logging(verbose), uncompiled(model):
         st = driver.run(STAGES, TorchState(resolved, verbose=verbose, model=model,
                                            raw_sample=sample, forward_kwargs=forward_kwargs,
                                            inplace=inplace, started=started))
@@ -563,7 +587,7 @@ def analyze(model: nn.Module, sample: Any, resolved: Any, forward_kwargs: dict) 
     preserved, where it cannot be copied); the report of what ``precondition`` would do."""
     st = TorchState(resolved, model=model, raw_sample=sample, forward_kwargs=forward_kwargs,
                     analysis=True)
-    with cal.preserved(unwrap(model)[0]):
+    with cal.preserved(unwrap(model)[0]), uncompiled(model):
         driver.run(STAGES, st, until="plan")
     rep = Report.from_graph(st.graph, st.plan)
     rep.planned = st.plan

@@ -21,6 +21,17 @@ def buffer_name(tag: str, node: str, index: int | None = None) -> str:
     return f"{PREFIX}{tag}_{base}" + (f"_{index}" if index is not None else "")
 
 
+def like_param(model: torch.nn.Module) -> torch.Tensor | None:
+    """The parameter whose dtype and device the constants take: the floating one of the widest
+    dtype (a model mixing bfloat16 and float32 layers gets float32 constants,
+    which a 0-d multiplier never promotes a bfloat16 activation to), else the first one."""
+    params = list(model.parameters())
+    floats = [p for p in params if p.is_floating_point()]
+    if floats:
+        return max(floats, key=lambda p: torch.finfo(p.dtype).bits)
+    return params[0] if params else None
+
+
 def scalar_buffer(value: float, like: torch.Tensor | None) -> torch.Tensor:
     """A 0-d tensor holding ``value`` in the dtype/device of ``like`` (float32 CPU if None)."""
     dtype = like.dtype if like is not None and like.is_floating_point() else torch.float32
@@ -43,6 +54,10 @@ def replacement_pool(pc: PoolChange, like: torch.Tensor | None) -> nn.Module:
         mod = cls(c, c, tuple(g["kernel"]), stride=tuple(g["stride"]),
                   padding=tuple(g["padding"]), dilation=tuple(g["dilation"]), bias=True,
                   groups=c if kind == "depthwise" else 1, **kw)
+        fmt = {2: torch.channels_last, 3: torch.channels_last_3d}.get(d)
+        if fmt is not None and like is not None and like.dim() == d + 2 and \
+                like.is_contiguous(memory_format=fmt) and not like.is_contiguous():
+            mod = mod.to(memory_format=fmt)    # a channels_last model's memory format
         if kind == "avg":
             if mod.weight.device.type != "meta":
                 with torch.no_grad():

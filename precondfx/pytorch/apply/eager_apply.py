@@ -19,8 +19,9 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from precondfx.core.backend import Records
-from precondfx.pytorch.apply.common import (PREFIX, replacement_pool, restore_references,
-                                            scalar_buffer, swap_references, times_first)
+from precondfx.pytorch.apply.common import (PREFIX, like_param, replacement_pool,
+                                            restore_references, scalar_buffer,
+                                            swap_references, times_first)
 from precondfx.pytorch.apply.eager_output import (LOSS_BEFORE_SCALE,  # noqa: F401 (used by
                                                    OutputSearch, _module_output_scale_hook,
                                                    _root_output_hook, internal_loss)  # hf)
@@ -254,7 +255,7 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
         return next(iter(self.model.parameters()), None)
 
     def _register(self, mod: nn.Module, name: str, value: float) -> None:
-        mod.register_buffer(name, scalar_buffer(value, self._like()))
+        mod.register_buffer(name, scalar_buffer(value, like_param(self.model)))
         self.undo.append(("buffer", mod, name))
 
     def _hook(self, handle: Any) -> None:

@@ -13,8 +13,8 @@ import torch
 import torch.fx as fx
 
 from precondfx.core.backend import Records, key_of
-from precondfx.pytorch.apply.common import (buffer_name, replacement_pool, scalar_buffer,
-                                            swap_references)
+from precondfx.pytorch.apply.common import (buffer_name, like_param, replacement_pool,
+                                            scalar_buffer, swap_references)
 from precondfx.pytorch.apply.torch_backend import TorchBackend
 from precondfx.pytorch.capture.common import placeholder_values
 from precondfx.core.outputs import bounded_output, bounded_producer, skip_bounded
@@ -79,7 +79,7 @@ class FxApplier(TorchBackend, Records):
         self.graph_only: list[str] = []
 
     def _buffer(self, name: str, value: float) -> fx.Node:
-        self.gm.register_buffer(name, scalar_buffer(value, _like(self.gm)))
+        self.gm.register_buffer(name, scalar_buffer(value, like_param(self.gm)))
         return name
 
     def _mul(self, before: fx.Node, value_src: fx.Node, bname: str) -> fx.Node:

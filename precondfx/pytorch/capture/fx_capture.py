@@ -432,8 +432,7 @@ def trace(model: torch.nn.Module, sample: Sample) -> fx.GraphModule:
             raise Unkeepable(f"functional dropout {n.name} follows the train/eval mode with a "
                              f"traced probability, which a dropout module cannot take: {_KEEP}")
         # under the module that called it, so it follows that module's own train/eval flag
-        stack = n.meta.get("nn_module_stack") or {}
-        owner = list(stack.values())[-1][0] if stack else ""
+        owner = caller(n)
         path = f"{owner}.precondfx_dropout_{count}" if owner else f"precondfx_dropout_{count}"
         count += 1
         gm.add_submodule(path, cls(float(p)))
@@ -569,11 +568,21 @@ def to_graph(gm: fx.GraphModule) -> Graph:
             spec = ops.for_function(n.target)
             nodes.append(build_node(n.name, spec, target_name(n.target), args, kwargs,
                                     out_shape=out_shape, in_shapes=in_shapes))
+            if nodes[-1].kind == "maxpool" and caller(n):
+                # a replacement convolution goes under the module whose forward calls it, so
+                # that its parameters are named within that module (``backbone.*``)
+                nodes[-1].attrs["owner"] = caller(n)
         elif n.op == "call_method":
             spec = ops.for_method(str(n.target))
             nodes.append(build_node(n.name, spec, f"Tensor.{n.target}", args, kwargs,
                                     out_shape=out_shape, in_shapes=in_shapes))
     return Graph(nodes, "fx", outputs=outputs)
+
+
+def caller(n: fx.Node) -> str:
+    """The path of the module whose forward made the call ``n`` ('' for the root)."""
+    stack = n.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""
 
 
 def _flatten_nodes(a: Any, out: list) -> None:

@@ -75,7 +75,7 @@ def suggest_lr(model: nn.Module, sample: Sample, *, mode: str = "train", key: An
 
     # forward-mode AD (jvp) has no rule for the fused attention kernels (CPU flash attention):
     # measured through the math kernel, the same function
-    with cal.quiet_run(model, mode), sdpa_kernel([SDPBackend.MATH]):
+    with cal.quiet_run(model, mode), sdpa_kernel([SDPBackend.MATH]), cal.checkpoint_as_call():
         with torch.enable_grad():   # a forward that turns gradients off: said, not a zero rate
             f({n: p.requires_grad_() for n, p in params.items()})
         params = {n: p.detach() for n, p in params.items()}

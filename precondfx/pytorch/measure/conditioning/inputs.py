@@ -142,10 +142,10 @@ def _is_dropout(m: nn.Module) -> bool:
 @contextmanager
 def measurement_state(model: nn.Module, params: Sequence[torch.Tensor]) -> Iterator[None]:
     """Dropout off, parameters differentiable; restore flags, buffers and requires_grad after."""
-    from precondfx.pytorch.calibrate import NoDropout, preserved  # functional dropout too
+    from precondfx.pytorch.calibrate import NoDropout, checkpoint_as_call, preserved
     req = [(p, p.requires_grad) for p in params]
-    try:
-        with preserved(model):
+    try:   # NoDropout: functional dropout too; reentrant checkpoints differentiable by grad()
+        with preserved(model), checkpoint_as_call():
             for m in model.modules():
                 if _is_dropout(m):
                     m.training = False
