@@ -55,6 +55,7 @@ class TorchState(State):
     captured: Captured | None = None
     dtype: torch.dtype | None = None  # a float16/bfloat16 model's dtype (computed in float32)
     modes: dict[str, bool] = field(default_factory=dict)
+    param_ids: set[int] = field(default_factory=set)   # the user model's parameters, by id
     notes: list[str] = field(default_factory=list)
     analysis: bool = False           # ``analyze``: plan only, on a copy, refusing nothing more
     not_user_class: str | None = None   # why a GraphModule result is not the user's class
@@ -313,6 +314,7 @@ def prepare(st: TorchState) -> None:
         cal.check_calibratable(main_output(out0, st.opts.output_key))
     st.input_arrays = input_arrays(s, st.opts)
     st.float_inputs = any(t.is_floating_point() for t in s.tensors())
+    st.param_ids = {id(p) for p in model.parameters()}
     if st.inplace:
         snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
         st.undo.append(lambda: _restore_state(model, snapshot))
@@ -499,6 +501,14 @@ def finish(st: TorchState) -> None:
     distributed.record_balanceable(st.result, *balanceable(st.alpha_buffers, st.plan, st.graph))
     restore_modes(st.result, st.modes)
     result_record(st)
+    if st.inplace:
+        added = [n for n, p in st.result.named_parameters() if id(p) not in st.param_ids]
+        if added:
+            st.report.skipped.append((
+                "inplace=True", f"{len(added)} new parameter(s) ({', '.join(added[:4])}"
+                f"{', ...' if len(added) > 4 else ''}: the convolutions that replace max-pools) "
+                f"are in your model now: an optimizer built before this call does not hold "
+                f"them, so build it after precondition"))
     st.say("recording how to fold the constants back into the weights")
     record(st.result, st.work, st.backend, st.graph, lambda m: run_on(m, st.sample, "eval"))
     if hf_checkpoints.is_transformers_model(st.result):   # config entry, checkpoint folding

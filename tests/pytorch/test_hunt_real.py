@@ -280,3 +280,25 @@ def test_an_option_without_effect_is_printed_with_what_was_not_applied():
     assert text.index("NOT APPLIED") < text.index("option: balance_threshold=3.0 has no effect")
     _, quiet = precondfx.precondition(model, x)          # defaults: nothing to say
     assert not [w for what, w in quiet.skipped if what == "option"]
+
+
+def test_inplace_that_adds_parameters_says_to_build_the_optimizer_after():
+    """With ``inplace=True`` the convolution that replaces a max-pool is a new parameter of
+    the user's own model: an optimizer built before the call never trains it, and nothing
+    said so.  The report now does (and says nothing when no parameter is added)."""
+    from tests.user_models import PoolCNN
+    x = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = PoolCNN()
+    before = {id(p) for p in model.parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out, rep = precondfx.precondition(model, x, inplace=True, maxpool="conv")
+    new = [n for n, p in model.named_parameters() if id(p) not in before]
+    said = [why for what, why in rep.skipped if what == "inplace=True"]
+    assert new and len(said) == 1 and f"{len(new)} new parameter(s)" in said[0]
+    assert not any(id(p) in {id(q) for g in opt.param_groups for q in g["params"]}
+                   for n, p in model.named_parameters() if n in new)
+    _, quiet = precondfx.precondition(nn.Sequential(nn.Linear(4, 8), nn.ReLU(),
+                                                    nn.Linear(8, 2)),
+                                      torch.randn(16, 4), inplace=True)
+    assert not [w for what, w in quiet.skipped if what == "inplace=True"]
