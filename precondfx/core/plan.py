@@ -773,7 +773,10 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                 f"batch after re-initialization, so that the joined parts start at one scale",
                 list(info.shape), match=partner)
             continue
-        why = ("read by an op that is not a weighted layer (e.g. a position embedding, a class "
+        why = ("a tensor of a parametrization (torch.nn.utils.parametrizations weight_norm, "
+               "spectral_norm, ...): the weight it computes is left as is (scheme='wn' "
+               "initializes weight-normalized layers)" if info.parametrized else
+               "read by an op that is not a weighted layer (e.g. a position embedding, a class "
                "token, an activation slope): left as is" if name in read else
                "not read by any captured operation: left as is")
         inits[name] = ParamInit(name, "keep", None, why, list(info.shape))

@@ -302,3 +302,16 @@ def test_inplace_that_adds_parameters_says_to_build_the_optimizer_after():
                                                     nn.Linear(8, 2)),
                                       torch.randn(16, 4), inplace=True)
     assert not [w for what, w in quiet.skipped if what == "inplace=True"]
+
+
+def test_a_parametrized_weight_is_kept_for_the_reason_it_is():
+    """A weight_norm layer's tensors were "kept: read by an op that is not a weighted layer
+    (e.g. a position embedding, a class token...)"; the report now says they belong to a
+    parametrization and points at scheme='wn'."""
+    from torch.nn.utils.parametrizations import weight_norm
+    model = nn.Sequential(weight_norm(nn.Linear(8, 16)), nn.ReLU(), nn.Linear(16, 4))
+    _, rep = precondfx.precondition(model, torch.randn(32, 8))
+    kept = {n: p.reason for n, p in rep.plan.inits.items() if p.rule == "keep"}
+    for t in ("original0", "original1"):
+        why = kept[f"0.parametrizations.weight.{t}"]
+        assert "parametrization" in why and "scheme='wn'" in why and "position" not in why
