@@ -613,9 +613,12 @@ def _opaque_inits(n: Node, params: dict[str, ParamInfo], rule: str, put: Any) ->
             continue
         f = (fanlib.attention_fans(role, info.shape) if n.kind == "attention"
              else fanlib.recurrent_fans(role, info.shape, gates))
-        if "weight_hh" in role:
+        if "weight_hh" in role and rule != "keep":
             put(pname, ParamInit(pname, "orthogonal", 1.0, "recurrent weight: orthogonal per "
                                  "gate (keeps norms over time steps)", gates=gates))
+        elif "weight_hr" in role and rule != "keep":    # LSTM(proj_size=P): h_t = W_hr h'_t
+            put(pname, ParamInit(pname, "orthogonal", 1.0, "recurrent projection weight: "
+                                 "orthogonal rows (applied at every time step)", gates=1))
         elif f is not None and rule != "keep":
             put(pname, ParamInit(pname, rule, math.sqrt(fanlib.second_moment(f, rule)),
                                  f"{what} weight {role} (n_in={f.n_in}, n_out={f.n_out})"))

@@ -101,3 +101,52 @@ def test_transformer_modules_are_seen_into(build, sample):
     with torch.no_grad():
         got, want = same(*args), model(*args) * rep2.output_scale
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# -------------------------------------------------- recurrent weights
+
+
+class _LSTMProj(nn.Module):
+    def __init__(self, proj: int = 8) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(10, 24, num_layers=2, proj_size=proj, batch_first=True)
+        self.fc = nn.Linear(proj or 24, 3)
+
+    def forward(self, x):
+        out, _ = self.lstm(x)
+        return self.fc(out[:, -1])
+
+
+def test_lstm_projection_weight_is_initialized():
+    """``nn.LSTM(proj_size=P)``: every weight of the LSTM was re-initialized except the
+    projection ``weight_hr_l*`` (P x H), a map applied at every time step, which kept PyTorch's
+    ``U(-1/sqrt(H), 1/sqrt(H))`` (E[W^2] = 1/(3H): the projected state lost 2/3 of its second
+    moment per step against the orthogonal recurrent weights).  Now orthogonal rows, as the
+    recurrent weights (``core.plan._opaque_inits``)."""
+    torch.manual_seed(0)
+    model = _LSTMProj()
+    res, rep = _run(model, _x(6, 7, 10), balance="none")
+    for layer in (0, 1):
+        name = f"lstm.weight_hr_l{layer}"
+        assert rep.plan.inits[name].rule == "orthogonal", rep.plan.inits[name].reason
+        w = res.get_parameter(name).detach().double()
+        assert w.shape == (8, 24)
+        torch.testing.assert_close(w @ w.T, torch.eye(8, dtype=torch.float64), atol=1e-5,
+                                   rtol=0)
+        assert not torch.equal(w.float(), model.get_parameter(name))
+
+
+@pytest.mark.parametrize("build", [lambda: _LSTMProj(8), lambda: _LSTMProj(0)],
+                         ids=["proj", "plain"])
+def test_init_keep_leaves_recurrent_weights(build):
+    """``init='keep'`` ("leave the weights") still re-drew every LSTM/GRU/RNN hidden-to-hidden
+    weight as an orthogonal matrix: the model's trained or chosen recurrent weights were
+    replaced (``weight_hh_l0`` changed while the input weights were kept).  Fixed in
+    ``core.plan._opaque_inits``."""
+    torch.manual_seed(0)
+    model = build()
+    res, rep = _run(model, _x(6, 7, 10), init="keep", balance="none")
+    for name, p in model.named_parameters():
+        if "weight" in name:
+            assert rep.plan.inits[name].rule == "keep", (name, rep.plan.inits[name].reason)
+            assert torch.equal(res.get_parameter(name), p), name
