@@ -150,3 +150,79 @@ def test_init_keep_leaves_recurrent_weights(build):
         if "weight" in name:
             assert rep.plan.inits[name].rule == "keep", (name, rep.plan.inits[name].reason)
             assert torch.equal(res.get_parameter(name), p), name
+
+
+# -------------------------------------------------- operations the op table did not know
+
+
+class _Unpool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.dec = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 2, 3, padding=1)
+        self.pool, self.unpool = nn.MaxPool2d(2, return_indices=True), nn.MaxUnpool2d(2)
+        self.lp, self.frac = nn.LPPool2d(2, 2), nn.FractionalMaxPool2d(2, output_size=(3, 3))
+
+    def forward(self, x):
+        h = F.relu(self.enc(x))
+        p, idx = self.pool(h)
+        u = self.dec(self.unpool(p, idx, output_size=h.shape))
+        return torch.cat([u.flatten(1), self.lp(h).flatten(1), self.frac(h).flatten(1)], 1)
+
+
+class _MoE(nn.Module):
+    """Top-2 routing, expert outputs combined with index_add_, GQA-style repeat_interleave."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        w, idx = self.router(x).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            gate = (w * (idx == e)).sum(-1, keepdim=True)
+            rows = torch.arange(x.shape[0]).repeat_interleave(1)
+            out.index_add_(0, rows, gate * expert(x))
+        vals, _ = out.sort(dim=-1)
+        return self.head(vals)
+
+
+class _Packed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(5, 8, batch_first=True)
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        out, _ = self.gru(packed)
+        out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+        return self.fc(out.mean(1))
+
+
+@pytest.mark.parametrize("build, sample, kinds", [
+    (_Unpool, lambda: _x(4, 3, 8, 8), {"resize", "adaptive_maxpool"}),
+    (_MoE, lambda: _x(6, 8), {"scatter", "reduce_other", "reshape", "select"}),
+    (_Packed, lambda: (_x(4, 6, 5), torch.tensor([6, 3, 5, 2])), {"select", "pad"}),
+], ids=["unpool_lppool_fractional", "moe_topk_index_add", "packed_sequence"])
+def test_common_operations_are_classified(build, sample, kinds):
+    """MaxUnpool2d, LPPool2d and FractionalMaxPool2d, a mixture of experts' topk and
+    index_add_, repeat_interleave, sort, and the sort/pack/scatter/pad calls of
+    pack_padded_sequence were rows of status 'unknown' ("not in the op table: its effect on
+    scaling is not known").  They are in the op table now (core.optable): max-unpooling is an
+    upsampling, LP and fractional max pooling are max-like pooling with no stride to fold,
+    topk a reduction like max, index_add_/scatter a new 'scatter' row, sort and
+    repeat_interleave structural."""
+    torch.manual_seed(0)
+    model = build()
+    s = sample()
+    res, rep = _run(model, s)
+    assert not rep.rows("unknown"), [(r.label, r.target) for r in rep.rows("unknown")]
+    assert kinds <= {r.kind for r in rep.nodes}
+    args = s if isinstance(s, tuple) else (s,)
+    with torch.no_grad():
+        out = res(*args)
+    assert torch.isfinite(out).all()
