@@ -203,15 +203,31 @@ class _Packed(nn.Module):
         return self.fc(out.mean(1))
 
 
+class _Noisy(nn.Module):
+    """A VAE-style reparametrization in train mode (torch.export captures it: the train and
+    eval graphs differ, which fx refuses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mu, self.dec = nn.Linear(8, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        mu = self.mu(x)
+        z = mu + 0.1 * torch.randn_like(mu) if self.training else mu
+        return self.dec(z)
+
+
 @pytest.mark.parametrize("build, sample, kinds", [
+    (_Noisy, lambda: _x(6, 8), {"constant"}),
     (_Unpool, lambda: _x(4, 3, 8, 8), {"resize", "adaptive_maxpool"}),
     (_MoE, lambda: _x(6, 8), {"scatter", "reduce_other", "reshape", "select"}),
     (_Packed, lambda: (_x(4, 6, 5), torch.tensor([6, 3, 5, 2])), {"select", "pad"}),
-], ids=["unpool_lppool_fractional", "moe_topk_index_add", "packed_sequence"])
+], ids=["randn_like", "unpool_lppool_fractional", "moe_topk_index_add", "packed_sequence"])
 def test_common_operations_are_classified(build, sample, kinds):
     """MaxUnpool2d, LPPool2d and FractionalMaxPool2d, a mixture of experts' topk and
     index_add_, repeat_interleave, sort, and the sort/pack/scatter/pad calls of
-    pack_padded_sequence were rows of status 'unknown' ("not in the op table: its effect on
+    pack_padded_sequence, and aten.randn_like under torch.export, were rows of status
+    'unknown' ("not in the op table: its effect on
     scaling is not known").  They are in the op table now (core.optable): max-unpooling is an
     upsampling, LP and fractional max pooling are max-like pooling with no stride to fold,
     topk a reduction like max, index_add_/scatter a new 'scatter' row, sort and
