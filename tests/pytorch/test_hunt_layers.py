@@ -242,3 +242,64 @@ def test_common_operations_are_classified(build, sample, kinds):
     with torch.no_grad():
         out = res(*args)
     assert torch.isfinite(out).all()
+
+
+# -------------------------------------------------- fold with nn.MultiheadAttention
+
+
+class _PostNormEncoder(nn.Module):
+    """A post-norm nn.TransformerEncoder (PyTorch's default): the residual scale of each
+    attention branch sits on dropout1, whose input is the attention's (output, weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv1d(3, 16, 4, stride=4)
+        layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.head(self.enc(self.patch(x).transpose(1, 2)).mean(1))
+
+
+class _MHAResidual(nn.Module):
+    """``a, _ = self.attn(h, h, h)`` then ``h + a``: the usual way to call nn.MultiheadAttention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(30, 16)
+        self.attn = nn.MultiheadAttention(16, 4, batch_first=True)
+        self.ln = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 30)
+
+    def forward(self, tok):
+        h = self.emb(tok)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        return self.out(self.ln(h + a))
+
+
+@pytest.mark.parametrize("build, sample", [
+    (_PostNormEncoder, lambda: _x(6, 3, 32)),
+    (_MHAResidual, lambda: torch.randint(0, 30, (6, 7), generator=torch.Generator().manual_seed(1))),
+], ids=["post_norm_encoder", "mha_tuple_unpacked"])
+def test_fold_moves_an_attention_branch_scale_into_out_proj(build, sample):
+    """The residual scale of an attention branch could not be folded: ``fold`` raised
+    "a scale on the output of Dropout: no parameter of it scales its output exactly" (post-norm
+    encoder, hook back end: ``folding._doubles`` doubled only a tensor output, not
+    nn.MultiheadAttention's (output, weights) tuple) and "multiplies the output of getitem_1
+    ... which no module of your class can absorb exactly" (``a, _ = self.attn(...)`` on the fx
+    back end).  Both now go into the attention's out_proj."""
+    torch.manual_seed(0)
+    model = build()
+    s = sample()
+    res, rep = _run(model, s)
+    assert any(sc.tag == "residual" for sc in rep.plan.scales)
+    folded = precondfx.fold(res)
+    assert type(folded) is type(model)
+    assert not [k for k in folded.state_dict() if "precondfx" in k]
+    other = s[:3] if s.dtype == torch.long else _x(3, 3, 32, seed=5)
+    for m in (res, folded):
+        m.eval()
+    with torch.no_grad():
+        for inp in (s, other):
+            torch.testing.assert_close(folded(inp), res(inp), rtol=1e-4, atol=1e-5)
