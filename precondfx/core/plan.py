@@ -316,12 +316,12 @@ def _plan_pools(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
         if n.attrs.get("keep_reason"):
             plan.pools.append(PoolChange(n.name, "keep", str(n.attrs["keep_reason"])))
             continue
+        if n.attrs.get("return_indices"):
+            plan.pools.append(PoolChange(n.name, "keep", "it returns indices (return_indices=True)"))
+            continue
         if geo is None:
             plan.pools.append(PoolChange(n.name, "keep", "its input shape is unknown, so a "
                                          "replacement of the same geometry cannot be built"))
-            continue
-        if n.attrs.get("return_indices"):
-            plan.pools.append(PoolChange(n.name, "keep", "it returns indices (return_indices=True)"))
             continue
         new_param = f"{n.module}.weight" if n.module and module_calls.get(n.module) == 1 \
             else f"precondfx_pool_{n.name}.weight"

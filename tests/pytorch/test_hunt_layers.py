@@ -342,3 +342,19 @@ def test_measured_balancing_runs_with_batchnorm1d_on_features(balance):
     res.train()
     with torch.no_grad():
         assert abs(float(res(x).double().std(correction=0)) - 1) < 0.02
+
+
+# -------------------------------------------------- a max-pool that returns indices
+
+
+@pytest.mark.parametrize("capture", ["fx", "eager"])
+def test_pool_returning_indices_is_kept_for_that_reason(capture):
+    """A MaxPool2d(return_indices=True) feeding MaxUnpool2d (SegNet) is kept; the report said
+    "its input shape is unknown, so a replacement of the same geometry cannot be built" (its
+    geometry is not computed for a tuple output, and that check came first) instead of
+    "it returns indices" (``core.plan``)."""
+    torch.manual_seed(0)
+    model = _Unpool()
+    res, rep = _run(model, _x(4, 3, 8, 8), capture=capture)
+    (pool,) = [p for p in rep.plan.pools if "pool" in p.node]
+    assert pool.action == "keep" and "return_indices" in pool.reason, pool.reason
