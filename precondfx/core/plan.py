@@ -212,7 +212,12 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
             continue
         if lay.alpha == 1.0 and opts.balance not in MEASURED and not alpha_sites:
             continue
-        where = "input" if lay.kind in ("conv", "conv_transpose", "linear", "matmul") else "output"
+        node = graph.get(lay.node)
+        bilinear = node is not None and str(node.attrs.get("class", "")).endswith("Bilinear")
+        # nn.Bilinear is linear in each input, not in both: a scale on its input would act
+        # twice where both inputs are one tensor (y = B(h, h)); on its output it acts once
+        where = "input" if lay.kind in ("conv", "conv_transpose", "linear", "matmul") and \
+            not bilinear else "output"
         plan.scales.append(Scale("alpha", lay.node, where, 0, lay.alpha,
                                  lay.alpha_reason or "alpha site for measured balancing"))
     _beta_sites(plan)

@@ -132,6 +132,8 @@ def kind(mod: nn.Module) -> str | None:
         return "embedding"
     if isinstance(mod, nn.MultiheadAttention):
         return "mha"
+    if isinstance(mod, nn.Bilinear):    # x1^T W x2 + b: an output scale goes into W and b, as
+        return "norm"                   # for an affine norm; not linear in (x1, x2) jointly
     if isinstance(mod, _NORMS):
         return "norm" if getattr(mod, "weight", None) is not None else None
     if type(mod).__name__.endswith(("RMSNorm", "LayerNorm")) and _affine_output(mod):

@@ -358,3 +358,47 @@ def test_pool_returning_indices_is_kept_for_that_reason(capture):
     res, rep = _run(model, _x(4, 3, 8, 8), capture=capture)
     (pool,) = [p for p in rep.plan.pools if "pool" in p.node]
     assert pool.action == "keep" and "return_indices" in pool.reason, pool.reason
+
+
+# -------------------------------------------------- nn.Bilinear
+
+
+class _BilinearSelf(nn.Module):
+    """A second-order interaction layer fed the same features twice: B(h, h)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e = nn.Linear(4, 6)
+        self.b = nn.Bilinear(6, 6, 5)
+        self.c = nn.Linear(5, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.e(x))
+        return self.c(F.relu(self.b(h, h)))
+
+
+@pytest.mark.parametrize("balance", ["none", "hessian"])
+def test_bilinear_weight_is_planned_and_balanced_exactly(balance):
+    """nn.Bilinear is a 'linear' row of the op table, but its (out, in1, in2) weight had no fans,
+    so it kept PyTorch's init with the reason "read by an op that is not a weighted layer",
+    contradicting its own row.  It is now drawn with n_in = in1*in2 (each output sums that many
+    products, core.fans); its alpha goes on its output (a scale on its input acted twice for
+    B(h, h): measured balancing changed the function by 15% and refused) and fold puts an
+    output scale into its weight and bias."""
+    torch.manual_seed(0)
+    model = _BilinearSelf()
+    x = _x(16, 4)
+    res, rep = _run(model, x, balance=balance)
+    pi = rep.planned.inits["b.weight"]     # as planned (rep.plan: divided by the alpha)
+    assert pi.rule == "geometric", pi.reason
+    assert pi.std ** 2 == pytest.approx(2 / math.sqrt(6 * 6 * 5), rel=1e-6)
+    assert rep.plan.inits["b.bias"].rule == "zeros"
+    if balance == "none":       # drawn as planned (measured balancing divides it by alpha)
+        assert _m2(res.b.weight) == pytest.approx(pi.std ** 2, rel=1e-3)
+    else:
+        assert rep.conditioning["hessian"]["applied"] is True
+    with torch.no_grad():
+        assert abs(float(res(x).double().std(correction=0)) - 1) < 0.02
+        folded = precondfx.fold(res)
+        other = _x(5, 4, seed=3)
+        torch.testing.assert_close(folded(other), res(other), rtol=1e-4, atol=1e-6)
