@@ -3,7 +3,8 @@
 Geometric-mean initialization (Sec. 6, Eq. 7, Remark 6) sets ``E[W^2] = c / (k^2 sqrt(n_in n_out))``
 with ``c = 2`` (the value that balances biases too, App. D).  The definitions used here:
 
-* Linear ``W: (out, in)``: ``n_in = in``, ``n_out = out``, ``k^2 = 1``.
+* Linear ``W: (out, in)``: ``n_in = in``, ``n_out = out``, ``k^2 = 1``.  Bilinear
+  ``W: (out, in1, in2)``: each output sums ``in1 * in2`` products, ``n_in = in1 * in2``.
 * Convolution ``W: (O, I/g, k1, ..., kd)`` (any d, groups g, dilation): every output reads
   ``I/g`` channels and every input feeds ``O/g`` channels, so ``n_in = I/g``, ``n_out = O/g``,
   ``k^2 = k1 * ... * kd`` (the number of taps; dilation spreads taps without changing their
@@ -149,6 +150,8 @@ def weight_fans(kind: str, shape: tuple[int, ...], attrs: dict) -> Fans | None:
     packed = max(1, int(attrs.get("packed", 1)))    # k maps in one weight (q, k, v)
     if kind in ("linear",) and len(shape) == 2:
         return Fans(int(shape[1]), int(shape[0]) // packed)
+    if kind == "linear" and len(shape) == 3:     # nn.Bilinear: y_k = x1^T W_k x2 + b_k
+        return Fans(int(shape[1]) * int(shape[2]), int(shape[0]))
     if kind == "conv" and len(shape) >= 3:
         g = int(attrs.get("groups", 1) or 1)
         return Fans(int(shape[1]), max(1, int(shape[0]) // g), math.prod(shape[2:]))

@@ -212,7 +212,12 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
             continue
         if lay.alpha == 1.0 and opts.balance not in MEASURED and not alpha_sites:
             continue
-        where = "input" if lay.kind in ("conv", "conv_transpose", "linear", "matmul") else "output"
+        node = graph.get(lay.node)
+        bilinear = node is not None and str(node.attrs.get("class", "")).endswith("Bilinear")
+        # nn.Bilinear is linear in each input, not in both: a scale on its input would act
+        # twice where both inputs are one tensor (y = B(h, h)); on its output it acts once
+        where = "input" if lay.kind in ("conv", "conv_transpose", "linear", "matmul") and \
+            not bilinear else "output"
         plan.scales.append(Scale("alpha", lay.node, where, 0, lay.alpha,
                                  lay.alpha_reason or "alpha site for measured balancing"))
     _beta_sites(plan)
@@ -316,12 +321,12 @@ def _plan_pools(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
         if n.attrs.get("keep_reason"):
             plan.pools.append(PoolChange(n.name, "keep", str(n.attrs["keep_reason"])))
             continue
+        if n.attrs.get("return_indices"):
+            plan.pools.append(PoolChange(n.name, "keep", "it returns indices (return_indices=True)"))
+            continue
         if geo is None:
             plan.pools.append(PoolChange(n.name, "keep", "its input shape is unknown, so a "
                                          "replacement of the same geometry cannot be built"))
-            continue
-        if n.attrs.get("return_indices"):
-            plan.pools.append(PoolChange(n.name, "keep", "it returns indices (return_indices=True)"))
             continue
         frozen = _frozen_producer(graph, n, params)
         if frozen:
@@ -650,9 +655,12 @@ def _opaque_inits(n: Node, params: dict[str, ParamInfo], rule: str, put: Any) ->
             continue
         f = (fanlib.attention_fans(role, info.shape) if n.kind == "attention"
              else fanlib.recurrent_fans(role, info.shape, gates))
-        if "weight_hh" in role:
+        if "weight_hh" in role and rule != "keep":
             put(pname, ParamInit(pname, "orthogonal", 1.0, "recurrent weight: orthogonal per "
                                  "gate (keeps norms over time steps)", gates=gates))
+        elif "weight_hr" in role and rule != "keep":    # LSTM(proj_size=P): h_t = W_hr h'_t
+            put(pname, ParamInit(pname, "orthogonal", 1.0, "recurrent projection weight: "
+                                 "orthogonal rows (applied at every time step)", gates=1))
         elif f is not None and rule != "keep":
             put(pname, ParamInit(pname, rule, math.sqrt(fanlib.second_moment(f, rule)),
                                  f"{what} weight {role} (n_in={f.n_in}, n_out={f.n_out})"))

@@ -316,7 +316,9 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan | None,
                                     f"{threshold:g}x: alphas left as planned"}, n_layers, left)
     target = geometric_mean(list(before.values()))
     factors = {w: (target / v) ** 0.25 for w, v in before.items()}
-    one = sample.take(0) if b > 1 else sample   # two identical runs must agree: no random op
+    # two identical runs must agree (no random op); two samples, not one: a BatchNorm1d on
+    # (batch, features) cannot run a batch of one in train mode
+    one = sample.take(0, 2) if b > 2 else sample
     change, msg = _rescale_checked(model, fit, one, ok, factors, output_key, mode,
                                    spread_of(before), ranks)
     if msg is not None:

@@ -132,6 +132,8 @@ def kind(mod: nn.Module) -> str | None:
         return "embedding"
     if isinstance(mod, nn.MultiheadAttention):
         return "mha"
+    if isinstance(mod, nn.Bilinear):    # x1^T W x2 + b: an output scale goes into W and b, as
+        return "norm"                   # for an affine norm; not linear in (x1, x2) jointly
     if isinstance(mod, _NORMS):
         return "norm" if getattr(mod, "weight", None) is not None else None
     if type(mod).__name__.endswith(("RMSNorm", "LayerNorm")) and _affine_output(mod):
@@ -362,6 +364,12 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
                 continue
             src = _fx_up(first, gm, v) if set(first.users) == {mul} else first
             prod = module_at(src)
+            if prod is None and src.op == "call_function" and src.target is operator.getitem \
+                    and src.args[1:] == (0,) and set(src.users) == {mul}:
+                owner = module_at(src.args[0])      # ``out, _ = self.attn(q, k, v)``
+                if owner is not None and kind(owner[1]) == "mha":
+                    sc.add(sc.out, owner[0], owner[1], v)
+                    continue
             if prod is not None and (set(src.users) == {mul} or src is not first) and \
                     kind(prod[1]) is not None:
                 sc.add(sc.out, prod[0], prod[1], v)
@@ -985,6 +993,8 @@ def _doubles(model: nn.Module, up: str, down: str, run: Callable[[nn.Module], An
         seen.append(t if isinstance(t, torch.Tensor) else torch.empty(0))
 
     def double(m: nn.Module, a: tuple, o: Any) -> Any:
+        if isinstance(o, tuple) and o and isinstance(o[0], torch.Tensor):
+            return (o[0] * 2, *o[1:])     # nn.MultiheadAttention: (output, weights)
         return o * 2 if isinstance(o, torch.Tensor) else o
     mod = model.get_submodule(down)
     h = mod.register_forward_pre_hook(grab) if inputs else mod.register_forward_hook(grab)

@@ -207,6 +207,8 @@ def main_std(model: nn.Module, sample: Any, fwd: dict) -> float:
         if isinstance(mod, nn.modules.dropout._DropoutNd) or \
                 (isinstance(mod, nn.RNNBase) and mod.dropout > 0):
             mod.eval()
+        if isinstance(mod, nn.MultiheadAttention):   # its attention dropout: a torch function
+            mod.dropout = 0.0   # mode does not see the calls inside multi_head_attention_forward
     with torch.no_grad(), NoDropout():
         out = call(m, clone_sample(sample), fwd)
     return float(main(out).double().std(correction=0))

@@ -70,7 +70,7 @@ def _x(*shape: int) -> torch.Tensor:
 
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], Any], str]] = {
     "lstmcell_loop": (LSTMCellLoop, lambda: _x(6, 4, 5), "export"),
-    "causal_encoder": (CausalEncoder, _ids, "fx"),
+    "causal_encoder": (CausalEncoder, _ids, "export"),
     "size_loop": (SizeLoop, lambda: _x(4, 8), "export"),
 }
 

@@ -62,6 +62,11 @@ class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         # a module holding weights is traced through even if its name says 'Dropout' or
         # 'DropPath' (a user's block): its layers must be in the graph
+        # a torch.nn module the op table does not know that is built of other modules
+        # (nn.TransformerEncoder, nn.Transformer...) is traced through, as the export and eager
+        # captures do: kept as one call, its layers would be hidden from the plan
+        if next(m.children(), None) is not None and ops.for_module(m) is None:
+            return False
         return (is_stochastic(m) and next(m.parameters(), None) is None) or \
             super().is_leaf_module(m, qualname)
 
