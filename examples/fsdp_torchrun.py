@@ -89,7 +89,7 @@ def train(steps: int = 30, seed: int = 0) -> dict:
         calib = precondfx.distributed.calibrate(model, data(rank, 0)[0].to(device))
         bal = precondfx.distributed.balance(model, data(rank, 0)[0].to(device), seed=seed)
         # 4. Train as usual.
-        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         losses = []
         for step in range(1, steps + 1):
             x, y = data(rank, step)

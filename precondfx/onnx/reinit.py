@@ -32,7 +32,7 @@ def reinit(model: ir.Model, plan: Plan, seed: int,
     ``gains``: parameter -> the factor the graph multiplies it by (Gemm ``alpha``); a drawn
     value is divided by it, so that the weight the layer applies has the planned std."""
     gains = gains or {}
-    rng = np.random.default_rng(int(seed))
+    rng = np.random.default_rng(core.weight_seed(seed))
     match_rng = np.random.default_rng(int(seed) + core.MATCH_STREAM)
     inits = model.graph.initializers
     changed = []

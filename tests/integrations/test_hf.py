@@ -258,6 +258,20 @@ def _trained(model: nn.Module, data: list[dict], out: str, callbacks=(), resume=
     return losses, trainer.model
 
 
+def _gap(a: nn.Module, b: nn.Module) -> float:
+    """The largest parameter difference between two GPT-2s, leaving out the key third of each
+    c_attn bias: its gradient is exactly zero (softmax ignores a shift of every score), so
+    AdamW's steps there are normalized float-rounding noise of lr's size, whatever the run
+    (``test_trainer_matches_a_plain_loop`` explains it)."""
+    n = a.config.n_embd
+
+    def kept(name: str, t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[:n], t[2 * n:]]) if name.endswith("attn.c_attn.bias") else t
+    pb = dict(b.named_parameters())
+    return max(float((kept(k, p) - kept(k, pb[k])).abs().max())
+               for k, p in a.named_parameters())
+
+
 def _gpt2_pre() -> tuple[nn.Module, nn.Module]:
     model, _ = hf_tiny.build("gpt2", dropout=False)
     first = _lm_data(4)
@@ -282,10 +296,7 @@ def test_trainer_checkpoint_and_resume_ends_where_an_uninterrupted_run_does(tmp_
     res_losses, resumed = _trained(fresh, data, str(tmp_path / "b"), resume=str(ckpt))
     assert len(res_losses) == 10
     assert max(abs(a - b) for a, b in zip(res_losses, full_losses[10:])) < 1e-4
-    diff = max(float((p - q).abs().max()) for p, q in zip(full.parameters(),
-                                                          resumed.parameters()))
-    moved = max(float((p - q).abs().max()) for p, q in zip(full.parameters(),
-                                                           pre.parameters()))
+    diff, moved = _gap(full, resumed), _gap(full, pre)
     assert diff < 0.02 * moved, (diff, moved)
 
 
@@ -308,10 +319,7 @@ def test_trainer_callback_preconditions_on_the_first_batch_and_resumes(tmp_path)
                                    [precondition_callback(use_cache=False, target_std=0.05)],
                                    resume=str(tmp_path / "d" / "checkpoint-10"))
     assert max(abs(a - b) for a, b in zip(res_losses, ref_losses[10:])) < 1e-4
-    diff = max(float((p - q).abs().max()) for p, q in zip(ref.parameters(),
-                                                          resumed.parameters()))
-    moved = max(float((p - q).abs().max()) for p, q in zip(ref.parameters(),
-                                                           pre.parameters()))
+    diff, moved = _gap(ref, resumed), _gap(ref, pre)
     assert diff < 0.02 * moved, (diff, moved)
 
 

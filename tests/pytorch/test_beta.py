@@ -120,7 +120,7 @@ def test_forward_variance_at_init_equals_the_flat_geometric_models() -> None:
     of the two means, sqrt(var_a/R + var_b/R) from the R samples (about 6e-5 chance per block
     of a false failure); forgetting the init's beta would change block l's gain by beta_l^-6
     (up to 5.8x here)."""
-    R, x = 24, _x(32, seed=1)
+    R, x = 32, _x(32, seed=1)
     kw = dict(balance="none", target_std=None, capture="eager")
     gains = {}
     for name, rs in (("schedule", SCHEDULE), ("flat", 0.5)):

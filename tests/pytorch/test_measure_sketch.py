@@ -110,4 +110,8 @@ def test_balancing_keeps_the_function():
     torch.testing.assert_close(ya * (0.05 / ya.std(correction=0)),
                                yh * (0.05 / yh.std(correction=0)), rtol=1e-3, atol=1e-5)
     f = rh.conditioning["hessian"]["factors"]
-    assert len(f) == 8 and max(f.values()) / min(f.values()) > 1.5
+    # balancing moved the alphas (so the equality above compares two different storages): the
+    # spread depends on the draws (1.32 with the weights' own stream, 1.5+ on the old one,
+    # whose first-layer rows copied the sample); an uncompensated factor of even 1.01 would
+    # fail the rtol=1e-3 comparison
+    assert len(f) == 8 and max(f.values()) / min(f.values()) > 1.2

@@ -88,7 +88,11 @@ def test_fx_result_is_the_users_class_and_methods_see_the_constants(kw):
     with torch.no_grad():
         ran = Rec(pm).run(x)
         assert torch.allclose(ran, pm(x), rtol=1e-6, atol=1e-7)
-        assert torch.allclose(seen["feats"], pm.forward_features(x), rtol=1e-5, atol=1e-6)
+        feats = pm.forward_features(x)
+        # float32 rounding: the forward applies the constants on the weights, the method on
+        # the activations (2.4e-6 apart at features of size 5.3), so atol is relative to them
+        assert torch.allclose(seen["feats"], feats, rtol=1e-5,
+                              atol=1e-6 * float(feats.abs().max()))
 
 
 def test_fx_methods_equal_the_folded_model():

@@ -155,49 +155,57 @@ def test_resnet101_like_slope_and_normalized_sums():
 
 
 def test_predicted_vs_measured_cosine():
-    """A wide (512) plain TReLU net with 50 nonlinear layers, eta=0.9 (spec §4.5, App. E.1).
+    """A wide (1024) plain TReLU net with 50 nonlinear layers, eta=0.9 (spec §4.5, App. E.1).
 
     The predicted map is the closed-form C map composed with the slope found in the model.
     Its values at c0=0 after 10/25/50 layers must equal the spec's theory column (0.5256,
     0.7737, 0.9000; 4 decimals given).  Measured: the mean cosine over 100 input pairs of
-    exact cosine c0 and q=1, after layers 10, 25 and at the output.  Tolerance 0.02 on the
-    mean: the spec's App. E.1 experiment (SUO, width 300, depth 50) has a per-pair std of 0.028
-    and mean errors below 0.01 (finite-width error falls like 1/sqrt(width)); here (width 512,
-    seed 0) the largest observed error of the 9 means is 0.005 and it stayed below 0.012 for
-    seeds 0-2 while developing, so 0.02 leaves room for platform differences yet fails for a
-    wrong slope (slope 0, plain ReLU, gives 0.988 at the output; slope 0.5 gives 0.849)."""
-    torch.manual_seed(0)
-    width, depth = 512, 50
-    out, rep = precondfx.precondition(plain_mlp(depth, width), torch.randn(64, width),
-                                      scheme="tat", seed=0)
-    a = trelus(out)[0].negative_slope
-    for layer, theory in ((10, 0.5256), (25, 0.7737), (50, 0.9000)):
-        assert abs(composed(0.0, a, layer) - theory) < 6e-5
-    g = torch.Generator().manual_seed(1)
-    seen: dict[int, torch.Tensor] = {}
-    hooks = [out.get_submodule(str(2 * layer)).register_forward_hook(
-        lambda mod, i, o, layer=layer: seen.__setitem__(layer, o)) for layer in (10, 25)]
-    try:
-        for c0 in (-0.5, 0.0, 0.5):
-            z = torch.randn(100, width, 2, generator=g, dtype=torch.float64)
-            q, _ = torch.linalg.qr(z)
-            u, v = q[..., 0], q[..., 1]
-            x1 = math.sqrt(width) * u
-            x2 = math.sqrt(width) * (c0 * u + math.sqrt(1 - c0 * c0) * v)
-            with torch.no_grad():
-                y1 = out(x1.float()).double()
-                h1 = {k: t.double() for k, t in seen.items()}
-                y2 = out(x2.float()).double()
-                h2 = {k: t.double() for k, t in seen.items()}
-            measured = {50: F.cosine_similarity(y1, y2, dim=1)}
-            measured.update({k: F.cosine_similarity(h1[k], h2[k], dim=1) for k in h1})
-            for layer, cos in measured.items():
-                pred = composed(c0, a, layer)
-                assert abs(float(cos.mean()) - pred) < 0.02, (c0, layer, float(cos.mean()), pred)
-                assert float(cos.std()) < 0.05
-    finally:
-        for h in hooks:
-            h.remove()
+    exact cosine c0 and q=1, after layers 10, 25 and at the output, averaged over 4 networks
+    (seeds 0-3).  Tolerance 0.02 on that average.  One network's means move with its draw:
+    at width 512 the worst of the 9 errors was 0.012-0.048 over seeds 0-5, either sign, and
+    the 6-network average still missed by 0.023 after layer 10 (finite-width error; the spec's
+    App. E.1 experiment, SUO at width 300 and depth 50, reports a per-pair std of 0.028).  At
+    width 1024 the 4-network average is within 0.0052 of the prediction everywhere.  The old
+    single network (width 512, seed 0) passed only because its first layer's weight rows were
+    copies of the sample (the weights' stream was the sample's: ``core.draw.weight_seed``).
+    0.02 still fails for a wrong slope (slope 0, plain ReLU, gives 0.988 at the output; slope
+    0.5 gives 0.849)."""
+    width, depth, seeds = 1024, 50, range(4)
+    sums: dict[tuple[float, int], float] = {}
+    for seed in seeds:
+        torch.manual_seed(0)
+        out, rep = precondfx.precondition(plain_mlp(depth, width), torch.randn(64, width),
+                                          scheme="tat", seed=seed)
+        a = trelus(out)[0].negative_slope
+        for layer, theory in ((10, 0.5256), (25, 0.7737), (50, 0.9000)):
+            assert abs(composed(0.0, a, layer) - theory) < 6e-5
+        g = torch.Generator().manual_seed(1)
+        seen: dict[int, torch.Tensor] = {}
+        hooks = [out.get_submodule(str(2 * layer)).register_forward_hook(
+            lambda mod, i, o, layer=layer: seen.__setitem__(layer, o)) for layer in (10, 25)]
+        try:
+            for c0 in (-0.5, 0.0, 0.5):
+                z = torch.randn(100, width, 2, generator=g, dtype=torch.float64)
+                q, _ = torch.linalg.qr(z)
+                u, v = q[..., 0], q[..., 1]
+                x1 = math.sqrt(width) * u
+                x2 = math.sqrt(width) * (c0 * u + math.sqrt(1 - c0 * c0) * v)
+                with torch.no_grad():
+                    y1 = out(x1.float()).double()
+                    h1 = {k: t.double() for k, t in seen.items()}
+                    y2 = out(x2.float()).double()
+                    h2 = {k: t.double() for k, t in seen.items()}
+                measured = {50: F.cosine_similarity(y1, y2, dim=1)}
+                measured.update({k: F.cosine_similarity(h1[k], h2[k], dim=1) for k in h1})
+                for layer, cos in measured.items():
+                    sums[(c0, layer)] = sums.get((c0, layer), 0.0) + float(cos.mean())
+                    assert float(cos.std()) < 0.05
+        finally:
+            for h in hooks:
+                h.remove()
+    for (c0, layer), total in sums.items():
+        pred = composed(c0, a, layer)       # the slope depends on depth and eta only
+        assert abs(total / len(seeds) - pred) < 0.02, (c0, layer, total / len(seeds), pred)
 
 
 def test_unreachable_eta_is_refused():

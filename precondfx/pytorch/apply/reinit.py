@@ -58,7 +58,7 @@ def reinit(model: nn.Module, plan: Plan, seed: int | None = None, rng: str = "st
         return [n for n, pi in plan.inits.items() if n in named and pi.rule != "keep"]
     untied = retie(model, plan, sharded)
     named = dict(model.named_parameters(remove_duplicate=False))
-    gen = torch.Generator().manual_seed(int(seed))
+    gen = torch.Generator().manual_seed(core.weight_seed(seed))
     match_gen = torch.Generator().manual_seed(int(seed) + core.MATCH_STREAM)
     changed = []
     others, matches = core.split_match(plan.inits)
