@@ -316,8 +316,7 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan | None,
                                     f"{threshold:g}x: alphas left as planned"}, n_layers, left)
     target = geometric_mean(list(before.values()))
     factors = {w: (target / v) ** 0.25 for w, v in before.items()}
-    one = sample.take(0) if b > 1 else sample   # two identical runs must agree: no random op
-    change, msg = _rescale_checked(model, fit, one, ok, factors, output_key, mode,
+    change, msg = _rescale_checked(model, fit, ok, factors, output_key, mode,
                                    spread_of(before), ranks)
     if msg is not None:
         if not gated:
@@ -360,17 +359,17 @@ def _drop_unreached(before: dict[str, float], se: dict[str, float], left: dict[s
             {w: v for w, v in se.items() if w not in bad})
 
 
-def _rescale_checked(model: nn.Module, fit: Sample, one: Sample, ok: dict[str, list[str]],
+def _rescale_checked(model: nn.Module, fit: Sample, ok: dict[str, list[str]],
                      factors: dict[str, float], output_key: Any, mode: str, spread: float,
                      ranks: Ranks | None = None) -> tuple[float, str | None]:
     """Rescale each weight's alphas by its factor and check that the main output on ``fit``
-    is unchanged; if not (or if two identical forwards of ``one`` already differ: a random
-    op), undo exactly (saved tensors copied back).  With ``ranks`` the largest change and
-    noise over the ranks decide, the same way on every rank.  Returns the output's relative
-    change and why the rescaling was undone (None: kept)."""
+    is unchanged; if not (or if two identical forwards of ``fit`` already differ: a random
+    op), undo exactly (saved tensors copied back).  The identical forwards run on ``fit``
+    itself, not on one sample of it: a train-mode BatchNorm refuses a batch of one.  With
+    ``ranks`` the largest change and noise over the ranks decide, the same way on every rank.
+    Returns the output's relative change and why the rescaling was undone (None: kept)."""
     y0 = _output(model, fit, output_key, mode)
-    noise = _rel_change(_output(model, one, output_key, mode),
-                        _output(model, one, output_key, mode))
+    noise = _rel_change(_output(model, fit, output_key, mode), y0)
     saved = {w: (model.get_parameter(w).detach().clone(),
                  [model.get_buffer(b_).detach().clone() for b_ in ok[w]]) for w in factors}
     for w, c in factors.items():

@@ -1,0 +1,48 @@
+"""Regressions found by a hunt over adversarial and unusual inputs to the public API (samples,
+forward signatures, global state, options): every test fails without its fix."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import precondfx
+
+
+class _BNResMLP(nn.Module):
+    """An MLP with a BatchNorm1d after its first layer and two residual blocks: in train mode
+    (a freshly built model) its layers' Hessian blocks are 16x apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(10, 64)
+        self.bn = nn.BatchNorm1d(64)
+        self.b = nn.Linear(64, 64)
+        self.c = nn.Linear(64, 64)
+        self.o = nn.Linear(64, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.a(x)))
+        h = h + torch.relu(self.b(h))
+        h = h + torch.relu(self.c(h))
+        return self.o(h)
+
+
+def _bn_net():
+    torch.manual_seed(0)
+    return _BNResMLP(), torch.randn(32, 10, generator=torch.Generator().manual_seed(1))
+
+
+def test_train_mode_batchnorm1d_is_balanced_not_refused_for_a_batch_of_one():
+    """The check that rescaling keeps the function ran two forwards of ONE sample in train
+    mode, which BatchNorm1d refuses: balance='auto' left the 16x spread as it was with the
+    reason 'pass a batch of at least two samples' (the batch had 32), balance='hessian'
+    raised it."""
+    model, x = _bn_net()
+    _, rep = precondfx.precondition(model, x)
+    h = rep.conditioning["hessian"]
+    assert h.get("applied") is True, h.get("decision")
+    assert h["spread_before"] > 4.0
+    assert h["output_change"] < 1e-4
+    assert not any("at least two samples" in why for _, why in rep.skipped), rep.skipped
+    _, rep2 = precondfx.precondition(model, x, balance="hessian")
+    assert rep2.conditioning["hessian"]["applied"] is True
