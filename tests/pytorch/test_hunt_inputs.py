@@ -46,3 +46,38 @@ def test_train_mode_batchnorm1d_is_balanced_not_refused_for_a_batch_of_one():
     assert not any("at least two samples" in why for _, why in rep.skipped), rep.skipped
     _, rep2 = precondfx.precondition(model, x, balance="hessian")
     assert rep2.conditioning["hessian"]["applied"] is True
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
+
+
+def test_precondition_inside_inference_mode_returns_a_trainable_model():
+    """Called inside ``torch.inference_mode()`` (a sample made there too), precondition raised
+    autograd's raw 'element 0 of tensors does not require grad' from measured balancing, and
+    with balance='none' returned a model whose re-drawn weights were inference tensors: its
+    first training step raised 'Inference tensors cannot be saved for backward'."""
+    for opts in ({}, {"balance": "none"}):
+        model = _mlp()
+        with torch.inference_mode():
+            x = torch.randn(16, 10, generator=torch.Generator().manual_seed(1))
+            res, rep = precondfx.precondition(model, x, **opts)
+            precondfx.analyze(model, x)
+        assert not any(p.is_inference() for p in res.parameters())
+        y = res(x.clone())
+        y.sum().backward()
+        assert all(p.grad is not None for p in res.parameters())
+        assert abs(float(y.detach().double().std(correction=0)) - 1.0) < 1e-3
+
+
+def test_model_built_inside_inference_mode_is_refused_with_what_to_do():
+    with torch.inference_mode():
+        model = _mlp()
+    x = torch.randn(16, 10)
+    try:
+        precondfx.precondition(model, x)
+    except precondfx.PrecondError as e:
+        assert "inference_mode" in str(e) and "0.weight" in str(e)
+    else:
+        raise AssertionError("a model of inference tensors was not refused")
