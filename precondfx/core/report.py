@@ -342,7 +342,9 @@ class Report:
         if self.input_scale is not None:
             lines.append(f"input scale: {self.input_scale:.4g}")
         if self.output_std_after is not None:
-            lines.append(f"output std: {self.output_std_before:.4g} (after re-init) -> "
+            drawn = self.plan is None or any(p.rule != "keep" for p in self.plan.inits.values())
+            lines.append(f"output std: {self.output_std_before:.4g} "
+                         f"({'after re-init' if drawn else 'weights kept'}) -> "
                          f"{self.output_std_after:.4g} (target {self.target_std}), "
                          f"output scale {self.output_scale:.4g}")
         consts = self.constants_line()

@@ -81,3 +81,14 @@ def test_model_built_inside_inference_mode_is_refused_with_what_to_do():
         assert "inference_mode" in str(e) and "0.weight" in str(e)
     else:
         raise AssertionError("a model of inference tensors was not refused")
+
+
+def test_report_does_not_say_re_init_when_no_weight_was_drawn():
+    """With reinit_weights=False the report's output-std line said '(after re-init)'."""
+    x = torch.randn(16, 10, generator=torch.Generator().manual_seed(1))
+    _, rep = precondfx.precondition(_mlp(), x, reinit_weights=False, balance="none")
+    line = next(l for l in str(rep).splitlines() if l.startswith("output std:"))
+    assert "re-init" not in line and "weights kept" in line, line
+    _, rep = precondfx.precondition(_mlp(), x, balance="none")
+    line = next(l for l in str(rep).splitlines() if l.startswith("output std:"))
+    assert "(after re-init)" in line, line
