@@ -250,6 +250,16 @@ def prepare(st: TorchState) -> None:
             f"constants into the weights first (precondfx.fold(model) returns a plain model "
             f"that can be preconditioned again); precondfx.analyze(model, sample) shows what "
             f"it holds")
+    if already_preconditioned(model):       # analyze: say what it holds, first
+        held = [(n, b) for n, b in model.named_buffers() if PREFIX in n]
+        vals = ", ".join(f"{n}={float(b):.4g}" if b.numel() == 1 and b.device.type != "meta"
+                         else n for n, b in held[:8])
+        st.notes.insert(0, (
+            f"the model is already preconditioned: it holds {len(held)} precondfx constant(s) "
+            f"({vals}{', ...' if len(held) > 8 else ''}); the table classifies the rewritten "
+            f"model, precondfx's own products included, and precondition "
+            f"refuses it (precondfx.fold(model) gives the plain model with the constants in "
+            f"its weights)"))
     dt = float_dtype(model)
     if dt in (torch.float16, torch.bfloat16):
         if st.inplace:
@@ -259,6 +269,10 @@ def prepare(st: TorchState) -> None:
         st.dtype = dt
     st.modes = {name: m.training for name, m in model.named_modules()}
     st.work = model if st.inplace else copy_model(model, lenient=st.analysis)
+    if st.analysis and weight_side.sites(st.work):
+        # analyze on an fx result: its layers as module calls (the form fold reads), so that
+        # the capture sees each layer and its weight, not precondfx's fused layer() calls
+        st.work = weight_side.module_call_view(st.work)
     if st.dtype is not None:
         st.work = st.work.float()
         st.notes.append(f"model in {dt}: preconditioned and calibrated in float32, result cast "

@@ -92,3 +92,21 @@ def test_report_does_not_say_re_init_when_no_weight_was_drawn():
     _, rep = precondfx.precondition(_mlp(), x, balance="none")
     line = next(l for l in str(rep).splitlines() if l.startswith("output std:"))
     assert "(after re-init)" in line, line
+
+
+def test_analyze_of_a_preconditioned_result_says_what_it_holds():
+    """precondition refuses a result and points to ``analyze(model, sample)`` to show what it
+    holds, but analyze said nothing of the constants ('constants: none set') and, on an fx
+    result, hid the last Linear inside precondfx's fused layer() call, reporting its weight
+    and bias as 'never used on the sample's path'."""
+    x = torch.randn(16, 10, generator=torch.Generator().manual_seed(1))
+    for capture in ("fx", "eager"):
+        res, rep = precondfx.precondition(_mlp(), x, capture=capture)
+        before = {k: v.clone() for k, v in res.state_dict().items()}
+        a = precondfx.analyze(res, x)
+        text = str(a)
+        assert "already preconditioned" in text and "3 precondfx constant(s)" in text, text
+        assert f"{rep.output_scale:.4g}" in text
+        assert "never used" not in text, text
+        assert {r.module for r in a.rows("weighted")} == {"0", "2"}, [r.module for r in a.rows()]
+        assert all(torch.equal(before[k], v) for k, v in res.state_dict().items())
