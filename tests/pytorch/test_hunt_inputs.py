@@ -110,3 +110,35 @@ def test_analyze_of_a_preconditioned_result_says_what_it_holds():
         assert "never used" not in text, text
         assert {r.module for r in a.rows("weighted")} == {"0", "2"}, [r.module for r in a.rows()]
         assert all(torch.equal(before[k], v) for k, v in res.state_dict().items())
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(10, 16)
+        self.b = nn.Linear(16, 3)
+
+    def forward(self, x, *, scale=1.0):
+        return self.b(torch.relu(self.a(x)) * scale)
+
+
+def test_a_keyword_both_in_the_sample_dict_and_in_forward_kwargs_is_refused():
+    """``precondition(model, {"x": x, "scale": 1.0}, forward_kwargs={"scale": 3.0})`` calibrated
+    with scale=3 without a word: the result's output std was 1/3 when called as the sample
+    says."""
+    torch.manual_seed(0)
+    model = _Scaled()
+    x = torch.randn(16, 10)
+    for call in (lambda: precondfx.precondition(model, {"x": x, "scale": 1.0},
+                                                forward_kwargs={"scale": 3.0}),
+                 lambda: precondfx.precondition(model, {"x": x, "scale": 1.0}, scale=3.0),
+                 lambda: precondfx.analyze(model, {"x": x, "scale": 1.0}, scale=3.0)):
+        try:
+            call()
+        except precondfx.PrecondError as e:
+            assert "scale" in str(e) and "forward_kwargs" in str(e), str(e)
+        else:
+            raise AssertionError("a keyword given twice was not refused")
+    res, _ = precondfx.precondition(model, {"x": x}, forward_kwargs={"scale": 3.0})
+    with torch.no_grad():
+        assert abs(float(res(x, scale=3.0).double().std(correction=0)) - 1.0) < 1e-3

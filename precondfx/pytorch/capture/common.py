@@ -303,6 +303,12 @@ def make_sample(sample: Any, forward_kwargs: Mapping | None = None) -> Sample:
     if isinstance(sample, (tuple, list)):
         return Sample(tuple(sample), extra)
     if isinstance(sample, Mapping):
+        both = sorted(k for k in extra if k in sample)
+        if both:    # one would silently win over the other
+            raise PrecondError(
+                f"the keyword(s) {both} are both in the sample dict and in forward_kwargs (or "
+                f"given as extra keywords) with their own values: pass each once, in the "
+                f"sample dict or in forward_kwargs")
         return Sample((), {**dict(sample), **extra})
     raise PrecondError(
         f"sample must be a tensor, a tuple of positional inputs or a dict of keyword inputs, "
