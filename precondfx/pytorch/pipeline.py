@@ -128,6 +128,16 @@ def input_arrays(s: Sample, opts: Any) -> list:
             if t.is_floating_point() and t.device.type != "meta"]
 
 
+def input_rms(s: Sample) -> float | None:
+    """The rms of the sample's floating-point inputs (additive masks left out), for the output
+    scale's messages; None without such an input (or on the meta device)."""
+    from precondfx.core.calibration import input_second_moment
+    m2 = input_second_moment([t.detach().float().cpu().numpy() for t in s.tensors()
+                              if t.is_floating_point() and t.device.type != "meta"
+                              and t.layout == torch.strided])
+    return None if m2 is None else m2 ** 0.5
+
+
 def param_infos(model: nn.Module, user_scale: dict[str, float] | None = None
                 ) -> tuple[dict[str, ParamInfo], dict[str, str]]:
     """ParamInfo per canonical parameter name, and the alias -> canonical map for tied ones;
@@ -288,6 +298,7 @@ def prepare(st: TorchState) -> None:
         cal.check_calibratable(main_output(out0, st.opts.output_key))
     st.input_arrays = input_arrays(s, st.opts)
     st.float_inputs = any(t.is_floating_point() for t in s.tensors())
+    st.input_rms = input_rms(s)
     if st.inplace:
         snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
         st.undo.append(lambda: _restore_state(model, snapshot))

@@ -142,3 +142,40 @@ def test_a_keyword_both_in_the_sample_dict_and_in_forward_kwargs_is_refused():
     res, _ = precondfx.precondition(model, {"x": x}, forward_kwargs={"scale": 3.0})
     with torch.no_grad():
         assert abs(float(res(x, scale=3.0).double().std(correction=0)) - 1.0) < 1e-3
+
+
+def test_an_output_scale_out_of_range_because_of_the_data_or_the_target_says_so():
+    """Unnormalized inputs (rms 1e6, 1e30) or an absurd target_std were blamed on the model:
+    'the forward signal grows 1.58e+06-fold through the re-initialized model' / 'the signal
+    explodes through the re-initialized model ... make the model shallower or wider', although
+    the model keeps the input's scale (output std 1.5x the input rms)."""
+    import warnings
+    model = _mlp()
+    x = torch.randn(16, 10, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _, rep = precondfx.precondition(model, x * 1e6)
+    said = " ".join(str(m.message) for m in w) + " ".join(why for _, why in rep.skipped)
+    assert "inputs have rms 1.0" in said and "input_scale='auto'" in said, said
+    assert "through the re-initialized model" not in said, said
+    for bad, words in ((dict(sample=x * 1e30), "inputs have rms"),
+                       (dict(sample=x, target_std=1e-300), "target_std=1e-300 is")):
+        try:
+            precondfx.precondition(model, bad.pop("sample"), **bad)
+        except precondfx.PrecondError as e:
+            assert words in str(e) and "shallower" not in str(e), str(e)
+        else:
+            raise AssertionError(f"{bad} was not refused")
+    # a model that does shrink the signal is still told so
+    deep = nn.Sequential(*[nn.Sequential(nn.Linear(10, 10, bias=False), nn.Tanh())
+                           for _ in range(3)], nn.Linear(10, 3, bias=False))
+    with torch.no_grad():
+        for m in deep.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.mul_(1e-3)
+    try:
+        precondfx.precondition(deep, x, reinit_weights=False, balance="none")
+    except precondfx.PrecondError as e:
+        assert "vanishes through the model" in str(e), str(e)
+    else:
+        raise AssertionError("a vanishing model was not refused")
