@@ -179,3 +179,46 @@ def test_an_output_scale_out_of_range_because_of_the_data_or_the_target_says_so(
         assert "vanishes through the model" in str(e), str(e)
     else:
         raise AssertionError("a vanishing model was not refused")
+
+
+def _refused(fn, *words):
+    try:
+        fn()
+    except precondfx.PrecondError as e:
+        assert all(w in str(e) for w in words), str(e)
+    else:
+        raise AssertionError("not refused")
+
+
+def test_reinit_checks_its_seed_plan_and_model_as_precondition_does():
+    """precondfx.reinit took seed=1.5 as seed 1, and '1', -1, True without a word (precondition
+    refuses each); a Report, None or a string in place of the plan or the model raised a raw
+    AttributeError."""
+    x = torch.randn(16, 10, generator=torch.Generator().manual_seed(1))
+    res, rep = precondfx.precondition(_mlp(), x, seed=4, balance="none", target_std=None)
+    for seed in (1.5, "1", -1, True):
+        _refused(lambda: precondfx.reinit(_mlp(), rep.plan, seed=seed), "seed=")
+    _refused(lambda: precondfx.reinit(_mlp(), rep), "report.plan")
+    _refused(lambda: precondfx.reinit(_mlp(), None), "plan")
+    _refused(lambda: precondfx.reinit("model", rep.plan), "torch.nn.Module")
+    import json
+    for plan in (rep.plan, json.loads(rep.to_json())["plan"]):   # a saved report's plan too
+        m = _mlp()
+        precondfx.reinit(m, plan)
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, res.state_dict()[k]), k
+
+
+def test_init_functions_refuse_a_bad_gain_padding_idx_or_non_tensor():
+    """precondfx.init.geometric_(w, gain=-1.0) filled w with ~1e-17 (the square root of a
+    negative second moment is complex; its real part was copied in with only a torch
+    warning); padding_idx=20 on 10 rows raised a raw IndexError, a list a raw AttributeError."""
+    import precondfx.init as pinit
+    for gain in (-1.0, 0.0, float("nan"), "2"):
+        _refused(lambda: pinit.geometric_(torch.empty(8, 8), gain=gain), "gain=")
+    w = torch.empty(64, 64)
+    pinit.geometric_(w, gain=1.0)
+    assert abs(float(w.pow(2).mean()) / (1.0 / 64) - 1) < 1e-3
+    _refused(lambda: pinit.embedding_(torch.empty(10, 4), padding_idx=20), "padding_idx=20")
+    assert float(pinit.embedding_(torch.empty(10, 4), padding_idx=-1)[9].abs().sum()) == 0.0
+    _refused(lambda: pinit.fan_in_([[1.0, 2.0]]), "torch.Tensor")
