@@ -370,9 +370,10 @@ class Report:
                 lines.append(f"measured balancing: {h['decision']}")
         m = self.conditioning.get("measure")
         if isinstance(m, dict) and "before" in m:
+            where = ("held-out half of the batch" if m["after"].get("held_out", True) else
+                     "the batch's one sample, also balanced on: no held-out half")
             lines.append(f"Hessian-block spread, original model {m['before']['spread']:.3g}x, "
-                         f"rewritten model {m['after']['spread']:.3g}x (held-out half of the "
-                         f"batch)")
+                         f"rewritten model {m['after']['spread']:.3g}x ({where})")
         tok = [pi for pi in (self.plan.inits.values() if self.plan is not None else ())
                if pi.rule == "match"]
         if tok and not any(pi.std for pi in tok) and "match" not in self.stage_seconds:

@@ -222,3 +222,24 @@ def test_init_functions_refuse_a_bad_gain_padding_idx_or_non_tensor():
     _refused(lambda: pinit.embedding_(torch.empty(10, 4), padding_idx=20), "padding_idx=20")
     assert float(pinit.embedding_(torch.empty(10, 4), padding_idx=-1)[9].abs().sum()) == 0.0
     _refused(lambda: pinit.fan_in_([[1.0, 2.0]]), "torch.Tensor")
+
+
+def test_a_batch_of_one_is_not_reported_as_held_out_nor_as_sixteen_samples():
+    """With a batch of one there is no held-out half: measure=True measured the very sample
+    balancing was fitted on, yet the report said '(held-out half of the batch)' and 'on the 16
+    balancing samples' (16 draws on that one sample)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 3))
+    _, rep = precondfx.precondition(model, torch.randn(1, 10), balance="hessian", measure=True)
+    text = rep.table(width=400)
+    assert "held-out" not in text.replace("no held-out half", ""), text
+    assert "16 balancing draws over 1 sample(s)" in text, text
+    h = rep.conditioning["hessian"]
+    assert h["distinct_samples"] == 1 and h.get("held_out") is None and h["same_sample"] > 0
+    assert rep.conditioning["measure"]["after"]["held_out"] is False
+    _, rep = precondfx.precondition(model, torch.randn(64, 10), balance="hessian", measure=True)
+    m = rep.conditioning["measure"]
+    assert m["after"]["held_out"] is True
+    assert f"held-out half of the batch: {m['after']['spread']:.3g}x" in rep.table(width=400)
+    assert "16 balancing samples" in rep.table(width=400)
