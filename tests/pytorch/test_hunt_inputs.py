@@ -243,3 +243,28 @@ def test_a_batch_of_one_is_not_reported_as_held_out_nor_as_sixteen_samples():
     assert m["after"]["held_out"] is True
     assert f"held-out half of the batch: {m['after']['spread']:.3g}x" in rep.table(width=400)
     assert "16 balancing samples" in rep.table(width=400)
+
+
+class _ComplexOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(10, 32)
+        self.b = nn.Linear(32, 6)
+
+    def forward(self, x):
+        return torch.view_as_complex(self.b(torch.relu(self.a(x))).reshape(-1, 3, 2))
+
+
+def test_a_complex_output_is_calibrated_on_its_values_not_its_real_parts():
+    """The output std was measured after a cast to float64, which keeps the real parts only
+    (with a torch warning): the result's complex output had std 1.38 while the report said 1."""
+    import warnings
+    torch.manual_seed(0)
+    x = torch.randn(64, 10, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)     # 'discards the imaginary part'
+        res, rep = precondfx.precondition(_ComplexOut(), x)
+    with torch.no_grad():
+        std = float(res(x).std(correction=0))
+    assert abs(std - 1.0) < 1e-3, std
+    assert abs(rep.verification["std"] - std) < 1e-3
