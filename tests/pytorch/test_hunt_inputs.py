@@ -268,3 +268,14 @@ def test_a_complex_output_is_calibrated_on_its_values_not_its_real_parts():
         std = float(res(x).std(correction=0))
     assert abs(std - 1.0) < 1e-3, std
     assert abs(rep.verification["std"] - std) < 1e-3
+
+
+def test_a_bad_nf_schedule_is_not_told_to_pass_a_number():
+    """residual_scale='nf:-1' or 'nf:abc' got the hint '(a string: pass the number itself)',
+    which is wrong for a named schedule."""
+    x = torch.randn(16, 10)
+    for bad in ("nf:-1", "nf:abc"):
+        _refused(lambda: precondfx.precondition(_mlp(), x, residual_scale=bad),
+                 "a must be a positive number")
+    _refused(lambda: precondfx.precondition(_mlp(), x, residual_scale="0.5"),
+             "pass the number itself")
