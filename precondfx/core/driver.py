@@ -207,6 +207,14 @@ def plan(st: State) -> None:
                        f"not scaled)")
         st.in_scale = None
     plan_io(p, st.opts, st.in_scale)
+    if not (p.scales or p.pools or p.residuals or p.lr_mode or p.reasons
+            or st.opts.scheme != options_mod.DEFAULTS.scheme
+            or any(pi.rule != "keep" for pi in p.inits.values())):
+        p.notes.append(
+            "these options change nothing: every weight is kept and no constant is placed "
+            f"(reinit_weights={st.opts.reinit}, init={st.opts.init!r}, "
+            f"balance={st.opts.balance!r}, target_std={st.opts.target_std!r}, "
+            f"input_scale={st.opts.input_scale!r}); the result computes exactly as your model")
     st.plan = p
 
 

@@ -290,12 +290,17 @@ class Report:
         for note in self.capture_notes:
             lines.append(f"  note: {note}")
         c = self.counts()
-        lines.append("  nodes: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
+        rest = ["  nodes: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items()))]
         rename = {r.name: r.label for r in self.nodes if r.label and r.label != r.name}
-        lines += self._node_rows(width, all_nodes, rename)
-        lines += self._plan_lines(rename)
-        lines += self._measured_lines()
-        return _wrap_prose(lines, width)
+        rest += self._node_rows(width, all_nodes, rename)
+        rest += self._plan_lines(rename)
+        rest += self._measured_lines()
+        said = "\n".join(lines + rest)
+        # the plan's notes (options without effect, a scheme's overrides...) that no other
+        # line says
+        lines += [f"  note: {n}" for n in (self.plan.notes if self.plan is not None else ())
+                  if n not in said]
+        return _wrap_prose(lines + rest, width)
 
     def _node_rows(self, width: int, all_nodes: bool, rename: dict[str, str]) -> list[str]:
         """The node table (header, rule, one row a node) and what it leaves out."""

@@ -279,3 +279,31 @@ def test_a_bad_nf_schedule_is_not_told_to_pass_a_number():
                  "a must be a positive number")
     _refused(lambda: precondfx.precondition(_mlp(), x, residual_scale="0.5"),
              "pass the number itself")
+
+
+def test_options_that_together_change_nothing_are_said():
+    """reinit_weights=False with balance='none' and target_std=None returned the model as it
+    was, and the report's result line even said 'every method computes with the constants';
+    that the combination does nothing was not said."""
+    x = torch.randn(16, 10)
+    model = _mlp()
+    res, rep = precondfx.precondition(model, x, reinit_weights=False, balance="none",
+                                      target_std=None)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in res.state_dict().items())
+    assert sum("change nothing" in n for n in rep.plan.notes) == 1, rep.plan.notes
+    assert "change nothing" in str(rep)
+    for opts in ({}, dict(reinit_weights=False, balance="none"), dict(target_std=None)):
+        _, rep = precondfx.precondition(model, x, **opts)
+        assert not any("change nothing" in n for n in rep.plan.notes), (opts, rep.plan.notes)
+
+
+def test_options_without_effect_are_said_in_the_printed_report():
+    """'balance_threshold=5.0 has no effect' and a scheme's override were in
+    report.plan.notes only: print(report) did not show them."""
+    x = torch.randn(16, 10)
+    _, rep = precondfx.precondition(_mlp(), x, balance="none", balance_threshold=5.0)
+    assert str(rep).count("balance_threshold=5.0 has no effect") == 1, str(rep)
+    _, rep = precondfx.precondition(_mlp(), x, scheme="gne")
+    assert "balance='auto' -> 'none' (scheme gne)" in str(rep)
+    _, rep = precondfx.precondition(_mlp(), x, lr_scale="user")
+    assert str(rep).count("lr_scale='user': main-path depth") == 1, str(rep)
