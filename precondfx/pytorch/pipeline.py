@@ -129,13 +129,16 @@ def input_arrays(s: Sample, opts: Any) -> list:
 
 
 def input_rms(s: Sample) -> float | None:
-    """The rms of the sample's floating-point inputs (additive masks left out), for the output
-    scale's messages; None without such an input (or on the meta device)."""
-    from precondfx.core.calibration import input_second_moment
-    m2 = input_second_moment([t.detach().float().cpu().numpy() for t in s.tensors()
-                              if t.is_floating_point() and t.device.type != "meta"
-                              and t.layout == torch.strided])
-    return None if m2 is None else m2 ** 0.5
+    """The rms of the sample's floating-point inputs, for the output scale's messages; None
+    without such an input (or on the meta device).  As ``core.calibration.input_second_moment``
+    (the ONNX path's) it leaves out the tensors with -inf, the additive masks (the only
+    non-finite inputs ``check_finite_sample`` lets through), computed without copies."""
+    ts = [t.detach() for t in s.tensors() if t.is_floating_point() and t.device.type != "meta"
+          and t.layout == torch.strided and t.numel() and bool(torch.isfinite(t).all())]
+    if not ts:
+        return None
+    sq = sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in ts)
+    return (sq / sum(t.numel() for t in ts)) ** 0.5
 
 
 def param_infos(model: nn.Module, user_scale: dict[str, float] | None = None
