@@ -307,3 +307,34 @@ def test_options_without_effect_are_said_in_the_printed_report():
     assert "balance='auto' -> 'none' (scheme gne)" in str(rep)
     _, rep = precondfx.precondition(_mlp(), x, lr_scale="user")
     assert str(rep).count("lr_scale='user': main-path depth") == 1, str(rep)
+
+
+def test_a_dataclass_batch_is_one_positional_input_as_a_namedtuple_is():
+    """``precondition(model, batch)`` with a @dataclass batch (forward(self, batch)) was refused
+    with 'sample must be a tensor, a tuple ... or a dict', although the same batch in a tuple,
+    and a namedtuple batch, are one positional input."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Batch:
+        x: torch.Tensor
+        tag: str = "train"
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(10, 32)
+            self.b = nn.Linear(32, 3)
+
+        def forward(self, batch):
+            return self.b(torch.relu(self.a(batch.x)))
+
+    torch.manual_seed(0)
+    model = Net()
+    batch = Batch(torch.randn(16, 10, generator=torch.Generator().manual_seed(1)))
+    res, rep = precondfx.precondition(model, batch, balance="hessian")
+    ref, _ = precondfx.precondition(model, (batch,), balance="hessian")
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in res.state_dict().items())
+    with torch.no_grad():
+        assert abs(float(res(batch).double().std(correction=0)) - 1.0) < 1e-3
+    _refused(lambda: precondfx.precondition(model, object()), "(batch,)")
