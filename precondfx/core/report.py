@@ -512,8 +512,18 @@ class Report:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Report":
         """Read a report written by ``save``."""
+        from precondfx.errors import PrecondError
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise PrecondError(f"{os.fspath(path)!r} is not a precondfx report: not JSON "
+                                   f"({e}); pass a file written by report.save(path)") from None
+        if not isinstance(d, dict):
+            raise PrecondError(f"{os.fspath(path)!r} is not a precondfx report (JSON "
+                               f"{type(d).__name__}, not an object); pass a file written by "
+                               f"report.save(path)")
+        return cls.from_dict(d)
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, default=str)

@@ -338,3 +338,16 @@ def test_a_dataclass_batch_is_one_positional_input_as_a_namedtuple_is():
     with torch.no_grad():
         assert abs(float(res(batch).double().std(correction=0)) - 1.0) < 1e-3
     _refused(lambda: precondfx.precondition(model, object()), "(batch,)")
+
+
+def test_report_load_of_a_file_that_is_not_a_report_says_so(tmp_path):
+    """Report.load raised json's raw 'Expecting property name...' for a file that is not JSON
+    and AttributeError for a JSON list."""
+    bad, lst = tmp_path / "bad.json", tmp_path / "list.json"
+    bad.write_text("{not json")
+    lst.write_text("[1, 2]")
+    _refused(lambda: precondfx.Report.load(bad), "not a precondfx report", "report.save")
+    _refused(lambda: precondfx.Report.load(lst), "not a precondfx report")
+    _, rep = precondfx.precondition(_mlp(), torch.randn(16, 10))
+    rep.save(tmp_path / "r.json")
+    assert str(precondfx.Report.load(tmp_path / "r.json")) == str(rep)
