@@ -19,6 +19,9 @@ the scaling constants (alphas, output scale) need the model's graph and a batch,
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from precondfx.core import draw as drawing
@@ -29,8 +32,15 @@ from precondfx.core.fans import Fans, second_moment, weight_fans
 __all__ = ["geometric_", "fan_in_", "fan_out_", "xavier_", "embedding_", "fans", "target_std"]
 
 
+def _check_tensor(tensor: object) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise PrecondError(f"expected a torch.Tensor to initialize in place, got "
+                           f"{type(tensor).__name__}")
+
+
 def fans(tensor: torch.Tensor, *, groups: int = 1, transposed: bool = False) -> Fans:
     """``n_in``, ``n_out`` and kernel taps ``k^2`` of a weight, from its shape."""
+    _check_tensor(tensor)
     shape = tuple(int(s) for s in tensor.shape)
     if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
         raise PrecondError(f"groups must be a positive integer, got {groups!r}")
@@ -50,6 +60,10 @@ def fans(tensor: torch.Tensor, *, groups: int = 1, transposed: bool = False) -> 
 def target_std(tensor: torch.Tensor, rule: str = "geometric", *, groups: int = 1,
                transposed: bool = False, gain: float = 2.0) -> float:
     """The standard deviation ``sqrt(E[W^2])`` the rule gives this weight."""
+    if not (isinstance(gain, numbers.Real) and not isinstance(gain, bool)
+            and math.isfinite(gain) and gain > 0):
+        raise PrecondError(f"gain={gain!r} must be a positive finite number: it multiplies the "
+                           f"second moment E[W^2] (2, the default, for ReLU)")
     f = fans(tensor, groups=groups, transposed=transposed)
     return second_moment(Fans(f.n_in, f.n_out, f.k2, float(gain)), rule) ** 0.5
 
@@ -107,8 +121,14 @@ def embedding_(tensor: torch.Tensor, *, padding_idx: int | None = None,
                moment_matched: bool = True) -> torch.Tensor:
     """Embedding table in place: unit second moment (a lookup reads one weight per output);
     the ``padding_idx`` row, if any, is set to zero as ``nn.Embedding`` does."""
+    _check_tensor(tensor)
     if tensor.dim() != 2:
         raise PrecondError(f"an embedding table is 2-D (num, dim), got shape {tuple(tensor.shape)}")
+    if padding_idx is not None and not (isinstance(padding_idx, int) and
+                                        -tensor.shape[0] <= padding_idx < tensor.shape[0]):
+        raise PrecondError(f"padding_idx={padding_idx!r} is not a row of the table of "
+                           f"{tensor.shape[0]} rows (as nn.Embedding: -{tensor.shape[0]} <= "
+                           f"padding_idx < {tensor.shape[0]})")
     _fill(tensor, 1.0, generator, moment_matched)
     if padding_idx is not None:
         with torch.no_grad():

@@ -44,9 +44,12 @@ def refuse_empty(empty: list[str]) -> None:
             f"Remove the layer or give it a non-zero width")
 
 
-def solve_output_scale(std: float, target: float, reinit: bool = True) -> float:
+def solve_output_scale(std: float, target: float, reinit: bool = True,
+                       input_rms: float | None = None) -> float:
     """The scalar that brings the output std to ``target``, with a clear error for std 0
-    (``reinit``: whether the weights were re-initialized, for the wording)."""
+    (``reinit``: whether the weights were re-initialized, for the wording; ``input_rms``: the
+    rms of the floating-point inputs as the model sees them, so that a scale out of range
+    because of the data is blamed on the data, :func:`input_blame`)."""
     weights = "after re-initialization" if reinit else \
         "with the model's own weights kept (reinit_weights=False)"
     if not math.isfinite(std):
@@ -58,6 +61,20 @@ def solve_output_scale(std: float, target: float, reinit: bool = True) -> float:
                            "or pass target_std=None")
     scale = target / std
     if not SCALE_REFUSE[0] <= scale <= SCALE_REFUSE[1]:
+        blame = input_blame(std, target, input_rms)
+        if blame:
+            raise PrecondError(
+                f"the output scale would be {scale:.3g} (beyond {SCALE_REFUSE[0]:g}.."
+                f"{SCALE_REFUSE[1]:g}; output std {std:.3g} on the calibration batch): {blame}; a "
+                f"model trained from there overflows within a few steps. Or pass target_std=None "
+                f"to skip the output scale")
+        if SCALE_WARN[0] <= std <= SCALE_WARN[1]:    # the model is fine: the target is not
+            raise PrecondError(
+                f"target_std={target:g} is {scale:.3g} times the output std {std:.3g} of the "
+                f"{'re-initialized model' if reinit else 'model'} on the calibration batch: an "
+                f"output scale beyond {SCALE_REFUSE[0]:g}..{SCALE_REFUSE[1]:g} overflows or "
+                f"underflows in training. Pass a target of the order of 1 (the default 1.0; the "
+                f"paper's Sec. 6.4 uses 0.05), or target_std=None to skip the output scale")
         way = "vanishes" if scale > 1 else "explodes"
         raise PrecondError(
             f"the signal {way} through the "
@@ -79,11 +96,33 @@ SCALE_REFUSE = (1e-8, 1e8)
 SCALE_WARN = (1e-4, 1e4)
 
 
-def scale_warning(std: float, scale: float) -> str | None:
-    """A warning for an output scale that is applied but far from 1 (None when it is not)."""
+def scale_warning(std: float, scale: float, input_rms: float | None = None,
+                  target: float = 1.0) -> str | None:
+    """A warning for an output scale that is applied but far from 1 (None when it is not);
+    ``input_rms``, ``target``: see :func:`solve_output_scale`."""
     if SCALE_WARN[0] <= scale <= SCALE_WARN[1]:
         return None
+    blame = input_blame(std, target, input_rms)
+    if blame:
+        return f"output scale {scale:.3g} (output std {std:.3g} before it): {blame}"
     return (f"output scale {scale:.3g} (output std {std:.3g} before it): the forward signal "
             f"{'shrinks' if scale > 1 else 'grows'} {max(scale, 1 / scale):.3g}-fold through "
             f"the re-initialized model; check the first training steps for overflow, or try "
             f"another init= or a shallower/wider model")
+
+
+def input_blame(std: float, target: float, input_rms: float | None) -> str | None:
+    """Why an output std far from ``target`` comes from the data rather than from the model:
+    the inputs' rms is further from 1 (in orders of magnitude, and the same way) than the
+    model's own gain ``std / input_rms`` (raw pixel values, unnormalized features); None when
+    the model is the larger part, or the inputs' rms is unknown."""
+    if input_rms is None or not (input_rms > 0 and math.isfinite(input_rms)) or std <= 0:
+        return None
+    off, own = math.log(input_rms), math.log(std / input_rms)
+    if abs(off) <= abs(own) or (off > 0) != (std > target):
+        return None
+    return (f"the sample's floating-point inputs have rms {input_rms:.3g} and the model "
+            f"carries that scale through (output std {std / input_rms:.3g}x the input rms): "
+            f"normalize the inputs (e.g. mean 0, std 1 per feature), or pass "
+            f"input_scale='auto' (Sec. 6.3: the inputs multiplied by one constant that brings "
+            f"them to the first layer's scale)")

@@ -54,6 +54,9 @@ class State:
     #: whether the model takes a floating-point input (an input scale has one to scale);
     #: None where the back end does not say
     float_inputs: bool | None = None
+    #: rms of the floating-point inputs (additive masks left out), for the output scale's
+    #: messages; None where the back end does not say
+    input_rms: float | None = None
     graph: Graph | None = None
     params: dict[str, ParamInfo] = field(default_factory=dict)
     plan: Plan | None = None
@@ -209,6 +212,14 @@ def plan(st: State) -> None:
         st.in_scale = None
     st.moot = moot + late       # the report lists them with what was not applied
     plan_io(p, st.opts, st.in_scale)
+    if not (p.scales or p.pools or p.residuals or p.lr_mode or p.reasons
+            or st.opts.scheme != options_mod.DEFAULTS.scheme
+            or any(pi.rule != "keep" for pi in p.inits.values())):
+        p.notes.append(
+            "these options change nothing: every weight is kept and no constant is placed "
+            f"(reinit_weights={st.opts.reinit}, init={st.opts.init!r}, "
+            f"balance={st.opts.balance!r}, target_std={st.opts.target_std!r}, "
+            f"input_scale={st.opts.input_scale!r}); the result computes exactly as your model")
     st.plan = p
 
 
@@ -406,8 +417,10 @@ def calibrate(st: State) -> None:
         rep.skipped.append(("output scale", st.no_data))
         return
     std, draws = output_std(st)
-    scale = cal.solve_output_scale(std, opts.target_std, reinit=opts.reinit)
-    warn = cal.scale_warning(std, scale)
+    rms = st.input_rms * st.in_scale if st.input_rms is not None and st.in_scale else \
+        st.input_rms       # the inputs as the model sees them (after the input scale)
+    scale = cal.solve_output_scale(std, opts.target_std, reinit=opts.reinit, input_rms=rms)
+    warn = cal.scale_warning(std, scale, rms, opts.target_std)
     if warn:
         warnings.warn(f"precondfx: {warn}", RuntimeWarning, stacklevel=2)
         rep.skipped.append(("warning: output scale", warn))

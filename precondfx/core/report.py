@@ -290,12 +290,17 @@ class Report:
         for note in self.capture_notes:
             lines.append(f"  note: {note}")
         c = self.counts()
-        lines.append("  nodes: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
+        rest = ["  nodes: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items()))]
         rename = {r.name: r.label for r in self.nodes if r.label and r.label != r.name}
-        lines += self._node_rows(width, all_nodes, rename)
-        lines += self._plan_lines(rename)
-        lines += self._measured_lines()
-        return _wrap_prose(lines, width)
+        rest += self._node_rows(width, all_nodes, rename)
+        rest += self._plan_lines(rename)
+        rest += self._measured_lines()
+        said = "\n".join(lines + rest)
+        # the plan's notes (options without effect, a scheme's overrides...) that no other
+        # line says
+        lines += [f"  note: {n}" for n in (self.plan.notes if self.plan is not None else ())
+                  if n not in said]
+        return _wrap_prose(lines + rest, width)
 
     def _node_rows(self, width: int, all_nodes: bool, rename: dict[str, str]) -> list[str]:
         """The node table (header, rule, one row a node) and what it leaves out."""
@@ -342,7 +347,9 @@ class Report:
         if self.input_scale is not None:
             lines.append(f"input scale: {self.input_scale:.4g}")
         if self.output_std_after is not None:
-            lines.append(f"output std: {self.output_std_before:.4g} (after re-init) -> "
+            drawn = self.plan is None or any(p.rule != "keep" for p in self.plan.inits.values())
+            lines.append(f"output std: {self.output_std_before:.4g} "
+                         f"({'after re-init' if drawn else 'weights kept'}) -> "
                          f"{self.output_std_after:.4g} (target {self.target_std}), "
                          f"output scale {self.output_scale:.4g}")
         consts = self.constants_line()
@@ -368,9 +375,10 @@ class Report:
                 lines.append(f"measured balancing: {h['decision']}")
         m = self.conditioning.get("measure")
         if isinstance(m, dict) and "before" in m:
+            where = ("held-out half of the batch" if m["after"].get("held_out", True) else
+                     "the batch's one sample, also balanced on: no held-out half")
             lines.append(f"Hessian-block spread, original model {m['before']['spread']:.3g}x, "
-                         f"rewritten model {m['after']['spread']:.3g}x (held-out half of the "
-                         f"batch)")
+                         f"rewritten model {m['after']['spread']:.3g}x ({where})")
         tok = [pi for pi in (self.plan.inits.values() if self.plan is not None else ())
                if pi.rule == "match"]
         if tok and not any(pi.std for pi in tok) and "match" not in self.stage_seconds:
@@ -507,8 +515,18 @@ class Report:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Report":
         """Read a report written by ``save``."""
+        from precondfx.errors import PrecondError
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise PrecondError(f"{os.fspath(path)!r} is not a precondfx report: not JSON "
+                                   f"({e}); pass a file written by report.save(path)") from None
+        if not isinstance(d, dict):
+            raise PrecondError(f"{os.fspath(path)!r} is not a precondfx report (JSON "
+                               f"{type(d).__name__}, not an object); pass a file written by "
+                               f"report.save(path)")
+        return cls.from_dict(d)
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, default=str)

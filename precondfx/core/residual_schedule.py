@@ -59,7 +59,9 @@ def check(name: str, v: Any) -> Any:
         return float(v)
     if isinstance(v, (list, tuple)) and v and all(_real(x) and 0 < float(x) <= 1 for x in v):
         return tuple(float(x) for x in v)
-    hint = (" (a string: pass the number itself)" if isinstance(v, str) else
+    hint = (" (in 'nf:<a>', a must be a positive number, e.g. 'nf:0.2')"
+            if isinstance(v, str) and v.lower().startswith("nf") else
+            " (a string: pass the number itself)" if isinstance(v, str) else
             " (a bool is not a number)" if isinstance(v, bool) else
             " (a sequence needs one value in (0, 1] per residual join)"
             if isinstance(v, (list, tuple)) else "")

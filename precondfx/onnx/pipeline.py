@@ -23,7 +23,7 @@ import onnx_ir as ir
 
 from precondfx.core import driver
 from precondfx.core.backend import PREFIX
-from precondfx.core.calibration import refuse_empty
+from precondfx.core.calibration import input_second_moment, refuse_empty
 from precondfx.core.classify import classify
 from precondfx.core.driver import Stage, State
 from precondfx.errors import PrecondError
@@ -194,6 +194,9 @@ def normalize_stage(st: OnnxState) -> None:
         if st.opts.target_std is not None or st.opts.input_scale == "auto":
             raise
     st.sample = st.feeds.arrays if st.feeds is not None else None
+    if st.feeds is not None:
+        m2 = input_second_moment([a for a in st.feeds.arrays.values() if a.dtype.kind == "f"])
+        st.input_rms = None if m2 is None else m2 ** 0.5
     if st.feeds is not None and st.opts.input_scale == "auto":
         st.input_arrays = [np.asarray(a, dtype=np.float32) for a in st.feeds.arrays.values()
                            if a.dtype.kind in "fV"]

@@ -109,11 +109,13 @@ def measured_statistics(model: nn.Module, sample: Sample, weights: list[str], *,
                         seed: int = 0, output_key: Any = None, mode: str = "train",
                         verbose: bool | None = None, desc: str = "held-out statistics"
                         ) -> dict[str, Any]:
-    """A statistic per weight on the held-out half of the batch (for reports)."""
+    """A statistic per weight on the held-out half of the batch (for reports); a batch of one
+    has no held-out half: then it is measured on that sample (``held_out`` False)."""
     _, held, _ = _split(sample)
     means, se, note = _measure(model, held or sample, weights, n_samples, n_cotangents,
                                seed + 1000, output_key, mode, stat, verbose=verbose, desc=desc)
-    return {"values": means, "stderr": se, "spread": spread_of(means), "note": note}
+    return {"values": means, "stderr": se, "spread": spread_of(means), "note": note,
+            "held_out": held is not None}
 
 
 def _output(model: nn.Module, s: Sample, output_key: Any, mode: str) -> torch.Tensor:
@@ -185,12 +187,16 @@ def summary_line(section: dict[str, Any]) -> str:
     if left:
         head += f", {len(left)} left out (see NOT APPLIED)"
     if section.get("applied"):
-        held = section.get("held_out")
-        tail = (f"; held-out half of the batch: {held:.3g}x" if isinstance(held, float)
-                else " (held-out check: measure=True)")
+        held, same = section.get("held_out"), section.get("same_sample")
+        tail = (f"; held-out half of the batch: {held:.3g}x" if isinstance(held, float) else
+                f"; remeasured with fresh draws on the same sample (a batch of one has no "
+                f"held-out half): {same:.3g}x" if isinstance(same, float) else
+                " (held-out check: measure=True)")
+        n, distinct = section["samples"], section.get("distinct_samples")
+        on = (f"{n} balancing draws over {distinct} sample(s) of the batch"
+              if isinstance(distinct, int) and distinct < n else f"{n} balancing samples")
         return (f"{head}; Hessian-block spread {section['spread_before']:.3g}x -> "
-                f"{spread_of(section['after_fit']):.3g}x on the {section['samples']} balancing "
-                f"samples{tail}")
+                f"{spread_of(section['after_fit']):.3g}x on the {on}{tail}")
     return f"{head}: {section.get('decision') or section.get('note') or 'not applied'}"
 
 
@@ -198,7 +204,10 @@ def held_out(section: dict[str, Any] | None, measured: dict[str, Any]) -> None:
     """Record the held-out spread that ``measure=True`` took on the rewritten model in the
     balancing section (and its summary line)."""
     if isinstance(section, dict) and section.get("applied") and "after" in measured:
-        section["held_out"] = float(measured["after"]["spread"])
+        if measured["after"].get("held_out", True):
+            section["held_out"] = float(measured["after"]["spread"])
+        else:       # a batch of one: measured on the very sample balanced on
+            section["same_sample"] = float(measured["after"]["spread"])
         section["summary"] = summary_line(section)
 
 
@@ -305,6 +314,8 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan | None,
             "note": "; ".join(x for x in (dim_note, note) if x), "batch_dim": sample.dim,
             "engine": engine,
             "stopped_early": early.rstrip("; ")}
+    if ranks is None:   # the draws cycle over the fitting half's samples
+        base["distinct_samples"] = min(n_fit, fit.batch_size())
     if ranks is not None:
         base["ranks"] = ranks.world
         base["balancing_samples_per_rank"] = list(ranks.sizes)
@@ -316,10 +327,7 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan | None,
                                     f"{threshold:g}x: alphas left as planned"}, n_layers, left)
     target = geometric_mean(list(before.values()))
     factors = {w: (target / v) ** 0.25 for w, v in before.items()}
-    # two identical runs must agree (no random op); two samples, not one: a BatchNorm1d on
-    # (batch, features) cannot run a batch of one in train mode
-    one = sample.take(0, 2) if b > 2 else sample
-    change, msg = _rescale_checked(model, fit, one, ok, factors, output_key, mode,
+    change, msg = _rescale_checked(model, fit, ok, factors, output_key, mode,
                                    spread_of(before), ranks)
     if msg is not None:
         if not gated:
@@ -362,17 +370,17 @@ def _drop_unreached(before: dict[str, float], se: dict[str, float], left: dict[s
             {w: v for w, v in se.items() if w not in bad})
 
 
-def _rescale_checked(model: nn.Module, fit: Sample, one: Sample, ok: dict[str, list[str]],
+def _rescale_checked(model: nn.Module, fit: Sample, ok: dict[str, list[str]],
                      factors: dict[str, float], output_key: Any, mode: str, spread: float,
                      ranks: Ranks | None = None) -> tuple[float, str | None]:
     """Rescale each weight's alphas by its factor and check that the main output on ``fit``
-    is unchanged; if not (or if two identical forwards of ``one`` already differ: a random
-    op), undo exactly (saved tensors copied back).  With ``ranks`` the largest change and
-    noise over the ranks decide, the same way on every rank.  Returns the output's relative
-    change and why the rescaling was undone (None: kept)."""
+    is unchanged; if not (or if two identical forwards of ``fit`` already differ: a random
+    op), undo exactly (saved tensors copied back).  The identical forwards run on ``fit``
+    itself, not on one sample of it: a train-mode BatchNorm refuses a batch of one.  With
+    ``ranks`` the largest change and noise over the ranks decide, the same way on every rank.
+    Returns the output's relative change and why the rescaling was undone (None: kept)."""
     y0 = _output(model, fit, output_key, mode)
-    noise = _rel_change(_output(model, one, output_key, mode),
-                        _output(model, one, output_key, mode))
+    noise = _rel_change(_output(model, fit, output_key, mode), y0)
     saved = {w: (model.get_parameter(w).detach().clone(),
                  [model.get_buffer(b_).detach().clone() for b_ in ok[w]]) for w in factors}
     for w, c in factors.items():

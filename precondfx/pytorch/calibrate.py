@@ -328,10 +328,12 @@ def _input_hint(model: nn.Module, sample: Sample, e: BaseException) -> str:
 
 
 def output_std(out: object, key: str | int | None = None) -> float:
-    """Population std (correction 0) over all elements of the main output, in float64."""
+    """Population std (correction 0) over all elements of the main output, in float64 (a
+    complex output in complex128: the std of its values, sqrt E|z - mean|^2, not of their real
+    parts, which a cast to float64 would keep)."""
     t = main_output(out, key).detach()
     check_calibratable(t)
-    return float(t.to(torch.float64).std(correction=0))
+    return float(t.to(torch.complex128 if t.is_complex() else torch.float64).std(correction=0))
 
 
 def _not_real(t: Any) -> bool:

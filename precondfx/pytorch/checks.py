@@ -65,8 +65,18 @@ def check_model(model: nn.Module) -> None:
       every fan-based rule divides by zero;
     * TorchScript modules (no hooks, no faithful deep copy): script the result instead;
     * weights offloaded by accelerate (the parameters are meta placeholders, the values sit in
-      the hook's weights map): precondition before dispatching.
+      the hook's weights map): precondition before dispatching;
+    * parameters made under ``torch.inference_mode()`` (inference tensors): they cannot be
+      trained or measured; build the model outside it.
     """
+    frozen = [n for n, p in model.named_parameters()
+              if not isinstance(p, nn.parameter.UninitializedParameter) and p.is_inference()]
+    if frozen:
+        raise PrecondError(
+            f"{len(frozen)} parameter(s) of the model, e.g. {frozen[0]}, are inference tensors "
+            f"(the model was built or loaded inside torch.inference_mode()): they can be neither "
+            f"trained nor measured. Build or load the model outside torch.inference_mode() "
+            f"(torch.no_grad() is fine), or clone its parameters there")
     offloaded = [path or "the model itself" for path, m in model.named_modules()
                  if _offloaded(getattr(m, "_hf_hook", None))]
     if offloaded:
@@ -232,12 +242,15 @@ def at_user_limit() -> Iterator[None]:
 def guarded(fn: F) -> F:
     """Turn Python's recursion limit into a PrecondError saying how to raise it (deeply nested
     modules: a chain of 300 ``nn.Sequential`` already exceeds the default limit), and running
-    out of memory into one saying what to do (the original error is its ``__cause__``)."""
+    out of memory into one saying what to do (the original error is its ``__cause__``).
+    A call inside ``torch.inference_mode()`` runs as one outside it: tensors made in that mode
+    cannot be trained (the result's re-drawn weights would be inference tensors) and measured
+    balancing needs autograd."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         model = next((a for a in args if isinstance(a, torch.nn.Module)), None)
         try:
-            with deep_enough(model):
+            with deep_enough(model), torch.inference_mode(False):
                 return fn(*args, **kwargs)
         except RecursionError as e:
             lim = sys.getrecursionlimit()

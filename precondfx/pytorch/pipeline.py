@@ -153,6 +153,19 @@ def input_arrays(s: Sample, opts: Any) -> list:
             if t.is_floating_point() and t.device.type != "meta"]
 
 
+def input_rms(s: Sample) -> float | None:
+    """The rms of the sample's floating-point inputs, for the output scale's messages; None
+    without such an input (or on the meta device).  As ``core.calibration.input_second_moment``
+    (the ONNX path's) it leaves out the tensors with -inf, the additive masks (the only
+    non-finite inputs ``check_finite_sample`` lets through), computed without copies."""
+    ts = [t.detach() for t in s.tensors() if t.is_floating_point() and t.device.type != "meta"
+          and t.layout == torch.strided and t.numel() and bool(torch.isfinite(t).all())]
+    if not ts:
+        return None
+    sq = sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in ts)
+    return (sq / sum(t.numel() for t in ts)) ** 0.5
+
+
 def param_infos(model: nn.Module, user_scale: dict[str, float] | None = None
                 ) -> tuple[dict[str, ParamInfo], dict[str, str]]:
     """ParamInfo per canonical parameter name, and the alias -> canonical map for tied ones;
@@ -286,6 +299,16 @@ def prepare(st: TorchState) -> None:
             f"constants into the weights first (precondfx.fold(model) returns a plain model "
             f"that can be preconditioned again); precondfx.analyze(model, sample) shows what "
             f"it holds")
+    if already_preconditioned(model):       # analyze: say what it holds, first
+        held = [(n, b) for n, b in model.named_buffers() if PREFIX in n]
+        vals = ", ".join(f"{n}={float(b):.4g}" if b.numel() == 1 and b.device.type != "meta"
+                         else n for n, b in held[:8])
+        st.notes.insert(0, (
+            f"the model is already preconditioned: it holds {len(held)} precondfx constant(s) "
+            f"({vals}{', ...' if len(held) > 8 else ''}); the table classifies the rewritten "
+            f"model, precondfx's own products included, and precondition "
+            f"refuses it (precondfx.fold(model) gives the plain model with the constants in "
+            f"its weights)"))
     dt = float_dtype(model)
     if dt in (torch.float16, torch.bfloat16):
         if st.inplace:
@@ -295,6 +318,10 @@ def prepare(st: TorchState) -> None:
         st.dtype = dt
     st.modes = {name: m.training for name, m in model.named_modules()}
     st.work = model if st.inplace else copy_model(model, lenient=st.analysis)
+    if st.analysis and weight_side.sites(st.work):
+        # analyze on an fx result: its layers as module calls (the form fold reads), so that
+        # the capture sees each layer and its weight, not precondfx's fused layer() calls
+        st.work = weight_side.module_call_view(st.work)
     if st.dtype is not None:
         st.work = st.work.float()
         st.notes.append(f"model in {dt}: preconditioned and calibrated in float32, result cast "
@@ -315,6 +342,7 @@ def prepare(st: TorchState) -> None:
     st.input_arrays = input_arrays(s, st.opts)
     st.float_inputs = any(t.is_floating_point() for t in s.tensors())
     st.param_ids = {id(p) for p in model.parameters()}
+    st.input_rms = input_rms(s)
     if st.inplace:
         snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
         st.undo.append(lambda: _restore_state(model, snapshot))

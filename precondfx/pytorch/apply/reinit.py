@@ -47,8 +47,20 @@ def reinit(model: nn.Module, plan: Plan, seed: int | None = None, rng: str = "st
     their buffers (a no-op unless the model went through ``to_empty``)."""
     if rng not in shards.RNGS:
         raise PrecondError(f"rng={rng!r} is not one of {shards.RNGS}")
+    if not isinstance(model, nn.Module):
+        raise PrecondError(f"reinit takes the model (a torch.nn.Module) first, got "
+                           f"{type(model).__name__}")
+    if isinstance(plan, dict):     # the plan of a saved report (report.to_json()['plan'])
+        plan = Plan.from_dict(plan)
+    if not isinstance(plan, Plan):
+        hint = " (pass report.plan)" if hasattr(plan, "plan") else ""
+        raise PrecondError(f"reinit takes a plan (report.plan of precondition or analyze), got "
+                           f"{type(plan).__name__}{hint}")
     if seed is None:
         seed = int(plan.options.get("seed", 0))
+    else:       # the check precondition's seed= gets: 1.5, '3', -1 or True are refused
+        from precondfx.core.options import SEED_MAX, integer
+        seed = integer(0, SEED_MAX)("seed", seed)
     sharded = shards.is_sharded(model)
     named = dict(model.named_parameters(remove_duplicate=False))
     check_shapes(named, plan)

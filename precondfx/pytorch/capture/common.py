@@ -292,8 +292,8 @@ def as_sample(sample: Any, forward_kwargs: Mapping | None = None) -> Sample:
 
 
 def make_sample(sample: Any, forward_kwargs: Mapping | None = None) -> Sample:
-    """Normalize a user sample: a tensor, a PackedSequence or a namedtuple is one positional
-    input; a plain tuple or list holds the positional inputs (wrap a single list or dict input
+    """Normalize a user sample: a tensor, a PackedSequence, a namedtuple or a dataclass
+    instance is one positional input; a plain tuple or list holds the positional inputs (wrap a single list or dict input
     in a tuple: ``(batch,)``); a dict holds keyword inputs.  ``forward_kwargs`` must be a dict
     with string keys (PrecondError otherwise)."""
     from precondfx.core.options import mapping
@@ -301,16 +301,24 @@ def make_sample(sample: Any, forward_kwargs: Mapping | None = None) -> Sample:
     if isinstance(sample, Sample):
         return Sample(sample.args, {**sample.kwargs, **extra}, sample.batched, sample.batch_dim)
     if isinstance(sample, torch.Tensor) or _is_packed(sample) or (
-            isinstance(sample, tuple) and hasattr(sample, "_fields")):
+            isinstance(sample, tuple) and hasattr(sample, "_fields")) or (
+            dataclasses.is_dataclass(sample) and not isinstance(sample, type)):
         return Sample((sample,), extra)
     if isinstance(sample, (tuple, list)):
         return Sample(tuple(sample), extra)
     if isinstance(sample, Mapping):
+        both = sorted(k for k in extra if k in sample)
+        if both:    # one would silently win over the other
+            raise PrecondError(
+                f"the keyword(s) {both} are both in the sample dict and in forward_kwargs (or "
+                f"given as extra keywords) with their own values: pass each once, in the "
+                f"sample dict or in forward_kwargs")
         return Sample((), {**dict(sample), **extra})
     raise PrecondError(
         f"sample must be a tensor, a tuple of positional inputs or a dict of keyword inputs, "
         f"got {type(sample).__name__}: pass what you would call the model with, e.g. "
-        f"precondition(model, torch.randn(8, 3, 32, 32))")
+        f"precondition(model, torch.randn(8, 3, 32, 32)); a single input of another type goes "
+        f"in a tuple, precondition(model, (batch,))")
 
 
 def output_path(out: Any, key: str | int | None = None) -> list:
