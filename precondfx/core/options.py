@@ -48,6 +48,9 @@ LR_SCALE_REMOVED = {
             "Use the default (lr_scale='auto') with AdamW"}
 #: optimizer= values: the family whose learning rate ``lr=`` is (precondfx.pytorch.lr_target)
 OPTIMIZERS = ("sgd", "adam", "adamw")
+#: measured balancing keeps one statistic per sample and weight: beyond this many the standard
+#: error (falling as 1/sqrt(n)) gains nothing a user needs, and the arrays grow without bound
+MAX_BALANCE_SAMPLES = 4096
 #: seeds are handed to torch and numpy generators: a non-negative 63-bit integer
 SEED_MAX = 2 ** 63 - 1
 
@@ -169,6 +172,10 @@ def capture_methods(name: str, v: Any) -> tuple[str, ...]:
     if ms is None or bad or not ms:
         raise PrecondError(f"{name}={bad or v!r} is not among {CAPTURE_METHODS}: pass one "
                            f"method or a list of them")
+    twice = sorted({m for m in ms if ms.count(m) > 1})
+    if twice:
+        raise PrecondError(f"{name}={v!r} names {twice} more than once: each method is tried "
+                           f"once, in the order given; list each one once")
     return ms
 
 
@@ -281,8 +288,9 @@ class Options:
                        "registry (precondfx.core.scheme.get_scheme)", cli="NAME")
     scheme_options: dict | None = _opt(None, mapping, "keyword arguments of the scheme",
                                        plan=False)
-    balance_samples: int = _opt(16, integer(1), "samples measured by measured balancing and "
-                                "measure=True", plan=False, cli="N")
+    balance_samples: int = _opt(16, integer(1, MAX_BALANCE_SAMPLES),
+                                "samples measured by measured balancing and measure=True (at "
+                                "most 4096)", plan=False, cli="N")
     measure: bool = _opt(False, flag, "measure the conditioning before and after",
                          plan=False)
     suggest_lr: bool = _opt(False, flag, "suggest SGD and Adam learning rates from the "

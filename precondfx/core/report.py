@@ -542,6 +542,10 @@ class Report:
     def save(self, path: str | os.PathLike) -> None:
         """Write the JSON report (atomically: a temporary file moved into place)."""
         path = os.fspath(path)
+        if os.path.isdir(path):
+            from precondfx.errors import PrecondError
+            raise PrecondError(f"{path} is a folder: give the report a file name "
+                               f"(e.g. {os.path.join(path, 'report.json')})")
         tmp = f"{path}.tmp{os.getpid()}"
         try:
             with open(tmp, "w") as f:

@@ -315,3 +315,20 @@ def test_a_parametrized_weight_is_kept_for_the_reason_it_is():
     for t in ("original0", "original1"):
         why = kept[f"0.parametrizations.weight.{t}"]
         assert "parametrization" in why and "scheme='wn'" in why and "position" not in why
+
+
+def test_option_values_that_hung_or_were_swallowed_are_refused(tmp_path):
+    """``balance_samples=10**9`` allocated its arrays up front and hung; ``capture=['fx',
+    'fx']`` was taken as it was; ``report.save(folder)`` raised a raw IsADirectoryError."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(16, 4)
+    with pytest.raises(precondfx.PrecondError, match=r"balance_samples=1000000000 must be an "
+                                                     r"integer in \[1, 4096\]"):
+        precondfx.precondition(model, x, balance_samples=10 ** 9)
+    with pytest.raises(precondfx.PrecondError, match=r"names \['fx'\] more than once"):
+        precondfx.precondition(model, x, capture=["fx", "fx"])
+    _, rep = precondfx.precondition(model, x, balance_samples=4096, balance="none")
+    with pytest.raises(precondfx.PrecondError, match="is a folder: give the report a file"):
+        rep.save(tmp_path)
+    rep.save(tmp_path / "r.json")
+    assert precondfx.Report.load(tmp_path / "r.json").output_scale == rep.output_scale
