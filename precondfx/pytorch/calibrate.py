@@ -293,17 +293,23 @@ def forward(model: nn.Module, sample: Sample, mode: str = "train") -> object:
         except Exception as e:  # the user's model raised: say so, keep the cause
             if is_out_of_memory(e):  # checks.guarded says what to do
                 raise
-            shapes = [tuple(t.shape) for t in sample.tensors()]
-            if "more than 1 value per channel" in str(e):
-                raise PrecondError(
-                    f"the model's normalization layer needs more than one sample per channel in "
-                    f"train mode, and the calibration batch has shapes {shapes}: pass a batch of "
-                    f"at least two samples, or calibration='eval'") from e
-            raise PrecondError(
-                f"the model raised {type(e).__name__} when called with the sample (tensor shapes "
-                f"{shapes}): {e}. {_input_hint(model, sample, e)}Check that the sample is what "
-                f"the model's forward expects (a tensor, a tuple of positional inputs or a dict "
-                f"of keyword inputs)") from e
+            raise model_raised(model, sample, e) from e
+
+
+def model_raised(model: nn.Module, sample: Sample, e: BaseException) -> PrecondError:
+    """The PrecondError for a forward of the user's model on the sample that raised ``e``:
+    what it raised, with the shapes, and a hint where the inputs' device or dtype explains it."""
+    shapes = [tuple(t.shape) for t in sample.tensors()]
+    if "more than 1 value per channel" in str(e):
+        return PrecondError(
+            f"the model's normalization layer needs more than one sample per channel in "
+            f"train mode, and the calibration batch has shapes {shapes}: pass a batch of "
+            f"at least two samples, or calibration='eval'")
+    return PrecondError(
+        f"the model raised {type(e).__name__} when called with the sample (tensor shapes "
+        f"{shapes}): {e}. {_input_hint(model, sample, e)}Check that the sample is what "
+        f"the model's forward expects (a tensor, a tuple of positional inputs or a dict "
+        f"of keyword inputs)")
 
 
 def _input_hint(model: nn.Module, sample: Sample, e: BaseException) -> str:

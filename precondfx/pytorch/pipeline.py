@@ -366,11 +366,12 @@ def materialize_lazy(model: nn.Module, s: Sample) -> bool:
         with torch.random.fork_rng(devices=cuda), torch.no_grad():
             model.eval()
             s.call(model)
-    except Exception as e:  # noqa: BLE001 - the user's forward
-        raise PrecondError(f"the model has uninitialized lazy modules, and running it on the "
-                           f"sample to give them their shapes raised {type(e).__name__}: "
-                           f"{str(e)[:200]}. Check that the sample is what forward expects, "
-                           f"or run the model once on a batch first") from e
+    except PrecondError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's forward (run to size its lazy modules)
+        if checks.is_out_of_memory(e):
+            raise
+        raise cal.model_raised(model, s, e) from e
     finally:
         for m, training in modes.items():
             m.train(training)

@@ -31,7 +31,7 @@ BAD = [
     ({"seed": 2 ** 70}, "integer in"),
     ({"seed": -1}, "integer in"),
     ({"seed": True}, "a bool is not an integer"),
-    ({"balance_samples": -3}, "integer >= 1"),
+    ({"balance_samples": -3}, r"integer in \[1, 4096\]"),
     ({"balance_samples": 2.0}, "pass an int"),
     ({"scheme_options": {"bogus": 1}}, "not options of scheme='geometric'"),
     ({"scheme": "lsuv", "scheme_options": {"bogus": 1}}, "its options are"),
