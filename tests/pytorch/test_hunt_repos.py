@@ -1,0 +1,68 @@
+"""Defects found by running models written the way popular repositories write them (torchvision,
+timm, StyleGAN, DLRM, N-BEATS, FT-Transformer, TabNet, Perceiver, siamese nets...) through the
+pass on every back end; each test failed before its fix, named in its docstring."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import precondfx
+from tests.helpers import frozen
+
+
+class _Siamese(nn.Module):
+    """A siamese net as tutorials write it: one encoder called on both inputs, and the
+    contrastive loss computed in forward from the two embeddings."""
+
+    def __init__(self, margin: float = 1.0) -> None:
+        super().__init__()
+        self.cnn = nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Conv2d(8, 16, 3, 2),
+                                 nn.ReLU(), nn.Flatten(), nn.Linear(16 * 6 * 6, 32))
+        self.margin = margin
+
+    def forward_once(self, x: torch.Tensor) -> torch.Tensor:
+        return self.cnn(x)
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor, label: torch.Tensor):
+        o1, o2 = self.forward_once(x1), self.forward_once(x2)
+        d = F.pairwise_distance(o1, o2)
+        loss = torch.mean((1 - label) * d.pow(2) + label * torch.clamp(self.margin - d, min=0).pow(2))
+        return o1, o2, loss
+
+
+@pytest.mark.parametrize("capture", ["fx", "export", "eager"])
+def test_a_shared_encoder_keeps_the_loss_forward_computes(capture):
+    """On the fx back end the output scale went on the first call of the shared encoder's last
+    Linear inside the graph, so only one twin's embedding was scaled and the contrastive loss
+    forward returns changed (0.145 -> 4.80 on this net, the scale 5.6) while export and eager
+    left it as the user's.  Now a module called more than once takes the scale on the returned
+    value only, on every back end: the loss is the user's, the main output the user's times the
+    scale."""
+    g = torch.Generator().manual_seed(0)
+    sample = (torch.randn(16, 1, 16, 16, generator=g), torch.randn(16, 1, 16, 16, generator=g),
+              torch.randint(0, 2, (16,), generator=g).float())
+    torch.manual_seed(0)
+    model = _Siamese()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, rep = precondfx.precondition(model, sample, capture=capture, reinit_weights=False,
+                                          balance="none", residual="none", maxpool="keep")
+    assert isinstance(out, _Siamese)
+    sc = rep.output_scale
+    assert sc is not None and abs(sc - 1) > 0.1          # the test needs a real scale
+    with frozen(model):
+        o1, o2, loss = model(*sample)
+    with frozen(out):
+        p1, p2, ploss = out(*sample)
+    assert float((p1 - o1 * sc).abs().max()) <= 1e-5 * float((o1 * sc).abs().max())
+    assert float(ploss) == pytest.approx(float(loss), rel=1e-5)
+    # the default pass trains from the loss it returns: every parameter gets a finite gradient
+    out2, _ = precondfx.precondition(model, sample, capture=capture)
+    out2(*sample)[2].backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all()
+               for p in out2.parameters())
