@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from precondfx.core import beta as betalib
+from precondfx.core import classify
 from precondfx.core import fans as fanlib
 from precondfx.core import tokens as tokens_mod
 from precondfx.core import lr_mode, optable, residual_schedule
@@ -673,6 +674,7 @@ def _opaque_inits(n: Node, params: dict[str, ParamInfo], rule: str, put: Any) ->
 def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Options) -> None:
     inits = plan.inits
     rule = opts.init
+    derived = {p: n.name for n, ps in classify.derived_weights(graph) for p in ps}
     alpha_of: dict[str, float] = {}     # the constant on each weight: alpha / beta
     for lay in plan.layers:
         if lay.weight:
@@ -780,6 +782,13 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                 f"{join.name}): drawn at the rms of that output, measured on the calibration "
                 f"batch after re-initialization, so that the joined parts start at one scale",
                 list(info.shape), match=partner)
+            continue
+        if name in derived:
+            inits[name] = ParamInit(
+                name, "keep", None, f"the weight of {derived[name]}, computed in forward from "
+                f"it (e.g. an equalized learning rate's weight * constant): precondfx "
+                f"re-initializes only a weight passed to the layer as a parameter; left as is",
+                list(info.shape))
             continue
         why = ("a tensor of a parametrization (torch.nn.utils.parametrizations weight_norm, "
                "spectral_norm, ...): the weight it computes is left as is (scheme='wn' "

@@ -66,3 +66,47 @@ def test_a_shared_encoder_keeps_the_loss_forward_computes(capture):
     out2(*sample)[2].backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all()
                for p in out2.parameters())
+
+
+class _EqualLinear(nn.Module):
+    """StyleGAN2's equalized-learning-rate linear (rosinality's port): the weight is stored at
+    unit scale and multiplied by a constant in forward."""
+
+    def __init__(self, d_in: int, d_out: int, lr_mul: float = 0.01) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_out, d_in).div_(lr_mul))
+        self.bias = nn.Parameter(torch.zeros(d_out))
+        self.scale, self.lr_mul = lr_mul / d_in ** 0.5, lr_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight * self.scale)
+        return F.leaky_relu(out + self.bias * self.lr_mul, 0.2) * 2 ** 0.5
+
+
+class _Mapping(nn.Module):
+    def __init__(self, d: int = 16, n: int = 3) -> None:
+        super().__init__()
+        self.style = nn.Sequential(*[_EqualLinear(d, d) for _ in range(n)])
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        z = z * torch.rsqrt(z.pow(2).mean(1, keepdim=True) + 1e-8)      # PixelNorm
+        return self.style(z)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export", "eager"])
+def test_a_weight_computed_from_a_parameter_is_named_not_called_missing(capture):
+    """A StyleGAN mapping network (equalized learning rate: ``F.linear(x, self.weight *
+    self.scale)``) was refused with "the model has no weighted layer ... there is nothing to
+    precondition", and analyze kept its weights as "read by an op that is not a weighted layer
+    (e.g. a position embedding, a class token...)".  Now the refusal and the report name each
+    layer whose weight is computed in forward, and from which parameter."""
+    model = _Mapping()
+    z = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(precondfx.PrecondError) as e:
+        precondfx.precondition(model, z, capture=capture)
+    msg = str(e.value)
+    assert "3 layer(s) take a weight computed in forward" in msg
+    assert all(f"style.{i}.weight" in msg for i in range(3))
+    rep = precondfx.analyze(model, z, capture=capture)
+    kept = {pi.name: pi.reason for pi in rep.plan.inits.values()}
+    assert all("computed in forward" in kept[f"style.{i}.weight"] for i in range(3))
