@@ -110,3 +110,38 @@ def test_a_weight_computed_from_a_parameter_is_named_not_called_missing(capture)
     rep = precondfx.analyze(model, z, capture=capture)
     kept = {pi.name: pi.reason for pi in rep.plan.inits.values()}
     assert all("computed in forward" in kept[f"style.{i}.weight"] for i in range(3))
+
+
+class _SplitAttention(nn.Module):
+    """nanoGPT's fused qkv (``.split``), CLIP's feature normalization (``.norm``) and an
+    ``.unflatten`` to heads: Tensor methods torch defines in Python, not in C."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.c_attn(x).split(x.shape[-1], dim=2)
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.c_proj(y.transpose(1, 2).flatten(2))
+        return y / y.norm(dim=-1, keepdim=True)
+
+
+def test_python_defined_tensor_methods_are_classified_on_the_eager_back_end():
+    """The eager tracer recorded ``Tensor.split``, ``Tensor.norm`` and ``Tensor.unflatten``
+    (plain Python functions in torch/_tensor.py, without ``__objclass__``) as unknown ops,
+    while fx and export classified them (select, reduce_other, reshape).  Now every back end
+    gives them the same kind."""
+    x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = _SplitAttention()
+    kinds = {}
+    for capture in ("fx", "eager"):
+        rep = precondfx.analyze(model, x, capture=capture)
+        assert not [r.name for r in rep.nodes if r.status == "unknown"], capture
+        kinds[capture] = sorted((r.name, r.kind) for r in rep.nodes
+                                if r.name.startswith(("split", "norm", "unflatten")))
+    assert kinds["eager"] == kinds["fx"] == [("norm", "reduce_other"), ("split", "select"),
+                                             ("unflatten", "reshape"), ("unflatten_1", "reshape"),
+                                             ("unflatten_2", "reshape")]
