@@ -145,3 +145,27 @@ def test_python_defined_tensor_methods_are_classified_on_the_eager_back_end():
     assert kinds["eager"] == kinds["fx"] == [("norm", "reduce_other"), ("split", "select"),
                                              ("unflatten", "reshape"), ("unflatten_1", "reshape"),
                                              ("unflatten_2", "reshape")]
+
+
+class _IndexHead(nn.Module):
+    """Integer results taken from activations, as seq2seq greedy decoding (``pred.argmax(1)``)
+    and TabNet (``.long()``) write them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.e, self.b = nn.Linear(8, 16), nn.Embedding(17, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(self.e(h.argmax(-1) + (h.sum(-1) > 0).long()))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export", "eager"])
+def test_argmax_and_integer_casts_are_classified(capture):
+    """``argmax`` was an unknown op on every back end and ``.long()`` on fx and eager (export
+    saw its ``aten.to``): now an index (no gradient flows through it) and a cast."""
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    rep = precondfx.analyze(_IndexHead(), x, capture=capture)
+    assert not [(r.name, r.target) for r in rep.nodes if r.status == "unknown"]
+    assert [r.kind for r in rep.nodes if r.name.startswith("argmax")] == ["constant"]
