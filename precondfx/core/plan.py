@@ -337,6 +337,14 @@ def _plan_pools(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                                          f"compute, which no training could undo",
                                          geometry=geo))
             continue
+        shared = _shared_producer(graph, n, module_calls)
+        if shared:
+            plan.pools.append(PoolChange(n.name, "keep", f"it pools the output of {shared}, a "
+                                         f"module called more than once (a siamese net's "
+                                         f"shared encoder): a replacement convolution per call "
+                                         f"would make the calls compute different functions",
+                                         geometry=geo))
+            continue
         # under the module that calls it (a shared pool module: the one holding it), so that
         # the new parameters are named within the user's module (``backbone.*``)
         owner = n.attrs.get("owner") or (n.module or "").rpartition(".")[0]
@@ -387,6 +395,17 @@ def _frozen_producer(graph: Graph, pool: Node, params: dict[str, ParamInfo]) -> 
     while cur is not None:
         if cur.status == optable.WEIGHTED:
             return (cur.module or cur.name) if _frozen_layer(graph, cur.name, params) else None
+        cur = graph.get(cur.inputs[0]) if cur.inputs else None
+    return None
+
+
+def _shared_producer(graph: Graph, pool: Node, module_calls: dict[str, int]) -> str | None:
+    """The weighted module whose output the pool takes (along the chain of first inputs, as
+    ``_frozen_producer``) when that module is called more than once; else None."""
+    cur = graph.get(pool.inputs[0]) if pool.inputs else None
+    while cur is not None:
+        if cur.status == optable.WEIGHTED:
+            return cur.module if cur.module and module_calls.get(cur.module, 0) > 1 else None
         cur = graph.get(cur.inputs[0]) if cur.inputs else None
     return None
 

@@ -169,3 +169,36 @@ def test_argmax_and_integer_casts_are_classified(capture):
     rep = precondfx.analyze(_IndexHead(), x, capture=capture)
     assert not [(r.name, r.target) for r in rep.nodes if r.status == "unknown"]
     assert [r.kind for r in rep.nodes if r.name.startswith("argmax")] == ["constant"]
+
+
+class _SiamesePool(_Siamese):
+    """The tutorial siamese net with a max-pool in its shared encoder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cnn = nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.MaxPool2d(2),
+                                 nn.Conv2d(8, 16, 3), nn.ReLU(), nn.Flatten(),
+                                 nn.Linear(16 * 5 * 5, 32))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export", "eager"])
+def test_a_max_pool_in_a_shared_encoder_is_not_replaced_per_call(capture):
+    """On the fx back end each call of the shared encoder's max-pool got a replacement
+    convolution of its own (``precondfx_pool_cnn_2``, ``precondfx_pool_cnn_9``), so the two
+    twins computed different functions: the contrastive loss was not symmetric in its two
+    inputs any more (242.6 against 280.0; export and eager kept the pool: 116.1 both ways).
+    Now a pool fed by a module called more than once is kept on every back end, with the
+    reason."""
+    g = torch.Generator().manual_seed(0)
+    x1, x2 = torch.randn(8, 1, 16, 16, generator=g), torch.randn(8, 1, 16, 16, generator=g)
+    label = torch.zeros(8)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, rep = precondfx.precondition(_SiamesePool(), (x1, x2, label), capture=capture)
+    with frozen(out):
+        a, b = out(x1, x2, label)[2], out(x2, x1, label)[2]
+    assert float(a) == pytest.approx(float(b), rel=1e-5)
+    assert not [n for n, _ in out.named_parameters() if "precondfx_pool" in n]
+    assert any(pc.action == "keep" and "called more than once" in pc.reason
+               for pc in rep.plan.pools)
