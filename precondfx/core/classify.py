@@ -19,7 +19,48 @@ def classify(graph: Graph) -> Graph:
         if n.kind == "unknown":
             n.reason = f"{n.target}: " + spec.reason
         _refine(n)
+    for n, made in derived_weights(graph):
+        n.reason = (f"{n.kind} whose weight is computed in forward from parameter(s) "
+                    f"{', '.join(made)} (e.g. an equalized learning rate's weight * constant): "
+                    f"precondfx re-initializes only a weight passed to the layer as a "
+                    f"parameter; left as is")
     return graph
+
+
+def derived_weights(graph: Graph) -> list[tuple[Node, list[str]]]:
+    """The conv/linear/embedding calls whose weight operand is an activation computed from
+    parameters and constants alone (``F.linear(x, self.weight * self.scale)``), each with
+    those parameters."""
+    by_name = {n.name: n for n in graph}
+    memo: dict[str, list[str] | None] = {}
+
+    def made_of(name: str, depth: int = 0) -> list[str] | None:
+        """The parameters a value is computed from, None if it depends on an input."""
+        if name in memo:
+            return memo[name]
+        n = by_name.get(name)
+        out: list[str] | None = None
+        if n is not None and n.kind != "input" and depth < 16:
+            out = list(n.params.values())
+            for src in n.inputs:
+                sub = made_of(src, depth + 1)
+                if sub is None:
+                    out = None
+                    break
+                out += [p for p in sub if p not in out]
+            if out is not None and not out:
+                out = None
+        memo[name] = out
+        return out
+
+    found = []
+    for n in graph:
+        if n.kind in ("conv", "conv_transpose", "linear", "embedding") and n.module is None \
+                and "weight" not in n.params:
+            made = [p for src in n.inputs for p in (made_of(src) or [])]
+            if made:
+                found.append((n, made))
+    return found
 
 
 def _refine(n: Node) -> None:

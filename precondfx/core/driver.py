@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from precondfx.core import calibration as cal
+from precondfx.core import classify
 from precondfx.core import options as options_mod
 from precondfx.core import tokens
 from precondfx.core.backend import Backend
@@ -187,6 +188,17 @@ def _run(stages: Sequence[Stage], st: State, until: str | None) -> State:
 def has_work(g: Graph, what: str) -> None:
     """Refuse a graph with nothing to precondition."""
     if not any(n.status == "weighted" for n in g) and not any(n.kind == "maxpool" for n in g):
+        derived = classify.derived_weights(g)
+        if derived:
+            where = "; ".join(n.name + " from " + ", ".join(p) for n, p in derived[:4])
+            raise PrecondError(
+                f"the model has no weighted layer precondfx can re-initialize: "
+                f"{len(derived)} layer(s) take a weight computed in forward from a parameter "
+                f"({where}"
+                f"{'...' if len(derived) > 4 else ''}), as an equalized learning rate "
+                f"(weight * constant) does; precondfx re-initializes only weights passed to "
+                f"the layer as parameters (nn.Linear, nn.Conv2d, F.linear(x, self.weight)). "
+                f"Train this model as it is, or write the layers as modules")
         raise PrecondError(f"the model has no weighted layer ({what}): there is nothing to "
                            f"precondition. Train this model as it is, or pass the model that "
                            f"holds the layers (its parameters)")

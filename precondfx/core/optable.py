@@ -376,7 +376,7 @@ OPS: tuple[OpSpec, ...] = (
            functions=_fns("T.to", "T.float", "T.half", "T.double", "T.type_as", "T.bfloat16",
                           "T.type"),
            methods=("to", "float", "half", "double", "type_as", "bfloat16", "type", "cpu",
-                    "cuda"),
+                    "cuda", "long", "int", "bool", "short", "byte", "char"),
            aten=("_to_copy", "type_as", "convert_element_type"), onnx=("Cast", "CastLike")),
     OpSpec("constant", STRUCTURAL,
            "builds a constant, reads a shape or attribute, or compares: no activation (and no "
@@ -391,8 +391,9 @@ OPS: tuple[OpSpec, ...] = (
                           "operator.invert", "operator.not_", "torch.meshgrid", "F.one_hot",
                           "torch.any", "torch.all", "torch.logical_not", "torch.isnan",
                           "torch.isinf", "torch.isfinite", "torch.sym_ite", "torch.sym_max",
-                          "torch.sym_min", "torch.sym_not", "torch.sym_int", "torch.sym_float"),
-           methods=("size", "dim", "numel", "new_zeros", "new_ones", "new_full", "new_empty",
+                          "torch.sym_min", "torch.sym_not", "torch.sym_int", "torch.sym_float",
+                          "torch.argmax", "torch.argmin"),
+           methods=("size", "dim", "numel", "argmax", "argmin", "new_zeros", "new_ones", "new_full", "new_empty",
                     "new_tensor", "zero_", "any", "all", "logical_not", "isnan", "isinf",
                     "isfinite", "masked_fill", "masked_fill_"),
            aten=("arange", "zeros", "ones", "full", "zeros_like", "ones_like", "full_like",
@@ -406,10 +407,11 @@ OPS: tuple[OpSpec, ...] = (
                  "ge", "expand_copy", "sym_stride", "sym_storage_offset", "_assert_async",
                  "lift", "scalar_tensor", "_check_is_size", "new_zeros", "new_ones",
                  "new_full", "new_empty", "zero_", "zero", "meshgrid", "one_hot", "any", "all",
-                 "isnan", "isinf", "isfinite", "logical_xor", "bitwise_xor"),
+                 "isnan", "isinf", "isfinite", "logical_xor", "bitwise_xor", "argmax",
+                 "argmin"),
            onnx=("Constant", "ConstantOfShape", "Shape", "Size", "Range", "Equal", "Less",
                  "Greater", "Not", "And", "Or", "Trilu", "EyeLike", "RandomNormal",
-                 "RandomNormalLike", "RandomUniform", "RandomUniformLike")),
+                 "RandomNormalLike", "RandomUniform", "RandomUniformLike", "ArgMax", "ArgMin")),
 )
 
 # Pseudo-kinds for graph boundaries, not operations.

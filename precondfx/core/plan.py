@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from precondfx.core import beta as betalib
+from precondfx.core import classify
 from precondfx.core import fans as fanlib
 from precondfx.core import tokens as tokens_mod
 from precondfx.core import lr_mode, optable, residual_schedule
@@ -336,6 +337,14 @@ def _plan_pools(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                                          f"compute, which no training could undo",
                                          geometry=geo))
             continue
+        shared = _shared_producer(graph, n, module_calls)
+        if shared:
+            plan.pools.append(PoolChange(n.name, "keep", f"it pools the output of {shared}, a "
+                                         f"module called more than once (a siamese net's "
+                                         f"shared encoder): a replacement convolution per call "
+                                         f"would make the calls compute different functions",
+                                         geometry=geo))
+            continue
         # under the module that calls it (a shared pool module: the one holding it), so that
         # the new parameters are named within the user's module (``backbone.*``)
         owner = n.attrs.get("owner") or (n.module or "").rpartition(".")[0]
@@ -386,6 +395,17 @@ def _frozen_producer(graph: Graph, pool: Node, params: dict[str, ParamInfo]) -> 
     while cur is not None:
         if cur.status == optable.WEIGHTED:
             return (cur.module or cur.name) if _frozen_layer(graph, cur.name, params) else None
+        cur = graph.get(cur.inputs[0]) if cur.inputs else None
+    return None
+
+
+def _shared_producer(graph: Graph, pool: Node, module_calls: dict[str, int]) -> str | None:
+    """The weighted module whose output the pool takes (along the chain of first inputs, as
+    ``_frozen_producer``) when that module is called more than once; else None."""
+    cur = graph.get(pool.inputs[0]) if pool.inputs else None
+    while cur is not None:
+        if cur.status == optable.WEIGHTED:
+            return cur.module if cur.module and module_calls.get(cur.module, 0) > 1 else None
         cur = graph.get(cur.inputs[0]) if cur.inputs else None
     return None
 
@@ -673,6 +693,7 @@ def _opaque_inits(n: Node, params: dict[str, ParamInfo], rule: str, put: Any) ->
 def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Options) -> None:
     inits = plan.inits
     rule = opts.init
+    derived = {p: n.name for n, ps in classify.derived_weights(graph) for p in ps}
     alpha_of: dict[str, float] = {}     # the constant on each weight: alpha / beta
     for lay in plan.layers:
         if lay.weight:
@@ -780,6 +801,13 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                 f"{join.name}): drawn at the rms of that output, measured on the calibration "
                 f"batch after re-initialization, so that the joined parts start at one scale",
                 list(info.shape), match=partner)
+            continue
+        if name in derived:
+            inits[name] = ParamInit(
+                name, "keep", None, f"the weight of {derived[name]}, computed in forward from "
+                f"it (e.g. an equalized learning rate's weight * constant): precondfx "
+                f"re-initializes only a weight passed to the layer as a parameter; left as is",
+                list(info.shape))
             continue
         why = ("a tensor of a parametrization (torch.nn.utils.parametrizations weight_norm, "
                "spectral_norm, ...): the weight it computes is left as is (scheme='wn' "

@@ -67,6 +67,11 @@ def for_function(fn: object) -> OpSpec | None:
         objclass = getattr(fn, "__objclass__", None) or getattr(fn, "__self__", None)
         if name and (objclass is torch.Tensor or objclass is torch._C.TensorBase):
             spec = _BY_METHOD.get(name)
+        elif name and getattr(fn, "__qualname__", None) == f"Tensor.{name}" and \
+                getattr(fn, "__module__", None) == "torch._tensor":
+            # methods torch defines in Python (Tensor.split, .norm, .unflatten): a plain
+            # function, no __objclass__
+            spec = _BY_METHOD.get(name)
     return spec
 
 

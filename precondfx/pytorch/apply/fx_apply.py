@@ -235,6 +235,19 @@ class FxApplier(TorchBackend, Records):
             return None
         b = buffer_name("output", "scale")
         self._buffer(b, 1.0)
+        if self._shared_call(node):
+            # a module called more than once (the twin encoder of a siamese net): scaling this
+            # call alone would change what forward computes from it and its twin's output (a
+            # contrastive loss), so only the returned value takes the scale, as on the eager
+            # back end
+            with self.gm.graph.inserting_before(out):
+                c = self.gm.graph.get_attr(b)
+                m = self.gm.graph.call_function(operator.mul, (target, c))
+            out.replace_input_with(target, m)
+            self._done("output", f"output scale on the returned value {target.name}: "
+                       f"{node.target} is called more than once, so the values forward "
+                       f"computes from its calls keep their scale", b)
+            return b
         with self.gm.graph.inserting_after(node):
             c = self.gm.graph.get_attr(b)
         with self.gm.graph.inserting_after(c):
@@ -244,6 +257,14 @@ class FxApplier(TorchBackend, Records):
                    f"{'' if node is target else ' up to ' + target.name}): every use inside "
                    f"forward sees it", b)
         return b
+
+    def _shared_call(self, node: fx.Node) -> bool:
+        """Whether ``node`` calls a module that the graph calls more than once."""
+        if node.op != "call_module":
+            return False
+        mod = self.gm.get_submodule(str(node.target))
+        return sum(1 for n in self.gm.graph.nodes if n.op == "call_module" and
+                   self.gm.get_submodule(str(n.target)) is mod) > 1
 
     def _producer(self, node: fx.Node) -> fx.Node:
         """Walk up from ``node`` through single-operand ops that keep the values (reshape, cast:
