@@ -11,7 +11,10 @@ offline).  Each test failed before the fix it names:
   first layer's output four times (64 hidden states for 5) and trained without its other
   encoder layers (48 parameters without gradients); ``output_hidden_states=True`` returned
   duplicates, and Llava (which reads its vision tower's hidden state -2) was refused by every
-  capture method.
+  capture method;
+* a depth head ending in ``(sigmoid(conv(h)) * max_depth).squeeze(1)`` inside its module
+  (GLPN): the bounded-output check looked at the module's last node only, so the output scale
+  (0.77) was applied and the predicted depth could never exceed 7.7 of ``max_depth`` 10.
 """
 from __future__ import annotations
 
@@ -122,3 +125,20 @@ def test_llava_reading_a_vision_hidden_state_preconditions(tmp_path) -> None:
     res, rep = _pre(model, {**batch, "labels": ids}, use_cache=False)
     assert abs(float(_logits(res, batch, use_cache=False).std()) - 1.0) < 0.1
     _reloads(res, batch, tmp_path, use_cache=False)
+
+
+def test_sigmoid_times_a_depth_range_keeps_its_range() -> None:
+    torch.manual_seed(0)
+    model = tf.GLPNForDepthEstimation(tf.GLPNConfig(
+        num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+        num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2],
+        decoder_hidden_size=16, drop_path_rate=0.0, max_depth=10))
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with pytest.warns(RuntimeWarning, match="sigmoid"):
+        res, rep = precondfx.precondition(model, {"pixel_values": x})
+    assert rep.output_scale is None
+    big = 1e3 * torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        depth = res.eval()(pixel_values=big).predicted_depth
+    assert float(depth.min()) >= 0.0 and float(depth.max()) <= 10.0
+    assert float(depth.max()) > 7.8     # the full range is reachable

@@ -190,7 +190,11 @@ class OutputSearch:
         module that produces it, or of the graph node the model's output comes from."""
         if found is not None:
             nodes = [n for n in self.graph if n.module == found]
-            return bounded_output(nodes[-1].kind, nodes[-1].target) if nodes else None
+            why = bounded_producer(self.graph, nodes[-1].name) if nodes else None
+            if why is not None:
+                return why
+            # and the graph node the output comes from: a module whose forward ends in
+            # functions (GLPN's head: ``(sigmoid(conv(h)) * max_depth).squeeze(1)``)
         try:
             target = at_path(out, path) if out is not None else None
         except (KeyError, IndexError, TypeError, AttributeError):
