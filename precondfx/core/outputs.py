@@ -65,10 +65,24 @@ def bounded_output(kind: str | None, target: str = "", part: bool = False) -> st
 PASS_THROUGH = ("reshape", "cast", "select")
 
 
+def _scaled_sigmoid(graph: Any, node: Any) -> bool:
+    """A sigmoid's output times a number (GLPN's ``sigmoid(x) * max_depth``): a range
+    ``[0, k]``, a depth or a size in fixed units, that a scale would move.  A tanh times a
+    number is left alone: ``tanh(z / c) * c`` soft-caps logits (Gemma-2), which stay logits."""
+    shapes = getattr(node, "in_shapes", None)
+    if node.kind != "mul" or len(node.inputs) != 1 or node.params or shapes is None or \
+            len(shapes) != 1:
+        return False
+    src = graph.get(node.inputs[0])
+    return src is not None and src.kind == "saturating" and \
+        "sigmoid" in str(src.target).lower()
+
+
 def bounded_producer(graph: Any, name: str | None) -> str | None:
     """Why the value of ``graph`` node ``name`` cannot take the output scale (None when it can):
     ``bounded_output`` of the node, looked up through single-input reshapes, casts and
-    selections (``softmax(x).view(n, -1)``, an ONNX ``Identity`` after a ``Sigmoid``) and
+    selections (``softmax(x).view(n, -1)``, an ONNX ``Identity`` after a ``Sigmoid``), a sigmoid
+    times a number (``sigmoid(x) * max_depth``) and
     through every part of a concatenation (``cat([sigmoid(rgb), softplus(sigma)])``: a scale
     would take the bounded part out of its range too).  The one rule the fx, eager and ONNX
     back ends apply to the main output's producer."""
@@ -80,7 +94,8 @@ def bounded_producer(graph: Any, name: str | None) -> str | None:
         if node is None or node.name in seen:
             continue
         seen.add(node.name)
-        if node.kind in PASS_THROUGH and len(node.inputs) == 1 or node.kind == "concat":
+        if node.kind in PASS_THROUGH and len(node.inputs) == 1 or node.kind == "concat" or \
+                _scaled_sigmoid(graph, node):
             todo.extend((i, part or node.kind == "concat") for i in node.inputs)
             continue
         why = bounded_output(node.kind, node.target, part)

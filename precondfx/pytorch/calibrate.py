@@ -103,6 +103,11 @@ def checkpoint_as_call() -> Iterator[None]:
 _PLAIN = (int, float, bool, complex, str, bytes, type(None))
 
 
+#: a module's hook tables (``_forward_hooks``, ``_forward_pre_hooks_with_kwargs``,
+#: ``_forward_hooks_always_called``, ``_backward_hooks``, ``_state_dict_hooks``...)
+_HOOK_DICTS = ("hooks", "hooks_with_kwargs", "hooks_always_called")
+
+
 def _plain(v: object) -> bool:
     return isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(_plain(x) for x in v))
 
@@ -122,7 +127,8 @@ def preserved(model: nn.Module) -> Iterator[None]:
     """Restore, on exit and whatever runs inside, every module's train/eval flag, every buffer
     (BatchNorm running statistics, counters), every plain Python attribute of a module (numbers,
     strings, flags: a ``self.calls += 1`` in forward; the content of the module's own lists,
-    dicts and sets: a ``self.cache.append(y)``), the weights a forward renormalizes
+    dicts and sets: a ``self.cache.append(y)``), its hooks (one a forward registers is
+    removed), the weights a forward renormalizes
     (``nn.Embedding(max_norm=...)``) and the global random generators (a forward that draws
     noise): a measurement or calibration run leaves no trace."""
     mods = list(model.modules())
@@ -132,6 +138,11 @@ def preserved(model: nn.Module) -> Iterator[None]:
     # appends to ``self.cache`` gets its list back as it was, in place
     boxes = [(v, type(v)(v)) for m in mods for k, v in vars(m).items()
              if not k.startswith("_") and type(v) in (list, dict, set)]
+    # hooks a run registers go with the flag it sets (transformers' output-capturing hooks,
+    # installed once per model under ``_output_capturing_hooks_installed``): without the
+    # flag the next forward would install them again, each recording the hidden states
+    hooks = [(v, set(v)) for m in mods for k, v in vars(m).items()
+             if k.startswith("_") and k.endswith(_HOOK_DICTS) and isinstance(v, dict)]
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
     params = {name: p.detach().clone() for name, p in _renormed(model).items()}
     rng = torch.get_rng_state()
@@ -152,6 +163,9 @@ def preserved(model: nn.Module) -> Iterator[None]:
             for k in [k for k, v in d.items() if k not in old and _plain(v)]:
                 del d[k]  # a plain attribute the run added
             d.update(old)
+        for table, keys in hooks:
+            for k in [k for k in table if k not in keys]:
+                del table[k]
         for box, content in boxes:  # no == (tensors inside would compare elementwise)
             box.clear()
             box.update(content) if isinstance(box, (dict, set)) else box.extend(content)

@@ -166,11 +166,20 @@ class OutputSearch:
         if isinstance(target, torch.Tensor):
             now = _version(target)
             name = next((n for n, v in seen.get(id(target), []) if v == now), None)
-        if name is not None and calls.get(name, 0) == 1 and self._unique(name):
-            return name, out
         if not isinstance(target, torch.Tensor):
             return None, out
-        for cand in self._graph_candidates(tuple(target.shape)):
+        cands = self._graph_candidates(tuple(target.shape))
+        if name is not None and calls.get(name, 0) == 1 and self._unique(name):
+            # a head module returning ``self.proj(h).squeeze(-1)`` (ELECTRA's discriminator):
+            # its own layer inside, whose output the main output is a reshape of, carries the
+            # scale in its weight, so checkpoints fold
+            inner = [c for c in cands if c.startswith(name + ".")]
+            for cand in inner:
+                if calls.get(cand, 0) == 1 and self._unique(cand) and \
+                        self._scales_output(cand, path, run, target):
+                    return cand, out
+            return name, out
+        for cand in cands:
             if calls.get(cand, 0) == 1 and self._unique(cand) and \
                     self._scales_output(cand, path, run, target):
                 return cand, out
@@ -181,7 +190,11 @@ class OutputSearch:
         module that produces it, or of the graph node the model's output comes from."""
         if found is not None:
             nodes = [n for n in self.graph if n.module == found]
-            return bounded_output(nodes[-1].kind, nodes[-1].target) if nodes else None
+            why = bounded_producer(self.graph, nodes[-1].name) if nodes else None
+            if why is not None:
+                return why
+            # and the graph node the output comes from: a module whose forward ends in
+            # functions (GLPN's head: ``(sigmoid(conv(h)) * max_depth).squeeze(1)``)
         try:
             target = at_path(out, path) if out is not None else None
         except (KeyError, IndexError, TypeError, AttributeError):
