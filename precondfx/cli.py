@@ -126,7 +126,8 @@ class _Progress:
 # ---------------------------------------------------------------------------------------------
 def _shape(s: str) -> tuple[int, ...]:
     try:
-        dims = tuple(int(x) for x in s.lower().replace(",", "x").split("x") if x)
+        # every field a number: '16xx20' or 'x16' is a typo (a dim left out), not 16x20 or 16
+        dims = tuple(int(x) for x in s.strip().lower().replace(",", "x").split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a shape like 8x3x32x32, got {s!r}")
     if not dims or any(d < 1 for d in dims):

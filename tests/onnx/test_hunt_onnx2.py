@@ -103,3 +103,16 @@ def test_zero_output_with_kept_weights_blames_the_weights_not_the_batch(tmp_path
     assert not (tmp_path / "o.onnx").exists()
     rep = precondition_onnx(p, str(tmp_path / "o.onnx"), feeds={"x": x.numpy()})
     assert rep.output_std_after == pytest.approx(1.0, rel=1e-3)   # re-initialized: fine
+
+
+@pytest.mark.parametrize("shape", ["16xx20", "x16", "8x3x"])
+def test_sample_shape_with_an_empty_field_is_refused(shape, capsys):
+    """``--sample-shape 16xx20`` (a dim left out) ran with a 16x20 sample and ``x16`` with a
+    sample of shape (16,): the empty fields were dropped silently."""
+    from precondfx.cli import main
+    try:
+        rc = main(["precondition", "tests.zoo:mlp", "--sample-shape", shape, "-o", "never.pt"])
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2
+    assert f"expected a shape like 8x3x32x32, got {shape!r}" in capsys.readouterr().err
