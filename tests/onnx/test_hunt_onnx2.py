@@ -116,3 +116,22 @@ def test_sample_shape_with_an_empty_field_is_refused(shape, capsys):
         rc = e.code
     assert rc == 2
     assert f"expected a shape like 8x3x32x32, got {shape!r}" in capsys.readouterr().err
+
+
+def test_shape_run_leaves_the_graph_outputs_as_they_were(tmp_path):
+    """The run that reads the lost shapes adds graph outputs and takes them away again; taken
+    away with ``del outputs[n:]``, onnx_ir kept the values flagged as graph outputs, and a later
+    probe of one (a Perceiver's latent array matched at its layer's output rms) was refused by
+    onnxruntime as 'Invalid output name'."""
+    import onnx_ir as ir
+    from precondfx.onnx.capture import infer_shapes
+    legacy, _ = _export(tmp_path, dynamo=False)
+    m = ir.load(legacy)
+    outs = list(m.graph.outputs)
+    shapes = infer_shapes(m, {}, 4)
+    assert shapes[next(n for n in m.graph if n.op_type == "Slice").outputs[0].name][0] == \
+        (4, 4, 4, 4)
+    assert list(m.graph.outputs) == outs
+    flagged = [v.name for n in m.graph for v in n.outputs
+               if v.is_graph_output() and v not in outs]
+    assert flagged == []

@@ -144,7 +144,8 @@ def _observed(model: ir.Model, inferred: dict[str, tuple]) -> dict[str, tuple]:
     except Exception:       # best effort, as ONNX inference: the later stages say what fails
         return {}
     finally:
-        del g.outputs[n_out:]
+        while len(g.outputs) > n_out:     # pop(): the values forget being graph outputs
+            g.outputs.pop()
         for v, t, sh in saved:
             v.type, v.shape = t, sh
     out = {}
