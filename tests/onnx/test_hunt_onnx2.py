@@ -135,3 +135,43 @@ def test_shape_run_leaves_the_graph_outputs_as_they_were(tmp_path):
     flagged = [v.name for n in m.graph for v in n.outputs
                if v.is_graph_output() and v not in outs]
     assert flagged == []
+
+
+_BN_MODULE = '''
+import torch, torch.nn as nn
+def build():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                      nn.Flatten(), nn.Linear(8 * 6 * 6, 5))
+    return m, torch.randn(16, 3, 6, 6) * 3 + 1
+'''
+
+
+def test_onnx_export_of_a_train_calibrated_batchnorm_model_says_its_std(tmp_path, monkeypatch,
+                                                                         capsys):
+    """``precondfx precondition mod:build -o out.onnx`` calibrates in train mode (batch
+    statistics) and exports the eval-mode graph (running statistics): the file's output std on
+    the sample was far from the target (ShuffleNetV2: 3.9 for 1.0) and nothing said so."""
+    import onnxruntime as ort
+    from precondfx.cli import main
+    (tmp_path / "bnmod_hunt2.py").write_text(_BN_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = str(tmp_path / "bn.onnx")
+    assert main(["precondition", "bnmod_hunt2:build", "-o", out]) == 0
+    err = capsys.readouterr().err
+    sess = ort.InferenceSession(out, providers=["CPUExecutionProvider"])
+    import bnmod_hunt2
+    _, x = bnmod_hunt2.build()
+    std = float(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0].std())
+    assert abs(std - 1.0) > 0.05
+    import re
+    said = re.search(r"output std on the sample is ([0-9.e+-]+), not 1", err)
+    assert said and float(said.group(1)) == pytest.approx(std, rel=1e-3), err
+    assert "--calibration eval" in err
+
+    out2 = str(tmp_path / "bn_eval.onnx")
+    assert main(["precondition", "bnmod_hunt2:build", "-o", out2, "--calibration", "eval"]) == 0
+    assert "--calibration eval to" not in capsys.readouterr().err
+    sess = ort.InferenceSession(out2, providers=["CPUExecutionProvider"])
+    y = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    assert float(y.astype(np.float64).std()) == pytest.approx(1.0, rel=1e-3)
