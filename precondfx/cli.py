@@ -126,7 +126,8 @@ class _Progress:
 # ---------------------------------------------------------------------------------------------
 def _shape(s: str) -> tuple[int, ...]:
     try:
-        dims = tuple(int(x) for x in s.lower().replace(",", "x").split("x") if x)
+        # every field a number: '16xx20' or 'x16' is a typo (a dim left out), not 16x20 or 16
+        dims = tuple(int(x) for x in s.strip().lower().replace(",", "x").split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a shape like 8x3x32x32, got {s!r}")
     if not dims or any(d < 1 for d in dims):
@@ -541,6 +542,10 @@ def _precondition_torch(args: argparse.Namespace) -> int:
     progress("done")
     if ext != ".onnx" and not args.quiet:
         _note(_load_hint(out, args.model, type(result).__name__))
+    if ext == ".onnx" and not args.quiet:
+        drift = _eval_drift(result, sample, report, args)
+        if drift:
+            _note(drift)
     if args.report:
         _write_report(report, args.report)
     if not args.quiet:
@@ -549,6 +554,34 @@ def _precondition_torch(args: argparse.Namespace) -> int:
         for p in _plot(report, args.plot):
             progress(f"wrote {p}")
     return 0
+
+
+def _eval_drift(model: Any, sample: Any, report: Any, args: argparse.Namespace) -> str | None:
+    """The .onnx file is the eval-mode graph (BatchNorm's running statistics, no dropout);
+    calibrated in train mode (the default), its output std on the sample can be far from the
+    target (ShuffleNetV2: 3.9 for 1.0): say so, and how to calibrate for the file."""
+    import torch
+
+    from precondfx.pytorch.capture.common import main_output
+    target = getattr(report, "target_std", None)
+    if args.calibration != "train" or not target or report.output_std_after is None:
+        return None
+    try:
+        with torch.no_grad():
+            was = model.training
+            model.eval()
+            y = model(**sample) if isinstance(sample, dict) else \
+                model(*sample) if isinstance(sample, tuple) else model(sample)
+            model.train(was)
+            std = float(main_output(y, getattr(args, "output_key", None)).double().std(correction=0))
+    except Exception:      # the note is a courtesy: the file was written and verified
+        return None
+    if abs(std - target) <= 1e-2 * target:
+        return None
+    return (f"the .onnx file is the model in eval mode, whose output std on the sample is "
+            f"{std:.4g}, not {target:g}: the output scale was calibrated in train mode "
+            f"(--calibration train, the default: batch statistics); pass --calibration eval to "
+            f"calibrate the graph the file holds")
 
 
 def _load_hint(out: str, spec: str, cls: str) -> str:

@@ -56,6 +56,13 @@ def solve_output_scale(std: float, target: float, reinit: bool = True,
         raise PrecondError(f"the model's output on the calibration batch has NaN/inf values "
                            f"{weights}; check the model for numerical issues")
     if std <= 1e-30:
+        if not reinit:     # the kept weights, more often than the data: a zero-initialized head
+            raise PrecondError(
+                f"the model's output has zero variance on the calibration batch {weights}, so no "
+                f"output scale can reach the target std: a layer whose weights are all zero (a "
+                f"classifier head initialized to zero, as torchvision's ViT does) makes the "
+                f"output constant; re-initialize the weights (reinit_weights=True, the default), "
+                f"use a batch of varied inputs, or pass target_std=None")
         raise PrecondError("the model's output has zero variance on the calibration batch, so no "
                            "output scale can reach the target std; use a batch of varied inputs, "
                            "or pass target_std=None")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -94,7 +95,67 @@ def infer_shapes(model: ir.Model, bindings: dict[str, int], leading: int
             out[vi.name] = (shape, int(tt.elem_type))
         return out
 
-    return call_stripped(model, fn)
+    out = call_stripped(model, fn)
+    out.update(_observed(model, out))
+    return out
+
+
+def _unknown(shape: tuple[int | None, ...] | None) -> bool:
+    return shape is None or any(d is None for d in shape)
+
+
+def _observed(model: ir.Model, inferred: dict[str, tuple]) -> dict[str, tuple]:
+    """Shapes ONNX inference left unknown (a Reshape to ``c // groups`` computed from ``Shape``,
+    a ``Slice`` with computed ends: common in ``dynamo=False`` exports), read from one
+    onnxruntime run on zeros of the bound input shapes; without them the plan would lose what
+    depends on the spatial size (the zero-padding correction), unlike the same model's PyTorch
+    or other exports.  Best effort: {} when the inputs are not all bound or the run fails."""
+    from precondfx.onnx.calibrate import run, session_for_model
+
+    feeds = {}
+    for spec in real_inputs(model):
+        shape, elem = inferred.get(spec.name, (None, 0))
+        if _unknown(shape) or not elem:
+            return {}
+        try:
+            feeds[spec.name] = np.zeros(shape, onnx.helper.tensor_dtype_to_np_dtype(elem))
+        except Exception:
+            return {}
+    g = model.graph
+    seen = {v.name for v in g.outputs}
+    want = []
+    for node in g:
+        for v in node.outputs:
+            if v.name and v.name not in seen and _unknown(inferred.get(v.name, (None, 0))[0]) \
+                    and inferred.get(v.name, (None, 0))[1]:
+                want.append(v)
+                seen.add(v.name)
+    if not want:
+        return {}
+    n_out = len(g.outputs)
+    saved = [(v, v.type, v.shape) for v in want]
+    try:
+        for v in want:
+            if v.type is None:
+                v.type = ir.TensorType(ir.DataType(inferred[v.name][1]))
+            g.outputs.append(v)
+        sess = session_for_model(model)
+        got = run(sess, feeds, [v.name for v in want])
+    except Exception:       # best effort, as ONNX inference: the later stages say what fails
+        return {}
+    finally:
+        while len(g.outputs) > n_out:     # pop(): the values forget being graph outputs
+            g.outputs.pop()
+        for v, t, sh in saved:
+            v.type, v.shape = t, sh
+    out = {}
+    for v, y in zip(want, got):
+        known = inferred.get(v.name, (None, 0))[0]
+        shape = tuple(int(d) for d in np.shape(y))
+        if known is None or (len(known) == len(shape) and
+                             all(k is None or k == d for k, d in zip(known, shape))):
+            out[v.name] = (shape, inferred[v.name][1])
+    return out
 
 
 def symbolic_values(model: ir.Model, bindings: dict[str, int], leading: int,
