@@ -306,6 +306,25 @@ def conv_out(size: int, k: int, s: int, p: int, d: int) -> int:
     return (size + 2 * p - d * (k - 1) - 1) // s + 1
 
 
+def _producer_keeps_pool(graph: Graph, n: Node, params: dict[str, ParamInfo],
+                         module_calls: dict[str, int]) -> str | None:
+    """Why the max-pool ``n`` stays because of the layer it pools (None: it need not): a
+    frozen layer (replacing the pool would change what the frozen layers compute, which no
+    training could undo) or a module called more than once (one replacement per call would
+    make the calls compute different functions)."""
+    frozen = _frozen_producer(graph, n, params)
+    if frozen:
+        return (f"it pools the output of {frozen}, whose weight is frozen (requires_grad="
+                f"False): replacing it would change what the frozen layers compute, which no "
+                f"training could undo")
+    shared = _shared_producer(graph, n, module_calls)
+    if shared:
+        return (f"it pools the output of {shared}, a module called more than once (a siamese "
+                f"net's shared encoder): a replacement convolution per call would make the "
+                f"calls compute different functions")
+    return None
+
+
 def _plan_pools(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Options) -> None:
     users = graph.users()
     module_calls: dict[str, int] = {}
@@ -329,21 +348,9 @@ def _plan_pools(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
             plan.pools.append(PoolChange(n.name, "keep", "its input shape is unknown, so a "
                                          "replacement of the same geometry cannot be built"))
             continue
-        frozen = _frozen_producer(graph, n, params)
-        if frozen:
-            plan.pools.append(PoolChange(n.name, "keep", f"it pools the output of {frozen}, "
-                                         f"whose weight is frozen (requires_grad=False): "
-                                         f"replacing it would change what the frozen layers "
-                                         f"compute, which no training could undo",
-                                         geometry=geo))
-            continue
-        shared = _shared_producer(graph, n, module_calls)
-        if shared:
-            plan.pools.append(PoolChange(n.name, "keep", f"it pools the output of {shared}, a "
-                                         f"module called more than once (a siamese net's "
-                                         f"shared encoder): a replacement convolution per call "
-                                         f"would make the calls compute different functions",
-                                         geometry=geo))
+        why = _producer_keeps_pool(graph, n, params, module_calls)
+        if why:
+            plan.pools.append(PoolChange(n.name, "keep", why, geometry=geo))
             continue
         # under the module that calls it (a shared pool module: the one holding it), so that
         # the new parameters are named within the user's module (``backbone.*``)

@@ -18,51 +18,22 @@ offline).  Each test failed before the fix it names:
 """
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import precondfx
-from precondfx.integrations.hf import reattach
 
 tf = pytest.importorskip("transformers")
 
-V, T, B = 101, 12, 4
+# the first hunt's tiny sizes and helpers (ids, a quiet precondition, logits, the checkpoint
+# round trip)
+from tests.integrations.test_hf_hunt import V, _ids, _logits, _pre, _reloads  # noqa: E402
 _ENC = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
             vocab_size=V, max_position_embeddings=32, hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0)
 
 
-def _ids(seed: int = 1) -> torch.Tensor:
-    return torch.randint(3, V, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def _pre(model, batch: dict, **fwd):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return precondfx.precondition(model, batch, **fwd)
-
-
-def _logits(model, batch: dict, **fwd) -> torch.Tensor:
-    with torch.no_grad():
-        return model.eval()(**batch, **fwd).logits.double()
-
-
-def _reloads(res, batch: dict, tmp_path, **fwd) -> None:
-    """The checkpoint folds; from_pretrained (transformers alone) and reattach give the
-    result's logits."""
-    entry = res.config.precondfx
-    assert entry["checkpoints"] == "folded", entry["problems"]
-    ref = _logits(res, batch, **fwd)
-    res.save_pretrained(tmp_path)
-    back = type(res).from_pretrained(tmp_path)
-    assert not any("precondfx" in n for n, _ in back.named_buffers())
-    tol = 1e-5 * float(ref.abs().max())
-    assert float((_logits(back, batch, **fwd) - ref).abs().max()) <= tol
-    again = reattach(type(res).from_pretrained(tmp_path))
-    assert float((_logits(again, batch, **fwd) - ref).abs().max()) <= tol
 
 
 @pytest.mark.parametrize("masked", [False, True])   # export, and eager capture (padding)
