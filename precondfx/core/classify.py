@@ -7,18 +7,24 @@ layer (Sec. 7).  Nothing is skipped: every node ends with a status.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from precondfx.core import optable
 from precondfx.core.graph import Graph, Node
 
 
-def classify(graph: Graph) -> Graph:
-    """Fill ``status`` and ``reason`` of every node in place and return the graph."""
+def classify(graph: Graph, learned: Collection[str] | None = None) -> Graph:
+    """Fill ``status`` and ``reason`` of every node in place and return the graph.
+    ``learned``: the names of the model's parameters, so that a product with a buffer (a fixed
+    normalization constant, a temperature) is a product with a constant; None where the
+    front end cannot tell buffers from weights (ONNX initializers): every tensor operand is
+    then taken as learned."""
     for n in graph:
         spec = optable.BY_KIND.get(n.kind, optable.UNKNOWN_SPEC)
         n.status, n.reason = spec.status, spec.reason
         if n.kind == "unknown":
             n.reason = f"{n.target}: " + spec.reason
-        _refine(n)
+        _refine(n, learned)
     for n, made in derived_weights(graph):
         n.reason = (f"{n.kind} whose weight is computed in forward from parameter(s) "
                     f"{', '.join(made)} (e.g. an equalized learning rate's weight * constant): "
@@ -63,7 +69,7 @@ def derived_weights(graph: Graph) -> list[tuple[Node, list[str]]]:
     return found
 
 
-def _refine(n: Node) -> None:
+def _refine(n: Node, learned: Collection[str] | None = None) -> None:
     acts = len(n.inputs)
     if n.kind == "matmul":
         if "weight" in n.params:
@@ -87,7 +93,8 @@ def _refine(n: Node) -> None:
     elif n.kind == "mul":
         if acts >= 2:
             n.reason = "product of two activations (gating): breaks scaling"
-        elif any(k.startswith("operand") for k in n.params):
+        elif any(k.startswith("operand") and (learned is None or v in learned)
+                 for k, v in n.params.items()):
             n.reason = ("product with a learned parameter (layer scale): breaks scaling at "
                         "training time; left as is")
         else:

@@ -193,7 +193,7 @@ def capture_classify(model: nn.Module, s: Sample, methods: Any, mode: str, notes
     (``user_scale``: see ``param_infos``)."""
     cap = capture(model, s, (methods,) if isinstance(methods, str) else tuple(methods), mode)
     cap.graph.notes.extend(notes)
-    classify(cap.graph)
+    classify(cap.graph, {n for n, _ in model.named_parameters(remove_duplicate=False)})
     infos, canon = param_infos(model, user_scale)
     for n in cap.graph:
         n.params = {k: canon.get(v, v) for k, v in n.params.items()}

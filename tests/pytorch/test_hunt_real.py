@@ -332,3 +332,35 @@ def test_option_values_that_hung_or_were_swallowed_are_refused(tmp_path):
         rep.save(tmp_path)
     rep.save(tmp_path / "r.json")
     assert precondfx.Report.load(tmp_path / "r.json").output_scale == rep.output_scale
+
+
+class _BufferScaled(nn.Module):
+    """An input normalized by mean/std buffers, logits times a fixed temperature buffer, and a
+    learned per-feature gain (a parameter) for contrast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.full((1, 8), 0.5))
+        self.register_buffer("std", torch.full((1, 8), 0.25))
+        self.register_buffer("temp", torch.tensor(2.0))
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.gain = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a((x - self.mean) / self.std))
+        return self.b(h) * self.temp * self.gain
+
+
+@pytest.mark.parametrize("capture", ["fx", "export", "eager"])
+def test_a_product_with_a_buffer_is_a_product_with_a_constant(capture):
+    """Dividing by a std buffer or multiplying by a temperature buffer was classified "product
+    with a learned parameter (layer scale): breaks scaling"; a buffer is not learned, so it is
+    a scaling layer (Sec. 7), as a Python number is.  A product with a parameter stays one."""
+    x = torch.rand(32, 8, generator=torch.Generator().manual_seed(0))
+    _, rep = precondfx.precondition(_BufferScaled(), x, capture=capture)
+    rows = {n.name: n for n in rep.nodes if n.kind == "mul"}
+    assert len(rows) == 3, sorted(rows)
+    const = [n for n in rows.values() if n.reason.startswith("product with a constant")]
+    learned = [n for n in rows.values() if "learned parameter" in n.reason]
+    assert len(const) == 2 and all(n.status == "preserves" for n in const)
+    assert len(learned) == 1 and learned[0].status == "breaks"
