@@ -214,14 +214,13 @@ def plan(st: State) -> None:
     p.notes.extend(moot)
     st.scheme.plan(st.graph, p, st.params, st.opts)
     late = moot_init(st.resolved.user, st.opts, p)
-    p.notes.extend(late)
     st.in_scale = input_scale(st.opts, p, st.input_arrays)
     if st.in_scale is not None and st.float_inputs is False:
         late.append(f"input_scale={st.resolved.user.input_scale!r} has no effect: the model "
                     f"takes no floating-point input (token ids and other integer inputs are "
                     f"not scaled)")
-        p.notes.append(late[-1])
         st.in_scale = None
+    p.notes.extend(late)
     st.moot = moot + late       # the report lists them with what was not applied
     plan_io(p, st.opts, st.in_scale)
     if not (p.scales or p.pools or p.residuals or p.lr_mode or p.reasons

@@ -312,16 +312,17 @@ def _producer_keeps_pool(graph: Graph, n: Node, params: dict[str, ParamInfo],
     frozen layer (replacing the pool would change what the frozen layers compute, which no
     training could undo) or a module called more than once (one replacement per call would
     make the calls compute different functions)."""
-    frozen = _frozen_producer(graph, n, params)
-    if frozen:
-        return (f"it pools the output of {frozen}, whose weight is frozen (requires_grad="
-                f"False): replacing it would change what the frozen layers compute, which no "
-                f"training could undo")
-    shared = _shared_producer(graph, n, module_calls)
-    if shared:
-        return (f"it pools the output of {shared}, a module called more than once (a siamese "
-                f"net's shared encoder): a replacement convolution per call would make the "
-                f"calls compute different functions")
+    layer = _pooled_layer(graph, n)
+    if layer is None:
+        return None
+    if _frozen_layer(graph, layer.name, params):
+        return (f"it pools the output of {layer.module or layer.name}, whose weight is frozen "
+                f"(requires_grad=False): replacing it would change what the frozen layers "
+                f"compute, which no training could undo")
+    if layer.module and module_calls.get(layer.module, 0) > 1:
+        return (f"it pools the output of {layer.module}, a module called more than once (a "
+                f"siamese net's shared encoder): a replacement convolution per call would make "
+                f"the calls compute different functions")
     return None
 
 
@@ -392,29 +393,13 @@ def _plan_pools(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
         params[new_param[:-len("weight")] + "bias"] = ParamInfo((c,))
 
 
-def _frozen_producer(graph: Graph, pool: Node, params: dict[str, ParamInfo]) -> str | None:
-    """The layer (module path or node) whose output the pool takes, along the chain of first
-    inputs back to the nearest weighted layer (a normalization's affine weight passed through),
-    where that layer's weight is frozen; else None.  A frozen weight is left as is (no re-draw,
-    no alpha): a frozen feature extractor keeps computing what it computed, its pooling
-    included."""
+def _pooled_layer(graph: Graph, pool: Node) -> Node | None:
+    """The weighted layer whose output the pool takes: the nearest one along the chain of
+    first inputs (a normalization's affine weight passed through); None if there is none."""
     cur = graph.get(pool.inputs[0]) if pool.inputs else None
-    while cur is not None:
-        if cur.status == optable.WEIGHTED:
-            return (cur.module or cur.name) if _frozen_layer(graph, cur.name, params) else None
+    while cur is not None and cur.status != optable.WEIGHTED:
         cur = graph.get(cur.inputs[0]) if cur.inputs else None
-    return None
-
-
-def _shared_producer(graph: Graph, pool: Node, module_calls: dict[str, int]) -> str | None:
-    """The weighted module whose output the pool takes (along the chain of first inputs, as
-    ``_frozen_producer``) when that module is called more than once; else None."""
-    cur = graph.get(pool.inputs[0]) if pool.inputs else None
-    while cur is not None:
-        if cur.status == optable.WEIGHTED:
-            return cur.module if cur.module and module_calls.get(cur.module, 0) > 1 else None
-        cur = graph.get(cur.inputs[0]) if cur.inputs else None
-    return None
+    return cur
 
 
 def _try_fold(graph: Graph, pool: Node, geo: dict, users: dict, module_calls: dict

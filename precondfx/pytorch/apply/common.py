@@ -21,6 +21,12 @@ def buffer_name(tag: str, node: str, index: int | None = None) -> str:
     return f"{PREFIX}{tag}_{base}" + (f"_{index}" if index is not None else "")
 
 
+def first_param(model: torch.nn.Module) -> torch.Tensor | None:
+    """The model's first parameter, whose device, dtype and memory format a replacement pool
+    convolution takes (None for a model without parameters)."""
+    return next(iter(model.parameters()), None)
+
+
 def like_param(model: torch.nn.Module) -> torch.Tensor | None:
     """The parameter whose dtype and device the constants take: the floating one of the widest
     dtype (a model mixing bfloat16 and float32 layers gets float32 constants,

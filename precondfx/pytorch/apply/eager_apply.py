@@ -19,7 +19,7 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from precondfx.core.backend import Records
-from precondfx.pytorch.apply.common import (PREFIX, like_param, replacement_pool,
+from precondfx.pytorch.apply.common import (PREFIX, first_param, like_param, replacement_pool,
                                             restore_references, scalar_buffer,
                                             swap_references, times_first)
 from precondfx.pytorch.apply.eager_output import (LOSS_BEFORE_SCALE,  # noqa: F401 (used by
@@ -251,9 +251,6 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
         self._swapped: set[str] = set()
         self.output_module: str | None = None
 
-    def _like(self) -> torch.Tensor | None:
-        return next(iter(self.model.parameters()), None)
-
     def _register(self, mod: nn.Module, name: str, value: float) -> None:
         mod.register_buffer(name, scalar_buffer(value, like_param(self.model)))
         self.undo.append(("buffer", mod, name))
@@ -377,7 +374,7 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
                 self._replace(node.module, nn.Identity())
                 self._done(f"pool:{pc.node}", f"maxpool {pc.node} folded into {conv_node.module}")
             else:
-                mod = replacement_pool(pc, self._like())
+                mod = replacement_pool(pc, first_param(self.model))
                 self._replace(node.module, mod)
                 self._done(f"pool:{pc.node}",
                            f"maxpool {pc.node} replaced by {type(mod).__name__}")

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from precondfx.core.outputs import bounded_output, bounded_producer, skip_bounded
+from precondfx.core.outputs import bounded_producer, skip_bounded
 from precondfx.errors import PrecondError
 from precondfx.pytorch.apply.common import PREFIX, scale_at_path, times_first
 from precondfx.pytorch.capture.common import at_path, child, output_path
@@ -39,25 +39,26 @@ def fits(out: Any, path: list) -> bool:
     return isinstance(out, torch.Tensor)
 
 
-def mode_path(out: Any, path: list) -> list:
+def mode_path(out: Any, path: list) -> list | None:
     """The main output's path in this call's output: ``path`` (found in the calibration mode)
     where it fits, else the rule applied to this output (a model returning ``(logits, aux)``
-    in train mode and ``logits`` in eval: there the whole tensor)."""
+    in train mode and ``logits`` in eval: there the whole tensor); None where this output has
+    no floating-point tensor to scale."""
     if fits(out, path):
         return path
     try:
         return output_path(out)
     except PrecondError:
-        return path
+        return None
 
 
 def _root_output_hook(module: nn.Module, args: tuple, out: Any) -> Any:
     path = mode_path(out, list(getattr(module, PREFIX + "output_path")))
-    if not fits(out, path):     # no floating-point output in this call: nothing to scale
+    if path is None:        # no floating-point output in this call: nothing to scale
         return out
-    if internal_loss(out, list(path)):
+    if internal_loss(out, path):
         raise PrecondError(LOSS_BEFORE_SCALE)
-    return scale_at_path(out, list(path), getattr(module, PREFIX + "output_scale"))
+    return scale_at_path(out, path, getattr(module, PREFIX + "output_scale"))
 
 
 LOSS_BEFORE_SCALE = (
@@ -157,7 +158,7 @@ class OutputSearch:
         finally:
             for h in handles:
                 h.remove()
-        path = mode_path(out, path)
+        path = mode_path(out, path) or path
         try:
             target = at_path(out, path)
         except (KeyError, IndexError, TypeError, AttributeError):

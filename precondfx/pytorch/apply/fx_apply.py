@@ -13,8 +13,8 @@ import torch
 import torch.fx as fx
 
 from precondfx.core.backend import Records, key_of
-from precondfx.pytorch.apply.common import (buffer_name, like_param, replacement_pool,
-                                            scalar_buffer, swap_references)
+from precondfx.pytorch.apply.common import (buffer_name, first_param, like_param,
+                                            replacement_pool, scalar_buffer, swap_references)
 from precondfx.pytorch.apply.torch_backend import TorchBackend
 from precondfx.pytorch.capture.common import placeholder_values
 from precondfx.core.outputs import bounded_output, bounded_producer, skip_bounded
@@ -38,12 +38,6 @@ def _activation_args(node: fx.Node) -> list[fx.Node]:
     walk(node.args)
     walk(node.kwargs)
     return acts
-
-
-def _like(gm: fx.GraphModule) -> torch.Tensor | None:
-    for p in gm.parameters():
-        return p
-    return None
 
 
 def _set_submodule(gm: fx.GraphModule, path: str, mod: torch.nn.Module) -> None:
@@ -134,7 +128,7 @@ class FxApplier(TorchBackend, Records):
                     self._drop(str(node.target), torch.nn.Identity())
                 self._done(f"pool:{pc.node}", f"maxpool {pc.node} folded into {conv_node.target}")
                 continue
-            mod = replacement_pool(pc, _like(self.gm))
+            mod = replacement_pool(pc, first_param(self.gm))
             path = pc.new_param[:-len(".weight")] if pc.new_param else \
                 (str(node.target) if node.op == "call_module" else f"precondfx_pool_{pc.node}")
             self.replace(pc.node, mod, path)
@@ -226,8 +220,7 @@ class FxApplier(TorchBackend, Records):
             self._skip("output", "output", why)
             return None
         node = self._producer(target)
-        bounded = bounded_producer(self.core, node.name) if self.core is not None and \
-            node.name in self.kinds else \
+        bounded = bounded_producer(self.core, node.name) if node.name in self.kinds else \
             bounded_output(self.kinds.get(node.name), str(getattr(node.target, "__name__",
                                                                   node.target)))
         if bounded is not None:
