@@ -69,9 +69,8 @@ def _scaled_sigmoid(graph: Any, node: Any) -> bool:
     """A sigmoid's output times a number (GLPN's ``sigmoid(x) * max_depth``): a range
     ``[0, k]``, a depth or a size in fixed units, that a scale would move.  A tanh times a
     number is left alone: ``tanh(z / c) * c`` soft-caps logits (Gemma-2), which stay logits."""
-    shapes = getattr(node, "in_shapes", None)
-    if node.kind != "mul" or len(node.inputs) != 1 or node.params or shapes is None or \
-            len(shapes) != 1:
+    if node.kind != "mul" or len(node.inputs) != 1 or node.params or \
+            not getattr(node, "const_operands", 0):
         return False
     src = graph.get(node.inputs[0])
     return src is not None and src.kind == "saturating" and \

@@ -364,3 +364,32 @@ def test_a_product_with_a_buffer_is_a_product_with_a_constant(capture):
     learned = [n for n in rows.values() if "learned parameter" in n.reason]
     assert len(const) == 2 and all(n.status == "preserves" for n in const)
     assert len(learned) == 1 and learned[0].status == "breaks"
+
+
+class _DepthHead(nn.Module):
+    """A depth head as GLPN ends: ``sigmoid(...) * max_depth``, a range [0, 10] in metres."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.b(torch.relu(self.a(x)))) * 10.0
+
+
+@pytest.mark.parametrize("capture", ["fx", "export", "eager"])
+def test_a_sigmoid_times_a_number_keeps_its_range_on_every_back_end(capture):
+    """The rule that sees through ``sigmoid(x) * k`` required one recorded input shape, which
+    the fx capture never gives (it records one per argument, the number included): the fx
+    result scaled the depth head by 0.31 (range 0..3.1 of 10) while eager refused.  Every
+    back end now leaves it unscaled, with the warning."""
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out, rep = precondfx.precondition(_DepthHead(), x, capture=capture)
+    assert rep.capture == capture and rep.output_scale is None
+    assert any("sigmoid" in str(m.message) for m in w)
+    with torch.no_grad():
+        y = out(x)
+    assert 0.0 < float(y.min()) and float(y.max()) < 10.0 and float(y.max()) > 3.2
