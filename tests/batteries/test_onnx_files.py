@@ -34,9 +34,7 @@ import logging
 
 import os
 
-import subprocess
-
-import sys
+import types
 
 import warnings
 
@@ -69,7 +67,6 @@ from precondfx.cli import main
 
 
 TARGET = 1.0
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # -- models as people write them ------------------------------------------------------------------
@@ -357,24 +354,27 @@ def test_output_is_input_refused(tmp_path):
     assert _digest(src) == before
 
 
-def _cli(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "precondfx", *args, "--quiet"],
-                          capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=120)
+def _cli(capfd, *args):
+    """``precondfx ... --quiet`` in process (``main``, what ``python -m precondfx`` exits
+    with; the entry point itself: tests/onnx/test_cli.py): its exit code and what it wrote,
+    file-descriptor level included (onnxruntime's C++ log lines would be counted)."""
+    capfd.readouterr()
+    code = main([*args, "--quiet"])
+    out, err = capfd.readouterr()
+    return types.SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
-def test_cli_bad_paths_and_corrupt_file(tmp_path):
+def test_cli_bad_paths_and_corrupt_file(tmp_path, capfd):
     src = _export(MLP(), (torch.randn(4, 16),), str(tmp_path / "m.onnx"))
     before = _digest(src)
-    r = _cli("precondition", src, "-o", src)
+    r = _cli(capfd, "precondition", src, "-o", src)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    r = _cli("precondition", src, "-o", str(tmp_path / "nope" / "out.onnx"))
+    r = _cli(capfd, "precondition", src, "-o", str(tmp_path / "nope" / "out.onnx"))
     assert r.returncode == 2 and "does not exist" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(open(src, "rb").read()[:200])
-    r = _cli("precondition", str(bad), "-o", str(tmp_path / "o.onnx"))
+    r = _cli(capfd, "precondition", str(bad), "-o", str(tmp_path / "o.onnx"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not os.path.exists(tmp_path / "o.onnx")
     assert _digest(src) == before
