@@ -3,6 +3,7 @@ inputs shared by the whole batch (a (T, T) mask, EmbeddingBag offsets), PackedSe
 namedtuple samples; and bad inputs that must give a PrecondError saying what to do."""
 from __future__ import annotations
 
+import sys
 from collections import namedtuple
 
 import pytest
@@ -281,6 +282,15 @@ def _cli(*argv: str, block_onnx: bool = False, cwd: str | None = None
                           timeout=120, cwd=cwd)
 
 
+def _cli_in_process(capfd, *argv: str) -> tuple[int, str]:
+    """``precondfx.cli.main(argv)`` here (what ``python -m precondfx`` exits with): its exit
+    code and everything written to stderr, file-descriptor level included."""
+    from precondfx.cli import main
+    capfd.readouterr()
+    code = main(list(argv))
+    return code, capfd.readouterr().err
+
+
 def _onnx_file(tmp_path) -> str:
     import warnings
     m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -301,13 +311,13 @@ def test_cli_without_onnx_extra_hints_it(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def test_cli_huge_batch_is_one_line_exit_2(tmp_path):
+def test_cli_huge_batch_is_one_line_exit_2(tmp_path, capfd):
     src = _onnx_file(tmp_path)
-    r = _cli("precondition", src, "-o", str(tmp_path / "out.onnx"), "--batch",
-             str(10**14), "--quiet")
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "out of memory" in lines[0] and "--batch" in lines[0], r.stderr
+    code, err = _cli_in_process(capfd, "precondition", src, "-o", str(tmp_path / "out.onnx"),
+                                "--batch", str(10**14), "--quiet")
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "out of memory" in lines[0] and "--batch" in lines[0], err
     assert not (tmp_path / "out.onnx").exists()
 
 
@@ -383,16 +393,20 @@ def test_model_that_cannot_be_copied_asks_for_inplace():
     assert out_std(res.model, x) == pytest.approx(0.05, rel=1e-4)
 
 
-def test_cli_torch_model_huge_sample_shape_is_one_line_exit_2(tmp_path):
+def test_cli_torch_model_huge_sample_shape_is_one_line_exit_2(tmp_path, capfd, monkeypatch):
     (tmp_path / "tinymods.py").write_text(
         "import torch.nn as nn\n"
         "def build():\n"
         "    return nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 2))\n")
-    r = _cli("precondition", "tinymods:build", "--sample-shape", f"{10**12}x3x4", "-o",
-             str(tmp_path / "out.pt"), "--quiet", cwd=str(tmp_path))
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "out of memory" in lines[0], r.stderr
+    monkeypatch.chdir(tmp_path)                        # the CLI imports MODULE:FN from here
+    monkeypatch.setattr(sys, "path", list(sys.path))   # and puts the folder on sys.path
+    monkeypatch.delitem(sys.modules, "tinymods", raising=False)
+    code, err = _cli_in_process(capfd, "precondition", "tinymods:build", "--sample-shape",
+                                f"{10**12}x3x4", "-o", str(tmp_path / "out.pt"), "--quiet")
+    sys.modules.pop("tinymods", None)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "out of memory" in lines[0], err
 
 
 def test_large_output_scale_applied_with_a_warning_and_a_report_line():
