@@ -159,14 +159,16 @@ def run_ranks(worker: Any, world: int, out: str) -> list[dict]:
 
 @functools.lru_cache(maxsize=None)
 def cli_help(command: str) -> str:
-    """``python -m precondfx COMMAND --help`` from the repository root, wide enough that each
-    option stays on one line (run once per command and session: the text is fixed)."""
+    """What ``python -m precondfx COMMAND --help`` prints (``precondfx.cli.main``, which the
+    module entry point exits with, run in process), wide enough that each option stays on one
+    line (once per command and session: the text is fixed)."""
+    import contextlib
+    import io
     import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-m", "precondfx", command, "--help"],
-                         capture_output=True, text=True, cwd=root, timeout=120,
-                         env={**os.environ, "PYTHONPATH": root, "COLUMNS": "200"})
-    assert out.returncode == 0, out.stderr
-    return out.stdout
+    from unittest import mock
+
+    from precondfx.cli import main
+    out = io.StringIO()
+    with mock.patch.dict(os.environ, {"COLUMNS": "200"}), contextlib.redirect_stdout(out):
+        assert main([command, "--help"]) == 0
+    return out.getvalue()
