@@ -147,13 +147,27 @@ def gloo_rank(rank: int, port: int, world: int) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
+def _forked_rank(rank: int, worker: Any, port: int, out: str) -> None:
+    # one thread before any op: a forked child that enters an OpenMP parallel region the
+    # parent's threads served hangs (GNU libgomp); the ranks run one thread anyway (gloo_rank)
+    torch.set_num_threads(1)
+    worker(rank, port, out)
+
+
+def start_ranks(worker: Any, world: int, out: str) -> None:
+    """Run ``worker(rank, port, out)`` on ``world`` CPU processes, forked from this one (they
+    start with its imports instead of importing torch, precondfx and the test module again:
+    ~3 s per rank; each joins its own gloo group, none exists here), one thread each."""
+    import torch.multiprocessing as mp
+    mp.start_processes(_forked_rank, args=(worker, free_port(), out), nprocs=world, join=True,
+                       start_method="fork")
+
+
 def run_ranks(worker: Any, world: int, out: str) -> list[dict]:
     """Run ``worker(rank, port, out)`` on ``world`` CPU processes; each saves ``rank{r}.pt``
     into ``out``, which comes back as a list of dicts, by rank."""
     import os
-
-    import torch.multiprocessing as mp
-    mp.spawn(worker, args=(free_port(), out), nprocs=world, join=True)
+    start_ranks(worker, world, out)
     return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
 
 

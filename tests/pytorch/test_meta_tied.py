@@ -13,7 +13,7 @@ from torch import nn
 
 import precondfx
 from tests import zoo
-from tests.helpers import free_port, gloo_rank
+from tests.helpers import free_port, gloo_rank, start_ranks
 
 pytestmark = pytest.mark.skipif(not zoo.HAS_TRANSFORMERS, reason="transformers not installed")
 
@@ -249,8 +249,7 @@ def _tied_worker(rank: int, port: int, out: str) -> None:
 def test_two_rank_fsdp2_tied_gpt2_equals_single_process(tmp_path) -> None:
     import os
 
-    import torch.multiprocessing as mp
-    mp.spawn(_tied_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_tied_worker, 2, str(tmp_path))
     ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt")) for r in range(2)]
     assert all(r["tied"] for r in ranks)
     torch.manual_seed(0)
