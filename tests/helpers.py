@@ -99,8 +99,10 @@ def per_sample_ratios(model: nn.Module, weights: list[torch.Tensor], x: torch.Te
         r = (a + a.transpose(1, 2)) / 2
         grads = per(ws, x[idx], r)
         for j, gj in enumerate(grads):
-            # sum over the chunk of each sample's mean square, accumulated in float64
-            sq = float(torch.linalg.vector_norm(gj, dtype=torch.float64)) ** 2
+            # sum over the chunk of each sample's mean square, accumulated in float64 (each
+            # sample's norm in float32: relative error ~1e-7, 20x cheaper than a float64 copy)
+            per_norm = torch.linalg.vector_norm(gj.reshape(m, -1), dim=1)
+            sq = float(per_norm.double().pow(2).sum())
             acc[j] += sq / gj[0].numel() / w2[j]
         done += m
     return (acc / n).tolist()
