@@ -58,17 +58,23 @@ def at_log2(cell: dict, e: int) -> dict | None:
     return v
 
 
-def train_at(task: "T.Task", opt: str, lr: float, extra: dict | None = None
-             ) -> tuple[dict, list[float], list[float]]:
-    """Precondition each seed's framework-default model with ``lr=lr`` and train it at ``lr``
-    (the suite's trainer): median ± SE (and accuracy), per-seed losses, per-seed factors."""
+def train_at(task: "T.Task", opt: str, lr: float, extra: dict | None = None,
+             mode: str = "lr") -> tuple[dict, list[float], list[float]]:
+    """Precondition each seed's framework-default model with ``lr=lr`` (``mode="lr"``) or with
+    precondfx's defaults (``mode="default"``: ``lr='auto'``, its first step done by
+    ``precondfx.settle_rate`` because the suite's trainer steps its own batched SGD/AdamW, with
+    no ``torch.optim`` step to hook; ``tests/pytorch/test_first_step.py`` checks that it and a
+    torch.optim first step give one factor) and train it at ``lr`` (the suite's trainer):
+    median ± SE (and accuracy), per-seed losses, per-seed factors."""
     import precondfx
     models, facs = [], []
     for s in SEEDS:
         calib = task.get(task.sampler(s)[0])[0]
         model, _ = T.build(task, "default", s, calib, opt)
-        out, rep = precondfx.precondition(model, calib, seed=s, lr=lr, optimizer=opt,
-                                          **(extra or {}))
+        told = {"lr": lr, "optimizer": opt} if mode == "lr" else {}
+        out, rep = precondfx.precondition(model, calib, seed=s, **told, **(extra or {}))
+        if mode == "default":
+            precondfx.settle_rate(out, lr, opt)
         models.append(out.train())
         facs.append(rep.conditioning["lr_target"]["factor"])
     r = T.train_copies(task, models, [lr] * len(SEEDS), SEEDS, T.Hyper(opt), {}, "cpu")
@@ -82,7 +88,7 @@ def train_at(task: "T.Task", opt: str, lr: float, extra: dict | None = None
 
 
 def run(tasks: list[str], opts: list[str], offsets: list[int], tag: str,
-        extra: dict | None = None) -> None:
+        extra: dict | None = None, mode: str = "lr") -> None:
     C.setup(1)
     say = C.Progress("keep_rate_check")
     ref = suite_cells()
@@ -93,8 +99,9 @@ def run(tasks: list[str], opts: list[str], offsets: list[int], tag: str,
             cells = ref[tn][opt]
             for off in offsets:
                 e = cells["default"]["best_lr_log2"] + off
-                got, per_seed, facs = train_at(task, opt, 2.0 ** e, extra)
+                got, per_seed, facs = train_at(task, opt, 2.0 ** e, extra, mode)
                 row = {"task": tn, "optimizer": opt, "offset": off, "lr_log2": e, "keep": got,
+                       "mode": mode,
                        "options": {k: str(v) for k, v in (extra or {}).items()},
                        "per_seed": per_seed,
                        "factor_log2": [math.log2(f) for f in facs],
@@ -103,7 +110,7 @@ def run(tasks: list[str], opts: list[str], offsets: list[int], tag: str,
                        "pfx_best": {"best": cells["pfx"]["best"], "se": cells["pfx"]["se"],
                                     "lr_log2": cells["pfx"]["best_lr_log2"]}}
                 rows.append(row)
-                say(f"{tn} {opt} @2^{e}: lr= kept {_cell(got)} (factor "
+                say(f"{tn} {opt} @2^{e}: {mode} {_cell(got)} (factor "
                     f"2^{np.median(row['factor_log2']):.2f}); framework default "
                     f"{_cell(row['default'])}; precondfx default {_cell(row['pfx'])}")
     C.write_json(os.path.join(C.RESULTS, f"keep_rate_check_{tag}.json"),
@@ -111,7 +118,8 @@ def run(tasks: list[str], opts: list[str], offsets: list[int], tag: str,
                   "command": f"python bench/keep_rate_check.py --tasks {','.join(tasks)} "
                              f"--optimizers {','.join(opts)} --offsets="
                              f"{','.join(map(str, offsets))} --tag {tag}"
-                             + (" --lr-scale none" if extra else "")})
+                             + (" --lr-scale none" if extra else "")
+                             + (f" --mode {mode}" if mode != "lr" else "")})
 
 
 def _cell(v: dict | None) -> str:
@@ -121,6 +129,13 @@ def _cell(v: dict | None) -> str:
     se = v.get("se")
     return f"{v['best']:.4g} ± {se:.3g}{acc}" if se is not None and math.isfinite(se) \
         else f"{v['best']:.4g}{acc}"
+
+
+def _label(rows: list[dict]) -> str:
+    """The column of the runs merged: ``lr=`` given, or the defaults (``lr='auto'``)."""
+    modes = {r.get("mode", "lr") for r in rows}
+    return {frozenset({"lr"}): "`lr=` given", frozenset({"default"}): "defaults (`lr='auto'`)"
+            }.get(frozenset(modes), "this run")
 
 
 def merge(tags: list[str], out: str = "keep_rate_check") -> None:
@@ -139,8 +154,8 @@ def merge(tags: list[str], out: str = "keep_rate_check") -> None:
              "rate, from the suite; precondfx's default at its own chosen rate. Verdict: "
              "`train_suite.compare` (beyond 2 standard errors).", "",
              "| task | optimizer | rate (offset) | framework default | precondfx default | "
-             "**`lr=` given** | factor (log2, per seed) | vs framework default | vs precondfx "
-             "default | precondfx default at its rate |",
+             f"**{_label(rows)}** | factor (log2, per seed) | vs framework default | vs "
+             "precondfx default | precondfx default at its rate |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     words = {-1: "better", 0: "within noise", 1: "worse"}
     verdicts: dict[tuple[str, int], list[int]] = {}
@@ -173,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="octaves from the framework default's chosen rate, e.g. -1,0,1")
     ap.add_argument("--lr-scale", default="default", choices=("default", "none"),
                     help="none: lr_scale=None under lr= (the curvature route on every model)")
+    ap.add_argument("--mode", default="lr", choices=("lr", "default"),
+                    help="lr: precondition with lr= the rate; default: precondfx's defaults "
+                         "(lr='auto', as a torch.optim loop meets them)")
     ap.add_argument("--tag", default="all")
     ap.add_argument("--merge", default="", help="comma-separated tags of finished runs")
     ap.add_argument("--out", default="keep_rate_check", help="--merge: the table's file name")
@@ -182,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     run([t for t in a.tasks.split(",") if t], [o for o in a.optimizers.split(",") if o],
         [int(o) for o in a.offsets.split(",") if o], a.tag,
-        {"lr_scale": None} if a.lr_scale == "none" else None)
+        {"lr_scale": None} if a.lr_scale == "none" else None, a.mode)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,12 @@ from precondfx.pytorch import distributed
 from precondfx.pytorch.apply.reinit import reinit
 from precondfx.pytorch.capture.common import Sample
 from precondfx.pytorch.folding import fold, fold_problems
+from precondfx.pytorch.first_step import settle_rate
 
 # ``import precondfx.distributed`` is public API: the module lives in the PyTorch back end.
 _sys.modules.setdefault(__name__ + ".distributed", distributed)
 
 __version__ = "0.1.0"
-__all__ = ["precondition", "analyze", "reinit", "fold", "fold_problems", "Sample", "PrecondError",
+__all__ = ["precondition", "analyze", "reinit", "fold", "fold_problems", "settle_rate", "Sample",
+           "PrecondError",
            "Plan", "Options", "Report", "Result", "distributed", "init", "__version__"]

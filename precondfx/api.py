@@ -58,7 +58,7 @@ def _no_data_support(name: str, balance: str, input_scale: str, scheme: str) -> 
         Rule("balance", lambda v: v == "auto", REFUSE, balance),
         Rule("input_scale", lambda v: v == "auto", REFUSE, input_scale),
         Rule("scheme", _measures_data, REFUSE, scheme),
-        Rule("lr", lambda v: v is not None, REFUSE, LR_NEEDS_DATA),
+        Rule("lr", lambda v: v not in (None, "auto"), REFUSE, LR_NEEDS_DATA),
         Rule("suggest_lr", lambda v: v, REFUSE, LR_NEEDS_DATA.replace("lr= measures",
                                                                       "suggest_lr=True measures")),
     ))
@@ -86,7 +86,7 @@ SHARDED = Support("sharded model", (
     Rule("input_scale", lambda v: v == "auto", REFUSE,
          "input_scale='auto' would differ between ranks (each sees its own batch): pass a "
          "number or None"),
-    Rule("lr", lambda v: v is not None, REFUSE, LR_NEEDS_DATA),
+    Rule("lr", lambda v: v not in (None, "auto"), REFUSE, LR_NEEDS_DATA),
     Rule("scheme", _measures_data, REFUSE,
          "this scheme measures the model on each rank's own batch: use scheme='geometric'"),
 ))
@@ -127,7 +127,7 @@ def precondition(model: nn.Module, sample: Any, *, init: str = D.init,
                  target_std: float | None = D.target_std,
                  input_scale: float | str | None = D.input_scale,
                  output_key: str | int | None = D.output_key, seed: int = D.seed,
-                 lr_scale: str | None = D.lr_scale, lr: float | None = D.lr,
+                 lr_scale: str | None = D.lr_scale, lr: float | str | None = D.lr,
                  optimizer: str | None = D.optimizer, reinit_weights: bool = D.reinit,
                  inplace: bool = False,
                  capture: Any = D.capture, calibration: str = D.calibration,

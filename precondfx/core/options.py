@@ -207,6 +207,22 @@ def _opt(default: Any, check: Check, help: str, *, cli: bool | str = False, plan
 
 
 # ---------------------------------------------------------------------------------------------
+def fixed_lr(opts: Any) -> float | None:
+    """The rate ``lr=`` names (a number), or None (``'auto'`` or off)."""
+    v = getattr(opts, "lr", None)
+    return None if v is None or v == "auto" else float(v)
+
+
+def lr_auto(opts: Any) -> bool:
+    """Whether ``lr='auto'`` acts: the geometric scheme (the others set their own constants
+    from data), re-drawn weights (``reinit_weights=False`` keeps your weights, and your rate
+    with them, as ``lr_scale='auto'`` does), and not ``lr_scale='sgd'`` (whose one SGD factor
+    it would replace)."""
+    return getattr(opts, "lr", None) == "auto" and getattr(opts, "scheme", None) == \
+        "geometric" and getattr(opts, "lr_scale", None) != "sgd" and \
+        getattr(opts, "reinit", True) is not False
+
+
 @dataclass(frozen=True)
 class Options:
     """Options of the pass (the public keyword arguments of ``precondition``); checked when
@@ -264,14 +280,17 @@ class Options:
                                 "SGD rate across depths); None (on the command line 'none'): "
                                 "off ('adam' was removed; precondfx.pytorch.lr_transfer, "
                                 "docs/results/heldout_cpu.md)", cli="OPT")
-    lr: float | None = _opt(None, number("a positive learning rate", lambda x: x > 0, (None,)),
-                            "the learning rate your training uses (with optimizer=): every "
-                            "re-drawn layer's stored weight and bias are divided by one "
-                            "factor c, its output multiplied by c (the same function), so "
-                            "that the rewritten model's curvature-suggested rate for that "
-                            "optimizer is this rate (precondfx.pytorch.lr_target; "
-                            "report.conditioning['lr_target']); measured on the sample: "
-                            "not on the meta device")
+    lr: float | str | None = _opt(
+        "auto", number("a positive learning rate", lambda x: x > 0, (None, "auto")),
+        "the learning rate your training uses (with optimizer=): every re-drawn layer's stored "
+        "weight and bias are divided by one factor c, its output multiplied by c (the same "
+        "function), so that the rewritten model's curvature-suggested rate for that optimizer "
+        "is this rate (precondfx.pytorch.lr_target; report.conditioning['lr_target']); "
+        "measured on the sample: not on the meta device.  'auto' (default): a ceiling read "
+        "from your optimizer at its first step() when it is torch.optim.SGD: above the "
+        "suggested SGD rate, what lr= does with its peak rate; at or below it, and for "
+        "Adam-family optimizers, the storage lr_scale chose (precondfx.pytorch.first_step); "
+        "None: off")
     optimizer: str | None = _opt(None, optimizer_family,
                                  "the optimizer family lr= is a rate of: 'sgd' (momentum "
                                  "included) or 'adam'/'adamw'; required with lr=, read only "
@@ -305,17 +324,24 @@ class Options:
         for f in fields(self):
             object.__setattr__(self, f.name, f.metadata["check"](keyword_of(f), getattr(self,
                                                                                      f.name)))
-        if (self.lr is None) != (self.optimizer is None):
+        if self.lr == "auto" and self.optimizer is not None:
+            raise PrecondError(
+                f"optimizer={self.optimizer!r} without lr=: optimizer= says which optimizer's "
+                f"rate lr= is; pass lr= your rate with it, or drop optimizer= (by default, "
+                f"lr='auto' reads both from your optimizer at its first step)")
+        if self.lr == "auto":
+            pass
+        elif (self.lr is None) != (self.optimizer is None):
             raise PrecondError(
                 "lr= and optimizer= go together: lr= is the learning rate your training uses "
                 "and optimizer= ('sgd' or 'adam') says which optimizer's rate it is (an SGD "
                 "rate and an Adam rate move differently with the stored weight scale); got "
                 f"lr={self.lr!r}, optimizer={self.optimizer!r}")
-        if self.lr is not None and self.scheme != "geometric":
+        if fixed_lr(self) is not None and self.scheme != "geometric":
             raise PrecondError(f"lr= works with scheme='geometric' (scheme={self.scheme!r} "
                                f"sets its own per-layer constants from data after the plan): "
                                f"drop lr= or use the geometric scheme")
-        if self.lr is not None and self.lr_scale == "sgd":
+        if fixed_lr(self) is not None and self.lr_scale == "sgd":
             raise PrecondError(
                 "lr_scale='sgd' with lr=: both set the one factor every layer's stored weights "
                 "share (lr_scale='sgd': 3/depth; lr=: the factor that puts the suggested rate on "
@@ -482,7 +508,9 @@ class Resolved:
     scheme: Any = None
 
     def notes(self) -> list[str]:
-        return [c.note() for c in self.changes]
+        """The changes worth saying (a rule with no why turns off a default that cannot apply
+        and is not news: ``lr='auto'`` for an ONNX file, which precondfx does not train)."""
+        return [c.note() for c in self.changes if c.why]
 
 
 def apply_overrides(opts: Options, overrides: Iterable[Override], by: str

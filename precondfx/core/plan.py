@@ -20,6 +20,7 @@ from precondfx.core import tokens as tokens_mod
 from precondfx.core import lr_mode, optable, residual_schedule
 from precondfx.core.graph import Graph, Node
 from precondfx.core.options import (BALANCE_MODES, MAXPOOL_MODES, MEASURED, RESIDUAL_MODES,
+                               fixed_lr, lr_auto,
                                Options)
 
 # the options are defined in precondfx.core.options (re-exported here for older imports)
@@ -222,8 +223,9 @@ def make_plan(graph: Graph, params: dict[str, ParamInfo], opts: Options,
         plan.scales.append(Scale("alpha", lay.node, where, 0, lay.alpha,
                                  lay.alpha_reason or "alpha site for measured balancing"))
     _beta_sites(plan)
-    if plan.lr_mode is not None or getattr(opts, "lr", None) is not None:
-        _lr_sites(plan, params)     # lr= (precondfx.pytorch.lr_target) sets them too
+    if plan.lr_mode is not None or fixed_lr(opts) is not None or lr_auto(opts):
+        _lr_sites(plan, params)     # lr= (precondfx.pytorch.lr_target) sets them too, 'auto'
+                                    # at the optimizer's first step (pytorch.first_step)
     return plan
 
 
@@ -694,7 +696,7 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
     # whose factor lr_transfer divides, so that the plan keeps saying what the model holds
     lr_params = {p for lay in plan.layers for p in (lay.weight, lay.bias) if p} \
         if getattr(opts, "lr_scale", None) not in (None, "auto") or \
-        getattr(opts, "lr", None) is not None else set()
+        fixed_lr(opts) is not None or lr_auto(opts) else set()
 
     def put(name: str | None, pi: ParamInit, new: bool = False) -> None:
         """``new``: a parameter the pass creates (a max-pool's replacement conv): there is no

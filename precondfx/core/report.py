@@ -459,10 +459,13 @@ class Report:
         for k, vs in by.items():
             lo, hi = min(vs), max(vs)
             rng = f"{lo:.3g}" if f"{lo:.3g}" == f"{hi:.3g}" else f"{lo:.3g}..{hi:.3g}"
-            later = k == "lr" and (self.plan.options or {}).get("lr") is not None and \
-                "lr_target" not in self.conditioning
+            later = k == "lr" and (self.plan.options or {}).get("lr") not in (None, "auto") \
+                and "lr_target" not in self.conditioning
+            pending = k == "lr" and (self.conditioning.get("lr_target") or {}).get("pending")
             parts.append(f"{len(vs)} {k} = {rng}" + (" (lr=: precondition sets them from the "
-                                                     "measured curvature)" if later else ""))
+                                                     "measured curvature)" if later else
+                                                     " (lr='auto': set at your SGD optimizer's "
+                                                     "first step)" if pending else ""))
         if self.input_scale is not None:
             parts.append(f"input scale {self.input_scale:.4g}")
         if self.output_scale is not None:

@@ -56,8 +56,9 @@ ONNX = Support("ONNX back end", (
     Rule("measure", lambda v: v, REFUSE, f"measure=True {_TORCH_ONLY}"),
     # "auto" (the default) stays: an ONNX file declares no init std, so the plan leaves it off
     Rule("lr_scale", lambda v: v not in (None, "auto"), REFUSE, f"lr_scale= {_TORCH_ONLY}"),
-    Rule("lr", lambda v: v is not None, REFUSE, f"lr= (it measures curvature through torch) "
-         f"{_TORCH_ONLY}"),
+    Rule("lr", lambda v: v not in (None, "auto"), REFUSE, f"lr= (it measures curvature "
+         f"through torch) {_TORCH_ONLY}"),
+    Rule("lr", lambda v: v == "auto", None, ""),   # no optimizer step to read a rate from
     Rule("suggest_lr", lambda v: v, REFUSE, f"suggest_lr=True {_TORCH_ONLY}"),
     Rule("capture", lambda v: v != D.capture, REFUSE, f"capture= (a PyTorch capture method) "
          f"{_TORCH_ONLY}"),

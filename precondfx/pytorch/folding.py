@@ -336,6 +336,7 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
         return out
 
     per_call: dict[str, list[tuple[str, float]]] = {}
+    per_call_out: dict[str, list[tuple[str, float]]] = {}
     for n in gm.graph.nodes:
         if n.op != "get_attr" or not str(n.target).startswith(PREFIX):
             continue
@@ -346,6 +347,14 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
             if first is None:
                 sc.problems.append((what, f"used by {mul.name} ({mul.target}), not a plain "
                                     f"multiplication"))
+                continue
+            if v == 1.0:        # a product by exactly one (an lr multiplier never set): no-op
+                continue
+            if what.startswith(PREFIX + "lr") and first.op == "call_module" and \
+                    calls[str(first.target)] > 1 and set(first.users) == {mul}:
+                # an lr multiplier on the output of one call of a shared layer (lr= and
+                # lr='auto' give every call site of a weight one factor)
+                per_call_out.setdefault(str(first.target), []).append((what, v))
                 continue
             # where the eager back end puts it: the input of the linear modules reading it
             # (of each call of a module called several times), else the output of the module
@@ -377,6 +386,16 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
             desc = f"{src.op} {src.target}" if src.op != "placeholder" else "a model input"
             sc.problems.append((what, f"multiplies the output of {src.name} ({desc}), which "
                                 f"no module of your class can absorb exactly"))
+    for t, vals in per_call_out.items():   # every call's output scaled alike: its weights
+        mod = gm.get_submodule(t)
+        if len(vals) == calls[t] and _all_close([v for _, v in vals]) and \
+                kind(mod) is not None:
+            sc.add(sc.out, t, mod, vals[0][1])
+        else:
+            sc.problems.append((", ".join(w for w, _ in vals), f"module {t} is called "
+                                f"{calls[t]} times with {len(vals)} different output scales "
+                                f"({', '.join(f'{v:.4g}' for _, v in vals)}): its one weight "
+                                f"cannot carry them all"))
     for t, vals in per_call.items():   # a module called several times, scaled at each call
         mod = gm.get_submodule(t)
         if len(vals) == calls[t] and _all_close([v for _, v in vals]) and kind(mod) == "linear":
@@ -775,6 +794,8 @@ def _check_placed(plain: nn.Module, state: dict[str, torch.Tensor]) -> None:
 def strip(model: nn.Module) -> None:
     """Remove every precondfx buffer, hook and attribute from an eager-back-end model (in
     place; the weights are not touched)."""
+    from precondfx.pytorch.first_step import ATTR
+    model.__dict__.pop(ATTR, None)      # lr='auto''s pending first step: a plain model has none
     for mod in model.modules():
         for name in [b for b in mod._buffers if b.startswith(PREFIX)]:
             del mod._buffers[name]

@@ -62,11 +62,14 @@ def factor(suggested: float, lr: float, fam: str) -> float:
 def keep_rate(model: nn.Module, graph: Any, plan: Any, lr_buffers: dict[str, list[str]],
               lr: float, optimizer: str, measure: Callable[[str], float | None],
               planned: dict[str, float] | None = None, set_constant: Any = None,
-              say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+              say: Callable[[str], None] = lambda s: None, ceiling: bool = False
+              ) -> dict[str, Any]:
     """Scale every re-drawn layer by one factor until ``measure(family)`` (the suggested rate of
     ``model`` as it now is) is within :data:`TOLERANCE` octaves of ``lr`` (an Adam rate on a
-    plan whose ``lr_mode`` is ``"user"``: nothing, :func:`kept_for_adam`).  Returns the report
-    section (``conditioning["lr_target"]``)."""
+    plan whose ``lr_mode`` is ``"user"``: nothing, :func:`kept_for_adam`).  ``ceiling``: only
+    ever lower the effective rate (the total factor stays <= 1): a suggested rate at or above
+    ``lr`` is left as it is (``lr='auto'``, :mod:`precondfx.pytorch.first_step`).  Returns the
+    report section (``conditioning["lr_target"]``)."""
     fam = family(optimizer)
     if fam == "adam" and plan.lr_mode == "user":
         out = kept_for_adam(lr, optimizer)
@@ -81,8 +84,10 @@ def keep_rate(model: nn.Module, graph: Any, plan: Any, lr_buffers: dict[str, lis
                 abs(math.log2(rate / lr)) <= TOLERANCE:
             break
         c = min(max(factor(rate, lr, fam), 1.0 / (lim * total)), lim / total)
+        if ceiling:
+            c = min(c, 1.0 / total)
         if abs(math.log2(c)) < 1e-9:
-            break           # at the limit already
+            break           # at the limit already (or, with the ceiling, at or below it)
         lr_transfer.store(model, plan, ok, {w: c for w in ok}, why, planned, set_constant)
         total *= c
         before, rate = rate, measure(fam)
@@ -95,6 +100,9 @@ def keep_rate(model: nn.Module, graph: Any, plan: Any, lr_buffers: dict[str, lis
                            "suggested_before": first, "suggested_after": rate,
                            "layers": len(ok), "rounds": rounds, "left_out": dict(left)}
     out["summary"] = _summary(out, fam)
+    if ceiling and total == 1.0 and rate and rate >= lr:
+        out["summary"] = (f"lr={lr:.4g} ({optimizer}) is at or below the suggested {fam} rate "
+                          f"{rate:.4g}: storage kept (the ceiling only lowers a rate above it)")
     if not ok:
         out["warning"] = "lr=: no layer carries an lr multiplier; nothing was scaled"
     elif abs(math.log2(total)) >= FAR - 1e-9:
@@ -103,7 +111,7 @@ def keep_rate(model: nn.Module, graph: Any, plan: Any, lr_buffers: dict[str, lis
                           f"not {lr:.4g}: check that optimizer={optimizer!r} is the optimizer "
                           f"you train with and lr= its rate; if so, the model as preconditioned "
                           f"wants a rate that far from yours (the function is unchanged)")
-    elif rate and abs(math.log2(rate / lr)) > 1.0:
+    elif rate and abs(math.log2(rate / lr)) > 1.0 and not (ceiling and rate >= lr):
         out["warning"] = (f"lr=: the suggested {fam} rate reached {rate:.4g}, not {lr:.4g}: the "
                           f"curvature sits on parameters outside the scaled layers")
     plan.notes.append(out["summary"])

@@ -37,6 +37,8 @@ from precondfx.errors import PrecondError
 from precondfx.pytorch.folding import record
 from precondfx.pytorch import lr_transfer
 from precondfx.pytorch import lr_target as lr_target_mod
+from precondfx.pytorch import first_step as first_step_mod
+from precondfx.core.options import fixed_lr, lr_auto
 from precondfx.integrations import hf_checkpoints
 from precondfx.core.plan import ParamInfo
 from precondfx.core.report import Report
@@ -492,6 +494,32 @@ def lr_target(st: TorchState) -> None:
         st.report.skipped.append(("warning: lr=", sec["warning"]))
 
 
+def first_step(st: TorchState) -> None:
+    """``lr='auto'``: the storage for the optimizer's rate is set at its first step
+    (:mod:`precondfx.pytorch.first_step`); the report says it is pending.  Without data (the
+    meta device, a sharded model) the multipliers are planned all the same, so that every
+    route plans one model, and stay 1."""
+    why = st.no_data or ("the model is sharded: each rank would measure its own factor"
+                         if distributed.is_sharded(st.result) else "")
+    if why:
+        st.report.conditioning["lr_target"] = {
+            "lr": "auto", "pending": False, "factor": 1.0, "layers": 0,
+            "summary": f"lr='auto': not armed ({why}): the lr multipliers stay 1, the "
+                       f"storage lr_scale chose; pass lr= and optimizer= when preconditioning "
+                       f"the materialized, unsharded model to set it for your rate"}
+        return
+    pend = first_step_mod.arm(st.result, st.graph, st.plan, st.report, st.lr_buffers, st.sample,
+                              st.opts.calibration, st.opts.output_key, st.opts.seed)
+    if pend is None:
+        return
+    st.report.conditioning["lr_target"] = {
+        "lr": "auto", "pending": True, "layers": len(pend.lr_buffers),
+        "summary": f"lr='auto': {len(pend.lr_buffers)} layers' stored scale is set at your "
+                   f"optimizer's first step when it is torch.optim.SGD (the factor lr= would "
+                   f"give for its rate; Adam-family optimizers keep this storage; lr=None: "
+                   f"off)"}
+
+
 def measure(st: TorchState) -> None:
     """``measure=True``: Hessian statistics of the original and the rewritten model."""
     o = st.opts
@@ -598,13 +626,15 @@ STAGES = (
     Stage("lr_scale", lr_scale, lambda st: f"lr_scale={st.plan.lr_mode!r}",
           when=lambda st: st.plan.lr_mode is not None),
     Stage("lr_target", lr_target, lambda st: f"putting the suggested {st.opts.optimizer} "
-          f"rate on lr={st.opts.lr:g}", when=lambda st: st.opts.lr is not None and st.data),
+          f"rate on lr={st.opts.lr:g}", when=lambda st: fixed_lr(st.opts) is not None and
+          st.data),
     Stage("measure", measure, when=lambda st: st.opts.measure),
     Stage("suggest_lr", suggest, "suggesting learning rates from the curvature",
           when=lambda st: st.opts.suggest_lr and st.data),
     Stage("verify", verify, when=lambda st: st.data),
     driver.RECORD,
     Stage("record", finish),
+    Stage("first_step", first_step, when=lambda st: lr_auto(st.opts)),
 )
 
 

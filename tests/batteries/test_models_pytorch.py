@@ -1773,15 +1773,17 @@ def test_structseq_output_says_why_it_is_not_scaled() -> None:
 
 def equivalent(model: nn.Module, sample: Any, other: Any | None = None, fwd: dict | None = None,
                **opts: Any) -> tuple[nn.Module, Any]:
-    """Precondition with only the output scale as a constant and check that the result is the
-    user's model holding the result's weights, times that scale: main output in train and eval
-    mode (same seed) on ``other`` (default: the sample), and every gradient."""
+    """Precondition with only the output scale as a constant (``lr=None``: no lr multipliers
+    either) and check that the result is the user's model holding the result's weights, times
+    that scale: main output in train and eval mode (same seed) on ``other`` (default: the
+    sample), and every gradient."""
     fwd = fwd or {}
     other = sample if other is None else other
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res, rep = precondfx.precondition(model, clone_sample(sample), balance="none",
-                                          residual="none", maxpool="keep", **fwd, **opts)
+                                          residual="none", maxpool="keep", lr=None, **fwd,
+                                          **opts)
     assert not [s for s in rep.plan.scales if s.tag != "output"]
     scale = rep.output_scale or 1.0
     ref = copy.deepcopy(model)

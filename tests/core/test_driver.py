@@ -79,7 +79,7 @@ def test_report_keeps_the_intent_and_what_was_measured():
     model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
                           nn.Linear(32, 3))
     x = torch.randn(32, 6)
-    res, rep = precondfx.precondition(model, x, balance="hessian", input_scale=0.5)
+    res, rep = precondfx.precondition(model, x, balance="hessian", input_scale=0.5, lr=None)
     # planned: alpha sites at 1, the input scale as given, the output scale waiting at 1
     assert [(s.tag, s.value) for s in rep.planned.scales] == \
         [("alpha", 1.0)] * 3 + [("input", 0.5), ("output", 1.0)]

@@ -60,10 +60,15 @@ def test_mlp_geometric_inits_and_no_alphas():
     assert plan.inits["fc1.weight"].std == pytest.approx(geometric_std(64, 32), rel=1e-12)
     assert plan.inits["fc2.weight"].std == pytest.approx(geometric_std(32, 10), rel=1e-12)
     assert plan.inits["fc1.bias"].rule == "zeros" and plan.inits["fc2.bias"].rule == "zeros"
-    assert all(lay.alpha == 1.0 for lay in plan.layers) and plan.scales == []
+    assert all(lay.alpha == 1.0 for lay in plan.layers)
+    # lr='auto' (the default): an lr multiplier at 1 on each trainable layer's output, set at
+    # the optimizer's first step; nothing else
+    assert [(s.tag, s.node, s.where, s.value) for s in plan.scales] == \
+        [("lr", "fc1", "output", 1.0), ("lr", "fc2", "output", 1.0)]
+    assert make_plan(g, params, Options(balance="analytic", lr=None)).scales == []
     # measured balancing needs a site at every layer (alpha 1 until measured)
     auto = make_plan(g, params_of(g, {p: i.shape for p, i in params.items()}), Options())
-    assert [(s.tag, s.node, s.where, s.value) for s in auto.scales] == \
+    assert [(s.tag, s.node, s.where, s.value) for s in auto.scales if s.tag != "lr"] == \
         [("alpha", "fc1", "input", 1.0), ("alpha", "fc2", "input", 1.0)]
 
 
@@ -97,7 +102,8 @@ def test_conv_kernel_alpha_and_effective_taps():
     assert lay.alpha == pytest.approx(alpha, rel=1e-12)
     assert plan.inits["c.weight"].std == pytest.approx(geometric_std(8, 16, 6.25) / alpha,
                                                        rel=1e-12)
-    assert [(s.tag, s.value) for s in plan.scales] == [("alpha", pytest.approx(alpha))]
+    assert [(s.tag, s.value) for s in plan.scales if s.tag != "lr"] == \
+        [("alpha", pytest.approx(alpha))]
     # a front end that knows the spatial size varies states it: nominal taps are used
     g["c"].attrs["symbolic_spatial"] = True
     plan = make_plan(g, params, Options(balance="analytic"))
@@ -129,7 +135,8 @@ def test_residual_joins_and_appendix_e_alphas():
     alpha = {lay.node: lay.alpha for lay in plan.layers}
     out = s / math.sqrt(1 + s * s)
     assert alpha == {"stem": pytest.approx(out), "b0": 1.0, "b1": 1.0, "head": pytest.approx(out)}
-    none = make_plan(g, params_of(g, shapes), Options(residual="none", balance="none"))
+    none = make_plan(g, params_of(g, shapes), Options(residual="none", balance="none",
+                                                      lr=None))
     assert [r.s for r in none.residuals] == [None, None] and none.scales == []
 
 

@@ -105,7 +105,8 @@ def test_analyze_of_a_preconditioned_result_says_what_it_holds():
         before = {k: v.clone() for k, v in res.state_dict().items()}
         a = precondfx.analyze(res, x)
         text = str(a)
-        assert "already preconditioned" in text and "3 precondfx constant(s)" in text, text
+        # two alphas, two lr multipliers (lr='auto'), the output scale
+        assert "already preconditioned" in text and "5 precondfx constant(s)" in text, text
         assert f"{rep.output_scale:.4g}" in text
         assert "never used" not in text, text
         assert {r.module for r in a.rows("weighted")} == {"0", "2"}, [r.module for r in a.rows()]

@@ -37,11 +37,12 @@ def _mlp(std: float | None = None, widths=(64, 128, 128, 10), seed: int = 0) -> 
 @pytest.mark.parametrize("std", [None, 0.01])
 def test_model_without_declared_init_is_left_alone(std) -> None:
     """A plain PyTorch model declares no init (PyTorch's default, or weights drawn at 0.01 by
-    the user): 'auto' adds nothing, no note, the lr_scale=None result exactly."""
+    the user): 'auto' adds nothing, no note, the lr_scale=None result exactly (lr=None: the
+    lr multipliers lr='auto' places are tested in test_first_step.py)."""
     m = _mlp(std)
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
-    out, rep = precondfx.precondition(m, x, balance="analytic")
-    off, _ = precondfx.precondition(m, x, balance="analytic", lr_scale=None)
+    out, rep = precondfx.precondition(m, x, balance="analytic", lr=None)
+    off, _ = precondfx.precondition(m, x, balance="analytic", lr_scale=None, lr=None)
     assert rep.plan.lr_mode is None and "lr_scale" not in rep.conditioning
     assert not any(n.startswith("lr_scale") for n in rep.plan.notes)
     assert not any("precondfx_lr" in n for n, _ in out.named_buffers())

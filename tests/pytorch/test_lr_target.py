@@ -120,8 +120,10 @@ def test_refusals():
     m = _mlp()
     with pytest.raises(PrecondError, match="go together"):
         precondfx.precondition(m, X, lr=0.1)
-    with pytest.raises(PrecondError, match="go together"):
+    with pytest.raises(PrecondError, match="optimizer='sgd' without lr="):
         precondfx.precondition(m, X, optimizer="sgd")
+    with pytest.raises(PrecondError, match="go together"):
+        precondfx.precondition(m, X, lr=None, optimizer="sgd")
     with pytest.raises(PrecondError, match="positive"):
         precondfx.precondition(m, X, lr=-1.0, optimizer="sgd")
     with pytest.raises(PrecondError, match="optimizer='rmsprop' is not an optimizer family"):

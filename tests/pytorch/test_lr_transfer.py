@@ -92,8 +92,8 @@ def test_factors_match_the_formula():
         m = _mlp(width=width, depth=depth)
         L = depth + 1
         fans = [64] + [width] * depth
-        ref, _ = precondfx.precondition(m, x, balance="none", seed=5)
-        assert _alphas(ref) == _lrs(ref) == []         # no constant without the option
+        ref, _ = precondfx.precondition(m, x, balance="none", seed=5, lr=None)
+        assert _alphas(ref) == _lrs(ref) == []         # no constant without the options
         a, _ = precondfx.precondition(m, x, balance="none", seed=5, lr_scale="user")
         s, _ = precondfx.precondition(m, x, balance="none", seed=5, lr_scale="sgd")
         assert _alphas(a) == _alphas(s) == []          # the multiplier is not an alpha

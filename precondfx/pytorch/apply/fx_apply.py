@@ -56,6 +56,27 @@ def _is_tensor(n: fx.Node) -> bool:
     return tm is not None and hasattr(tm, "shape")
 
 
+def _under_own_products(n: fx.Node) -> fx.Node:
+    """``n`` with precondfx's own products by a constant (an lr multiplier on a layer's
+    output) looked through: the node whose value they scale."""
+    while n.op == "call_function" and n.target is operator.mul and len(n.args) == 2:
+        a, b = n.args
+        if isinstance(b, fx.Node) and b.op == "get_attr" and str(b.target).startswith(
+                "precondfx_") and isinstance(a, fx.Node):
+            n = a
+        else:
+            break
+    return n
+
+
+def _same_meta(m: fx.Node, src: Any) -> None:
+    """A product by a scalar constant has its operand's shape and dtype: said in its meta, so
+    that later edits (the output scale walking up to the node that computes the main output)
+    see a tensor there, as they would without the product."""
+    if isinstance(src, fx.Node) and "tensor_meta" in src.meta:
+        m.meta["tensor_meta"] = src.meta["tensor_meta"]
+
+
 class FxApplier(TorchBackend, Records):
     """The fx back end (``precondfx.core.backend.Backend``): applies pools and scales to a
     GraphModule; records what was applied and what was not."""
@@ -80,6 +101,7 @@ class FxApplier(TorchBackend, Records):
         with self.gm.graph.inserting_before(before):
             c = self.gm.graph.get_attr(bname)
             m = self.gm.graph.call_function(operator.mul, (value_src, c))
+        _same_meta(m, value_src)
         return m
 
     def scale(self, sc: Scale) -> str | None:
@@ -104,6 +126,7 @@ class FxApplier(TorchBackend, Records):
                 c = self.gm.graph.get_attr(bname)
             with self.gm.graph.inserting_after(c):
                 m = self.gm.graph.call_function(operator.mul, (node, c))
+            _same_meta(m, node)
             node.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
         self._done(key, f"{sc.tag} {sc.value:.4g} at {sc.where} of {sc.node} ({bname})", bname)
         return bname
@@ -228,7 +251,7 @@ class FxApplier(TorchBackend, Records):
             return None
         b = buffer_name("output", "scale")
         self._buffer(b, 1.0)
-        if self._shared_call(node):
+        if self._shared_call(_under_own_products(node)):
             # a module called more than once (the twin encoder of a siamese net): scaling this
             # call alone would change what forward computes from it and its twin's output (a
             # contrastive loss), so only the returned value takes the scale, as on the eager

@@ -1,0 +1,340 @@
+"""``lr='auto'`` (the default): a ceiling on the SGD rate, set at the optimizer's first step.
+
+precondfx changes the weights' stored scale, and under SGD the best learning rate moves with it
+(``c^2`` for a factor ``c`` on a layer's stored weight): at the SGD rate tuned for the
+framework's init the rewritten BERT and tiny ViT of the suite diverged
+(docs/results/heldout_cpu.md, seventh round).  What predicts the rate the result tolerates is
+its curvature: the suggested SGD rate ``1 / lambda``
+(:mod:`precondfx.pytorch.measure.suggest`).  The default reads your rate from the optimizer:
+
+* at precondition, every re-drawn layer gets an ``lr`` multiplier (1) and a copy of the
+  calibration batch is kept with the result;
+* at the first ``step()`` of a ``torch.optim.SGD`` holding the result's layers, before the
+  update, the suggested SGD rate is measured on that batch.  When the optimizer's peak rate
+  (``max_lr`` or ``initial_lr`` where a scheduler set one, else ``lr``; the parameter group
+  holding most of the layers' weights) is above it, the layers' stored weights and biases are
+  divided by one factor ``c < 1`` and the multipliers multiplied by it (the same function), as
+  ``lr=`` does (:mod:`precondfx.pytorch.lr_target`), so that the layers' effective rate is the
+  suggested one; the gradients already computed are multiplied by ``c`` too (the gradient of
+  the new storage), so this and every later step is the step that storage takes.  At or below
+  the suggested rate nothing changes: the default only lowers a rate the model cannot take,
+  and your rate keeps its meaning below that ceiling (a sweep still sweeps);
+* an optimizer of another family (Adam, AdamW: precondfx's storage already keeps the rate
+  tuned for the framework's init there, heldout_cpu.md), resumed optimizer state, weights
+  changed since precondition (a checkpoint loaded), several processes (each would measure its
+  own factor) or a failed measurement keep the storage, and the report says which;
+* deep copies of the result made before that step (an EMA or ``AveragedModel`` copy, a
+  template copied per run) share the pending step: they get the same factor at the same time,
+  so that copies and the model keep one storage.
+
+A training loop that does not step a ``torch.optim`` optimizer calls :func:`settle_rate`
+(``precondfx.settle_rate``) with its rate instead.  The kept batch is released at that first
+step.  ``lr=None`` turns it off: the storage is then the one ``lr_scale`` chose, whatever the
+optimizer.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from precondfx.errors import PrecondError
+from precondfx.pytorch import lr_target, lr_transfer
+
+log = logging.getLogger("precondfx")
+
+#: the attribute of the result (and of its deep copies) holding what is pending
+ATTR = "_precondfx_first_step"
+#: relative change of a weight's rms taken as "changed since precondition" (a checkpoint
+#: loaded): far above a dtype cast's rounding, far below any factor lr= applies
+CHANGED = 1e-3
+
+_PENDING: "weakref.WeakSet[Pending]" = weakref.WeakSet()
+_NOT_MINE: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+_HANDLE: Any = None
+
+
+def _disarmed() -> None:
+    """What a pickled result holds in place of its pending step (a loaded copy has none)."""
+    return None
+
+
+class Pending:
+    """The first-step factor of one result and its deep copies (shared by all of them)."""
+
+    def __init__(self, model: nn.Module, graph: Any, report: Any,
+                 lr_buffers: dict[str, list[str]], sample: Any, mode: str, key: Any,
+                 seed: int) -> None:
+        self.models = [weakref.ref(model)]
+        self.graph, self.report = graph, report
+        self.lr_buffers = lr_buffers
+        self.sample, self.mode, self.key, self.seed = sample, mode, key, seed
+        self.rms = {w: lr_transfer.stored_rms(model.get_parameter(w)) for w in lr_buffers}
+
+    # -- copies share it; a pickled or saved copy holds nothing pending --------------------
+    def __deepcopy__(self, memo: dict) -> "Pending":
+        for r in list(self.models):
+            m = r()
+            if m is not None and id(m) in memo:
+                self.models.append(weakref.ref(memo[id(m)]))
+        return self
+
+    def __copy__(self) -> "Pending":
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (_disarmed, ())
+
+    # -- the optimizer's first step --------------------------------------------------------
+    def held_by(self, ids: set[int]) -> nn.Module | None:
+        """The model (the result or a copy) whose layer weights ``ids`` holds, if any."""
+        for r in self.models:
+            m = r()
+            if m is not None and any(id(_param(m, w)) in ids for w in self.lr_buffers):
+                return m
+        return None
+
+    def fire(self, opt: torch.optim.Optimizer, model: nn.Module) -> None:
+        """Set the storage for ``opt``'s rate (see the module docstring), once."""
+        _PENDING.discard(self)
+        try:
+            sec = self._fire(opt, model)
+        except Exception as e:          # never break the user's step: say it, keep the storage
+            sec = self._kept(opt, f"the measurement failed ({type(e).__name__}: {e}); the "
+                                  f"storage stays as precondition left it: pass lr= to set it "
+                                  f"at precondition", warn=True)
+        finally:
+            self.sample = None          # the kept batch is released
+        self.report.conditioning["lr_target"] = sec
+
+    def _fire(self, opt: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
+        held = {id(p) for g in opt.param_groups for p in g["params"]}
+        weights = [w for w in self.lr_buffers if id(_param(model, w)) in held]
+        name = type(opt).__name__
+        if not isinstance(opt, torch.optim.SGD):
+            return self._kept(opt, f"{name} is not SGD: under Adam-family optimizers the "
+                                   f"storage precondition chose keeps the rate tuned for the "
+                                   f"framework's init (docs/results/heldout_cpu.md); other "
+                                   f"optimizers: pass lr= and optimizer= to set it")
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+                torch.distributed.get_world_size() > 1:
+            return self._kept(opt, "several processes train this model and each would measure "
+                                   "its own factor: pass lr= and optimizer='sgd' to "
+                                   "precondition (the same factor on every rank)", warn=True)
+        if any(opt.state.get(_param(model, w)) for w in weights):
+            return self._kept(opt, "the optimizer has state already (resumed): the storage "
+                                   "the checkpoint holds is kept")
+        moved = [w for w in weights if _changed(self.rms[w], _param(model, w))]
+        if moved:
+            return self._kept(opt, f"{len(moved)} weights changed since precondition (e.g. "
+                                   f"{moved[0]}: a checkpoint loaded?): their storage is kept")
+        missing = [b for w in weights for b in self.lr_buffers[w] if not _has_buffer(model, b)]
+        if missing:
+            return self._kept(opt, f"the model no longer holds its lr multipliers ({missing[0]}"
+                                   f"; folded?): the storage is kept")
+        group = _main_group(opt, {id(_param(model, w)): _param(model, w).numel()
+                                  for w in weights})
+        lr = _peak(group)
+        if not (lr > 0 and math.isfinite(lr)):
+            return self._kept(opt, f"its rate {lr!r} is not a positive number")
+        return self.set(model, weights, lr, type(opt).__name__)
+
+    def set(self, model: nn.Module, weights: list[str], lr: float, name: str = "SGD"
+            ) -> dict[str, Any]:
+        """The ceiling for the SGD rate ``lr`` on ``weights`` of ``model`` (and its copies),
+        the gradients already computed rescaled with them; the report section."""
+        _PENDING.discard(self)
+        from precondfx.pytorch.measure.suggest import suggest_lr
+        sample = _on_device(self.sample, model)
+        bufs = {w: self.lr_buffers[w] for w in weights}
+        now = self.report.measured.final(self.report.planned)
+        edited = copy.deepcopy(now)
+        devices = sorted({p.device.index or 0 for p in model.parameters()
+                          if p.device.type == "cuda"})
+        with torch.random.fork_rng(devices=devices):       # the user's random stream untouched
+            sec = lr_target.keep_rate(
+                model, self.graph, edited, bufs, lr, "sgd",
+                lambda fam: suggest_lr(model, sample, mode=self.mode, key=self.key,
+                                       seed=self.seed, families=(fam,))[fam], ceiling=True)
+        c = float(sec.get("factor", 1.0))
+        ok, _ = lr_transfer.carried(bufs, edited, self.graph)
+        if c != 1.0:
+            bias_of = {lay.weight: lay.bias for lay in edited.layers if lay.weight and lay.bias}
+            with torch.no_grad():           # the gradient of the new storage: c times
+                for w in ok:
+                    for n in (w, bias_of.get(w)):
+                        p = _param(model, n) if n else None
+                        if p is not None and p.grad is not None:
+                            p.grad.mul_(c)
+            for r in self.models:           # copies keep the model's storage
+                other = r()
+                if other is not None and other is not model and \
+                        all(_has_buffer(other, b) for w in ok for b in bufs[w]):
+                    lr_transfer.store(other, copy.deepcopy(edited), ok, {w: c for w in ok},
+                                      "lr='auto' (a copy)")
+        self.report.measured.record_diff("lr_target", now, edited)
+        self.report.plan = self.report.measured.final(self.report.planned)
+        self.sample = None
+        sec["when"] = f"lr='auto': at the first step of {name} (peak rate {lr:.4g})"
+        sec["summary"] = f"{sec['when']}: {sec['summary']}"
+        log.info("precondfx: %s", sec["summary"])
+        if sec.get("warning"):
+            warnings.warn(f"precondfx: {sec['warning']}", RuntimeWarning, stacklevel=4)
+        return sec
+
+    def _kept(self, opt: torch.optim.Optimizer, why: str, warn: bool = False
+              ) -> dict[str, Any]:
+        return self._kept_named(type(opt).__name__, why, warn)
+
+    def _kept_named(self, name: str, why: str, warn: bool = False) -> dict[str, Any]:
+        text = f"lr='auto': at the first step of {name} the storage was kept: {why}"
+        log.info("precondfx: %s", text)
+        if warn:
+            warnings.warn(f"precondfx: {text}", RuntimeWarning, stacklevel=4)
+        return {"lr": "auto", "optimizer": name, "factor": 1.0, "layers": 0,
+                "rounds": [], "kept": why, "summary": text}
+
+
+def _param(model: nn.Module, name: str) -> Any:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return None
+
+
+def _has_buffer(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_buffer(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def _changed(rms: float, p: Any) -> bool:
+    if p is None:
+        return True
+    now = lr_transfer.stored_rms(p)
+    return abs(now - rms) > CHANGED * max(rms, 1e-30)
+
+
+def _main_group(opt: torch.optim.Optimizer, sizes: dict[int, int]) -> dict[str, Any]:
+    """The parameter group holding most of the layers' weights (by element count)."""
+    return max(opt.param_groups, key=lambda g: sum(sizes.get(id(p), 0) for p in g["params"]))
+
+
+def _peak(group: dict[str, Any]) -> float:
+    """The rate the user tuned: a scheduler's peak (OneCycleLR's ``max_lr``) or starting rate
+    (``initial_lr``, before a warm-up lowered ``lr``), else ``lr``."""
+    for k in ("max_lr", "initial_lr", "lr"):
+        v = group.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            return float(v)
+    return float("nan")
+
+
+def _on_device(sample: Any, model: nn.Module) -> Any:
+    """The kept batch on the device of the model's parameters (moved after precondition)."""
+    p = next(iter(model.parameters()), None)
+    if p is None or all(t.device == p.device for t in sample.tensors()):
+        return sample
+    return sample.map(lambda t: t.to(p.device))
+
+
+def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The global step pre-hook: fire what the stepping optimizer holds; cheap for the others
+    (an optimizer found holding nothing pending is remembered until its parameters change)."""
+    if not _PENDING:            # every pending result fired or was collected
+        _release()
+        return None
+    count = sum(len(g["params"]) for g in opt.param_groups)
+    if _NOT_MINE.get(opt) == count:
+        return None
+    ids = {id(p) for g in opt.param_groups for p in g["params"]}
+    hit = False
+    for pend in list(_PENDING):
+        m = pend.held_by(ids)
+        if m is not None:
+            hit = True
+            pend.fire(opt, m)
+    if not hit:
+        _NOT_MINE[opt] = count
+    if not _PENDING:
+        _release()
+    return None
+
+
+def _release() -> None:
+    global _HANDLE
+    if _HANDLE is not None:
+        _HANDLE.remove()
+        _HANDLE = None
+
+
+def arm(model: nn.Module, graph: Any, plan: Any, report: Any, lr_buffers: dict[str, list[str]],
+        sample: Any, mode: str, key: Any, seed: int) -> Pending | None:
+    """Keep what the first step needs on ``model`` (and register the global hook); None when
+    no trainable layer carries an lr multiplier."""
+    global _HANDLE
+    ok, _ = lr_transfer.carried(lr_buffers, plan, graph)
+    bufs = {w: lr_buffers[w] for w in ok}
+    if not bufs:
+        return None
+    pend = Pending(model, graph, report, bufs, sample.copy(), mode, key, seed)
+    model.__dict__[ATTR] = pend       # not a submodule, parameter or buffer: no state_dict key
+    _PENDING.add(pend)
+    _NOT_MINE.clear()
+    if _HANDLE is None:
+        _HANDLE = register_optimizer_step_pre_hook(_pre_step)
+    return pend
+
+
+def settle_rate(model: nn.Module, lr: float, optimizer: Any = "sgd") -> dict[str, Any]:
+    """What the first step of ``optimizer`` at rate ``lr`` does to ``model`` (a result of
+    ``precondition`` with ``lr='auto'``), done now: for a training loop that does not step a
+    ``torch.optim`` optimizer (a functional or batched trainer).  ``optimizer``: ``'sgd'``,
+    ``'adam'``/``'adamw'`` or the class.  Returns the report section it sets."""
+    from precondfx.core.options import optimizer_family
+    pend = model.__dict__.get(ATTR)
+    if pend is None or pend not in _PENDING:
+        raise PrecondError("settle_rate: this model has no pending first step (it was "
+                           "preconditioned with lr=None, a number, another scheme or "
+                           "reinit_weights=False, or it was already trained or settled, or "
+                           "loaded from a file)")
+    fam = optimizer_family("optimizer", optimizer)
+    if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0 and
+            math.isfinite(lr)):
+        raise PrecondError(f"settle_rate: lr={lr!r} must be a positive learning rate")
+    if fam != "sgd":
+        _PENDING.discard(pend)
+        pend.sample = None
+        sec = pend._kept_named(str(optimizer), "under Adam-family optimizers the storage "
+                                               "precondition chose is kept")
+    else:
+        sec = pend.set(model, list(pend.lr_buffers), float(lr), "SGD (settle_rate)")
+    pend.report.conditioning["lr_target"] = sec
+    return sec
+
+
+def disarm(model: nn.Module) -> bool:
+    """Drop what is pending on ``model`` and its copies (``lr=None`` after the fact); whether
+    something was pending."""
+    pend = model.__dict__.pop(ATTR, None)
+    if pend is None:
+        return False
+    _PENDING.discard(pend)
+    pend.sample = None
+    if not _PENDING:
+        _release()
+    return True
+
+
+__all__ = ["ATTR", "Pending", "arm", "settle_rate", "disarm"]
