@@ -146,12 +146,21 @@ def merge(tags: list[str], out: str = "keep_rate_check") -> None:
         cmds.append(d["command"])
         env = env or d.get("env")
     rows.sort(key=lambda r: (r["optimizer"], r.get("offset", 0), TASKS.index(r["task"])))
-    lines = ["# The user's learning rate, told to precondfx (`lr=`, `optimizer=`; issue 20)", "",
-             "Each task's model preconditioned with `lr=` a rate near the one the suite chose on "
-             f"validation for the framework's own init ({SUITE}; offset in octaves from it) and "
-             "trained at exactly that rate (3 seeds, the suite's protocol; median ± SE). "
-             "Columns: the framework default and precondfx's default (no `lr=`) at the same "
-             "rate, from the suite; precondfx's default at its own chosen rate. Verdict: "
+    default = _label(rows).startswith("defaults")
+    lines = ["# precondfx's defaults at the user's learning rate (`lr='auto'`; issue 20)"
+             if default else
+             "# The user's learning rate, told to precondfx (`lr=`, `optimizer=`; issue 20)", "",
+             ("Each task's model preconditioned with precondfx's defaults (under SGD, "
+              "`lr='auto'`'s first step at that rate: `precondfx.settle_rate`) and trained at "
+              "a rate near the one the suite chose on " if default else
+              "Each task's model preconditioned with `lr=` a rate near the one the suite chose on ")
+             + f"validation for the framework's own init ({SUITE}; offset in octaves from it)"
+             + ("" if default else " and trained at exactly that rate") +
+             " (3 seeds, the suite's protocol; median ± SE). "
+             "Columns: the framework default and precondfx's default (no `lr=`"
+             + (", before `lr='auto'` and the weights' own random stream" if default else "") +
+             ") at the same rate, from the suite; precondfx's default at its own chosen rate. "
+             "Verdict: "
              "`train_suite.compare` (beyond 2 standard errors).", "",
              "| task | optimizer | rate (offset) | framework default | precondfx default | "
              f"**{_label(rows)}** | factor (log2, per seed) | vs framework default | vs "

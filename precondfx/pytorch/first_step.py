@@ -158,6 +158,9 @@ class Pending:
         edited = copy.deepcopy(now)
         devices = sorted({p.device.index or 0 for p in model.parameters()
                           if p.device.type == "cuda"})
+        log.info("precondfx: lr='auto': measuring the suggested SGD rate on the kept batch at "
+                 "the first step of %s (once; 80-220 training steps of the model on the CPU "
+                 "benchmark, bench/first_step_cost.py; lr=None skips it)", name)
         with torch.random.fork_rng(devices=devices):       # the user's random stream untouched
             sec = lr_target.keep_rate(
                 model, self.graph, edited, bufs, lr, "sgd",
@@ -242,11 +245,22 @@ def _peak(group: dict[str, Any]) -> float:
 
 
 def _on_device(sample: Any, model: nn.Module) -> Any:
-    """The kept batch on the device of the model's parameters (moved after precondition)."""
-    p = next(iter(model.parameters()), None)
-    if p is None or all(t.device == p.device for t in sample.tensors()):
+    """The kept batch on the device of the model's parameters, its floating-point tensors in
+    their dtype where all of them share one (the model was moved or cast after precondition:
+    ``.cuda()``, ``.double()``, ``.half()``)."""
+    params = list(model.parameters())
+    if not params:
         return sample
-    return sample.map(lambda t: t.to(p.device))
+    dev = params[0].device
+    dtypes = {p.dtype for p in params if p.is_floating_point()}
+    dt = dtypes.pop() if len(dtypes) == 1 else None
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dev, dtype=dt if dt is not None and t.is_floating_point() else t.dtype)
+    if all(t.device == dev and (dt is None or not t.is_floating_point() or t.dtype == dt)
+           for t in sample.tensors()):
+        return sample
+    return sample.map(move)
 
 
 def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -514,10 +514,11 @@ def first_step(st: TorchState) -> None:
         return
     st.report.conditioning["lr_target"] = {
         "lr": "auto", "pending": True, "layers": len(pend.lr_buffers),
-        "summary": f"lr='auto': {len(pend.lr_buffers)} layers' stored scale is set at your "
-                   f"optimizer's first step when it is torch.optim.SGD (the factor lr= would "
-                   f"give for its rate; Adam-family optimizers keep this storage; lr=None: "
-                   f"off)"}
+        "summary": f"lr='auto': at your optimizer's first step, if it is torch.optim.SGD "
+                   f"and its rate is above the suggested SGD rate, {len(pend.lr_buffers)} "
+                   f"layers' storage is set to lower it there (lr='s factor for that rate; the "
+                   f"same function); otherwise, and for Adam-family optimizers, this storage "
+                   f"is kept (lr=None: off)"}
 
 
 def measure(st: TorchState) -> None:

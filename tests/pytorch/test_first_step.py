@@ -288,3 +288,21 @@ def test_a_loss_inside_forward_sees_the_output_scale_next_to_lr_multipliers(opts
     ref = F.cross_entropy(out["logits"].reshape(32, 6), batch["labels"])
     assert float(out["loss"]) == pytest.approx(float(ref), abs=1e-6)
     assert float(out["logits"].std(correction=0)) == pytest.approx(0.05, rel=1e-4)
+
+
+def test_a_model_cast_after_precondition_is_measured_in_its_dtype():
+    """``.double()`` after precondition: the kept float32 batch failed the measurement ("mat1
+    and mat2 must have the same dtype"), so the storage was kept with a warning; the batch now
+    follows the model's dtype, and the factor is the float32 model's."""
+    x, y = _data()
+    a, rep_a = precondfx.precondition(_mlp(), x)
+    b, rep_b = precondfx.precondition(_mlp(), x)
+    b = b.double()
+    for m, inp in ((a, x), (b, x.double())):
+        opt = torch.optim.SGD(m.parameters(), lr=HIGH)
+        F.cross_entropy(m(inp), y).backward()
+        opt.step()
+    assert "kept" not in rep_b.conditioning["lr_target"]
+    assert rep_b.conditioning["lr_target"]["factor"] == \
+        pytest.approx(rep_a.conditioning["lr_target"]["factor"], rel=1e-4)
+    assert rep_a.conditioning["lr_target"]["factor"] < 0.7
