@@ -465,7 +465,8 @@ class Report:
             parts.append(f"{len(vs)} {k} = {rng}" + (" (lr=: precondition sets them from the "
                                                      "measured curvature)" if later else
                                                      " (lr='auto': set at your SGD optimizer's "
-                                                     "first step)" if pending else ""))
+                                                     "first step if its rate is above the "
+                                                     "suggested one)" if pending else ""))
         if self.input_scale is not None:
             parts.append(f"input scale {self.input_scale:.4g}")
         if self.output_scale is not None:
