@@ -188,7 +188,9 @@ class Pending:
         sec["when"] = f"lr='auto': at the first step of {name} (peak rate {lr:.4g})"
         sec["summary"] = f"{sec['when']}: {sec['summary']}"
         log.info("precondfx: %s", sec["summary"])
-        if sec.get("warning"):
+        if sec.get("warning"):      # said as lr='auto''s, not as an lr= the user never passed
+            sec["warning"] = sec["warning"].replace(
+                "lr=: ", f"lr='auto' at the first step of {name} (rate {lr:.4g}): ", 1)
             warnings.warn(f"precondfx: {sec['warning']}", RuntimeWarning, stacklevel=4)
         return sec
 
