@@ -146,7 +146,7 @@ def merge(tags: list[str], out: str = "keep_rate_check") -> None:
         cmds.append(d["command"])
         env = env or d.get("env")
     rows.sort(key=lambda r: (r["optimizer"], r.get("offset", 0), TASKS.index(r["task"])))
-    default = _label(rows).startswith("defaults")
+    default = {r.get("mode", "lr") for r in rows} == {"default"}
     lines = ["# precondfx's defaults at the user's learning rate (`lr='auto'`; issue 20)"
              if default else
              "# The user's learning rate, told to precondfx (`lr=`, `optimizer=`; issue 20)", "",

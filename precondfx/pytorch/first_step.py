@@ -101,21 +101,26 @@ class Pending:
                 return m
         return None
 
-    def fire(self, opt: torch.optim.Optimizer, model: nn.Module) -> None:
-        """Set the storage for ``opt``'s rate (see the module docstring), once."""
+    def consume(self) -> None:
+        """Nothing is pending any more: the hook stops looking, the kept batch is released."""
         _PENDING.discard(self)
+        self.sample = None
+
+    def fire(self, opt: torch.optim.Optimizer, model: nn.Module, held: set[int]) -> None:
+        """Set the storage for ``opt``'s rate (see the module docstring), once; ``held``: the
+        ids of the parameters ``opt`` holds."""
         try:
-            sec = self._fire(opt, model)
+            sec = self._fire(opt, model, held)
         except Exception as e:          # never break the user's step: say it, keep the storage
             sec = self._kept(opt, f"the measurement failed ({type(e).__name__}: {e}); the "
                                   f"storage stays as precondition left it: pass lr= to set it "
                                   f"at precondition", warn=True)
         finally:
-            self.sample = None          # the kept batch is released
+            self.consume()
         self.report.conditioning["lr_target"] = sec
 
-    def _fire(self, opt: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
-        held = {id(p) for g in opt.param_groups for p in g["params"]}
+    def _fire(self, opt: torch.optim.Optimizer, model: nn.Module, held: set[int]
+              ) -> dict[str, Any]:
         weights = [w for w in self.lr_buffers if id(_param(model, w)) in held]
         name = type(opt).__name__
         if not isinstance(opt, torch.optim.SGD):
@@ -150,9 +155,9 @@ class Pending:
             ) -> dict[str, Any]:
         """The ceiling for the SGD rate ``lr`` on ``weights`` of ``model`` (and its copies),
         the gradients already computed rescaled with them; the report section."""
-        _PENDING.discard(self)
         from precondfx.pytorch.measure.suggest import suggest_lr
         sample = _on_device(self.sample, model)
+        self.consume()
         bufs = {w: self.lr_buffers[w] for w in weights}
         now = self.report.measured.final(self.report.planned)
         edited = copy.deepcopy(now)
@@ -184,7 +189,6 @@ class Pending:
                                       "lr='auto' (a copy)")
         self.report.measured.record_diff("lr_target", now, edited)
         self.report.plan = self.report.measured.final(self.report.planned)
-        self.sample = None
         sec["when"] = f"lr='auto': at the first step of {name} (peak rate {lr:.4g})"
         sec["summary"] = f"{sec['when']}: {sec['summary']}"
         log.info("precondfx: %s", sec["summary"])
@@ -280,7 +284,7 @@ def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         m = pend.held_by(ids)
         if m is not None:
             hit = True
-            pend.fire(opt, m)
+            pend.fire(opt, m, ids)
     if not hit:
         _NOT_MINE[opt] = count
     if not _PENDING:
@@ -318,7 +322,7 @@ def settle_rate(model: nn.Module, lr: float, optimizer: Any = "sgd") -> dict[str
     ``precondition`` with ``lr='auto'``), done now: for a training loop that does not step a
     ``torch.optim`` optimizer (a functional or batched trainer).  ``optimizer``: ``'sgd'``,
     ``'adam'``/``'adamw'`` or the class.  Returns the report section it sets."""
-    from precondfx.core.options import optimizer_family
+    from precondfx.core.options import number, optimizer_family
     pend = model.__dict__.get(ATTR)
     if pend is None or pend not in _PENDING:
         raise PrecondError("settle_rate: this model has no pending first step (it was "
@@ -326,31 +330,15 @@ def settle_rate(model: nn.Module, lr: float, optimizer: Any = "sgd") -> dict[str
                            "reinit_weights=False, or it was already trained or settled, or "
                            "loaded from a file)")
     fam = optimizer_family("optimizer", optimizer)
-    if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0 and
-            math.isfinite(lr)):
-        raise PrecondError(f"settle_rate: lr={lr!r} must be a positive learning rate")
+    lr = number("a positive learning rate", lambda x: x > 0)("lr", lr)    # lr='s own check
     if fam != "sgd":
-        _PENDING.discard(pend)
-        pend.sample = None
+        pend.consume()
         sec = pend._kept_named(str(optimizer), "under Adam-family optimizers the storage "
                                                "precondition chose is kept")
     else:
-        sec = pend.set(model, list(pend.lr_buffers), float(lr), "SGD (settle_rate)")
+        sec = pend.set(model, list(pend.lr_buffers), lr, "SGD (settle_rate)")
     pend.report.conditioning["lr_target"] = sec
     return sec
 
 
-def disarm(model: nn.Module) -> bool:
-    """Drop what is pending on ``model`` and its copies (``lr=None`` after the fact); whether
-    something was pending."""
-    pend = model.__dict__.pop(ATTR, None)
-    if pend is None:
-        return False
-    _PENDING.discard(pend)
-    pend.sample = None
-    if not _PENDING:
-        _release()
-    return True
-
-
-__all__ = ["ATTR", "Pending", "arm", "settle_rate", "disarm"]
+__all__ = ["ATTR", "Pending", "arm", "settle_rate"]

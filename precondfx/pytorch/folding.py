@@ -59,7 +59,7 @@ from torch import nn
 
 from precondfx.pytorch import ops
 from precondfx.pytorch.apply import weight_side
-from precondfx.pytorch.apply.common import PREFIX
+from precondfx.pytorch.apply.common import PREFIX, scaled_operand
 from precondfx.pytorch.capture.common import leaves
 from precondfx.errors import PrecondError
 
@@ -253,21 +253,6 @@ _SAME_VALUES_FNS = {operator.getitem, torch.reshape, torch.flatten, torch.squeez
                     torch.unsqueeze}
 
 
-def _scaled_operand(n: Any) -> fx.Node | None:
-    """For a ``mul`` node by a precondfx constant (``x * precondfx_...``), its other operand
-    ``x``; None for any other node.  Such a node is folded away itself, and a product commutes:
-    a scale on ``x`` or on the product is the same scale."""
-    if not isinstance(n, fx.Node) or n.op != "call_function" or \
-            n.target not in (operator.mul, torch.mul) or len(n.args) != 2 or n.kwargs:
-        return None
-    a, b = n.args
-    for c, x in ((b, a), (a, b)):
-        if isinstance(c, fx.Node) and c.op == "get_attr" and str(c.target).startswith(PREFIX) \
-                and isinstance(x, fx.Node):
-            return x
-    return None
-
-
 def _uses(user: fx.Node, n: fx.Node) -> int:
     """How many times ``user`` reads ``n`` (in its arguments and keywords)."""
     seen: list[fx.Node] = []
@@ -324,7 +309,7 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
         constants' products; None when something else reads it."""
         out: list[fx.Node] = []
         for u in n.users:
-            if _scaled_operand(u) is n:
+            if scaled_operand(u) is n:
                 more = readers(u)
                 if more is None:
                     return None
@@ -343,7 +328,7 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
         v = float(gm.get_buffer(str(n.target)))
         for mul in list(n.users):
             what = str(n.target)
-            first = _scaled_operand(mul)
+            first = scaled_operand(mul)
             if first is None:
                 sc.problems.append((what, f"used by {mul.name} ({mul.target}), not a plain "
                                     f"multiplication"))
@@ -386,25 +371,21 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
             desc = f"{src.op} {src.target}" if src.op != "placeholder" else "a model input"
             sc.problems.append((what, f"multiplies the output of {src.name} ({desc}), which "
                                 f"no module of your class can absorb exactly"))
-    for t, vals in per_call_out.items():   # every call's output scaled alike: its weights
-        mod = gm.get_submodule(t)
-        if len(vals) == calls[t] and _all_close([v for _, v in vals]) and \
-                kind(mod) is not None:
-            sc.add(sc.out, t, mod, vals[0][1])
-        else:
-            sc.problems.append((", ".join(w for w, _ in vals), f"module {t} is called "
-                                f"{calls[t]} times with {len(vals)} different output scales "
-                                f"({', '.join(f'{v:.4g}' for _, v in vals)}): its one weight "
-                                f"cannot carry them all"))
-    for t, vals in per_call.items():   # a module called several times, scaled at each call
-        mod = gm.get_submodule(t)
-        if len(vals) == calls[t] and _all_close([v for _, v in vals]) and kind(mod) == "linear":
-            sc.add(sc.inp, t, mod, vals[0][1])
-        elif any(not _close(v, 1.0) for _, v in vals):
-            sc.problems.append((", ".join(w for w, _ in vals), f"module {t} is called "
-                                f"{calls[t]} times with different input scales "
-                                f"({', '.join(f'{v:.4g}' for _, v in vals)}): its one weight "
-                                f"cannot carry them all"))
+    def shared_calls(by: dict[str, list[tuple[str, float]]], where: dict, side: str,
+                     fits: Callable[[nn.Module], bool]) -> None:
+        """A module called several times, scaled on one side at each call: its weights carry
+        the scale when every call has the same one."""
+        for t, vals in by.items():
+            mod = gm.get_submodule(t)
+            if len(vals) == calls[t] and _all_close([v for _, v in vals]) and fits(mod):
+                sc.add(where, t, mod, vals[0][1])
+            elif any(not _close(v, 1.0) for _, v in vals):
+                sc.problems.append((", ".join(w for w, _ in vals), f"module {t} is called "
+                                    f"{calls[t]} times with different {side} scales "
+                                    f"({', '.join(f'{v:.4g}' for _, v in vals)}): its one "
+                                    f"weight cannot carry them all"))
+    shared_calls(per_call_out, sc.out, "output", lambda m: kind(m) is not None)
+    shared_calls(per_call, sc.inp, "input", lambda m: kind(m) == "linear")
     # for tied bias-free linear layers: the module producing their input (through value-
     # preserving ops and the products by other constants, which fold away)
     for n in gm.graph.nodes:
@@ -413,8 +394,8 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
             continue
         cur = n.args[0]
         while isinstance(cur, fx.Node) and len(cur.users) == 1:
-            if _scaled_operand(cur) is not None:
-                cur = _scaled_operand(cur)
+            if scaled_operand(cur) is not None:
+                cur = scaled_operand(cur)
             elif (cur.op == "call_method" and cur.target in _SAME_VALUES_METHODS) or \
                     (cur.op == "call_function" and cur.target in _SAME_VALUES_FNS):
                 cur = cur.args[0]
@@ -435,7 +416,7 @@ def _fx_up(node: fx.Node, gm: fx.GraphModule, value: float) -> fx.Node:
     no other use: scaling the node found scales the original exactly."""
     cur = node
     while True:
-        prev = _scaled_operand(cur)
+        prev = scaled_operand(cur)
         if prev is None and value > 0:
             prev = _homogeneous_operand(cur, gm)
         elif prev is None and ((cur.op == "call_method" and cur.target in _SAME_VALUES_METHODS)

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import copy
+import operator
 import re
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from precondfx.pytorch.capture.common import child, is_dataclass_output, rebuild_distribution
@@ -195,3 +197,18 @@ def times_first(out: Any, s: torch.Tensor) -> Any:
     if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
         return (out[0] * s,) + tuple(out[1:])
     return out
+
+
+def scaled_operand(n: Any) -> fx.Node | None:
+    """For a ``mul`` node by a precondfx constant (``x * precondfx_...``), its other operand
+    ``x``; None for any other node.  Such a node is folded away itself, and a product commutes:
+    a scale on ``x`` or on the product is the same scale."""
+    if not isinstance(n, fx.Node) or n.op != "call_function" or \
+            n.target not in (operator.mul, torch.mul) or len(n.args) != 2 or n.kwargs:
+        return None
+    a, b = n.args
+    for c, x in ((b, a), (a, b)):
+        if isinstance(c, fx.Node) and c.op == "get_attr" and str(c.target).startswith(PREFIX) \
+                and isinstance(x, fx.Node):
+            return x
+    return None

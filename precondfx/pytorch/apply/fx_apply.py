@@ -14,7 +14,8 @@ import torch.fx as fx
 
 from precondfx.core.backend import Records, key_of
 from precondfx.pytorch.apply.common import (buffer_name, first_param, like_param,
-                                            replacement_pool, scalar_buffer, swap_references)
+                                            replacement_pool, scalar_buffer, scaled_operand,
+                                            swap_references)
 from precondfx.pytorch.apply.torch_backend import TorchBackend
 from precondfx.pytorch.capture.common import placeholder_values
 from precondfx.core.outputs import bounded_output, bounded_producer, skip_bounded
@@ -59,13 +60,8 @@ def _is_tensor(n: fx.Node) -> bool:
 def _under_own_products(n: fx.Node) -> fx.Node:
     """``n`` with precondfx's own products by a constant (an lr multiplier on a layer's
     output) looked through: the node whose value they scale."""
-    while n.op == "call_function" and n.target is operator.mul and len(n.args) == 2:
-        a, b = n.args
-        if isinstance(b, fx.Node) and b.op == "get_attr" and str(b.target).startswith(
-                "precondfx_") and isinstance(a, fx.Node):
-            n = a
-        else:
-            break
+    while scaled_operand(n) is not None:
+        n = scaled_operand(n)
     return n
 
 
