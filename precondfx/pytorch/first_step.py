@@ -175,18 +175,14 @@ class Pending:
         ok, _ = lr_transfer.carried(bufs, edited, self.graph)
         if c != 1.0:
             bias_of = {lay.weight: lay.bias for lay in edited.layers if lay.weight and lay.bias}
-            with torch.no_grad():           # the gradient of the new storage: c times
-                for w in ok:
-                    for n in (w, bias_of.get(w)):
-                        p = _param(model, n) if n else None
-                        if p is not None and p.grad is not None:
-                            p.grad.mul_(c)
             for r in self.models:           # copies keep the model's storage
                 other = r()
                 if other is not None and other is not model and \
                         all(_has_buffer(other, b) for w in ok for b in bufs[w]):
                     lr_transfer.store(other, copy.deepcopy(edited), ok, {w: c for w in ok},
                                       "lr='auto' (a copy)")
+                    _scale_grads(other, ok, bias_of, c)   # a copy trained in the same loop
+            _scale_grads(model, ok, bias_of, c)
         self.report.measured.record_diff("lr_target", now, edited)
         self.report.plan = self.report.measured.final(self.report.planned)
         sec["when"] = f"lr='auto': at the first step of {name} (peak rate {lr:.4g})"
@@ -216,6 +212,17 @@ def _param(model: nn.Module, name: str) -> Any:
         return model.get_parameter(name)
     except AttributeError:
         return None
+
+
+def _scale_grads(model: nn.Module, weights: Any, bias_of: dict[str, str], c: float) -> None:
+    """The gradients already computed, of the weights and their biases: the gradient of the
+    storage divided by ``c`` is ``c`` times the gradient of the old storage."""
+    with torch.no_grad():
+        for w in weights:
+            for n in (w, bias_of.get(w)):
+                p = _param(model, n) if n else None
+                if p is not None and p.grad is not None:
+                    p.grad.mul_(c)
 
 
 def _has_buffer(model: nn.Module, name: str) -> bool:
