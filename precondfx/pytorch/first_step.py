@@ -10,13 +10,14 @@ its curvature: the suggested SGD rate ``1 / lambda``
 * at precondition, every re-drawn layer gets an ``lr`` multiplier (1) and a copy of the
   calibration batch is kept with the result;
 * at the first ``step()`` of a ``torch.optim.SGD`` holding the result's layers, before the
-  update, the suggested SGD rate is measured on that batch.  When the optimizer's peak rate
-  (``max_lr`` or ``initial_lr`` where a scheduler set one, else ``lr``; the parameter group
-  holding most of the layers' weights) is above it, the layers' stored weights and biases are
-  divided by one factor ``c < 1`` and the multipliers multiplied by it (the same function), as
-  ``lr=`` does (:mod:`precondfx.pytorch.lr_target`), so that the layers' effective rate is the
-  suggested one; the gradients already computed are multiplied by ``c`` too (the gradient of
-  the new storage), so this and every later step is the step that storage takes.  At or below
+  update, the suggested SGD rate of the parameters it steps is measured on that batch.
+  When the optimizer's peak rate (``max_lr`` or ``initial_lr`` where a scheduler set one,
+  else ``lr``; the parameter group holding most of the layers' weights) is above it, the
+  layers' stored weights and biases are divided by one factor ``c < 1`` and the multipliers
+  multiplied by it (the same function), as ``lr=`` does (:mod:`precondfx.pytorch.lr_target`),
+  so that the layers' effective rate is the suggested one; the gradients already computed
+  are multiplied by ``c`` too (the gradient of the new storage), so this and every later step
+  is the step that storage takes.  At or below
   the suggested rate nothing changes: the default only lowers a rate the model cannot take,
   and your rate keeps its meaning below that ceiling (a sweep still sweeps);
 * an optimizer of another family (Adam, AdamW: precondfx's storage already keeps the rate
@@ -149,12 +150,15 @@ class Pending:
         lr = _peak(group)
         if not (lr > 0 and math.isfinite(lr)):
             return self._kept(opt, f"its rate {lr!r} is not a positive number")
-        return self.set(model, weights, lr, type(opt).__name__)
+        steps = {n for n, p in model.named_parameters() if id(p) in held}
+        return self.set(model, weights, lr, type(opt).__name__, steps)
 
-    def set(self, model: nn.Module, weights: list[str], lr: float, name: str = "SGD"
-            ) -> dict[str, Any]:
+    def set(self, model: nn.Module, weights: list[str], lr: float, name: str = "SGD",
+            steps: Any = None) -> dict[str, Any]:
         """The ceiling for the SGD rate ``lr`` on ``weights`` of ``model`` (and its copies),
-        the gradients already computed rescaled with them; the report section."""
+        the gradients already computed rescaled with them; the report section.  ``steps``:
+        the names of the parameters the optimizer steps, whose curvature bounds its rate (a
+        head fine-tuned alone, a second optimizer over the rest); None: all."""
         from precondfx.pytorch.measure.suggest import suggest_lr
         sample = _on_device(self.sample, model)
         self.consume()
@@ -170,7 +174,8 @@ class Pending:
             sec = lr_target.keep_rate(
                 model, self.graph, edited, bufs, lr, "sgd",
                 lambda fam: suggest_lr(model, sample, mode=self.mode, key=self.key,
-                                       seed=self.seed, families=(fam,))[fam], ceiling=True)
+                                       seed=self.seed, families=(fam,), only=steps).get(fam),
+                ceiling=True)
         c = float(sec.get("factor", 1.0))
         ok, _ = lr_transfer.carried(bufs, edited, self.graph)
         if c != 1.0:

@@ -48,3 +48,22 @@ def test_copies_trained_in_the_same_loop_get_their_gradients_rescaled():
         losses[name] = [float(v) for v in ls]
     assert rep.conditioning["lr_target"]["factor"] < 0.7
     assert losses["auto"] == pytest.approx(losses["told"], rel=1e-5)
+
+
+def test_the_ceiling_is_the_curvature_of_what_the_optimizer_steps():
+    """SGD over the head alone (the body trainable but stepped by nobody, or by another
+    optimizer): the suggested rate was measured over every trainable parameter (0.46, the
+    body's curvature), so the head's factor went to 0.278 with a warning blaming parameters
+    outside the scaled layers; the head alone suggests 1.0, and the factor for it is ~0.71."""
+    x, y = _data()
+    model, rep = precondfx.precondition(_mlp(), x)
+    opt = torch.optim.SGD(model[4].parameters(), lr=HIGH)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    sec = rep.conditioning["lr_target"]
+    assert sec["suggested_before"] == pytest.approx(1.0, rel=0.1)
+    assert sec["factor"] == pytest.approx((sec["suggested_before"] / HIGH) ** 0.5, rel=0.05)
+    assert sec["suggested_after"] == pytest.approx(HIGH, rel=0.2)
+    assert "warning" not in sec
+    assert [float(b) for n, b in model.named_buffers() if "precondfx_lr" in n] == \
+        pytest.approx([1.0, 1.0, sec["factor"]], rel=1e-6)
