@@ -10,16 +10,16 @@ its curvature: the suggested SGD rate ``1 / lambda``
 * at precondition, every re-drawn layer gets an ``lr`` multiplier (1) and a copy of the
   calibration batch is kept with the result;
 * at the first ``step()`` of a ``torch.optim.SGD`` holding the result's layers, before the
-  update, the suggested SGD rate of the parameters it steps is measured on that batch.
-  When the optimizer's peak rate (``max_lr`` or ``initial_lr`` where a scheduler set one,
-  else ``lr``; the parameter group holding most of the layers' weights) is above it, the
-  layers' stored weights and biases are divided by one factor ``c < 1`` and the multipliers
-  multiplied by it (the same function), as ``lr=`` does (:mod:`precondfx.pytorch.lr_target`),
-  so that the layers' effective rate is the suggested one; the gradients already computed
-  are multiplied by ``c`` too (the gradient of the new storage), so this and every later step
-  is the step that storage takes.  At or below
-  the suggested rate nothing changes: the default only lowers a rate the model cannot take,
-  and your rate keeps its meaning below that ceiling (a sweep still sweeps);
+  update, the suggested SGD rate of the parameters it steps is measured on that batch.  When
+  the optimizer's peak rate (a ``OneCycleLR``'s or ``CyclicLR``'s ``max_lr``, or
+  ``initial_lr`` where a scheduler set one, else ``lr``; the parameter group holding most of
+  the layers' weights) is above it, the layers' stored weights and biases are divided by one
+  factor ``c < 1`` and the multipliers multiplied by it (the same function), as ``lr=`` does
+  (:mod:`precondfx.pytorch.lr_target`), so that the layers' effective rate is the suggested
+  one; the gradients already computed are multiplied by ``c`` too (the gradient of the new
+  storage), so this and every later step is the step that storage takes.  At or below the
+  suggested rate nothing changes: the default only lowers a rate the model cannot take, and
+  your rate keeps its meaning below that ceiling (a sweep still sweeps);
 * an optimizer of another family (Adam, AdamW: precondfx's storage already keeps the rate
   tuned for the framework's init there, heldout_cpu.md), resumed optimizer state, weights
   changed since precondition (a checkpoint loaded), several processes (each would measure its
@@ -36,6 +36,7 @@ optimizer.
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import math
 import warnings
@@ -147,7 +148,7 @@ class Pending:
                                    f"; folded?): the storage is kept")
         group = _main_group(opt, {id(_param(model, w)): _param(model, w).numel()
                                   for w in weights})
-        lr = _peak(group)
+        lr = max(_peak(group), _cyclic_peak(opt, group))
         if not (lr > 0 and math.isfinite(lr)):
             return self._kept(opt, f"its rate {lr!r} is not a positive number")
         steps = {n for n, p in model.named_parameters() if id(p) in held}
@@ -260,6 +261,22 @@ def _peak(group: dict[str, Any]) -> float:
         if isinstance(v, torch.Tensor) and v.numel() == 1:
             return float(v)
     return float("nan")
+
+
+def _cyclic_peak(opt: torch.optim.Optimizer, group: dict[str, Any]) -> float:
+    """The peak of a ``CyclicLR`` stepping ``opt``: it keeps ``max_lr`` on itself, not in the
+    group (whose ``lr`` and ``initial_lr`` hold ``base_lr``), and the optimizer holds no
+    reference to it: found among the optimizer's referrers (once, at the first step).  A
+    scheduler whose ``__dict__`` was materialized (``state_dict()``) is referred to by that
+    dict.  0 where none is found."""
+    idx = next((i for i, g in enumerate(opt.param_groups) if g is group), None)
+    peaks = []
+    for r in gc.get_referrers(opt):
+        d = r.__dict__ if isinstance(r, torch.optim.lr_scheduler.CyclicLR) else r
+        if isinstance(d, dict) and d.get("optimizer") is opt and idx is not None and \
+                isinstance(d.get("max_lrs"), (list, tuple)) and len(d["max_lrs"]) > idx:
+            peaks.append(_peak({"lr": d["max_lrs"][idx]}))
+    return max([p for p in peaks if math.isfinite(p)], default=0.0)
 
 
 def _on_device(sample: Any, model: nn.Module) -> Any:

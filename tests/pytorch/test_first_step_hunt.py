@@ -67,3 +67,24 @@ def test_the_ceiling_is_the_curvature_of_what_the_optimizer_steps():
     assert "warning" not in sec
     assert [float(b) for n, b in model.named_buffers() if "precondfx_lr" in n] == \
         pytest.approx([1.0, 1.0, sec["factor"]], rel=1e-6)
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_a_cyclic_schedule_is_read_at_its_peak(saved):
+    """CyclicLR(base_lr=0.01, max_lr=2) keeps max_lr on itself; the group's lr and initial_lr
+    hold base_lr, which was read as the peak rate: 'at or below the suggested rate', factor 1,
+    while the schedule reached 2 (above the ceiling 0.46) two steps later.  ``saved``: the
+    scheduler's state_dict() was taken first (its __dict__ materialized)."""
+    x, y = _data()
+    model, rep = precondfx.precondition(_mlp(), x)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CyclicLR(opt, base_lr=0.01, max_lr=HIGH, step_size_up=3)
+    if saved:
+        sched.state_dict()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    sched.step()
+    sec = rep.conditioning["lr_target"]
+    assert f"peak rate {HIGH:g}" in sec["summary"]
+    assert sec["factor"] == pytest.approx((sec["suggested_before"] / HIGH) ** 0.5, rel=0.1)
+    assert sec["factor"] < 0.7
