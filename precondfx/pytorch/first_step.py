@@ -171,7 +171,8 @@ class Pending:
         log.info("precondfx: lr='auto': measuring the suggested SGD rate on the kept batch at "
                  "the first step of %s (once; 80-220 training steps of the model on the CPU "
                  "benchmark, bench/first_step_cost.py; lr=None skips it)", name)
-        with torch.random.fork_rng(devices=devices):       # the user's random stream untouched
+        # the user's random stream untouched; a step taken under inference_mode measured too
+        with torch.random.fork_rng(devices=devices), torch.inference_mode(False):
             sec = lr_target.keep_rate(
                 model, self.graph, edited, bufs, lr, "sgd",
                 lambda fam: suggest_lr(model, sample, mode=self.mode, key=self.key,

@@ -88,3 +88,28 @@ def test_a_cyclic_schedule_is_read_at_its_peak(saved):
     assert f"peak rate {HIGH:g}" in sec["summary"]
     assert sec["factor"] == pytest.approx((sec["suggested_before"] / HIGH) ** 0.5, rel=0.1)
     assert sec["factor"] < 0.7
+
+
+def test_a_step_under_inference_mode_is_measured():
+    """``with torch.inference_mode(): opt.step()`` (SGD steps there as anywhere): the
+    measurement failed ('the forward runs under torch.no_grad() or torch.inference_mode() ...
+    drop suggest_lr=True', an option the user never passed) and the storage was kept; the
+    training then differed from lr= told (loss 1.8807 told after 3 steps)."""
+    x, y = _data()
+    auto, rep = precondfx.precondition(_mlp(), x)
+    told, _ = precondfx.precondition(_mlp(), x, lr=HIGH, optimizer="sgd")
+    losses = {}
+    for name, m in (("auto", auto), ("told", told)):
+        opt = torch.optim.SGD(m.parameters(), lr=HIGH)
+        out = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            with torch.inference_mode():
+                opt.step()
+            out.append(float(loss))
+        losses[name] = out
+    assert "kept" not in rep.conditioning["lr_target"]
+    assert rep.conditioning["lr_target"]["factor"] < 0.7
+    assert losses["auto"] == pytest.approx(losses["told"], rel=1e-5)
