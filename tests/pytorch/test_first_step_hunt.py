@@ -113,3 +113,27 @@ def test_a_step_under_inference_mode_is_measured():
     assert "kept" not in rep.conditioning["lr_target"]
     assert rep.conditioning["lr_target"]["factor"] < 0.7
     assert losses["auto"] == pytest.approx(losses["told"], rel=1e-5)
+
+
+def test_a_bfloat16_cast_is_not_a_loaded_checkpoint():
+    """``.bfloat16()`` after precondition rounds a layer of 6 weights' rms by 1.1e-3, above the
+    1e-3 taken as 'changed since precondition': the storage was kept ('a checkpoint
+    loaded?') and the ceiling not applied; the cast model now gets the float32 model's
+    factor (0.33 at lr=2) to bfloat16's precision."""
+    x, y = _data()
+
+    def small() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(20, 8), nn.ReLU(), nn.Linear(8, 3), nn.ReLU(),
+                             nn.Linear(3, 2))
+    secs = []
+    for dt in (torch.float32, torch.bfloat16):
+        model, rep = precondfx.precondition(small(), x)
+        model = model.to(dt)
+        opt = torch.optim.SGD(model.parameters(), lr=HIGH)
+        F.cross_entropy(model(x.to(dt)).float(), y % 2).backward()
+        opt.step()
+        secs.append(rep.conditioning["lr_target"])
+    assert "kept" not in secs[1]
+    assert secs[0]["factor"] < 0.7
+    assert secs[1]["factor"] == pytest.approx(secs[0]["factor"], rel=0.03)
