@@ -26,7 +26,8 @@ its curvature: the suggested SGD rate ``1 / lambda``
   own factor) or a failed measurement keep the storage, and the report says which;
 * deep copies of the result made before that step (an EMA or ``AveragedModel`` copy, a
   template copied per run) share the pending step: they get the same factor at the same time,
-  so that copies and the model keep one storage.
+  so that copies and the model keep one storage, and their gradients already computed are
+  rescaled with them; a pickled copy (``torch.save(model)``) holds none, and pickling says so.
 
 A training loop that does not step a ``torch.optim`` optimizer calls :func:`settle_rate`
 (``precondfx.settle_rate``) with its rate instead.  The kept batch is released at that first
@@ -93,6 +94,14 @@ class Pending:
         return self
 
     def __reduce__(self) -> tuple:
+        if self in _PENDING:        # the loaded copy keeps this storage at any rate: said
+            warnings.warn("precondfx: a result whose lr='auto' first step is pending is "
+                          "pickled (torch.save(model), a worker process): the copy loaded "
+                          "from it holds no pending step and keeps this storage at any SGD "
+                          "rate; call precondfx.settle_rate(model, lr) before saving, or pass "
+                          "lr= and optimizer='sgd' to precondition (state_dict() saves "
+                          "without this: load it into the same rewrite)",
+                          RuntimeWarning, stacklevel=2)
         return (_disarmed, ())
 
     # -- the optimizer's first step --------------------------------------------------------

@@ -137,3 +137,28 @@ def test_a_bfloat16_cast_is_not_a_loaded_checkpoint():
     assert "kept" not in secs[1]
     assert secs[0]["factor"] < 0.7
     assert secs[1]["factor"] == pytest.approx(secs[0]["factor"], rel=0.03)
+
+
+def test_pickling_a_pending_result_says_the_copy_holds_none():
+    """torch.save(model) before the first step: the loaded copy, trained at a rate above the
+    ceiling, kept the storage (lr multipliers 1 against 0.48 for the model) and nothing said
+    so; the pickling now warns, and says nothing once the step was taken."""
+    import io
+    import warnings
+    x, y = _data()
+    model, _ = precondfx.precondition(_mlp(), x)
+    buf = io.BytesIO()
+    with pytest.warns(RuntimeWarning, match="pending is pickled"):
+        torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for m in (loaded, model):
+        opt = torch.optim.SGD(m.parameters(), lr=HIGH)
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+    consts = {n: [float(b) for k, b in m.named_buffers() if "precondfx_lr" in k]
+              for n, m in (("loaded", loaded), ("model", model))}
+    assert consts["loaded"] == [1.0, 1.0, 1.0] and consts["model"][0] < 0.7
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.save(model, io.BytesIO())
