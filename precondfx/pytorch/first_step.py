@@ -160,7 +160,12 @@ class Pending:
                                   for w in weights})
         lr = max(_peak(group), _cyclic_peak(opt, group))
         if not (lr > 0 and math.isfinite(lr)):
-            return self._kept(opt, f"its rate {lr!r} is not a positive number")
+            return self._kept(opt, f"its rate {lr!r} is not a positive number (a warm-up set "
+                                   f"by hand?): the rate you train at is not known here: "
+                                   f"call precondfx.settle_rate(model, peak_lr) before the "
+                                   f"first step, let a torch.optim.lr_scheduler do the warm-up "
+                                   f"(its initial_lr is read), or pass lr= and "
+                                   f"optimizer='sgd' to precondition", warn=True)
         steps = {n for n, p in model.named_parameters() if id(p) in held}
         return self.set(model, weights, lr, type(opt).__name__, steps)
 

@@ -162,3 +162,21 @@ def test_pickling_a_pending_result_says_the_copy_holds_none():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch.save(model, io.BytesIO())
+
+
+def test_a_first_step_at_rate_zero_is_said():
+    """A warm-up set by hand from 0 (``g['lr'] = peak * step / warmup``): the first step has
+    rate 0, the storage was kept with only a report entry, and the loop then trained at 2
+    (4.3x the ceiling) without a word; now a RuntimeWarning says it and what to do."""
+    x, y = _data()
+    model, rep = precondfx.precondition(_mlp(), x)
+    opt = torch.optim.SGD(model.parameters(), lr=HIGH)
+    with pytest.warns(RuntimeWarning, match="settle_rate"):
+        for step in range(3):
+            for g in opt.param_groups:
+                g["lr"] = HIGH * step / 2
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert "not a positive number" in rep.conditioning["lr_target"]["kept"]
+    assert [float(b) for n, b in model.named_buffers() if "precondfx_lr" in n] == [1.0] * 3
