@@ -367,14 +367,23 @@ def settle_rate(model: nn.Module, lr: float, optimizer: Any = "sgd") -> dict[str
     """What the first step of ``optimizer`` at rate ``lr`` does to ``model`` (a result of
     ``precondition`` with ``lr='auto'``), done now: for a training loop that does not step a
     ``torch.optim`` optimizer (a functional or batched trainer).  ``optimizer``: ``'sgd'``,
-    ``'adam'``/``'adamw'`` or the class.  Returns the report section it sets."""
+    ``'adam'``/``'adamw'`` or the class.  ``model`` may hold the result (a wrapper, a parent
+    module).  Returns the report section it sets."""
     from precondfx.core.options import number, optimizer_family
-    pend = model.__dict__.get(ATTR)
-    if pend is None or pend not in _PENDING:
+    found = {}
+    for m in model.modules():       # the result itself, or the one a wrapper holds
+        p = m.__dict__.get(ATTR)
+        if p is not None and p in _PENDING and id(p) not in found:
+            found[id(p)] = (m, p)
+    if len(found) > 1:
+        raise PrecondError(f"settle_rate: this model holds {len(found)} preconditioned "
+                           f"results with a pending first step: call settle_rate on each")
+    if not found:
         raise PrecondError("settle_rate: this model has no pending first step (it was "
                            "preconditioned with lr=None, a number, another scheme or "
                            "reinit_weights=False, or it was already trained or settled, or "
                            "loaded from a file)")
+    model, pend = next(iter(found.values()))
     fam = optimizer_family("optimizer", optimizer)
     lr = number("a positive learning rate", lambda x: x > 0)("lr", lr)    # lr='s own check
     if fam != "sgd":

@@ -180,3 +180,19 @@ def test_a_first_step_at_rate_zero_is_said():
             opt.step()
     assert "not a positive number" in rep.conditioning["lr_target"]["kept"]
     assert [float(b) for n, b in model.named_buffers() if "precondfx_lr" in n] == [1.0] * 3
+
+
+def test_settle_rate_finds_the_result_inside_a_wrapper():
+    """settle_rate(wrapper, lr) on a module holding the result (a parent module, a
+    DataParallel-like container) raised 'no pending first step (preconditioned with
+    lr=None ...)', none of which was so; it now settles the result it holds, with the factor
+    the result's own settle_rate sets."""
+    x, _ = _data()
+    a, _ = precondfx.precondition(_mlp(), x)
+    b, _ = precondfx.precondition(_mlp(), x)
+    sec_a = precondfx.settle_rate(nn.Sequential(a), HIGH)
+    sec_b = precondfx.settle_rate(b, HIGH)
+    assert sec_a["factor"] < 0.7
+    assert sec_a["factor"] == pytest.approx(sec_b["factor"], rel=1e-9)
+    assert [float(t) for n, t in a.named_buffers() if "precondfx_lr" in n] == \
+        pytest.approx([sec_b["factor"]] * 3, rel=1e-6)
