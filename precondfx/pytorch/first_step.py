@@ -21,7 +21,8 @@ its curvature: the suggested SGD rate ``1 / lambda``
   suggested rate nothing changes: the default only lowers a rate the model cannot take, and
   your rate keeps its meaning below that ceiling (a sweep still sweeps);
 * an optimizer of another family (Adam, AdamW: precondfx's storage already keeps the rate
-  tuned for the framework's init there, heldout_cpu.md), resumed optimizer state, weights
+  tuned for the framework's init there, heldout_cpu.md; the layers it holds: an SGD over the
+  others still sets theirs at its first step), resumed optimizer state, weights
   changed since precondition (a checkpoint loaded), several processes (each would measure its
   own factor) or a failed measurement keep the storage, and the report says which;
 * deep copies of the result made before that step (an EMA or ``AveragedModel`` copy, a
@@ -121,14 +122,20 @@ class Pending:
     def fire(self, opt: torch.optim.Optimizer, model: nn.Module, held: set[int]) -> None:
         """Set the storage for ``opt``'s rate (see the module docstring), once; ``held``: the
         ids of the parameters ``opt`` holds."""
+        rest: dict[str, list[str]] = {}
         try:
             sec = self._fire(opt, model, held)
+            if "rest" in sec:           # the other layers wait for their own optimizer
+                rest = sec.pop("rest")
         except Exception as e:          # never break the user's step: say it, keep the storage
             sec = self._kept(opt, f"the measurement failed ({type(e).__name__}: {e}); the "
                                   f"storage stays as precondition left it: pass lr= to set it "
                                   f"at precondition", warn=True)
         finally:
-            self.consume()
+            if rest:
+                self.lr_buffers = rest
+            else:
+                self.consume()
         self.report.conditioning["lr_target"] = sec
 
     def _fire(self, opt: torch.optim.Optimizer, model: nn.Module, held: set[int]
@@ -136,10 +143,16 @@ class Pending:
         weights = [w for w in self.lr_buffers if id(_param(model, w)) in held]
         name = type(opt).__name__
         if not isinstance(opt, torch.optim.SGD):
-            return self._kept(opt, f"{name} is not SGD: under Adam-family optimizers the "
-                                   f"storage precondition chose keeps the rate tuned for the "
-                                   f"framework's init (docs/results/heldout_cpu.md); other "
-                                   f"optimizers: pass lr= and optimizer= to set it")
+            sec = self._kept(opt, f"{name} is not SGD: under Adam-family optimizers the "
+                                  f"storage precondition chose keeps the rate tuned for the "
+                                  f"framework's init (docs/results/heldout_cpu.md); other "
+                                  f"optimizers: pass lr= and optimizer= to set it")
+            rest = {w: b for w, b in self.lr_buffers.items() if w not in weights}
+            if any(getattr(_param(model, w), "requires_grad", False) for w in rest):
+                sec["rest"] = rest          # an SGD stepping the others sets theirs
+                sec["summary"] += (f" ({len(weights)} layers; the first step of an SGD "
+                                   f"holding the other {len(rest)} still sets theirs)")
+            return sec
         if torch.distributed.is_available() and torch.distributed.is_initialized() and \
                 torch.distributed.get_world_size() > 1:
             return self._kept(opt, "several processes train this model and each would measure "

@@ -196,3 +196,25 @@ def test_settle_rate_finds_the_result_inside_a_wrapper():
     assert sec_a["factor"] == pytest.approx(sec_b["factor"], rel=1e-9)
     assert [float(t) for n, t in a.named_buffers() if "precondfx_lr" in n] == \
         pytest.approx([sec_b["factor"]] * 3, rel=1e-6)
+
+
+@pytest.mark.parametrize("adam_first", [False, True])
+def test_two_optimizers_in_either_order(adam_first):
+    """SGD over the first two layers, Adam over the head, stepped Adam first: the Adam step
+    consumed the pending step ('Adam is not SGD') and the SGD layers trained at 2 (4.3x the
+    ceiling) with the storage kept, while the other order set their factor (0.62): now the
+    Adam step keeps only its layers' storage, and the SGD's first step sets the others'."""
+    x, y = _data()
+    model, rep = precondfx.precondition(_mlp(), x)
+    ps = list(model.parameters())
+    sgd, adam = torch.optim.SGD(ps[:4], lr=HIGH, momentum=0.9), torch.optim.Adam(ps[4:])
+    for _ in range(2):
+        sgd.zero_grad()
+        adam.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for o in ((adam, sgd) if adam_first else (sgd, adam)):
+            o.step()
+    consts = [float(b) for n, b in model.named_buffers() if "precondfx_lr" in n]
+    assert consts[0] == consts[1] and consts[2] == 1.0
+    assert consts[0] == pytest.approx(0.62, abs=0.03)
+    assert "peak rate 2" in rep.conditioning["lr_target"]["summary"]
