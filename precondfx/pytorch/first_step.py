@@ -19,10 +19,11 @@ its curvature: the suggested SGD rate ``1 / lambda``
   one; the gradients already computed are multiplied by ``c`` too (the gradient of the new
   storage), so this and every later step is the step that storage takes.  At or below the
   suggested rate nothing changes: the default only lowers a rate the model cannot take, and
-  your rate keeps its meaning below that ceiling (a sweep still sweeps);
+  your rate keeps its meaning below that ceiling (a sweep still sweeps).  An optimizer
+  holding some of the trainable layers acts on those: the first step of the one holding the
+  others acts on theirs (two optimizers, in either order);
 * an optimizer of another family (Adam, AdamW: precondfx's storage already keeps the rate
-  tuned for the framework's init there, heldout_cpu.md; the layers it holds: an SGD over the
-  others still sets theirs at its first step), resumed optimizer state, weights
+  tuned for the framework's init there, heldout_cpu.md), resumed optimizer state, weights
   changed since precondition (a checkpoint loaded), several processes (each would measure its
   own factor) or a failed measurement keep the storage, and the report says which;
 * deep copies of the result made before that step (an EMA or ``AveragedModel`` copy, a
@@ -82,6 +83,7 @@ class Pending:
         self.lr_buffers = lr_buffers
         self.sample, self.mode, self.key, self.seed = sample, mode, key, seed
         self.rms = {w: lr_transfer.stored_rms(model.get_parameter(w)) for w in lr_buffers}
+        self.earlier: list[str] = []    # what the first steps of optimizers over parts did
 
     # -- copies share it; a pickled or saved copy holds nothing pending --------------------
     def __deepcopy__(self, memo: dict) -> "Pending":
@@ -136,6 +138,10 @@ class Pending:
                 self.lr_buffers = rest
             else:
                 self.consume()
+        if self.earlier:
+            sec["earlier"] = list(self.earlier)
+        if rest:
+            self.earlier.append(sec["summary"])
         self.report.conditioning["lr_target"] = sec
 
     def _fire(self, opt: torch.optim.Optimizer, model: nn.Module, held: set[int]
@@ -147,12 +153,7 @@ class Pending:
                                   f"storage precondition chose keeps the rate tuned for the "
                                   f"framework's init (docs/results/heldout_cpu.md); other "
                                   f"optimizers: pass lr= and optimizer= to set it")
-            rest = {w: b for w, b in self.lr_buffers.items() if w not in weights}
-            if any(getattr(_param(model, w), "requires_grad", False) for w in rest):
-                sec["rest"] = rest          # an SGD stepping the others sets theirs
-                sec["summary"] += (f" ({len(weights)} layers; the first step of an SGD "
-                                   f"holding the other {len(rest)} still sets theirs)")
-            return sec
+            return self._rest(model, weights, sec)
         if torch.distributed.is_available() and torch.distributed.is_initialized() and \
                 torch.distributed.get_world_size() > 1:
             return self._kept(opt, "several processes train this model and each would measure "
@@ -180,7 +181,20 @@ class Pending:
                                    f"(its initial_lr is read), or pass lr= and "
                                    f"optimizer='sgd' to precondition", warn=True)
         steps = {n for n, p in model.named_parameters() if id(p) in held}
-        return self.set(model, weights, lr, type(opt).__name__, steps)
+        return self._rest(model, weights, self.set(model, weights, lr, name, steps))
+
+    def _rest(self, model: nn.Module, weights: list[str], sec: dict[str, Any]
+              ) -> dict[str, Any]:
+        """``sec``, with the trainable layers the optimizer does not hold left pending
+        (``rest``): the first step of the optimizer holding them sets theirs, so that two
+        optimizers over parts of the model get the same storage in either order."""
+        rest = {w: b for w, b in self.lr_buffers.items() if w not in weights and
+                getattr(_param(model, w), "requires_grad", False)}
+        if rest:
+            sec["rest"] = rest
+            sec["summary"] += (f" ({len(weights)} of the layers; the first step of an "
+                               f"optimizer holding the other {len(rest)} sets theirs)")
+        return sec
 
     def set(self, model: nn.Module, weights: list[str], lr: float, name: str = "SGD",
             steps: Any = None) -> dict[str, Any]:
@@ -190,7 +204,6 @@ class Pending:
         head fine-tuned alone, a second optimizer over the rest); None: all."""
         from precondfx.pytorch.measure.suggest import suggest_lr
         sample = _on_device(self.sample, model)
-        self.consume()
         bufs = {w: self.lr_buffers[w] for w in weights}
         now = self.report.measured.final(self.report.planned)
         edited = copy.deepcopy(now)
@@ -404,7 +417,10 @@ def settle_rate(model: nn.Module, lr: float, optimizer: Any = "sgd") -> dict[str
         sec = pend._kept_named(str(optimizer), "under Adam-family optimizers the storage "
                                                "precondition chose is kept")
     else:
-        sec = pend.set(model, list(pend.lr_buffers), lr, "SGD (settle_rate)")
+        try:
+            sec = pend.set(model, list(pend.lr_buffers), lr, "SGD (settle_rate)")
+        finally:
+            pend.consume()
     pend.report.conditioning["lr_target"] = sec
     return sec
 

@@ -217,4 +217,28 @@ def test_two_optimizers_in_either_order(adam_first):
     consts = [float(b) for n, b in model.named_buffers() if "precondfx_lr" in n]
     assert consts[0] == consts[1] and consts[2] == 1.0
     assert consts[0] == pytest.approx(0.62, abs=0.03)
-    assert "peak rate 2" in rep.conditioning["lr_target"]["summary"]
+    sec = rep.conditioning["lr_target"]      # the SGD's section, now or as the earlier one
+    assert "peak rate 2" in " ".join([sec["summary"], *sec.get("earlier", [])])
+
+
+@pytest.mark.parametrize("head_first", [False, True])
+def test_two_sgds_over_parts_each_get_a_ceiling(head_first):
+    """Discriminative rates with two SGDs (body at 2, head at 4): the first step() consumed
+    the pending step for the whole model, so the other optimizer's layers trained above
+    their ceiling with the storage kept (multipliers 1); now each optimizer's first step sets
+    the layers it holds, and the report keeps the earlier one's summary."""
+    x, y = _data()
+    model, rep = precondfx.precondition(_mlp(), x)
+    ps = list(model.parameters())
+    body = torch.optim.SGD(ps[:4], lr=HIGH, momentum=0.9)
+    head = torch.optim.SGD(ps[4:], lr=2 * HIGH, momentum=0.9)
+    for _ in range(2):
+        body.zero_grad()
+        head.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for o in ((head, body) if head_first else (body, head)):
+            o.step()
+    consts = [float(b) for n, b in model.named_buffers() if "precondfx_lr" in n]
+    assert consts[0] == consts[1] and consts[0] < 0.75 and consts[2] < 0.75
+    sec = rep.conditioning["lr_target"]
+    assert len(sec["earlier"]) == 1 and "sets theirs" in sec["earlier"][0]
