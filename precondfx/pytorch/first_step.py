@@ -317,7 +317,8 @@ def _cyclic_peak(opt: torch.optim.Optimizer, group: dict[str, Any]) -> float:
     for r in gc.get_referrers(opt):
         d = r.__dict__ if isinstance(r, torch.optim.lr_scheduler.CyclicLR) else r
         if isinstance(d, dict) and d.get("optimizer") is opt and idx is not None and \
-                isinstance(d.get("max_lrs"), (list, tuple)) and len(d["max_lrs"]) > idx:
+                "step_ratio" in d and isinstance(d.get("max_lrs"), (list, tuple)) and \
+                len(d["max_lrs"]) > idx:
             peaks.append(_peak({"lr": d["max_lrs"][idx]}))
     return max([p for p in peaks if math.isfinite(p)], default=0.0)
 
