@@ -21,7 +21,12 @@ its curvature: the suggested SGD rate ``1 / lambda``
   suggested rate nothing changes: the default only lowers a rate the model cannot take, and
   your rate keeps its meaning below that ceiling (a sweep still sweeps).  An optimizer
   holding some of the trainable layers acts on those: the first step of the one holding the
-  others acts on theirs (two optimizers, in either order);
+  others acts on theirs (two optimizers, in either order).  Two things differ from ``lr=``:
+  a gradient clipped before that step (``clip_grad_norm_``) was clipped at the old storage,
+  so the first step is ``c`` times the clipped one where ``lr=`` clips ``c`` times the
+  gradient (the later steps are ``lr=``'s); and the measurement runs the model's forward
+  about 40 times per round, with the module hooks it holds (a hook you registered after
+  precondition that logs or accumulates sees those calls);
 * an optimizer of another family (Adam, AdamW: precondfx's storage already keeps the rate
   tuned for the framework's init there, heldout_cpu.md), resumed optimizer state, weights
   changed since precondition (a checkpoint loaded), several processes (each would measure its
