@@ -10,22 +10,31 @@ its curvature: the suggested SGD rate ``1 / lambda``
 * at precondition, every re-drawn layer gets an ``lr`` multiplier (1) and a copy of the
   calibration batch is kept with the result;
 * at the first ``step()`` of a ``torch.optim.SGD`` holding the result's layers, before the
-  update, the suggested SGD rate is measured on that batch.  When the optimizer's peak rate
-  (``max_lr`` or ``initial_lr`` where a scheduler set one, else ``lr``; the parameter group
-  holding most of the layers' weights) is above it, the layers' stored weights and biases are
-  divided by one factor ``c < 1`` and the multipliers multiplied by it (the same function), as
-  ``lr=`` does (:mod:`precondfx.pytorch.lr_target`), so that the layers' effective rate is the
-  suggested one; the gradients already computed are multiplied by ``c`` too (the gradient of
-  the new storage), so this and every later step is the step that storage takes.  At or below
-  the suggested rate nothing changes: the default only lowers a rate the model cannot take,
-  and your rate keeps its meaning below that ceiling (a sweep still sweeps);
+  update, the suggested SGD rate of the parameters it steps is measured on that batch.  When
+  the optimizer's peak rate (a ``OneCycleLR``'s or ``CyclicLR``'s ``max_lr``, or
+  ``initial_lr`` where a scheduler set one, else ``lr``; the parameter group holding most of
+  the layers' weights) is above it, the layers' stored weights and biases are divided by one
+  factor ``c < 1`` and the multipliers multiplied by it (the same function), as ``lr=`` does
+  (:mod:`precondfx.pytorch.lr_target`), so that the layers' effective rate is the suggested
+  one; the gradients already computed are multiplied by ``c`` too (the gradient of the new
+  storage), so this and every later step is the step that storage takes.  At or below the
+  suggested rate nothing changes: the default only lowers a rate the model cannot take, and
+  your rate keeps its meaning below that ceiling (a sweep still sweeps).  An optimizer
+  holding some of the trainable layers acts on those: the first step of the one holding the
+  others acts on theirs (two optimizers, in either order).  Two things differ from ``lr=``:
+  a gradient clipped before that step (``clip_grad_norm_``) was clipped at the old storage,
+  so the first step is ``c`` times the clipped one where ``lr=`` clips ``c`` times the
+  gradient (the later steps are ``lr=``'s); and the measurement runs the model's forward
+  about 40 times per round, with the module hooks it holds (a hook you registered after
+  precondition that logs or accumulates sees those calls);
 * an optimizer of another family (Adam, AdamW: precondfx's storage already keeps the rate
   tuned for the framework's init there, heldout_cpu.md), resumed optimizer state, weights
   changed since precondition (a checkpoint loaded), several processes (each would measure its
   own factor) or a failed measurement keep the storage, and the report says which;
 * deep copies of the result made before that step (an EMA or ``AveragedModel`` copy, a
   template copied per run) share the pending step: they get the same factor at the same time,
-  so that copies and the model keep one storage.
+  so that copies and the model keep one storage, and their gradients already computed are
+  rescaled with them; a pickled copy (``torch.save(model)``) holds none, and pickling says so.
 
 A training loop that does not step a ``torch.optim`` optimizer calls :func:`settle_rate`
 (``precondfx.settle_rate``) with its rate instead.  The kept batch is released at that first
@@ -35,6 +44,7 @@ optimizer.
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import math
 import warnings
@@ -53,7 +63,8 @@ log = logging.getLogger("precondfx")
 #: the attribute of the result (and of its deep copies) holding what is pending
 ATTR = "_precondfx_first_step"
 #: relative change of a weight's rms taken as "changed since precondition" (a checkpoint
-#: loaded): far above a dtype cast's rounding, far below any factor lr= applies
+#: loaded): above a cast to float16's rounding, far below any factor lr= applies; the
+#: weight's dtype's eps where larger (bfloat16: a layer of 6 weights moved by 1.2e-3)
 CHANGED = 1e-3
 
 _PENDING: "weakref.WeakSet[Pending]" = weakref.WeakSet()
@@ -77,6 +88,7 @@ class Pending:
         self.lr_buffers = lr_buffers
         self.sample, self.mode, self.key, self.seed = sample, mode, key, seed
         self.rms = {w: lr_transfer.stored_rms(model.get_parameter(w)) for w in lr_buffers}
+        self.earlier: list[str] = []    # what the first steps of optimizers over parts did
 
     # -- copies share it; a pickled or saved copy holds nothing pending --------------------
     def __deepcopy__(self, memo: dict) -> "Pending":
@@ -90,6 +102,14 @@ class Pending:
         return self
 
     def __reduce__(self) -> tuple:
+        if self in _PENDING:        # the loaded copy keeps this storage at any rate: said
+            warnings.warn("precondfx: a result whose lr='auto' first step is pending is "
+                          "pickled (torch.save(model), a worker process): the copy loaded "
+                          "from it holds no pending step and keeps this storage at any SGD "
+                          "rate; call precondfx.settle_rate(model, lr) before saving, or pass "
+                          "lr= and optimizer='sgd' to precondition (state_dict() saves "
+                          "without this: load it into the same rewrite)",
+                          RuntimeWarning, stacklevel=2)
         return (_disarmed, ())
 
     # -- the optimizer's first step --------------------------------------------------------
@@ -109,14 +129,24 @@ class Pending:
     def fire(self, opt: torch.optim.Optimizer, model: nn.Module, held: set[int]) -> None:
         """Set the storage for ``opt``'s rate (see the module docstring), once; ``held``: the
         ids of the parameters ``opt`` holds."""
+        rest: dict[str, list[str]] = {}
         try:
             sec = self._fire(opt, model, held)
+            if "rest" in sec:           # the other layers wait for their own optimizer
+                rest = sec.pop("rest")
         except Exception as e:          # never break the user's step: say it, keep the storage
             sec = self._kept(opt, f"the measurement failed ({type(e).__name__}: {e}); the "
                                   f"storage stays as precondition left it: pass lr= to set it "
                                   f"at precondition", warn=True)
         finally:
-            self.consume()
+            if rest:
+                self.lr_buffers = rest
+            else:
+                self.consume()
+        if self.earlier:
+            sec["earlier"] = list(self.earlier)
+        if rest:
+            self.earlier.append(sec["summary"])
         self.report.conditioning["lr_target"] = sec
 
     def _fire(self, opt: torch.optim.Optimizer, model: nn.Module, held: set[int]
@@ -124,10 +154,11 @@ class Pending:
         weights = [w for w in self.lr_buffers if id(_param(model, w)) in held]
         name = type(opt).__name__
         if not isinstance(opt, torch.optim.SGD):
-            return self._kept(opt, f"{name} is not SGD: under Adam-family optimizers the "
-                                   f"storage precondition chose keeps the rate tuned for the "
-                                   f"framework's init (docs/results/heldout_cpu.md); other "
-                                   f"optimizers: pass lr= and optimizer= to set it")
+            sec = self._kept(opt, f"{name} is not SGD: under Adam-family optimizers the "
+                                  f"storage precondition chose keeps the rate tuned for the "
+                                  f"framework's init (docs/results/heldout_cpu.md); other "
+                                  f"optimizers: pass lr= and optimizer= to set it")
+            return self._rest(model, weights, sec)
         if torch.distributed.is_available() and torch.distributed.is_initialized() and \
                 torch.distributed.get_world_size() > 1:
             return self._kept(opt, "several processes train this model and each would measure "
@@ -146,18 +177,38 @@ class Pending:
                                    f"; folded?): the storage is kept")
         group = _main_group(opt, {id(_param(model, w)): _param(model, w).numel()
                                   for w in weights})
-        lr = _peak(group)
+        lr = max(_peak(group), _cyclic_peak(opt, group))
         if not (lr > 0 and math.isfinite(lr)):
-            return self._kept(opt, f"its rate {lr!r} is not a positive number")
-        return self.set(model, weights, lr, type(opt).__name__)
+            return self._kept(opt, f"its rate {lr!r} is not a positive number (a warm-up set "
+                                   f"by hand?): the rate you train at is not known here: "
+                                   f"call precondfx.settle_rate(model, peak_lr) before the "
+                                   f"first step, let a torch.optim.lr_scheduler do the warm-up "
+                                   f"(its initial_lr is read), or pass lr= and "
+                                   f"optimizer='sgd' to precondition", warn=True)
+        steps = {n for n, p in model.named_parameters() if id(p) in held}
+        return self._rest(model, weights, self.set(model, weights, lr, name, steps))
 
-    def set(self, model: nn.Module, weights: list[str], lr: float, name: str = "SGD"
-            ) -> dict[str, Any]:
+    def _rest(self, model: nn.Module, weights: list[str], sec: dict[str, Any]
+              ) -> dict[str, Any]:
+        """``sec``, with the trainable layers the optimizer does not hold left pending
+        (``rest``): the first step of the optimizer holding them sets theirs, so that two
+        optimizers over parts of the model get the same storage in either order."""
+        rest = {w: b for w, b in self.lr_buffers.items() if w not in weights and
+                getattr(_param(model, w), "requires_grad", False)}
+        if rest:
+            sec["rest"] = rest
+            sec["summary"] += (f" ({len(weights)} of the layers; the first step of an "
+                               f"optimizer holding the other {len(rest)} sets theirs)")
+        return sec
+
+    def set(self, model: nn.Module, weights: list[str], lr: float, name: str = "SGD",
+            steps: Any = None) -> dict[str, Any]:
         """The ceiling for the SGD rate ``lr`` on ``weights`` of ``model`` (and its copies),
-        the gradients already computed rescaled with them; the report section."""
+        the gradients already computed rescaled with them; the report section.  ``steps``:
+        the names of the parameters the optimizer steps, whose curvature bounds its rate (a
+        head fine-tuned alone, a second optimizer over the rest); None: all."""
         from precondfx.pytorch.measure.suggest import suggest_lr
         sample = _on_device(self.sample, model)
-        self.consume()
         bufs = {w: self.lr_buffers[w] for w in weights}
         now = self.report.measured.final(self.report.planned)
         edited = copy.deepcopy(now)
@@ -166,27 +217,25 @@ class Pending:
         log.info("precondfx: lr='auto': measuring the suggested SGD rate on the kept batch at "
                  "the first step of %s (once; 80-220 training steps of the model on the CPU "
                  "benchmark, bench/first_step_cost.py; lr=None skips it)", name)
-        with torch.random.fork_rng(devices=devices):       # the user's random stream untouched
+        # the user's random stream untouched; a step taken under inference_mode measured too
+        with torch.random.fork_rng(devices=devices), torch.inference_mode(False):
             sec = lr_target.keep_rate(
                 model, self.graph, edited, bufs, lr, "sgd",
                 lambda fam: suggest_lr(model, sample, mode=self.mode, key=self.key,
-                                       seed=self.seed, families=(fam,))[fam], ceiling=True)
+                                       seed=self.seed, families=(fam,), only=steps).get(fam),
+                ceiling=True)
         c = float(sec.get("factor", 1.0))
         ok, _ = lr_transfer.carried(bufs, edited, self.graph)
         if c != 1.0:
             bias_of = {lay.weight: lay.bias for lay in edited.layers if lay.weight and lay.bias}
-            with torch.no_grad():           # the gradient of the new storage: c times
-                for w in ok:
-                    for n in (w, bias_of.get(w)):
-                        p = _param(model, n) if n else None
-                        if p is not None and p.grad is not None:
-                            p.grad.mul_(c)
             for r in self.models:           # copies keep the model's storage
                 other = r()
                 if other is not None and other is not model and \
                         all(_has_buffer(other, b) for w in ok for b in bufs[w]):
                     lr_transfer.store(other, copy.deepcopy(edited), ok, {w: c for w in ok},
                                       "lr='auto' (a copy)")
+                    _scale_grads(other, ok, bias_of, c)   # a copy trained in the same loop
+            _scale_grads(model, ok, bias_of, c)
         self.report.measured.record_diff("lr_target", now, edited)
         self.report.plan = self.report.measured.final(self.report.planned)
         sec["when"] = f"lr='auto': at the first step of {name} (peak rate {lr:.4g})"
@@ -218,6 +267,17 @@ def _param(model: nn.Module, name: str) -> Any:
         return None
 
 
+def _scale_grads(model: nn.Module, weights: Any, bias_of: dict[str, str], c: float) -> None:
+    """The gradients already computed, of the weights and their biases: the gradient of the
+    storage divided by ``c`` is ``c`` times the gradient of the old storage."""
+    with torch.no_grad():
+        for w in weights:
+            for n in (w, bias_of.get(w)):
+                p = _param(model, n) if n else None
+                if p is not None and p.grad is not None:
+                    p.grad.mul_(c)
+
+
 def _has_buffer(model: nn.Module, name: str) -> bool:
     try:
         model.get_buffer(name)
@@ -229,8 +289,9 @@ def _has_buffer(model: nn.Module, name: str) -> bool:
 def _changed(rms: float, p: Any) -> bool:
     if p is None:
         return True
-    now = lr_transfer.stored_rms(p)
-    return abs(now - rms) > CHANGED * max(rms, 1e-30)
+    now = lr_transfer.stored_rms(p)     # a cast's rounding moves a few weights' rms by up to
+    tol = max(CHANGED, torch.finfo(p.dtype).eps) if p.is_floating_point() else CHANGED  # eps/2
+    return abs(now - rms) > tol * max(rms, 1e-30)
 
 
 def _main_group(opt: torch.optim.Optimizer, sizes: dict[int, int]) -> dict[str, Any]:
@@ -248,6 +309,23 @@ def _peak(group: dict[str, Any]) -> float:
         if isinstance(v, torch.Tensor) and v.numel() == 1:
             return float(v)
     return float("nan")
+
+
+def _cyclic_peak(opt: torch.optim.Optimizer, group: dict[str, Any]) -> float:
+    """The peak of a ``CyclicLR`` stepping ``opt``: it keeps ``max_lr`` on itself, not in the
+    group (whose ``lr`` and ``initial_lr`` hold ``base_lr``), and the optimizer holds no
+    reference to it: found among the optimizer's referrers (once, at the first step).  A
+    scheduler whose ``__dict__`` was materialized (``state_dict()``) is referred to by that
+    dict.  0 where none is found."""
+    idx = next((i for i, g in enumerate(opt.param_groups) if g is group), None)
+    peaks = []
+    for r in gc.get_referrers(opt):
+        d = r.__dict__ if isinstance(r, torch.optim.lr_scheduler.CyclicLR) else r
+        if isinstance(d, dict) and d.get("optimizer") is opt and idx is not None and \
+                "step_ratio" in d and isinstance(d.get("max_lrs"), (list, tuple)) and \
+                len(d["max_lrs"]) > idx:
+            peaks.append(_peak({"lr": d["max_lrs"][idx]}))
+    return max([p for p in peaks if math.isfinite(p)], default=0.0)
 
 
 def _on_device(sample: Any, model: nn.Module) -> Any:
@@ -321,14 +399,23 @@ def settle_rate(model: nn.Module, lr: float, optimizer: Any = "sgd") -> dict[str
     """What the first step of ``optimizer`` at rate ``lr`` does to ``model`` (a result of
     ``precondition`` with ``lr='auto'``), done now: for a training loop that does not step a
     ``torch.optim`` optimizer (a functional or batched trainer).  ``optimizer``: ``'sgd'``,
-    ``'adam'``/``'adamw'`` or the class.  Returns the report section it sets."""
+    ``'adam'``/``'adamw'`` or the class.  ``model`` may hold the result (a wrapper, a parent
+    module).  Returns the report section it sets."""
     from precondfx.core.options import number, optimizer_family
-    pend = model.__dict__.get(ATTR)
-    if pend is None or pend not in _PENDING:
+    found = {}
+    for m in model.modules():       # the result itself, or the one a wrapper holds
+        p = m.__dict__.get(ATTR)
+        if p is not None and p in _PENDING and id(p) not in found:
+            found[id(p)] = (m, p)
+    if len(found) > 1:
+        raise PrecondError(f"settle_rate: this model holds {len(found)} preconditioned "
+                           f"results with a pending first step: call settle_rate on each")
+    if not found:
         raise PrecondError("settle_rate: this model has no pending first step (it was "
                            "preconditioned with lr=None, a number, another scheme or "
                            "reinit_weights=False, or it was already trained or settled, or "
                            "loaded from a file)")
+    model, pend = next(iter(found.values()))
     fam = optimizer_family("optimizer", optimizer)
     lr = number("a positive learning rate", lambda x: x > 0)("lr", lr)    # lr='s own check
     if fam != "sgd":
@@ -336,7 +423,10 @@ def settle_rate(model: nn.Module, lr: float, optimizer: Any = "sgd") -> dict[str
         sec = pend._kept_named(str(optimizer), "under Adam-family optimizers the storage "
                                                "precondition chose is kept")
     else:
-        sec = pend.set(model, list(pend.lr_buffers), lr, "SGD (settle_rate)")
+        try:
+            sec = pend.set(model, list(pend.lr_buffers), lr, "SGD (settle_rate)")
+        finally:
+            pend.consume()
     pend.report.conditioning["lr_target"] = sec
     return sec
 

@@ -56,11 +56,14 @@ def _out_hessian(z: torch.Tensor) -> tuple[Any, str]:
 
 def suggest_lr(model: nn.Module, sample: Sample, *, mode: str = "train", key: Any = None,
                seed: int = 0, iters: int = ITERS, chunks: int = CHUNKS,
-               families: tuple[str, ...] = ("sgd", "adam")) -> dict[str, Any]:
+               families: tuple[str, ...] = ("sgd", "adam"), only: Any = None
+               ) -> dict[str, Any]:
     """``{"sgd": rate, "adam": rate, "sgd_curvature", "adam_curvature", "loss", "how"}`` for
     ``model`` on ``sample`` (see the module docstring); ``families``: which of the two to
-    measure (the other's entries are None)."""
-    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    measure (the other's entries are None); ``only``: the names of the parameters the
+    optimizer steps (the curvature of the others is no limit on its rate), None: all."""
+    params = {n: p.detach() for n, p in model.named_parameters()
+              if p.requires_grad and (only is None or n in only)}
     bufs = {n: b.detach() for n, b in model.named_buffers()}
     if not params:
         return {}
