@@ -1,0 +1,112 @@
+"""Defects found by a hunt over operations and model shapes users write inside forward (each
+test failed before its fix, named in the test's docstring)."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import precondfx
+
+
+def _x(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _run(model: nn.Module, sample, **opts):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return precondfx.precondition(model, sample, seed=0, **opts)
+
+
+def _m2(t: torch.Tensor) -> float:
+    return float(t.detach().abs().double().pow(2).mean())
+
+
+# ------------------------------------------------------------ torch.einsum with a parameter
+
+
+class _EinsumMLP(nn.Module):
+    """Layers written as einsums with the weights (a common style in research code)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(16, 64) / 4)
+        self.w_out = nn.Parameter(torch.randn(64, 10) / 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(torch.einsum("bi,ih->bh", x, self.w_in))
+        return torch.einsum("bh,ho->bo", h, self.w_out)
+
+
+def test_einsum_with_a_parameter_is_a_weighted_layer() -> None:
+    """Before: an einsum of an activation and a parameter was 'a product of two activations',
+    its weight kept at the user's init, and a model of einsum layers raised 'no weighted
+    layer'. Now each is a linear layer with geometric init, fans from the equation."""
+    torch.manual_seed(0)
+    model = _EinsumMLP()
+    before = model.w_in.detach().clone()
+    x = _x(64, 16)
+    res, rep = _run(model, x)
+    rows = {r.name: r for r in rep.nodes}
+    assert rows["einsum"].status == rows["einsum_1"].status == "weighted"
+    # E[W^2] = 2 / sqrt(n_in n_out): (16, 64) and (64, 10)
+    assert abs(_m2(res.w_in) - 2 / (16 * 64) ** 0.5) < 1e-3 * 2 / (16 * 64) ** 0.5
+    assert abs(_m2(res.w_out) - 2 / (64 * 10) ** 0.5) < 1e-3 * 2 / (64 * 10) ** 0.5
+    with torch.no_grad():
+        assert abs(float(res(x).std(correction=0)) - 1.0) < 1e-3
+    assert torch.equal(model.w_in, before)                    # the user's model is untouched
+
+
+class _Spectral(nn.Module):
+    """A Fourier neural operator's spectral layer (complex weights, einsum over the modes)."""
+
+    def __init__(self, c: int, modes: int) -> None:
+        super().__init__()
+        self.modes = modes
+        self.weights = nn.Parameter(torch.rand(c, c, modes, dtype=torch.cfloat) / (c * c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_ft = torch.fft.rfft(x)
+        out = torch.zeros(x.shape[0], self.weights.shape[1], x.size(-1) // 2 + 1,
+                          dtype=torch.cfloat)
+        out[:, :, :self.modes] = torch.einsum("bix,iox->box", x_ft[:, :, :self.modes],
+                                              self.weights)
+        return torch.fft.irfft(out, n=x.size(-1))
+
+
+class _FNO(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.lift = nn.Linear(2, width)
+        self.spec = _Spectral(width, 8)
+        self.w = nn.Conv1d(width, width, 1)
+        self.proj = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lift(x).permute(0, 2, 1)
+        h = F.gelu(self.spec(h) + self.w(h))
+        return self.proj(h.permute(0, 2, 1))
+
+
+def test_fourier_layer_complex_einsum_weight_is_drawn() -> None:
+    """Before: the spectral weights ('bix,iox->box' with a complex parameter) were 'read by
+    an op that is not a weighted layer' and kept at the user's init (rms 0.003). Now the
+    einsum is a layer of fan-in = fan-out = 16 (the modes index is a batch of maps): complex
+    draw with E|W|^2 = 2/16, both parts random; the result still equals its fold."""
+    torch.manual_seed(0)
+    model = _FNO()
+    before = model.spec.weights.detach().clone()
+    x = _x(8, 64, 2)
+    res, rep = _run(model, x)
+    w = res.spec.weights
+    assert abs(_m2(w) - 2 / 16) < 1e-3 * 2 / 16
+    assert _m2(w.real) > 0.2 * 2 / 16 and _m2(w.imag) > 0.2 * 2 / 16
+    assert torch.equal(model.spec.weights, before)            # the user's model is untouched
+    assert "kept spec.weights" not in str(rep)
+    res.eval()
+    folded = precondfx.fold(res).eval()
+    with torch.no_grad():
+        assert torch.allclose(folded(x), res(x), atol=1e-5, rtol=1e-5)
