@@ -110,3 +110,40 @@ def test_fourier_layer_complex_einsum_weight_is_drawn() -> None:
     folded = precondfx.fold(res).eval()
     with torch.no_grad():
         assert torch.allclose(folded(x), res(x), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------ ops users call inside forward
+
+
+class _Prototypes(nn.Module):
+    """Prototype classifier: negative distances to learned prototypes, a spectral filter, an
+    in-place detach and the loss returned with the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+        self.protos = nn.Parameter(torch.randn(5, 8))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        h = torch.fft.irfft(torch.fft.rfft(self.enc(x)), n=8)
+        z = torch.view_as_real(torch.view_as_complex(h.reshape(-1, 4, 2))).reshape(-1, 8)
+        logits = -torch.cdist(z, self.protos)
+        d = F.pairwise_distance(z, h)
+        d.detach_()
+        return F.cross_entropy(logits, y) + 0 * d.mean(), logits
+
+
+def test_distance_fft_complex_views_detach_and_loss_are_in_the_op_table() -> None:
+    """Before: cdist, pairwise_distance, rfft/irfft, view_as_complex/real, detach_ and
+    cross_entropy were 'unknown' (8 rows). Now each has its kind from the one op table."""
+    torch.manual_seed(0)
+    x, y = _x(32, 16), torch.randint(0, 5, (32,), generator=torch.Generator().manual_seed(2))
+    rep = precondfx.analyze(_Prototypes(), (x, y))
+    kinds = {r.name: (r.kind, r.status) for r in rep.nodes}
+    assert [n for n, (k, s) in kinds.items() if s == "unknown"] == []
+    assert kinds["fft_rfft" if "fft_rfft" in kinds else "rfft"][0] == "fft"
+    assert kinds["cdist"] == ("distance", "breaks")
+    assert kinds["pairwise_distance"] == ("distance", "breaks")
+    assert kinds["cross_entropy"] == ("loss", "breaks")
+    assert kinds["view_as_complex"][1] == kinds["detach_"][1] == "structural"
+
