@@ -19,6 +19,7 @@ Statuses:
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 WEIGHTED = "weighted"
@@ -469,6 +470,20 @@ _BY_NN_NAME: dict[str, OpSpec] = {m: s for s in OPS for m in s.modules}
 BY_CLASS_NAME: dict[str, str] = {"StochasticDepth": "dropout", "DropPath": "dropout",
                                  "DropBlock2d": "dropout", "FrozenBatchNorm2d": "normalization",
                                  "LayerNorm2d": "normalization"}
+
+#: Class-name fragments of stochastic layers (timm's DropPath, torchvision's StochasticDepth,
+#: DropBlock, a user's ``MyDropPath``) and the attribute that names a drop probability (a
+#: user's stochastic-depth class named otherwise, ``SD(drop_prob=0.1)``): random in train
+#: mode, the identity in eval mode; a parameter-free one is dropout.
+STOCHASTIC_NAMES = ("Dropout", "DropPath", "StochasticDepth", "DropBlock")
+STOCHASTIC_ATTRS = ("drop_prob",)
+
+
+def stochastic_layer(class_name: str, attrs: Collection[str] = ()) -> bool:
+    """Whether a parameter-free module of this class, with these attributes, is a stochastic
+    layer that behaves as dropout (one rule for the op table, the fx tracer and calibration)."""
+    return any(k in class_name for k in STOCHASTIC_NAMES) or \
+        any(a in attrs for a in STOCHASTIC_ATTRS)
 
 
 def for_module_class_name(qualname: str) -> OpSpec | None:

@@ -147,3 +147,84 @@ def test_distance_fft_complex_views_detach_and_loss_are_in_the_op_table() -> Non
     assert kinds["cross_entropy"] == ("loss", "breaks")
     assert kinds["view_as_complex"][1] == kinds["detach_"][1] == "structural"
 
+
+# ------------------------------------------------- stochastic depth under the user's own name
+
+
+def _drop_path(x: torch.Tensor, drop_prob: float, training: bool) -> torch.Tensor:
+    if drop_prob == 0.0 or not training:
+        return x
+    keep = 1 - drop_prob
+    mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+    return x * mask / keep
+
+
+class MyDropPath(nn.Module):
+    def __init__(self, drop_prob: float) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _drop_path(x, self.drop_prob, self.training)
+
+
+class SD(nn.Module):
+    """Stochastic depth under a short name, drawing with torch.rand."""
+
+    def __init__(self, drop_prob: float) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.drop_prob == 0:
+            return x
+        mask = (torch.rand(x.shape[0], 1) > self.drop_prob).to(x.dtype)
+        return x * mask / (1 - self.drop_prob)
+
+
+class _ResMLP(nn.Module):
+    def __init__(self, drop: type, n: int = 4, d: int = 32) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, d)
+        self.fc1 = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+        self.fc2 = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+        self.drop = nn.ModuleList(drop(0.1 * (i + 1) / n) for i in range(n))
+        self.out = nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for f1, f2, dp in zip(self.fc1, self.fc2, self.drop):
+            x = x + dp(f2(F.relu(f1(x))))
+        return self.out(x)
+
+
+def test_a_drop_path_class_of_the_users_is_dropout_and_folds() -> None:
+    """Before: MyDropPath was set to eval for calibration (its name says DropPath) but the op
+    table called it 'unknown', so the residual branch scales sat on its output and fold
+    raised 'cannot fold 4 precondfx constant(s)'. Now it is dropout (one name rule in
+    core.optable) and the folded model computes the result's function."""
+    torch.manual_seed(0)
+    x = _x(64, 16)
+    res, rep = _run(_ResMLP(MyDropPath), x)
+    assert {r.kind for r in rep.nodes if r.name.startswith("drop")} == {"dropout"}
+    res.eval()
+    folded = precondfx.fold(res).eval()
+    with torch.no_grad():
+        assert torch.allclose(folded(x), res(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_stochastic_depth_class_holding_drop_prob_is_dropout() -> None:
+    """Before: SD(drop_prob) was traced through (its torch.rand drew in the graph, its
+    `if not self.training` differed between modes), so the capture fell to torch.export, 3 of
+    4 residual branch scales were NOT APPLIED, and the output scale was calibrated on random
+    drops (eval output std 0.94, target 1). Now the parameter-free module holding drop_prob
+    is dropout: fx keeps it as a leaf, calibration turns it off, every join gets s."""
+    torch.manual_seed(0)
+    x = _x(64, 16)
+    res, rep = _run(_ResMLP(SD), x)
+    assert rep.capture == "fx"
+    assert not [k for k, _ in rep.skipped if k.startswith("residual")]
+    assert sum(r.s is not None for r in rep.plan.residuals) == 4
+    res.eval()
+    with torch.no_grad():
+        assert abs(float(res(x).std(correction=0)) - 1.0) < 1e-3
