@@ -77,7 +77,8 @@ def _einsum_weight(target: str, args: list) -> tuple[str, int, str] | None:
     """``(equation, operand index, parameter name)`` of an einsum of one activation and one
     parameter (``torch.einsum("bi,ih->bh", x, self.w)``, ``aten.einsum(eq, [x, w])``, ONNX
     ``Einsum``): a linear layer whose fans the equation gives (``fans.einsum_fans``); None
-    for any other einsum (a product of two activations, three operands)."""
+    for any other einsum (a product of two activations, three operands, an elementwise
+    product with a parameter such as ``"bi,i->bi"``)."""
     if not target.rsplit(".", 1)[-1].lower().startswith("einsum") or not args:
         return None
     eq = _unconst(args[0])
@@ -91,6 +92,10 @@ def _einsum_weight(target: str, args: list) -> tuple[str, int, str] | None:
     if sorted(k.__name__ for k in kinds) != ["Act", "Param"]:
         return None
     i = kinds.index(Param)
+    lhs, arrow, out = eq.replace(" ", "").partition("->")
+    subs = lhs.split(",")
+    if arrow and len(subs) == 2 and "." not in eq and all(c in out for c in subs[i]):
+        return None     # sums over none of the weight's indices: an elementwise product
     return eq, i, ops[i].name
 
 

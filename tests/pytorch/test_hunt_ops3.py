@@ -228,3 +228,28 @@ def test_a_stochastic_depth_class_holding_drop_prob_is_dropout() -> None:
     res.eval()
     with torch.no_grad():
         assert abs(float(res(x).std(correction=0)) - 1.0) < 1e-3
+
+
+class _EinsumScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.g = nn.Parameter(torch.full((32,), 0.5))
+        self.v = nn.Parameter(torch.randn(4, 32, 8) * 0.1)   # per-head projection (XLNet)
+        self.b = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.einsum("bi,i->bi", torch.relu(self.a(x)), self.g)
+        return self.b(torch.einsum("bh,nhd->bnd", h, self.v).flatten(1))
+
+
+def test_an_elementwise_einsum_with_a_parameter_is_not_a_layer() -> None:
+    """'bi,i->bi' sums over none of the weight's indices: a learned scale, not a layer (kept,
+    with why); 'bh,nhd->bnd' is a layer of fan-in 32 (h) and fan-out 32 (n d)."""
+    torch.manual_seed(0)
+    res, rep = _run(_EinsumScale(), _x(32, 16))
+    rows = {r.name: r for r in rep.nodes}
+    assert rows["einsum"].status == "breaks" and "elementwise" in rows["einsum"].reason
+    assert rows["einsum_1"].status == "weighted"
+    assert torch.equal(res.g, torch.full((32,), 0.5))
+    assert abs(_m2(res.v) - 2 / 32) < 1e-3 * 2 / 32
