@@ -294,3 +294,35 @@ def test_a_complex_weights_statistic_counts_its_imaginary_parts() -> None:
         est = hessian_sketch(model, x, ["w"], n_samples=400, n_cotangents=6, seed=0,
                              verbose=False).values["w"]
     assert abs(est.mean - exact) < 4 * est.stderr and est.stderr < 0.1 * exact
+
+
+# ------------------------------------------------------------- several outputs returned raw
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.ReLU())
+        self.cls = nn.Linear(64, 10)
+        self.box = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor):
+        h = self.body(x)
+        return self.cls(h), self.box(h)
+
+
+def test_the_report_says_which_of_two_heads_takes_the_output_scale() -> None:
+    """Before: a model returning (class logits, box regression) had its first head scaled to
+    std 1 while the second (std 2.2 after the re-draw) was left unscaled with nothing in the
+    report. Now a note names the main output and the output left without the scale."""
+    torch.manual_seed(0)
+    x = _x(32, 16)
+    res, rep = _run(_TwoHeads(), x)
+    with torch.no_grad():
+        cls, box = res(x)
+    assert abs(float(cls.std(correction=0)) - 1.0) < 1e-3
+    assert abs(float(box.std(correction=0)) - 1.0) > 0.2      # the second head is not scaled
+    notes = [n for n in rep.capture_notes if n.startswith("output scale on output[0]")]
+    assert len(notes) == 1 and "not on output[1]" in notes[0]
+    assert "not on output[1]" in str(rep)
+
