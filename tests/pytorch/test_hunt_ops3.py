@@ -326,3 +326,23 @@ def test_the_report_says_which_of_two_heads_takes_the_output_scale() -> None:
     assert len(notes) == 1 and "not on output[1]" in notes[0]
     assert "not on output[1]" in str(rep)
 
+
+# ----------------------------------------------------------- weight_norm / spectral_norm
+
+
+def test_a_parametrized_layers_bias_is_kept_with_its_own_reason() -> None:
+    """Before: the bias of a weight_norm / spectral_norm Linear was kept as 'read by an op
+    that is not a weighted layer (e.g. a position embedding, a class token, an activation
+    slope)'. It is the bias of the parametrized layer, kept with its weight: now it says so."""
+    from torch.nn.utils import parametrizations as P
+    torch.manual_seed(0)
+    model = nn.Sequential(P.weight_norm(nn.Linear(16, 32)), nn.ReLU(),
+                          P.spectral_norm(nn.Linear(32, 32)), nn.ReLU(), nn.Linear(32, 4))
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    res, rep = _run(model, _x(64, 16))
+    for b in ("0.bias", "2.bias"):
+        why = rep.plan.inits[b].reason
+        assert "whose weight is parametrized" in why and "position embedding" not in why, why
+        assert torch.equal(dict(res.named_parameters())[b], before[b])
+    assert abs(_m2(res[4].weight) - 2 / (32 * 4) ** 0.5) < 1e-3 * 2 / (32 * 4) ** 0.5
+
