@@ -346,3 +346,38 @@ def test_a_parametrized_layers_bias_is_kept_with_its_own_reason() -> None:
         assert torch.equal(dict(res.named_parameters())[b], before[b])
     assert abs(_m2(res[4].weight) - 2 / (32 * 4) ** 0.5) < 1e-3 * 2 / (32 * 4) ** 0.5
 
+
+# ------------------------------------------------------------- an ONNX file's Einsum layers
+
+
+class _Heads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = nn.Parameter(torch.randn(4, 32, 8) * 0.1)    # (heads, hidden, head dim)
+        self.o = nn.Parameter(torch.randn(32, 4, 8) * 0.1)    # (hidden, heads, head dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = torch.relu(torch.einsum("bh,nhd->bnd", x, self.v))
+        return torch.einsum("bnd,hnd->bh", q, self.o)
+
+
+def test_onnx_einsum_layers_take_their_fans_from_the_equation(tmp_path) -> None:
+    """Before: an ONNX Einsum with a weight initializer was read as MatMul(x, W): the fans of
+    the (4, 32, 8) per-head weight came from its last two dims (32, 8), E[W^2] = 2/16 = 0.125
+    instead of 2/sqrt(32 * 32) = 0.0625 (fan-in: hidden 32, fan-out: heads x head dim 32).
+    Now the ONNX front end hands the equation to core.nodes, as torch.einsum does."""
+    import numpy as np
+    onnx = __import__("pytest").importorskip("onnx")
+    from onnx import numpy_helper
+    from precondfx.onnx import precondition_onnx
+    torch.manual_seed(0)
+    x = _x(64, 32)
+    src, out = tmp_path / "heads.onnx", tmp_path / "out.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(_Heads(), (x,), str(src), dynamo=False)
+        precondition_onnx(str(src), str(out), feeds={"x": x.numpy()}, seed=0)
+    inits = {i.name: numpy_helper.to_array(i).astype(np.float64)
+             for i in onnx.load(str(out)).graph.initializer}
+    for name in ("v", "o"):
+        assert abs(float((inits[name] ** 2).mean()) - 2 / 32) < 1e-3 * 2 / 32, name
