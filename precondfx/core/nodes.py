@@ -176,8 +176,8 @@ def build_node(name: str, spec: optable.OpSpec | None, target: str, args: list, 
         if isinstance(a, Act):
             if a.src not in inputs:
                 inputs.append(a.src)
-        elif isinstance(a, Param):
-            if module_params is None and a.name not in params.values():
+        elif isinstance(a, Param):      # also a parameter passed into a module call
+            if a.name not in params.values():   # (self.norm(self.latents)): it is read here
                 params[f"operand{len(params)}"] = a.name
         elif isinstance(a, Const) or isinstance(a, (int, float)):
             nconst += 1

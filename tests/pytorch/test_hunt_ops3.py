@@ -381,3 +381,43 @@ def test_onnx_einsum_layers_take_their_fans_from_the_equation(tmp_path) -> None:
              for i in onnx.load(str(out)).graph.initializer}
     for name in ("v", "o"):
         assert abs(float((inits[name] ** 2).mean()) - 2 / 32) < 1e-3 * 2 / 32, name
+
+
+# ------------------------------------------------- a parameter passed into a module call
+
+
+class _Latents(nn.Module):
+    """A Perceiver's latent array, normalized and projected by the parent's modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(8, 32))
+        self.inp = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)
+        self.q = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kv = self.inp(x)
+        q = self.q(self.norm(self.latents)).expand(x.shape[0], -1, -1)
+        att = torch.softmax(q @ kv.transpose(1, 2) / 32 ** 0.5, -1)
+        return self.head((att @ kv).mean(1))
+
+
+@__import__("pytest").mark.parametrize("capture", ["fx", "export", "eager"])
+def test_a_parameter_passed_into_a_module_call_is_read(capture: str) -> None:
+    """Before: self.norm(self.latents) did not record the parameter as read by the call (a
+    module call's operands that were parameters were dropped; torch.export's group dropped
+    every parameter placeholder), so the report said '1 parameter(s) never used on the
+    sample's path' and 'not read by any captured operation' for latents, which the model
+    uses and trains. Now it is an operand of the call: kept, with the reason of a read."""
+    torch.manual_seed(0)
+    model = _Latents()
+    x = _x(8, 10, 16)
+    res, rep = _run(model, x, capture=capture)
+    assert rep.capture == capture
+    assert not [n for n in rep.capture_notes if "never used" in n]
+    assert "not read by any captured operation" not in rep.plan.inits["latents"].reason
+    assert torch.equal(res.latents, model.latents)
+    res(x).pow(2).mean().backward()
+    assert float(res.latents.grad.abs().sum()) > 0
