@@ -811,7 +811,7 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                "initializes weight-normalized layers)" if info.parametrized else
                f"the bias of {with_parametrized[name]}, whose weight is parametrized (weight "
                f"or spectral norm): left as is with that weight" if name in with_parametrized
-               else "read by an op that is not a weighted layer (e.g. a position embedding, a class "
-               "token, an activation slope): left as is" if name in read else
+               else "read by an op that is not a weighted layer (e.g. a position embedding, a "
+               "class token, an activation slope): left as is" if name in read else
                "not read by any captured operation: left as is")
         inits[name] = ParamInit(name, "keep", None, why, list(info.shape))

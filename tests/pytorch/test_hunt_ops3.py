@@ -457,9 +457,9 @@ def test_the_suggested_rates_of_a_complex_weight_match_its_real_parametrization(
     """Before: the power iteration and Adam's second moment read a complex parameter with
     .double() and g ** 2 (a complex square): with the complex weight all that trains, the
     Adam rate came out 1.70x the real model's here (1.6x on another batch; on a third the
-    curvature was <= 0, no Adam rate at all). Now both count real and imaginary parts as real coordinates, as
-    torch.optim.Adam does, and equal the rates of the same function with (Re w, Im w) as two
-    real parameters."""
+    curvature was <= 0, no Adam rate at all). Now both count real and imaginary parts as real
+    coordinates, as torch.optim.Adam does, and equal the rates of the same function with (Re w,
+    Im w) as two real parameters."""
     from precondfx.pytorch.capture.common import make_sample
     from precondfx.pytorch.measure.suggest import suggest_lr
     torch.manual_seed(0)
