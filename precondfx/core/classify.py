@@ -75,6 +75,11 @@ def _refine(n: Node, learned: Collection[str] | None = None) -> None:
         if "weight" in n.params:
             n.status, n.reason = optable.WEIGHTED, (
                 "matrix product with a parameter: a linear layer (geometric init, alpha)")
+        elif any(k.startswith("operand") for k in n.params):
+            n.status, n.reason = optable.BREAKS, (
+                "product with a parameter that is not one linear map of one activation (an "
+                "elementwise einsum such as 'bi,i->bi', a learned scale; an einsum of three "
+                "operands): breaks scaling; left as is")
         else:
             n.status, n.reason = optable.BREAKS, (
                 "product of two activations (e.g. attention scores): degree-2 homogeneous, "

@@ -158,6 +158,8 @@ def weight_fans(kind: str, shape: tuple[int, ...], attrs: dict) -> Fans | None:
     if kind == "conv_transpose" and len(shape) >= 3:
         g = int(attrs.get("groups", 1) or 1)
         return Fans(max(1, int(shape[0]) // g), int(shape[1]), math.prod(shape[2:]))
+    if kind == "matmul" and "einsum" in attrs:
+        return einsum_fans(str(attrs["einsum"]), int(attrs.get("weight_operand", 1)), shape)
     if kind == "matmul" and len(shape) >= 2:
         if attrs.get("weight_side", "right") == "right":
             return Fans(int(shape[-2]), int(shape[-1]) // packed)
@@ -167,6 +169,30 @@ def weight_fans(kind: str, shape: tuple[int, ...], attrs: dict) -> Fans | None:
     if kind == "embedding" and len(shape) == 2:
         return Fans(1, 1, 1, gain=1.0)
     return None
+
+
+def einsum_fans(equation: str, weight_operand: int, shape: tuple[int, ...]) -> Fans | None:
+    """Fans of the weight of a two-operand einsum (one activation, one weight) read from the
+    equation: fan-in is the product of the weight's dimensions summed over (not in the
+    output), fan-out of those in the output but not in the activation; a dimension in all
+    three (the modes of a Fourier layer's ``"bix,iox->box"``) is a batch of separate maps and
+    counts in neither.  None for an equation this does not cover (an ellipsis, a repeated
+    index, a shape that does not match)."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, out = eq.partition("->")
+    subs = lhs.split(",")
+    if len(subs) != 2 or "." in eq or weight_operand not in (0, 1):
+        return None
+    if not arrow:     # implicit output: the indices that appear once, in alphabetical order
+        out = "".join(sorted(c for c in set(lhs) if lhs.count(c) == 1 and c.isalpha()))
+    w, act = subs[weight_operand], subs[1 - weight_operand]
+    if len(w) != len(shape) or len(set(w)) != len(w):
+        return None
+    n_in = math.prod(int(d) for c, d in zip(w, shape) if c not in out)
+    n_out = math.prod(int(d) for c, d in zip(w, shape) if c in out and c not in act)
+    if not any(c not in out for c in w):
+        return None     # nothing summed over: an elementwise product with a weight, no layer
+    return Fans(n_in, n_out)
 
 
 def attention_fans(param_role: str, shape: tuple[int, ...]) -> Fans | None:

@@ -73,6 +73,32 @@ def _unconst(v: Any) -> Any:
     return v
 
 
+def _einsum_weight(target: str, args: list) -> tuple[str, int, str] | None:
+    """``(equation, operand index, parameter name)`` of an einsum of one activation and one
+    parameter (``torch.einsum("bi,ih->bh", x, self.w)``, ``aten.einsum(eq, [x, w])``, ONNX
+    ``Einsum``): a linear layer whose fans the equation gives (``fans.einsum_fans``); None
+    for any other einsum (a product of two activations, three operands, an elementwise
+    product with a parameter such as ``"bi,i->bi"``)."""
+    if not target.rsplit(".", 1)[-1].lower().startswith("einsum") or not args:
+        return None
+    eq = _unconst(args[0])
+    if not isinstance(eq, str):
+        return None
+    ops = list(args[1]) if len(args) >= 2 and isinstance(args[1], (list, tuple)) \
+        else list(args[1:])
+    if len(ops) != 2:
+        return None
+    kinds = [type(o) for o in ops]
+    if sorted(k.__name__ for k in kinds) != ["Act", "Param"]:
+        return None
+    i = kinds.index(Param)
+    lhs, arrow, out = eq.replace(" ", "").partition("->")
+    subs = lhs.split(",")
+    if arrow and len(subs) == 2 and "." not in eq and all(c in out for c in subs[i]):
+        return None     # sums over none of the weight's indices: an elementwise product
+    return eq, i, ops[i].name
+
+
 def _plain(v: Any) -> bool:
     if isinstance(v, (list, tuple)):
         return all(_plain(x) for x in v)
@@ -136,7 +162,10 @@ def build_node(name: str, spec: optable.OpSpec | None, target: str, args: list, 
         for role in ("weight", "bias"):
             if isinstance(parsed.get(role), Param):
                 params[role] = parsed[role].name
-        if spec.kind == "matmul":
+        einsum = _einsum_weight(target, list(args)) if spec.kind == "matmul" else None
+        if einsum is not None:
+            attrs["einsum"], attrs["weight_operand"], params["weight"] = einsum
+        elif spec.kind == "matmul":
             if isinstance(parsed.get("other"), Param):
                 params["weight"] = parsed["other"].name
                 attrs["weight_side"] = "right"
@@ -147,8 +176,8 @@ def build_node(name: str, spec: optable.OpSpec | None, target: str, args: list, 
         if isinstance(a, Act):
             if a.src not in inputs:
                 inputs.append(a.src)
-        elif isinstance(a, Param):
-            if module_params is None and a.name not in params.values():
+        elif isinstance(a, Param):      # also a parameter passed into a module call
+            if a.name not in params.values():   # (self.norm(self.latents)): it is read here
                 params[f"operand{len(params)}"] = a.name
         elif isinstance(a, Const) or isinstance(a, (int, float)):
             nconst += 1

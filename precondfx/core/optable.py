@@ -19,6 +19,7 @@ Statuses:
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 WEIGHTED = "weighted"
@@ -292,6 +293,40 @@ OPS: tuple[OpSpec, ...] = (
                  "logsumexp", "cumsum", "var_mean", "topk"),
            onnx=("ReduceMax", "ReduceMin", "ReduceL2", "ReduceL1", "ReduceLogSumExp",
                  "CumSum", "ReduceSumSquare", "TopK")),
+    OpSpec("distance", BREAKS,
+           "distance between two sets of vectors (cdist, pairwise_distance): a norm of a "
+           "difference, so a reduction over features like norm: breaks scaling",
+           functions=_fns("torch.cdist", "F.pairwise_distance", "torch.pairwise_distance"),
+           aten=("cdist", "_cdist_forward", "_euclidean_dist", "pairwise_distance")),
+    OpSpec("loss", BREAKS,
+           "a loss computed inside forward: an objective, not a layer; the output scale acts on "
+           "the predictions it reads (a single-number output is not the main output)",
+           modules=_mods("CrossEntropyLoss", "MSELoss", "L1Loss", "NLLLoss", "BCELoss",
+                         "BCEWithLogitsLoss", "SmoothL1Loss", "HuberLoss", "KLDivLoss",
+                         "CosineEmbeddingLoss", "MarginRankingLoss", "TripletMarginLoss"),
+           functions=_fns("F.cross_entropy", "F.mse_loss", "F.l1_loss", "F.nll_loss",
+                          "F.binary_cross_entropy", "F.binary_cross_entropy_with_logits",
+                          "F.smooth_l1_loss", "F.huber_loss", "F.kl_div",
+                          "F.cosine_embedding_loss", "F.margin_ranking_loss",
+                          "F.triplet_margin_loss"),
+           aten=("cross_entropy_loss", "mse_loss", "l1_loss", "nll_loss", "nll_loss_forward",
+                 "nll_loss2d", "nll_loss2d_forward", "nll_loss_nd", "binary_cross_entropy",
+                 "binary_cross_entropy_with_logits", "smooth_l1_loss", "huber_loss", "kl_div",
+                 "cosine_embedding_loss", "margin_ranking_loss", "triplet_margin_loss"),
+           onnx=("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")),
+    OpSpec("fft", PRESERVES,
+           "discrete Fourier transform (fft/rfft/irfft...): a fixed linear map, an isometry up to "
+           "a constant factor set by its norm, and a product with a constant keeps the "
+           "activation-gradient product (Sec. 7): " + _HOMOG,
+           functions=_fns("torch.fft.fft", "torch.fft.ifft", "torch.fft.rfft", "torch.fft.irfft",
+                          "torch.fft.fft2", "torch.fft.ifft2", "torch.fft.rfft2",
+                          "torch.fft.irfft2", "torch.fft.fftn", "torch.fft.ifftn",
+                          "torch.fft.rfftn", "torch.fft.irfftn", "torch.fft.hfft",
+                          "torch.fft.ihfft"),
+           aten=("fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", "fft_fft2", "fft_ifft2",
+                 "fft_rfft2", "fft_irfft2", "fft_fftn", "fft_ifftn", "fft_rfftn", "fft_irfftn",
+                 "fft_hfft", "fft_ihfft", "_fft_r2c", "_fft_c2r", "_fft_c2c"),
+           onnx=("DFT",), homogeneous=True),
     OpSpec("scatter", BREAKS,
            "writes or adds the rows of one tensor at indexed positions of another (scatter, "
            "index_add, index_put: a mixture of experts' combine): the result mixes both "
@@ -323,17 +358,19 @@ OPS: tuple[OpSpec, ...] = (
                           "torch.squeeze", "torch.unsqueeze", "torch.movedim", "torch.t",
                           "torch.swapaxes", "torch.unflatten", "F.pixel_shuffle",
                           "F.pixel_unshuffle", "F.channel_shuffle", "torch.broadcast_to",
-                          "torch.repeat_interleave"),
+                          "torch.repeat_interleave", "torch.view_as_complex",
+                          "torch.view_as_real"),
            methods=("view", "reshape", "flatten", "permute", "transpose", "squeeze", "unsqueeze",
                     "contiguous", "expand", "expand_as", "repeat", "repeat_interleave",
                     "unflatten", "movedim", "t",
-                    "view_as", "reshape_as", "swapaxes", "clone", "detach", "unfold"),
+                    "view_as", "reshape_as", "swapaxes", "clone", "detach", "detach_",
+                    "unfold"),
            aten=("view", "_unsafe_view", "reshape", "flatten", "permute", "transpose", "t",
                  "squeeze", "unsqueeze", "expand", "repeat", "clone", "contiguous", "alias",
                  "unflatten", "movedim", "pixel_shuffle", "pixel_unshuffle", "detach",
                  "lift_fresh_copy", "_to_copy", "to", "unfold", "channel_shuffle",
                  "native_channel_shuffle", "expand_as", "reshape_as", "view_as",
-                 "repeat_interleave"),
+                 "repeat_interleave", "view_as_complex", "view_as_real", "detach_"),
            onnx=("Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Identity",
                  "Tile", "DepthToSpace", "SpaceToDepth")),
     OpSpec("select", STRUCTURAL,
@@ -395,14 +432,15 @@ OPS: tuple[OpSpec, ...] = (
                           "torch.argmax", "torch.argmin"),
            methods=("size", "dim", "numel", "argmax", "argmin", "new_zeros", "new_ones", "new_full", "new_empty",
                     "new_tensor", "zero_", "any", "all", "logical_not", "isnan", "isinf",
-                    "isfinite", "masked_fill", "masked_fill_"),
+                    "isfinite", "masked_fill", "masked_fill_", "fill_diagonal_"),
            aten=("arange", "zeros", "ones", "full", "zeros_like", "ones_like", "full_like",
                  "empty", "scalar_tensor", "sym_size", "sym_numel", "lift_fresh", "triu", "tril",
                  "_assert_scalar", "_assert_tensor_metadata", "sym_constrain_range_for_size",
                  "_local_scalar_dense", "eye", "empty_like", "empty_permuted", "item",
                  "randn", "rand", "randn_like", "rand_like", "bernoulli", "copy_", "fill_",
                  "masked_fill",
-                 "masked_fill_", "eq", "ne", "lt", "le", "gt", "ge", "logical_not",
+                 "masked_fill_", "fill_diagonal_", "eq", "ne", "lt", "le", "gt", "ge",
+                 "logical_not",
                  "logical_and", "logical_or", "bitwise_not", "bitwise_and", "bitwise_or",
                  "ge", "expand_copy", "sym_stride", "sym_storage_offset", "_assert_async",
                  "lift", "scalar_tensor", "_check_is_size", "new_zeros", "new_ones",
@@ -433,6 +471,20 @@ _BY_NN_NAME: dict[str, OpSpec] = {m: s for s in OPS for m in s.modules}
 BY_CLASS_NAME: dict[str, str] = {"StochasticDepth": "dropout", "DropPath": "dropout",
                                  "DropBlock2d": "dropout", "FrozenBatchNorm2d": "normalization",
                                  "LayerNorm2d": "normalization"}
+
+#: Class-name fragments of stochastic layers (timm's DropPath, torchvision's StochasticDepth,
+#: DropBlock, a user's ``MyDropPath``) and the attribute that names a drop probability (a
+#: user's stochastic-depth class named otherwise, ``SD(drop_prob=0.1)``): random in train
+#: mode, the identity in eval mode; a parameter-free one is dropout.
+STOCHASTIC_NAMES = ("Dropout", "DropPath", "StochasticDepth", "DropBlock")
+STOCHASTIC_ATTRS = ("drop_prob",)
+
+
+def stochastic_layer(class_name: str, attrs: Collection[str] = ()) -> bool:
+    """Whether a parameter-free module of this class, with these attributes, is a stochastic
+    layer that behaves as dropout (one rule for the op table, the fx tracer and calibration)."""
+    return any(k in class_name for k in STOCHASTIC_NAMES) or \
+        any(a in attrs for a in STOCHASTIC_ATTRS)
 
 
 def for_module_class_name(qualname: str) -> OpSpec | None:

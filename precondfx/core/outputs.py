@@ -34,6 +34,17 @@ def pick_main(entries: Iterable[tuple], name_of: Callable[[Hashable], Hashable] 
     return next((key for key, is_float, _ in entries if is_float), None)
 
 
+def others_note(main: str, others: list[str]) -> str | None:
+    """The report's note for a model returning several outputs of several elements (two
+    heads, a dict): the output scale acts on the main one only, and says which others it
+    leaves (None when there are none)."""
+    if not others:
+        return None
+    return (f"output scale on {main}, the main output ('logits', else the first "
+            f"floating-point output with several elements); not on {', '.join(others)}: one "
+            f"scale per model (output_key= picks another output)")
+
+
 #: op kinds (``precondfx.core.optable``) whose output has a fixed range or normalization, which a
 #: scale after them would break: probabilities that no longer sum to 1 or exceed 1
 #: (``BCELoss`` raises), log-probabilities that are no longer normalized, a tanh-bounded

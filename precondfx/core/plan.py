@@ -781,6 +781,9 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                 elif role.endswith("bias"):
                     put(pname, ParamInit(pname, "zeros", None, "normalization shift starts at 0"))
     read = {p for n in graph for p in n.params.values()}
+    with_parametrized = {n.params["bias"]: n.name for n in graph
+                         if "bias" in n.params and "weight" not in n.params and
+                         any(params[p].parametrized for p in n.params.values() if p in params)}
     tokens = tokens_mod.token_partners(graph, {k: v.shape for k, v in params.items()}) \
         if opts.reinit and rule != "keep" else {}
     for name, info in params.items():
@@ -806,7 +809,9 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
         why = ("a tensor of a parametrization (torch.nn.utils.parametrizations weight_norm, "
                "spectral_norm, ...): the weight it computes is left as is (scheme='wn' "
                "initializes weight-normalized layers)" if info.parametrized else
-               "read by an op that is not a weighted layer (e.g. a position embedding, a class "
-               "token, an activation slope): left as is" if name in read else
+               f"the bias of {with_parametrized[name]}, whose weight is parametrized (weight "
+               f"or spectral norm): left as is with that weight" if name in with_parametrized
+               else "read by an op that is not a weighted layer (e.g. a position embedding, a "
+               "class token, an activation slope): left as is" if name in read else
                "not read by any captured operation: left as is")
         inits[name] = ParamInit(name, "keep", None, why, list(info.shape))

@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 from precondfx.pytorch.capture.common import Sample, main_output
 from precondfx.pytorch.checks import is_out_of_memory
 from precondfx.core import calibration
+from precondfx.core.optable import stochastic_layer
 from precondfx.core.calibration import (SCALE_REFUSE, SCALE_WARN,  # noqa: F401 (re-exported)
                                         scale_warning, solve_output_scale)
 from precondfx.errors import PrecondError
@@ -33,14 +34,14 @@ _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropou
             nn.FeatureAlphaDropout)
 
 
-_STOCHASTIC_NAMES = ("Dropout", "DropPath", "StochasticDepth", "DropBlock")
-
-
 def is_stochastic(m: nn.Module) -> bool:
-    """Dropout and its relatives (timm's DropPath, torchvision's StochasticDepth, DropBlock,
-    the dropout between the layers of nn.LSTM/GRU/RNN): random in train mode, identity in eval
-    mode."""
-    return isinstance(m, _DROPOUT) or any(k in type(m).__name__ for k in _STOCHASTIC_NAMES) \
+    """Dropout and its relatives (timm's DropPath, torchvision's StochasticDepth, DropBlock, a
+    parameter-free module holding ``drop_prob``: ``optable.stochastic_layer``; the dropout
+    between the layers of nn.LSTM/GRU/RNN): random in train mode, identity in eval mode."""
+    name = type(m).__name__
+    return isinstance(m, _DROPOUT) or stochastic_layer(name) \
+        or (next(m.parameters(), None) is None and next(m.children(), None) is None
+            and stochastic_layer(name, vars(m))) \
         or (isinstance(m, nn.RNNBase) and m.dropout > 0 and m.num_layers > 1)
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from precondfx.core.optable import BY_CLASS_NAME, BY_KIND, OPS, OpSpec
+from precondfx.core.optable import BY_CLASS_NAME, BY_KIND, OPS, OpSpec, stochastic_layer
 
 _ROOTS = {"F": F, "torch": torch, "operator": operator, "T": torch.Tensor, "builtins": builtins}
 
@@ -53,6 +53,10 @@ def for_module(module: nn.Module) -> OpSpec | None:
         if spec is not None:
             return spec
     kind = BY_CLASS_NAME.get(type(module).__name__)
+    if kind is None and next(module.parameters(), None) is None and \
+            next(module.children(), None) is None and \
+            stochastic_layer(type(module).__name__, vars(module)):
+        kind = "dropout"    # a user's MyDropPath, or a class holding drop_prob
     return BY_KIND[kind] if kind else None
 
 

@@ -28,7 +28,7 @@ from precondfx.pytorch.apply.fx_apply import FxApplier
 from precondfx.pytorch.apply import user_class, weight_side
 from precondfx.pytorch.balance import balance_measured, balanceable, held_out, record_factors
 from precondfx.pytorch.capture import meta
-from precondfx.pytorch.capture.common import Sample, main_output, make_sample
+from precondfx.pytorch.capture.common import Sample, main_output, make_sample, others_note
 from precondfx.pytorch.capture.ladder import Captured, capture
 from precondfx.pytorch.checks import check_copy, check_model
 from precondfx.core.classify import classify
@@ -339,6 +339,9 @@ def prepare(st: TorchState) -> None:
         else []
     if st.opts.target_std is not None:
         cal.check_scalable(main_output(out0, st.opts.output_key), st.opts.output_key)
+        note = others_note(out0, st.main_path) if st.opts.output_key is None else None
+        if note:
+            st.notes.append(note)
     if st.opts.target_std is not None and not st.data:   # on data, calibration checks it
         cal.check_calibratable(main_output(out0, st.opts.output_key))
     st.input_arrays = input_arrays(s, st.opts)

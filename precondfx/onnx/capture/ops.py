@@ -11,7 +11,7 @@ import onnx_ir as ir
 from precondfx.core.graph import Node
 from precondfx.core.nodes import Const, Param
 from precondfx.onnx.capture.attrs import (_NORM_OPS, _constant_lookup, _float, _geometry, _int,
-                                          _ints)
+                                          _ints, _str)
 from precondfx.onnx.capture.values import Values
 
 
@@ -51,6 +51,9 @@ def call_of(vals: Values, node: ir.Node, ins: list) -> _Call:
     if op == "MatMul" and len(ins) == 2:
         return _Call([vals.marker(ins[0], not vals.carries(ins[0])),
                       vals.marker(ins[1], not vals.carries(ins[1]))])
+    if op == "Einsum":     # the equation first, as torch.einsum takes it: core.nodes reads
+        return _Call([Const(_str(node, "equation", ""))] +     # which operand is the weight
+                     [vals.marker(v, not vals.carries(v)) for v in ins])
     if op == "MaxPool":
         return _maxpool(vals, node, ins)
     if op in _NORM_OPS and len(ins) >= 1:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from precondfx.core.outputs import pick_main
-from precondfx.core import nodes, optable
+from precondfx.core import nodes, optable, outputs
 from precondfx.core.nodes import Act, Const, Param  # noqa: F401 (the captures' operands)
 from precondfx.errors import PrecondError
 from precondfx.core.graph import Node
@@ -354,6 +354,21 @@ def output_path(out: Any, key: str | int | None = None) -> list:
         f"cannot find a floating-point tensor in the model's output ({type(out).__name__}); "
         f"pass output_key= to name the output to scale, or target_std=None to skip output "
         f"scaling")
+
+
+def others_note(out: Any, main_path: list) -> str | None:
+    """``core.outputs.others_note`` for the outputs returned beside the main one, at the top
+    level of the output (two heads, a dict's other entries; a loss is a single number)."""
+    if not main_path:
+        return None
+
+    def label(path: list) -> str:
+        return "output" + "".join(f".{k}" if is_dataclass_output(out) and
+                                  not hasattr(out, "__getitem__") else f"[{k!r}]"
+                                  for k in path)
+    others = [label([k]) for k, v in _items(out) if [k] != main_path[:1] and
+              isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() > 1]
+    return outputs.others_note(label(main_path), others)
 
 
 def _key_advice(out: Any) -> str:

@@ -236,18 +236,35 @@ def _group_node(key: str, g: dict, model: torch.nn.Module, marker: Callable[[Any
         for a in m.all_input_nodes:
             if a.name not in members:
                 ext_args.append(a)
-    args = [marker(a) for a in ext_args if not (a.op == "placeholder" and a.name in pmap)]
     path = g["path"]
     try:
         mod = model.get_submodule(path)
     except AttributeError:
         mod = None
+    # the module's own parameters are its params, not operands; another parameter passed in
+    # (self.norm(self.latents)) is an operand the call reads
+    own = {id(t) for t in (*mod.parameters(), *mod.buffers())} if mod is not None else None
+    args = [marker(a) for a in ext_args if not (
+        a.op == "placeholder" and a.name in pmap and
+        (own is None or _param(model, pmap[a.name]) is None or
+         id(_param(model, pmap[a.name])) in own))]
     out_shape = _out_shape(g["nodes"][-1])
     if mod is None:
         return build_node(key, g["spec"], g["spec"].kind, args, {}, out_shape=out_shape)
     return build_node(key, g["spec"], f"{type(mod).__module__}.{type(mod).__name__}",
                       args, {}, module=path, module_obj=mod, call_index=g["idx"],
                       out_shape=out_shape, in_shapes=[_out_shape(a) for a in ext_args])
+
+
+def _param(model: torch.nn.Module, name: str) -> Any:
+    """The parameter or buffer of ``model`` at ``name`` (None if there is none)."""
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        try:
+            return model.get_buffer(name)
+        except AttributeError:
+            return None
 
 
 def _output_sources(n: fx.Node, marker: Callable[[Any], Any]) -> list[str]:

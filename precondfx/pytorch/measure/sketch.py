@@ -154,11 +154,18 @@ def _one(model: nn.Module, smp: Any, i: int, params: Sequence[torch.Tensor],
                       for gi, p in zip(g, params)])   # sparse: Embedding(sparse=True)
     out = np.zeros(len(params))
     for j, p in enumerate(params):
-        flat = [grads[k][j].double().flatten() for k in range(n_cotangents)]
+        flat = [_real(grads[k][j]).double().flatten() for k in range(n_cotangents)]
         sq = [float(f @ f) for f in flat]
         acc = sum(sq[a] * sq[b] + float(flat[a] @ flat[b]) ** 2 for a, b in iu)
-        out[j] = acc / len(iu) / (2 * p.numel())
+        out[j] = acc / len(iu) / (2 * flat[0].numel())
     return out
+
+
+def _real(g: torch.Tensor) -> torch.Tensor:
+    """A gradient as real numbers: a complex parameter's gradient (d/dRe + i d/dIm) is the
+    gradient over its real and imaginary parts, each a real parameter (``.double()`` would
+    keep the real parts only)."""
+    return torch.view_as_real(g) if g.is_complex() else g
 
 
 def rtol_for(threshold: float) -> float:

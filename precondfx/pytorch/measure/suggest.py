@@ -144,7 +144,7 @@ def _top(f: Any, params: dict, h: Any, n_rows: int, d: dict | None, iters: int,
     how = [_gn_forward]
 
     def mv(v: dict) -> dict:
-        vv = {k: v[k] / d[k] for k in v} if d else v
+        vv = {k: _scaled(v[k], d[k]) for k in v} if d else v
         try:
             jv, back = how[0](f, params, vv)
         except (NotImplementedError, RuntimeError):
@@ -154,19 +154,40 @@ def _top(f: Any, params: dict, h: Any, n_rows: int, d: dict | None, iters: int,
             jv, back = how[0](f, params, vv)
         hu = h(jv.double()) / n_rows
         g = back(hu.to(jv.dtype))
-        return {k: g[k] / d[k] for k in g} if d else g
+        return {k: _scaled(g[k], d[k]) for k in g} if d else g
 
-    v = {k: torch.randn(t.shape, generator=gen).to(t) for k, t in params.items()}
+    v = {k: _draw(t, gen) for k, t in params.items()}
     lam = 0.0
     for _ in range(iters):
-        nrm = math.sqrt(sum(float((t.double() * t.double()).sum()) for t in v.values()))
+        nrm = math.sqrt(sum(float((_real(t) * _real(t)).sum()) for t in v.values()))
         if nrm == 0 or not math.isfinite(nrm):
             return 0.0
         v = {k: t / nrm for k, t in v.items()}
         w = mv(v)
-        lam = sum(float((w[k].double() * v[k].double()).sum()) for k in v)
+        lam = sum(float((_real(w[k]) * _real(v[k])).sum()) for k in v)
         v = w
     return lam
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as real numbers in float64: a complex parameter (or direction) is its real and
+    imaginary parts, each a real coordinate (``.double()`` would keep the real parts only)."""
+    return (torch.view_as_real(t) if t.is_complex() else t).double()
+
+
+def _draw(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A random direction shaped like ``t``: both parts random for a complex parameter."""
+    if t.is_complex():
+        return torch.view_as_complex(torch.randn((*t.shape, 2), generator=gen)).to(t)
+    return torch.randn(t.shape, generator=gen).to(t)
+
+
+def _scaled(v: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``v / d`` per real coordinate: a complex ``v`` has a real ``d`` of shape ``(..., 2)``,
+    one scale for its real and one for its imaginary parts, as Adam keeps them."""
+    if v.is_complex():
+        return torch.view_as_complex((torch.view_as_real(v) / d.to(v.real.dtype)).contiguous())
+    return v / d
 
 
 def _adam_scale(f: Any, params: dict, z: torch.Tensor, loss: str, chunks: int,
@@ -180,7 +201,7 @@ def _adam_scale(f: Any, params: dict, z: torch.Tensor, loss: str, chunks: int,
         y = torch.multinomial(torch.softmax(z.double(), -1), 1, generator=gen).squeeze(-1)
     else:
         y = z.detach() + torch.randn(z.shape, generator=gen).to(z)
-    sq = {k: torch.zeros_like(t) for k, t in params.items()}
+    sq = {k: torch.zeros_like(_real(t), dtype=t.real.dtype) for k, t in params.items()}
     parts = [s for s in torch.arange(out.shape[0]).tensor_split(min(chunks, out.shape[0]))
              if len(s)]
     for i, rows in enumerate(parts):
@@ -189,8 +210,9 @@ def _adam_scale(f: Any, params: dict, z: torch.Tensor, loss: str, chunks: int,
         grads = torch.autograd.grad(ell, list(pp.values()), retain_graph=i < len(parts) - 1,
                                     allow_unused=True)
         for k, g in zip(pp, grads):
-            if g is not None:
-                sq[k] += g.detach() ** 2 / len(parts)
+            if g is not None:      # a complex one per part, as torch.optim.Adam keeps it
+                g = g.detach()
+                sq[k] += (torch.view_as_real(g) if g.is_complex() else g) ** 2 / len(parts)
     return {k: (v.sqrt() + EPS).sqrt() for k, v in sq.items()}
 
 
