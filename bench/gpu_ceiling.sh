@@ -20,7 +20,7 @@ rm -rf "$W" && mkdir -p "$W"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 (nvidia-smi -L; python -c "import torch, sys; print(sys.version, torch.__version__)") > "$W/env.txt" 2>&1
 EQ=pfx,geometric_pair,fan_in_pair,fan_out_pair,xavier_pair
-for net in ${EQ_NETS:-mlp_w32_d2 mlp_w128_d2 mlp_w512_d2 mlp_w128_d1 mlp_w128_d4 mlp_w128_d8 mlp_w128_d16}; do
+for net in ${EQ_NETS-mlp_w32_d2 mlp_w128_d2 mlp_w512_d2 mlp_w128_d1 mlp_w128_d4 mlp_w128_d8 mlp_w128_d16}; do
   timeout "$T" python bench/train_suite.py --cpu-lr --tasks "$net" --optimizers sgd --methods "$EQ" \
     --seeds "$SEEDS_EQ" --lr-step 0.5 --n-lr 12 --device "$DEV" --out "$W" --tag "eq_$net" \
     > "$W/eq_$net.log" 2>&1 &
@@ -30,7 +30,7 @@ heldout() {  # task epochs
     --methods default,pfx --seeds "$SEEDS_H" --device "$DEV" --out "$W" --tag "h_$1" \
     > "$W/h_$1.log" 2>&1 &
 }
-for th in ${H_TASKS:-mlp_w128_d2:3 conv_bn:3 pool_cnn:10 pool_cnn_bn:10}; do heldout "${th%:*}" "${th#*:}"; done
+for th in ${H_TASKS-mlp_w128_d2:3 conv_bn:3 pool_cnn:10 pool_cnn_bn:10}; do heldout "${th%:*}" "${th#*:}"; done
 wait
 tar czf "$OUT/gpu_ceiling.tgz" -C "$W" .
 for f in "$W"/*.log; do echo "== $f"; tail -n 2 "$f"; done

@@ -10,20 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import precondfx
+from tests.pytorch.test_first_step import _data, _mlp
 
 #: a rate above the MLP's suggested SGD rate (about 0.46): the ceiling acts (factor about 0.48)
 HIGH = 2.0
-
-
-def _mlp(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
-                         nn.Linear(64, 10))
-
-
-def _data(n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 20, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
 def test_copies_trained_in_the_same_loop_get_their_gradients_rescaled():

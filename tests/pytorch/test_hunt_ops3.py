@@ -9,16 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import precondfx
-
-
-def _x(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _run(model: nn.Module, sample, **opts):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return precondfx.precondition(model, sample, seed=0, **opts)
+from tests.pytorch.test_hunt_layers import _run, _x
 
 
 def _m2(t: torch.Tensor) -> float:
