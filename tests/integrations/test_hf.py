@@ -280,12 +280,24 @@ def _gpt2_pre() -> tuple[nn.Module, nn.Module]:
                                          target_std=0.05)[0]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[nn.Module, nn.Module, list[float], nn.Module]:
+    """(plain GPT-2, preconditioned copy, losses and model of its uninterrupted 20-step Trainer
+    run): the reference both resume tests compare with, trained once (the tests copy the
+    models they train)."""
+    pytest.importorskip("accelerate")
+    plain, pre = _gpt2_pre()
+    losses, model = _trained(copy.deepcopy(pre), _lm_data(20 * 4),
+                             str(tmp_path_factory.mktemp("uninterrupted")))
+    return plain, pre, losses, model
+
+
 @pytest.mark.slow
-def test_trainer_checkpoint_and_resume_ends_where_an_uninterrupted_run_does(tmp_path) -> None:
+def test_trainer_checkpoint_and_resume_ends_where_an_uninterrupted_run_does(
+        tmp_path, uninterrupted) -> None:
     pytest.importorskip("accelerate")
     data = _lm_data(20 * 4)
-    _, pre = _gpt2_pre()
-    full_losses, full = _trained(copy.deepcopy(pre), data, str(tmp_path / "a"))
+    _, pre, full_losses, full = uninterrupted
     # interrupted after 10 steps (checkpoint written), resumed on a model preconditioned the
     # same way in a new "process"
     _trained(copy.deepcopy(pre), data, str(tmp_path / "b"), [_StopAt(10)],
@@ -301,12 +313,12 @@ def test_trainer_checkpoint_and_resume_ends_where_an_uninterrupted_run_does(tmp_
 
 
 @pytest.mark.slow
-def test_trainer_callback_preconditions_on_the_first_batch_and_resumes(tmp_path) -> None:
+def test_trainer_callback_preconditions_on_the_first_batch_and_resumes(
+        tmp_path, uninterrupted) -> None:
     pytest.importorskip("accelerate")
     from precondfx.integrations.hf import precondition_callback
     data = _lm_data(20 * 4)
-    plain, pre = _gpt2_pre()
-    ref_losses, ref = _trained(copy.deepcopy(pre), data, str(tmp_path / "a"))
+    plain, pre, ref_losses, ref = uninterrupted
     cb = precondition_callback(use_cache=False, target_std=0.05)
     losses, model = _trained(copy.deepcopy(plain), data, str(tmp_path / "c"), [cb])
     assert cb.report is not None and cb.report.output_scale is not None

@@ -119,7 +119,10 @@ def test_forward_variance_at_init_equals_the_flat_geometric_models() -> None:
     the init.  R independent inits each; the tolerance is 4 standard errors of the difference
     of the two means, sqrt(var_a/R + var_b/R) from the R samples (about 6e-5 chance per block
     of a false failure); forgetting the init's beta would change block l's gain by beta_l^-6
-    (up to 5.8x here)."""
+    (up to 5.8x here).  The pass is given the first 4 rows of the batch the gains are measured
+    on: with balance="none" and no target_std the drawn weights do not depend on the sample
+    (bitwise the same state_dict as with all 32 rows: checked below on seed 0 of each, and
+    by hand on seed 3), and the pass costs 40% less."""
     R, x = 32, _x(32, seed=1)
     kw = dict(balance="none", target_std=None, capture="eager")
     gains = {}
@@ -127,7 +130,14 @@ def test_forward_variance_at_init_equals_the_flat_geometric_models() -> None:
         rows = []
         for seed in range(R):
             torch.manual_seed(100 + seed)
-            out, rep = precondfx.precondition(NFResNet(), x, residual_scale=rs, seed=seed, **kw)
+            out, rep = precondfx.precondition(NFResNet(), x[:4], residual_scale=rs, seed=seed,
+                                              **kw)
+            if seed == 0:       # the premise: the whole batch gives the same weights
+                torch.manual_seed(100 + seed)
+                full, _ = precondfx.precondition(NFResNet(), x, residual_scale=rs, seed=seed,
+                                                 **kw)
+                assert all(torch.equal(v, full.state_dict()[k])
+                           for k, v in out.state_dict().items())
             rows.append(_branch_gains(out, x))
         gains[name] = np.array(rows)
     assert rep.capture == "eager"
