@@ -459,7 +459,7 @@ def test_the_suggested_rates_of_a_complex_weight_match_its_real_parametrization(
     with torch.no_grad():
         assert torch.equal(c(x), r(x))
     s = make_sample(x)
-    adam = [suggest_lr(m, s, iters=60, families=("adam",))["adam"] for m in (c, r)]
-    sgd = [suggest_lr(m, s, iters=60, families=("sgd",))["sgd"] for m in (c, r)]
+    adam = [suggest_lr(m, s, iters=60, tol=0, families=("adam",))["adam"] for m in (c, r)]
+    sgd = [suggest_lr(m, s, iters=60, tol=0, families=("sgd",))["sgd"] for m in (c, r)]
     assert adam[0] is not None and abs(adam[0] / adam[1] - 1) < 1e-3, adam
     assert abs(sgd[0] / sgd[1] - 1) < 1e-3, sgd
