@@ -248,6 +248,10 @@ def backend(st: OnnxState) -> None:
     st.result = st.model
     key = st.opts.output_key
     st.main_path = [key] if key is not None else []
+    if st.opts.target_std is not None and key is None:
+        note = st.backend.others_note()
+        if note:
+            st.graph.notes.append(note)
 
 
 def record_gains(st: OnnxState) -> None:
