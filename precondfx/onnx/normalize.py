@@ -50,6 +50,8 @@ class NormalizeInfo:
     inlined: int = 0
     renamed: int = 0
     notes: list[str] = field(default_factory=list)
+    #: initializers holding the same values, the second maybe transposed (``value_ties``)
+    ties: list[tuple[str, str, bool]] = field(default_factory=list)
 
 
 def _is_quantized_op(node: ir.Node) -> bool:
@@ -154,7 +156,47 @@ def normalize(model: ir.Model) -> NormalizeInfo:
                           f"(exporter deduplication) were given their own copy, so each layer "
                           f"is re-initialized on its own")
     info.renamed = _unique_names(model)
+    info.ties = value_ties(model)
     return info
+
+
+#: value_ties reads at most this many bytes of weights (beyond it, no tie is looked for)
+TIE_SCAN_BYTES = 1 << 30
+
+
+def value_ties(model: ir.Model) -> list[tuple[str, str, bool]]:
+    """Pairs of 2-D float initializers of the main graph that hold the same values, the second
+    equal to the first or to its transpose: a weight tied in the exported model that the
+    exporter stored twice (``torch.onnx.export`` folds ``emb.weight.T`` of a tied output layer
+    into a constant).  Values that are all equal (zeros, ones) are no evidence of a tie and
+    are not listed.  Returns ``(first, second, transposed)`` in initializer order."""
+    inits = [v for v in model.graph.initializers.values()
+             if v.const_value is not None and v.dtype in FLOAT_TYPES and v.shape is not None
+             and len(v.shape) == 2 and all(isinstance(d, int) for d in v.shape)
+             and v.const_value.size > 1]
+    shapes = [tuple(sorted(v.shape)) for v in inits]
+    cands = [v for v, sh in zip(inits, shapes) if shapes.count(sh) > 1]
+    if sum(int(v.const_value.nbytes) for v in cands) > TIE_SCAN_BYTES:
+        return []
+    arrays, groups = {}, {}
+    for v in cands:
+        a = v.const_value.numpy()
+        if a.min() == a.max():
+            continue
+        arrays[v.name] = a
+        key = (tuple(sorted(a.shape)), float(a.sum(dtype="float64")),
+               float((a.astype("float64") ** 2).sum()))
+        groups.setdefault(key, []).append(v.name)
+    ties = []
+    for names in groups.values():
+        for i, x in enumerate(names):
+            for y in names[i + 1:]:
+                ax, ay = arrays[x], arrays[y]
+                if ax.shape == ay.shape and (ax == ay).all():
+                    ties.append((x, y, False))
+                elif ax.shape == ay.shape[::-1] and (ax.T == ay).all():
+                    ties.append((x, y, True))
+    return ties
 
 
 def _sorted(g: ir.Graph) -> bool:

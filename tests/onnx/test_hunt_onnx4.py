@@ -45,3 +45,44 @@ def test_two_outputs_say_which_takes_the_output_scale(tmp_path):
     assert float(scores.std()) == pytest.approx(1.0, rel=1e-3)      # the scaled one
     assert abs(float(boxes.std()) - 1.0) > 0.05                      # left as drawn
 
+
+class _Tied(nn.Module):
+    """An embedding tied to the output layer (GPT-2's wte / lm_head)."""
+
+    def __init__(self, vocab=50, d=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.mix = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.mix(self.emb(ids))))
+
+
+def _inits(path):
+    import onnx
+    from onnx import numpy_helper
+    return {i.name: numpy_helper.to_array(i) for i in onnx.load(path).graph.initializer}
+
+
+def test_a_tie_the_exporter_stored_twice_is_reported_split(tmp_path):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (8, 12))
+    src = _export(_Tied(), ids, tmp_path / "tied.onnx", input_names=["ids"])
+    w = _inits(src)
+    folded = [k for k, v in w.items() if v.shape == (32, 50)]
+    assert len(folded) == 1 and np.array_equal(w[folded[0]], w["emb.weight"].T)
+    out = str(tmp_path / "out.onnx")
+    rep = precondition_onnx(src, out, feeds={"ids": ids.numpy()})
+    notes = [n for n in rep.capture_notes if "held the same values" in n]
+    assert len(notes) == 1 and "'emb.weight'" in notes[0] and folded[0] in notes[0]
+    w2 = _inits(out)
+    gap = np.abs(w2[folded[0]] - w2["emb.weight"].T).max() / np.abs(w2["emb.weight"]).max()
+    assert gap > 0.1           # drawn separately: what the note says
+    # exported without folding, the tie is one initializer: drawn once, nothing to say
+    src2 = _export(_Tied(), ids, tmp_path / "tied_nf.onnx", input_names=["ids"],
+                   do_constant_folding=False)
+    rep2 = precondition_onnx(src2, str(tmp_path / "out2.onnx"), feeds={"ids": ids.numpy()})
+    assert not [n for n in rep2.capture_notes if "held the same values" in n]
+    assert len([k for k, v in _inits(str(tmp_path / "out2.onnx")).items() if v.ndim == 2]) == 2
