@@ -86,3 +86,21 @@ def test_a_tie_the_exporter_stored_twice_is_reported_split(tmp_path):
     rep2 = precondition_onnx(src2, str(tmp_path / "out2.onnx"), feeds={"ids": ids.numpy()})
     assert not [n for n in rep2.capture_notes if "held the same values" in n]
     assert len([k for k, v in _inits(str(tmp_path / "out2.onnx")).items() if v.ndim == 2]) == 2
+
+
+def test_an_embedded_output_over_one_with_external_data_leaves_no_stale_data(tmp_path):
+    torch.manual_seed(0)
+    m, x = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 10)), torch.randn(8, 16)
+    src = _export(m, x, tmp_path / "mlp.onnx", input_names=["x"])
+    out = tmp_path / "out.onnx"
+    data = tmp_path / "out.onnx.data"
+    precondition_onnx(src, str(out), feeds={"x": x.numpy()}, external_data="always")
+    assert data.is_file()
+    rep = precondition_onnx(src, str(out), feeds={"x": x.numpy()}, seed=1)   # embedded now
+    assert not data.exists()         # the old output's weights do not sit beside the new one
+    y = ort.InferenceSession(str(out)).run(None, {"x": x.numpy()})[0]
+    assert float(y.std()) == pytest.approx(1.0, rel=1e-3) and rep.output_scale > 0
+    other = tmp_path / "notes.onnx.data"     # a file the earlier output does not read: kept
+    other.write_text("mine")
+    precondition_onnx(src, str(tmp_path / "notes.onnx"), feeds={"x": x.numpy()})
+    assert other.read_text() == "mine"
