@@ -574,11 +574,15 @@ def resolve_feeds(inputs: list[InputSpec], given: Mapping[str, Any] | None = Non
             if a.ndim != len(spec.dims):
                 raise PrecondError(f"input {spec.name!r}: calibration data has rank {a.ndim} "
                                    f"(shape {list(a.shape)}), the model expects rank "
-                                   f"{len(spec.dims)} ({spec.describe()})")
+                                   f"{len(spec.dims)} ({spec.describe()}): give data of "
+                                   f"that rank (a batch of samples, batch dim first)")
             for i, (d, n) in enumerate(zip(spec.dims, a.shape)):
                 if isinstance(d, int) and d != n:
-                    raise PrecondError(f"input {spec.name!r} dim {i}: calibration {n} vs model "
-                                       f"{d}")
+                    raise PrecondError(
+                        f"input {spec.name!r} dim {i}: calibration {n} vs model {d} (the file "
+                        f"fixes {spec.describe()}): give calibration data of that shape, or "
+                        f"export the model with that dim dynamic (torch.onnx.export's "
+                        f"dynamic_axes=, or dynamic_shapes= with dynamo=True)")
                 if isinstance(d, str) and d:
                     if d in bindings and bindings[d] != n:
                         raise PrecondError(f"symbolic dim {d!r} bound to {bindings[d]} and {n} "

@@ -104,3 +104,14 @@ def test_an_embedded_output_over_one_with_external_data_leaves_no_stale_data(tmp
     other.write_text("mine")
     precondition_onnx(src, str(tmp_path / "notes.onnx"), feeds={"x": x.numpy()})
     assert other.read_text() == "mine"
+
+
+def test_a_fixed_batch_mismatch_says_what_to_do(tmp_path):
+    from precondfx.errors import PrecondError
+    m, x = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)), torch.randn(16, 16)
+    src = _export(m, x, tmp_path / "m.onnx", input_names=["x"])     # batch fixed at 16
+    with pytest.raises(PrecondError) as e:
+        precondition_onnx(src, str(tmp_path / "o.onnx"), feeds={"x": x[:4].numpy()})
+    msg = str(e.value)
+    assert "dim 0: calibration 4 vs model 16" in msg and "dynamic_axes=" in msg
+    assert not (tmp_path / "o.onnx").exists()
