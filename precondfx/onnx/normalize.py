@@ -50,8 +50,6 @@ class NormalizeInfo:
     inlined: int = 0
     renamed: int = 0
     notes: list[str] = field(default_factory=list)
-    #: initializers holding the same values, the second maybe transposed (``value_ties``)
-    ties: list[tuple[str, str, bool]] = field(default_factory=list)
 
 
 def _is_quantized_op(node: ir.Node) -> bool:
@@ -156,7 +154,6 @@ def normalize(model: ir.Model) -> NormalizeInfo:
                           f"(exporter deduplication) were given their own copy, so each layer "
                           f"is re-initialized on its own")
     info.renamed = _unique_names(model)
-    info.ties = value_ties(model)
     return info
 
 
@@ -165,11 +162,13 @@ TIE_SCAN_BYTES = 1 << 30
 
 
 def value_ties(model: ir.Model) -> list[tuple[str, str, bool]]:
-    """Pairs of 2-D float initializers of the main graph that hold the same values, the second
-    equal to the first or to its transpose: a weight tied in the exported model that the
-    exporter stored twice (``torch.onnx.export`` folds ``emb.weight.T`` of a tied output layer
-    into a constant).  Values that are all equal (zeros, ones) are no evidence of a tie and
-    are not listed.  Returns ``(first, second, transposed)`` in initializer order."""
+    """Pairs of 2-D float initializers of the main graph, the second the transpose of the
+    first: a weight tied in the exported model that the exporter stored twice
+    (``torch.onnx.export`` folds ``emb.weight.T`` of a tied output layer into a constant).
+    Equal values without a transpose are not listed: exporters keep such a tie as one
+    initializer, and equal copies are layers cloned before training (``copy.deepcopy``), not
+    tied.  Values that are all equal (zeros, ones) are no evidence either.  Returns
+    ``(first, second, transposed)`` in initializer order."""
     inits = [v for v in model.graph.initializers.values()
              if v.const_value is not None and v.dtype in FLOAT_TYPES and v.shape is not None
              and len(v.shape) == 2 and all(isinstance(d, int) for d in v.shape)
@@ -192,9 +191,8 @@ def value_ties(model: ir.Model) -> list[tuple[str, str, bool]]:
         for i, x in enumerate(names):
             for y in names[i + 1:]:
                 ax, ay = arrays[x], arrays[y]
-                if ax.shape == ay.shape and (ax == ay).all():
-                    ties.append((x, y, False))
-                elif ax.shape == ay.shape[::-1] and (ax.T == ay).all():
+                if ax.shape == ay.shape[::-1] and (ax.T == ay).all() and \
+                        not (ax.shape == ay.shape and (ax == ay).all()):
                     ties.append((x, y, True))
     return ties
 

@@ -31,7 +31,7 @@ from precondfx.onnx import calibrate as cal
 from precondfx.onnx import io
 from precondfx.onnx.apply import OnnxApplier
 from precondfx.onnx.capture import Captured, infer_shapes, symbolic_values, to_graph
-from precondfx.onnx.normalize import NormalizeInfo, normalize
+from precondfx.onnx.normalize import NormalizeInfo, normalize, value_ties
 from precondfx.core.options import DEFAULTS as D
 from precondfx.core.options import REFUSE, Options, Resolved, Rule, Support, flag
 import precondfx.schemes  # noqa: F401 (registers the schemes)
@@ -252,7 +252,7 @@ def backend(st: OnnxState) -> None:
         note = st.backend.others_note()
         if note:
             st.graph.notes.append(note)
-    st.graph.notes.extend(_split_ties(st.norm.ties, st.plan))
+    st.graph.notes.extend(_split_ties(value_ties(st.model), st.plan))
 
 
 def _split_ties(ties: list[tuple[str, str, bool]], plan: Any) -> list[str]:

@@ -86,6 +86,15 @@ def test_a_tie_the_exporter_stored_twice_is_reported_split(tmp_path):
     rep2 = precondition_onnx(src2, str(tmp_path / "out2.onnx"), feeds={"ids": ids.numpy()})
     assert not [n for n in rep2.capture_notes if "held the same values" in n]
     assert len([k for k, v in _inits(str(tmp_path / "out2.onnx")).items() if v.ndim == 2]) == 2
+    # layers cloned before training (copy.deepcopy) hold equal values but are not tied
+    import copy
+    layer = nn.Linear(32, 32)
+    clones = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), copy.deepcopy(layer), nn.ReLU(),
+                           copy.deepcopy(layer), nn.Linear(32, 4))
+    x = torch.randn(6, 8)
+    src3 = _export(clones, x, tmp_path / "clones.onnx", input_names=["x"])
+    rep3 = precondition_onnx(src3, str(tmp_path / "out3.onnx"), feeds={"x": x.numpy()})
+    assert not [n for n in rep3.capture_notes if "held the same values" in n]
 
 
 def test_an_embedded_output_over_one_with_external_data_leaves_no_stale_data(tmp_path):
