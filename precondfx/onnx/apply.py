@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from precondfx.core.outputs import bounded_producer, pick_main, skip_bounded
+from precondfx.core.outputs import bounded_producer, others_note, pick_main, skip_bounded
 from precondfx.core.backend import Records
 from precondfx.core.backend import PREFIX
 from precondfx.errors import PrecondError
@@ -248,6 +248,15 @@ class OnnxApplier(Records, PoolSurgery):
             return i, outs[i]
         raise PrecondError(f"no floating-point graph output to scale (outputs "
                            f"{[o.name for o in outs]}); pass target_std=None")
+
+    def others_note(self) -> str | None:
+        """``core.outputs.others_note`` for the graph outputs beside the main one (floating
+        point, not declared a single number), as the PyTorch back end says it."""
+        i, main = self.main_output([])
+        others = [f"output {o.name!r}" for k, o in enumerate(self.g.outputs)
+                  if k != i and o is not main and self._dtype(o) in FLOAT_TYPES
+                  and not _single(o)]
+        return others_note(f"output {main.name!r}", others)
 
     def _floating(self, key: Any, o: ir.Value, outs: list[ir.Value]) -> ir.Value:
         """``o`` when the output scale can multiply it (a floating-point tensor, or one of

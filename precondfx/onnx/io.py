@@ -287,13 +287,20 @@ class Staging:
         return self.path
 
     def commit(self) -> list[str]:
-        """Move the staged files into place (data first, then the model); returns the paths."""
+        """Move the staged files into place (data first, then the model); returns the paths.
+        A model saved without external data over an earlier output that had some removes that
+        data file too: left beside the new model it would look like its weights."""
         written = []
+        target = data_path(self.out_path)
+        stale = not self.external and os.path.isfile(target) and \
+            _reads_data(self.out_path, target)
         if self.external and os.path.exists(self.data):
-            os.replace(self.data, data_path(self.out_path))
-            written.append(data_path(self.out_path))
+            os.replace(self.data, target)
+            written.append(target)
         os.replace(self.path, self.out_path)
         written.append(self.out_path)
+        if stale:
+            os.remove(target)
         return written
 
     def cleanup(self) -> None:
@@ -304,6 +311,14 @@ class Staging:
 
     def __exit__(self, *exc: Any) -> None:
         self.cleanup()
+
+
+def _reads_data(model_path: str, data: str) -> bool:
+    """Whether the ONNX file at ``model_path`` (an earlier output) keeps weights in ``data``."""
+    try:
+        return os.path.realpath(data) in input_files(load(model_path), model_path)
+    except Exception:       # not a readable ONNX file: leave the data file alone
+        return False
 
 
 def legacy_initializer_inputs(model: ir.Model) -> int:
@@ -559,11 +574,15 @@ def resolve_feeds(inputs: list[InputSpec], given: Mapping[str, Any] | None = Non
             if a.ndim != len(spec.dims):
                 raise PrecondError(f"input {spec.name!r}: calibration data has rank {a.ndim} "
                                    f"(shape {list(a.shape)}), the model expects rank "
-                                   f"{len(spec.dims)} ({spec.describe()})")
+                                   f"{len(spec.dims)} ({spec.describe()}): give data of "
+                                   f"that rank (a batch of samples, batch dim first)")
             for i, (d, n) in enumerate(zip(spec.dims, a.shape)):
                 if isinstance(d, int) and d != n:
-                    raise PrecondError(f"input {spec.name!r} dim {i}: calibration {n} vs model "
-                                       f"{d}")
+                    raise PrecondError(
+                        f"input {spec.name!r} dim {i}: calibration {n} vs model {d} (the file "
+                        f"fixes {spec.describe()}): give calibration data of that shape, or "
+                        f"export the model with that dim dynamic (torch.onnx.export's "
+                        f"dynamic_axes=, or dynamic_shapes= with dynamo=True)")
                 if isinstance(d, str) and d:
                     if d in bindings and bindings[d] != n:
                         raise PrecondError(f"symbolic dim {d!r} bound to {bindings[d]} and {n} "

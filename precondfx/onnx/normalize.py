@@ -157,6 +157,46 @@ def normalize(model: ir.Model) -> NormalizeInfo:
     return info
 
 
+#: value_ties reads at most this many bytes of weights (beyond it, no tie is looked for)
+TIE_SCAN_BYTES = 1 << 30
+
+
+def value_ties(model: ir.Model) -> list[tuple[str, str, bool]]:
+    """Pairs of 2-D float initializers of the main graph, the second the transpose of the
+    first: a weight tied in the exported model that the exporter stored twice
+    (``torch.onnx.export`` folds ``emb.weight.T`` of a tied output layer into a constant).
+    Equal values without a transpose are not listed: exporters keep such a tie as one
+    initializer, and equal copies are layers cloned before training (``copy.deepcopy``), not
+    tied.  Values that are all equal (zeros, ones) are no evidence either.  Returns
+    ``(first, second, transposed)`` in initializer order."""
+    inits = [v for v in model.graph.initializers.values()
+             if v.const_value is not None and v.dtype in FLOAT_TYPES and v.shape is not None
+             and len(v.shape) == 2 and all(isinstance(d, int) for d in v.shape)
+             and v.const_value.size > 1]
+    shapes = [tuple(sorted(v.shape)) for v in inits]
+    cands = [v for v, sh in zip(inits, shapes) if shapes.count(sh) > 1]
+    if sum(int(v.const_value.nbytes) for v in cands) > TIE_SCAN_BYTES:
+        return []
+    arrays, groups = {}, {}
+    for v in cands:
+        a = v.const_value.numpy()
+        if a.min() == a.max():
+            continue
+        arrays[v.name] = a
+        key = (tuple(sorted(a.shape)), float(a.sum(dtype="float64")),
+               float((a.astype("float64") ** 2).sum()))
+        groups.setdefault(key, []).append(v.name)
+    ties = []
+    for names in groups.values():
+        for i, x in enumerate(names):
+            for y in names[i + 1:]:
+                ax, ay = arrays[x], arrays[y]
+                if ax.shape == ay.shape[::-1] and (ax.T == ay).all() and \
+                        not (ax.shape == ay.shape and (ax == ay).all()):
+                    ties.append((x, y, True))
+    return ties
+
+
 def _sorted(g: ir.Graph) -> bool:
     """Whether every node comes after the nodes producing its inputs (the capture reads the
     graph in order: a layer listed before its input would look like a constant)."""

@@ -31,7 +31,7 @@ from precondfx.onnx import calibrate as cal
 from precondfx.onnx import io
 from precondfx.onnx.apply import OnnxApplier
 from precondfx.onnx.capture import Captured, infer_shapes, symbolic_values, to_graph
-from precondfx.onnx.normalize import NormalizeInfo, normalize
+from precondfx.onnx.normalize import NormalizeInfo, normalize, value_ties
 from precondfx.core.options import DEFAULTS as D
 from precondfx.core.options import REFUSE, Options, Resolved, Rule, Support, flag
 import precondfx.schemes  # noqa: F401 (registers the schemes)
@@ -248,6 +248,30 @@ def backend(st: OnnxState) -> None:
     st.result = st.model
     key = st.opts.output_key
     st.main_path = [key] if key is not None else []
+    if st.opts.target_std is not None and key is None:
+        note = st.backend.others_note()
+        if note:
+            st.graph.notes.append(note)
+    st.graph.notes.extend(_split_ties(value_ties(st.model), st.plan))
+
+
+def _split_ties(ties: list[tuple[str, str, bool]], plan: Any) -> list[str]:
+    """What the report says of initializers that held one tied weight (``normalize.value_ties``)
+    and that the plan re-draws separately: they no longer hold the same values."""
+    notes = []
+    for a, b, transposed in ties:
+        pa, pb = plan.inits.get(a), plan.inits.get(b)
+        if not any(pi is not None and pi.rule != "keep" for pi in (pa, pb)):
+            continue
+        notes.append(
+            f"initializers {a!r} and {b!r} held the same values ({b} = {a}"
+            f"{' transposed' if transposed else ''}): a weight tied in your model, stored twice "
+            f"by the exporter's constant folding. This file has two weights, re-initialized "
+            f"separately, so they are no longer tied (the PyTorch model gets one draw). To keep "
+            f"them tied, export with torch.onnx.export(..., optimize=False) (dynamo=True) or "
+            f"do_constant_folding=False (dynamo=False): the tie is then one initializer; or "
+            f"precondition the PyTorch model")
+    return notes
 
 
 def record_gains(st: OnnxState) -> None:

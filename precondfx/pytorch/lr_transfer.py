@@ -64,6 +64,7 @@ import torch
 from torch import nn
 
 from precondfx.errors import PrecondError
+from precondfx.pytorch import reals
 from precondfx.core.graph import Graph
 from precondfx.core.options import INIT_RULES, LR_SCALE_MODES
 from precondfx.core.plan import LR_SITE_REASON, Plan
@@ -106,7 +107,7 @@ def fan_in(lay: Any, node: Any = None) -> float:
 
 def stored_rms(w: torch.Tensor) -> float:
     """Root mean square of a stored weight (what Adam's per-entry steps are relative to)."""
-    return float(w.detach().double().pow(2).mean().sqrt())
+    return reals.mean_square(w) ** 0.5      # a complex weight: per real coordinate
 
 
 #: the config attributes in which a transformers model declares the std its ``_init_weights``

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from precondfx.errors import PrecondError
+from precondfx.pytorch import reals
 from precondfx.pytorch.measure.conditioning.estimates import mean_estimate
 from precondfx.pytorch.measure.conditioning.inputs import (default_output_fn, measurement_state,
                                                            per_sample, run_sample)
@@ -161,11 +162,9 @@ def _one(model: nn.Module, smp: Any, i: int, params: Sequence[torch.Tensor],
     return out
 
 
-def _real(g: torch.Tensor) -> torch.Tensor:
-    """A gradient as real numbers: a complex parameter's gradient (d/dRe + i d/dIm) is the
-    gradient over its real and imaginary parts, each a real parameter (``.double()`` would
-    keep the real parts only)."""
-    return torch.view_as_real(g) if g.is_complex() else g
+#: a complex parameter's gradient (d/dRe + i d/dIm) is the gradient over its real and
+#: imaginary parts, each a real parameter
+_real = reals.real_view
 
 
 def rtol_for(threshold: float) -> float:

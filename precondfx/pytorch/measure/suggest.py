@@ -31,7 +31,7 @@ from torch import nn
 from torch.func import functional_call, jvp, vjp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from precondfx.pytorch import calibrate as cal
+from precondfx.pytorch import calibrate as cal, reals
 from precondfx.pytorch.capture.common import Sample
 
 #: power-iteration steps at most (each a Jacobian-vector and a vector-Jacobian product)
@@ -177,10 +177,7 @@ def _top(f: Any, params: dict, h: Any, n_rows: int, d: dict | None, iters: int,
     return lam
 
 
-def _real(t: torch.Tensor) -> torch.Tensor:
-    """A tensor as real numbers in float64: a complex parameter (or direction) is its real and
-    imaginary parts, each a real coordinate (``.double()`` would keep the real parts only)."""
-    return (torch.view_as_real(t) if t.is_complex() else t).double()
+_real = reals.as_real   # a complex parameter (or direction): its real and imaginary parts
 
 
 def _draw(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from precondfx.pytorch import reals
 from precondfx.pytorch.measure.conditioning.records import _Blocks, _Capture, _Records
 from precondfx.pytorch.measure.conditioning.results import (BlockMatrix, Estimate,
                                                             LayerConditioning, LayerRef)
@@ -57,7 +58,7 @@ def _ratio_estimate(fn: Callable[[np.ndarray], np.ndarray], cols: np.ndarray,
 def _layer_result(r: LayerRef, w: torch.Tensor, c: "_Capture", rec: _Records, l: int,
                   stats: tuple[str, ...], rng: np.random.Generator) -> LayerConditioning:
     """Layer ``l``'s estimates from the per-sample records."""
-    w2 = float(w.detach().double().pow(2).mean())
+    w2 = reals.mean_square(w)      # a complex weight: per real coordinate
     lc = LayerConditioning(name=r.name, weight=r.weight, bias=r.bias, module=r.module,
                            module_type=c.kind, numel=w.numel(), weight_sq=w2, alpha=r.alpha)
     notes_l = []

@@ -11,6 +11,7 @@ import torch
 
 from precondfx.core.progress import Progress
 from precondfx.errors import PrecondError
+from precondfx.pytorch import reals
 from precondfx.pytorch.measure.conditioning.records import _Records, _Run
 
 _DENSE_MAX = 4096
@@ -46,7 +47,11 @@ def _quadratic(kind: str | Callable, index: int, n: int, gen: torch.Generator,
 
 def _probes(kind: str, shape: torch.Size, n: int, gen: torch.Generator,
             like: torch.Tensor) -> tuple[list[torch.Tensor], float]:
-    """Probe vectors and the weight that turns sum ||H v||^2 into the estimate of ||H||_F^2."""
+    """Probe vectors and the weight that turns sum ||H v||^2 into the estimate of ||H||_F^2.
+    A complex parameter is probed over its real coordinates (real and imaginary parts)."""
+    if like.is_complex():
+        vs, wgt = _probes(kind, torch.Size((*shape, 2)), n, gen, torch.view_as_real(like))
+        return [torch.view_as_complex(v.contiguous()) for v in vs], wgt
     numel = int(np.prod(shape)) if len(shape) else 1
     if numel <= n:
         eye = torch.eye(numel, dtype=like.dtype, device=like.device)
@@ -71,9 +76,9 @@ def _dy_moments(rec: _Records, s: int, outs: list[list[torch.Tensor]],
         for o in os_:
             g = g_outs[k]
             k += 1
-            cnt += o.numel()
+            cnt += reals.real_numel(o)
             if g is not None:
-                tot += float(g.detach().double().pow(2).sum())
+                tot += reals.sum_square(g)
         rec.dy2[s, l] = tot / cnt if cnt else float("nan")
 
 
@@ -91,7 +96,7 @@ def _hvp_sample(run: _Run, rec: _Records, s: int, y: torch.Tensor, bar: Progress
     g_blocks = grads[:nb]
     for l in range(nl):
         g = g_blocks[l]
-        rec.grad_sq[s, l] = 0.0 if g is None else float(g.detach().double().pow(2).mean())
+        rec.grad_sq[s, l] = 0.0 if g is None else reals.mean_square(g)
     _dy_moments(rec, s, outs, grads[nb:])
     for b in range(nb if run.want_h else 0):
         if b and bar is not None:
@@ -111,7 +116,7 @@ def _hvp_sample(run: _Run, rec: _Records, s: int, y: torch.Tensor, bar: Progress
                     "stats=('ratio', 'gr')") from e
             for m in range(nb):
                 if hv[m] is not None:
-                    rec.blk[s, m, b] += wgt * float(hv[m].detach().double().pow(2).mean())
+                    rec.blk[s, m, b] += wgt * reals.mean_square(hv[m])
 
 
 def _ggn_rows(run: _Run, y: torch.Tensor, targets: list[torch.Tensor]
@@ -131,7 +136,7 @@ def _ggn_rows(run: _Run, y: torch.Tensor, targets: list[torch.Tensor]
     for a in range(n_out):
         g = torch.autograd.grad(y[a], targets, retain_graph=a < n_out - 1, allow_unused=True)
         for t, gt in enumerate(g):
-            rows[t].append(None if gt is None else gt.detach().reshape(-1))
+            rows[t].append(None if gt is None else reals.real_view(gt.detach()).reshape(-1))
     return rows
 
 
@@ -159,26 +164,26 @@ def _ggn_sample(run: _Run, rec: _Records, s: int, y: torch.Tensor) -> None:
         K = Ks[l]
         if K is not None:
             rec.grad_sq[s, l] = (yy * float(K.trace()) + float(yd @ K @ yd)) / \
-                (2 * params[l].numel())
+                (2 * reals.real_numel(params[l]))
     if run.want_h:
         tr = [float(K.trace()) if K is not None else 0.0 for K in Ks]
         for m in range(nb):
             for b in range(nb):
                 if Ks[m] is not None and Ks[b] is not None:
                     rec.blk[s, m, b] = (float((Ks[m] * Ks[b]).sum()) + tr[m] * tr[b]) / \
-                        (2 * params[m].numel())
+                        (2 * reals.real_numel(params[m]))
     k = nb
     for l, os_ in enumerate(outs):
         rs_all: list[torch.Tensor] = []
         cnt = 0
         for o in os_:
-            cnt += o.numel()
+            cnt += reals.real_numel(o)
             rs = rows[k]
             k += 1
             if any(r_ is not None for r_ in rs):
                 rs_all.append(torch.stack([
                     r_.double() if r_ is not None else
-                    torch.zeros(o.numel(), dtype=torch.float64, device=o.device)
+                    torch.zeros(reals.real_numel(o), dtype=torch.float64, device=o.device)
                     for r_ in rs]))
         if cnt and rs_all:
             A = torch.cat(rs_all, dim=1)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from precondfx.pytorch import reals
 from precondfx.pytorch.capture.common import Sample
 from precondfx.pytorch.measure.conditioning.results import LayerRef
 
@@ -50,11 +51,11 @@ class _Capture:
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if x is not None:
             xd = x.detach()
-            self.x_sum += float(xd.double().pow(2).sum())
-            self.x_cnt += xd.numel()
+            self.x_sum += reals.sum_square(xd)
+            self.x_cnt += reals.real_numel(xd)
         yd = output.detach()
-        self.y_sum += float(yd.double().pow(2).sum())
-        self.y_cnt += yd.numel()
+        self.y_sum += reals.sum_square(yd)
+        self.y_cnt += reals.real_numel(yd)
         if self.supported:
             m = self.module
             if isinstance(m, nn.Linear):
