@@ -17,6 +17,9 @@ nets, with a bootstrap over seeds (the same seeds drawn for every method).
 mlp_w128_d4,mlp_w128_d8,mlp_w128_d16 --optimizers sgd --methods pfx,geometric_pair,fan_in_pair,\
 fan_out_pair,xavier_pair --seeds 24 --lr-step 0.5 --n-lr 12 --tag eq_pair24     # ~25 min, 1 core
     python bench/eq_scale_paired.py docs/results/train_suite_eq_pair24.json
+    # precondfx's default re-run on some nets against the same seeds' baselines:
+    python bench/eq_scale_paired.py docs/results/train_suite_eq_pair24.json \
+        --pfx docs/results/train_suite_eq_ceiling_cpu24.json --out docs/results/eq_scale_paired_ceiling_cpu24
 
 Writes docs/results/eq_scale_paired.{md,json} (``--out`` for another name).
 """
@@ -141,10 +144,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=os.path.join(C.RESULTS, "eq_scale_paired"),
                     help="output path without extension")
     ap.add_argument("--optimizer", default="sgd")
+    ap.add_argument("--pfx", default=None,
+                    help="a train_suite JSON whose pfx cells replace the first one's, on the nets "
+                         "it holds (only those nets are compared): a re-run of precondfx's "
+                         "default against the same seeds' baselines")
     args = ap.parse_args(argv)
     data = json.load(open(args.json))
-    res = analyse(data["results"], args.optimizer)
-    res["source_command"] = data.get("command")
+    results, command = data["results"], data.get("command")
+    if args.pfx:
+        other = json.load(open(args.pfx))
+        results = {t: {**results[t], args.optimizer: {**results[t][args.optimizer],
+                                                      "pfx": cells[args.optimizer]["pfx"]}}
+                   for t, cells in other["results"].items() if t in results}
+        command = [command, other.get("command")]
+    res = analyse(results, args.optimizer)
+    res["source_command"] = command
     lines = table(res, os.path.relpath(args.json, C.ROOT) if os.path.isabs(args.json)
                   else args.json)
     write_table(args.out, lines, res)

@@ -2,7 +2,7 @@
 
 At the first ``step()`` of a ``torch.optim.SGD`` the default measures the rewritten model's SGD
 curvature on the kept calibration batch (the measurement ``lr=`` runs inside ``precondition``:
-20 power iterations of Jacobian-vector products, re-measured up to 3 times) and rescales the
+at most 20 power iterations of Jacobian-vector products, stopped once converged, re-measured up to 3 times) and rescales the
 stored weights (``precondfx.pytorch.first_step``).  For each model of ``bench/cost.py``'s
 families, this script times, in one process and one thread:
 

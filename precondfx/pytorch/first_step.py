@@ -215,7 +215,7 @@ class Pending:
         devices = sorted({p.device.index or 0 for p in model.parameters()
                           if p.device.type == "cuda"})
         log.info("precondfx: lr='auto': measuring the suggested SGD rate on the kept batch at "
-                 "the first step of %s (once; 80-220 training steps of the model on the CPU "
+                 "the first step of %s (once; 50-190 training steps of the model on the CPU "
                  "benchmark, bench/first_step_cost.py; lr=None skips it)", name)
         # the user's random stream untouched; a step taken under inference_mode measured too
         with torch.random.fork_rng(devices=devices), torch.inference_mode(False):
