@@ -232,3 +232,28 @@ def test_two_sgds_over_parts_each_get_a_ceiling(head_first):
     assert consts[0] == consts[1] and consts[0] < 0.75 and consts[2] < 0.75
     sec = rep.conditioning["lr_target"]
     assert len(sec["earlier"]) == 1 and "sets theirs" in sec["earlier"][0]
+
+
+def test_a_data_parallel_result_is_measured_like_its_module():
+    """torch.func refused nn.DataParallel ('The stateless API can't be used with
+    nn.DataParallel module'): a preconditioned DataParallel model kept its storage at any SGD
+    rate with a warning.  The module it replicates computes the same function, so it is
+    measured: the factor and 3 steps' losses are those of the plain model told the rate."""
+    x, y = _data()
+    wrapped, rep = precondfx.precondition(nn.DataParallel(_mlp()), x)
+    plain, rep_plain = precondfx.precondition(_mlp(), x, lr=HIGH, optimizer="sgd")
+    losses = []
+    for m in (wrapped, plain):
+        opt = torch.optim.SGD(m.parameters(), lr=HIGH)
+        got = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            got.append(float(loss))
+        losses.append(got)
+    assert rep.conditioning["lr_target"]["factor"] == pytest.approx(
+        rep_plain.conditioning["lr_target"]["factor"], rel=1e-6)
+    assert rep.conditioning["lr_target"]["factor"] < 0.6
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)

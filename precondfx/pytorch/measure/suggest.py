@@ -68,6 +68,10 @@ def suggest_lr(model: nn.Module, sample: Sample, *, mode: str = "train", key: An
     optimizer steps (the curvature of the others is no limit on its rate), None: all;
     ``tol``: the power iteration stops once a step raises the estimate by less than this
     fraction (0: all ``iters`` steps)."""
+    while isinstance(model, nn.DataParallel):   # torch.func refuses the wrapper: the module it
+        model = model.module                    # replicates computes the same function
+        only = None if only is None else {n[len("module."):] for n in only
+                                          if n.startswith("module.")}
     params = {n: p.detach() for n, p in model.named_parameters()
               if p.requires_grad and (only is None or n in only)}
     bufs = {n: b.detach() for n, b in model.named_buffers()}
