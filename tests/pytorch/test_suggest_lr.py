@@ -153,3 +153,39 @@ def test_reverse_mode_fallback_matches_the_dense_ggn(which):
     lam = float(torch.linalg.eigvalsh(g)[-1])
     got = suggest.suggest_lr(m, Sample((x,), {}), iters=300, tol=0)
     assert got["sgd_curvature"] == pytest.approx(lam, rel=1e-3)
+
+
+class _Bag(nn.Module):
+    """An EmbeddingBag: no forward-mode rule and no second derivative."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bag = nn.EmbeddingBag(20, 6, mode="mean")
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bag(ids))
+
+
+def test_a_model_without_forward_mode_or_second_derivative_is_measured_by_differences():
+    """Both Gauss-Newton products failed on an EmbeddingBag (no jvp rule; the derivative of
+    '_embedding_bag_backward' is not implemented), so suggest_lr raised and lr='auto' kept the
+    storage with a warning.  Central differences for J v (reverse mode for J^T u) give the
+    dense matrix's top eigenvalue."""
+    m = _Bag()
+    ids = torch.randint(0, 20, (16, 3), generator=torch.Generator().manual_seed(2))
+    g, _ = _dense_ggn(m, ids)
+    lam = float(torch.linalg.eigvalsh(g)[-1])
+    got = suggest.suggest_lr(m, Sample((ids,), {}), iters=300, tol=0, families=("sgd",))
+    assert got["sgd_curvature"] == pytest.approx(lam, rel=1e-3)
+    # and a step of lr='auto' above that rate takes the factor lr= gives (no warning)
+    y = torch.randint(0, 4, (16,), generator=torch.Generator().manual_seed(3))
+    res, rep = precondfx.precondition(_Bag(), ids)
+    told, rep_told = precondfx.precondition(_Bag(), ids, lr=4.0, optimizer="sgd")
+    opt = torch.optim.SGD(res.parameters(), lr=4.0)
+    F.cross_entropy(res(ids), y).backward()
+    opt.step()
+    assert rep.conditioning["lr_target"]["factor"] < 0.9
+    assert rep.conditioning["lr_target"]["factor"] == pytest.approx(
+        rep_told.conditioning["lr_target"]["factor"], rel=1e-6)

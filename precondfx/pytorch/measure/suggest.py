@@ -44,6 +44,8 @@ CONVERGED = 1e-3
 CHUNKS = 8
 #: Adam's eps
 EPS = 1e-8
+#: central differences' step along a unit direction, relative to the parameters' norm
+FD_STEP = 1e-3
 
 
 def _logits(z: torch.Tensor) -> torch.Tensor:
@@ -147,21 +149,44 @@ def _gn_reverse(f: Any, params: dict, v: dict) -> tuple[Any, Any]:
     return jv.detach(), back
 
 
+def _gn_differences(f: Any, params: dict, v: dict) -> tuple[Any, Any]:
+    """``J v`` by central differences, for a model with ops that have neither a forward-mode
+    rule nor a second derivative (``nn.EmbeddingBag``'s backward): a step of ``FD_STEP`` of
+    the parameters' norm along ``v`` (dropout is off while measuring, so both evaluations are
+    the same function); the vector-Jacobian map by reverse mode, which such ops have."""
+    norm = lambda d: math.sqrt(sum(float(_real(t).pow(2).sum()) for t in d.values()))  # noqa: E731
+    vn = norm(v)
+    eps = FD_STEP * (norm(params) or 1.0) / (vn or 1.0)
+    with torch.no_grad():
+        zp = f({k: p + eps * v[k] for k, p in params.items()})
+        zm = f({k: p - eps * v[k] for k, p in params.items()})
+    jv = ((zp.double() - zm.double()) / (2 * eps)).to(zp.dtype)
+    _, back = vjp(f, params)
+    return jv, lambda u: back(u)[0]
+
+
+#: the products tried in turn: forward mode, reverse over reverse, central differences
+_GN_PRODUCTS = (_gn_forward, _gn_reverse, _gn_differences)
+
+
 def _top(f: Any, params: dict, h: Any, n_rows: int, d: dict | None, iters: int,
          gen: torch.Generator, tol: float = CONVERGED) -> float:
     """Top eigenvalue of ``J^T H J / n`` (``d``: of ``D^-1/2 (.) D^-1/2``), power iteration;
-    forward-mode products where every op has a rule, reverse-mode ones otherwise."""
+    forward-mode products where every op has a rule, else reverse-mode ones, else central
+    differences (``_GN_PRODUCTS``)."""
     how = [_gn_forward]
 
     def mv(v: dict) -> dict:
         vv = {k: _scaled(v[k], d[k]) for k in v} if d else v
-        try:
-            jv, back = how[0](f, params, vv)
-        except (NotImplementedError, RuntimeError):
-            if how[0] is _gn_reverse:
-                raise
-            how[0] = _gn_reverse
-            jv, back = how[0](f, params, vv)
+        while True:
+            try:
+                jv, back = how[0](f, params, vv)
+                break
+            except (NotImplementedError, RuntimeError):
+                i = _GN_PRODUCTS.index(how[0])
+                if i == len(_GN_PRODUCTS) - 1:
+                    raise
+                how[0] = _GN_PRODUCTS[i + 1]
         hu = h(jv.double()) / n_rows
         g = back(hu.to(jv.dtype))
         return {k: _scaled(g[k], d[k]) for k in g} if d else g
