@@ -20,7 +20,7 @@ from torch import nn
 
 from precondfx.pytorch import calibrate as cal
 from precondfx.pytorch.apply import shards
-from precondfx.pytorch.capture.common import Sample, main_output
+from precondfx.pytorch.capture.common import MainPath, Sample, main_output, main_path_of
 from precondfx.errors import PrecondError
 from precondfx.core.graph import Graph
 from precondfx.pytorch.measure import batchdim
@@ -277,6 +277,9 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan | None,
         return _finish({"note": f"{len(weights)} of {n_layers} weighted layers carry an alpha "
                                 f"on every call site: nothing to balance"}, n_layers, left)
     with shards.gathered(model):   # its forwards then run no collective: ranks may differ
+        if not isinstance(output_key, MainPath):   # picked on the whole batch, not per sample
+            with torch.no_grad():
+                output_key = main_path_of(cal.forward(model, sample, mode), output_key)
         sample, dim_note = batchdim.resolve(model, sample,
                                             lambda out: main_output(out, output_key))
     fit, held, b = _split(sample)

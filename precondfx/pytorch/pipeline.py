@@ -28,7 +28,8 @@ from precondfx.pytorch.apply.fx_apply import FxApplier
 from precondfx.pytorch.apply import user_class, weight_side
 from precondfx.pytorch.balance import balance_measured, balanceable, held_out, record_factors
 from precondfx.pytorch.capture import meta
-from precondfx.pytorch.capture.common import Sample, main_output, make_sample, others_note
+from precondfx.pytorch.capture.common import (Sample, main_output, main_path_of, make_sample,
+                                             others_note)
 from precondfx.pytorch.capture.ladder import Captured, capture
 from precondfx.pytorch.checks import check_copy, check_model
 from precondfx.core.classify import classify
@@ -61,6 +62,8 @@ class TorchState(State):
     notes: list[str] = field(default_factory=list)
     analysis: bool = False           # ``analyze``: plan only, on a copy, refusing nothing more
     not_user_class: str | None = None   # why a GraphModule result is not the user's class
+    #: the main output picked on the whole batch (``output_key`` of per-sample measurements)
+    main_key: Any = None
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -337,6 +340,10 @@ def prepare(st: TorchState) -> None:
         out0 = run_on(st.work, s, st.opts.calibration)
     st.main_path = output_path(out0, st.opts.output_key) if st.opts.target_std is not None \
         else []
+    try:     # per-sample passes read the output picked here, not the rule at batch size 1
+        st.main_key = main_path_of(out0, st.opts.output_key)
+    except PrecondError:
+        st.main_key = st.opts.output_key
     if st.opts.target_std is not None:
         cal.check_scalable(main_output(out0, st.opts.output_key), st.opts.output_key)
         note = others_note(out0, st.main_path) if st.opts.output_key is None else None
@@ -437,7 +444,7 @@ def balance(st: TorchState) -> None:
     try:
         rep.conditioning["hessian"] = h = balance_measured(
             st.result, st.sample, st.plan, st.alpha_buffers, verbose=st.verbose, seed=o.seed,
-            output_key=o.output_key, mode=o.calibration, log=st.say,
+            output_key=st.main_key, mode=o.calibration, log=st.say,
             n_samples=o.balance_samples, balance=o.balance, threshold=o.balance_threshold,
             graph=st.graph, distributed=distributed.is_sharded(st.result))
         rep.skipped += [(f"balance {w}", why) for w, why in h["left_out"].items()]
@@ -528,7 +535,7 @@ def measure(st: TorchState) -> None:
     """``measure=True``: Hessian statistics of the original and the rewritten model."""
     o = st.opts
     st.report.conditioning["measure"] = mr = measure_report(
-        st.model, st.result, st.sample, st.plan, output_key=o.output_key, mode=o.calibration,
+        st.model, st.result, st.sample, st.plan, output_key=st.main_key, mode=o.calibration,
         seed=o.seed, n_samples=o.balance_samples, say=st.say, verbose=st.verbose)
     held_out(st.report.conditioning.get("hessian"), mr)
 
@@ -542,7 +549,7 @@ def suggest(st: TorchState) -> None:
 def verify(st: TorchState) -> None:
     """Run the finished model in both modes: finite outputs, the output std at its target."""
     st.report.verification = v = verify_result(
-        st.result, st.sample, output_key=st.opts.output_key, mode=st.opts.calibration,
+        st.result, st.sample, output_key=st.main_key, mode=st.opts.calibration,
         target_std=st.opts.target_std if st.out_const is not None else None,
         seed=st.opts.seed, draws=max(st.random_draws, driver.RANDOM_DRAWS))
     if v.get("relative_error", 0.0) > 1e-3:   # never silently off target

@@ -321,10 +321,30 @@ def make_sample(sample: Any, forward_kwargs: Mapping | None = None) -> Sample:
         f"in a tuple, precondition(model, (batch,))")
 
 
+class MainPath(tuple):
+    """The main output's path (:func:`output_path`) picked on the whole calibration batch, passed
+    as ``output_key`` to the per-sample (batch size 1) measurements.  The rule skips outputs
+    of one element (a loss); at batch size 1 a main output with one element per sample (CLIP's
+    ``logits_per_image``, a regression head's ``(B, 1)``) has one, and the rule re-applied
+    there would measure another output (CLIP's ``text_embeds``: the vision tower's Hessian
+    statistic 0, left unbalanced)."""
+
+    def __repr__(self) -> str:
+        return ".".join(str(k) for k in self) or "the output"
+
+
+def main_path_of(out: Any, key: str | int | None = None) -> "MainPath":
+    """:func:`output_path` of a whole batch's output, as a :class:`MainPath`."""
+    return MainPath(output_path(out, key))
+
+
 def output_path(out: Any, key: str | int | None = None) -> list:
     """Keys/indices leading from the model's output to its main output (``precondfx.core.outputs``'
     rule: ``out[key]``; ``out`` itself; ``logits`` or the first floating-point tensor of a
-    tuple, list, dict or transformers ModelOutput)."""
+    tuple, list, dict or transformers ModelOutput).  ``key`` may be a :class:`MainPath`: the
+    path as picked on the whole batch, kept for per-sample passes."""
+    if isinstance(key, MainPath):
+        return list(key)
     if key is not None:
         if isinstance(out, torch.Tensor):   # out[key] would be a slice of it (a row)
             raise PrecondError(f"output_key={key!r} names an output, but the model returns a "

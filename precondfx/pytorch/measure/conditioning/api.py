@@ -13,8 +13,9 @@ from precondfx.errors import PrecondError
 from precondfx.pytorch.measure.runtime import one_thread
 from precondfx.pytorch.measure.conditioning.estimates import _block_matrix, _layer_result
 from precondfx.pytorch.measure.conditioning.hessian import _DENSE_MAX, _ggn_sample, _hvp_sample
-from precondfx.pytorch.measure.conditioning.inputs import (default_output_fn, measurement_state,
-                                                           per_sample, resolve_layers, run_sample)
+from precondfx.pytorch.measure.conditioning.inputs import (measurement_state, per_sample,
+                                                           resolve_layers, run_sample,
+                                                           whole_batch_output_fn)
 from precondfx.pytorch.measure.conditioning.records import _Blocks, _Capture, _Records, _Run
 from precondfx.pytorch.measure.conditioning.results import BlockMatrix, ConditioningResult
 
@@ -62,7 +63,8 @@ def measure_conditioning(
     weights = [model.get_parameter(r.weight) for r in refs]
     blocks = _Blocks.of(model, refs, weights, include_bias)
     caps = [_Capture(r, _submodule(model, r.module), w) for r, w in zip(refs, weights)]
-    run = _Run(model, smp, output_fn or default_output_fn, blocks, caps,
+    fn = output_fn or whole_batch_output_fn(model, smp, weights)
+    run = _Run(model, smp, fn, blocks, caps,
                torch.Generator().manual_seed(int(seed)), want_h="hessian" in stats,
                probe=probe, n_probes=n_probes, quadratic=quadratic, dense_max=dense_max,
                ggn_max_outputs=ggn_max_outputs, ggn_max_bytes=ggn_max_bytes)

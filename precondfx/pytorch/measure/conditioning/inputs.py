@@ -26,6 +26,22 @@ def default_output_fn(out: Any) -> torch.Tensor:
             f"measure_conditioning") from None
 
 
+def whole_batch_output_fn(model: nn.Module, smp: Sample, params: Sequence[torch.Tensor]
+                          ) -> Callable[[Any], torch.Tensor]:
+    """:func:`default_output_fn` with the main output picked once, on the whole batch: the
+    rule skips one-element outputs (a loss), and at batch size 1 a main output with one
+    element per sample (CLIP's ``logits_per_image``) has one, so re-applying it per sample
+    would measure another output.  One forward of the batch, without dropout, the model's
+    buffers restored; where it fails, the rule per sample as before."""
+    from precondfx.pytorch.capture.common import main_output, main_path_of
+    try:
+        with measurement_state(model, params), torch.no_grad():
+            path = main_path_of(smp.call(model))
+    except Exception:  # noqa: BLE001 - the per-sample passes report what fails
+        return default_output_fn
+    return lambda out: main_output(out, path)
+
+
 def _spec_get(spec: Any, keys: Sequence[str]) -> Any:
     for k in keys:
         v = spec.get(k) if isinstance(spec, Mapping) else getattr(spec, k, None)
