@@ -16,13 +16,14 @@
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import os
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -39,6 +40,23 @@ RESULTS = os.path.join(ROOT, "docs", "results")
 def setup(threads: int = 1) -> None:
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
+
+
+@contextlib.contextmanager
+def ceiling_margin(octaves: float) -> Iterator[None]:
+    """An experiment, not a library option: inside, ``lr='auto'``'s first step (and
+    ``precondfx.settle_rate``) acts as if the optimizer's rate were ``lr / 2^octaves``, so the
+    ceiling sits that many octaves above the suggested rate (0: the library's default)."""
+    from precondfx.pytorch import lr_target
+    keep = lr_target.keep_rate
+    if octaves:
+        def shifted(model, graph, plan, bufs, lr, optimizer, measure, **kw):
+            return keep(model, graph, plan, bufs, lr / 2.0 ** octaves, optimizer, measure, **kw)
+        lr_target.keep_rate = shifted
+    try:
+        yield
+    finally:
+        lr_target.keep_rate = keep
 
 
 class Progress:

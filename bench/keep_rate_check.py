@@ -59,7 +59,7 @@ def at_log2(cell: dict, e: int) -> dict | None:
 
 
 def train_at(task: "T.Task", opt: str, lr: float, extra: dict | None = None,
-             mode: str = "lr") -> tuple[dict, list[float], list[float]]:
+             mode: str = "lr", margin: float = 0.0) -> tuple[dict, list[float], list[float]]:
     """Precondition each seed's framework-default model with ``lr=lr`` (``mode="lr"``) or with
     precondfx's defaults (``mode="default"``: ``lr='auto'``, its first step done by
     ``precondfx.settle_rate`` because the suite's trainer steps its own batched SGD/AdamW, with
@@ -74,7 +74,8 @@ def train_at(task: "T.Task", opt: str, lr: float, extra: dict | None = None,
         told = {"lr": lr, "optimizer": opt} if mode == "lr" else {}
         out, rep = precondfx.precondition(model, calib, seed=s, **told, **(extra or {}))
         if mode == "default":
-            precondfx.settle_rate(out, lr, opt)
+            with C.ceiling_margin(margin):      # 0: the library's ceiling
+                precondfx.settle_rate(out, lr, opt)
         models.append(out.train())
         facs.append(rep.conditioning["lr_target"]["factor"])
     r = T.train_copies(task, models, [lr] * len(SEEDS), SEEDS, T.Hyper(opt), {}, "cpu")
@@ -88,7 +89,7 @@ def train_at(task: "T.Task", opt: str, lr: float, extra: dict | None = None,
 
 
 def run(tasks: list[str], opts: list[str], offsets: list[int], tag: str,
-        extra: dict | None = None, mode: str = "lr") -> None:
+        extra: dict | None = None, mode: str = "lr", margin: float = 0.0) -> None:
     C.setup(1)
     say = C.Progress("keep_rate_check")
     ref = suite_cells()
@@ -99,9 +100,9 @@ def run(tasks: list[str], opts: list[str], offsets: list[int], tag: str,
             cells = ref[tn][opt]
             for off in offsets:
                 e = cells["default"]["best_lr_log2"] + off
-                got, per_seed, facs = train_at(task, opt, 2.0 ** e, extra, mode)
+                got, per_seed, facs = train_at(task, opt, 2.0 ** e, extra, mode, margin)
                 row = {"task": tn, "optimizer": opt, "offset": off, "lr_log2": e, "keep": got,
-                       "mode": mode,
+                       "mode": mode, "ceiling_margin": margin,
                        "options": {k: str(v) for k, v in (extra or {}).items()},
                        "per_seed": per_seed,
                        "factor_log2": [math.log2(f) for f in facs],
@@ -119,7 +120,8 @@ def run(tasks: list[str], opts: list[str], offsets: list[int], tag: str,
                              f"--optimizers {','.join(opts)} --offsets="
                              f"{','.join(map(str, offsets))} --tag {tag}"
                              + (" --lr-scale none" if extra else "")
-                             + (f" --mode {mode}" if mode != "lr" else "")})
+                             + (f" --mode {mode}" if mode != "lr" else "")
+                             + (f" --ceiling-margin {margin:g}" if margin else "")})
 
 
 def _cell(v: dict | None) -> str:
@@ -200,6 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mode", default="lr", choices=("lr", "default"),
                     help="lr: precondition with lr= the rate; default: precondfx's defaults "
                          "(lr='auto', as a torch.optim loop meets them)")
+    ap.add_argument("--ceiling-margin", type=float, default=0.0,
+                    help="--mode default: an experiment, the SGD ceiling this many octaves above "
+                         "the suggested rate (common.ceiling_margin; 0: the library's)")
     ap.add_argument("--tag", default="all")
     ap.add_argument("--merge", default="", help="comma-separated tags of finished runs")
     ap.add_argument("--out", default="keep_rate_check", help="--merge: the table's file name")
@@ -209,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     run([t for t in a.tasks.split(",") if t], [o for o in a.optimizers.split(",") if o],
         [int(o) for o in a.offsets.split(",") if o], a.tag,
-        {"lr_scale": None} if a.lr_scale == "none" else None, a.mode)
+        {"lr_scale": None} if a.lr_scale == "none" else None, a.mode, a.ceiling_margin)
 
 
 if __name__ == "__main__":

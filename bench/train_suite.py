@@ -82,6 +82,7 @@ import common as C  # noqa: E402
 #: ``pfx`` passes nothing, so it always measures the current defaults.
 PFX: dict[str, dict] = {
     "pfx": {},                  # the library's defaults (lr_scale='auto' since 2026-11-25)
+    "pfx_margin1": {},          # pfx, lr='auto''s SGD ceiling one octave higher (experiment)
     "pfx_off": {"lr_scale": None},   # the default until 2026-11-25: no lr scales
     "pfx_std0.05": {"target_std": 0.05},
     "pfx_std0.5": {"target_std": 0.5},
@@ -164,6 +165,7 @@ LABELS = {
     "pfx_lr_user": "pfx lr_scale=user (power 1, replaced)",
     "pfx_user": "pfx lr_scale=user (halfway)",
     "pfx_off": "pfx lr_scale=None (the default before 'auto')",
+    "pfx_margin1": "pfx, SGD ceiling 1 octave above the suggested rate (experiment)",
     "umup": "u-muP (unit_scaling)",
     "pfx_emb": "pfx, ViT tokens at the patch scale (emulated)",
     "default_eq": "PyTorch default, output std 1", "fan_in_eq": "fan-in, output std 1",
@@ -1238,7 +1240,7 @@ def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device
 #: afresh and its first step done by precondfx.settle_rate at that rate (the ceiling acts only
 #: above the measured suggested rate; tests/pytorch/test_first_step.py checks that settle_rate
 #: and a torch.optim first step give one factor)
-SETTLED = ("pfx",)
+SETTLED = {"pfx": 0.0, "pfx_margin1": 1.0}     # method -> C.ceiling_margin's octaves
 
 
 def settled(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str, lr: float,
@@ -1252,12 +1254,13 @@ def settled(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str, l
     from precondfx.pytorch.lr_target import TOLERANCE
     seen = factors.setdefault("suggested", {})
     first = seen.get(seed)      # the seed's suggested rate, measured by an earlier settle
-    if first and lr <= first * 2.0 ** TOLERANCE:    # at or below it the storage is kept: the
+    if first and lr <= first * 2.0 ** (TOLERANCE + SETTLED[method]):  # storage kept: the
         factors.setdefault(math.log2(lr), []).append(1.0)   # cached build is that model
         return model
     fresh, _ = build(task, method, seed, calib, opt)
     fresh.to(device)            # the kept batch follows the model: measured where it trains
-    sec = precondfx.settle_rate(fresh, lr, "sgd")
+    with C.ceiling_margin(SETTLED[method]):
+        sec = precondfx.settle_rate(fresh, lr, "sgd")
     if sec.get("suggested_before"):
         seen[seed] = float(sec["suggested_before"])
     factors.setdefault(math.log2(lr), []).append(float(sec.get("factor", 1.0)))
