@@ -20,6 +20,8 @@ fan_out_pair,xavier_pair --seeds 24 --lr-step 0.5 --n-lr 12 --tag eq_pair24     
     # precondfx's default re-run on some nets against the same seeds' baselines:
     python bench/eq_scale_paired.py docs/results/train_suite_eq_pair24.json \
         --pfx docs/results/train_suite_eq_ceiling_cpu24.json --out docs/results/eq_scale_paired_ceiling_cpu24
+    python bench/eq_scale_paired.py docs/results/train_suite_eq_pair24.json --pfx-method pfx_margin1 \
+        --pfx docs/results/train_suite_eq_margin1_cpu24.json --out docs/results/eq_scale_paired_margin1_cpu24
 
 Writes docs/results/eq_scale_paired.{md,json} (``--out`` for another name).
 """
@@ -148,13 +150,17 @@ def main(argv: list[str] | None = None) -> dict:
                     help="a train_suite JSON whose pfx cells replace the first one's, on the nets "
                          "it holds (only those nets are compared): a re-run of precondfx's "
                          "default against the same seeds' baselines")
+    ap.add_argument("--pfx-method", default="pfx",
+                    help="--pfx: the method of that JSON taken as precondfx's (pfx_margin1: "
+                         "the ceiling-margin experiment)")
     args = ap.parse_args(argv)
     data = json.load(open(args.json))
     results, command = data["results"], data.get("command")
     if args.pfx:
         other = json.load(open(args.pfx))
         results = {t: {**results[t], args.optimizer: {**results[t][args.optimizer],
-                                                      "pfx": cells[args.optimizer]["pfx"]}}
+                                                      "pfx": cells[args.optimizer][
+                                                          args.pfx_method]}}
                    for t, cells in other["results"].items() if t in results}
         command = [command, other.get("command")]
     res = analyse(results, args.optimizer)
