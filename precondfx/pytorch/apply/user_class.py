@@ -125,6 +125,14 @@ def _setstate(self: fx.GraphModule, state: dict) -> None:
     self.graph = plain.graph
 
 
+def _scriptable(self: fx.GraphModule) -> fx.GraphModule:
+    """What ``torch.jit.script(result)`` compiles: the graph with each constant-on-weight call
+    (``weight_side.layer``, which takes a module and TorchScript cannot compile) back in its
+    module-call form, the same function, on the same modules, parameters and constants."""
+    from precondfx.pytorch.apply.weight_side import module_call_view
+    return module_call_view(self)
+
+
 def _empty(user_cls: type) -> fx.GraphModule:
     cls = graph_class(user_cls)
     return cls.__new__(cls)
@@ -171,6 +179,7 @@ def graph_class(user_cls: type) -> type | None:
     ns = {"__module__": __name__, "__doc__": user_cls.__doc__,
           "recompile": _recompile, "__deepcopy__": _deepcopy, "__copy__": _copy,
           "__reduce__": _reduce, "__setstate__": _setstate, DEPTH: 0, METHODS: 0,
+          "__prepare_scriptable__": _scriptable,
           "_precondfx_user_class": user_cls,
           # repr() names the user's class, not torch.fx's per-instance "GraphModuleImpl"
           "_get_name": lambda self: user_cls.__name__, **_user_methods(user_cls)}

@@ -1,0 +1,44 @@
+"""The result is the user's model, used the way user code uses it (hunt ``user3``)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import precondfx
+
+
+class _SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.c1(x)), 2)
+        x = F.relu(self.c2(x))
+        return self.fc(x.mean((2, 3)))
+
+
+def test_torch_jit_script_of_the_fx_result_computes_and_trains_it() -> None:
+    """docs/troubleshooting.md tells users to ``torch.jit.script`` the result; the fx result's
+    constants-on-weights calls (``weight_side.layer``, which takes a module) made TorchScript
+    fail ("undefined value precondfx_pytorch_apply_weight_side_layer")."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 16, 16)
+    pm, rep = precondfx.precondition(_SmallCNN(), x)
+    assert rep.capture == "fx" and isinstance(pm, _SmallCNN)
+    scripted = torch.jit.script(pm)
+    x2 = torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        ref = pm(x2)
+        out = scripted(x2)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6), float((out - ref).abs().max())
+    # the scripted module trains the result's own parameters (shared, as scripting a module
+    # shares them), and the result keeps its fast form afterwards
+    n = sum(p.numel() for p in pm.parameters())
+    assert sum(p.numel() for p in scripted.parameters()) == n
+    scripted(x2).square().mean().backward()
+    assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in pm.parameters())
+    assert isinstance(pm, _SmallCNN) and "weight_side_layer" in pm.code
