@@ -1,6 +1,7 @@
 """The result is the user's model, used the way user code uses it (hunt ``user3``)."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,3 +43,42 @@ def test_torch_jit_script_of_the_fx_result_computes_and_trains_it() -> None:
     scripted(x2).square().mean().backward()
     assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in pm.parameters())
     assert isinstance(pm, _SmallCNN) and "weight_side_layer" in pm.code
+
+
+class _Decoder(nn.Module):
+    """A method that computes logits from the head's parameters without calling the head (as
+    code that shares a head between a forward and a sampling loop does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 32)
+        self.mid = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 40)
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.mid(self.emb(ids)))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.out.weight, self.out.bias)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.hidden(ids))
+
+
+@pytest.mark.parametrize("capture", ["fx", "eager"])
+def test_a_method_reading_a_weight_outside_its_module_call_is_said(capture: str) -> None:
+    """``logits`` reads ``self.out.weight`` directly: the constants at ``out`` (its alpha, rate
+    and output scale, applied by a call of ``out``) are not in it, so ``logits(hidden(ids))``
+    differs from ``forward(ids)`` (by about 100% here).  It was silent: ``forward_only`` empty
+    and the report's result line said every method computes with the constants."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 40, (16, 5))
+    pm, rep = precondfx.precondition(_Decoder(), ids, capture=capture)
+    with torch.no_grad():
+        gap = float((pm.logits(pm.hidden(ids)) - pm(ids)).abs().max() / pm(ids).abs().max())
+    assert gap > 0.1          # the method does compute without the constants
+    said = [s for s in rep.result["forward_only"] if s.startswith("method logits")]
+    assert len(said) == 1 and "self.out.weight and self.out.bias" in said[0], rep.result
+    assert not any("hidden" in s for s in rep.result["forward_only"])
+    assert "every method computes with the constants" not in rep.result_line()
+    assert "method logits reads self.out.weight" in rep.result_line()

@@ -26,11 +26,13 @@ keeping its class.
 """
 from __future__ import annotations
 
+import ast
 import collections
 import copy
 import functools
 import inspect
 import operator
+import textwrap
 from typing import Any
 
 import torch
@@ -167,6 +169,75 @@ def _user_methods(user_cls: type) -> dict[str, Any]:
                     not inspect.isfunction(v) or hasattr(fx.GraphModule, name):
                 continue
             out[name] = _in_method(v)
+    return out
+
+
+def _self_path(node: ast.AST) -> str | None:
+    """``self.a.b[0]`` -> ``"a.b.0"`` (attribute and constant-index chains from ``self``)."""
+    parts: list[str] = []
+    while True:
+        if isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and \
+                isinstance(node.slice.value, (int, str)):
+            parts.append(str(node.slice.value))
+            node = node.value
+        elif isinstance(node, ast.Name) and node.id == "self" and parts:
+            return ".".join(reversed(parts))
+        else:
+            return None
+
+
+#: uses of a parameter that compute nothing with it (initialization, inspection, in place)
+_NOT_COMPUTING = {"data", "grad", "shape", "size", "dtype", "device", "numel", "dim", "ndim",
+                  "requires_grad", "is_leaf", "nelement", "element_size"}
+
+
+def _computes(n: ast.AST, parent: dict) -> bool:
+    """Whether the read ``n`` (``self.head.weight``) computes with the value: not an in-place
+    method or attribute of it (``.data``, ``.zero_()``, ``.shape``), nor an argument of an
+    ``init`` function (``nn.init.zeros_(self.head.bias)``)."""
+    up = parent.get(n)
+    if isinstance(up, ast.Attribute) and up.value is n:
+        return not (up.attr in _NOT_COMPUTING or up.attr.endswith("_"))
+    if isinstance(up, ast.Call) and n in up.args:
+        func = ast.unparse(up.func)
+        return not ("init." in func or func.rpartition(".")[2].endswith("_"))
+    return True
+
+
+def direct_reads(user_cls: type, paths: set[str]) -> list[str]:
+    """The user's methods (other than ``forward``, which the trace sees) that read the weight or
+    bias of a module in ``paths`` (the modules whose call carries constants) outside a call of
+    it (``F.linear(h, self.head.weight, self.head.bias)``): a call of the module sees its
+    constants, such a read sees the bare parameter, so the method computes without them.  One
+    line each, for the report (from the methods' source; a method without source is not read)."""
+    out: list[str] = []
+    for klass in user_cls.__mro__:
+        if klass in (nn.Module, object) or issubclass(nn.Module, klass):
+            continue
+        for name, fn in vars(klass).items():
+            fn = getattr(fn, "__func__", fn)
+            if name == "forward" or not inspect.isfunction(fn):
+                continue
+            try:
+                tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+            except (OSError, TypeError, SyntaxError, IndentationError):
+                continue
+            parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+            reads: dict[str, set[str]] = {}
+            for n in ast.walk(tree):
+                if isinstance(n, ast.Attribute) and n.attr in ("weight", "bias") and \
+                        isinstance(n.ctx, ast.Load) and _computes(n, parent) and \
+                        (p := _self_path(n.value)) in paths:
+                    reads.setdefault(p, set()).add(n.attr)
+            for p in sorted(reads):
+                what = " and ".join(f"self.{p}.{a}" for a in sorted(reads[p], reverse=True))
+                line = (f"method {name} reads {what} outside a call of self.{p}: it computes "
+                        f"without the constants there (call the module, or fold the model)")
+                if line not in out:
+                    out.append(line)
     return out
 
 
