@@ -595,6 +595,7 @@ def result_record(st: TorchState) -> None:
     only: list[str] = []
     if user_class.is_user_graph(res):
         _, consts = user_class.mirror(res, {n.name: n.kind for n in st.graph})
+        res.__dict__[user_class.READS] = user_class.traced_reads(res)
         only = [f"constant {c}" for c in consts] + list(st.backend.graph_only)
     elif not graph:         # the eager back end: constants on the root act on forward only
         only = [f"constant {c}" for c in st.constants if "." not in c] + \

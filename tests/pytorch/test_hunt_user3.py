@@ -1,6 +1,8 @@
 """The result is the user's model, used the way user code uses it (hunt ``user3``)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,3 +84,55 @@ def test_a_method_reading_a_weight_outside_its_module_call_is_said(capture: str)
     assert not any("hidden" in s for s in rep.result["forward_only"])
     assert "every method computes with the constants" not in rep.result_line()
     assert "method logits reads self.out.weight" in rep.result_line()
+
+
+class _Tempered(nn.Module):
+    """A classifier whose forward reads plain attributes the user sets later (a temperature
+    for calibration, a flag for probabilities at inference)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(10, 32)
+        self.fc2 = nn.Linear(32, 5)
+        self.temperature = 1.0
+        self.return_logits = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc2(F.relu(self.fc1(x))) / self.temperature
+        if not self.return_logits:
+            out = out.softmax(-1)
+        return out
+
+
+def test_an_attribute_the_traced_forward_read_cannot_change_silently() -> None:
+    """The fx result runs the graph traced with ``temperature=1.0`` and the logits branch: set
+    afterwards to 0.5 (or to probabilities), the user's forward computes 2x the logits (or a
+    softmax) and the result computed the same as before, silently.  Now it refuses, naming the
+    attribute; set back, it runs again; the hook back end keeps reading it."""
+    torch.manual_seed(0)
+    pm, rep = precondfx.precondition(_Tempered(), torch.randn(32, 10))
+    assert rep.capture == "fx" and isinstance(pm, torch.fx.GraphModule)
+    x = torch.randn(4, 10)
+    with torch.no_grad():
+        before = pm(x)
+        pm.temperature = 0.5
+        with pytest.raises(precondfx.errors.PrecondError, match="temperature is 0.5"):
+            pm(x)
+        pm.temperature = 1.0
+        assert torch.equal(pm(x), before)
+        pm.return_logits = False
+        with pytest.raises(precondfx.errors.PrecondError, match="return_logits"):
+            pm(x)
+    # a copy carries the values the graph holds; training does not touch them
+    pm.return_logits = True
+    cp = copy.deepcopy(pm)
+    cp.temperature = 2.0
+    with pytest.raises(precondfx.errors.PrecondError, match="temperature"):
+        cp(x)
+    pm(x).square().mean().backward()
+    torch.manual_seed(0)
+    pe, rep_e = precondfx.precondition(_Tempered(), torch.randn(32, 10), capture="export")
+    with torch.no_grad():
+        a = pe(x)
+        pe.temperature = 0.5
+        assert torch.allclose(pe(x), 2 * a, rtol=1e-5, atol=1e-6)

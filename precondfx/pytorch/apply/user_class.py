@@ -33,6 +33,7 @@ import functools
 import inspect
 import operator
 import textwrap
+import types
 from typing import Any
 
 import torch
@@ -46,6 +47,9 @@ from precondfx.pytorch.apply.common import times_first
 DEPTH = "_precondfx_graph_depth"
 #: the attribute counting the user's methods running on it (its mirror hooks are on then)
 METHODS = "_precondfx_methods"
+#: the attribute recording the plain values (numbers, flags, strings) the traced forwards read
+#: from the model's attributes, baked into the graph: ((module path, name, value), ...)
+READS = "_precondfx_traced_reads"
 #: the attribute recording the mirror hooks: ((module path, 'out' or 'in', constant), ...)
 MIRRORS = "_precondfx_mirrors"
 #: ops through which a positive scale on a module's output is a scale on the value (the eager
@@ -64,6 +68,9 @@ def _gated(fn: Any) -> Any:
     (the mirror hooks, installed then, stay off)."""
     @functools.wraps(fn)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        reads = self.__dict__.get(READS)
+        if reads:
+            _check_reads(self, reads)
         if not getattr(self, METHODS):     # training: no hook installed, nothing to do
             return fn(self, *args, **kwargs)
         setattr(self, DEPTH, getattr(self, DEPTH) + 1)
@@ -73,6 +80,79 @@ def _gated(fn: Any) -> Any:
             setattr(self, DEPTH, getattr(self, DEPTH) - 1)
     forward._precondfx_gated = True  # type: ignore[attr-defined]
     return forward
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain(v: Any) -> bool:
+    return isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(e, _PLAIN)
+                                                                   for e in v))
+
+
+def _check_reads(root: nn.Module, reads: tuple) -> None:
+    """Refuse to run the graph when an attribute its trace read has changed since (the graph
+    holds the value, or the branch, it had then: the user's forward would compute otherwise)."""
+    for path, name, old in reads:
+        try:
+            now = getattr(root.get_submodule(path) if path else root, name)
+        except AttributeError:
+            continue
+        if now is not old and now != old:
+            from precondfx.errors import PrecondError
+            where = f"{path}.{name}" if path else name
+            raise PrecondError(
+                f"the model's attribute {where} is {now!r}, but the traced forward read "
+                f"{old!r}: the graph the result runs holds that value (and the branches it "
+                f"took), so it would not compute what your forward computes. Set it back to "
+                f"{old!r}, or precondition with capture='export' (or 'eager') to keep your "
+                f"forward reading it at every call, or precondition after setting it")
+
+
+def traced_reads(res: fx.GraphModule) -> tuple:
+    """The plain values (numbers, flags, strings, tuples of them) that the forwards the trace
+    went through (the root's and those of the user's modules not called as graph modules) read
+    from ``self`` (and from the methods of ``self`` they call): ((path, name, value), ...), as
+    the trace saw them (now: recorded right after it)."""
+    called = {str(n.target) for n in res.graph.nodes if n.op == "call_module"}
+    out: list[tuple[str, str, Any]] = []
+    for path, m in res.named_modules():
+        if path in called:
+            continue
+        cls = res._precondfx_user_class if not path else type(m)
+        if (cls.__module__ or "").startswith("torch."):
+            continue
+        names: set[str] = set()
+        todo, seen = ["forward"], set()
+        while todo:
+            meth = todo.pop()
+            seen.add(meth)
+            fn = getattr(cls, meth, None)
+            fn = getattr(fn, "__func__", fn)
+            fn = inspect.unwrap(fn) if inspect.isfunction(fn) else None
+            if fn is None:
+                continue
+            try:
+                tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+            except (OSError, TypeError, SyntaxError, IndentationError):
+                continue
+            for n in ast.walk(tree):
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and \
+                        n.value.id == "self" and isinstance(n.ctx, ast.Load):
+                    names.add(n.attr)
+                    if isinstance(getattr(cls, n.attr, None), (types.FunctionType,)) and \
+                            n.attr not in seen:
+                        todo.append(n.attr)
+        for name in sorted(names - {"training"}):
+            if name in m._modules or name in m._parameters or name in m._buffers:
+                continue
+            try:
+                v = getattr(m, name)
+            except AttributeError:
+                continue
+            if _plain(v):
+                out.append((path, name, v))
+    return tuple(out)
 
 
 def _recompile(self: fx.GraphModule) -> Any:
