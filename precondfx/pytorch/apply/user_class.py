@@ -48,7 +48,7 @@ DEPTH = "_precondfx_graph_depth"
 #: the attribute counting the user's methods running on it (its mirror hooks are on then)
 METHODS = "_precondfx_methods"
 #: the attribute recording the plain values (numbers, flags, strings) the traced forwards read
-#: from the model's attributes, baked into the graph: ((module path, name, value), ...)
+#: from the model's attributes, baked into the graph: ((module, path, name, value), ...)
 READS = "_precondfx_traced_reads"
 #: the attribute recording the mirror hooks: ((module path, 'out' or 'in', constant), ...)
 MIRRORS = "_precondfx_mirrors"
@@ -93,11 +93,11 @@ def _plain(v: Any) -> bool:
 def _check_reads(root: nn.Module, reads: tuple) -> None:
     """Refuse to run the graph when an attribute its trace read has changed since (the graph
     holds the value, or the branch, it had then: the user's forward would compute otherwise)."""
-    for path, name, old in reads:
-        try:
-            now = getattr(root.get_submodule(path) if path else root, name)
-        except AttributeError:
-            continue
+    for m, path, name, old in reads:
+        m = root if m is None else m     # the root: not held in its own __dict__ (no cycle)
+        now = m.__dict__.get(name, _MISSING)
+        if now is _MISSING:
+            now = getattr(m, name, old)
         if now is not old and now != old:
             from precondfx.errors import PrecondError
             where = f"{path}.{name}" if path else name
@@ -109,10 +109,14 @@ def _check_reads(root: nn.Module, reads: tuple) -> None:
                 f"forward reading it at every call, or precondition after setting it")
 
 
+_MISSING = object()
+
+
 def traced_reads(res: fx.GraphModule) -> tuple:
     """The plain values (numbers, flags, strings, tuples of them) that the forwards the trace
     went through (the root's and those of the user's modules not called as graph modules) read
-    from ``self`` (and from the methods of ``self`` they call): ((path, name, value), ...), as
+    from ``self`` (and from the methods of ``self`` they call): ((module, path, name, value),
+    ...), as
     the trace saw them (now: recorded right after it)."""
     called = {str(n.target) for n in res.graph.nodes if n.op == "call_module"}
     out: list[tuple[str, str, Any]] = []
@@ -151,7 +155,7 @@ def traced_reads(res: fx.GraphModule) -> tuple:
             except AttributeError:
                 continue
             if _plain(v):
-                out.append((path, name, v))
+                out.append((m if path else None, path, name, v))
     return tuple(out)
 
 
