@@ -97,7 +97,7 @@ def _check_reads(root: nn.Module, reads: tuple) -> None:
         m = root if m is None else m     # the root: not held in its own __dict__ (no cycle)
         now = m.__dict__.get(name, _MISSING)
         if now is _MISSING:
-            now = getattr(m, name, old)
+            now = inspect.getattr_static(m, name, old)
         if now is not old and now != old:
             from precondfx.errors import PrecondError
             where = f"{path}.{name}" if path else name
@@ -150,11 +150,12 @@ def traced_reads(res: fx.GraphModule) -> tuple:
         for name in sorted(names - {"training"}):
             if name in m._modules or name in m._parameters or name in m._buffers:
                 continue
-            try:
-                v = getattr(m, name)
-            except AttributeError:
-                continue
-            if _plain(v):
+            # the instance's own value, or a plain class attribute; never a property or other
+            # descriptor (evaluating one may fail or act: Lightning's ``self.trainer``)
+            v = m.__dict__.get(name, _MISSING)
+            if v is _MISSING:
+                v = inspect.getattr_static(m, name, _MISSING)
+            if v is not _MISSING and _plain(v):
                 out.append((m if path else None, path, name, v))
     return tuple(out)
 
