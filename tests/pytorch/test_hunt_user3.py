@@ -136,3 +136,44 @@ def test_an_attribute_the_traced_forward_read_cannot_change_silently() -> None:
         a = pe(x)
         pe.temperature = 0.5
         assert torch.allclose(pe(x), 2 * a, rtol=1e-5, atol=1e-6)
+
+
+_PROPERTY_READS = [0]
+
+
+class _ClassScaled(nn.Module):
+    cls_scale = 1.0          # a class attribute the user may set on the class
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(10, 32)
+        self.fc2 = nn.Linear(32, 4)
+
+    @property
+    def rank(self) -> int:   # a property (Lightning's global_rank): read by forward only
+        _PROPERTY_READS[0] += 1
+        return 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.fc1(x))
+        if self.rank == 0:
+            h = h * self.cls_scale
+        return self.fc2(h)
+
+
+def test_a_class_attribute_is_checked_and_a_property_never_evaluated_by_the_check() -> None:
+    torch.manual_seed(0)
+    pm, rep = precondfx.precondition(_ClassScaled(), torch.randn(32, 10))
+    assert rep.capture == "fx"
+    x = torch.randn(3, 10)
+    n = _PROPERTY_READS[0]
+    for _ in range(3):
+        pm(x)
+    assert _PROPERTY_READS[0] == n       # the graph holds the value; the check reads no property
+    try:
+        _ClassScaled.cls_scale = 2.0
+        with pytest.raises(precondfx.errors.PrecondError, match="cls_scale is 2.0"):
+            pm(x)
+    finally:
+        _ClassScaled.cls_scale = 1.0
+    pm(x)
