@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -177,3 +178,36 @@ def test_a_class_attribute_is_checked_and_a_property_never_evaluated_by_the_chec
     finally:
         _ClassScaled.cls_scale = 1.0
     pm(x)
+
+
+@dataclasses.dataclass
+class _Cfg:
+    hidden: int = 32
+    return_dict: bool = True
+
+
+class _Configured(nn.Module):
+    def __init__(self, cfg: _Cfg) -> None:
+        super().__init__()
+        self.config = cfg
+        self.fc1 = nn.Linear(10, cfg.hidden)
+        self.fc2 = nn.Linear(cfg.hidden, 4)
+
+    def forward(self, x: torch.Tensor):
+        out = self.fc2(F.relu(self.fc1(x)))
+        if self.config.return_dict:
+            return {"logits": out}
+        return (out,)
+
+
+def test_a_config_field_the_traced_forward_read_cannot_change_silently() -> None:
+    """``model.config.return_dict = False`` afterwards: the user's forward returns a tuple, the
+    fx result kept returning the dict of the trace."""
+    torch.manual_seed(0)
+    pm, rep = precondfx.precondition(_Configured(_Cfg()), torch.randn(32, 10))
+    assert rep.capture == "fx"
+    x = torch.randn(3, 10)
+    assert isinstance(pm(x), dict)
+    pm.config.return_dict = False
+    with pytest.raises(precondfx.errors.PrecondError, match="config.return_dict is False"):
+        pm(x)

@@ -94,10 +94,11 @@ def _check_reads(root: nn.Module, reads: tuple) -> None:
     """Refuse to run the graph when an attribute its trace read has changed since (the graph
     holds the value, or the branch, it had then: the user's forward would compute otherwise)."""
     for m, path, name, old in reads:
-        m = root if m is None else m     # the root: not held in its own __dict__ (no cycle)
-        now = m.__dict__.get(name, _MISSING)
+        now: Any = root if m is None else m     # the root: not held in its own __dict__
+        for part in name.split("."):
+            now = _static(now, part)
         if now is _MISSING:
-            now = inspect.getattr_static(m, name, old)
+            now = old
         if now is not old and now != old:
             from precondfx.errors import PrecondError
             where = f"{path}.{name}" if path else name
@@ -110,6 +111,16 @@ def _check_reads(root: nn.Module, reads: tuple) -> None:
 
 
 _MISSING = object()
+
+
+def _static(obj: Any, name: str) -> Any:
+    """``obj.name`` from the instance's ``__dict__``, else a class attribute, without
+    evaluating a property or other descriptor (it is returned as itself, never plain)."""
+    if obj is _MISSING:
+        return obj
+    d = getattr(obj, "__dict__", None)
+    v = d.get(name, _MISSING) if isinstance(d, dict) else _MISSING
+    return inspect.getattr_static(obj, name, _MISSING) if v is _MISSING else v
 
 
 def traced_reads(res: fx.GraphModule) -> tuple:
@@ -141,6 +152,9 @@ def traced_reads(res: fx.GraphModule) -> tuple:
             except (OSError, TypeError, SyntaxError, IndentationError):
                 continue
             for n in ast.walk(tree):
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and \
+                        isinstance(n.value.value, ast.Name) and n.value.value.id == "self":
+                    names.add(f"{n.value.attr}.{n.attr}")    # self.config.return_dict
                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and \
                         n.value.id == "self" and isinstance(n.ctx, ast.Load):
                     names.add(n.attr)
@@ -148,13 +162,17 @@ def traced_reads(res: fx.GraphModule) -> tuple:
                             n.attr not in seen:
                         todo.append(n.attr)
         for name in sorted(names - {"training"}):
-            if name in m._modules or name in m._parameters or name in m._buffers:
+            head = name.partition(".")[0]
+            if head in m._modules or head in m._parameters or head in m._buffers:
                 continue
-            # the instance's own value, or a plain class attribute; never a property or other
-            # descriptor (evaluating one may fail or act: Lightning's ``self.trainer``)
-            v = m.__dict__.get(name, _MISSING)
-            if v is _MISSING:
-                v = inspect.getattr_static(m, name, _MISSING)
+            # the instance's own value, or a plain class attribute (of the module, or of a
+            # plain object it holds: a config); never a property or other descriptor
+            # (evaluating one may fail or act: Lightning's ``self.trainer``)
+            v: Any = m
+            for part in name.split("."):
+                if v is not m and isinstance(v, (nn.Module, torch.Tensor)):
+                    v = _MISSING
+                v = _static(v, part)
             if v is not _MISSING and _plain(v):
                 out.append((m if path else None, path, name, v))
     return tuple(out)
