@@ -237,7 +237,9 @@ class Report:
     #: what the returned model is (``precondition``): ``class`` (the user's), ``is_user_class``,
     #: ``graph_module`` (whether it is also the rewritten ``torch.fx.GraphModule``), and
     #: ``forward_only``: constants and edits at functional sites that only its ``forward``
-    #: applies (the user's other methods, e.g. ``forward_features``, run without them)
+    #: applies (the user's other methods, e.g. ``forward_features``, run without them), and the
+    #: user's methods that read a weight or bias whose module carries constants outside a call
+    #: of it (``F.linear(h, self.head.weight)``: computed without them)
     result: dict[str, Any] = field(default_factory=dict)
     #: (not a field: not in the JSON) the rewritten ``torch.fx.GraphModule`` (fx capture; the
     #: returned model itself, which is also of the user's class), None where the model was
@@ -434,8 +436,8 @@ class Report:
         only = r.get("forward_only") or []
         if not only:
             return what + "; every method computes with the constants"
-        return (what + f"; only its forward applies {len(only)} change(s) at functional sites "
-                f"(your other methods, e.g. forward_features, run without them): "
+        return (what + f"; only its forward applies {len(only)} change(s) "
+                f"(at functional sites, or read outside a module call: your other methods, e.g. forward_features, run without them): "
                 f"{'; '.join(only[:6])}" + (" ..." if len(only) > 6 else ""))
 
     def constants_line(self) -> str:

@@ -26,11 +26,14 @@ keeping its class.
 """
 from __future__ import annotations
 
+import ast
 import collections
 import copy
 import functools
 import inspect
 import operator
+import textwrap
+import types
 from typing import Any
 
 import torch
@@ -44,6 +47,9 @@ from precondfx.pytorch.apply.common import times_first
 DEPTH = "_precondfx_graph_depth"
 #: the attribute counting the user's methods running on it (its mirror hooks are on then)
 METHODS = "_precondfx_methods"
+#: the attribute recording the plain values (numbers, flags, strings) the traced forwards read
+#: from the model's attributes, baked into the graph: ((module, path, name, value), ...)
+READS = "_precondfx_traced_reads"
 #: the attribute recording the mirror hooks: ((module path, 'out' or 'in', constant), ...)
 MIRRORS = "_precondfx_mirrors"
 #: ops through which a positive scale on a module's output is a scale on the value (the eager
@@ -62,6 +68,9 @@ def _gated(fn: Any) -> Any:
     (the mirror hooks, installed then, stay off)."""
     @functools.wraps(fn)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        reads = self.__dict__.get(READS)
+        if reads:
+            _check_reads(self, reads)
         if not getattr(self, METHODS):     # training: no hook installed, nothing to do
             return fn(self, *args, **kwargs)
         setattr(self, DEPTH, getattr(self, DEPTH) + 1)
@@ -71,6 +80,102 @@ def _gated(fn: Any) -> Any:
             setattr(self, DEPTH, getattr(self, DEPTH) - 1)
     forward._precondfx_gated = True  # type: ignore[attr-defined]
     return forward
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain(v: Any) -> bool:
+    return isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(e, _PLAIN)
+                                                                   for e in v))
+
+
+def _check_reads(root: nn.Module, reads: tuple) -> None:
+    """Refuse to run the graph when an attribute its trace read has changed since (the graph
+    holds the value, or the branch, it had then: the user's forward would compute otherwise)."""
+    for m, path, name, old in reads:
+        now: Any = root if m is None else m     # the root: not held in its own __dict__
+        for part in name.split("."):
+            now = _static(now, part)
+        if now is _MISSING:
+            now = old
+        if now is not old and now != old:
+            from precondfx.errors import PrecondError
+            where = f"{path}.{name}" if path else name
+            raise PrecondError(
+                f"the model's attribute {where} is {now!r}, but the traced forward read "
+                f"{old!r}: the graph the result runs holds that value (and the branches it "
+                f"took), so it would not compute what your forward computes. Set it back to "
+                f"{old!r}, or precondition with capture='export' (or 'eager') to keep your "
+                f"forward reading it at every call, or precondition after setting it")
+
+
+_MISSING = object()
+
+
+def _static(obj: Any, name: str) -> Any:
+    """``obj.name`` from the instance's ``__dict__``, else a class attribute, without
+    evaluating a property or other descriptor (it is returned as itself, never plain)."""
+    if obj is _MISSING:
+        return obj
+    d = getattr(obj, "__dict__", None)
+    v = d.get(name, _MISSING) if isinstance(d, dict) else _MISSING
+    return inspect.getattr_static(obj, name, _MISSING) if v is _MISSING else v
+
+
+def traced_reads(res: fx.GraphModule) -> tuple:
+    """The plain values (numbers, flags, strings, tuples of them) that the forwards the trace
+    went through (the root's and those of the user's modules not called as graph modules) read
+    from ``self`` (and from the methods of ``self`` they call): ((module, path, name, value),
+    ...), as
+    the trace saw them (now: recorded right after it)."""
+    called = {str(n.target) for n in res.graph.nodes if n.op == "call_module"}
+    out: list[tuple[str, str, Any]] = []
+    for path, m in res.named_modules():
+        if path in called:
+            continue
+        cls = res._precondfx_user_class if not path else type(m)
+        if (cls.__module__ or "").startswith("torch."):
+            continue
+        names: set[str] = set()
+        todo, seen = ["forward"], set()
+        while todo:
+            meth = todo.pop()
+            seen.add(meth)
+            fn = getattr(cls, meth, None)
+            fn = getattr(fn, "__func__", fn)
+            fn = inspect.unwrap(fn) if inspect.isfunction(fn) else None
+            if fn is None:
+                continue
+            try:
+                tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+            except (OSError, TypeError, SyntaxError, IndentationError):
+                continue
+            for n in ast.walk(tree):
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and \
+                        isinstance(n.value.value, ast.Name) and n.value.value.id == "self":
+                    names.add(f"{n.value.attr}.{n.attr}")    # self.config.return_dict
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and \
+                        n.value.id == "self" and isinstance(n.ctx, ast.Load):
+                    names.add(n.attr)
+                    if isinstance(getattr(cls, n.attr, None), (types.FunctionType,)) and \
+                            n.attr not in seen:
+                        todo.append(n.attr)
+        for name in sorted(names - {"training"}):
+            head = name.partition(".")[0]
+            if head in m._modules or head in m._parameters or head in m._buffers:
+                continue
+            # the instance's own value, or a plain class attribute (of the module, or of a
+            # plain object it holds: a config); never a property or other descriptor
+            # (evaluating one may fail or act: Lightning's ``self.trainer``)
+            v: Any = m
+            for part in name.split("."):
+                if v is not m and isinstance(v, (nn.Module, torch.Tensor)):
+                    v = _MISSING
+                v = _static(v, part)
+            if v is not _MISSING and _plain(v):
+                out.append((m if path else None, path, name, v))
+    return tuple(out)
 
 
 def _recompile(self: fx.GraphModule) -> Any:
@@ -125,6 +230,14 @@ def _setstate(self: fx.GraphModule, state: dict) -> None:
     self.graph = plain.graph
 
 
+def _scriptable(self: fx.GraphModule) -> fx.GraphModule:
+    """What ``torch.jit.script(result)`` compiles: the graph with each constant-on-weight call
+    (``weight_side.layer``, which takes a module and TorchScript cannot compile) back in its
+    module-call form, the same function, on the same modules, parameters and constants."""
+    from precondfx.pytorch.apply.weight_side import module_call_view
+    return module_call_view(self)
+
+
 def _empty(user_cls: type) -> fx.GraphModule:
     cls = graph_class(user_cls)
     return cls.__new__(cls)
@@ -162,6 +275,75 @@ def _user_methods(user_cls: type) -> dict[str, Any]:
     return out
 
 
+def _self_path(node: ast.AST) -> str | None:
+    """``self.a.b[0]`` -> ``"a.b.0"`` (attribute and constant-index chains from ``self``)."""
+    parts: list[str] = []
+    while True:
+        if isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and \
+                isinstance(node.slice.value, (int, str)):
+            parts.append(str(node.slice.value))
+            node = node.value
+        elif isinstance(node, ast.Name) and node.id == "self" and parts:
+            return ".".join(reversed(parts))
+        else:
+            return None
+
+
+#: uses of a parameter that compute nothing with it (initialization, inspection, in place)
+_NOT_COMPUTING = {"data", "grad", "shape", "size", "dtype", "device", "numel", "dim", "ndim",
+                  "requires_grad", "is_leaf", "nelement", "element_size"}
+
+
+def _computes(n: ast.AST, parent: dict) -> bool:
+    """Whether the read ``n`` (``self.head.weight``) computes with the value: not an in-place
+    method or attribute of it (``.data``, ``.zero_()``, ``.shape``), nor an argument of an
+    ``init`` function (``nn.init.zeros_(self.head.bias)``)."""
+    up = parent.get(n)
+    if isinstance(up, ast.Attribute) and up.value is n:
+        return not (up.attr in _NOT_COMPUTING or up.attr.endswith("_"))
+    if isinstance(up, ast.Call) and n in up.args:
+        func = ast.unparse(up.func)
+        return not ("init." in func or func.rpartition(".")[2].endswith("_"))
+    return True
+
+
+def direct_reads(user_cls: type, paths: set[str]) -> list[str]:
+    """The user's methods (other than ``forward``, which the trace sees) that read the weight or
+    bias of a module in ``paths`` (the modules whose call carries constants) outside a call of
+    it (``F.linear(h, self.head.weight, self.head.bias)``): a call of the module sees its
+    constants, such a read sees the bare parameter, so the method computes without them.  One
+    line each, for the report (from the methods' source; a method without source is not read)."""
+    out: list[str] = []
+    for klass in user_cls.__mro__:
+        if klass in (nn.Module, object) or issubclass(nn.Module, klass):
+            continue
+        for name, fn in vars(klass).items():
+            fn = getattr(fn, "__func__", fn)
+            if name == "forward" or not inspect.isfunction(fn):
+                continue
+            try:
+                tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+            except (OSError, TypeError, SyntaxError, IndentationError):
+                continue
+            parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+            reads: dict[str, set[str]] = {}
+            for n in ast.walk(tree):
+                if isinstance(n, ast.Attribute) and n.attr in ("weight", "bias") and \
+                        isinstance(n.ctx, ast.Load) and _computes(n, parent) and \
+                        (p := _self_path(n.value)) in paths:
+                    reads.setdefault(p, set()).add(n.attr)
+            for p in sorted(reads):
+                what = " and ".join(f"self.{p}.{a}" for a in sorted(reads[p], reverse=True))
+                line = (f"method {name} reads {what} outside a call of self.{p}: it computes "
+                        f"without the constants there (call the module, or fold the model)")
+                if line not in out:
+                    out.append(line)
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def graph_class(user_cls: type) -> type | None:
     """``Preconditioned<user_cls>``: a GraphModule subclass that is also ``user_cls`` (None
@@ -171,6 +353,7 @@ def graph_class(user_cls: type) -> type | None:
     ns = {"__module__": __name__, "__doc__": user_cls.__doc__,
           "recompile": _recompile, "__deepcopy__": _deepcopy, "__copy__": _copy,
           "__reduce__": _reduce, "__setstate__": _setstate, DEPTH: 0, METHODS: 0,
+          "__prepare_scriptable__": _scriptable,
           "_precondfx_user_class": user_cls,
           # repr() names the user's class, not torch.fx's per-instance "GraphModuleImpl"
           "_get_name": lambda self: user_cls.__name__, **_user_methods(user_cls)}
