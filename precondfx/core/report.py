@@ -436,8 +436,9 @@ class Report:
         only = r.get("forward_only") or []
         if not only:
             return what + "; every method computes with the constants"
-        return (what + f"; only its forward applies {len(only)} change(s) "
-                f"(at functional sites, or read outside a module call: your other methods, e.g. forward_features, run without them): "
+        return (what + f"; only its forward applies {len(only)} change(s) (at functional "
+                f"sites, or read outside a module call: your other methods, e.g. "
+                f"forward_features, run without them): "
                 f"{'; '.join(only[:6])}" + (" ..." if len(only) > 6 else ""))
 
     def constants_line(self) -> str:

@@ -161,14 +161,14 @@ def normalize(model: ir.Model) -> NormalizeInfo:
 TIE_SCAN_BYTES = 1 << 30
 
 
-def value_ties(model: ir.Model) -> list[tuple[str, str, bool]]:
+def value_ties(model: ir.Model) -> list[tuple[str, str]]:
     """Pairs of 2-D float initializers of the main graph, the second the transpose of the
     first: a weight tied in the exported model that the exporter stored twice
     (``torch.onnx.export`` folds ``emb.weight.T`` of a tied output layer into a constant).
     Equal values without a transpose are not listed: exporters keep such a tie as one
     initializer, and equal copies are layers cloned before training (``copy.deepcopy``), not
     tied.  Values that are all equal (zeros, ones) are no evidence either.  Returns
-    ``(first, second, transposed)`` in initializer order."""
+    ``(first, second)`` in initializer order, ``second`` the transpose of ``first``."""
     inits = [v for v in model.graph.initializers.values()
              if v.const_value is not None and v.dtype in FLOAT_TYPES and v.shape is not None
              and len(v.shape) == 2 and all(isinstance(d, int) for d in v.shape)
@@ -193,7 +193,7 @@ def value_ties(model: ir.Model) -> list[tuple[str, str, bool]]:
                 ax, ay = arrays[x], arrays[y]
                 if ax.shape == ay.shape[::-1] and (ax.T == ay).all() and \
                         not (ax.shape == ay.shape and (ax == ay).all()):
-                    ties.append((x, y, True))
+                    ties.append((x, y))
     return ties
 
 

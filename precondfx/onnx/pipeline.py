@@ -255,17 +255,17 @@ def backend(st: OnnxState) -> None:
     st.graph.notes.extend(_split_ties(value_ties(st.model), st.plan))
 
 
-def _split_ties(ties: list[tuple[str, str, bool]], plan: Any) -> list[str]:
+def _split_ties(ties: list[tuple[str, str]], plan: Any) -> list[str]:
     """What the report says of initializers that held one tied weight (``normalize.value_ties``)
     and that the plan re-draws separately: they no longer hold the same values."""
     notes = []
-    for a, b, transposed in ties:
+    for a, b in ties:
         pa, pb = plan.inits.get(a), plan.inits.get(b)
         if not any(pi is not None and pi.rule != "keep" for pi in (pa, pb)):
             continue
         notes.append(
-            f"initializers {a!r} and {b!r} held the same values ({b} = {a}"
-            f"{' transposed' if transposed else ''}): a weight tied in your model, stored twice "
+            f"initializers {a!r} and {b!r} held the same values ({b} = {a} transposed): a "
+            f"weight tied in your model, stored twice "
             f"by the exporter's constant folding. This file has two weights, re-initialized "
             f"separately, so they are no longer tied (the PyTorch model gets one draw). To keep "
             f"them tied, export with torch.onnx.export(..., optimize=False) (dynamo=True) or "

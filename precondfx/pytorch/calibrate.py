@@ -26,6 +26,7 @@ from precondfx.pytorch.capture.common import Sample, main_output
 from precondfx.pytorch.checks import is_out_of_memory
 from precondfx.core import calibration
 from precondfx.core.optable import stochastic_layer
+from precondfx.pytorch.ops import stochastic_leaf
 from precondfx.core.calibration import (SCALE_REFUSE, SCALE_WARN,  # noqa: F401 (re-exported)
                                         scale_warning, solve_output_scale)
 from precondfx.errors import PrecondError
@@ -38,10 +39,7 @@ def is_stochastic(m: nn.Module) -> bool:
     """Dropout and its relatives (timm's DropPath, torchvision's StochasticDepth, DropBlock, a
     parameter-free module holding ``drop_prob``: ``optable.stochastic_layer``; the dropout
     between the layers of nn.LSTM/GRU/RNN): random in train mode, identity in eval mode."""
-    name = type(m).__name__
-    return isinstance(m, _DROPOUT) or stochastic_layer(name) \
-        or (next(m.parameters(), None) is None and next(m.children(), None) is None
-            and stochastic_layer(name, vars(m))) \
+    return isinstance(m, _DROPOUT) or stochastic_layer(type(m).__name__) or stochastic_leaf(m) \
         or (isinstance(m, nn.RNNBase) and m.dropout > 0 and m.num_layers > 1)
 
 

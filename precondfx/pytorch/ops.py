@@ -53,11 +53,16 @@ def for_module(module: nn.Module) -> OpSpec | None:
         if spec is not None:
             return spec
     kind = BY_CLASS_NAME.get(type(module).__name__)
-    if kind is None and next(module.parameters(), None) is None and \
-            next(module.children(), None) is None and \
-            stochastic_layer(type(module).__name__, vars(module)):
+    if kind is None and stochastic_leaf(module):
         kind = "dropout"    # a user's MyDropPath, or a class holding drop_prob
     return BY_KIND[kind] if kind else None
+
+
+def stochastic_leaf(module: nn.Module) -> bool:
+    """A parameter-free module without children that ``optable.stochastic_layer`` calls
+    stochastic by its class name or attributes (``MyDropPath``, ``SD(drop_prob=0.1)``)."""
+    return next(module.parameters(), None) is None and next(module.children(), None) is None \
+        and stochastic_layer(type(module).__name__, vars(module))
 
 
 def for_function(fn: object) -> OpSpec | None:

@@ -600,21 +600,18 @@ def result_record(st: TorchState) -> None:
     cls = type(st.model)
     graph = isinstance(res, torch.fx.GraphModule)
     only: list[str] = []
+    carriers: set[str] = set()      # the modules whose call carries constants
     if user_class.is_user_graph(res):
         _, consts = user_class.mirror(res, {n.name: n.kind for n in st.graph})
         res.__dict__[user_class.READS] = user_class.traced_reads(res)
         only = [f"constant {c}" for c in consts] + list(st.backend.graph_only)
+        carriers = {site[0] for site in res.__dict__.get(user_class.MIRRORS, ())}
     elif not graph:         # the eager back end: constants on the root act on forward only
         only = [f"constant {c}" for c in st.constants if "." not in c] + \
             [f"module {k.partition(':')[2]} at the input"
              for k, o in st.backend.outcomes.items() if k.startswith("module:") and o.done]
-    if graph and user_class.is_user_graph(res):
-        carriers = {site[0] for site in res.__dict__.get(user_class.MIRRORS, ())}
-    elif not graph:
         carriers = {path for path, m in res.named_modules()
                     if any(k.startswith(PREFIX) for k in m._buffers)}
-    else:
-        carriers = set()
     only += user_class.direct_reads(cls, carriers)
     mine = isinstance(res, cls)
     if not mine:        # never silently: the report's result line says it too

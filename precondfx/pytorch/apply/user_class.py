@@ -85,6 +85,18 @@ def _gated(fn: Any) -> Any:
 _PLAIN = (bool, int, float, str, type(None))
 
 
+def _source_tree(fn: Any) -> ast.AST | None:
+    """The parsed source of a function or method of a class (static and class methods
+    unwrapped, decorators followed); None for anything else or where no source is found."""
+    fn = getattr(fn, "__func__", fn)
+    if not inspect.isfunction(fn):
+        return None
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+
+
 def _plain(v: Any) -> bool:
     return isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(e, _PLAIN)
                                                                    for e in v))
@@ -126,11 +138,10 @@ def _static(obj: Any, name: str) -> Any:
 def traced_reads(res: fx.GraphModule) -> tuple:
     """The plain values (numbers, flags, strings, tuples of them) that the forwards the trace
     went through (the root's and those of the user's modules not called as graph modules) read
-    from ``self`` (and from the methods of ``self`` they call): ((module, path, name, value),
-    ...), as
-    the trace saw them (now: recorded right after it)."""
+    from ``self`` (and from the methods of ``self`` they call), as the trace saw them
+    (recorded right after it): ((module, path, name, value), ...)."""
     called = {str(n.target) for n in res.graph.nodes if n.op == "call_module"}
-    out: list[tuple[str, str, Any]] = []
+    out: list[tuple[nn.Module | None, str, str, Any]] = []
     for path, m in res.named_modules():
         if path in called:
             continue
@@ -142,14 +153,8 @@ def traced_reads(res: fx.GraphModule) -> tuple:
         while todo:
             meth = todo.pop()
             seen.add(meth)
-            fn = getattr(cls, meth, None)
-            fn = getattr(fn, "__func__", fn)
-            fn = inspect.unwrap(fn) if inspect.isfunction(fn) else None
-            if fn is None:
-                continue
-            try:
-                tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-            except (OSError, TypeError, SyntaxError, IndentationError):
+            tree = _source_tree(getattr(cls, meth, None))
+            if tree is None:
                 continue
             for n in ast.walk(tree):
                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and \
@@ -321,12 +326,8 @@ def direct_reads(user_cls: type, paths: set[str]) -> list[str]:
         if klass in (nn.Module, object) or issubclass(nn.Module, klass):
             continue
         for name, fn in vars(klass).items():
-            fn = getattr(fn, "__func__", fn)
-            if name == "forward" or not inspect.isfunction(fn):
-                continue
-            try:
-                tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-            except (OSError, TypeError, SyntaxError, IndentationError):
+            tree = _source_tree(fn) if name != "forward" else None
+            if tree is None:
                 continue
             parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
             reads: dict[str, set[str]] = {}

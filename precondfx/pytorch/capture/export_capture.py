@@ -244,10 +244,12 @@ def _group_node(key: str, g: dict, model: torch.nn.Module, marker: Callable[[Any
     # the module's own parameters are its params, not operands; another parameter passed in
     # (self.norm(self.latents)) is an operand the call reads
     own = {id(t) for t in (*mod.parameters(), *mod.buffers())} if mod is not None else None
-    args = [marker(a) for a in ext_args if not (
-        a.op == "placeholder" and a.name in pmap and
-        (own is None or _param(model, pmap[a.name]) is None or
-         id(_param(model, pmap[a.name])) in own))]
+
+    def owned(a: fx.Node) -> bool:
+        t = _param(model, pmap[a.name])
+        return own is None or t is None or id(t) in own
+    args = [marker(a) for a in ext_args
+            if not (a.op == "placeholder" and a.name in pmap and owned(a))]
     out_shape = _out_shape(g["nodes"][-1])
     if mod is None:
         return build_node(key, g["spec"], g["spec"].kind, args, {}, out_shape=out_shape)
