@@ -16,6 +16,11 @@ at width 128), preconditioned with precondfx's defaults, this measures on the ca
   ``c (sign(G_W) x + sign(g_b))`` against ``c (W x + b)`` (c: a multiplier on the layer's output,
   ``lr_scale``; it cancels).  Its spread over layers and its movement over widths and depths
   say how far one rate is from suiting every layer of every member.
+* ``adam_out``: the relative change of the whole model's centred logits (rms over the batch and
+  classes) that Adam's first step ``-lr sign(g)`` on every trainable parameter makes at rate 1,
+  to first order (one Jacobian-vector product); ``1/adam_out`` is the rate at which that first
+  step moves the logits by their own rms.  Unlike the per-layer columns it needs nothing of the
+  architecture, so ``--size cpu`` measures the held-out suite's CNNs and transformers too.
 
 Each predictor is printed as log2 of the rate it implies (1/lam_max, the greedy rates, 1/nu);
 ``lr_transfer_cpu.md`` compares their movement over widths and depths with the best rates the
@@ -83,12 +88,40 @@ def probe(m: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int) -> dict:
     for h in hs:
         h.remove()
     steps = adam_step_rel(m, x, y, io)
-    return {"log2_inv_lam_max": -math.log2(lam), "log2_greedy_sgd": math.log2(greedy_sgd),
+    return {"log2_inv_adam_out": -math.log2(adam_out_rel(m, x, y)),
+            "log2_inv_lam_max": -math.log2(lam), "log2_greedy_sgd": math.log2(greedy_sgd),
             "log2_greedy_adam": math.log2(greedy_adam),
             "log2_inv_nu_median": -math.log2(float(np.median(nus))),
             "log2_inv_adam_step_max": -math.log2(max(steps)),
             "log2_nu_layers": [math.log2(n) for n in nus],
             "log2_adam_step_layers": [math.log2(v) for v in steps]}
+
+
+def _logits(out: object) -> torch.Tensor:
+    out = getattr(out, "logits", out)
+    return out[0] if isinstance(out, (tuple, list)) else out  # type: ignore[return-value]
+
+
+def adam_out_rel(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """rms(J s) / rms(z) with ``z`` the centred logits and ``s = sign(g)`` over every trainable
+    parameter: the first-order change Adam's first step at rate 1 makes to the output."""
+    ps = [p for p in m.parameters() if p.requires_grad]
+    z = _logits(m(x))
+    loss = nn.functional.cross_entropy(z.reshape(-1, z.shape[-1]).float(), y.reshape(-1))
+    s = [torch.zeros_like(p) if q is None else q.sign()
+         for p, q in zip(ps, torch.autograd.grad(loss, ps, allow_unused=True))]
+    z = _logits(m(x))
+    u = torch.zeros_like(z, requires_grad=True)
+    gu = torch.autograd.grad((z * u).sum(), ps, create_graph=True, allow_unused=True)
+    js = torch.autograd.grad(sum((a * b).sum() for a, b in zip(gu, s) if a is not None), u)[0]
+    zc = z.detach() - z.detach().mean(-1, keepdim=True)
+    jc = js - js.mean(-1, keepdim=True)
+    return float(jc.pow(2).mean().sqrt() / zc.pow(2).mean().sqrt())
+
+
+def probe_any(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """The architecture-free column alone (models that are not the digits MLPs)."""
+    return {"log2_inv_adam_out": -math.log2(adam_out_rel(m, x, y))}
 
 
 def adam_step_rel(m: nn.Module, x: torch.Tensor, y: torch.Tensor,
@@ -113,9 +146,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lr-scale", default="none", choices=["none", "sgd", "user"],
                     help="precondition with this lr_scale= (default: precondfx's defaults)")
     ap.add_argument("--tasks", default="mlp", help="comma list of task names or prefixes")
+    ap.add_argument("--size", default="cpu_lr", choices=["cpu_lr", "cpu"],
+                    help="the suite's size whose tasks are probed (cpu: the held-out tasks, "
+                         "measured with the architecture-free column only)")
     C.add_run_args(ap)
     args = C.parse_run_args(ap, argv)
-    cfg = TS.SIZES["cpu_lr"]
+    cfg = TS.SIZES[args.size]
     tasks = TS.select(TS.all_tasks(dict(cfg, libsvm=False)), args.tasks.split(","))
     kw = {} if args.lr_scale == "none" else {"lr_scale": args.lr_scale}
     out: dict = {"tasks": {}, "command": "python bench/lr_transfer_probe.py "
@@ -127,17 +163,19 @@ def main(argv: list[str] | None = None) -> dict:
             x, y = t.get(t.sampler(seed)[0])
             torch.manual_seed(seed)
             model, _ = precondfx.precondition(t.make(), x, seed=seed, **kw)
-            rows.append(probe(model.train(), x, y, seed))
+            mlp = t.family.startswith("mlp")
+            rows.append((probe if mlp else probe_any)(model.train(), x, y, *([seed] * mlp)))
         keys = [k for k in rows[0] if not k.endswith("layers")]
-        out["tasks"][t.name] = {"family": t.family, **{k: float(np.mean([r[k] for r in rows]))
-                                                      for k in keys},
-                                "log2_nu_layers": rows[0]["log2_nu_layers"],
-                                "log2_adam_step_layers": [float(np.mean(v)) for v in zip(
-                                    *(r["log2_adam_step_layers"] for r in rows))]}
-        print(f"{t.name:14s} " + " ".join(f"{k}={out['tasks'][t.name][k]:6.2f}" for k in keys)
-              + "  adam_step/layer " + " ".join(
-                  f"{v:5.1f}" for v in out["tasks"][t.name]["log2_adam_step_layers"]),
-              flush=True)
+        row = out["tasks"][t.name] = {"family": t.family,
+                                      **{k: float(np.mean([r[k] for r in rows])) for k in keys}}
+        line = f"{t.name:14s} " + " ".join(f"{k}={row[k]:6.2f}" for k in keys)
+        if "log2_nu_layers" in rows[0]:
+            row["log2_nu_layers"] = rows[0]["log2_nu_layers"]
+            row["log2_adam_step_layers"] = [float(np.mean(v)) for v in zip(
+                *(r["log2_adam_step_layers"] for r in rows))]
+            line += "  adam_step/layer " + " ".join(f"{v:5.1f}"
+                                                     for v in row["log2_adam_step_layers"])
+        print(line, flush=True)
     C.write_json(os.path.join(args.out, f"lr_transfer_probe{'_' + args.tag if args.tag else ''}"
                               f".json"), out)
     return out
