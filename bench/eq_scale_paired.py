@@ -20,6 +20,9 @@ fan_out_pair,xavier_pair --seeds 24 --lr-step 0.5 --n-lr 12 --tag eq_pair24     
     # precondfx's default re-run on some nets against the same seeds' baselines:
     python bench/eq_scale_paired.py docs/results/train_suite_eq_pair24.json \
         --pfx docs/results/train_suite_eq_ceiling_cpu24.json --out docs/results/eq_scale_paired_ceiling_cpu24
+    python bench/eq_scale_paired.py docs/results/train_suite_eq_pair24.json \
+        --pfx docs/results/train_suite_eq_ceiling_cpu24.json \
+        --pfx docs/results/train_suite_eq_ceiling_cpu24b.json --out docs/results/eq_scale_paired_ceiling_cpu24_all
     python bench/eq_scale_paired.py docs/results/train_suite_eq_pair24.json --pfx-method pfx_margin1 \
         --pfx docs/results/train_suite_eq_margin1_cpu24.json --out docs/results/eq_scale_paired_margin1_cpu24
 
@@ -101,7 +104,7 @@ def analyse(results: dict, opt: str = "sgd", n_boot: int = 1000, seed: int = 0) 
             "seeds": n_seeds, "optimizer": opt}
 
 
-def table(res: dict, source: str) -> list[str]:
+def table(res: dict, source: str, args: str = "") -> list[str]:
     ms = res["methods"]
     lines = ["# Equal output scale with common random numbers (issue 20)", "",
              f"Source: `{source}` ({res['seeds']} seeds, {res['optimizer'].upper()}, each "
@@ -136,7 +139,7 @@ def table(res: dict, source: str) -> list[str]:
               f"at least as good on average: "
               f"{'yes' if s['pfx_at_least_best_on_average'] else 'no'}",
               "", f"Environment of this analysis: {C.env_info()}",
-              f"Reproduce: `python bench/eq_scale_paired.py {source}`"]
+              f"Reproduce: `python bench/eq_scale_paired.py {source}{args}`"]
     return lines
 
 
@@ -146,10 +149,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=os.path.join(C.RESULTS, "eq_scale_paired"),
                     help="output path without extension")
     ap.add_argument("--optimizer", default="sgd")
-    ap.add_argument("--pfx", default=None,
+    ap.add_argument("--pfx", action="append", default=None,
                     help="a train_suite JSON whose pfx cells replace the first one's, on the nets "
                          "it holds (only those nets are compared): a re-run of precondfx's "
-                         "default against the same seeds' baselines")
+                         "default against the same seeds' baselines; repeat it for re-runs "
+                         "split over several JSONs (a net in two of them: the later wins)")
     ap.add_argument("--pfx-method", default="pfx",
                     help="--pfx: the method of that JSON taken as precondfx's (pfx_margin1: "
                          "the ceiling-margin experiment)")
@@ -157,16 +161,21 @@ def main(argv: list[str] | None = None) -> dict:
     data = json.load(open(args.json))
     results, command = data["results"], data.get("command")
     if args.pfx:
-        other = json.load(open(args.pfx))
+        others = [json.load(open(f)) for f in args.pfx]
+        rerun = {t: cells for o in others for t, cells in o["results"].items() if t in results}
         results = {t: {**results[t], args.optimizer: {**results[t][args.optimizer],
                                                       "pfx": cells[args.optimizer][
                                                           args.pfx_method]}}
-                   for t, cells in other["results"].items() if t in results}
-        command = [command, other.get("command")]
+                   for t, cells in rerun.items()}
+        command = [command] + [o.get("command") for o in others]
     res = analyse(results, args.optimizer)
     res["source_command"] = command
-    lines = table(res, os.path.relpath(args.json, C.ROOT) if os.path.isabs(args.json)
-                  else args.json)
+    rel = (lambda f: os.path.relpath(f, C.ROOT) if os.path.isabs(f) else f)
+    extra = "".join(f" --pfx {rel(f)}" for f in args.pfx or ()) + (
+        f" --pfx-method {args.pfx_method}" if args.pfx_method != "pfx" else "") + (
+        f" --out {rel(args.out)}" if args.out != os.path.join(C.RESULTS, "eq_scale_paired")
+        else "")
+    lines = table(res, rel(args.json), extra)
     write_table(args.out, lines, res)
     print("\n".join(lines))
     return res
