@@ -77,12 +77,15 @@ def suggest_lr(model: nn.Module, sample: Sample, *, mode: str = "train", key: An
     params = {n: p.detach() for n, p in model.named_parameters()
               if p.requires_grad and (only is None or n in only)}
     bufs = {n: b.detach() for n, b in model.named_buffers()}
+    # the parameters the optimizer does not step, as constants: no graph through them, and
+    # no products that require grad (a warning at the user's step)
+    fixed = {n: p.detach() for n, p in model.named_parameters() if n not in params}
     if not params:
         return {}
 
     def f(p: dict[str, torch.Tensor]) -> torch.Tensor:   # buffers cloned: BatchNorm's update
         out = sample.call(lambda *a, **k: functional_call(
-            model, ({n: b.clone() for n, b in bufs.items()}, p), a, k))
+            model, ({n: b.clone() for n, b in bufs.items()}, fixed, p), a, k))
         y = cal.main_output(out, key)
         cal.check_differentiable(y, "suggest_lr=True (the curvature of a loss on it)",
                                  "drop suggest_lr=True")          # .float() would hide it
