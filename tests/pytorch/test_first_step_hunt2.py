@@ -156,3 +156,31 @@ def test_a_first_step_inside_autocast_is_measured_in_float32():
         got.append(rep.conditioning["lr_target"]["factor"])
     assert got[0] < 0.7
     assert got[1] == pytest.approx(got[0], rel=1e-7)
+
+
+def test_the_first_step_under_warnings_as_errors(tmp_path):
+    """``python -W error`` (pytest's ``filterwarnings = error``): torch's first jvp in a
+    process imports its decompositions through ``torch.jit.script``, which warns
+    (DeprecationWarning); the warning failed the measurement, and the RuntimeWarning saying so
+    then raised from the user's ``opt.step()``.  Run in a fresh process, where that import
+    has not happened yet."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = tmp_path / "loop.py"
+    script.write_text(
+        "import torch, torch.nn.functional as F, precondfx\n"
+        "from tests.pytorch.test_first_step import _data, _mlp\n"
+        "torch.set_num_threads(1)\n"
+        "x, y = _data()\n"
+        "model, rep = precondfx.precondition(_mlp(), x)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=2.0)\n"
+        "F.cross_entropy(model(x), y).backward()\n"
+        "opt.step()\n"
+        "print(rep.conditioning['lr_target']['factor'])\n")
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-W", "error", str(script)], capture_output=True,
+                         text=True, cwd=root, env={**__import__("os").environ,
+                                                   "PYTHONPATH": str(root)}, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.split()[-1]) < 0.7
