@@ -60,6 +60,36 @@ def test_a_body_cast_apart_from_its_head_is_measured(dtype, rel):
     assert sec["factor"] == pytest.approx(sec_ref["factor"], rel=rel)
 
 
+
+class _CastsForItsLayers(_BodyHead):
+    """The same body and head; the forward casts each input to its layer's dtype (a model
+    meant to run with parts in bfloat16: ``x.to(self.fc.weight.dtype)``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x.to(self.body[0].weight.dtype))
+        return self.head(h.to(self.head.weight.dtype))
+
+
+def test_a_forward_reading_a_weights_dtype_keeps_the_layer_in_the_plan():
+    """fx traced ``self.head.weight.dtype`` as a node reading the weight, so the two layers
+    whose dtype the forward reads were 'read outside its layer': left out of balancing and
+    of the lr multipliers.  lr='auto' then scaled 1 of 3 layers, by 0.296 instead of 0.482,
+    and warned that 'the curvature sits on parameters outside the scaled layers'.  A read of
+    a weight's dtype, device or shape reads none of its values: the three layers are scaled
+    as in the same model without the casts."""
+    x, y = _data()
+    plain, rep_p = precondfx.precondition(_BodyHead(), x)
+    casts, rep_c = precondfx.precondition(_CastsForItsLayers(), x)
+    assert rep_c.capture == "fx"
+    assert "outside its layer" not in str(rep_c)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        secs = [_factor_at(m, r, x, y) for m, r in ((plain, rep_p), (casts, rep_c))]
+    assert secs[0]["factor"] < 0.7
+    assert secs[1]["factor"] == pytest.approx(secs[0]["factor"], rel=1e-6)
+    consts = [float(b) for n, b in casts.named_buffers() if "precondfx_lr" in n]
+    assert consts == pytest.approx([secs[0]["factor"]] * 3, rel=1e-6)
+
 def _kept_bytes(model: nn.Module) -> int:
     pend = model.__dict__[first_step.ATTR]
     return 0 if pend.sample is None else sum(t.numel() * t.element_size()
