@@ -530,6 +530,7 @@ def _check_watch(opt: torch.optim.Optimizer) -> None:
     warnings.warn(f"precondfx: {text}", RuntimeWarning, stacklevel=4)
     if isinstance(sec, dict):
         sec["raised"] = text
+        sec["summary"] = f"{sec['summary']}; later: {text}"
 
 
 def _release() -> None:

@@ -163,6 +163,7 @@ def test_a_rate_raised_by_hand_after_the_first_step_is_said():
     assert sec["factor"] == 1.0 and sec["suggested_after"] > 0.2
     assert len(said) == 1 and "decided at the first step of SGD, at its rate 0.2" in said[0]
     assert "settle_rate" in said[0] and sec["raised"] in said[0]
+    assert sec["raised"] in sec["summary"]          # the printed report says it too
     for quiet in ("constant", "scheduler"):
         sec, said = loop(quiet)
         assert said == [] and "raised" not in sec
