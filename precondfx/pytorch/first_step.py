@@ -81,7 +81,8 @@ CHANGED = 1e-3
 _PENDING: "weakref.WeakSet[Pending]" = weakref.WeakSet()
 _NOT_MINE: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 #: optimizers whose first step decided a ceiling -> (the Pending, weakly; the index of the
-#: group read; the rate above which the decision no longer holds): a rate raised past it
+#: group read; that rate; the suggested rate it left; the rate above which the decision no
+#: longer holds): a rate raised past it
 #: later (a warm-up set by hand, an LR finder) is said once (``_watch``)
 _WATCH: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 _HANDLE: Any = None
@@ -501,13 +502,14 @@ def _watch(opt: torch.optim.Optimizer, pend: Pending, group: dict[str, Any], lr:
     idx = next((i for i, g in enumerate(opt.param_groups) if g is group), None)
     if idx is None or not isinstance(after, float) or not math.isfinite(after):
         return
-    _WATCH[opt] = (weakref.ref(pend), idx, lr, max(lr, after) * 2.0 ** lr_target.TOLERANCE)
+    _WATCH[opt] = (weakref.ref(pend), idx, lr, after,
+                   max(lr, after) * 2.0 ** lr_target.TOLERANCE)
 
 
 def _check_watch(opt: torch.optim.Optimizer) -> None:
     """A rate raised by hand past where the first step's ceiling was decided (a warm-up set
     by hand from a small rate, an LR finder): said once, in a warning and the report."""
-    ref, idx, decided, limit = _WATCH[opt]
+    ref, idx, decided, suggested, limit = _WATCH[opt]
     pend = ref()
     if pend is None or idx >= len(opt.param_groups):
         del _WATCH[opt]
@@ -518,14 +520,13 @@ def _check_watch(opt: torch.optim.Optimizer) -> None:
         return
     del _WATCH[opt]
     sec = pend.report.conditioning.get("lr_target")
-    suggested = sec.get("suggested_after") if isinstance(sec, dict) else None
     text = (f"lr='auto': the ceiling was decided at the first step of {type(opt).__name__}, "
-            f"at its rate {decided:.4g} (the suggested SGD rate then "
-            f"{suggested if suggested is None else format(suggested, '.4g')}); its rate is "
-            f"now {now:.4g}, above both, and the storage is not lowered for it (a warm-up or "
-            f"an LR finder that sets the rate by hand?): call precondfx.settle_rate(model, "
-            f"peak_lr) before the first step, let a torch.optim.lr_scheduler do the warm-up "
-            f"(its initial_lr is read), or pass lr= and optimizer='sgd' to precondition")
+            f"at its rate {decided:.4g} (the suggested SGD rate then {suggested:.4g}); its "
+            f"rate is now {now:.4g}, above both, and the storage is not lowered for it (a "
+            f"warm-up or an LR finder that sets the rate by hand?): call "
+            f"precondfx.settle_rate(model, peak_lr) before the first step, let a "
+            f"torch.optim.lr_scheduler do the warm-up (its initial_lr is read), or pass lr= "
+            f"and optimizer='sgd' to precondition")
     log.info("precondfx: %s", text)
     warnings.warn(f"precondfx: {text}", RuntimeWarning, stacklevel=4)
     if isinstance(sec, dict):
