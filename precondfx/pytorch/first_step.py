@@ -329,15 +329,15 @@ def _scale_grads(model: nn.Module, weights: Any, bias_of: dict[str, str], c: flo
 def _in_a_param_group(params: list[Any]) -> bool:
     """Whether a parameter group (a dict whose ``params`` list holds one of ``params``: an
     optimizer's) exists: found among the referrers, as ``_cyclic_peak`` finds a scheduler
-    (torch keeps no registry of optimizers); once per optimizer over part of a model."""
-    for p in params:
-        if p is None:
-            continue
-        for lst in gc.get_referrers(p):
-            if isinstance(lst, list) and any(isinstance(d, dict) and d.get("params") is lst
-                                             for d in gc.get_referrers(lst)):
-                return True
-    return False
+    (torch keeps no registry of optimizers); two passes over the heap, once per optimizer
+    over part of a model."""
+    ps = [p for p in params if p is not None]
+    lists = [r for r in gc.get_referrers(*ps) if isinstance(r, list)] if ps else []
+    if not lists:
+        return False
+    ids = {id(lst) for lst in lists}
+    return any(isinstance(d, dict) and id(d.get("params")) in ids
+               for d in gc.get_referrers(*lists))
 
 
 def _has_buffer(model: nn.Module, name: str) -> bool:
