@@ -244,6 +244,14 @@ class Pending:
             sec["rest"] = rest
             sec["summary"] += (f" ({len(weights)} of the layers; the first step of an "
                                f"optimizer holding the other {len(rest)} sets theirs)")
+        frozen = [w for w in self.lr_buffers if w not in weights and w not in rest]
+        if frozen:          # frozen after precondition: unfrozen later, nothing lowers them
+            sec["frozen"] = frozen
+            sec["summary"] += (f"; {len(frozen)} layers frozen at this step (requires_grad="
+                               f"False, e.g. {frozen[0]}) keep their storage: unfrozen later, "
+                               f"they train it at your rate without the ceiling (call "
+                               f"precondfx.settle_rate(model, lr) before freezing them, or "
+                               f"pass lr= and optimizer='sgd' to precondition)")
         return sec
 
     def set(self, model: nn.Module, weights: list[str], lr: float, name: str = "SGD",

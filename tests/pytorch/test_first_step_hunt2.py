@@ -215,3 +215,23 @@ def test_the_first_step_under_warnings_as_errors(tmp_path):
                                                    "PYTHONPATH": str(root)}, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert float(run.stdout.split()[-1]) < 0.7
+
+
+def test_layers_frozen_after_precondition_are_said_at_the_first_step():
+    """The body frozen after precondition for a head warm-up (``requires_grad_(False)``), then
+    unfrozen into the same optimizer: the first step set the head's ceiling alone, and the
+    report said '1 layers' stored weights ... / 0.709' with no word of the two body layers,
+    which then trained at 2, 4.3x their ceiling (multipliers 1 against lr='s 0.482).  The
+    report now names them and what to do."""
+    x, y = _data()
+    model, rep = precondfx.precondition(_mlp(), x)
+    body = [p for n, p in model.named_parameters() if not n.startswith("4.")]
+    for p in body:
+        p.requires_grad_(False)
+    opt = torch.optim.SGD(model[4].parameters(), lr=HIGH)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    sec = rep.conditioning["lr_target"]
+    assert sec["frozen"] == ["0.weight", "2.weight"]
+    assert "2 layers frozen at this step" in sec["summary"] and "settle_rate" in sec["summary"]
+    assert sec["layers"] == 1 and sec["factor"] < 0.8
