@@ -80,11 +80,6 @@ CHANGED = 1e-3
 
 _PENDING: "weakref.WeakSet[Pending]" = weakref.WeakSet()
 _NOT_MINE: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
-#: optimizers whose first step decided a ceiling -> (the Pending, weakly; the index of the
-#: group read; that rate; the suggested rate it left; the rate above which the decision no
-#: longer holds): a rate raised past it
-#: later (a warm-up set by hand, an LR finder) is said once (``_watch``)
-_WATCH: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 _HANDLE: Any = None
 
 
@@ -475,11 +470,8 @@ def _dtypes_said(model: nn.Module, graph: Any) -> str:
 def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The global step pre-hook: fire what the stepping optimizer holds; cheap for the others
     (an optimizer found holding nothing pending is remembered until its parameters change)."""
-    if _WATCH and opt in _WATCH:
-        _check_watch(opt)
     if not _PENDING:            # every pending result fired or was collected
-        if not _WATCH:
-            _release()
+        _release()
         return None
     for pend in list(_PENDING):     # a second step of an optimizer that left layers pending
         if opt in pend.fired:
@@ -496,50 +488,71 @@ def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             pend.fire(opt, m, ids)
     if not hit:
         _NOT_MINE[opt] = count
-    if not _PENDING and not _WATCH:
+    if not _PENDING:
         _release()
     return None
 
 
 def _watch(opt: torch.optim.Optimizer, pend: Pending, group: dict[str, Any], lr: float,
            sec: dict[str, Any]) -> None:
-    """Watch ``opt``'s rate after its first step decided the ceiling at ``lr``: the decision
-    holds up to the larger of ``lr`` and the suggested rate it left (within ``lr_target``'s
-    tolerance)."""
+    """Watch ``opt``'s rate after its first step decided the ceiling at ``lr`` (a step
+    pre-hook of ``opt`` alone, :class:`_RateWatch`): the decision holds up to the larger of
+    ``lr`` and the suggested rate it left (within ``lr_target``'s tolerance)."""
     after = sec.get("suggested_after")
     idx = next((i for i, g in enumerate(opt.param_groups) if g is group), None)
     if idx is None or not isinstance(after, float) or not math.isfinite(after):
         return
-    _WATCH[opt] = (weakref.ref(pend), idx, lr, after,
-                   max(lr, after) * 2.0 ** lr_target.TOLERANCE)
+    watch = _RateWatch(pend, idx, lr, after, max(lr, after) * 2.0 ** lr_target.TOLERANCE)
+    watch.handle = opt.register_step_pre_hook(watch)
 
 
-def _check_watch(opt: torch.optim.Optimizer) -> None:
-    """A rate raised by hand past where the first step's ceiling was decided (a warm-up set
-    by hand from a small rate, an LR finder): said once, in a warning and the report."""
-    ref, idx, decided, suggested, limit = _WATCH[opt]
-    pend = ref()
-    if pend is None or idx >= len(opt.param_groups):
-        del _WATCH[opt]
-        return
-    g = opt.param_groups[idx]
-    now = max(_peak(g), _peak({"lr": g.get("lr")}))
-    if not (math.isfinite(now) and now > limit):
-        return
-    del _WATCH[opt]
-    sec = pend.report.conditioning.get("lr_target")
-    text = (f"lr='auto': the ceiling was decided at the first step of {type(opt).__name__}, "
-            f"at its rate {decided:.4g} (the suggested SGD rate then {suggested:.4g}); its "
-            f"rate is now {now:.4g}, above both, and the storage is not lowered for it (a "
-            f"warm-up or an LR finder that sets the rate by hand?): call "
-            f"precondfx.settle_rate(model, peak_lr) before the first step, let a "
-            f"torch.optim.lr_scheduler do the warm-up (its initial_lr is read), or pass lr= "
-            f"and optimizer='sgd' to precondition")
-    log.info("precondfx: %s", text)
-    warnings.warn(f"precondfx: {text}", RuntimeWarning, stacklevel=4)
-    if isinstance(sec, dict):
-        sec["raised"] = text
-        sec["summary"] = f"{sec['summary']}; later: {text}"
+def _unwatched() -> Any:
+    """What a pickled or deep-copied optimizer holds in place of a :class:`_RateWatch`."""
+    return _no_watch
+
+
+def _no_watch(opt: Any, args: Any, kwargs: Any) -> None:
+    return None
+
+
+class _RateWatch:
+    """A rate raised by hand past where the first step's ceiling was decided (a warm-up
+    written in the loop from a small rate, an LR finder): said once, in a warning and the
+    report; the hook then goes."""
+
+    def __init__(self, pend: Pending, idx: int, decided: float, suggested: float,
+                 limit: float) -> None:
+        self.pend = weakref.ref(pend)
+        self.idx, self.decided, self.suggested, self.limit = idx, decided, suggested, limit
+        self.handle: Any = None
+
+    def __reduce__(self) -> tuple:
+        return (_unwatched, ())
+
+    def __call__(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        pend = self.pend()
+        if pend is None or self.idx >= len(opt.param_groups):
+            self.handle.remove()
+            return None
+        g = opt.param_groups[self.idx]
+        now = max(_peak(g), _peak({"lr": g.get("lr")}))
+        if not (math.isfinite(now) and now > self.limit):
+            return None
+        self.handle.remove()
+        text = (f"lr='auto': the ceiling was decided at the first step of "
+                f"{type(opt).__name__}, at its rate {self.decided:.4g} (the suggested SGD rate "
+                f"then {self.suggested:.4g}); its rate is now {now:.4g}, above both, and the "
+                f"storage is not lowered for it (a warm-up or an LR finder that sets the rate "
+                f"by hand?): call precondfx.settle_rate(model, peak_lr) before the first "
+                f"step, let a torch.optim.lr_scheduler do the warm-up (its initial_lr is "
+                f"read), or pass lr= and optimizer='sgd' to precondition")
+        log.info("precondfx: %s", text)
+        warnings.warn(f"precondfx: {text}", RuntimeWarning, stacklevel=3)
+        sec = pend.report.conditioning.get("lr_target")
+        if isinstance(sec, dict):
+            sec["raised"] = text
+            sec["summary"] = f"{sec['summary']}; later: {text}"
+        return None
 
 
 def _release() -> None:
