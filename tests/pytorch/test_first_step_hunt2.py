@@ -235,3 +235,24 @@ def test_layers_frozen_after_precondition_are_said_at_the_first_step():
     assert sec["frozen"] == ["0.weight", "2.weight"]
     assert "2 layers frozen at this step" in sec["summary"] and "settle_rate" in sec["summary"]
     assert sec["layers"] == 1 and sec["factor"] < 0.8
+
+
+def test_a_slice_of_a_sequential_result_says_what_to_do():
+    """``result[:-1]`` (a feature extractor from an nn.Sequential) on the fx result: torch
+    built the slice with the GraphModule class and it failed on its first call with
+    ``AttributeError: 'GraphModuleImpl' object has no attribute '_backward_hooks'``; and its
+    modules alone compute without the constants (alphas, lr multipliers, output scale).  It
+    is refused with what to do; the slice of ``fold(result)`` computes the result's first
+    layers, and an index still returns the module."""
+    from precondfx.errors import PrecondError
+    x, y = _data()
+    model, rep = precondfx.precondition(_mlp(), x)
+    assert rep.capture == "fx"
+    precondfx.settle_rate(model, HIGH)          # lr multipliers far from 1
+    with pytest.raises(PrecondError, match="fold"):
+        model[:-1]
+    assert isinstance(model[0], nn.Linear) and len(model) == 5
+    folded = precondfx.fold(model)
+    with torch.no_grad():
+        torch.testing.assert_close(folded[-1](folded[:-1](x)), model(x), rtol=1e-5,
+                                   atol=1e-5)
