@@ -21,7 +21,17 @@ its curvature: the suggested SGD rate ``1 / lambda``
   suggested rate nothing changes: the default only lowers a rate the model cannot take, and
   your rate keeps its meaning below that ceiling (a sweep still sweeps).  An optimizer
   holding some of the trainable layers acts on those: the first step of the one holding the
-  others acts on theirs (two optimizers, in either order).  Two things differ from ``lr=``:
+  others acts on theirs (two optimizers, in either order, or stepped k:1 as a GAN's); where
+  no optimizer's parameter group holds them by that optimizer's second step (trainable
+  layers nobody steps) their storage is kept, the report says so (``unheld``) and the kept
+  batch is released.  The measurement runs with autocast off (a step inside a bfloat16
+  ``torch.autocast`` region measures the float32 function the storage holds), on the kept
+  batch in the model's dtype, or in its first layer's where parts were cast apart (a
+  bfloat16 body under a float32 head).  A rate raised by hand after the first step past
+  both the rate the ceiling was decided at and the suggested one (a warm-up written in the
+  loop, an LR finder) is said once, in a warning and the report (``raised``): call
+  :func:`settle_rate` with the peak rate before the first step there.  Two things differ
+  from ``lr=``:
   a gradient clipped before that step (``clip_grad_norm_``) was clipped at the old storage,
   so the first step is ``c`` times the clipped one where ``lr=`` clips ``c`` times the
   gradient (the later steps are ``lr=``'s); and the measurement runs the model's forward
@@ -43,6 +53,7 @@ optimizer.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import logging
@@ -89,6 +100,8 @@ class Pending:
         self.sample, self.mode, self.key, self.seed = sample, mode, key, seed
         self.rms = {w: lr_transfer.stored_rms(model.get_parameter(w)) for w in lr_buffers}
         self.earlier: list[str] = []    # what the first steps of optimizers over parts did
+        #: optimizers whose first step acted on some of the layers, the others left pending
+        self.fired: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
     # -- copies share it; a pickled or saved copy holds nothing pending --------------------
     def __deepcopy__(self, memo: dict) -> "Pending":
@@ -137,7 +150,8 @@ class Pending:
         except Exception as e:          # never break the user's step: say it, keep the storage
             sec = self._kept(opt, f"the measurement failed ({type(e).__name__}: {e}); the "
                                   f"storage stays as precondition left it: pass lr= to set it "
-                                  f"at precondition", warn=True)
+                                  f"at precondition{_dtypes_said(model, self.graph)}",
+                             warn=True)
         finally:
             if rest:
                 self.lr_buffers = rest
@@ -147,7 +161,31 @@ class Pending:
             sec["earlier"] = list(self.earlier)
         if rest:
             self.earlier.append(sec["summary"])
+            self.fired.add(opt)
         self.report.conditioning["lr_target"] = sec
+
+    def unheld(self, opt: torch.optim.Optimizer) -> None:
+        """``opt``, whose first step left the other layers pending, steps again before any
+        optimizer stepped those.  Where no optimizer's parameter group holds them (trainable
+        layers nobody steps, or an optimizer yet to be created) their storage is kept, said in
+        the report, and the kept batch released (it would otherwise live as long as the
+        model); where one does (stepped less often), they stay pending."""
+        self.fired.discard(opt)     # asked once per optimizer
+        left = list(self.lr_buffers)
+        if _in_a_param_group([_param(m, w) for r in self.models for m in [r()] if m is not None
+                              for w in left]):
+            return      # an optimizer holds them, yet to step (a GAN's, stepped k:1): pending
+        why = (f"{len(left)} trainable layers (e.g. {left[0]}) were stepped by no optimizer "
+               f"before {type(opt).__name__} stepped again: their storage is kept and the "
+               f"kept calibration batch released (an optimizer created for them later "
+               f"trains this storage: pass lr= and optimizer='sgd' to precondition to set it "
+               f"for its rate)")
+        log.info("precondfx: lr='auto': %s", why)
+        self.consume()
+        sec = self.report.conditioning.get("lr_target")
+        if isinstance(sec, dict):
+            sec["unheld"] = why
+            sec["summary"] = f"{sec['summary']}; {why}"
 
     def _fire(self, opt: torch.optim.Optimizer, model: nn.Module, held: set[int]
               ) -> dict[str, Any]:
@@ -186,7 +224,9 @@ class Pending:
                                    f"(its initial_lr is read), or pass lr= and "
                                    f"optimizer='sgd' to precondition", warn=True)
         steps = {n for n, p in model.named_parameters() if id(p) in held}
-        return self._rest(model, weights, self.set(model, weights, lr, name, steps))
+        sec = self.set(model, weights, lr, name, steps)
+        _watch(opt, self, group, lr, sec)
+        return self._rest(model, weights, sec)
 
     def _rest(self, model: nn.Module, weights: list[str], sec: dict[str, Any]
               ) -> dict[str, Any]:
@@ -199,6 +239,14 @@ class Pending:
             sec["rest"] = rest
             sec["summary"] += (f" ({len(weights)} of the layers; the first step of an "
                                f"optimizer holding the other {len(rest)} sets theirs)")
+        frozen = [w for w in self.lr_buffers if w not in weights and w not in rest]
+        if frozen:          # frozen after precondition: unfrozen later, nothing lowers them
+            sec["frozen"] = frozen
+            sec["summary"] += (f"; {len(frozen)} layers frozen at this step (requires_grad="
+                               f"False, e.g. {frozen[0]}) keep their storage: unfrozen later, "
+                               f"they train it at your rate without the ceiling (call "
+                               f"precondfx.settle_rate(model, lr) before freezing them, or "
+                               f"pass lr= and optimizer='sgd' to precondition)")
         return sec
 
     def set(self, model: nn.Module, weights: list[str], lr: float, name: str = "SGD",
@@ -208,7 +256,7 @@ class Pending:
         the names of the parameters the optimizer steps, whose curvature bounds its rate (a
         head fine-tuned alone, a second optimizer over the rest); None: all."""
         from precondfx.pytorch.measure.suggest import suggest_lr
-        sample = _on_device(self.sample, model)
+        sample = _on_device(self.sample, model, self.graph)
         bufs = {w: self.lr_buffers[w] for w in weights}
         now = self.report.measured.final(self.report.planned)
         edited = copy.deepcopy(now)
@@ -217,8 +265,11 @@ class Pending:
         log.info("precondfx: lr='auto': measuring the suggested SGD rate on the kept batch at "
                  "the first step of %s (once; 50-190 training steps of the model on the CPU "
                  "benchmark, bench/first_step_cost.py; lr=None skips it)", name)
-        # the user's random stream untouched; a step taken under inference_mode measured too
-        with torch.random.fork_rng(devices=devices), torch.inference_mode(False):
+        # the user's random stream untouched; a step taken under inference_mode measured too,
+        # one inside an autocast region in the model's own dtypes (the curvature of the
+        # function the storage holds, not of its bfloat16 rounding)
+        with torch.random.fork_rng(devices=devices), torch.inference_mode(False), \
+                _no_autocast(model):
             sec = lr_target.keep_rate(
                 model, self.graph, edited, bufs, lr, "sgd",
                 lambda fam: suggest_lr(model, sample, mode=self.mode, key=self.key,
@@ -278,6 +329,20 @@ def _scale_grads(model: nn.Module, weights: Any, bias_of: dict[str, str], c: flo
                     p.grad.mul_(c)
 
 
+def _in_a_param_group(params: list[Any]) -> bool:
+    """Whether a parameter group (a dict whose ``params`` list holds one of ``params``: an
+    optimizer's) exists: found among the referrers, as ``_cyclic_peak`` finds a scheduler
+    (torch keeps no registry of optimizers); two passes over the heap, once per optimizer
+    over part of a model."""
+    ps = [p for p in params if p is not None]
+    lists = [r for r in gc.get_referrers(*ps) if isinstance(r, list)] if ps else []
+    if not lists:
+        return False
+    ids = {id(lst) for lst in lists}
+    return any(isinstance(d, dict) and id(d.get("params")) in ids
+               for d in gc.get_referrers(*lists))
+
+
 def _has_buffer(model: nn.Module, name: str) -> bool:
     try:
         model.get_buffer(name)
@@ -328,16 +393,36 @@ def _cyclic_peak(opt: torch.optim.Optimizer, group: dict[str, Any]) -> float:
     return max([p for p in peaks if math.isfinite(p)], default=0.0)
 
 
-def _on_device(sample: Any, model: nn.Module) -> Any:
+@contextlib.contextmanager
+def _no_autocast(model: nn.Module) -> Any:
+    """Autocast off on the CPU and on the devices of ``model``'s parameters, where it is on
+    (a first step taken inside the user's ``torch.autocast`` region)."""
+    kinds = {"cpu"} | {p.device.type for p in model.parameters()}
+    with contextlib.ExitStack() as stack:
+        for k in sorted(kinds):
+            if _autocast_on(k):
+                stack.enter_context(torch.autocast(k, enabled=False))
+        yield
+
+
+def _autocast_on(kind: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(kind)
+    except (RuntimeError, TypeError, ValueError):     # a device type autocast does not know
+        return False
+
+
+def _on_device(sample: Any, model: nn.Module, graph: Any = None) -> Any:
     """The kept batch on the device of the model's parameters, its floating-point tensors in
     their dtype where all of them share one (the model was moved or cast after precondition:
-    ``.cuda()``, ``.double()``, ``.half()``)."""
+    ``.cuda()``, ``.double()``, ``.half()``), else in the dtype of the first layer the inputs
+    reach in ``graph`` (a bfloat16 body under a float32 head: ``_first_dtype``)."""
     params = list(model.parameters())
     if not params:
         return sample
     dev = params[0].device
     dtypes = {p.dtype for p in params if p.is_floating_point()}
-    dt = dtypes.pop() if len(dtypes) == 1 else None
+    dt = dtypes.pop() if len(dtypes) == 1 else _first_dtype(model, graph)
 
     def move(t: torch.Tensor) -> torch.Tensor:
         return t.to(dev, dtype=dt if dt is not None and t.is_floating_point() else t.dtype)
@@ -347,12 +432,50 @@ def _on_device(sample: Any, model: nn.Module) -> Any:
     return sample.map(move)
 
 
+def _first_dtype(model: nn.Module, graph: Any) -> torch.dtype | None:
+    """The dtype of the first floating-point parameter read by a node that the model's inputs
+    reach, in ``graph``'s order; None where there is none (or no graph)."""
+    if graph is None:
+        return None
+    reached: set[str] = set()
+    for n in graph:
+        if n.kind == "input":
+            reached.add(n.name)
+            continue
+        if not any(i in reached for i in n.inputs):
+            continue
+        reached.add(n.name)
+        for name in n.params.values():
+            p = _param(model, name)
+            if p is not None and p.is_floating_point():
+                return p.dtype
+    return None
+
+
+def _dtypes_said(model: nn.Module, graph: Any) -> str:
+    """What a failed measurement's message adds on a model whose parameters hold several
+    floating-point dtypes (parts cast after precondition): the dtypes, the batch's."""
+    dts = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()
+                  if p.is_floating_point()})
+    if len(dts) < 2:
+        return ""
+    first = _first_dtype(model, graph)
+    given = (f"was cast to {str(first).replace('torch.', '')}, the dtype of the first layer "
+             f"it reaches" if first is not None else "was left in its dtype")
+    return (f"; the model's parameters hold {len(dts)} dtypes ({', '.join(dts)}) and the kept "
+            f"calibration batch {given}: call precondfx.settle_rate(model, lr) before casting "
+            f"parts of the model, or pass lr= and optimizer='sgd' to precondition")
+
+
 def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The global step pre-hook: fire what the stepping optimizer holds; cheap for the others
     (an optimizer found holding nothing pending is remembered until its parameters change)."""
     if not _PENDING:            # every pending result fired or was collected
         _release()
         return None
+    for pend in list(_PENDING):     # a second step of an optimizer that left layers pending
+        if opt in pend.fired:
+            pend.unheld(opt)
     count = sum(len(g["params"]) for g in opt.param_groups)
     if _NOT_MINE.get(opt) == count:
         return None
@@ -368,6 +491,68 @@ def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if not _PENDING:
         _release()
     return None
+
+
+def _watch(opt: torch.optim.Optimizer, pend: Pending, group: dict[str, Any], lr: float,
+           sec: dict[str, Any]) -> None:
+    """Watch ``opt``'s rate after its first step decided the ceiling at ``lr`` (a step
+    pre-hook of ``opt`` alone, :class:`_RateWatch`): the decision holds up to the larger of
+    ``lr`` and the suggested rate it left (within ``lr_target``'s tolerance)."""
+    after = sec.get("suggested_after")
+    idx = next((i for i, g in enumerate(opt.param_groups) if g is group), None)
+    if idx is None or not isinstance(after, float) or not math.isfinite(after):
+        return
+    watch = _RateWatch(pend, idx, lr, after, max(lr, after) * 2.0 ** lr_target.TOLERANCE)
+    watch.handle = opt.register_step_pre_hook(watch)
+
+
+def _unwatched() -> Any:
+    """What a pickled or deep-copied optimizer holds in place of a :class:`_RateWatch`."""
+    return _no_watch
+
+
+def _no_watch(opt: Any, args: Any, kwargs: Any) -> None:
+    return None
+
+
+class _RateWatch:
+    """A rate raised by hand past where the first step's ceiling was decided (a warm-up
+    written in the loop from a small rate, an LR finder): said once, in a warning and the
+    report; the hook then goes."""
+
+    def __init__(self, pend: Pending, idx: int, decided: float, suggested: float,
+                 limit: float) -> None:
+        self.pend = weakref.ref(pend)
+        self.idx, self.decided, self.suggested, self.limit = idx, decided, suggested, limit
+        self.handle: Any = None
+
+    def __reduce__(self) -> tuple:
+        return (_unwatched, ())
+
+    def __call__(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        pend = self.pend()
+        if pend is None or self.idx >= len(opt.param_groups):
+            self.handle.remove()
+            return None
+        g = opt.param_groups[self.idx]
+        now = max(_peak(g), _peak({"lr": g.get("lr")}))
+        if not (math.isfinite(now) and now > self.limit):
+            return None
+        self.handle.remove()
+        text = (f"lr='auto': the ceiling was decided at the first step of "
+                f"{type(opt).__name__}, at its rate {self.decided:.4g} (the suggested SGD rate "
+                f"then {self.suggested:.4g}); its rate is now {now:.4g}, above both, and the "
+                f"storage is not lowered for it (a warm-up or an LR finder that sets the rate "
+                f"by hand?): call precondfx.settle_rate(model, peak_lr) before the first "
+                f"step, let a torch.optim.lr_scheduler do the warm-up (its initial_lr is "
+                f"read), or pass lr= and optimizer='sgd' to precondition")
+        log.info("precondfx: %s", text)
+        warnings.warn(f"precondfx: {text}", RuntimeWarning, stacklevel=3)
+        sec = pend.report.conditioning.get("lr_target")
+        if isinstance(sec, dict):
+            sec["raised"] = text
+            sec["summary"] = f"{sec['summary']}; later: {text}"
+        return None
 
 
 def _release() -> None:

@@ -345,6 +345,26 @@ def direct_reads(user_cls: type, paths: set[str]) -> list[str]:
     return out
 
 
+def _no_slices(getitem: Any) -> Any:
+    """``result[a:b]`` of an ``nn.Sequential`` or ``nn.ModuleList`` result: torch builds the
+    slice as ``self.__class__(...)``, the GraphModule class, which failed deep in torch
+    (``'GraphModuleImpl' object has no attribute '_backward_hooks'``); and the modules alone
+    compute without the constants the graph applies.  Refused with what to do; an index
+    (``result[0]``) returns the module as before."""
+    def __getitem__(self: Any, idx: Any) -> Any:
+        if isinstance(idx, slice):
+            from precondfx.errors import PrecondError
+            raise PrecondError(
+                f"a slice of the rewritten {self._precondfx_user_class.__name__} (fx "
+                f"capture) holds its modules without the constants its graph applies around "
+                f"them (alphas, lr multipliers, the output scale), so it would compute "
+                f"another function: slice "
+                f"precondfx.fold(result) (the constants multiplied into the weights), or "
+                f"precondition with capture='eager' (the constants ride on the modules)")
+        return getitem(self, idx)
+    return __getitem__
+
+
 @functools.lru_cache(maxsize=None)
 def graph_class(user_cls: type) -> type | None:
     """``Preconditioned<user_cls>``: a GraphModule subclass that is also ``user_cls`` (None
@@ -358,6 +378,8 @@ def graph_class(user_cls: type) -> type | None:
           "_precondfx_user_class": user_cls,
           # repr() names the user's class, not torch.fx's per-instance "GraphModuleImpl"
           "_get_name": lambda self: user_cls.__name__, **_user_methods(user_cls)}
+    if issubclass(user_cls, (nn.Sequential, nn.ModuleList)):
+        ns["__getitem__"] = _no_slices(user_cls.__getitem__)
     try:
         return type(f"Preconditioned{user_cls.__name__}", (fx.GraphModule, user_cls), ns)
     except TypeError:       # a metaclass or layout conflict

@@ -539,6 +539,22 @@ def _marker(a: Any, gm: fx.GraphModule) -> Any:
     return a
 
 
+#: attributes of a tensor that say nothing of its values (``x.to(self.fc.weight.dtype)``)
+_META_ATTRS = frozenset({"dtype", "device", "shape", "ndim", "layout", "is_cuda", "is_sparse",
+                         "is_quantized", "is_meta", "requires_grad"})
+#: methods of a tensor that say nothing of its values (``self.fc.weight.size(0)``)
+_META_METHODS = frozenset({"size", "dim", "get_device", "is_floating_point", "is_complex",
+                           "element_size", "numel", "nelement"})
+
+
+def _metadata_read(n: fx.Node) -> bool:
+    """Whether ``n`` reads only a parameter's metadata: a use that a rescaled or re-drawn
+    weight leaves as it is (balancing and lr multipliers need not leave the layer out)."""
+    if n.op == "call_function" and n.target is getattr and len(n.args) >= 2:
+        return n.args[1] in _META_ATTRS
+    return n.op == "call_method" and n.target in _META_METHODS
+
+
 def to_graph(gm: fx.GraphModule) -> Graph:
     """Convert a traced (and shape-propagated) GraphModule into the neutral graph."""
     nodes: list[Node] = []
@@ -551,6 +567,8 @@ def to_graph(gm: fx.GraphModule) -> Graph:
                      for a in n.args]
         args = [_marker(a, gm) for a in n.args]
         kwargs = {k: _marker(v, gm) for k, v in n.kwargs.items()}
+        if _metadata_read(n):       # the parameter's dtype, device or shape, not its values:
+            args = [None if isinstance(a, Param) else a for a in args]  # not a reader of it
         if n.op == "placeholder":
             nodes.append(Node(n.name, "input", f"input {n.target}", out_shape=out_shape,
                               attrs=input_attrs(meta)))
