@@ -118,3 +118,43 @@ def test_pool_sized_from_the_input_is_kept_and_says_why() -> None:
     assert pc.action == "keep" and "shape" in pc.reason and "ceil_mode" not in pc.reason, pc
     big = torch.randn(2, 3, 32, 32, generator=gen)
     assert res(big).shape == model(big).shape == (2, 3)
+
+
+# ---------------------------------------------------------------- weight tying in __init__
+# ``self.decoder.weight = self.encoder.weight`` (the PyTorch word-language-model example) was
+# reported as "method __init__ reads self.encoder.weight outside a call of self.encoder: it
+# computes without the constants there": an assignment ties the two, it computes nothing.
+
+
+class TiedRNNLM(nn.Module):
+    def __init__(self, vocab: int = 30, dim: int = 16) -> None:
+        super().__init__()
+        self.encoder = nn.Embedding(vocab, dim)
+        self.rnn = nn.GRU(dim, dim, batch_first=True)
+        self.decoder = nn.Linear(dim, vocab)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        self.decoder.weight = self.encoder.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.encoder(ids))
+        return self.decoder(out)
+
+
+class TiedInInit(TiedRNNLM):
+    def __init__(self, vocab: int = 30, dim: int = 16) -> None:
+        nn.Module.__init__(self)
+        self.encoder = nn.Embedding(vocab, dim)
+        self.rnn = nn.GRU(dim, dim, batch_first=True)
+        self.decoder = nn.Linear(dim, vocab)
+        self.decoder.weight = self.encoder.weight
+
+
+@pytest.mark.parametrize("cls", [TiedRNNLM, TiedInInit])
+def test_tying_weights_is_not_a_read_outside_the_layer(cls) -> None:
+    ids = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(0))
+    res, rep = _quiet(precondfx.precondition, cls(), ids)
+    assert rep.result["forward_only"] == [], rep.result["forward_only"]
+    assert "outside a call" not in rep.result_line()
+    assert res.decoder.weight is res.encoder.weight
