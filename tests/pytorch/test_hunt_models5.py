@@ -158,3 +158,35 @@ def test_tying_weights_is_not_a_read_outside_the_layer(cls) -> None:
     assert rep.result["forward_only"] == [], rep.result["forward_only"]
     assert "outside a call" not in rep.result_line()
     assert res.decoder.weight is res.encoder.weight
+
+
+# ---------------------------------------------------------------- lr='auto' with nothing to carry it
+# A spectral-normed GAN discriminator: every weight is parametrized and kept, the output std is
+# 0.05 and the output scale ~20.  With no re-drawn layer, lr='auto' cannot lower the SGD rate
+# (it was silently not armed), and the scale alone multiplies the loss curvature by ~400: the
+# user's model trained at lr=0.05, the result diverged even at lr=0.001.  The report says so.
+
+
+class SNCritic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        sn = nn.utils.parametrizations.spectral_norm
+        self.net = nn.Sequential(sn(nn.Conv2d(3, 8, 3, 2, 1)), nn.LeakyReLU(0.1),
+                                 sn(nn.Conv2d(8, 8, 3, 2, 1)), nn.LeakyReLU(0.1), nn.Flatten(),
+                                 sn(nn.Linear(8 * 4 * 4, 1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_lr_auto_not_armed_says_what_the_output_scale_does_to_the_rate() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    res, rep = _quiet(precondfx.precondition, SNCritic(), x)
+    assert rep.output_scale is not None and rep.output_scale > 4
+    why = dict(rep.skipped).get("lr='auto'")
+    assert why is not None, rep.skipped
+    assert f"{rep.output_scale ** 2:.4g}" in why and "target_std=None" in why
+    assert rep.conditioning["lr_target"]["pending"] is False
+    assert "NOT APPLIED" in str(rep)
+
