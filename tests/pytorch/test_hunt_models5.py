@@ -190,3 +190,31 @@ def test_lr_auto_not_armed_says_what_the_output_scale_does_to_the_rate() -> None
     assert rep.conditioning["lr_target"]["pending"] is False
     assert "NOT APPLIED" in str(rep)
 
+
+# ---------------------------------------------------------------- a hand-written drop path
+# ``h.new_empty(B, 1).bernoulli_(keep)`` (timm's drop_path, written out in many repositories)
+# and ``torch.bernoulli(...)`` draw a mask: the op table knew only aten ``bernoulli``, so the
+# in-place method and the torch function were 'unknown' ops ("effect on scaling not known").
+
+
+class RandomSkipBlock(nn.Module):
+    def __init__(self, p: float = 0.2, functional: bool = False) -> None:
+        super().__init__()
+        self.p, self.functional = p, functional
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.functional:
+            h = h * torch.bernoulli(torch.full((x.shape[0], 1), 1 - self.p)) / (1 - self.p)
+        elif self.training:
+            h = h * h.new_empty(h.shape[0], 1).bernoulli_(1 - self.p) / (1 - self.p)
+        return self.b(x + h)
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_bernoulli_mask_is_a_known_op(functional: bool) -> None:
+    rep = _quiet(precondfx.analyze, RandomSkipBlock(functional=functional),
+                 torch.randn(16, 8, generator=torch.Generator().manual_seed(0)))
+    assert not rep.rows("unknown"), [(r.name, r.target) for r in rep.rows("unknown")]
+    assert [r.status for r in rep.nodes if "bernoulli" in r.name] == ["structural"]
