@@ -605,7 +605,7 @@ def to_graph(gm: fx.GraphModule) -> Graph:
                 # F.max_pool2d(h, h.size(-1) // 4): a replacement would fix the geometry at the
                 # sample's size, where the model's pool follows the input's
                 nodes[-1].attrs["keep_reason"] = (
-                    "kept: its kernel, stride or padding is computed from the input's shape, "
+                    "its kernel, stride or padding is computed from the input's shape, "
                     "so a replacement of fixed geometry would differ at other input sizes")
             if nodes[-1].kind == "maxpool" and caller(n):
                 # a replacement convolution goes under the module whose forward calls it, so
