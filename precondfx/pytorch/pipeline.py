@@ -521,6 +521,21 @@ def first_step(st: TorchState) -> None:
     pend = first_step_mod.arm(st.result, st.graph, st.plan, st.report, st.lr_buffers, st.sample,
                               st.opts.calibration, st.opts.output_key, st.opts.seed)
     if pend is None:
+        scale = st.report.output_scale
+        if scale not in (None, 1.0) and any(p.requires_grad for p in st.result.parameters()):
+            # every trainable weight kept (parametrized: spectral or weight norm; computed in
+            # forward): the output scale alone changes the SGD step, and no layer can carry
+            # the factor that would lower it
+            why = (f"not armed: no re-drawn layer carries an lr multiplier (the trainable "
+                   f"weights are kept as they are), so nothing lowers your SGD rate; the "
+                   f"output scale {scale:.4g} multiplies the gradients of those weights by "
+                   f"{scale:.4g} and the loss curvature by {scale * scale:.4g}: scale your "
+                   f"learning rate by {1 / (scale * scale):.3g}, or pass target_std=None to "
+                   f"keep your model's output scale")
+            st.report.conditioning["lr_target"] = {
+                "lr": "auto", "pending": False, "factor": 1.0, "layers": 0,
+                "summary": "lr='auto': not armed (see NOT APPLIED)", "kept": why}
+            st.report.skipped.append(("lr='auto'", why))
         return
     st.report.conditioning["lr_target"] = {
         "lr": "auto", "pending": True, "layers": len(pend.lr_buffers),

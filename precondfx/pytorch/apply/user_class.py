@@ -305,8 +305,12 @@ _NOT_COMPUTING = {"data", "grad", "shape", "size", "dtype", "device", "numel", "
 def _computes(n: ast.AST, parent: dict) -> bool:
     """Whether the read ``n`` (``self.head.weight``) computes with the value: not an in-place
     method or attribute of it (``.data``, ``.zero_()``, ``.shape``), nor an argument of an
-    ``init`` function (``nn.init.zeros_(self.head.bias)``)."""
+    ``init`` function (``nn.init.zeros_(self.head.bias)``), nor the value of an attribute
+    assignment (``self.decoder.weight = self.encoder.weight`` ties the two, computes nothing)."""
     up = parent.get(n)
+    if isinstance(up, ast.Assign) and up.value is n and \
+            all(isinstance(t, ast.Attribute) for t in up.targets):
+        return False        # weight tying: self.decoder.weight = self.encoder.weight
     if isinstance(up, ast.Attribute) and up.value is n:
         return not (up.attr in _NOT_COMPUTING or up.attr.endswith("_"))
     if isinstance(up, ast.Call) and n in up.args:

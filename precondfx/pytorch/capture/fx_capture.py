@@ -33,6 +33,7 @@ from precondfx.pytorch.calibrate import is_stochastic
 from precondfx.pytorch.capture.common import (Act, Const, Param, Sample, build_node,
                                               input_attrs, is_dataclass_output, leaves,
                                               shape_of, target_name)
+from precondfx.core import optable
 from precondfx.core.graph import Graph, Node
 
 
@@ -515,7 +516,27 @@ def run_shape_prop(gm: fx.GraphModule, sample: Sample) -> None:
             values.append(sample.kwargs[nm_clean])
         else:
             values.append(_default_of(gm, nm_clean))
-    ShapeProp(gm).propagate(*values)
+    _ScalarProp(gm).propagate(*values)
+
+
+#: the types of the Python values (not tensors) a traced call can return: shapes and numbers
+#: computed from them (``x.size(-1)``, ``math.sqrt(d)``, ``h.shape[-1] ** -0.5``), a dtype, a
+#: device.  torch.export and the eager tracer see these as the numbers they are; fx records the
+#: arithmetic as nodes, which would otherwise count as activation operands of their users.
+_PY_VALUES = (bool, int, float, torch.SymInt, torch.SymFloat, torch.SymBool, torch.dtype,
+              torch.device, torch.Size)
+
+
+class _ScalarProp(ShapeProp):
+    """``ShapeProp`` that also keeps, for each call whose result is a Python value (a size,
+    a number computed from sizes), that value: its users take it as a constant operand."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if n.op in ("call_function", "call_method") and isinstance(result, _PY_VALUES):
+            n.meta["precondfx_value"] = tuple(result) if isinstance(result, torch.Size) \
+                else result
+        return result
 
 
 def _default_of(gm: fx.GraphModule, name: str) -> Any:
@@ -529,6 +550,8 @@ def _marker(a: Any, gm: fx.GraphModule) -> Any:
     if isinstance(a, fx.Node):
         if a.op == "get_attr":
             return Param(str(a.target))
+        if "precondfx_value" in a.meta:     # a size, or a number computed from sizes
+            return Const(a.meta["precondfx_value"])
         return Act(a.name)
     if isinstance(a, (list, tuple)):
         return type(a)(_marker(x, gm) for x in a)
@@ -587,10 +610,21 @@ def to_graph(gm: fx.GraphModule) -> Graph:
             nodes.append(build_node(n.name, spec, f"{type(mod).__module__}.{type(mod).__name__}",
                                     args, kwargs, module=str(n.target), module_obj=mod,
                                     call_index=idx, out_shape=out_shape, in_shapes=in_shapes))
+        elif "precondfx_value" in n.meta:
+            # shape arithmetic (math.sqrt(x.size(-1))): a constant, whatever function computed it
+            nodes.append(build_node(n.name, optable.BY_KIND["constant"], target_name(n.target),
+                                    args, kwargs, out_shape=None, in_shapes=in_shapes))
         elif n.op == "call_function":
             spec = ops.for_function(n.target)
             nodes.append(build_node(n.name, spec, target_name(n.target), args, kwargs,
                                     out_shape=out_shape, in_shapes=in_shapes))
+            if nodes[-1].kind == "maxpool" and any("precondfx_value" in a.meta
+                                                   for a in n.all_input_nodes):
+                # F.max_pool2d(h, h.size(-1) // 4): a replacement would fix the geometry at the
+                # sample's size, where the model's pool follows the input's
+                nodes[-1].attrs["keep_reason"] = (
+                    "its kernel, stride or padding is computed from the input's shape, "
+                    "so a replacement of fixed geometry would differ at other input sizes")
             if nodes[-1].kind == "maxpool" and caller(n):
                 # a replacement convolution goes under the module whose forward calls it, so
                 # that its parameters are named within that module (``backbone.*``)
