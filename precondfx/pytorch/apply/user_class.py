@@ -29,6 +29,8 @@ from __future__ import annotations
 import ast
 import collections
 import copy
+import dataclasses
+import enum
 import functools
 import inspect
 import operator
@@ -47,8 +49,9 @@ from precondfx.pytorch.apply.common import times_first
 DEPTH = "_precondfx_graph_depth"
 #: the attribute counting the user's methods running on it (its mirror hooks are on then)
 METHODS = "_precondfx_methods"
-#: the attribute recording the plain values (numbers, flags, strings) the traced forwards read
-#: from the model's attributes, baked into the graph: ((module, path, name, value), ...)
+#: the attribute recording the plain values (numbers, flags, strings, containers of them) the
+#: traced forwards read from the model's attributes, baked into the graph:
+#: ((module, path, name, value or a copy of the container), ...)
 READS = "_precondfx_traced_reads"
 #: the attribute recording the mirror hooks: ((module path, 'out' or 'in', constant), ...)
 MIRRORS = "_precondfx_mirrors"
@@ -97,9 +100,29 @@ def _source_tree(fn: Any) -> ast.AST | None:
         return None
 
 
-def _plain(v: Any) -> bool:
-    return isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(e, _PLAIN)
-                                                                   for e in v))
+#: the most plain leaves a container the traced forward read may hold to be checked (copied at
+#: the trace, compared by value at every call; a bigger one is not checked)
+_CONTAINER_LEAVES = 256
+
+
+def _by_value(v: Any, budget: list[int] | None = None) -> bool:
+    """Whether ``v`` is a plain value ``==`` compares by value: numbers, flags, strings, enums,
+    and lists, tuples, sets and dicts of them, and dataclass instances (a config; compared
+    field by field) of them, nested, with at most ``_CONTAINER_LEAVES`` leaves."""
+    budget = [_CONTAINER_LEAVES] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0:
+        return False
+    if isinstance(v, _PLAIN) or isinstance(v, enum.Enum):
+        return True
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return all(_by_value(e, budget) for e in v)
+    if isinstance(v, dict):
+        return all(_by_value(k, budget) and _by_value(e, budget) for k, e in v.items())
+    if dataclasses.is_dataclass(v) and not isinstance(v, type) and \
+            getattr(v, "__dataclass_params__", None) is not None and v.__dataclass_params__.eq:
+        return all(_by_value(getattr(v, f.name, None), budget) for f in dataclasses.fields(v))
+    return False
 
 
 def _check_reads(root: nn.Module, reads: tuple) -> None:
@@ -110,7 +133,8 @@ def _check_reads(root: nn.Module, reads: tuple) -> None:
         for part in name.split("."):
             now = _static(now, part)
         if now is _MISSING:
-            now = old
+            continue
+        # a container was copied at the trace: compared by value (changed in place too)
         if now is not old and now != old:
             from precondfx.errors import PrecondError
             where = f"{path}.{name}" if path else name
@@ -136,7 +160,8 @@ def _static(obj: Any, name: str) -> Any:
 
 
 def traced_reads(res: fx.GraphModule) -> tuple:
-    """The plain values (numbers, flags, strings, tuples of them) that the forwards the trace
+    """The plain values (numbers, flags, strings, enums; lists, tuples, sets and dicts of them
+    and dataclass configs, copied: :func:`_by_value`) that the forwards the trace
     went through (the root's and those of the user's modules not called as graph modules) read
     from ``self`` (and from the methods of ``self`` they call), as the trace saw them
     (recorded right after it): ((module, path, name, value), ...)."""
@@ -166,7 +191,9 @@ def traced_reads(res: fx.GraphModule) -> tuple:
                     if isinstance(getattr(cls, n.attr, None), (types.FunctionType,)) and \
                             n.attr not in seen:
                         todo.append(n.attr)
-        for name in sorted(names - {"training"}):
+        # a field (self.config.return_dict) before the object holding it: its message is
+        # the more precise
+        for name in sorted(names - {"training"}, key=lambda n: (-n.count("."), n)):
             head = name.partition(".")[0]
             if head in m._modules or head in m._parameters or head in m._buffers:
                 continue
@@ -178,8 +205,10 @@ def traced_reads(res: fx.GraphModule) -> tuple:
                 if v is not m and isinstance(v, (nn.Module, torch.Tensor)):
                     v = _MISSING
                 v = _static(v, part)
-            if v is not _MISSING and _plain(v):
-                out.append((m if path else None, path, name, v))
+            if v is not _MISSING and _by_value(v):
+                # a container copied: one changed in place afterwards compares unequal
+                out.append((m if path else None, path, name,
+                            v if isinstance(v, _PLAIN) else copy.deepcopy(v)))
     return tuple(out)
 
 
