@@ -597,7 +597,7 @@ def result_record(st: TorchState) -> None:
     ``forward`` sees.  On a GraphModule of the user's class, the constants at module sites get
     mirror hooks for the other methods (``apply.user_class.mirror``)."""
     res, rep = st.result, st.report
-    cls = type(st.model)
+    cls = user_class.own_class(type(st.model))      # a GraphModule's: past fx's per-instance one
     graph = isinstance(res, torch.fx.GraphModule)
     only: list[str] = []
     carriers: set[str] = set()      # the modules whose call carries constants

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
@@ -102,3 +104,52 @@ def test_a_dataclass_config_read_through_a_local_name_is_checked() -> None:
     pm.cfg.act = "tanh"
     with pytest.raises(PrecondError, match="cfg is _Cfg\\(act='tanh'"):
         pm(x)
+
+
+class _SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.c1(x)), 2)
+        x = F.relu(self.c2(x))
+        return self.fc(x.mean((2, 3)))
+
+
+def test_the_plain_graphmodule_result_scripts_copies_and_pickles() -> None:
+    """A GraphModule given (``fx.symbolic_trace(model)``) cannot be combined with itself: the
+    result was torch.fx's plain GraphModule, which ``torch.jit.script`` refused (the
+    constants-on-weights call takes a module) where the user-class result scripts."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 16, 16)
+    pm, rep = precondfx.precondition(fx.symbolic_trace(_SmallCNN()), x)
+    assert isinstance(pm, fx.GraphModule)
+    y = pm(x)
+    scripted = torch.jit.script(pm)
+    assert torch.allclose(scripted(x), y, rtol=1e-5, atol=1e-6)
+    buf = io.BytesIO()
+    torch.save(pm, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert torch.equal(back(x), y)
+    assert torch.allclose(torch.jit.script(back)(x), y, rtol=1e-5, atol=1e-6)
+    assert torch.equal(copy.deepcopy(pm)(x), y)
+
+
+class _Sealed(_SmallCNN):
+    """A class that refuses subclasses: the result falls back to a GraphModule."""
+
+    def __init_subclass__(cls, **kw: object) -> None:
+        raise TypeError("_Sealed cannot be subclassed")
+
+
+def test_the_fallback_result_of_a_sealed_class_scripts() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 16, 16)
+    with pytest.warns(RuntimeWarning, match="not your class _Sealed"):
+        pm, rep = precondfx.precondition(_Sealed(), x)
+    assert rep.result["is_user_class"] is False
+    assert torch.allclose(torch.jit.script(pm)(x), pm(x), rtol=1e-5, atol=1e-6)

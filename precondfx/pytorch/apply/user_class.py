@@ -374,12 +374,28 @@ def direct_reads(user_cls: type, paths: set[str]) -> list[str]:
     return out
 
 
+def own_class(cls: type) -> type:
+    """``cls``, or for torch.fx's per-instance ``GraphModuleImpl`` (every GraphModule's type) the
+    class it was made for (``fx.GraphModule``, or the user's subclass of it)."""
+    return next(t for t in cls.__mro__ if t.__qualname__.rpartition(".")[2] != "GraphModuleImpl")
+
+
 @functools.lru_cache(maxsize=None)
 def graph_class(user_cls: type) -> type | None:
     """``Preconditioned<user_cls>``: a GraphModule subclass that is also ``user_cls`` (None
-    where the two classes cannot be combined)."""
-    if issubclass(user_cls, fx.GraphModule) or not issubclass(user_cls, nn.Module):
+    where the two classes cannot be combined).  For a GraphModule (``fx.symbolic_trace``'s, or a
+    subclass of it), the class it is an instance of past torch.fx's per-instance
+    ``GraphModuleImpl``: ``PreconditionedGraphModule`` is the fallback result's class."""
+    if not issubclass(user_cls, nn.Module):
         return None
+    bases: tuple[type, ...] = (fx.GraphModule, user_cls)
+    if issubclass(user_cls, fx.GraphModule):
+        if "_precondfx_user_class" in vars(user_cls):
+            return user_cls
+        base = own_class(user_cls)
+        if base is not user_cls:
+            return graph_class(base)
+        bases = (user_cls,)
     ns = {"__module__": __name__, "__doc__": user_cls.__doc__,
           "recompile": _recompile, "__deepcopy__": _deepcopy, "__copy__": _copy,
           "__reduce__": _reduce, "__setstate__": _setstate, DEPTH: 0, METHODS: 0,
@@ -388,7 +404,7 @@ def graph_class(user_cls: type) -> type | None:
           # repr() names the user's class, not torch.fx's per-instance "GraphModuleImpl"
           "_get_name": lambda self: user_cls.__name__, **_user_methods(user_cls)}
     try:
-        return type(f"Preconditioned{user_cls.__name__}", (fx.GraphModule, user_cls), ns)
+        return type(f"Preconditioned{user_cls.__name__}", bases, ns)
     except TypeError:       # a metaclass or layout conflict
         return None
 
@@ -405,11 +421,12 @@ def _resolves(root: nn.Module, target: str) -> bool:
 
 def adopt(gm: fx.GraphModule, work: nn.Module) -> tuple[fx.GraphModule, str | None]:
     """``gm``'s graph on ``work``'s own module tree, as ``Preconditioned<type(work)>``; with why
-    not (``gm`` itself is returned) where the class cannot be combined or the tree does not hold
-    what the graph reads."""
+    not (``gm`` as ``PreconditionedGraphModule``, :func:`plain_result`, is returned) where the
+    class cannot be combined or the tree does not hold what the graph reads."""
     cls = graph_class(type(work))
     if cls is None:
-        return gm, f"the class {type(work).__name__} cannot be combined with GraphModule"
+        return plain_result(gm), (f"the class {type(work).__name__} cannot be combined with "
+                                  f"GraphModule")
     d = dict(gm.__dict__)
     d.update({k: v for k, v in vars(work).items() if k not in _GM_KEYS})
     d["_modules"] = collections.OrderedDict(work._modules)
@@ -424,7 +441,8 @@ def adopt(gm: fx.GraphModule, work: nn.Module) -> tuple[fx.GraphModule, str | No
         if path and not _resolves(res, path):
             parent, _, leaf = path.rpartition(".")
             if parent and not _resolves(res, parent):
-                return gm, f"the traced graph calls {path}, which the model does not hold"
+                return plain_result(gm), (f"the traced graph calls {path}, which the model "
+                                          f"does not hold")
             (res.get_submodule(parent) if parent else res).add_module(leaf, m)
     for name, t in gm.named_buffers():
         if _resolves(res, name):
@@ -436,9 +454,25 @@ def adopt(gm: fx.GraphModule, work: nn.Module) -> tuple[fx.GraphModule, str | No
     missing = [str(n.target) for n in gm.graph.nodes if n.op in ("get_attr", "call_module")
                and not _resolves(res, str(n.target))]
     if missing:
-        return gm, f"the traced graph reads {missing[0]}, which the model does not hold"
+        return plain_result(gm), (f"the traced graph reads {missing[0]}, which the model "
+                                  f"does not hold")
     res.graph = gm.graph        # owning module and generated code (gated forward)
     return res, None
+
+
+def plain_result(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` as ``PreconditionedGraphModule`` (of its own GraphModule class), where the result
+    cannot be of the user's class: what the user-class result has that a GraphModule lacks
+    (``torch.jit.script`` of the constants-on-weights calls, the traced-attribute check, the
+    pickling and copying that keep it) on the GraphModule."""
+    cls = graph_class(type(gm))
+    if cls is None:
+        return gm
+    res = cls.__new__(cls)
+    res.__dict__.update(gm.__dict__)
+    res.__dict__[DEPTH] = res.__dict__[METHODS] = 0
+    res.graph = gm.graph
+    return res
 
 
 def is_user_graph(model: nn.Module) -> bool:
@@ -554,3 +588,4 @@ def mirror(res: fx.GraphModule, kinds: dict[str, str]) -> tuple[list[str], list[
             only.append(name)
     res.__dict__[MIRRORS] = tuple(sites)
     return done, only
+
