@@ -581,6 +581,8 @@ def finish(st: TorchState) -> None:
     record(st.result, st.work, st.backend, st.graph, lambda m: run_on(m, st.sample, "eval"))
     if hf_checkpoints.is_transformers_model(st.result):   # config entry, checkpoint folding
         hf_checkpoints.prepare(st.result, st.report)
+    # a checkpoint of the model before precondition, loaded into the result, is refused
+    user_class.guard_checkpoints(st.result)
     if st.dtype is not None:
         st.result = st.result.to(st.dtype)
     if isinstance(st.result, torch.fx.GraphModule):

@@ -153,3 +153,35 @@ def test_the_fallback_result_of_a_sealed_class_scripts() -> None:
         pm, rep = precondfx.precondition(_Sealed(), x)
     assert rep.result["is_user_class"] is False
     assert torch.allclose(torch.jit.script(pm)(x), pm(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("capture", ["fx", "eager"])
+@pytest.mark.parametrize("strict", [True, False])
+def test_loading_the_checkpoint_saved_before_precondition_is_refused(capture: str,
+                                                                     strict: bool) -> None:
+    """``result.load_state_dict(original_state, strict=False)``: the user's weights at the user's
+    scale times the constants that stayed (relative output change 0.27 fx, 0.49 eager from
+    the model the checkpoint was saved from), silently; strict=True raised torch's bare
+    missing-keys error.  Now a PrecondError saying what to do; the result's own state dict
+    still loads."""
+    torch.manual_seed(0)
+    model = _SmallCNN()
+    original = copy.deepcopy(model.state_dict())
+    pm, rep = precondfx.precondition(model, torch.randn(8, 3, 16, 16), capture=capture)
+    assert rep.capture == capture
+    x = torch.randn(4, 3, 16, 16)
+    y = pm(x)
+    with pytest.raises(PrecondError, match="saved before precondition"):
+        pm.load_state_dict(original, strict=strict)
+    assert torch.equal(pm(x), y)                # nothing was loaded
+    mine = copy.deepcopy(pm.state_dict())
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.add_(1.0)
+    pm.load_state_dict(mine)
+    assert torch.equal(pm(x), y)
+    plain = _SmallCNN()                         # the original model takes its own checkpoint
+    plain.load_state_dict(original)
+    wrapped = nn.Sequential(pm)                 # the result inside a model of the user's
+    with pytest.raises(PrecondError, match="saved before precondition"):
+        wrapped.load_state_dict({f"0.{k}": v for k, v in original.items()}, strict=False)

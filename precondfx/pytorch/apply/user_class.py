@@ -429,6 +429,9 @@ def adopt(gm: fx.GraphModule, work: nn.Module) -> tuple[fx.GraphModule, str | No
                                   f"GraphModule")
     d = dict(gm.__dict__)
     d.update({k: v for k, v in vars(work).items() if k not in _GM_KEYS})
+    for k, v in vars(work).items():     # its own hook dicts (the same hooks): one registered
+        if k.startswith("_") and "hooks" in k and isinstance(v, dict):    # on it stays its own
+            d[k] = type(v)(v)
     d["_modules"] = collections.OrderedDict(work._modules)
     d["_parameters"] = collections.OrderedDict(work._parameters)
     d["_buffers"] = collections.OrderedDict(work._buffers)
@@ -589,3 +592,50 @@ def mirror(res: fx.GraphModule, kinds: dict[str, str]) -> tuple[list[str], list[
     res.__dict__[MIRRORS] = tuple(sites)
     return done, only
 
+
+# -- checkpoints ---------------------------------------------------------------------------------
+def _constant_keys(module: nn.Module, prefix: str) -> tuple[list[str], list[str]]:
+    """The state-dict keys of ``module`` (under ``prefix``): its persistent precondfx constants,
+    and its parameters (which a checkpoint of the model before precondition also holds)."""
+    consts: list[str] = []
+    params: list[str] = []
+    for path, m in module.named_modules(prefix=prefix.rstrip(".")):
+        dot = f"{path}." if path else ""
+        consts += [dot + n for n, b in m._buffers.items() if b is not None and
+                   n.startswith(PREFIX) and n not in m._non_persistent_buffers_set]
+        params += [dot + n for n, p in m._parameters.items() if p is not None]
+    return consts, params
+
+
+def _refuse_plain_checkpoint(module: nn.Module, state_dict: dict, prefix: str, meta: Any,
+                             strict: bool, missing: list, unexpected: list,
+                             errors: list) -> None:
+    """``load_state_dict`` pre-hook of a result: refuse a state dict that holds the model's
+    weights but none of its persistent constants (a checkpoint saved before precondition, or
+    of the folded model).  Loaded, with ``strict=False``, its weights would come back at the
+    scale of the model it was saved from while the constants stay: the result would compute
+    another function, silently."""
+    consts, params = _constant_keys(module, prefix)
+    if not consts or any(k in state_dict for k in consts):
+        return
+    held = [k for k in params if k in state_dict]
+    if not held:
+        return
+    from precondfx.errors import PrecondError
+    raise PrecondError(
+        f"this state dict holds {len(held)} of the preconditioned model's weights (e.g. "
+        f"{held[0]}) but none of its {len(consts)} precondfx constants (e.g. {consts[0]}): it "
+        f"was saved before precondition (or from precondfx.fold's plain model). Loaded into the "
+        f"result, its weights would multiply the result's constants, a different function "
+        f"(strict=False would do it silently). Load it into your original model instead and "
+        f"precondition that (reinit_weights=False keeps the loaded weights), or load a state "
+        f"dict saved from a preconditioned model (it holds the precondfx_* entries)")
+
+
+def guard_checkpoints(model: nn.Module) -> None:
+    """Register :func:`_refuse_plain_checkpoint` on a result (once; ``fold`` removes it with
+    precondfx's other hooks)."""
+    hooks = getattr(model, "_load_state_dict_pre_hooks", {})
+    if any(getattr(h, "hook", h) is _refuse_plain_checkpoint for h in hooks.values()):
+        return
+    model.register_load_state_dict_pre_hook(_refuse_plain_checkpoint)
