@@ -483,27 +483,47 @@ def is_user_graph(model: nn.Module) -> bool:
 
 
 # -- the mirror hooks ----------------------------------------------------------------------------
+def _mirrored(root: nn.Module, names: tuple[str, ...], path: str) -> torch.Tensor:
+    """The constant a mirror hook applies: ``names`` holds the one the graph applies at each
+    call of the module (a module forward calls more than once: a shared tower, a block applied
+    twice); they are equal by the plan (one weight, one alpha), and a method cannot tell
+    which call it makes, so unequal ones are refused rather than one picked."""
+    c = getattr(root, names[0])
+    for n in names[1:]:
+        if not torch.equal(getattr(root, n), c):
+            from precondfx.errors import PrecondError
+            raise PrecondError(
+                f"{path} is called {len(names)} times by forward, with different constants "
+                f"({names[0]}={float(c):.6g}, {n}={float(getattr(root, n)):.6g}): a method of "
+                f"your class calling it cannot apply the right one. Call the model's forward, "
+                f"or precondition with capture='eager' (constants on the modules themselves)")
+    return c
+
+
 def _install(root: nn.Module) -> list[Any]:
     """Register the mirror hooks ``root`` records (``MIRRORS``: (module path, 'out' or 'in',
-    constant)); returns their handles.  Each reads the constant from ``root`` when it runs and
-    does nothing while the graph's forward runs."""
+    the constant at each of the module's calls in the graph)); returns their handles.  Each
+    reads the constant from ``root`` when it runs and does nothing while the graph's forward
+    runs."""
     handles = []
-    for path, where, name in root.__dict__.get(MIRRORS, ()):
+    for path, where, names in root.__dict__.get(MIRRORS, ()):
+        names = (names,) if isinstance(names, str) else tuple(names)
         try:
             mod = root.get_submodule(path)
         except AttributeError:      # replaced by the user (reset_classifier): nothing to mirror
             continue
         if where == "out":
-            def hook(m: nn.Module, args: tuple, out: Any, name: str = name) -> Any:
+            def hook(m: nn.Module, args: tuple, out: Any, names: tuple = names,
+                     path: str = path) -> Any:
                 if getattr(root, DEPTH):
                     return None
-                return times_first(out, getattr(root, name))
+                return times_first(out, _mirrored(root, names, path))
             handles.append(mod.register_forward_hook(hook))
         else:
-            def pre(m: nn.Module, args: tuple, name: str = name) -> Any:
+            def pre(m: nn.Module, args: tuple, names: tuple = names, path: str = path) -> Any:
                 if getattr(root, DEPTH) or not args or not isinstance(args[0], torch.Tensor):
                     return None
-                return (args[0] * getattr(root, name),) + tuple(args[1:])
+                return (args[0] * _mirrored(root, names, path),) + tuple(args[1:])
             handles.append(mod.register_forward_pre_hook(pre))
     return handles
 
@@ -524,30 +544,35 @@ def _tensor_inputs(n: fx.Node) -> list[fx.Node]:
     return [a for a in n.all_input_nodes if a.op != "get_attr"]
 
 
-def mirror(res: fx.GraphModule, kinds: dict[str, str]) -> tuple[list[str], list[str]]:
+def mirror(res: fx.GraphModule, kinds: dict[str, str], placed: dict[str, str] | None = None
+           ) -> tuple[list[str], list[str]]:
     """Record (``MIRRORS``) the hooks that apply, while a user's method runs (not in the
     graph's forward), each constant the graph multiplies in at a
     module's output (up through ops that commute with a positive scale) or at its first input;
     returns the constants mirrored and those only the forward applies (``kinds``: node name ->
-    kind, from the captured graph)."""
+    kind, from the captured graph; ``placed``: constant -> 'in' or 'out', the side of the node
+    the plan put it on, tried first: an alpha on a layer's input is mirrored on that layer,
+    not on the output of the module before it, so a method returning that module's output
+    (``encode`` before a decoder) returns it without the next layer's alpha)."""
     consts = {n for n in res._buffers if n.startswith(PREFIX)}
     nodes = list(res.graph.nodes)
     calls = collections.Counter(str(n.target) for n in nodes if n.op == "call_module")
     owners = collections.Counter(id(m) for _, m in res.named_modules(remove_duplicate=False))
 
-    def module_of(n: fx.Node) -> str | None:
-        if n.op != "call_module" or calls[str(n.target)] != 1:
+    def module_of(n: fx.Node, shared: bool) -> fx.Node | None:
+        """``n`` if it calls a module held at one path and called once (or more: ``shared``)."""
+        if n.op != "call_module" or (calls[str(n.target)] != 1 and not shared):
             return None
-        return str(n.target) if owners[id(res.get_submodule(str(n.target)))] == 1 else None
+        return n if owners[id(res.get_submodule(str(n.target)))] == 1 else None
 
-    def output_site(x: fx.Node, c: fx.Node, through: bool) -> str | None:
+    def output_site(x: fx.Node, c: fx.Node, through: bool, shared: bool) -> fx.Node | None:
         cur, user = x, c
         while True:
             if set(cur.users) != {user}:
                 return None
-            path = module_of(cur)
-            if path is not None:
-                return path
+            call = module_of(cur, shared)
+            if call is not None:
+                return call
             inner = _const_of(cur, consts)
             ins = _tensor_inputs(cur)
             if inner is not None:
@@ -557,20 +582,20 @@ def mirror(res: fx.GraphModule, kinds: dict[str, str]) -> tuple[list[str], list[
             else:
                 return None
 
-    def input_site(m: fx.Node) -> str | None:
+    def input_site(m: fx.Node, shared: bool) -> fx.Node | None:
         cur = m
         while len(cur.users) == 1:
             (u,) = cur.users
             if _const_of(u, consts) is not None:
                 cur = u
                 continue
-            path = module_of(u)
-            return path if path is not None and u.args and u.args[0] is cur else None
+            call = module_of(u, shared)
+            return call if call is not None and u.args and u.args[0] is cur else None
         return None
 
-    done: list[str] = []
     only: list[str] = []
-    sites: list[tuple[str, str, str]] = []
+    # (module path, 'out' or 'in') -> call node -> the constants there, in graph order
+    found: dict[tuple[str, str], dict[fx.Node, list[str]]] = {}
     for n in nodes:
         got = _const_of(n, consts)
         if got is None:
@@ -580,15 +605,37 @@ def mirror(res: fx.GraphModule, kinds: dict[str, str]) -> tuple[list[str], list[
         # output, else the consuming module's input, else (through ops commuting with a
         # positive scale) an upstream module's output, whose intermediates then differ from
         # the graph's by the factor (a value returned between them would show it)
-        out = output_site(x, n, through=False)
-        inp = input_site(n) if out is None else None
-        up = output_site(x, n, through=True) if out is None and inp is None else None
+        # (a module called more than once, only where no module called once is found)
+        first_in = (placed or {}).get(name) == "in"
+        for shared in (False, True):
+            inp = input_site(n, shared) if first_in else None
+            out = output_site(x, n, through=False, shared=shared) if inp is None else None
+            inp = input_site(n, shared) if out is None and not first_in else inp
+            up = output_site(x, n, through=True, shared=shared) \
+                if out is None and inp is None and not shared else None
+            if out or up or inp:
+                break
         if out or up or inp:
-            site = (out or up, "out") if out or up else (inp, "in")
-            sites.append((site[0], site[1], name))
-            done.append(name)
+            call, where = (out or up, "out") if out or up else (inp, "in")
+            found.setdefault((str(call.target), where), {}).setdefault(call, []).append(name)
         else:
             only.append(name)
+    # a module the graph calls k times is mirrored where each of its calls carries the same
+    # number of constants there, of equal values: the i-th of each call, together (one hook,
+    # :func:`_mirrored`: a method's call of the module gets the value every call has)
+    done: list[str] = []
+    sites: list[tuple[str, str, tuple[str, ...]]] = []
+    for (path, where), per_call in found.items():
+        lists = list(per_call.values())
+        groups = list(zip(*lists))
+        if len(per_call) != calls[path] or len({len(v) for v in lists}) != 1 or \
+                any(not all(torch.equal(res.get_buffer(c), res.get_buffer(g[0])) for c in g)
+                    for g in groups):
+            only += [c for v in lists for c in v]
+            continue
+        for group in groups:
+            sites.append((path, where, tuple(group)))
+            done += list(group)
     res.__dict__[MIRRORS] = tuple(sites)
     return done, only
 
