@@ -216,6 +216,35 @@ def test_a_method_calling_a_module_forward_calls_twice_gets_its_constants() -> N
     assert torch.allclose(pm.embed(a), ref.embed(a), rtol=1e-5, atol=1e-6)
 
 
+class _LeafForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(30, 32)
+        self.fc1 = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 30, bias=False)
+        self.head.weight = self.emb.weight          # tied
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.fc1(self.emb(ids))))
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.forward(F.relu(self.fc1(self.emb(ids))))
+
+
+@pytest.mark.parametrize("capture", ["fx", "eager"])
+def test_a_method_calling_a_layers_forward_directly_is_reported(capture: str) -> None:
+    """``self.head.forward(h)`` runs no hook, so the method computed without the head's
+    constants (relative change 1.0-1.4 from the folded model), and the report did not say so;
+    ``__init__``'s tie ``self.out.weight = self.emb.weight`` was reported as a method computing
+    without constants."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 30, (8, 6))
+    pm, rep = precondfx.precondition(_LeafForward(), ids, capture=capture, balance="hessian")
+    lines = [ln for ln in rep.result["forward_only"] if ln.startswith("method")]
+    assert lines and all("method logits calls self.head.forward" in ln for ln in lines)
+    assert not any("__init__" in ln for ln in rep.result["forward_only"])
+
+
 class _AutoEncoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -347,30 +347,41 @@ def _computes(n: ast.AST, parent: dict) -> bool:
 def direct_reads(user_cls: type, paths: set[str]) -> list[str]:
     """The user's methods (other than ``forward``, which the trace sees) that read the weight or
     bias of a module in ``paths`` (the modules whose call carries constants) outside a call of
-    it (``F.linear(h, self.head.weight, self.head.bias)``): a call of the module sees its
-    constants, such a read sees the bare parameter, so the method computes without them.  One
-    line each, for the report (from the methods' source; a method without source is not read)."""
+    it (``F.linear(h, self.head.weight, self.head.bias)``), or call its ``forward`` directly
+    (``self.head.forward(h)``, which runs no hook): a call of the module sees its constants,
+    such a read sees the bare parameter, so the method computes without them.  One line each,
+    for the report (from the methods' source; a method without source is not read)."""
     out: list[str] = []
     for klass in user_cls.__mro__:
         if klass in (nn.Module, object) or issubclass(nn.Module, klass):
             continue
         for name, fn in vars(klass).items():
-            tree = _source_tree(fn) if name != "forward" else None
+            # forward: the trace sees it; __init__ and other special methods do not compute
+            # on the result (``self.out.weight = self.emb.weight`` ties, it reads nothing)
+            skip = name == "forward" or (name.startswith("__") and name.endswith("__"))
+            tree = _source_tree(fn) if not skip else None
             if tree is None:
                 continue
             parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
             reads: dict[str, set[str]] = {}
+            forwards: set[str] = set()
             for n in ast.walk(tree):
                 if isinstance(n, ast.Attribute) and n.attr in ("weight", "bias") and \
                         isinstance(n.ctx, ast.Load) and _computes(n, parent) and \
                         (p := _self_path(n.value)) in paths:
                     reads.setdefault(p, set()).add(n.attr)
-            for p in sorted(reads):
-                what = " and ".join(f"self.{p}.{a}" for a in sorted(reads[p], reverse=True))
-                line = (f"method {name} reads {what} outside a call of self.{p}: it computes "
-                        f"without the constants there (call the module, or fold the model)")
-                if line not in out:
-                    out.append(line)
+                # self.head.forward(h): the module's hooks (the constants' mirror) do not run
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and \
+                        n.func.attr == "forward" and (p := _self_path(n.func.value)) in paths:
+                    forwards.add(p)
+            lines = [f"method {name} reads "
+                     f"{' and '.join(f'self.{p}.{a}' for a in sorted(reads[p], reverse=True))} "
+                     f"outside a call of self.{p}: it computes without the constants there "
+                     f"(call the module, or fold the model)" for p in sorted(reads)]
+            lines += [f"method {name} calls self.{p}.forward(...), which runs no hook: it "
+                      f"computes without the constants there (call the module, self.{p}(...), "
+                      f"or fold the model)" for p in sorted(forwards)]
+            out += [line for line in lines if line not in out]
     return out
 
 
