@@ -270,3 +270,37 @@ def test_a_method_returning_a_modules_output_leaves_the_next_layers_alpha_out() 
     ref = precondfx.fold(pm)
     assert torch.allclose(pm.encode(x), ref.encode(x), rtol=1e-5, atol=1e-6)
     assert torch.allclose(pm(x), ref(x), rtol=1e-5, atol=1e-6)
+
+
+class _Tempered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(20, 32)
+        self.fc2 = nn.Linear(32, 3)
+        self._temp = 2.0
+
+    @property
+    def temperature(self) -> float:
+        return self._temp
+
+    @temperature.setter
+    def temperature(self, v: float) -> None:
+        self._temp = v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x))) / self.temperature
+
+
+def test_an_attribute_read_through_a_property_is_checked() -> None:
+    """``model.temperature = 1.0`` through a property's setter: the fx result kept dividing by
+    the traced 2.0 (relative output change 0 where the user's forward doubles), silently."""
+    torch.manual_seed(0)
+    pm, rep = precondfx.precondition(_Tempered(), torch.randn(32, 20))
+    assert rep.capture == "fx"
+    x = torch.randn(3, 20)
+    pm(x)
+    pm.temperature = 1.0
+    with pytest.raises(PrecondError, match="_temp is 1.0"):
+        pm(x)
+    pm.temperature = 2.0
+    pm(x)

@@ -161,10 +161,10 @@ def _static(obj: Any, name: str) -> Any:
 
 def traced_reads(res: fx.GraphModule) -> tuple:
     """The plain values (numbers, flags, strings, enums; lists, tuples, sets and dicts of them
-    and dataclass configs, copied: :func:`_by_value`) that the forwards the trace
-    went through (the root's and those of the user's modules not called as graph modules) read
-    from ``self`` (and from the methods of ``self`` they call), as the trace saw them
-    (recorded right after it): ((module, path, name, value), ...)."""
+    and dataclass configs, copied: :func:`_by_value`) that the forwards the trace went through
+    (the root's and those of the user's modules not called as graph modules) read from
+    ``self`` (and from the methods and property getters of ``self`` they call), as the trace
+    saw them (recorded right after it): ((module, path, name, value), ...)."""
     called = {str(n.target) for n in res.graph.nodes if n.op == "call_module"}
     out: list[tuple[nn.Module | None, str, str, Any]] = []
     for path, m in res.named_modules():
@@ -178,7 +178,10 @@ def traced_reads(res: fx.GraphModule) -> tuple:
         while todo:
             meth = todo.pop()
             seen.add(meth)
-            tree = _source_tree(getattr(cls, meth, None))
+            fn = inspect.getattr_static(cls, meth, None)
+            # a property's getter is read like a method (``self.temperature`` returning
+            # ``self._temp``: the attribute it reads is checked), never evaluated
+            tree = _source_tree(fn.fget if isinstance(fn, property) else getattr(cls, meth, None))
             if tree is None:
                 continue
             for n in ast.walk(tree):
@@ -188,8 +191,8 @@ def traced_reads(res: fx.GraphModule) -> tuple:
                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and \
                         n.value.id == "self" and isinstance(n.ctx, ast.Load):
                     names.add(n.attr)
-                    if isinstance(getattr(cls, n.attr, None), (types.FunctionType,)) and \
-                            n.attr not in seen:
+                    if isinstance(getattr(cls, n.attr, None), (types.FunctionType, property)) \
+                            and n.attr not in seen:
                         todo.append(n.attr)
         # a field (self.config.return_dict) before the object holding it: its message is
         # the more precise
