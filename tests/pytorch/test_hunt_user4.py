@@ -304,3 +304,12 @@ def test_an_attribute_read_through_a_property_is_checked() -> None:
         pm(x)
     pm.temperature = 2.0
     pm(x)
+
+
+def test_a_checkpoint_of_a_result_captured_otherwise_is_refused_saying_so() -> None:
+    torch.manual_seed(0)
+    sample = torch.randn(8, 3, 16, 16)
+    fx_res, _ = precondfx.precondition(_SmallCNN(), sample, capture="fx")
+    eager_res, _ = precondfx.precondition(_SmallCNN(), sample, capture="eager")
+    with pytest.raises(PrecondError, match="named otherwise"):
+        eager_res.load_state_dict(fx_res.state_dict(), strict=False)

@@ -683,6 +683,15 @@ def _refuse_plain_checkpoint(module: nn.Module, state_dict: dict, prefix: str, m
     if not held:
         return
     from precondfx.errors import PrecondError
+    theirs = [k for k in state_dict if k.startswith(prefix) and PREFIX in k]
+    if theirs:
+        raise PrecondError(
+            f"this state dict holds the preconditioned model's weights (e.g. {held[0]}) with "
+            f"precondfx constants named otherwise ({theirs[0]}; this model has {consts[0]}): it "
+            f"was saved from a result preconditioned another way (another capture: fx keeps the "
+            f"constants on the model, export and eager on each layer). Load it into a model "
+            f"preconditioned with the same options, or fold that one (precondfx.fold) and "
+            f"load the plain state dict into your original model")
     raise PrecondError(
         f"this state dict holds {len(held)} of the preconditioned model's weights (e.g. "
         f"{held[0]}) but none of its {len(consts)} precondfx constants (e.g. {consts[0]}): it "
