@@ -497,6 +497,11 @@ def is_user_graph(model: nn.Module) -> bool:
 
 
 # -- the mirror hooks ----------------------------------------------------------------------------
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal constants; on the meta device (no values yet: the plan sets them equal) True."""
+    return a.is_meta or b.is_meta or torch.equal(a, b)
+
+
 def _mirrored(root: nn.Module, names: tuple[str, ...], path: str) -> torch.Tensor:
     """The constant a mirror hook applies: ``names`` holds the one the graph applies at each
     call of the module (a module forward calls more than once: a shared tower, a block applied
@@ -504,7 +509,7 @@ def _mirrored(root: nn.Module, names: tuple[str, ...], path: str) -> torch.Tenso
     which call it makes, so unequal ones are refused rather than one picked."""
     c = getattr(root, names[0])
     for n in names[1:]:
-        if not torch.equal(getattr(root, n), c):
+        if not _same(getattr(root, n), c):
             from precondfx.errors import PrecondError
             raise PrecondError(
                 f"{path} is called {len(names)} times by forward, with different constants "
@@ -643,7 +648,7 @@ def mirror(res: fx.GraphModule, kinds: dict[str, str], placed: dict[str, str] | 
         lists = list(per_call.values())
         groups = list(zip(*lists))
         if len(per_call) != calls[path] or len({len(v) for v in lists}) != 1 or \
-                any(not all(torch.equal(res.get_buffer(c), res.get_buffer(g[0])) for c in g)
+                any(not all(_same(res.get_buffer(c), res.get_buffer(g[0])) for c in g)
                     for g in groups):
             only += [c for v in lists for c in v]
             continue
