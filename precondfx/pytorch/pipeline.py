@@ -596,6 +596,8 @@ def finish(st: TorchState) -> None:
     record(st.result, st.work, st.backend, st.graph, lambda m: run_on(m, st.sample, "eval"))
     if hf_checkpoints.is_transformers_model(st.result):   # config entry, checkpoint folding
         hf_checkpoints.prepare(st.result, st.report)
+    # a checkpoint of the model before precondition, loaded into the result, is refused
+    user_class.guard_checkpoints(st.result)
     if st.dtype is not None:
         st.result = st.result.to(st.dtype)
     if isinstance(st.result, torch.fx.GraphModule):
@@ -612,12 +614,13 @@ def result_record(st: TorchState) -> None:
     ``forward`` sees.  On a GraphModule of the user's class, the constants at module sites get
     mirror hooks for the other methods (``apply.user_class.mirror``)."""
     res, rep = st.result, st.report
-    cls = type(st.model)
+    cls = user_class.own_class(type(st.model))      # a GraphModule's: past fx's per-instance one
     graph = isinstance(res, torch.fx.GraphModule)
     only: list[str] = []
     carriers: set[str] = set()      # the modules whose call carries constants
     if user_class.is_user_graph(res):
-        _, consts = user_class.mirror(res, {n.name: n.kind for n in st.graph})
+        _, consts = user_class.mirror(res, {n.name: n.kind for n in st.graph},
+                                      getattr(st.backend, "placed", None))
         res.__dict__[user_class.READS] = user_class.traced_reads(res)
         only = [f"constant {c}" for c in consts] + list(st.backend.graph_only)
         carriers = {site[0] for site in res.__dict__.get(user_class.MIRRORS, ())}

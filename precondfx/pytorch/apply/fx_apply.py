@@ -88,6 +88,9 @@ class FxApplier(TorchBackend, Records):
         #: edits at functional sites, which only the graph's forward sees (not the user's other
         #: methods, on a result that is the user's class: ``apply.user_class``)
         self.graph_only: list[str] = []
+        #: each constant's side of the node it was placed for: 'in' (an alpha on a layer's
+        #: input) or 'out' (``user_class.mirror`` mirrors it on that side first)
+        self.placed: dict[str, str] = {}
 
     def _buffer(self, name: str, value: float) -> fx.Node:
         self.gm.register_buffer(name, scalar_buffer(value, like_param(self.gm)))
@@ -124,6 +127,7 @@ class FxApplier(TorchBackend, Records):
                 m = self.gm.graph.call_function(operator.mul, (node, c))
             _same_meta(m, node)
             node.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
+        self.placed[bname] = "in" if sc.where in ("input", "operand") else "out"
         self._done(key, f"{sc.tag} {sc.value:.4g} at {sc.where} of {sc.node} ({bname})", bname)
         return bname
 

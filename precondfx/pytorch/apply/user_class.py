@@ -29,6 +29,8 @@ from __future__ import annotations
 import ast
 import collections
 import copy
+import dataclasses
+import enum
 import functools
 import inspect
 import operator
@@ -47,8 +49,9 @@ from precondfx.pytorch.apply.common import times_first
 DEPTH = "_precondfx_graph_depth"
 #: the attribute counting the user's methods running on it (its mirror hooks are on then)
 METHODS = "_precondfx_methods"
-#: the attribute recording the plain values (numbers, flags, strings) the traced forwards read
-#: from the model's attributes, baked into the graph: ((module, path, name, value), ...)
+#: the attribute recording the plain values (numbers, flags, strings, containers of them) the
+#: traced forwards read from the model's attributes, baked into the graph:
+#: ((module, path, name, value or a copy of the container), ...)
 READS = "_precondfx_traced_reads"
 #: the attribute recording the mirror hooks: ((module path, 'out' or 'in', constant), ...)
 MIRRORS = "_precondfx_mirrors"
@@ -97,9 +100,29 @@ def _source_tree(fn: Any) -> ast.AST | None:
         return None
 
 
-def _plain(v: Any) -> bool:
-    return isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(e, _PLAIN)
-                                                                   for e in v))
+#: the most plain leaves a container the traced forward read may hold to be checked (copied at
+#: the trace, compared by value at every call; a bigger one is not checked)
+_CONTAINER_LEAVES = 256
+
+
+def _by_value(v: Any, budget: list[int] | None = None) -> bool:
+    """Whether ``v`` is a plain value ``==`` compares by value: numbers, flags, strings, enums,
+    and lists, tuples, sets and dicts of them, and dataclass instances (a config; compared
+    field by field) of them, nested, with at most ``_CONTAINER_LEAVES`` leaves."""
+    budget = [_CONTAINER_LEAVES] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0:
+        return False
+    if isinstance(v, _PLAIN) or isinstance(v, enum.Enum):
+        return True
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return all(_by_value(e, budget) for e in v)
+    if isinstance(v, dict):
+        return all(_by_value(k, budget) and _by_value(e, budget) for k, e in v.items())
+    if dataclasses.is_dataclass(v) and not isinstance(v, type) and \
+            getattr(v, "__dataclass_params__", None) is not None and v.__dataclass_params__.eq:
+        return all(_by_value(getattr(v, f.name, None), budget) for f in dataclasses.fields(v))
+    return False
 
 
 def _check_reads(root: nn.Module, reads: tuple) -> None:
@@ -110,7 +133,8 @@ def _check_reads(root: nn.Module, reads: tuple) -> None:
         for part in name.split("."):
             now = _static(now, part)
         if now is _MISSING:
-            now = old
+            continue
+        # a container was copied at the trace: compared by value (changed in place too)
         if now is not old and now != old:
             from precondfx.errors import PrecondError
             where = f"{path}.{name}" if path else name
@@ -136,10 +160,11 @@ def _static(obj: Any, name: str) -> Any:
 
 
 def traced_reads(res: fx.GraphModule) -> tuple:
-    """The plain values (numbers, flags, strings, tuples of them) that the forwards the trace
-    went through (the root's and those of the user's modules not called as graph modules) read
-    from ``self`` (and from the methods of ``self`` they call), as the trace saw them
-    (recorded right after it): ((module, path, name, value), ...)."""
+    """The plain values (numbers, flags, strings, enums; lists, tuples, sets and dicts of them
+    and dataclass configs, copied: :func:`_by_value`) that the forwards the trace went through
+    (the root's and those of the user's modules not called as graph modules) read from
+    ``self`` (and from the methods and property getters of ``self`` they call), as the trace
+    saw them (recorded right after it): ((module, path, name, value), ...)."""
     called = {str(n.target) for n in res.graph.nodes if n.op == "call_module"}
     out: list[tuple[nn.Module | None, str, str, Any]] = []
     for path, m in res.named_modules():
@@ -153,7 +178,10 @@ def traced_reads(res: fx.GraphModule) -> tuple:
         while todo:
             meth = todo.pop()
             seen.add(meth)
-            tree = _source_tree(getattr(cls, meth, None))
+            fn = inspect.getattr_static(cls, meth, None)
+            # a property's getter is read like a method (``self.temperature`` returning
+            # ``self._temp``: the attribute it reads is checked), never evaluated
+            tree = _source_tree(fn.fget if isinstance(fn, property) else getattr(cls, meth, None))
             if tree is None:
                 continue
             for n in ast.walk(tree):
@@ -163,10 +191,12 @@ def traced_reads(res: fx.GraphModule) -> tuple:
                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and \
                         n.value.id == "self" and isinstance(n.ctx, ast.Load):
                     names.add(n.attr)
-                    if isinstance(getattr(cls, n.attr, None), (types.FunctionType,)) and \
-                            n.attr not in seen:
+                    if isinstance(getattr(cls, n.attr, None), (types.FunctionType, property)) \
+                            and n.attr not in seen:
                         todo.append(n.attr)
-        for name in sorted(names - {"training"}):
+        # a field (self.config.return_dict) before the object holding it: its message is
+        # the more precise
+        for name in sorted(names - {"training"}, key=lambda n: (-n.count("."), n)):
             head = name.partition(".")[0]
             if head in m._modules or head in m._parameters or head in m._buffers:
                 continue
@@ -178,8 +208,10 @@ def traced_reads(res: fx.GraphModule) -> tuple:
                 if v is not m and isinstance(v, (nn.Module, torch.Tensor)):
                     v = _MISSING
                 v = _static(v, part)
-            if v is not _MISSING and _plain(v):
-                out.append((m if path else None, path, name, v))
+            if v is not _MISSING and _by_value(v):
+                # a container copied: one changed in place afterwards compares unequal
+                out.append((m if path else None, path, name,
+                            v if isinstance(v, _PLAIN) else copy.deepcopy(v)))
     return tuple(out)
 
 
@@ -322,30 +354,41 @@ def _computes(n: ast.AST, parent: dict) -> bool:
 def direct_reads(user_cls: type, paths: set[str]) -> list[str]:
     """The user's methods (other than ``forward``, which the trace sees) that read the weight or
     bias of a module in ``paths`` (the modules whose call carries constants) outside a call of
-    it (``F.linear(h, self.head.weight, self.head.bias)``): a call of the module sees its
-    constants, such a read sees the bare parameter, so the method computes without them.  One
-    line each, for the report (from the methods' source; a method without source is not read)."""
+    it (``F.linear(h, self.head.weight, self.head.bias)``), or call its ``forward`` directly
+    (``self.head.forward(h)``, which runs no hook): a call of the module sees its constants,
+    such a read sees the bare parameter, so the method computes without them.  One line each,
+    for the report (from the methods' source; a method without source is not read)."""
     out: list[str] = []
     for klass in user_cls.__mro__:
         if klass in (nn.Module, object) or issubclass(nn.Module, klass):
             continue
         for name, fn in vars(klass).items():
-            tree = _source_tree(fn) if name != "forward" else None
+            # forward: the trace sees it; __init__ and other special methods do not compute
+            # on the result (``self.out.weight = self.emb.weight`` ties, it reads nothing)
+            skip = name == "forward" or (name.startswith("__") and name.endswith("__"))
+            tree = _source_tree(fn) if not skip else None
             if tree is None:
                 continue
             parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
             reads: dict[str, set[str]] = {}
+            forwards: set[str] = set()
             for n in ast.walk(tree):
                 if isinstance(n, ast.Attribute) and n.attr in ("weight", "bias") and \
                         isinstance(n.ctx, ast.Load) and _computes(n, parent) and \
                         (p := _self_path(n.value)) in paths:
                     reads.setdefault(p, set()).add(n.attr)
-            for p in sorted(reads):
-                what = " and ".join(f"self.{p}.{a}" for a in sorted(reads[p], reverse=True))
-                line = (f"method {name} reads {what} outside a call of self.{p}: it computes "
-                        f"without the constants there (call the module, or fold the model)")
-                if line not in out:
-                    out.append(line)
+                # self.head.forward(h): the module's hooks (the constants' mirror) do not run
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and \
+                        n.func.attr == "forward" and (p := _self_path(n.func.value)) in paths:
+                    forwards.add(p)
+            lines = [f"method {name} reads "
+                     f"{' and '.join(f'self.{p}.{a}' for a in sorted(reads[p], reverse=True))} "
+                     f"outside a call of self.{p}: it computes without the constants there "
+                     f"(call the module, or fold the model)" for p in sorted(reads)]
+            lines += [f"method {name} calls self.{p}.forward(...), which runs no hook: it "
+                      f"computes without the constants there (call the module, self.{p}(...), "
+                      f"or fold the model)" for p in sorted(forwards)]
+            out += [line for line in lines if line not in out]
     return out
 
 
@@ -369,12 +412,28 @@ def _no_slices(getitem: Any) -> Any:
     return __getitem__
 
 
+def own_class(cls: type) -> type:
+    """``cls``, or for torch.fx's per-instance ``GraphModuleImpl`` (every GraphModule's type) the
+    class it was made for (``fx.GraphModule``, or the user's subclass of it)."""
+    return next(t for t in cls.__mro__ if t.__qualname__.rpartition(".")[2] != "GraphModuleImpl")
+
+
 @functools.lru_cache(maxsize=None)
 def graph_class(user_cls: type) -> type | None:
     """``Preconditioned<user_cls>``: a GraphModule subclass that is also ``user_cls`` (None
-    where the two classes cannot be combined)."""
-    if issubclass(user_cls, fx.GraphModule) or not issubclass(user_cls, nn.Module):
+    where the two classes cannot be combined).  For a GraphModule (``fx.symbolic_trace``'s, or a
+    subclass of it), the class it is an instance of past torch.fx's per-instance
+    ``GraphModuleImpl``: ``PreconditionedGraphModule`` is the fallback result's class."""
+    if not issubclass(user_cls, nn.Module):
         return None
+    bases: tuple[type, ...] = (fx.GraphModule, user_cls)
+    if issubclass(user_cls, fx.GraphModule):
+        if "_precondfx_user_class" in vars(user_cls):
+            return user_cls
+        base = own_class(user_cls)
+        if base is not user_cls:
+            return graph_class(base)
+        bases = (user_cls,)
     ns = {"__module__": __name__, "__doc__": user_cls.__doc__,
           "recompile": _recompile, "__deepcopy__": _deepcopy, "__copy__": _copy,
           "__reduce__": _reduce, "__setstate__": _setstate, DEPTH: 0, METHODS: 0,
@@ -385,7 +444,7 @@ def graph_class(user_cls: type) -> type | None:
     if issubclass(user_cls, (nn.Sequential, nn.ModuleList)):
         ns["__getitem__"] = _no_slices(user_cls.__getitem__)
     try:
-        return type(f"Preconditioned{user_cls.__name__}", (fx.GraphModule, user_cls), ns)
+        return type(f"Preconditioned{user_cls.__name__}", bases, ns)
     except TypeError:       # a metaclass or layout conflict
         return None
 
@@ -402,13 +461,17 @@ def _resolves(root: nn.Module, target: str) -> bool:
 
 def adopt(gm: fx.GraphModule, work: nn.Module) -> tuple[fx.GraphModule, str | None]:
     """``gm``'s graph on ``work``'s own module tree, as ``Preconditioned<type(work)>``; with why
-    not (``gm`` itself is returned) where the class cannot be combined or the tree does not hold
-    what the graph reads."""
+    not (``gm`` as ``PreconditionedGraphModule``, :func:`plain_result`, is returned) where the
+    class cannot be combined or the tree does not hold what the graph reads."""
     cls = graph_class(type(work))
     if cls is None:
-        return gm, f"the class {type(work).__name__} cannot be combined with GraphModule"
+        return plain_result(gm), (f"the class {type(work).__name__} cannot be combined with "
+                                  f"GraphModule")
     d = dict(gm.__dict__)
     d.update({k: v for k, v in vars(work).items() if k not in _GM_KEYS})
+    for k, v in vars(work).items():     # its own hook dicts (the same hooks): one registered
+        if k.startswith("_") and "hooks" in k and isinstance(v, dict):    # on it stays its own
+            d[k] = type(v)(v)
     d["_modules"] = collections.OrderedDict(work._modules)
     d["_parameters"] = collections.OrderedDict(work._parameters)
     d["_buffers"] = collections.OrderedDict(work._buffers)
@@ -421,7 +484,8 @@ def adopt(gm: fx.GraphModule, work: nn.Module) -> tuple[fx.GraphModule, str | No
         if path and not _resolves(res, path):
             parent, _, leaf = path.rpartition(".")
             if parent and not _resolves(res, parent):
-                return gm, f"the traced graph calls {path}, which the model does not hold"
+                return plain_result(gm), (f"the traced graph calls {path}, which the model "
+                                          f"does not hold")
             (res.get_submodule(parent) if parent else res).add_module(leaf, m)
     for name, t in gm.named_buffers():
         if _resolves(res, name):
@@ -433,9 +497,25 @@ def adopt(gm: fx.GraphModule, work: nn.Module) -> tuple[fx.GraphModule, str | No
     missing = [str(n.target) for n in gm.graph.nodes if n.op in ("get_attr", "call_module")
                and not _resolves(res, str(n.target))]
     if missing:
-        return gm, f"the traced graph reads {missing[0]}, which the model does not hold"
+        return plain_result(gm), (f"the traced graph reads {missing[0]}, which the model "
+                                  f"does not hold")
     res.graph = gm.graph        # owning module and generated code (gated forward)
     return res, None
+
+
+def plain_result(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` as ``PreconditionedGraphModule`` (of its own GraphModule class), where the result
+    cannot be of the user's class: what the user-class result has that a GraphModule lacks
+    (``torch.jit.script`` of the constants-on-weights calls, the traced-attribute check, the
+    pickling and copying that keep it) on the GraphModule."""
+    cls = graph_class(type(gm))
+    if cls is None:
+        return gm
+    res = cls.__new__(cls)
+    res.__dict__.update(gm.__dict__)
+    res.__dict__[DEPTH] = res.__dict__[METHODS] = 0
+    res.graph = gm.graph
+    return res
 
 
 def is_user_graph(model: nn.Module) -> bool:
@@ -443,27 +523,52 @@ def is_user_graph(model: nn.Module) -> bool:
 
 
 # -- the mirror hooks ----------------------------------------------------------------------------
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal constants; on the meta device (no values yet: the plan sets them equal) True."""
+    return a.is_meta or b.is_meta or torch.equal(a, b)
+
+
+def _mirrored(root: nn.Module, names: tuple[str, ...], path: str) -> torch.Tensor:
+    """The constant a mirror hook applies: ``names`` holds the one the graph applies at each
+    call of the module (a module forward calls more than once: a shared tower, a block applied
+    twice); they are equal by the plan (one weight, one alpha), and a method cannot tell
+    which call it makes, so unequal ones are refused rather than one picked."""
+    c = getattr(root, names[0])
+    for n in names[1:]:
+        if not _same(getattr(root, n), c):
+            from precondfx.errors import PrecondError
+            raise PrecondError(
+                f"{path} is called {len(names)} times by forward, with different constants "
+                f"({names[0]}={float(c):.6g}, {n}={float(getattr(root, n)):.6g}): a method of "
+                f"your class calling it cannot apply the right one. Call the model's forward, "
+                f"or precondition with capture='eager' (constants on the modules themselves)")
+    return c
+
+
 def _install(root: nn.Module) -> list[Any]:
     """Register the mirror hooks ``root`` records (``MIRRORS``: (module path, 'out' or 'in',
-    constant)); returns their handles.  Each reads the constant from ``root`` when it runs and
-    does nothing while the graph's forward runs."""
+    the constant at each of the module's calls in the graph)); returns their handles.  Each
+    reads the constant from ``root`` when it runs and does nothing while the graph's forward
+    runs."""
     handles = []
-    for path, where, name in root.__dict__.get(MIRRORS, ()):
+    for path, where, names in root.__dict__.get(MIRRORS, ()):
+        names = (names,) if isinstance(names, str) else tuple(names)
         try:
             mod = root.get_submodule(path)
         except AttributeError:      # replaced by the user (reset_classifier): nothing to mirror
             continue
         if where == "out":
-            def hook(m: nn.Module, args: tuple, out: Any, name: str = name) -> Any:
+            def hook(m: nn.Module, args: tuple, out: Any, names: tuple = names,
+                     path: str = path) -> Any:
                 if getattr(root, DEPTH):
                     return None
-                return times_first(out, getattr(root, name))
+                return times_first(out, _mirrored(root, names, path))
             handles.append(mod.register_forward_hook(hook))
         else:
-            def pre(m: nn.Module, args: tuple, name: str = name) -> Any:
+            def pre(m: nn.Module, args: tuple, names: tuple = names, path: str = path) -> Any:
                 if getattr(root, DEPTH) or not args or not isinstance(args[0], torch.Tensor):
                     return None
-                return (args[0] * getattr(root, name),) + tuple(args[1:])
+                return (args[0] * _mirrored(root, names, path),) + tuple(args[1:])
             handles.append(mod.register_forward_pre_hook(pre))
     return handles
 
@@ -484,30 +589,35 @@ def _tensor_inputs(n: fx.Node) -> list[fx.Node]:
     return [a for a in n.all_input_nodes if a.op != "get_attr"]
 
 
-def mirror(res: fx.GraphModule, kinds: dict[str, str]) -> tuple[list[str], list[str]]:
+def mirror(res: fx.GraphModule, kinds: dict[str, str], placed: dict[str, str] | None = None
+           ) -> tuple[list[str], list[str]]:
     """Record (``MIRRORS``) the hooks that apply, while a user's method runs (not in the
     graph's forward), each constant the graph multiplies in at a
     module's output (up through ops that commute with a positive scale) or at its first input;
     returns the constants mirrored and those only the forward applies (``kinds``: node name ->
-    kind, from the captured graph)."""
+    kind, from the captured graph; ``placed``: constant -> 'in' or 'out', the side of the node
+    the plan put it on, tried first: an alpha on a layer's input is mirrored on that layer,
+    not on the output of the module before it, so a method returning that module's output
+    (``encode`` before a decoder) returns it without the next layer's alpha)."""
     consts = {n for n in res._buffers if n.startswith(PREFIX)}
     nodes = list(res.graph.nodes)
     calls = collections.Counter(str(n.target) for n in nodes if n.op == "call_module")
     owners = collections.Counter(id(m) for _, m in res.named_modules(remove_duplicate=False))
 
-    def module_of(n: fx.Node) -> str | None:
-        if n.op != "call_module" or calls[str(n.target)] != 1:
+    def module_of(n: fx.Node, shared: bool) -> fx.Node | None:
+        """``n`` if it calls a module held at one path and called once (or more: ``shared``)."""
+        if n.op != "call_module" or (calls[str(n.target)] != 1 and not shared):
             return None
-        return str(n.target) if owners[id(res.get_submodule(str(n.target)))] == 1 else None
+        return n if owners[id(res.get_submodule(str(n.target)))] == 1 else None
 
-    def output_site(x: fx.Node, c: fx.Node, through: bool) -> str | None:
+    def output_site(x: fx.Node, c: fx.Node, through: bool, shared: bool) -> fx.Node | None:
         cur, user = x, c
         while True:
             if set(cur.users) != {user}:
                 return None
-            path = module_of(cur)
-            if path is not None:
-                return path
+            call = module_of(cur, shared)
+            if call is not None:
+                return call
             inner = _const_of(cur, consts)
             ins = _tensor_inputs(cur)
             if inner is not None:
@@ -517,20 +627,20 @@ def mirror(res: fx.GraphModule, kinds: dict[str, str]) -> tuple[list[str], list[
             else:
                 return None
 
-    def input_site(m: fx.Node) -> str | None:
+    def input_site(m: fx.Node, shared: bool) -> fx.Node | None:
         cur = m
         while len(cur.users) == 1:
             (u,) = cur.users
             if _const_of(u, consts) is not None:
                 cur = u
                 continue
-            path = module_of(u)
-            return path if path is not None and u.args and u.args[0] is cur else None
+            call = module_of(u, shared)
+            return call if call is not None and u.args and u.args[0] is cur else None
         return None
 
-    done: list[str] = []
     only: list[str] = []
-    sites: list[tuple[str, str, str]] = []
+    # (module path, 'out' or 'in') -> call node -> the constants there, in graph order
+    found: dict[tuple[str, str], dict[fx.Node, list[str]]] = {}
     for n in nodes:
         got = _const_of(n, consts)
         if got is None:
@@ -540,14 +650,93 @@ def mirror(res: fx.GraphModule, kinds: dict[str, str]) -> tuple[list[str], list[
         # output, else the consuming module's input, else (through ops commuting with a
         # positive scale) an upstream module's output, whose intermediates then differ from
         # the graph's by the factor (a value returned between them would show it)
-        out = output_site(x, n, through=False)
-        inp = input_site(n) if out is None else None
-        up = output_site(x, n, through=True) if out is None and inp is None else None
+        # (a module called more than once, only where no module called once is found)
+        first_in = (placed or {}).get(name) == "in"
+        for shared in (False, True):
+            inp = input_site(n, shared) if first_in else None
+            out = output_site(x, n, through=False, shared=shared) if inp is None else None
+            inp = input_site(n, shared) if out is None and not first_in else inp
+            up = output_site(x, n, through=True, shared=shared) \
+                if out is None and inp is None and not shared else None
+            if out or up or inp:
+                break
         if out or up or inp:
-            site = (out or up, "out") if out or up else (inp, "in")
-            sites.append((site[0], site[1], name))
-            done.append(name)
+            call, where = (out or up, "out") if out or up else (inp, "in")
+            found.setdefault((str(call.target), where), {}).setdefault(call, []).append(name)
         else:
             only.append(name)
+    # a module the graph calls k times is mirrored where each of its calls carries the same
+    # number of constants there, of equal values: the i-th of each call, together (one hook,
+    # :func:`_mirrored`: a method's call of the module gets the value every call has)
+    done: list[str] = []
+    sites: list[tuple[str, str, tuple[str, ...]]] = []
+    for (path, where), per_call in found.items():
+        lists = list(per_call.values())
+        groups = list(zip(*lists))
+        if len(per_call) != calls[path] or len({len(v) for v in lists}) != 1 or \
+                any(not all(_same(res.get_buffer(c), res.get_buffer(g[0])) for c in g)
+                    for g in groups):
+            only += [c for v in lists for c in v]
+            continue
+        for group in groups:
+            sites.append((path, where, tuple(group)))
+            done += list(group)
     res.__dict__[MIRRORS] = tuple(sites)
     return done, only
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+def _constant_keys(module: nn.Module, prefix: str) -> tuple[list[str], list[str]]:
+    """The state-dict keys of ``module`` (under ``prefix``): its persistent precondfx constants,
+    and its parameters (which a checkpoint of the model before precondition also holds)."""
+    consts: list[str] = []
+    params: list[str] = []
+    for path, m in module.named_modules(prefix=prefix.rstrip(".")):
+        dot = f"{path}." if path else ""
+        consts += [dot + n for n, b in m._buffers.items() if b is not None and
+                   n.startswith(PREFIX) and n not in m._non_persistent_buffers_set]
+        params += [dot + n for n, p in m._parameters.items() if p is not None]
+    return consts, params
+
+
+def _refuse_plain_checkpoint(module: nn.Module, state_dict: dict, prefix: str, meta: Any,
+                             strict: bool, missing: list, unexpected: list,
+                             errors: list) -> None:
+    """``load_state_dict`` pre-hook of a result: refuse a state dict that holds the model's
+    weights but none of its persistent constants (a checkpoint saved before precondition, or
+    of the folded model).  Loaded, with ``strict=False``, its weights would come back at the
+    scale of the model it was saved from while the constants stay: the result would compute
+    another function, silently."""
+    consts, params = _constant_keys(module, prefix)
+    if not consts or any(k in state_dict for k in consts):
+        return
+    held = [k for k in params if k in state_dict]
+    if not held:
+        return
+    from precondfx.errors import PrecondError
+    theirs = [k for k in state_dict if k.startswith(prefix) and PREFIX in k]
+    if theirs:
+        raise PrecondError(
+            f"this state dict holds the preconditioned model's weights (e.g. {held[0]}) with "
+            f"precondfx constants named otherwise ({theirs[0]}; this model has {consts[0]}): it "
+            f"was saved from a result preconditioned another way (another capture: fx keeps the "
+            f"constants on the model, export and eager on each layer). Load it into a model "
+            f"preconditioned with the same options, or fold that one (precondfx.fold) and "
+            f"load the plain state dict into your original model")
+    raise PrecondError(
+        f"this state dict holds {len(held)} of the preconditioned model's weights (e.g. "
+        f"{held[0]}) but none of its {len(consts)} precondfx constants (e.g. {consts[0]}): it "
+        f"was saved before precondition (or from precondfx.fold's plain model). Loaded into the "
+        f"result, its weights would multiply the result's constants, a different function "
+        f"(strict=False would do it silently). Load it into your original model instead and "
+        f"precondition that (reinit_weights=False keeps the loaded weights), or load a state "
+        f"dict saved from a preconditioned model (it holds the precondfx_* entries)")
+
+
+def guard_checkpoints(model: nn.Module) -> None:
+    """Register :func:`_refuse_plain_checkpoint` on a result (once; ``fold`` removes it with
+    precondfx's other hooks)."""
+    hooks = getattr(model, "_load_state_dict_pre_hooks", {})
+    if any(getattr(h, "hook", h) is _refuse_plain_checkpoint for h in hooks.values()):
+        return
+    model.register_load_state_dict_pre_hook(_refuse_plain_checkpoint)
