@@ -188,6 +188,9 @@ class _Scales:
     #: a ParametrizationList (module id) -> the module whose tensor it computes (module id)
     #: and that tensor's name: its carrier original takes the factor the tensor needs
     plist: dict[int, tuple[int, str]] = field(default_factory=dict)
+    #: a module of no known kind whose output scale moved to a module upstream (inside it or
+    #: before it): the factor its own parameters take (ESM's ``lm_head.bias``)
+    own: dict[int, float] = field(default_factory=dict)
 
     def add(self, table: dict[int, float], path: str, mod: nn.Module, v: float) -> None:
         self.mods[id(mod)] = (path, mod)
@@ -464,12 +467,16 @@ def _settle_scales(sc: _Scales) -> None:
             sc.inp.pop(mid)
         if sc.out.get(mid, 1.0) != 1.0 and k is None and mid in sc.upstream:
             upath, umod = sc.mods[sc.upstream[mid]]
-            sc.add(sc.out, upath, umod, sc.out.pop(mid))
+            v = sc.out.pop(mid)
+            sc.add(sc.out, upath, umod, v)
+            sc.own[mid] = sc.own.get(mid, 1.0) * v    # its own parameters (checked so)
             queue.append(id(umod))
             continue
         if sc.out.get(mid, 1.0) != 1.0 and k is None:
             sc.problems.append((path, f"a scale on the output of {type(mod).__name__}: no "
-                                f"parameter of it scales its output exactly"))
+                                f"parameter of it scales its output exactly, and no module "
+                                f"inside or before it was found whose output does "
+                                f"({_remedy(mod)})"))
             sc.out.pop(mid)
         if sc.out.get(mid, 1.0) != 1.0 and k == "mha":
             sc.add(sc.out, f"{path}.out_proj", mod.out_proj, sc.out.pop(mid))
@@ -482,6 +489,19 @@ def _settle_scales(sc: _Scales) -> None:
                                 f"magnitude g does): the factor has no parameter to go into"))
             sc.inp.pop(mid, None)
             sc.out.pop(mid, None)
+
+
+_REMEDIES = {PREFIX + "output_scale": "target_std=None: no output scale",
+             PREFIX + "out_scale": "residual='none' for a residual branch scale",
+             PREFIX + "lr_scale": "lr_scale=None: no learning-rate multipliers"}
+
+
+def _remedy(mod: nn.Module) -> str:
+    """What to do about an output scale no parameter of ``mod`` can carry: the option that
+    leaves out each of the constants it holds, or keeping the preconditioned model."""
+    opts = [r for b, r in _REMEDIES.items() if b in mod._buffers]
+    return ("to fold, precondition with " + "; or ".join(opts) + "; " if opts else "") + \
+        "or keep the preconditioned model itself (torch.save(model) keeps the constants)"
 
 
 def _owners(model: nn.Module, sc: _Scales) -> tuple[dict[int, list[tuple[int, str]]],
@@ -515,7 +535,7 @@ def _request(sc: _Scales, mid: int, pname: str) -> float:
         owner, tensor = sc.plist[mid]
         omod = sc.mods[owner][1]
         return _request(sc, owner, tensor) if _carrier(omod, tensor) == pname else 1.0
-    i, o = sc.inp.get(mid, 1.0), sc.out.get(mid, 1.0)
+    i, o = sc.inp.get(mid, 1.0), sc.out.get(mid, 1.0) * sc.own.get(mid, 1.0)
     if kind(sc.mods[mid][1]) == "linear":
         return i * o if pname == "weight" else o
     return o
@@ -865,9 +885,38 @@ def tied_upstream(model: nn.Module, graph: Any, run: Callable[[nn.Module], Any],
             continue
         if pending is not None:
             pending[n.module] = up
-        elif _doubles(model, up, n.module, run, inputs=tied):
+        elif _doubles(model, up, n.module, run, inputs=tied, own=not tied):
             out[n.module] = up
+    if pending is None:
+        out.update(_inner_upstream(model, out, run))
     return out
+
+
+#: at most this many inner modules are tried per module (each try runs the model twice)
+_INNER_TRIES = 4
+
+
+def _inner_upstream(model: nn.Module, found: dict[str, str],
+                    run: Callable[[nn.Module], Any]) -> dict[str, str]:
+    """For a module nothing folds into (no known kind) carrying an output scale, not found on
+    the graph (a module the capture did not keep as one call, such as ESM's ``EsmLMHead``:
+    ``self.decoder(x) + self.bias``): an inner module of it whose output, doubled together
+    with the module's own parameters, doubles the module's output (checked by running; the
+    last registered weighted inner modules first).  Fold then scales that inner module's
+    output and the module's own parameters."""
+    outs = (PREFIX + "out_scale", PREFIX + "output_scale", PREFIX + "lr_scale")
+    res: dict[str, str] = {}
+    for path, mod in model.named_modules():
+        if not path or path in found or kind(mod) is not None or \
+                not any(b in mod._buffers for b in outs):
+            continue
+        inner = [(p, m) for p, m in mod.named_modules(prefix=path) if p != path and
+                 kind(m) is not None]
+        for p, _ in list(reversed(inner))[:_INNER_TRIES]:
+            if _doubles(model, p, path, run, own=True):
+                res[path] = p
+                break
+    return res
 
 
 def idle_tied(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[str]:
@@ -978,17 +1027,23 @@ def confirm_upstream(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[
     if rec is None or not rec.pending:
         return []
     done = [m for m, u in rec.pending.items()
-            if _doubles(model, u, m, run, inputs=kind(model.get_submodule(m)) == "linear")]
+            if _doubles(model, u, m, run, inputs=kind(model.get_submodule(m)) == "linear",
+                        own=kind(model.get_submodule(m)) is None)]
     rec.upstream.update({m: rec.pending[m] for m in done})
     rec.pending.clear()
     return done
 
 
 def _doubles(model: nn.Module, up: str, down: str, run: Callable[[nn.Module], Any],
-             inputs: bool = False) -> bool:
+             inputs: bool = False, own: bool = False) -> bool:
     """Whether doubling ``up``'s output doubles ``down``'s output (``inputs``: its input, for a
-    linear ``down`` whose weight takes the factor as an input scale, bias or not)."""
+    linear ``down`` whose weight takes the factor as an input scale, bias or not; ``own``:
+    with ``down``'s own parameters doubled too, as fold scales those of a module of no known
+    kind whose output scale it moves to ``up``).  An ``up`` the forward reads without calling
+    it (WavLM's ``out_proj``, whose weights ``F.multi_head_attention_forward`` takes) is
+    doubled through its weight and bias, as fold would, when it is linear or a norm."""
     seen: list[torch.Tensor] = []
+    called: list[int] = []
 
     def grab(m: nn.Module, a: tuple, o: Any = None) -> None:
         t = (a[0] if a else None) if inputs else o
@@ -999,20 +1054,41 @@ def _doubles(model: nn.Module, up: str, down: str, run: Callable[[nn.Module], An
             return (o[0] * 2, *o[1:])     # nn.MultiheadAttention: (output, weights)
         return o * 2 if isinstance(o, torch.Tensor) else o
     mod = model.get_submodule(down)
+    umod = model.get_submodule(up)
     h = mod.register_forward_pre_hook(grab) if inputs else mod.register_forward_hook(grab)
+    hc = umod.register_forward_pre_hook(lambda m, a: called.append(1))
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
         run(model)
-        h2 = model.get_submodule(up).register_forward_hook(double)
+        hc.remove()
+        scaled = [p for p in mod._parameters.values() if own and p is not None]
+        if not called:
+            if kind(umod) not in ("linear", "norm"):
+                return False
+            scaled += [p for n, p in umod._parameters.items()
+                       if n in ("weight", "bias") and p is not None]
+        with torch.no_grad():
+            for p in {id(p): p for p in scaled}.values():
+                if not p.is_floating_point():
+                    return False
+                saved.append((p, p.detach().clone()))
+                p.mul_(2)
+        h2 = umod.register_forward_hook(double) if called else None
         try:
             run(model)
         finally:
-            h2.remove()
+            if h2 is not None:
+                h2.remove()
         return len(seen) == 2 and seen[0].shape == seen[1].shape and seen[0].numel() > 0 and \
             bool(torch.allclose(seen[1], 2 * seen[0], rtol=1e-5, atol=1e-30))
     except Exception:   # the model does not run that way, or has no data (meta device)
         return False
     finally:
+        with torch.no_grad():
+            for p, v in saved:
+                p.copy_(v)
         h.remove()
+        hc.remove()
 
 
 def record(result: nn.Module, traced: nn.Module, applier: Any, graph: Any,
