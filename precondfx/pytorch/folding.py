@@ -213,7 +213,11 @@ def _eager_scales(model: nn.Module, recipe: Recipe | None) -> _Scales:
                 sc.add(sc.out, path, mod, v)
             elif name == PREFIX + "output_scale":
                 sc.problems.append((fqn, "the output scale multiplies the returned value: no "
-                                    "module of the model produces the main output"))
+                                    "module of the model produces the main output (DeiT's "
+                                    "average of two heads); to fold, precondition with "
+                                    "target_std=None (no output scale) or output_key= an "
+                                    "output a module returns, or keep the preconditioned "
+                                    "model itself (torch.save(model) keeps the constants)"))
             elif name == PREFIX + "input_scale":
                 sc.problems.append((fqn, f"the input scale ({v:.6g}) multiplies the model's "
                                     f"inputs: multiply your inputs by it instead"))

@@ -185,7 +185,10 @@ def param_infos(model: nn.Module, user_scale: dict[str, float] | None = None
         if c == name:
             infos[name] = ParamInfo(tuple(p.shape), p.requires_grad,
                                     ".parametrizations." in name,
-                                    user_scale=(user_scale or {}).get(name))
+                                    user_scale=(user_scale or {}).get(name),
+                                    zero=p.requires_grad and p.dim() >= 2 and
+                                    p.device.type != "meta" and p.numel() > 0 and
+                                    not bool(p.detach().any()))
         else:
             infos[c].aliases += (name,)
     return infos, canon
