@@ -1063,6 +1063,8 @@ def _doubles(model: nn.Module, up: str, down: str, run: Callable[[nn.Module], An
     hc = umod.register_forward_pre_hook(lambda m, a: called.append(1))
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
+        if own:
+            _unzero(mod, saved)
         run(model)
         hc.remove()
         scaled = [p for p in mod._parameters.values() if own and p is not None]
@@ -1089,10 +1091,25 @@ def _doubles(model: nn.Module, up: str, down: str, run: Callable[[nn.Module], An
         return False
     finally:
         with torch.no_grad():
-            for p, v in saved:
+            for p, v in reversed(saved):
                 p.copy_(v)
         h.remove()
         hc.remove()
+
+
+@torch.no_grad()
+def _unzero(mod: nn.Module, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Give every all-zero floating-point parameter of ``mod`` (and its inner modules) random
+    values for a check by running (the originals go to ``saved``): a zero-initialized tensor
+    (a LoRA adapter's ``B``, a zero bias) contributes nothing at init, so a check that scaling
+    some tensors scales the output would pass whatever the tensor's role, and fold would be
+    wrong once training moves it."""
+    g = torch.Generator().manual_seed(0)
+    for p in {id(p): p for p in mod.parameters()}.values():
+        if p.is_floating_point() and p.numel() and p.device.type != "meta" and \
+                not bool(p.detach().any()):
+            saved.append((p, p.detach().clone()))
+            p.copy_(0.1 * torch.randn(tuple(p.shape), generator=g, dtype=torch.float32))
 
 
 def record(result: nn.Module, traced: nn.Module, applier: Any, graph: Any,

@@ -179,3 +179,32 @@ def test_zero_head_without_frozen_weights_is_still_drawn() -> None:
     torch.nn.init.zeros_(model[2].weight)
     res, _ = _pre(model, torch.randn(16, 8))
     assert float(res[2].weight.abs().max()) > 0
+
+
+def test_lora_head_fold_is_never_silently_wrong_after_training() -> None:
+    """LoRA on the classifier of a frozen BERT: the output scale sits on the adapter wrapper.
+    With ``lora_B`` zero, doubling the base layer's output alone doubled the wrapper's, so the
+    check by running (added with the ESM rule) moved the scale onto ``classifier.base``; once
+    training moved ``lora_B``, ``fold`` was 99% off, silently.  The check now runs with the
+    module's all-zero tensors given random values: nothing inside scales the output alone, and
+    fold refuses, naming the wrapper."""
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, num_labels=3, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    model = tf.BertForSequenceClassification(cfg)
+    model.requires_grad_(False)
+    model.classifier = LoraLinear(model.classifier)
+    batch = {k: v for k, v in _ids(0).items() if k != "labels"}
+    res, _ = _pre(model, batch, balance="analytic")
+    with torch.no_grad():
+        res.classifier.lora_B.weight.normal_()          # as after training
+    problems = precondfx.fold_problems(res)
+    if not problems:
+        res.eval()
+        plain = precondfx.fold(res).eval()
+        with torch.no_grad():
+            want, got = res(**batch).logits, plain(**batch).logits
+        assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    else:
+        assert problems[0][0] == "classifier" and "target_std=None" in problems[0][1]
