@@ -896,8 +896,10 @@ def tied_upstream(model: nn.Module, graph: Any, run: Callable[[nn.Module], Any],
     return out
 
 
-#: at most this many inner modules are tried per module (each try runs the model twice)
+#: at most this many inner modules are tried per module, and this many in all (each try runs
+#: the model twice): a module left over stays a fold problem, reported as before
 _INNER_TRIES = 4
+_INNER_BUDGET = 32
 
 
 def _inner_upstream(model: nn.Module, found: dict[str, str],
@@ -910,13 +912,15 @@ def _inner_upstream(model: nn.Module, found: dict[str, str],
     output and the module's own parameters."""
     outs = (PREFIX + "out_scale", PREFIX + "output_scale", PREFIX + "lr_scale")
     res: dict[str, str] = {}
+    budget = _INNER_BUDGET
     for path, mod in model.named_modules():
         if not path or path in found or kind(mod) is not None or \
                 not any(b in mod._buffers for b in outs):
             continue
         inner = [(p, m) for p, m in mod.named_modules(prefix=path) if p != path and
                  kind(m) is not None]
-        for p, _ in list(reversed(inner))[:_INNER_TRIES]:
+        for p, _ in list(reversed(inner))[:min(_INNER_TRIES, budget)]:
+            budget -= 1
             if _doubles(model, p, path, run, own=True):
                 res[path] = p
                 break
