@@ -183,6 +183,9 @@ class ParamInfo:
     #: declares; None: not known): what ``lr_scale`` compares the planned scale with
     #: (``precondfx.core.lr_mode``, ``precondfx.pytorch.lr_transfer.user_scales``)
     user_scale: float | None = None
+    #: every element exactly zero in the user's model (a zero-initialized adapter output,
+    #: LoRA's B): see :func:`_zero_adapter`
+    zero: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -488,14 +491,18 @@ def _plan_residuals(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts
     s_of = residual_schedule.values(spec, len(joins), [j[0].name for j in joins])
     why = residual_schedule.describe(spec, len(joins))
     entries = []
+    adapters = adapter_layers(graph, params)
     for (n, bi, fork, branch, has_norm), s in zip(joins, s_of):
-        frozen = bool(branch) and all(_frozen_layer(graph, w, params) for w in branch)
+        base = [w for w in branch if w not in adapters]
+        frozen = bool(base) and all(_frozen_layer(graph, w, params) for w in base)
         insert = not frozen and (opts.residual == "all" or
                                  (opts.residual == "auto" and not has_norm))
         if not insert:
             no = ("residual='none'" if opts.residual == "none" else
                   "the branch's weights are all frozen (requires_grad=False): s would change "
-                  "what the frozen layers compute, without a weight to compensate" if frozen else
+                  "what the frozen layers compute, without a weight to compensate" +
+                  (" (its other weights are zero-initialized adapters, kept at zero)"
+                   if len(base) < len(branch) else "") if frozen else
                   "the branch has a normalization layer, which sets its scale (residual='all' "
                   "inserts s anyway)")
             plan.residuals.append(Residual(n.name, bi, fork, branch, None, f"no s: {no}"))
@@ -514,6 +521,61 @@ def _plan_residuals(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts
     for r in plan.residuals:
         if r.s is not None and (r.beta != 1.0 or not residual_schedule.is_flat(spec)):
             graph[r.node].reason += f"; {r.beta_reason}"
+
+
+ZERO_ADAPTER = ("all zero in your model, which has frozen weights, and its layer's output is "
+                "added to another path (a zero-initialized adapter, LoRA's B): kept at zero so "
+                "the model starts at the base model's function")
+#: ops a zero-initialized adapter's output may pass through before its join (its value stays 0)
+_TO_JOIN = ("mul", "reshape", "cast", "select", "dropout")
+
+
+def adapter_layers(graph: Graph, params: dict[str, ParamInfo]) -> set[str]:
+    """In a model with frozen weights, the weighted nodes of zero-initialized adapters
+    (:func:`_zero_adapter`) and the weighted nodes feeding only them (LoRA's A, through a
+    dropout): the layers that leave the model's function as the base model's."""
+    if all(i.trainable for i in params.values()):
+        return set()
+    users = graph.users()
+    out: set[str] = set()
+    for n in graph:
+        if n.status != optable.WEIGHTED or \
+                not _zero_adapter(graph, n, params.get(n.params.get("weight", ""))):
+            continue
+        out.add(n.name)
+        cur = n
+        while len(cur.inputs) == 1:
+            up = graph.get(cur.inputs[0])
+            if up is None or len(users.get(up.name, [])) != 1 or \
+                    (up.status != optable.WEIGHTED and up.kind not in _TO_JOIN):
+                break
+            if up.status == optable.WEIGHTED:
+                out.add(up.name)
+            cur = up
+    return out
+
+
+def _zero_adapter(graph: Graph, n: Node, info: ParamInfo | None) -> bool:
+    """Whether the weighted node ``n`` reads a trainable weight that is all zero whose output
+    (through products, reshapes, casts and dropout) is added to another path: a
+    zero-initialized adapter (LoRA's B) or branch output, whose zeros make the model start at
+    the function of its other path.  Called only in models with frozen weights (a
+    fine-tuning setup); a zero classifier head (torchvision's ViT), whose output is the model's,
+    is drawn."""
+    if info is None or not info.trainable or not info.zero or info.parametrized:
+        return False
+    users = graph.users()
+    cur = n
+    for _ in range(16):
+        nxt = [graph.get(u) for u in users.get(cur.name, [])]
+        if len(nxt) != 1 or nxt[0] is None:
+            return False
+        cur = nxt[0]
+        if cur.kind in ("add", "sum") and len(cur.inputs) >= 2:
+            return True
+        if cur.kind not in _TO_JOIN or len(cur.inputs) != 1:
+            return False
+    return False
 
 
 def _frozen_layer(graph: Graph, name: str, params: dict[str, ParamInfo]) -> bool:
@@ -731,6 +793,8 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
         inits[name] = pi
 
     layer_of = {lay.node: lay for lay in plan.layers}
+    tuning = any(not i.trainable for i in params.values())
+    kept_zero: list[str] = []
     avg_pools = {pc.node for pc in plan.pools if pc.action == "conv" and pc.conv == "avg"}
     # the replacement convs of max-pools are new layers: drawn from the seed even with
     # init='keep' or reinit=False (else torch's default init, from the global RNG)
@@ -750,6 +814,9 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                                              if lay.alpha != 1 else "")), new)
             elif rule == "keep" and not new:
                 put(lay.weight, ParamInit(lay.weight, "keep", None, "init='keep'"))
+            elif not new and tuning and _zero_adapter(graph, n, params.get(lay.weight or "")):
+                kept_zero.append(str(lay.weight))
+                put(lay.weight, ParamInit(lay.weight, "keep", None, ZERO_ADAPTER))
             else:
                 r = "geometric" if lay.kind == "embedding" or rule == "keep" else rule
                 std = math.sqrt(fanlib.second_moment(f, r)) / lay.constant()
@@ -780,6 +847,12 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                     put(pname, ParamInit(pname, "ones", None, "normalization scale starts at 1"))
                 elif role.endswith("bias"):
                     put(pname, ParamInit(pname, "zeros", None, "normalization shift starts at 0"))
+    if kept_zero:
+        plan.notes.append(f"kept at zero {len(kept_zero)} trainable weight(s) that are all zero "
+                          f"in a model with frozen weights, whose layer's output is added to "
+                          f"another path (zero-initialized adapters, LoRA's B: the model starts "
+                          f"at the base model's function, as designed): "
+                          f"{', '.join(kept_zero[:6])}{', ...' if len(kept_zero) > 6 else ''}")
     read = {p for n in graph for p in n.params.values()}
     with_parametrized = {n.params["bias"]: n.name for n in graph
                          if "bias" in n.params and "weight" not in n.params and

@@ -188,6 +188,9 @@ class _Scales:
     #: a ParametrizationList (module id) -> the module whose tensor it computes (module id)
     #: and that tensor's name: its carrier original takes the factor the tensor needs
     plist: dict[int, tuple[int, str]] = field(default_factory=dict)
+    #: a module of no known kind whose output scale moved to a module upstream (inside it or
+    #: before it): the factor its own parameters take (ESM's ``lm_head.bias``)
+    own: dict[int, float] = field(default_factory=dict)
 
     def add(self, table: dict[int, float], path: str, mod: nn.Module, v: float) -> None:
         self.mods[id(mod)] = (path, mod)
@@ -210,7 +213,11 @@ def _eager_scales(model: nn.Module, recipe: Recipe | None) -> _Scales:
                 sc.add(sc.out, path, mod, v)
             elif name == PREFIX + "output_scale":
                 sc.problems.append((fqn, "the output scale multiplies the returned value: no "
-                                    "module of the model produces the main output"))
+                                    "module of the model produces the main output (DeiT's "
+                                    "average of two heads); to fold, precondition with "
+                                    "target_std=None (no output scale) or output_key= an "
+                                    "output a module returns, or keep the preconditioned "
+                                    "model itself (torch.save(model) keeps the constants)"))
             elif name == PREFIX + "input_scale":
                 sc.problems.append((fqn, f"the input scale ({v:.6g}) multiplies the model's "
                                     f"inputs: multiply your inputs by it instead"))
@@ -464,12 +471,16 @@ def _settle_scales(sc: _Scales) -> None:
             sc.inp.pop(mid)
         if sc.out.get(mid, 1.0) != 1.0 and k is None and mid in sc.upstream:
             upath, umod = sc.mods[sc.upstream[mid]]
-            sc.add(sc.out, upath, umod, sc.out.pop(mid))
+            v = sc.out.pop(mid)
+            sc.add(sc.out, upath, umod, v)
+            sc.own[mid] = sc.own.get(mid, 1.0) * v    # its own parameters (checked so)
             queue.append(id(umod))
             continue
         if sc.out.get(mid, 1.0) != 1.0 and k is None:
             sc.problems.append((path, f"a scale on the output of {type(mod).__name__}: no "
-                                f"parameter of it scales its output exactly"))
+                                f"parameter of it scales its output exactly, and no module "
+                                f"inside or before it was found whose output does "
+                                f"({_remedy(mod)})"))
             sc.out.pop(mid)
         if sc.out.get(mid, 1.0) != 1.0 and k == "mha":
             sc.add(sc.out, f"{path}.out_proj", mod.out_proj, sc.out.pop(mid))
@@ -482,6 +493,19 @@ def _settle_scales(sc: _Scales) -> None:
                                 f"magnitude g does): the factor has no parameter to go into"))
             sc.inp.pop(mid, None)
             sc.out.pop(mid, None)
+
+
+_REMEDIES = {PREFIX + "output_scale": "target_std=None: no output scale",
+             PREFIX + "out_scale": "residual='none' for a residual branch scale",
+             PREFIX + "lr_scale": "lr_scale=None: no learning-rate multipliers"}
+
+
+def _remedy(mod: nn.Module) -> str:
+    """What to do about an output scale no parameter of ``mod`` can carry: the option that
+    leaves out each of the constants it holds, or keeping the preconditioned model."""
+    opts = [r for b, r in _REMEDIES.items() if b in mod._buffers]
+    return ("to fold, precondition with " + "; or ".join(opts) + "; " if opts else "") + \
+        "or keep the preconditioned model itself (torch.save(model) keeps the constants)"
 
 
 def _owners(model: nn.Module, sc: _Scales) -> tuple[dict[int, list[tuple[int, str]]],
@@ -515,7 +539,7 @@ def _request(sc: _Scales, mid: int, pname: str) -> float:
         owner, tensor = sc.plist[mid]
         omod = sc.mods[owner][1]
         return _request(sc, owner, tensor) if _carrier(omod, tensor) == pname else 1.0
-    i, o = sc.inp.get(mid, 1.0), sc.out.get(mid, 1.0)
+    i, o = sc.inp.get(mid, 1.0), sc.out.get(mid, 1.0) * sc.own.get(mid, 1.0)
     if kind(sc.mods[mid][1]) == "linear":
         return i * o if pname == "weight" else o
     return o
@@ -865,9 +889,42 @@ def tied_upstream(model: nn.Module, graph: Any, run: Callable[[nn.Module], Any],
             continue
         if pending is not None:
             pending[n.module] = up
-        elif _doubles(model, up, n.module, run, inputs=tied):
+        elif _doubles(model, up, n.module, run, inputs=tied, own=not tied):
             out[n.module] = up
+    if pending is None:
+        out.update(_inner_upstream(model, out, run))
     return out
+
+
+#: at most this many inner modules are tried per module, and this many in all (each try runs
+#: the model twice): a module left over stays a fold problem, reported as before
+_INNER_TRIES = 4
+_INNER_BUDGET = 32
+
+
+def _inner_upstream(model: nn.Module, found: dict[str, str],
+                    run: Callable[[nn.Module], Any]) -> dict[str, str]:
+    """For a module nothing folds into (no known kind) carrying an output scale, not found on
+    the graph (a module the capture did not keep as one call, such as ESM's ``EsmLMHead``:
+    ``self.decoder(x) + self.bias``): an inner module of it whose output, doubled together
+    with the module's own parameters, doubles the module's output (checked by running; the
+    last registered weighted inner modules first).  Fold then scales that inner module's
+    output and the module's own parameters."""
+    outs = (PREFIX + "out_scale", PREFIX + "output_scale", PREFIX + "lr_scale")
+    res: dict[str, str] = {}
+    budget = _INNER_BUDGET
+    for path, mod in model.named_modules():
+        if not path or path in found or kind(mod) is not None or \
+                not any(b in mod._buffers for b in outs):
+            continue
+        inner = [(p, m) for p, m in mod.named_modules(prefix=path) if p != path and
+                 kind(m) is not None]
+        for p, _ in list(reversed(inner))[:min(_INNER_TRIES, budget)]:
+            budget -= 1
+            if _doubles(model, p, path, run, own=True):
+                res[path] = p
+                break
+    return res
 
 
 def idle_tied(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[str]:
@@ -978,17 +1035,23 @@ def confirm_upstream(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[
     if rec is None or not rec.pending:
         return []
     done = [m for m, u in rec.pending.items()
-            if _doubles(model, u, m, run, inputs=kind(model.get_submodule(m)) == "linear")]
+            if _doubles(model, u, m, run, inputs=kind(model.get_submodule(m)) == "linear",
+                        own=kind(model.get_submodule(m)) is None)]
     rec.upstream.update({m: rec.pending[m] for m in done})
     rec.pending.clear()
     return done
 
 
 def _doubles(model: nn.Module, up: str, down: str, run: Callable[[nn.Module], Any],
-             inputs: bool = False) -> bool:
+             inputs: bool = False, own: bool = False) -> bool:
     """Whether doubling ``up``'s output doubles ``down``'s output (``inputs``: its input, for a
-    linear ``down`` whose weight takes the factor as an input scale, bias or not)."""
+    linear ``down`` whose weight takes the factor as an input scale, bias or not; ``own``:
+    with ``down``'s own parameters doubled too, as fold scales those of a module of no known
+    kind whose output scale it moves to ``up``).  An ``up`` the forward reads without calling
+    it (WavLM's ``out_proj``, whose weights ``F.multi_head_attention_forward`` takes) is
+    doubled through its weight and bias, as fold would, when it is linear or a norm."""
     seen: list[torch.Tensor] = []
+    called: list[int] = []
 
     def grab(m: nn.Module, a: tuple, o: Any = None) -> None:
         t = (a[0] if a else None) if inputs else o
@@ -999,20 +1062,58 @@ def _doubles(model: nn.Module, up: str, down: str, run: Callable[[nn.Module], An
             return (o[0] * 2, *o[1:])     # nn.MultiheadAttention: (output, weights)
         return o * 2 if isinstance(o, torch.Tensor) else o
     mod = model.get_submodule(down)
+    umod = model.get_submodule(up)
     h = mod.register_forward_pre_hook(grab) if inputs else mod.register_forward_hook(grab)
+    hc = umod.register_forward_pre_hook(lambda m, a: called.append(1))
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
+        if own:
+            _unzero(mod, saved)
         run(model)
-        h2 = model.get_submodule(up).register_forward_hook(double)
+        hc.remove()
+        scaled = [p for p in mod._parameters.values() if own and p is not None]
+        if not called:
+            if kind(umod) not in ("linear", "norm"):
+                return False
+            scaled += [p for n, p in umod._parameters.items()
+                       if n in ("weight", "bias") and p is not None]
+        with torch.no_grad():
+            for p in {id(p): p for p in scaled}.values():
+                if not p.is_floating_point():
+                    return False
+                saved.append((p, p.detach().clone()))
+                p.mul_(2)
+        h2 = umod.register_forward_hook(double) if called else None
         try:
             run(model)
         finally:
-            h2.remove()
+            if h2 is not None:
+                h2.remove()
         return len(seen) == 2 and seen[0].shape == seen[1].shape and seen[0].numel() > 0 and \
             bool(torch.allclose(seen[1], 2 * seen[0], rtol=1e-5, atol=1e-30))
     except Exception:   # the model does not run that way, or has no data (meta device)
         return False
     finally:
+        with torch.no_grad():
+            for p, v in reversed(saved):
+                p.copy_(v)
         h.remove()
+        hc.remove()
+
+
+@torch.no_grad()
+def _unzero(mod: nn.Module, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Give every all-zero floating-point parameter of ``mod`` (and its inner modules) random
+    values for a check by running (the originals go to ``saved``): a zero-initialized tensor
+    (a LoRA adapter's ``B``, a zero bias) contributes nothing at init, so a check that scaling
+    some tensors scales the output would pass whatever the tensor's role, and fold would be
+    wrong once training moves it."""
+    g = torch.Generator().manual_seed(0)
+    for p in {id(p): p for p in mod.parameters()}.values():
+        if p.is_floating_point() and p.numel() and p.device.type != "meta" and \
+                not bool(p.detach().any()):
+            saved.append((p, p.detach().clone()))
+            p.copy_(0.1 * torch.randn(tuple(p.shape), generator=g, dtype=torch.float32))
 
 
 def record(result: nn.Module, traced: nn.Module, applier: Any, graph: Any,

@@ -179,13 +179,18 @@ def param_infos(model: nn.Module, user_scale: dict[str, float] | None = None
     infos: dict[str, ParamInfo] = {}
     canon: dict[str, str] = {}
     first: dict[int, str] = {}
+    # all-zero weights matter only next to frozen ones (core.plan: zero-initialized adapters)
+    tuning = any(not p.requires_grad for p in model.parameters())
     for name, p in model.named_parameters(remove_duplicate=False):
         c = first.setdefault(id(p), name)
         canon[name] = c
         if c == name:
             infos[name] = ParamInfo(tuple(p.shape), p.requires_grad,
                                     ".parametrizations." in name,
-                                    user_scale=(user_scale or {}).get(name))
+                                    user_scale=(user_scale or {}).get(name),
+                                    zero=tuning and p.requires_grad and p.dim() >= 2 and
+                                    p.device.type != "meta" and p.numel() > 0 and
+                                    not bool(p.detach().any()))
         else:
             infos[c].aliases += (name,)
     return infos, canon

@@ -65,7 +65,9 @@ LOSS_BEFORE_SCALE = (
     "this preconditioned model computed a loss inside its forward (the output has a 'loss'), but "
     "its output scale sits on the returned value, after that loss: the loss would not see the "
     "scale.  precondfx found no module producing the main output to carry the scale.  Compute "
-    "the loss outside the model from the returned output (do not pass labels), or precondition "
+    "the loss outside the model from the returned output (leave out what makes it compute "
+    "one: labels, return_loss=True for CLIP-style models, future_values for time-series "
+    "forecasters), or precondition "
     "with target_std=None")
 
 
