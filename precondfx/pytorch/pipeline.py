@@ -625,7 +625,7 @@ def result_record(st: TorchState) -> None:
     carriers: set[str] = set()      # the modules whose call carries constants
     if user_class.is_user_graph(res):
         _, consts = user_class.mirror(res, {n.name: n.kind for n in st.graph},
-                                      getattr(st.backend, "placed", None))
+                                      getattr(st.backend, "sides", None))
         res.__dict__[user_class.READS] = user_class.traced_reads(res)
         only = [f"constant {c}" for c in consts] + list(st.backend.graph_only)
         carriers = {site[0] for site in res.__dict__.get(user_class.MIRRORS, ())}

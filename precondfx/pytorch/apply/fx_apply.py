@@ -90,7 +90,7 @@ class FxApplier(TorchBackend, Records):
         self.graph_only: list[str] = []
         #: each constant's side of the node it was placed for: 'in' (an alpha on a layer's
         #: input) or 'out' (``user_class.mirror`` mirrors it on that side first)
-        self.placed: dict[str, str] = {}
+        self.sides: dict[str, str] = {}
 
     def _buffer(self, name: str, value: float) -> fx.Node:
         self.gm.register_buffer(name, scalar_buffer(value, like_param(self.gm)))
@@ -127,7 +127,7 @@ class FxApplier(TorchBackend, Records):
                 m = self.gm.graph.call_function(operator.mul, (node, c))
             _same_meta(m, node)
             node.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
-        self.placed[bname] = "in" if sc.where in ("input", "operand") else "out"
+        self.sides[bname] = "in" if sc.where in ("input", "operand") else "out"
         self._done(key, f"{sc.tag} {sc.value:.4g} at {sc.where} of {sc.node} ({bname})", bname)
         return bname
 
