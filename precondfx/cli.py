@@ -535,7 +535,7 @@ def _precondition_torch(args: argparse.Namespace) -> int:
     with Staging(out) as st:
         if ext == ".onnx":
             _export_onnx(result, sample, st.path, args.quiet)
-            st.external = os.path.exists(st.data)
+            st.adopt()
         else:
             torch.save(result.state_dict(), st.path)
         st.commit()

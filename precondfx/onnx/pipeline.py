@@ -152,6 +152,7 @@ class OnnxState(State):
     feeds: io.Feeds | None = None
     captured: Captured | None = None
     staging: io.Staging | None = None
+    input_files: list = field(default_factory=list)  # the input model and its data files
     analysis: bool = False                           # ``inspect``: plan only, no data, no file
 
 
@@ -159,6 +160,7 @@ def load(st: OnnxState) -> None:
     st.model = io.load(st.in_path)
     if not st.analysis:
         io.check_paths(st.in_path, st.out_path, st.model)
+        st.input_files = io.input_files(st.model, st.in_path)
     st.had_external = io.has_external_data(st.model)
     already_preconditioned(st.model, st.in_path)
 
@@ -288,7 +290,7 @@ def record_gains(st: OnnxState) -> None:
 
 def save(st: OnnxState) -> None:
     """Save into a temporary folder next to the output (removed again on failure)."""
-    st.staging = io.Staging(st.out_path)
+    st.staging = io.Staging(st.out_path, protected=st.input_files)
     st.undo.append(st.staging.cleanup)
     st.staging.save(st.model, io.save_policy(st.model, st.external_data, st.had_external))
 

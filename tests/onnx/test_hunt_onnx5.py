@@ -1,0 +1,125 @@
+"""Defects found by the fifth ONNX hunt (the command line and the ONNX back end); each test
+fails without its fix."""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn as nn
+
+from precondfx.errors import PrecondError
+from precondfx.onnx import io as onnx_io
+from precondfx.onnx import precondition_onnx
+
+ort = pytest.importorskip("onnxruntime")
+
+
+def _mlp_with_external_data(folder):
+    torch.manual_seed(0)
+    m, x = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 10)), torch.randn(32, 16)
+    tmp = str(folder / "tmp.onnx")
+    torch.onnx.export(m.eval(), (x,), tmp, dynamo=False, input_names=["x"],
+                      dynamic_axes={"x": {0: "batch"}})
+    src = str(folder / "mlp.onnx")
+    onnx.save_model(onnx.load(tmp), src, save_as_external_data=True, location="mlp.weights",
+                    size_threshold=0)
+    os.remove(tmp)
+    return src, x.numpy()
+
+
+def _digest(folder):
+    return {p: hashlib.sha256((folder / p).read_bytes()).hexdigest()
+            for p in sorted(os.listdir(folder)) if (folder / p).is_file()}
+
+
+def _locations(path):
+    m = onnx.load(str(path), load_external_data=False)
+    return {e.value for t in m.graph.initializer for e in t.external_data if e.key == "location"}
+
+
+def _run(path, x):
+    return ort.InferenceSession(str(path)).run(None, {"x": x})[0]
+
+
+def test_an_interrupted_external_data_write_leaves_the_earlier_output_consistent(
+        tmp_path, monkeypatch):
+    """The weights were moved over ``out.onnx.data`` before the model was moved over
+    ``out.onnx``: a write stopped between the two left the earlier model reading the new
+    weights (another function, silently, or a broken file when the sizes differ)."""
+    src, x = _mlp_with_external_data(tmp_path)
+    out = tmp_path / "out.onnx"
+    precondition_onnx(src, str(out), feeds={"x": x}, seed=0)
+    assert _locations(out) == {"out.onnx.data"}
+    before, y0 = _digest(tmp_path), _run(out, x)
+
+    real_replace = os.replace
+
+    def fail_on_the_model(a, b):       # the process stops between the two renames
+        if os.fspath(b) == str(out):
+            raise KeyboardInterrupt
+        return real_replace(a, b)
+    monkeypatch.setattr(onnx_io.os, "replace", fail_on_the_model)
+    with pytest.raises(KeyboardInterrupt):
+        precondition_onnx(src, str(out), feeds={"x": x}, seed=1)
+    monkeypatch.setattr(onnx_io.os, "replace", real_replace)
+    assert _digest(tmp_path) == before          # every file as it was, nothing left over
+    np.testing.assert_array_equal(_run(out, x), y0)
+
+    # the next write replaces the output; its weights under a name of their own
+    rep = precondition_onnx(src, str(out), feeds={"x": x}, seed=1)
+    (loc,) = _locations(out)
+    assert loc != "out.onnx.data" and loc.startswith("out.onnx.") and loc.endswith(".data")
+    assert not (tmp_path / "out.onnx.data").exists()     # the earlier output's weights: gone
+    y1 = _run(out, x)
+    assert float(y1.std()) == pytest.approx(rep.target_std, rel=1e-3)
+    assert not np.allclose(y1, y0)                        # another seed, other weights
+    # the same write kept inline gives the same function
+    precondition_onnx(src, str(tmp_path / "inline.onnx"), feeds={"x": x}, seed=1,
+                      external_data="never")
+    np.testing.assert_array_equal(_run(tmp_path / "inline.onnx", x), y1)
+    # a third write over it goes back to out.onnx.data and removes the unique name
+    precondition_onnx(src, str(out), feeds={"x": x}, seed=0)
+    assert _locations(out) == {"out.onnx.data"} and not (tmp_path / loc).exists()
+    np.testing.assert_array_equal(_run(out, x), y0)
+    assert hashlib.sha256(open(src, "rb").read()).hexdigest() == before["mlp.onnx"]
+    assert _digest(tmp_path)["mlp.weights"] == before["mlp.weights"]
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("out")) == \
+        ["out.onnx", "out.onnx.data"]
+
+
+def test_the_output_over_the_input_is_still_refused(tmp_path):
+    src, x = _mlp_with_external_data(tmp_path)
+    before = _digest(tmp_path)
+    with pytest.raises(PrecondError, match="refusing"):
+        precondition_onnx(src, src, feeds={"x": x})
+    assert _digest(tmp_path) == before
+
+
+def test_the_torch_entry_writes_its_onnx_file_the_same_way(tmp_path, monkeypatch):
+    """``precondfx precondition module:fn -o out.onnx`` moved torch.onnx.export's
+    ``out.onnx.data`` over the earlier output's before replacing the model, too."""
+    from precondfx.cli import main
+    out = tmp_path / "out.onnx"
+    argv = ["precondition", "tests.zoo:mlp", "--sample-shape", "64x100", "-o", str(out),
+            "--quiet", "--balance", "none"]
+    assert main(argv) == 0
+    assert _locations(out) == {"out.onnx.data"}
+    before = _digest(tmp_path)
+    sess = ort.InferenceSession(str(out))
+    x = {sess.get_inputs()[0].name:
+         np.random.default_rng(0).standard_normal((5, 100)).astype(np.float32)}
+    y0 = sess.run(None, x)[0]
+    real_replace = os.replace
+
+    def fail_on_the_model(a, b):
+        if os.fspath(b) == str(out):
+            raise KeyboardInterrupt
+        return real_replace(a, b)
+    monkeypatch.setattr(onnx_io.os, "replace", fail_on_the_model)
+    assert main(argv + ["--seed", "1"]) == 130          # "interrupted"
+    assert _digest(tmp_path) == before
+    np.testing.assert_array_equal(ort.InferenceSession(str(out)).run(None, x)[0], y0)
