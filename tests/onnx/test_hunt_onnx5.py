@@ -123,3 +123,41 @@ def test_the_torch_entry_writes_its_onnx_file_the_same_way(tmp_path, monkeypatch
     assert main(argv + ["--seed", "1"]) == 130          # "interrupted"
     assert _digest(tmp_path) == before
     np.testing.assert_array_equal(ort.InferenceSession(str(out)).run(None, x)[0], y0)
+
+
+class _ShapeBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if x.size(0) > 1:          # a shape-dependent branch: scripting keeps it as an If
+            h = h - h.mean(0, keepdim=True)
+        return self.c(torch.relu(self.b(h)))
+
+
+def test_layers_after_an_if_whose_branches_read_the_activation_are_planned(tmp_path):
+    """An If whose condition comes from a Shape reads the activation only inside its branches
+    (an outer-scope name, no ONNX input): it was taken for a constant, and so was everything
+    after it: two of the three Linear layers were reported as 'builds a constant' and kept
+    their weights ('read by an op that is not a weighted layer')."""
+    import warnings
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    src = str(tmp_path / "m.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(torch.jit.script(_ShapeBranch()), (x,), src, dynamo=False,
+                          input_names=["x"], dynamic_axes={"x": {0: "b"}}, opset_version=15)
+    assert "If" in [n.op_type for n in onnx.load(src).graph.node]
+    out = tmp_path / "out.onnx"
+    rep = precondition_onnx(src, str(out), feeds={"x": x.numpy()})
+    kinds = {n["name"]: (n["kind"], n["status"]) for n in rep.to_dict()["nodes"]}
+    assert kinds["/b/Gemm"] == kinds["/c/Gemm"] == ("linear", "weighted")
+    assert kinds["/If"] == ("unknown", "unknown")       # said, not skipped
+    before = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(src).graph.initializer}
+    after = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer}
+    for name in ("b.weight", "c.weight"):
+        assert not np.array_equal(before[name], after[name]), name
+    assert float(_run(out, x.numpy()).std()) == pytest.approx(rep.target_std, rel=1e-3)
