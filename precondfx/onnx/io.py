@@ -382,8 +382,8 @@ def _own_data_files(model_path: str) -> list[str]:
     """The external data files the ONNX file at ``model_path`` (an earlier output) reads under
     the names ``Staging`` gives (``<out>.data``, ``<out>.<8 hex digits>.data``, beside it),
     as real paths; none when it is missing or not a readable ONNX file."""
-    if not os.path.isfile(model_path):
-        return []
+    if not os.path.isfile(model_path) or not model_path.lower().endswith(".onnx"):
+        return []       # none, or not an ONNX output (a state_dict .pt is not parsed)
     base = os.path.basename(model_path)
     own = re.compile(re.escape(base) + r"(\.[0-9a-f]{8})?\.data")
     folder = os.path.dirname(os.path.abspath(model_path))
