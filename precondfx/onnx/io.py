@@ -340,7 +340,7 @@ class Staging:
         written = []
         target = self.target
         stale = [f for f in _own_data_files(self.out_path)
-                 if f != os.path.realpath(target) and f not in self.protected]
+                 if f != target and os.path.realpath(f) not in self.protected]
         moved = None
         if self.external and os.path.exists(self.data):
             os.replace(self.data, target)
@@ -375,13 +375,14 @@ class Staging:
 
 def _reads_data(model_path: str, data: str) -> bool:
     """Whether the ONNX file at ``model_path`` (an earlier output) keeps weights in ``data``."""
-    return os.path.realpath(data) in _own_data_files(model_path)
+    return os.path.abspath(data) in _own_data_files(model_path)
 
 
 def _own_data_files(model_path: str) -> list[str]:
     """The external data files the ONNX file at ``model_path`` (an earlier output) reads under
     the names ``Staging`` gives (``<out>.data``, ``<out>.<8 hex digits>.data``, beside it),
-    as real paths; none when it is missing or not a readable ONNX file."""
+    as absolute paths (a symbolic link by that name is the link, not its target); none when
+    it is missing or not a readable ONNX file."""
     if not os.path.isfile(model_path) or not model_path.lower().endswith(".onnx"):
         return []       # none, or not an ONNX output (a state_dict .pt is not parsed)
     base = os.path.basename(model_path)
@@ -395,7 +396,7 @@ def _own_data_files(model_path: str) -> list[str]:
     for v in _all_initializers(model):
         t = v.const_value
         if isinstance(t, ir.ExternalTensor) and own.fullmatch(os.fspath(t.location)):
-            f = os.path.realpath(os.path.join(folder, os.fspath(t.location)))
+            f = os.path.join(folder, os.fspath(t.location))
             if f not in out and os.path.isfile(f):
                 out.append(f)
     return out

@@ -161,3 +161,20 @@ def test_layers_after_an_if_whose_branches_read_the_activation_are_planned(tmp_p
     for name in ("b.weight", "c.weight"):
         assert not np.array_equal(before[name], after[name]), name
     assert float(_run(out, x.numpy()).std()) == pytest.approx(rep.target_std, rel=1e-3)
+
+
+def test_an_earlier_output_data_file_that_is_a_link_loses_the_link_only(tmp_path):
+    """The earlier output's weights moved to another disk and linked back: the link beside
+    the output is removed with the earlier output, the file it points to is not touched."""
+    src, x = _mlp_with_external_data(tmp_path)
+    out_dir, far = tmp_path / "o", tmp_path / "far"
+    out_dir.mkdir(), far.mkdir()
+    out = out_dir / "out.onnx"
+    precondition_onnx(src, str(out), feeds={"x": x}, external_data="always")
+    os.replace(out_dir / "out.onnx.data", far / "weights.data")
+    os.symlink(far / "weights.data", out_dir / "out.onnx.data")
+    kept = (far / "weights.data").read_bytes()
+    rep = precondition_onnx(src, str(out), feeds={"x": x}, external_data="always", seed=1)
+    assert (far / "weights.data").read_bytes() == kept
+    assert not os.path.lexists(out_dir / "out.onnx.data")
+    assert float(_run(out, x).std()) == pytest.approx(rep.target_std, rel=1e-3)
