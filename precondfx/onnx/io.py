@@ -15,6 +15,7 @@ hints into the calibration feed: one array per model input, checked against the 
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -30,6 +31,8 @@ from precondfx.errors import PrecondError
 from precondfx.core.arrays import positional_keys, read_npy, read_npz
 from precondfx.core.calibration import is_additive_mask
 
+#: errno values of a write that found no room (disk full, quota, file size limit)
+_FULL = tuple(getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EFBIG") if hasattr(errno, n))
 EXTERNAL_LIMIT = int(1.8 * 2**30)   # above this many bytes of weights, save externally
 FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
 
@@ -305,11 +308,21 @@ class Staging:
             if os.path.exists(p):
                 os.remove(p)
         legacy_initializer_inputs(model)
-        if external:
-            ir.save(model, self.path, external_data=self.data_name, size_threshold_bytes=1024)
-        else:
-            # materialize lazy external tensors first: the source file may be the one we read
-            ir.save(model, self.path)
+        try:
+            if external:
+                ir.save(model, self.path, external_data=self.data_name,
+                        size_threshold_bytes=1024)
+            else:
+                # materialize lazy external tensors first: the source file may be the one we read
+                ir.save(model, self.path)
+        except OSError as e:
+            if e.errno not in _FULL:
+                raise
+            raise PrecondError(f"cannot write the output into {os.path.dirname(self.out_path)} "
+                               f"({e.strerror or os.strerror(e.errno)}): free space there, or "
+                               f"choose an output folder with room for the model"
+                               f"{' and its weights' if external else ''}; nothing was "
+                               f"written") from None
         return self.path
 
     def adopt(self) -> None:

@@ -178,3 +178,25 @@ def test_an_earlier_output_data_file_that_is_a_link_loses_the_link_only(tmp_path
     assert (far / "weights.data").read_bytes() == kept
     assert not os.path.lexists(out_dir / "out.onnx.data")
     assert float(_run(out, x).std()) == pytest.approx(rep.target_std, rel=1e-3)
+
+
+def test_a_full_disk_is_an_error_that_says_so_not_a_bug_report(tmp_path, monkeypatch, capsys):
+    """Writing the output into a full folder (the large models that need external data) ended
+    in a traceback and 'internal error (a bug in precondfx)', exit 1."""
+    import errno
+    import onnx_ir
+    from precondfx.cli import main
+    src, x = _mlp_with_external_data(tmp_path)
+    np.save(tmp_path / "x.npy", x)
+    before = _digest(tmp_path)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(onnx_io.ir, "save", full)
+    code = main(["precondition", src, "-o", str(tmp_path / "out.onnx"), "--calib",
+                 str(tmp_path / "x.npy"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and "bug" not in err
+    assert "No space left on device" in err and "free space" in err
+    assert _digest(tmp_path) == before
