@@ -200,3 +200,38 @@ def test_a_full_disk_is_an_error_that_says_so_not_a_bug_report(tmp_path, monkeyp
     assert "Traceback" not in err and "bug" not in err
     assert "No space left on device" in err and "free space" in err
     assert _digest(tmp_path) == before
+
+
+class _MaskedLogits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 10)
+
+    def forward(self, x, mask):
+        y = self.b(torch.relu(self.a(x))) + mask        # -inf on the actions not allowed
+        return y.argmax(-1), y
+
+
+def test_an_output_masked_with_minus_inf_by_design_is_verified_not_refused(tmp_path):
+    """Logits plus an additive -inf mask (action masking): the verification run refused the
+    rewritten file because its output holds -inf, as the input model's does at the same
+    places; with the default target the error blamed 'numerical issues' only."""
+    torch.manual_seed(0)
+    x, mask = torch.randn(64, 32), torch.zeros(64, 10)
+    mask[:, 0] = float("-inf")
+    src = str(tmp_path / "m.onnx")
+    torch.onnx.export(_MaskedLogits().eval(), (x, mask), src, dynamo=False,
+                      input_names=["x", "mask"], output_names=["pred", "logits"],
+                      dynamic_axes={"x": {0: "b"}, "mask": {0: "b"}})
+    feeds = {"x": x.numpy(), "mask": mask.numpy()}
+    with pytest.raises(PrecondError, match="target_std=None"):
+        precondition_onnx(src, str(tmp_path / "o.onnx"), feeds=feeds)
+    rep = precondition_onnx(src, str(tmp_path / "o.onnx"), feeds=feeds, target_std=None)
+    assert list(rep.verification["nonfinite"]) == ["logits"]     # said, in the report
+    pred, logits = ort.InferenceSession(str(tmp_path / "o.onnx")).run(None, feeds)
+    assert np.isneginf(logits[:, 0]).all() and np.isfinite(logits[:, 1:]).all()
+    assert (pred == logits.argmax(-1)).all()
+    before = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(src).graph.initializer}
+    after = {t.name: onnx.numpy_helper.to_array(t) for t in
+             onnx.load(str(tmp_path / "o.onnx")).graph.initializer}
+    assert not np.array_equal(before["a.weight"], after["a.weight"])
