@@ -239,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PyTorch models: random sample of this shape, e.g. 8x3x32x32 "
                         "(repeat for several inputs)")
     c.add_argument("--external-data", default="auto", choices=("auto", "always", "never"),
-                   help="ONNX: weights in OUT.data (auto: as the input, or above 1.8 GB)")
+                   help="ONNX: weights in OUT.data, or OUT.<hex>.data when the file at OUT "
+                        "reads OUT.data (auto: as the input, or above 1.8 GB)")
     c.add_argument("--no-verify", action="store_true",
                    help="ONNX: skip the onnxruntime run of the written file (for ops onnxruntime "
                         "has no kernel for; use with --target-std none, as calibration runs it "
@@ -535,7 +536,7 @@ def _precondition_torch(args: argparse.Namespace) -> int:
     with Staging(out) as st:
         if ext == ".onnx":
             _export_onnx(result, sample, st.path, args.quiet)
-            st.external = os.path.exists(st.data)
+            st.adopt()
         else:
             torch.save(result.state_dict(), st.path)
         st.commit()

@@ -54,7 +54,10 @@ def solve_output_scale(std: float, target: float, reinit: bool = True,
         "with the model's own weights kept (reinit_weights=False)"
     if not math.isfinite(std):
         raise PrecondError(f"the model's output on the calibration batch has NaN/inf values "
-                           f"{weights}; check the model for numerical issues")
+                           f"{weights}; check the model for numerical issues. An output that "
+                           f"holds -inf by design (logits plus an additive mask) has no std: "
+                           f"pass target_std=None to skip the output scale, or output_key= "
+                           f"an output without them")
     if std <= 1e-30:
         if not reinit:     # the kept weights, more often than the data: a zero-initialized head
             raise PrecondError(

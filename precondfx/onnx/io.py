@@ -5,14 +5,20 @@ they are touched.  ``save`` writes atomically: everything goes to a temporary fo
 output's directory and is moved into place with ``os.replace``; the input is never written over
 (also when two spellings name the same file).  Weights go to one external data file
 ``<out>.data`` (``model.onnx`` -> ``model.onnx.data``) when the input had external data or the
-weights exceed about 1.8 GB (protobuf's limit is 2 GB); otherwise they stay inline.
+weights exceed about 1.8 GB (protobuf's limit is 2 GB); otherwise they stay inline.  When the
+model already at the output path reads ``<out>.data``, the new weights go to a name unique to
+the write (``<out>.<8 hex digits>.data``): an interrupted write leaves the earlier output with
+its own weights (``Staging``).
 
 ``load_calibration`` and ``resolve_feeds`` turn ``.npy``/``.npz`` files and ``--dim``/``--batch``
 hints into the calibration feed: one array per model input, checked against the model's shapes.
 """
 from __future__ import annotations
 
+import errno
 import os
+import re
+import secrets
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -25,6 +31,8 @@ from precondfx.errors import PrecondError
 from precondfx.core.arrays import positional_keys, read_npy, read_npz
 from precondfx.core.calibration import is_additive_mask
 
+#: errno values of a write that found no room (disk full, quota, file size limit)
+_FULL = tuple(getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EFBIG") if hasattr(errno, n))
 EXTERNAL_LIMIT = int(1.8 * 2**30)   # above this many bytes of weights, save externally
 FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
 
@@ -249,9 +257,17 @@ def check_paths(in_path: str | os.PathLike, out_path: str | os.PathLike,
 # saving
 # --------------------------------------------------------------------------------------------
 class Staging:
-    """A temporary folder next to the output; ``commit`` moves the files into place."""
+    """A temporary folder next to the output; ``commit`` moves the files into place.
 
-    def __init__(self, out_path: str | os.PathLike) -> None:
+    Every state on disk is a consistent model: the weights go to ``<out>.data``, unless the
+    model already at the output path reads that file; then to ``<out>.<8 hex digits>.data``, a
+    name unique to this write, so the earlier output keeps its own weights until the new model
+    replaces it.  ``commit`` moves the data file first (under its new name, so nothing the
+    earlier output reads changes), then the model with ``os.replace`` (the one step that
+    switches), then removes the data files the earlier output read under these names.  Files
+    in ``protected`` (the input's) are never removed."""
+
+    def __init__(self, out_path: str | os.PathLike, protected: Iterable[str] = ()) -> None:
         self.out_path = os.path.abspath(os.fspath(out_path))
         out_dir = os.path.dirname(self.out_path)
         try:
@@ -262,15 +278,29 @@ class Staging:
                                f"write to") from None
         self.path = os.path.join(self.dir, os.path.basename(self.out_path))
         self.external = False
+        self.protected = {os.path.realpath(p) for p in protected}
+        self.data_name = os.path.basename(data_path(self.out_path))
+        if _reads_data(self.out_path, data_path(self.out_path)):
+            while True:
+                name = f"{os.path.basename(self.out_path)}.{secrets.token_hex(4)}.data"
+                if not os.path.lexists(os.path.join(out_dir, name)):
+                    break
+            self.data_name = name
 
     @property
     def data(self) -> str:
-        return data_path(self.path)
+        """The staged data file (its name is the one the output's model references)."""
+        return os.path.join(self.dir, self.data_name)
+
+    @property
+    def target(self) -> str:
+        """Where ``commit`` puts the data file."""
+        return os.path.join(os.path.dirname(self.out_path), self.data_name)
 
     def save(self, model: ir.Model, external: bool) -> str:
         """Write the model into the staging folder; returns the staged model path."""
         self.external = external
-        target = data_path(self.out_path)
+        target = self.target
         if external and os.path.isdir(target):
             raise PrecondError(f"the weights go to {target} beside the output, and a folder has "
                                f"that name: remove or rename it, or choose another output name")
@@ -278,29 +308,72 @@ class Staging:
             if os.path.exists(p):
                 os.remove(p)
         legacy_initializer_inputs(model)
-        if external:
-            ir.save(model, self.path, external_data=os.path.basename(self.data),
-                    size_threshold_bytes=1024)
-        else:
-            # materialize lazy external tensors first: the source file may be the one we read
-            ir.save(model, self.path)
+        try:
+            if external:
+                ir.save(model, self.path, external_data=self.data_name,
+                        size_threshold_bytes=1024)
+            else:
+                # materialize lazy external tensors first: the source file may be the one we read
+                ir.save(model, self.path)
+        except OSError as e:
+            if e.errno not in _FULL:
+                raise
+            raise PrecondError(f"cannot write the output into {os.path.dirname(self.out_path)} "
+                               f"({e.strerror or os.strerror(e.errno)}): free space there, or "
+                               f"choose an output folder with room for the model"
+                               f"{' and its weights' if external else ''}; nothing was "
+                               f"written") from None
         return self.path
+
+    def adopt(self) -> None:
+        """Take the model another writer (torch.onnx.export) put at ``path``, with its weights
+        in ``<path>.data`` or inline: the data file is renamed to this write's name and the
+        model's references to it rewritten (no weight is read)."""
+        written = data_path(self.path)
+        self.external = os.path.exists(written)
+        if not self.external or written == self.data:
+            return
+        import onnx
+        from onnx.external_data_helper import _get_all_tensors
+        proto = onnx.load(self.path, load_external_data=False)
+        old = os.path.basename(written)
+        for t in _get_all_tensors(proto):
+            for e in t.external_data:
+                if e.key == "location" and e.value == old:
+                    e.value = self.data_name
+        onnx.save(proto, self.path)
+        os.replace(written, self.data)
 
     def commit(self) -> list[str]:
         """Move the staged files into place (data first, then the model); returns the paths.
-        A model saved without external data over an earlier output that had some removes that
-        data file too: left beside the new model it would look like its weights."""
+        The data files the earlier output read (``<out>.data``, ``<out>.<hex>.data``) are
+        removed after the model is replaced: left beside the new model they would look like
+        its weights.  If moving the model fails, the data file moved for it is removed again
+        and the earlier output is as it was."""
         written = []
-        target = data_path(self.out_path)
-        stale = not self.external and os.path.isfile(target) and \
-            _reads_data(self.out_path, target)
+        target = self.target
+        stale = [f for f in _own_data_files(self.out_path)
+                 if f != target and os.path.realpath(f) not in self.protected]
+        moved = None
         if self.external and os.path.exists(self.data):
             os.replace(self.data, target)
             written.append(target)
-        os.replace(self.path, self.out_path)
+            moved = target
+        try:
+            os.replace(self.path, self.out_path)
+        except BaseException:
+            if moved is not None:
+                try:
+                    os.remove(moved)
+                except OSError:
+                    pass
+            raise
         written.append(self.out_path)
-        if stale:
-            os.remove(target)
+        for f in stale:
+            try:
+                os.remove(f)
+            except OSError:
+                pass
         return written
 
     def cleanup(self) -> None:
@@ -315,10 +388,31 @@ class Staging:
 
 def _reads_data(model_path: str, data: str) -> bool:
     """Whether the ONNX file at ``model_path`` (an earlier output) keeps weights in ``data``."""
+    return os.path.abspath(data) in _own_data_files(model_path)
+
+
+def _own_data_files(model_path: str) -> list[str]:
+    """The external data files the ONNX file at ``model_path`` (an earlier output) reads under
+    the names ``Staging`` gives (``<out>.data``, ``<out>.<8 hex digits>.data``, beside it),
+    as absolute paths (a symbolic link by that name is the link, not its target); none when
+    it is missing or not a readable ONNX file."""
+    if not os.path.isfile(model_path) or not model_path.lower().endswith(".onnx"):
+        return []       # none, or not an ONNX output (a state_dict .pt is not parsed)
+    base = os.path.basename(model_path)
+    own = re.compile(re.escape(base) + r"(\.[0-9a-f]{8})?\.data")
+    folder = os.path.dirname(os.path.abspath(model_path))
     try:
-        return os.path.realpath(data) in input_files(load(model_path), model_path)
-    except Exception:       # not a readable ONNX file: leave the data file alone
-        return False
+        model = ir.load(model_path)
+    except Exception:       # not a readable ONNX file: leave the data files alone
+        return []
+    out = []
+    for v in _all_initializers(model):
+        t = v.const_value
+        if isinstance(t, ir.ExternalTensor) and own.fullmatch(os.fspath(t.location)):
+            f = os.path.join(folder, os.fspath(t.location))
+            if f not in out and os.path.isfile(f):
+                out.append(f)
+    return out
 
 
 def legacy_initializer_inputs(model: ir.Model) -> int:

@@ -152,6 +152,7 @@ class OnnxState(State):
     feeds: io.Feeds | None = None
     captured: Captured | None = None
     staging: io.Staging | None = None
+    input_files: list = field(default_factory=list)  # the input model and its data files
     analysis: bool = False                           # ``inspect``: plan only, no data, no file
 
 
@@ -159,6 +160,7 @@ def load(st: OnnxState) -> None:
     st.model = io.load(st.in_path)
     if not st.analysis:
         io.check_paths(st.in_path, st.out_path, st.model)
+        st.input_files = io.input_files(st.model, st.in_path)
     st.had_external = io.has_external_data(st.model)
     already_preconditioned(st.model, st.in_path)
 
@@ -288,7 +290,7 @@ def record_gains(st: OnnxState) -> None:
 
 def save(st: OnnxState) -> None:
     """Save into a temporary folder next to the output (removed again on failure)."""
-    st.staging = io.Staging(st.out_path)
+    st.staging = io.Staging(st.out_path, protected=st.input_files)
     st.undo.append(st.staging.cleanup)
     st.staging.save(st.model, io.save_policy(st.model, st.external_data, st.had_external))
 
@@ -423,10 +425,16 @@ def verify_saved(path: str, inputs: list[io.InputSpec], fe: io.Feeds | None,
         feeds, k = dict(fe.arrays), None
         outs = cal.run(sess, feeds)
     names = [o.name for o in sess.get_outputs()]
-    for n, o in zip(names, outs):
-        if np.issubdtype(np.asarray(o).dtype, np.floating) and not np.isfinite(o).all():
+    bad = [n for n, o in zip(names, outs)
+           if np.issubdtype(np.asarray(o).dtype, np.floating) and not np.isfinite(o).all()]
+    ref = _outputs(in_path, feeds, bad) if bad else {}
+    for n in bad:
+        o = outs[names.index(n)]
+        if not _same_nonfinite(ref.get(n), o):
             raise PrecondError(f"the rewritten model gives NaN/inf in output {n!r} on the "
                                f"verification run")
+        # the input model gives the same NaN/inf there (logits plus an additive -inf mask)
+        result.setdefault("nonfinite", {})[n] = int((~np.isfinite(o)).sum())
     result.update(outputs={n: list(np.shape(o)) for n, o in zip(names, outs)})
     if k is not None:
         result["batch"] = k
@@ -437,9 +445,11 @@ def verify_saved(path: str, inputs: list[io.InputSpec], fe: io.Feeds | None,
             raise PrecondError(f"the rewritten model's output {out_name!r} has leading dim "
                                f"{main.shape[0]} when {first.name!r} has {k} (it had {b} at "
                                f"{b}): the dynamic dim was lost")
-        if np.size(main) > 1:
+        if np.size(main) > 1 and out_name not in result.get("nonfinite", {}):
             result["std"] = float(np.asarray(main, dtype=np.float64).std())
     std = f", output std {result['std']:.4g}" if "std" in result else ""
+    std += "".join(f"; output {n!r} holds NaN/inf in {c} element(s), where the input model's "
+                   f"does too" for n, c in result.get("nonfinite", {}).items())
     where = f"with {first.name!r} dim 0 = {k} (calibration: {b})" if k is not None else \
         "on the calibration feed"
     result["note"] = f"verified: onnx.checker full check {checker}; onnxruntime ran the saved " \
@@ -459,6 +469,26 @@ def _same_leading(in_path: str | None, feeds: Mapping[str, np.ndarray], name: st
         return int(np.shape(cal.run(sess, feeds, [name])[0])[0]) == lead
     except (PrecondError, IndexError):
         return False
+
+
+def _outputs(in_path: str | None, feeds: Mapping[str, np.ndarray], names: list[str]
+             ) -> dict[str, np.ndarray]:
+    """The input model's outputs ``names`` on ``feeds`` (none when it cannot run there)."""
+    if in_path is None:
+        return {}
+    try:
+        return dict(zip(names, cal.run(cal.session(in_path), feeds, names)))
+    except PrecondError:
+        return {}
+
+
+def _same_nonfinite(ref: np.ndarray | None, out: np.ndarray) -> bool:
+    """Whether ``out`` is NaN, +inf and -inf exactly where ``ref`` (the input model's output on
+    the same feed) is."""
+    if ref is None or np.shape(ref) != np.shape(out) \
+            or not np.issubdtype(np.asarray(ref).dtype, np.floating):
+        return False
+    return all(np.array_equal(f(ref), f(out)) for f in (np.isnan, np.isposinf, np.isneginf))
 
 
 def _runs(path: str, feeds: Mapping[str, np.ndarray]) -> bool:

@@ -94,7 +94,8 @@ class _Builder:
     def add_node(self, node: ir.Node) -> None:
         vals = self.vals
         ins = list(node.inputs)
-        is_data = node.op_type not in _SHAPE_OPS and any(vals.carries(v) for v in ins)
+        implicit = [v for v in _subgraph_reads(node) if vals.carries(v)]
+        is_data = node.op_type not in _SHAPE_OPS and any(vals.carries(v) for v in ins + implicit)
         if not is_data and _constant_lookup(node, ins, vals.is_param):
             is_data = True      # an embedding read at constant ids (positions, token types)
         if not is_data:   # computed from constants and shapes only
@@ -109,6 +110,9 @@ class _Builder:
             vals.note_view(node, ins)
             vals.note_derived(node, ins)
         call = call_of(vals, node, ins) if is_data else _Call([vals.marker(v) for v in ins])
+        # the activations an If branch or a Loop/Scan body reads from this graph: operands
+        # without an ONNX input slot (a scale planned on one is reported as not placed)
+        call.args += [vals.marker(v) for v in dict.fromkeys(implicit)]
         if call.kind is not None:
             spec = optable.BY_KIND[call.kind]
         kind = spec.kind if spec is not None else "unknown"
@@ -153,6 +157,20 @@ class _Builder:
                 seen.append(vals.producer[id(v)])
                 slots.append(i)
         return [slots[seen.index(src)] for src in nn_.inputs if src in seen]
+
+
+def _subgraph_reads(node: ir.Node) -> list[ir.Value]:
+    """The values the subgraphs of ``node`` (If branches, Loop and Scan bodies, nested) read,
+    by name from the enclosing graphs included: onnx-ir gives an outer value read inside a
+    subgraph as the outer value itself."""
+    out: list[ir.Value] = []
+    for attr in node.attributes.values():
+        graphs = [attr.as_graph()] if attr.type == ir.AttributeType.GRAPH else \
+            list(attr.as_graphs()) if attr.type == ir.AttributeType.GRAPHS else []
+        for g in graphs:
+            for inner in ir.traversal.RecursiveGraphIterator(g):
+                out.extend(v for v in inner.inputs if v is not None)
+    return out
 
 
 def to_graph(model: ir.Model, shapes: dict[str, tuple], symbolic: set[str],
