@@ -100,3 +100,19 @@ class PoolCNN(nn.Module):
         x = self.pool(torch.relu(self.c1(x)))
         return self.fc(torch.relu(self.c2(x)).mean((2, 3)))
 
+
+
+class SmallCNN(nn.Module):
+    """conv -> ReLU -> functional max-pool -> conv -> ReLU -> global mean -> linear (the
+    user-class hunts' model: scripted, copied, pickled, loaded from checkpoints)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.c1(x)), 2)
+        x = F.relu(self.c2(x))
+        return self.fc(x.mean((2, 3)))

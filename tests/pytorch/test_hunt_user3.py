@@ -10,19 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import precondfx
-
-
-class _SmallCNN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
-        self.fc = nn.Linear(8, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.max_pool2d(F.relu(self.c1(x)), 2)
-        x = F.relu(self.c2(x))
-        return self.fc(x.mean((2, 3)))
+from tests.user_models import SmallCNN as _SmallCNN
 
 
 def test_torch_jit_script_of_the_fx_result_computes_and_trains_it() -> None:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import precondfx
+from tests.user_models import SmallCNN as _SmallCNN
 from precondfx.errors import PrecondError
 
 
@@ -104,19 +105,6 @@ def test_a_dataclass_config_read_through_a_local_name_is_checked() -> None:
     pm.cfg.act = "tanh"
     with pytest.raises(PrecondError, match="cfg is _Cfg\\(act='tanh'"):
         pm(x)
-
-
-class _SmallCNN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
-        self.fc = nn.Linear(8, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.max_pool2d(F.relu(self.c1(x)), 2)
-        x = F.relu(self.c2(x))
-        return self.fc(x.mean((2, 3)))
 
 
 def test_the_plain_graphmodule_result_scripts_copies_and_pickles() -> None:
