@@ -184,7 +184,6 @@ def test_a_full_disk_is_an_error_that_says_so_not_a_bug_report(tmp_path, monkeyp
     """Writing the output into a full folder (the large models that need external data) ended
     in a traceback and 'internal error (a bug in precondfx)', exit 1."""
     import errno
-    import onnx_ir
     from precondfx.cli import main
     src, x = _mlp_with_external_data(tmp_path)
     np.save(tmp_path / "x.npy", x)
