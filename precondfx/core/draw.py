@@ -22,7 +22,7 @@ class ArrayOps:
 
     normal: Callable[[tuple[int, ...]], Any]          # standard normal from the generator
     full: Callable[[tuple[int, ...], float], Any]
-    qr: Callable[[Any], tuple[Any, Any]]
+    qr: Callable[[Any], tuple[Any, Any]]              # reduced (Q, R); R's diagonal is read
     diagonal: Callable[[Any], Any]
     sign: Callable[[Any], Any]
     concat: Callable[[list[Any]], Any]

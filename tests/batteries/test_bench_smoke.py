@@ -123,13 +123,18 @@ def test_cost_quick(tmp_path):
     # one timed training step (not the 0.5 s of steps a study takes: each timed step costs a
     # full gc.collect of the test session, ~0.25 s); the checks below read its time
     # gc.freeze: the study's gc.collect before each timed call (and in each forked child,
-    # where it also copies every page it touches) skips the test session's own objects
-    gc.freeze()
+    # where it also copies every page it touches) skips the test session's own objects;
+    # tests/conftest.py has frozen them already after collection, and gc.unfreeze() here would
+    # hand them back to every later full collection of the session (it unfreezes everything)
+    fresh = gc.get_freeze_count() == 0
+    if fresh:
+        gc.freeze()
     try:
         mod.main(["--quick", "--out", str(tmp_path), "--steps", "1", "--repeats", "1",
                   "--min-step-s", "0"])
     finally:
-        gc.unfreeze()
+        if fresh:
+            gc.unfreeze()
     data = _load(tmp_path / "cost_quick.json")
     assert os.path.exists(tmp_path / "cost_quick.png")
     for key in ("rows", "peers", "memory_method", "env"):

@@ -9,6 +9,8 @@ BERT and GPT-2 built from configs (hooks, constants folded into checkpoints)."""
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import io
 import logging
 import warnings
@@ -38,7 +40,17 @@ class Logits(nn.Module):
 
 
 def _case(name: str) -> tuple[nn.Module, tuple, tuple, str]:
-    """(the result to export, inputs to export with, other inputs, capture method)."""
+    """(the result to export, inputs to export with, other inputs, capture method).
+
+    The result of each model is preconditioned once per session (``_preconditioned``: the
+    same seeds every time, so the same result) and each test exports its own deep copy of it,
+    so an exporter that touched the module could not leak into the next test."""
+    model, args, other, capture = _preconditioned(name)
+    return copy.deepcopy(model), args, other, capture
+
+
+@functools.lru_cache(maxsize=None)
+def _preconditioned(name: str) -> tuple[nn.Module, tuple, tuple, str]:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(5)
     if name in ("cnn_fx", "cnn_eager"):
