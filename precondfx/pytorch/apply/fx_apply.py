@@ -27,7 +27,9 @@ def _activation_args(node: fx.Node) -> list[fx.Node]:
 
     def walk(a: Any) -> None:
         if isinstance(a, fx.Node):
-            if a.op != "get_attr" and a not in acts:
+            # a size or a number computed from sizes (``x.size(-1)``, ``math.sqrt(d)``) is a
+            # constant operand, as in the captured graph (``fx_capture._marker``): not counted
+            if a.op != "get_attr" and "precondfx_value" not in a.meta and a not in acts:
                 acts.append(a)
         elif isinstance(a, (list, tuple)):
             for x in a:

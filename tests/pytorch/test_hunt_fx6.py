@@ -1,0 +1,41 @@
+"""Regression tests of hunt fx6: shape-valued operands in the fx applier, dtype properties read
+in forward, namedtuple outputs under TAT, a layer applied to a parameter (hypernetwork)."""
+import collections
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import precondfx
+from precondfx.core.plan import Scale
+from precondfx.pytorch.apply.fx_apply import FxApplier
+from precondfx.pytorch.capture import fx_capture
+from precondfx.pytorch.capture.common import make_sample
+
+
+class _ShapePlusAct(nn.Module):
+    """A join whose first operand is a number computed from the input's shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return x.size(-1) + self.fc(x)
+
+
+def test_operand_index_skips_shape_values_as_the_captured_graph_does():
+    torch.manual_seed(0)
+    model, x = _ShapePlusAct(), torch.randn(3, 6)
+    gm = fx_capture.trace(model, make_sample(x))
+    fx_capture.run_shape_prop(gm, make_sample(x))
+    graph = fx_capture.to_graph(gm)
+    add = next(n for n in graph if n.kind == "add")
+    assert add.inputs == ["fc"]           # the size is a constant, not an activation operand
+    ap = FxApplier(gm, graph)
+    assert ap.scale(Scale("residual", add.name, "operand", 0, 0.5, "test")) is not None
+    ap.finish()
+    with torch.no_grad():
+        want = x.size(-1) + 0.5 * model.fc(x)     # operand 0 of the graph: the activation
+        torch.testing.assert_close(gm(x), want)
