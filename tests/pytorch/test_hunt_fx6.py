@@ -39,3 +39,33 @@ def test_operand_index_skips_shape_values_as_the_captured_graph_does():
     with torch.no_grad():
         want = x.size(-1) + 0.5 * model.fc(x)     # operand 0 of the graph: the activation
         torch.testing.assert_close(gm(x), want)
+
+
+class _DtypeProperty(nn.Module):
+    """transformers-style: ``self.dtype`` is a property reading the parameters' dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    @property
+    def dtype(self):
+        return next(self.parameters()).dtype
+
+    def forward(self, x):
+        x = x.to(self.dtype)
+        return self.fc2(torch.relu(self.fc1(x)) + torch.zeros(16, dtype=self.dtype))
+
+
+def test_dtype_property_is_not_frozen_into_the_result():
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    result, report = precondfx.precondition(_DtypeProperty(), x)
+    with torch.no_grad():
+        ref = result(x)
+        low = result.to(torch.bfloat16)(x.to(torch.bfloat16))
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), ref, rtol=0.05, atol=0.05)
+    assert report.capture != "fx"           # the fx graph would keep float32
+    with pytest.raises(precondfx.errors.PrecondError, match=r"_DtypeProperty\.dtype"):
+        precondfx.precondition(_DtypeProperty(), x, capture="fx")

@@ -95,6 +95,42 @@ def _refuse_checkpoint() -> None:
         f = f.f_back
 
 
+@contextlib.contextmanager
+def _refuse_dtype_properties(model: torch.nn.Module) -> Iterator[None]:
+    """While tracing, reading a property of one of the model's module classes that returns a
+    dtype or a device (``self.dtype`` as ``next(self.parameters()).dtype``, transformers'
+    ``self.device``) raises :class:`Unkeepable`: the trace would freeze the trace-time value
+    (float32) into the graph, which then ignores ``model.to(torch.bfloat16)`` (a dtype error,
+    or a silent float32 computation)."""
+    saved: list[tuple[type, str, property]] = []
+    seen: set[tuple[type, str]] = set()
+    for m in model.modules():
+        for cls in type(m).__mro__:
+            if cls in (nn.Module, object) or cls.__module__.startswith("torch."):
+                continue
+            for name, prop in list(vars(cls).items()):
+                if not isinstance(prop, property) or prop.fget is None or (cls, name) in seen:
+                    continue
+                seen.add((cls, name))
+
+                def fget(obj: Any, _get: Any = prop.fget, _name: str = name,
+                         _cls: type = cls) -> Any:
+                    value = _get(obj)
+                    if isinstance(value, (torch.dtype, torch.device)):
+                        raise Unkeepable(
+                            f"the forward reads {_cls.__name__}.{_name}, a property whose value "
+                            f"({value}) a traced graph would freeze: after model.to(another "
+                            f"dtype or device) the graph would still use {value}: {_KEEP}")
+                    return value
+                saved.append((cls, name, prop))
+                setattr(cls, name, property(fget, prop.fset, prop.fdel, prop.__doc__))
+    try:
+        yield
+    finally:
+        for cls, name, prop in saved:
+            setattr(cls, name, prop)
+
+
 def _autocast_state() -> tuple:
     """Whether autocast is on, and its dtype, for the CPU and CUDA."""
     return tuple((_IS_AUTOCAST(d), _AUTOCAST_DTYPE(d)) for d in ("cpu", "cuda"))
@@ -299,7 +335,7 @@ def _trace_once(model: torch.nn.Module, concrete: dict) -> fx.GraphModule:
     tensors = {m: (dict(m._parameters), dict(m._buffers)) for m in model.modules()}
     try:
         with _refuse_autograd_functions(), _refuse_python_random(), _refuse_autocast(), \
-                _TraceTimeCompute(model):
+                _refuse_dtype_properties(model), _TraceTimeCompute(model):
             graph = tracer.trace(model, concrete_args=concrete or None)
         name = model.__class__.__name__ if isinstance(model, torch.nn.Module) else "module"
         gm = fx.GraphModule(tracer.root, graph, name)
