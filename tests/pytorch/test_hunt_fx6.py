@@ -69,3 +69,31 @@ def test_dtype_property_is_not_frozen_into_the_result():
     assert report.capture != "fx"           # the fx graph would keep float32
     with pytest.raises(precondfx.errors.PrecondError, match=r"_DtypeProperty\.dtype"):
         precondfx.precondition(_DtypeProperty(), x, capture="fx")
+
+
+_Out = collections.namedtuple("_Out", ["logits", "hidden"])
+
+
+class _NamedTupleOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for layer in self.body:
+            x = torch.tanh(layer(x))
+        return _Out(self.head(x), hidden=x)
+
+
+@pytest.mark.parametrize("scheme", ["geometric", "tat"])
+def test_namedtuple_output_is_a_container_not_an_unknown_op(scheme):
+    torch.manual_seed(0)
+    x = torch.randn(64, 16)
+    result, report = precondfx.precondition(_NamedTupleOut(), x, scheme=scheme)
+    assert report.capture == "fx"
+    assert not [r.name for r in report.nodes if r.status == "unknown"]
+    with torch.no_grad():
+        out = result(x)
+    assert type(out) is _Out
+    assert abs(float(out.logits.std()) - 1.0) < 0.05       # the output scale on the logits

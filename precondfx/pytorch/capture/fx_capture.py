@@ -619,7 +619,10 @@ def to_graph(gm: fx.GraphModule) -> Graph:
     nodes: list[Node] = []
     module_calls: dict[str, int] = {}
     outputs: list[str] = []
+    containers = _output_containers(gm)
     for n in gm.graph.nodes:
+        if n in containers:     # ``return Out(logits, hidden)``: the output's structure
+            continue
         meta = n.meta.get("tensor_meta")
         out_shape = shape_of(meta) if hasattr(meta, "shape") else None
         in_shapes = [shape_of(a.meta.get("tensor_meta")) if isinstance(a, fx.Node) else None
@@ -635,7 +638,7 @@ def to_graph(gm: fx.GraphModule) -> Graph:
             continue  # parameters appear as Param operands of their users
         elif n.op == "output":
             outs: list = []
-            _flatten_nodes(n.args, outs)
+            _flatten_nodes(n.args, outs, containers)
             outputs = [o.name for o in outs if o.op != "get_attr"]
             nodes.append(Node(n.name, "output", "output", inputs=outputs))
         elif n.op == "call_module":
@@ -678,8 +681,30 @@ def caller(n: fx.Node) -> str:
     return list(stack.values())[-1][0] if stack else ""
 
 
-def _flatten_nodes(a: Any, out: list) -> None:
-    out.extend(x for x in leaves(a) if isinstance(x, fx.Node))
+def _namedtuple_fields(n: fx.Node) -> tuple | None:
+    """The fields of the namedtuple class ``n`` constructs (fx records ``Out(logits, hidden)``
+    returned by forward as a call of ``Out``), None if ``n`` is not such a call."""
+    cls = n.target if n.op == "call_function" else None
+    if isinstance(cls, type) and issubclass(cls, tuple):
+        return getattr(cls, "_fields", None)
+    return None
+
+
+def _output_containers(gm: fx.GraphModule) -> set[fx.Node]:
+    """The namedtuple constructions used only as (part of) the returned value: an output
+    container like a returned tuple or dict, not an operation of the graph."""
+    return {n for n in gm.graph.nodes if _namedtuple_fields(n) is not None
+            and all(u.op == "output" for u in n.users)}
+
+
+def _flatten_nodes(a: Any, out: list, containers: set[fx.Node] = frozenset()) -> None:
+    for x in leaves(a):
+        if isinstance(x, fx.Node) and x in containers:  # its fields, as a returned tuple
+            fields = _namedtuple_fields(x)
+            _flatten_nodes(list(x.args) + [x.kwargs.get(f) for f in fields[len(x.args):]],
+                           out, containers)
+        elif isinstance(x, fx.Node):
+            out.append(x)
 
 
 def forward_signature(model: torch.nn.Module) -> inspect.Signature | None:
