@@ -97,3 +97,35 @@ def test_namedtuple_output_is_a_container_not_an_unknown_op(scheme):
         out = result(x)
     assert type(out) is _Out
     assert abs(float(out.logits.std()) - 1.0) < 0.05       # the output scale on the logits
+
+
+class _Hyper(nn.Module):
+    """A hypernetwork: ``gen`` (a Linear) applied to the parameter ``z`` draws the weight of
+    the functional linear that the input goes through."""
+
+    def __init__(self, i=16, o=8, nz=4):
+        super().__init__()
+        self.z = nn.Parameter(torch.randn(nz))
+        self.gen = nn.Linear(nz, o * i)
+        self.head = nn.Linear(o, 3)
+        self.o, self.i = o, i
+
+    def forward(self, x):
+        w = self.gen(self.z).view(self.o, self.i)
+        return self.head(torch.relu(F.linear(x, w)))
+
+
+def test_alpha_of_a_layer_applied_to_a_parameter_scales_that_parameter():
+    torch.manual_seed(0)
+    x = torch.randn(32, 16)
+    result, report = precondfx.precondition(_Hyper(), x)
+    assert report.capture == "fx"
+    assert not [s for s in report.skipped if "gen" in str(s)], report.skipped
+    alpha = result.get_buffer("precondfx_alpha_gen")     # placed, as the eager back end does
+    with torch.no_grad():
+        alpha.fill_(2.0)
+        got = result(x)
+        alpha.fill_(1.0)
+        result.z.mul_(2.0)
+        want = result(x)
+    torch.testing.assert_close(got, want)

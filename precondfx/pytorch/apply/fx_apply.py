@@ -114,8 +114,17 @@ class FxApplier(TorchBackend, Records):
         bname = buffer_name(sc.tag, sc.node, sc.index if sc.where == "operand" else None)
         if sc.where in ("input", "operand"):
             acts = _activation_args(node)
+            first = node.args[0] if node.args else None
+            if sc.where == "input" and not acts and isinstance(first, fx.Node) and \
+                    first.op == "get_attr":
+                # a layer applied to a parameter (a hypernetwork's generator on its embedding
+                # z): its input is that parameter, scaled on this call only, as the eager back
+                # end's pre-hook scales the module's input
+                acts = [first]
             if sc.index >= len(acts):
-                self._skip(key, sc.node, f"{sc.tag}: operand {sc.index} not found")
+                self._skip(key, sc.node, f"{sc.tag}: {node.name} has no activation operand "
+                                         f"{sc.index} in the traced graph (its other operands "
+                                         f"are parameters or constants): no {sc.tag} placed")
                 return None
             src = acts[sc.index]
             self._buffer(bname, sc.value)
