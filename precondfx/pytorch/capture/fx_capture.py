@@ -9,8 +9,9 @@ elsewhere are detected while tracing and make the trace fail with :class:`Unkeep
 the plan is applied to the user's own module instead (the eager back end): a custom
 ``torch.autograd.Function`` (its backward), a grad-mode change inside forward (``torch.no_grad``
 blocks), ``torch.utils.checkpoint`` (recomputation), and any difference between the graphs traced
-in train and in eval mode (``if self.training`` branches), and changes to the modules' Python
-attributes (counters, caches).
+in train and in eval mode (``if self.training`` branches), changes to the modules' Python
+attributes (counters, caches), and reads of a module property returning a dtype or a device
+(``self.dtype``: the trace would freeze float32).
 """
 from __future__ import annotations
 
