@@ -24,14 +24,16 @@ its curvature: the suggested SGD rate ``1 / lambda``
   others acts on theirs (two optimizers, in either order, or stepped k:1 as a GAN's); where
   no optimizer's parameter group holds them by that optimizer's second step (trainable
   layers nobody steps) their storage is kept, the report says so (``unheld``) and the kept
-  batch is released.  The measurement runs with autocast off (a step inside a bfloat16
-  ``torch.autocast`` region measures the float32 function the storage holds), on the kept
-  batch in the model's dtype, or in its first layer's where parts were cast apart (a
-  bfloat16 body under a float32 head).  A rate raised by hand after the first step past
-  both the rate the ceiling was decided at and the suggested one (a warm-up written in the
-  loop, an LR finder) is said once, in a warning and the report (``raised``): call
-  :func:`settle_rate` with the peak rate before the first step there.  Two things differ
-  from ``lr=``:
+  batch is released.  The measurement runs in the calibration mode (dropout off), or in
+  eval mode where the model is in eval mode at that step (``model.eval()`` before the loop:
+  fine-tuning with frozen BatchNorm statistics trains that function), with autocast off (a
+  step inside a bfloat16 ``torch.autocast`` region measures the float32 function the
+  storage holds), on the kept batch in the model's dtype, or in its first layer's where
+  parts were cast apart (a bfloat16 body under a float32 head).  A rate raised by hand
+  after the first step past both the rate the ceiling was decided at and the suggested one
+  (a warm-up written in the loop, an LR finder) is said once, in a warning and the report
+  (``raised``): call :func:`settle_rate` with the peak rate before the first step there.
+  Two things differ from ``lr=``:
   a gradient clipped before that step (``clip_grad_norm_``) was clipped at the old storage,
   so the first step is ``c`` times the clipped one where ``lr=`` clips ``c`` times the
   gradient (the later steps are ``lr=``'s); and the measurement runs the model's forward
@@ -257,6 +259,10 @@ class Pending:
         head fine-tuned alone, a second optimizer over the rest); None: all."""
         from precondfx.pytorch.measure.suggest import suggest_lr
         sample = _on_device(self.sample, model, self.graph)
+        # a model the user put in eval() before the loop (fine-tuning with frozen BatchNorm
+        # statistics) trains its eval-mode function: measured in that mode, not with the
+        # batch statistics of the calibration mode
+        mode = self.mode if model.training else "eval"
         bufs = {w: self.lr_buffers[w] for w in weights}
         now = self.report.measured.final(self.report.planned)
         edited = copy.deepcopy(now)
@@ -272,7 +278,7 @@ class Pending:
                 _no_autocast(model):
             sec = lr_target.keep_rate(
                 model, self.graph, edited, bufs, lr, "sgd",
-                lambda fam: suggest_lr(model, sample, mode=self.mode, key=self.key,
+                lambda fam: suggest_lr(model, sample, mode=mode, key=self.key,
                                        seed=self.seed, families=(fam,), only=steps).get(fam),
                 ceiling=True)
         c = float(sec.get("factor", 1.0))
