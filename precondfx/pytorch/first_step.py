@@ -422,7 +422,11 @@ def _on_device(sample: Any, model: nn.Module, graph: Any = None) -> Any:
     """The kept batch on the device of the model's parameters, its floating-point tensors in
     their dtype where all of them share one (the model was moved or cast after precondition:
     ``.cuda()``, ``.double()``, ``.half()``), else in the dtype of the first layer the inputs
-    reach in ``graph`` (a bfloat16 body under a float32 head: ``_first_dtype``)."""
+    reach in ``graph`` (a bfloat16 body under a float32 head: ``_first_dtype``).  A tensor
+    whose finite values the cast would make infinite stays in its dtype: an additive
+    attention mask's -1e9 is -inf in float16 (NaN on rows masked whole, the rate not
+    measured), and a forward that takes your float32 mask adds it in float32 (a softmax
+    computed in float32)."""
     params = list(model.parameters())
     if not params:
         return sample
@@ -431,11 +435,23 @@ def _on_device(sample: Any, model: nn.Module, graph: Any = None) -> Any:
     dt = dtypes.pop() if len(dtypes) == 1 else _first_dtype(model, graph)
 
     def move(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dev, dtype=dt if dt is not None and t.is_floating_point() else t.dtype)
-    if all(t.device == dev and (dt is None or not t.is_floating_point() or t.dtype == dt)
+        if dt is None or not t.is_floating_point() or t.dtype == dt or _overflows(t, dt):
+            return t.to(dev)
+        return t.to(dev, dtype=dt)
+    if all(t.device == dev and (dt is None or not t.is_floating_point() or t.dtype == dt
+                                or _overflows(t, dt))
            for t in sample.tensors()):
         return sample
     return sample.map(move)
+
+
+def _overflows(t: torch.Tensor, dt: torch.dtype) -> bool:
+    """Whether casting the floating-point ``t`` to ``dt`` turns a finite value infinite."""
+    if t.is_complex() or not dt.is_floating_point or dt.is_complex or \
+            torch.finfo(dt).max >= torch.finfo(t.dtype).max:
+        return False
+    finite = t[torch.isfinite(t)]
+    return finite.numel() > 0 and bool(finite.abs().max() > torch.finfo(dt).max)
 
 
 def _first_dtype(model: nn.Module, graph: Any) -> torch.dtype | None:

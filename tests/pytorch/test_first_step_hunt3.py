@@ -49,3 +49,50 @@ def test_a_model_fine_tuned_in_eval_mode_is_measured_in_eval_mode():
     assert sec["suggested_before"] == pytest.approx(by_hand["eval"], rel=1e-6)
     assert sec["factor"] < 0.6
     assert not model.training and not any(m.training for m in model.modules())
+
+
+class _MaskedAttention(nn.Module):
+    """One attention block over padded sequences, its scores' softmax computed in float32
+    with the additive mask passed in (the way a model run with a float16 body is written)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.qkv = nn.Linear(16, 32), nn.Linear(32, 96)
+        self.out, self.head = nn.Linear(32, 32), nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        q, k, v = self.qkv(h).chunk(3, -1)
+        scores = q @ k.transpose(-1, -2) / 32 ** 0.5
+        att = (scores.float() + mask).softmax(-1).to(v.dtype)
+        h = h + self.out(att @ v)
+        return self.head(h.float().mean(1))
+
+
+def test_a_float16_body_keeps_a_minus_1e9_mask_finite():
+    """``model.half(); model.head.float()`` with an additive mask of -1e9 on padded
+    positions in the kept batch: the batch was cast to the body's float16 whole, the mask's
+    -1e9 became -inf, the rows masked whole gave NaN, and the first step kept the storage
+    (factor 1, 'suggested sgd rate not measurable', no warning) at 25x the suggested rate.
+    The mask now stays in its float32 (the cast would overflow it) and the factor is the
+    float32 model's."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(16, 10, 16, generator=g), torch.randint(0, 5, (16,), generator=g)
+    pad = torch.arange(10)[None] >= torch.randint(3, 11, (16,), generator=g)[:, None]
+    mask = torch.zeros(16, 10, 10).masked_fill(pad[:, None, :] | pad[:, :, None], -1e9)
+    secs = []
+    for dtype in (torch.float32, torch.float16):
+        model, rep = precondfx.precondition(_MaskedAttention(), (x,),
+                                            forward_kwargs={"mask": mask})
+        model.to(dtype)
+        model.head.float()
+        opt = torch.optim.SGD(model.parameters(), lr=5.0)
+        out = model(x.to(dtype), mask)
+        assert torch.isfinite(out).all()            # the user's loop computes
+        F.cross_entropy(out, y).backward()
+        opt.step()
+        secs.append(rep.conditioning["lr_target"])
+    assert secs[0]["factor"] < 0.5
+    assert secs[1]["suggested_before"] is not None
+    assert secs[1]["factor"] == pytest.approx(secs[0]["factor"], rel=2e-3)
