@@ -281,6 +281,8 @@ class Pending:
                 lambda fam: suggest_lr(model, sample, mode=mode, key=self.key,
                                        seed=self.seed, families=(fam,), only=steps).get(fam),
                 ceiling=True)
+        if sec.get("warning") and sec.get("rounds") == [] and not sec.get("suggested_before"):
+            sec["warning"] += _dtypes_said(model, self.graph)   # not measured: what to do
         c = float(sec.get("factor", 1.0))
         ok, _ = lr_transfer.carried(bufs, edited, self.graph)
         if c != 1.0:

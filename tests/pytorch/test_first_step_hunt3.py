@@ -96,3 +96,43 @@ def test_a_float16_body_keeps_a_minus_1e9_mask_finite():
     assert secs[0]["factor"] < 0.5
     assert secs[1]["suggested_before"] is not None
     assert secs[1]["factor"] == pytest.approx(secs[0]["factor"], rel=2e-3)
+
+
+class _CastsItsMask(_MaskedAttention):
+    """The same block, the mask cast to the scores' dtype (the user passes a float16 mask
+    built with float16's minimum; the calibration batch had float32's, as built for the
+    float32 model)."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        q, k, v = self.qkv(h).chunk(3, -1)
+        scores = q @ k.transpose(-1, -2) / 32 ** 0.5
+        att = (scores + mask.to(scores.dtype)).softmax(-1)
+        return self.head((h + self.out(att @ v)).float().mean(1))
+
+
+def test_a_rate_not_measurable_at_the_first_step_is_said():
+    """The kept float32 mask (float32's minimum on padded positions) reaches a float16 body
+    that casts it: -inf, NaN on the rows masked whole, no rate.  The first step kept the
+    storage with no word but 'not measurable' in the report, while the loop, given a
+    float16 mask, trained at 5 (34x the float32 model's suggested rate, 0.145).  It now warns,
+    naming the dtypes and what to do."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(16, 10, 16, generator=g), torch.randint(0, 5, (16,), generator=g)
+    pad = torch.arange(10)[None] >= torch.randint(3, 11, (16,), generator=g)[:, None]
+    masked = pad[:, None, :] | pad[:, :, None]
+    mask = torch.zeros(16, 10, 10).masked_fill(masked, torch.finfo(torch.float32).min)
+    model, rep = precondfx.precondition(_CastsItsMask(), (x,), forward_kwargs={"mask": mask})
+    model.half()
+    model.head.float()
+    opt = torch.optim.SGD(model.parameters(), lr=5.0)
+    mask16 = torch.zeros(16, 10, 10, dtype=torch.float16).masked_fill(
+        masked, torch.finfo(torch.float16).min)
+    out = model(x.half(), mask16)
+    assert torch.isfinite(out).all()
+    F.cross_entropy(out, y).backward()
+    with pytest.warns(RuntimeWarning, match="not measurable") as got:
+        opt.step()
+    said = [str(w.message) for w in got if "not measurable" in str(w.message)][0]
+    assert "float16" in said and "settle_rate" in said
+    assert rep.conditioning["lr_target"]["factor"] == 1.0
