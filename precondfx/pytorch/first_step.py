@@ -24,14 +24,16 @@ its curvature: the suggested SGD rate ``1 / lambda``
   others acts on theirs (two optimizers, in either order, or stepped k:1 as a GAN's); where
   no optimizer's parameter group holds them by that optimizer's second step (trainable
   layers nobody steps) their storage is kept, the report says so (``unheld``) and the kept
-  batch is released.  The measurement runs with autocast off (a step inside a bfloat16
-  ``torch.autocast`` region measures the float32 function the storage holds), on the kept
-  batch in the model's dtype, or in its first layer's where parts were cast apart (a
-  bfloat16 body under a float32 head).  A rate raised by hand after the first step past
-  both the rate the ceiling was decided at and the suggested one (a warm-up written in the
-  loop, an LR finder) is said once, in a warning and the report (``raised``): call
-  :func:`settle_rate` with the peak rate before the first step there.  Two things differ
-  from ``lr=``:
+  batch is released.  The measurement runs in the calibration mode (dropout off), or in
+  eval mode where the model is in eval mode at that step (``model.eval()`` before the loop:
+  fine-tuning with frozen BatchNorm statistics trains that function), with autocast off (a
+  step inside a bfloat16 ``torch.autocast`` region measures the float32 function the
+  storage holds), on the kept batch in the model's dtype, or in its first layer's where
+  parts were cast apart (a bfloat16 body under a float32 head).  A rate raised by hand
+  after the first step past both the rate the ceiling was decided at and the suggested one
+  (a warm-up written in the loop, an LR finder) is said once, in a warning and the report
+  (``raised``): call :func:`settle_rate` with the peak rate before the first step there.
+  Two things differ from ``lr=``:
   a gradient clipped before that step (``clip_grad_norm_``) was clipped at the old storage,
   so the first step is ``c`` times the clipped one where ``lr=`` clips ``c`` times the
   gradient (the later steps are ``lr=``'s); and the measurement runs the model's forward
@@ -257,6 +259,10 @@ class Pending:
         head fine-tuned alone, a second optimizer over the rest); None: all."""
         from precondfx.pytorch.measure.suggest import suggest_lr
         sample = _on_device(self.sample, model, self.graph)
+        # a model the user put in eval() before the loop (fine-tuning with frozen BatchNorm
+        # statistics) trains its eval-mode function: measured in that mode, not with the
+        # batch statistics of the calibration mode
+        mode = self.mode if model.training else "eval"
         bufs = {w: self.lr_buffers[w] for w in weights}
         now = self.report.measured.final(self.report.planned)
         edited = copy.deepcopy(now)
@@ -272,9 +278,11 @@ class Pending:
                 _no_autocast(model):
             sec = lr_target.keep_rate(
                 model, self.graph, edited, bufs, lr, "sgd",
-                lambda fam: suggest_lr(model, sample, mode=self.mode, key=self.key,
+                lambda fam: suggest_lr(model, sample, mode=mode, key=self.key,
                                        seed=self.seed, families=(fam,), only=steps).get(fam),
                 ceiling=True)
+        if sec.get("warning") and sec.get("rounds") == [] and not sec.get("suggested_before"):
+            sec["warning"] += _dtypes_said(model, self.graph)   # not measured: what to do
         c = float(sec.get("factor", 1.0))
         ok, _ = lr_transfer.carried(bufs, edited, self.graph)
         if c != 1.0:
@@ -416,7 +424,11 @@ def _on_device(sample: Any, model: nn.Module, graph: Any = None) -> Any:
     """The kept batch on the device of the model's parameters, its floating-point tensors in
     their dtype where all of them share one (the model was moved or cast after precondition:
     ``.cuda()``, ``.double()``, ``.half()``), else in the dtype of the first layer the inputs
-    reach in ``graph`` (a bfloat16 body under a float32 head: ``_first_dtype``)."""
+    reach in ``graph`` (a bfloat16 body under a float32 head: ``_first_dtype``).  A tensor
+    whose finite values the cast would make infinite stays in its dtype: an additive
+    attention mask's -1e9 is -inf in float16 (NaN on rows masked whole, the rate not
+    measured), and a forward that takes your float32 mask adds it in float32 (a softmax
+    computed in float32)."""
     params = list(model.parameters())
     if not params:
         return sample
@@ -425,11 +437,23 @@ def _on_device(sample: Any, model: nn.Module, graph: Any = None) -> Any:
     dt = dtypes.pop() if len(dtypes) == 1 else _first_dtype(model, graph)
 
     def move(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dev, dtype=dt if dt is not None and t.is_floating_point() else t.dtype)
-    if all(t.device == dev and (dt is None or not t.is_floating_point() or t.dtype == dt)
+        if dt is None or not t.is_floating_point() or t.dtype == dt or _overflows(t, dt):
+            return t.to(dev)
+        return t.to(dev, dtype=dt)
+    if all(t.device == dev and (dt is None or not t.is_floating_point() or t.dtype == dt
+                                or _overflows(t, dt))
            for t in sample.tensors()):
         return sample
     return sample.map(move)
+
+
+def _overflows(t: torch.Tensor, dt: torch.dtype) -> bool:
+    """Whether casting the floating-point ``t`` to ``dt`` turns a finite value infinite."""
+    if t.is_complex() or not dt.is_floating_point or dt.is_complex or \
+            torch.finfo(dt).max >= torch.finfo(t.dtype).max:
+        return False
+    finite = t[torch.isfinite(t)]
+    return finite.numel() > 0 and bool(finite.abs().max() > torch.finfo(dt).max)
 
 
 def _first_dtype(model: nn.Module, graph: Any) -> torch.dtype | None:

@@ -105,6 +105,11 @@ def keep_rate(model: nn.Module, graph: Any, plan: Any, lr_buffers: dict[str, lis
                           f"{rate:.4g}: storage kept (the ceiling only lowers a rate above it)")
     if not ok:
         out["warning"] = "lr=: no layer carries an lr multiplier; nothing was scaled"
+    elif not first or not math.isfinite(first):
+        out["warning"] = (f"lr=: the suggested {fam} rate was not measurable on the "
+                          f"calibration batch (the curvature came out zero or not finite: "
+                          f"NaN or inf in the model's output or its derivatives there); "
+                          f"nothing was scaled, so {lr:.4g} was not checked against it")
     elif abs(math.log2(total)) >= FAR - 1e-9:
         out["warning"] = (f"lr=: the factor reached its limit {total:.3g} (2^{FAR:g} either "
                           f"way) and the suggested {fam} rate went {first:.3g} -> {rate:.3g}, "
