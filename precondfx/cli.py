@@ -532,13 +532,19 @@ def _precondition_torch(args: argparse.Namespace) -> int:
         extra["measure"] = True      # the plots show measured Hessian blocks
     result, report = precondfx.precondition(model, sample, **_plan_kwargs(args), **extra)
     progress(f"writing {out}")
-    from precondfx.onnx.io import Staging
+    from precondfx.onnx.io import Staging, no_room
     with Staging(out) as st:
-        if ext == ".onnx":
-            _export_onnx(result, sample, st.path, args.quiet)
-            st.adopt()
-        else:
-            torch.save(result.state_dict(), st.path)
+        try:
+            if ext == ".onnx":
+                _export_onnx(result, sample, st.path, args.quiet, out)
+                st.adopt()
+            else:
+                # a Python file: a full disk reaches torch.save's RuntimeError as its OSError
+                with open(st.path, "wb") as f:
+                    torch.save(result.state_dict(), f)
+        except Exception as e:
+            no_room(e, out, weights=True)
+            raise
         st.commit()
     progress("done")
     if ext != ".onnx" and not args.quiet:
@@ -595,11 +601,15 @@ def _load_hint(out: str, spec: str, cls: str) -> str:
             f"(torch.save(model)) needs torch.load(path, weights_only=False): trusted files only")
 
 
-def _export_onnx(model: Any, sample: Any, path: str, quiet: bool) -> None:
-    """torch.onnx.export (dynamo exporter) with a dynamic leading dim; static if that fails."""
+def _export_onnx(model: Any, sample: Any, path: str, quiet: bool,
+                 out: str | None = None) -> None:
+    """torch.onnx.export (dynamo exporter) with a dynamic leading dim; static if that fails.
+    A write that finds no room is said as such (``out``: the output the messages name)."""
     import warnings
 
     import torch
+
+    from precondfx.onnx.io import no_room
     args = sample if isinstance(sample, tuple) else (sample,)
     kwargs = sample if isinstance(sample, dict) else None
     if kwargs is not None:
@@ -620,10 +630,12 @@ def _export_onnx(model: Any, sample: Any, path: str, quiet: bool) -> None:
         try:
             torch.onnx.export(model, args, path, kwargs=kwargs, dynamo=True,
                               dynamic_shapes=dyn)
-        except Exception:
+        except Exception as first:
+            no_room(first, out or path, weights=True)
             try:
                 torch.onnx.export(model, args, path, kwargs=kwargs, dynamo=True)
             except Exception as e:     # the model's forward, not precondfx: exit 2
+                no_room(e, out or path, weights=True)
                 import re
                 text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))      # the exporter's colours
                 first = next((ln for ln in text.splitlines() if ln.strip()), "")

@@ -256,6 +256,24 @@ def check_paths(in_path: str | os.PathLike, out_path: str | os.PathLike,
 # --------------------------------------------------------------------------------------------
 # saving
 # --------------------------------------------------------------------------------------------
+def no_room(e: BaseException, out_path: str, weights: bool = False) -> None:
+    """Raise the ``PrecondError`` of a write of ``out_path`` that found no room (disk full,
+    quota, file size limit) when ``e``, or an exception it was raised from, is one (torch.save
+    wraps the ``OSError`` in a RuntimeError); otherwise return, for the caller to re-raise."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in _FULL:
+            raise PrecondError(f"cannot write the output into "
+                               f"{os.path.dirname(os.path.abspath(out_path))} "
+                               f"({cur.strerror or os.strerror(cur.errno)}): free space there, "
+                               f"or choose an output folder with room for the model"
+                               f"{' and its weights' if weights else ''}; nothing was "
+                               f"written") from None
+        cur = cur.__cause__ or cur.__context__
+
+
 class Staging:
     """A temporary folder next to the output; ``commit`` moves the files into place.
 
@@ -316,13 +334,8 @@ class Staging:
                 # materialize lazy external tensors first: the source file may be the one we read
                 ir.save(model, self.path)
         except OSError as e:
-            if e.errno not in _FULL:
-                raise
-            raise PrecondError(f"cannot write the output into {os.path.dirname(self.out_path)} "
-                               f"({e.strerror or os.strerror(e.errno)}): free space there, or "
-                               f"choose an output folder with room for the model"
-                               f"{' and its weights' if external else ''}; nothing was "
-                               f"written") from None
+            no_room(e, self.out_path, weights=external)
+            raise
         return self.path
 
     def adopt(self) -> None:

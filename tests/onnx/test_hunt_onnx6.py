@@ -1,0 +1,64 @@
+"""Defects found by the sixth ONNX hunt (the command line and the ONNX back end); each test
+fails without its fix."""
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import textwrap
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn as nn
+
+from precondfx.cli import main
+
+ort = pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A user's ``module:callable`` (the command line imports it from the working folder)."""
+    (tmp_path / "hunt6_models.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        def build():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)), \\
+                torch.randn(16, 64)
+    """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "hunt6_models:build"
+
+
+def _with_file_size_limit(nbytes, fn):
+    """Run ``fn`` with writes beyond ``nbytes`` failing with EFBIG (a real short write, as on a
+    full disk or over a quota), then lift the limit again."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        return fn()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+
+
+@pytest.mark.parametrize("out", ["model.pt", "model.onnx"])
+def test_a_full_disk_on_the_pytorch_path_says_so(tmp_path, user_module, capsys, out):
+    """Writing the state_dict (torch.save) into a full folder was an internal error with a
+    traceback (exit 1); the .onnx export was 'torch.onnx.export could not export ... write
+    its state_dict instead' (which fails the same way).  Both now say the disk is full."""
+    code = _with_file_size_limit(
+        16384, lambda: main(["precondition", user_module, "-o", str(tmp_path / out),
+                             "--quiet"]))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and "bug" not in err and "could not export" not in err
+    assert "File too large" in err and "free space" in err and str(tmp_path) in err
+    assert sorted(os.listdir(tmp_path)) == ["__pycache__", "hunt6_models.py"] or \
+        sorted(os.listdir(tmp_path)) == ["hunt6_models.py"]
