@@ -95,6 +95,15 @@ def check_defined(model: ir.Model, path: str) -> None:
             if v is None or not v.name or v.producer() is not None or v.is_graph_input() \
                     or v.is_initializer():
                 continue
+            if node.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul") and \
+                    v is node.inputs[1] and not _all_initializers(model):
+                raise PrecondError(f"{path}: node {node.name or node.op_type!r} reads its weight "
+                                   f"{v.name!r}, which no node, graph input or initializer "
+                                   f"defines, and the file holds no initializers at all: were "
+                                   f"the weights left out (torch.onnx.export(..., "
+                                   f"export_params=False))? Export with export_params=True (the "
+                                   f"default) and precondition that file (a sparse initializer "
+                                   f"is not supported either: store it as a dense one)")
             raise PrecondError(f"{path}: node {node.name or node.op_type!r} reads {v.name!r}, "
                                f"which no node, graph input or initializer defines (a sparse "
                                f"initializer? they are not supported: store it as a dense "

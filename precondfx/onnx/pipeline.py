@@ -163,6 +163,14 @@ def load(st: OnnxState) -> None:
         st.input_files = io.input_files(st.model, st.in_path)
     st.had_external = io.has_external_data(st.model)
     already_preconditioned(st.model, st.in_path)
+    fed = weights_as_inputs(st.model)
+    if fed:
+        raise PrecondError(
+            f"{st.in_path}: the layers read their weights from graph inputs "
+            f"({', '.join(fed[:4])}{'...' if len(fed) > 4 else ''}) and the file holds no "
+            f"initializers: the weights were exported as inputs (torch.onnx.export(..., "
+            f"export_params=False)), so there are no weights to re-initialize; export with "
+            f"export_params=True (the default) and precondition that file")
 
 
 def already_preconditioned(model: ir.Model, path: str) -> None:
@@ -243,6 +251,27 @@ def capture_stage(st: OnnxState) -> None:
         st.graph.notes.extend(st.feeds.notes)
     if not st.analysis:
         driver.has_work(st.graph, "Conv, Gemm, MatMul with a weight initializer...")
+
+
+def weights_as_inputs(model: ir.Model) -> list[str]:
+    """In a file without float initializers, the graph inputs that a Conv, ConvTranspose, Gemm
+    or MatMul reads as its weight (second input): the weights of a file exported with
+    ``export_params=False``, which precondfx would calibrate with random data in their place
+    and leave as they are."""
+    inits = model.graph.initializers
+    if any(v.dtype in io.FLOAT_TYPES and v.const_value is not None and v.const_value.size > 1
+           for v in inits.values()):
+        return []       # the file holds weights: a layer reading an input is the model's own
+    fed: list[str] = []
+    for node in model.graph:
+        if node.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul") or \
+                len(node.inputs) < 2:
+            continue
+        w = node.inputs[1]
+        if w is None or not w.is_graph_input() or w.name in inits or w.name in fed:
+            continue
+        fed.append(w.name)
+    return fed
 
 
 def backend(st: OnnxState) -> None:

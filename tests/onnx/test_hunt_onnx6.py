@@ -62,3 +62,32 @@ def test_a_full_disk_on_the_pytorch_path_says_so(tmp_path, user_module, capsys, 
     assert "File too large" in err and "free space" in err and str(tmp_path) in err
     assert sorted(os.listdir(tmp_path)) == ["__pycache__", "hunt6_models.py"] or \
         sorted(os.listdir(tmp_path)) == ["hunt6_models.py"]
+
+
+class _ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 8, 3), nn.Linear(8 * 6 * 6, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_weights_exported_as_inputs_are_named_as_such(tmp_path, capsys, dynamo):
+    """A file exported with export_params=False (weights as graph inputs, or with the dynamo
+    exporter not defined at all) was refused as 'no weighted layer ... pass the model that
+    holds the layers' or as 'a sparse initializer?': now it says the weights were left out of
+    the file and to export with export_params=True."""
+    torch.manual_seed(0)
+    src = str(tmp_path / "m.onnx")
+    torch.onnx.export(_ConvNet().eval(), (torch.randn(2, 3, 8, 8),), src, dynamo=dynamo,
+                      export_params=False, **({} if dynamo else {"input_names": ["x"]}))
+    assert not onnx.load(src).graph.initializer
+    code = main(["precondition", src, "-o", str(tmp_path / "out.onnx"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "export_params=True" in err and "no weighted layer" not in err
+    if not dynamo:
+        assert "conv.weight" in err and "fc.weight" in err
+    assert not (tmp_path / "out.onnx").exists()
