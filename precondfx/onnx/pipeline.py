@@ -284,6 +284,36 @@ def backend(st: OnnxState) -> None:
         if note:
             st.graph.notes.append(note)
     st.graph.notes.extend(_split_ties(value_ties(st.model), st.plan))
+    note = _feedable_note(st.model, st.plan)
+    if note:
+        st.graph.notes.append(note)
+
+
+def _feedable_note(model: ir.Model, plan: Any) -> str | None:
+    """What the report says of initializers that are also graph inputs (IR version < 4, or
+    ``keep_initializers_as_inputs=True``): a caller may feed them (onnxruntime lets it from IR
+    version 4 on), and a value fed replaces the one the file holds, re-drawn weights
+    included."""
+    g = model.graph
+    names = [v.name for v in g.inputs if v.name in g.initializers]
+    if not names:
+        return None
+    drawn = [n for n in names if n in plan.inits and plan.inits[n].rule != "keep"]
+    real = [v.name for v in g.inputs if v.name not in g.initializers]
+    head = f"{len(names)} initializer(s) are also graph inputs"
+    listed = f"{', '.join(names[:4])}{'...' if len(names) > 4 else ''} ({len(drawn)} of them " \
+             f"re-initialized)"
+    if model.ir_version is not None and model.ir_version < 4:
+        return (f"{head} (IR version < 4 requires it, and the constants precondfx adds are "
+                f"graph inputs too): {listed}. The ONNX spec lets a caller feed them, replacing "
+                f"the file's values at run time (onnxruntime does not for IR < 4, other "
+                f"runtimes may): feed only the real inputs ({', '.join(real)}), or convert the "
+                f"model to IR version 4 or later")
+    return (f"{head} (exported with keep_initializers_as_inputs=True): {listed}. The file "
+            f"holds the new values, but a caller may feed these inputs (onnxruntime lets it), "
+            f"and a value fed replaces the file's at run time (feeding the original weights "
+            f"undoes the re-initialization): feed only the real inputs ({', '.join(real)}), or "
+            f"export with keep_initializers_as_inputs=False")
 
 
 def _split_ties(ties: list[tuple[str, str]], plan: Any) -> list[str]:

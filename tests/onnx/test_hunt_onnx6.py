@@ -91,3 +91,32 @@ def test_weights_exported_as_inputs_are_named_as_such(tmp_path, capsys, dynamo):
     if not dynamo:
         assert "conv.weight" in err and "fc.weight" in err
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_initializers_that_are_graph_inputs_are_named_in_the_report(tmp_path, capsys):
+    """keep_initializers_as_inputs=True: the weights are re-drawn in the file, but onnxruntime
+    lets a caller feed them, which replaces the re-drawn weights at run time; nothing said
+    so.  Now the report and the command line name them."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+    src, out, rep = (str(tmp_path / n) for n in ("m.onnx", "out.onnx", "r.json"))
+    torch.onnx.export(m, (torch.randn(2, 8),), src, dynamo=False, input_names=["x"],
+                      keep_initializers_as_inputs=True, dynamic_axes={"x": {0: "batch"}})
+    original = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(src).graph.initializer}
+    assert set(original) <= {i.name for i in onnx.load(src).graph.input}
+    assert main(["precondition", src, "-o", out, "--report", rep, "--quiet"]) == 0
+    err = capsys.readouterr().err
+    import json
+    notes = [n for n in json.loads(open(rep).read())["capture_notes"]
+             if "are also graph inputs" in n]
+    assert len(notes) == 1 and all(k in notes[0] for k in original), notes
+    assert "4 of them re-initialized" in notes[0] and "feed only the real inputs (x)" in notes[0]
+    assert "are also graph inputs" in err
+    # what the note says: feeding the original weights undoes the re-initialization
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(out, opts, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(1).standard_normal((64, 8)).astype(np.float32)
+    y_file = sess.run(None, {"x": x})[0]
+    y_fed = sess.run(None, {"x": x, **original})[0]
+    assert np.linalg.norm(y_fed - y_file) / np.linalg.norm(y_file) > 0.1
