@@ -280,9 +280,9 @@ def _check_report_path(path: str | None, model: str, output: str | None = None) 
             protected = onnx_io.input_files(onnx_io.load(model), model)
         except Exception:  # unreadable input: its own error comes from the pipeline
             pass
+    real = os.path.realpath(path)
     if output is not None:
         protected += [output, output + ".data"]
-    real = os.path.realpath(path)
     for p in protected:
         same = real == os.path.realpath(p)
         if not same and os.path.exists(path) and os.path.exists(p):
@@ -292,6 +292,16 @@ def _check_report_path(path: str | None, model: str, output: str | None = None) 
                 else "the input model or one of its data files"
             raise UsageError(f"--report {path}: that is {what} ({p}); give the report its own "
                              f"name (report.json)")
+    if output is not None:
+        from precondfx.onnx.io import data_file_names
+        out_real = os.path.realpath(output)
+        if os.path.dirname(real) == os.path.dirname(out_real) and \
+                data_file_names(out_real).fullmatch(os.path.basename(real)):
+            raise UsageError(f"--report {path}: that is a name the output's weights file "
+                             f"may have ({os.path.basename(out_real)}.data, or "
+                             f"{os.path.basename(out_real)}.<8 hex digits>.data when the earlier "
+                             f"output reads the first); give the report its own name "
+                             f"(report.json)")
     _check_writable(path, "--report")
 
 

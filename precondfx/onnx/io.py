@@ -413,6 +413,12 @@ def _reads_data(model_path: str, data: str) -> bool:
     return os.path.abspath(data) in _own_data_files(model_path)
 
 
+def data_file_names(out_path: str) -> "re.Pattern[str]":
+    """The names ``Staging`` gives the data files of the output ``out_path``, beside it:
+    ``<out>.data`` and ``<out>.<8 hex digits>.data`` (the hex digits drawn at write time)."""
+    return re.compile(re.escape(os.path.basename(os.fspath(out_path))) + r"(\.[0-9a-f]{8})?\.data")
+
+
 def _own_data_files(model_path: str) -> list[str]:
     """The external data files the ONNX file at ``model_path`` (an earlier output) reads under
     the names ``Staging`` gives (``<out>.data``, ``<out>.<8 hex digits>.data``, beside it),
@@ -420,8 +426,7 @@ def _own_data_files(model_path: str) -> list[str]:
     it is missing or not a readable ONNX file."""
     if not os.path.isfile(model_path) or not model_path.lower().endswith(".onnx"):
         return []       # none, or not an ONNX output (a state_dict .pt is not parsed)
-    base = os.path.basename(model_path)
-    own = re.compile(re.escape(base) + r"(\.[0-9a-f]{8})?\.data")
+    own = data_file_names(model_path)
     folder = os.path.dirname(os.path.abspath(model_path))
     try:
         model = ir.load(model_path)

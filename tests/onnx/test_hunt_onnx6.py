@@ -120,3 +120,24 @@ def test_initializers_that_are_graph_inputs_are_named_in_the_report(tmp_path, ca
     y_file = sess.run(None, {"x": x})[0]
     y_fed = sess.run(None, {"x": x, **original})[0]
     assert np.linalg.norm(y_fed - y_file) / np.linalg.norm(y_file) > 0.1
+
+
+def test_report_refuses_every_name_the_outputs_data_file_may_have(tmp_path, capsys):
+    """--report protected OUT.data but not OUT.<8 hex>.data, the name Staging gives the
+    weights when the earlier output reads OUT.data: the JSON was written to a name the
+    output's weights file has or may have.  Both names are now refused before any work."""
+    torch.manual_seed(0)
+    src, out = str(tmp_path / "m.onnx"), str(tmp_path / "out.onnx")
+    torch.onnx.export(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).eval(),
+                      (torch.randn(2, 64),), src, dynamo=False, input_names=["x"])
+    cmd = ["precondition", src, "-o", out, "--external-data", "always", "--quiet"]
+    assert main(cmd) == 0 and main(cmd) == 0
+    hexed = [f for f in os.listdir(tmp_path) if f.startswith("out.onnx.") and f != "out.onnx.data"]
+    assert len(hexed) == 1 and len(hexed[0]) == len("out.onnx.01234567.data")   # in use now
+    capsys.readouterr()
+    before = sorted(os.listdir(tmp_path))
+    for name in (hexed[0], "out.onnx.0badf00d.data"):
+        assert main(cmd + ["--report", str(tmp_path / name)]) == 2
+        assert "weights file" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == before
+    assert main(cmd + ["--report", str(tmp_path / "out.onnx.json")]) == 0
