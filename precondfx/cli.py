@@ -280,9 +280,9 @@ def _check_report_path(path: str | None, model: str, output: str | None = None) 
             protected = onnx_io.input_files(onnx_io.load(model), model)
         except Exception:  # unreadable input: its own error comes from the pipeline
             pass
+    real = os.path.realpath(path)
     if output is not None:
         protected += [output, output + ".data"]
-    real = os.path.realpath(path)
     for p in protected:
         same = real == os.path.realpath(p)
         if not same and os.path.exists(path) and os.path.exists(p):
@@ -292,6 +292,16 @@ def _check_report_path(path: str | None, model: str, output: str | None = None) 
                 else "the input model or one of its data files"
             raise UsageError(f"--report {path}: that is {what} ({p}); give the report its own "
                              f"name (report.json)")
+    if output is not None:
+        from precondfx.onnx.io import data_file_names
+        out_real = os.path.realpath(output)
+        if os.path.dirname(real) == os.path.dirname(out_real) and \
+                data_file_names(out_real).fullmatch(os.path.basename(real)):
+            raise UsageError(f"--report {path}: that is a name the output's weights file "
+                             f"may have ({os.path.basename(out_real)}.data, or "
+                             f"{os.path.basename(out_real)}.<8 hex digits>.data when the earlier "
+                             f"output reads the first); give the report its own name "
+                             f"(report.json)")
     _check_writable(path, "--report")
 
 
@@ -396,7 +406,7 @@ def cmd_precondition(args: argparse.Namespace) -> int:
         external_data=args.external_data, verify=not args.no_verify,
         progress=lambda stage, t: progress(stage, t))
     for note in report.capture_notes:
-        if "random N(0,1)" in note:
+        if "random N(0,1)" in note or "are also graph inputs" in note:
             _note(note)
     progress(f"wrote {args.output} ({report.stage_seconds.get('total', 0):.2f} s)")
     if args.report:
@@ -532,13 +542,19 @@ def _precondition_torch(args: argparse.Namespace) -> int:
         extra["measure"] = True      # the plots show measured Hessian blocks
     result, report = precondfx.precondition(model, sample, **_plan_kwargs(args), **extra)
     progress(f"writing {out}")
-    from precondfx.onnx.io import Staging
+    from precondfx.onnx.io import Staging, no_room
     with Staging(out) as st:
-        if ext == ".onnx":
-            _export_onnx(result, sample, st.path, args.quiet)
-            st.adopt()
-        else:
-            torch.save(result.state_dict(), st.path)
+        try:
+            if ext == ".onnx":
+                _export_onnx(result, sample, st.path, args.quiet, out)
+                st.adopt()
+            else:
+                # a Python file: a full disk reaches torch.save's RuntimeError as its OSError
+                with open(st.path, "wb") as f:
+                    torch.save(result.state_dict(), f)
+        except Exception as e:
+            no_room(e, out, weights=True)
+            raise
         st.commit()
     progress("done")
     if ext != ".onnx" and not args.quiet:
@@ -595,11 +611,15 @@ def _load_hint(out: str, spec: str, cls: str) -> str:
             f"(torch.save(model)) needs torch.load(path, weights_only=False): trusted files only")
 
 
-def _export_onnx(model: Any, sample: Any, path: str, quiet: bool) -> None:
-    """torch.onnx.export (dynamo exporter) with a dynamic leading dim; static if that fails."""
+def _export_onnx(model: Any, sample: Any, path: str, quiet: bool,
+                 out: str | None = None) -> None:
+    """torch.onnx.export (dynamo exporter) with a dynamic leading dim; static if that fails.
+    A write that finds no room is said as such (``out``: the output the messages name)."""
     import warnings
 
     import torch
+
+    from precondfx.onnx.io import no_room
     args = sample if isinstance(sample, tuple) else (sample,)
     kwargs = sample if isinstance(sample, dict) else None
     if kwargs is not None:
@@ -620,10 +640,12 @@ def _export_onnx(model: Any, sample: Any, path: str, quiet: bool) -> None:
         try:
             torch.onnx.export(model, args, path, kwargs=kwargs, dynamo=True,
                               dynamic_shapes=dyn)
-        except Exception:
+        except Exception as first:
+            no_room(first, out or path, weights=True)
             try:
                 torch.onnx.export(model, args, path, kwargs=kwargs, dynamo=True)
             except Exception as e:     # the model's forward, not precondfx: exit 2
+                no_room(e, out or path, weights=True)
                 import re
                 text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))      # the exporter's colours
                 first = next((ln for ln in text.splitlines() if ln.strip()), "")

@@ -95,6 +95,15 @@ def check_defined(model: ir.Model, path: str) -> None:
             if v is None or not v.name or v.producer() is not None or v.is_graph_input() \
                     or v.is_initializer():
                 continue
+            if node.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul") and \
+                    v is node.inputs[1] and not _all_initializers(model):
+                raise PrecondError(f"{path}: node {node.name or node.op_type!r} reads its weight "
+                                   f"{v.name!r}, which no node, graph input or initializer "
+                                   f"defines, and the file holds no initializers at all: were "
+                                   f"the weights left out (torch.onnx.export(..., "
+                                   f"export_params=False))? Export with export_params=True (the "
+                                   f"default) and precondition that file (a sparse initializer "
+                                   f"is not supported either: store it as a dense one)")
             raise PrecondError(f"{path}: node {node.name or node.op_type!r} reads {v.name!r}, "
                                f"which no node, graph input or initializer defines (a sparse "
                                f"initializer? they are not supported: store it as a dense "
@@ -256,6 +265,24 @@ def check_paths(in_path: str | os.PathLike, out_path: str | os.PathLike,
 # --------------------------------------------------------------------------------------------
 # saving
 # --------------------------------------------------------------------------------------------
+def no_room(e: BaseException, out_path: str, weights: bool = False) -> None:
+    """Raise the ``PrecondError`` of a write of ``out_path`` that found no room (disk full,
+    quota, file size limit) when ``e``, or an exception it was raised from, is one (torch.save
+    wraps the ``OSError`` in a RuntimeError); otherwise return, for the caller to re-raise."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in _FULL:
+            raise PrecondError(f"cannot write the output into "
+                               f"{os.path.dirname(os.path.abspath(out_path))} "
+                               f"({cur.strerror or os.strerror(cur.errno)}): free space there, "
+                               f"or choose an output folder with room for the model"
+                               f"{' and its weights' if weights else ''}; nothing was "
+                               f"written") from None
+        cur = cur.__cause__ or cur.__context__
+
+
 class Staging:
     """A temporary folder next to the output; ``commit`` moves the files into place.
 
@@ -316,13 +343,8 @@ class Staging:
                 # materialize lazy external tensors first: the source file may be the one we read
                 ir.save(model, self.path)
         except OSError as e:
-            if e.errno not in _FULL:
-                raise
-            raise PrecondError(f"cannot write the output into {os.path.dirname(self.out_path)} "
-                               f"({e.strerror or os.strerror(e.errno)}): free space there, or "
-                               f"choose an output folder with room for the model"
-                               f"{' and its weights' if external else ''}; nothing was "
-                               f"written") from None
+            no_room(e, self.out_path, weights=external)
+            raise
         return self.path
 
     def adopt(self) -> None:
@@ -391,6 +413,12 @@ def _reads_data(model_path: str, data: str) -> bool:
     return os.path.abspath(data) in _own_data_files(model_path)
 
 
+def data_file_names(out_path: str) -> "re.Pattern[str]":
+    """The names ``Staging`` gives the data files of the output ``out_path``, beside it:
+    ``<out>.data`` and ``<out>.<8 hex digits>.data`` (the hex digits drawn at write time)."""
+    return re.compile(re.escape(os.path.basename(os.fspath(out_path))) + r"(\.[0-9a-f]{8})?\.data")
+
+
 def _own_data_files(model_path: str) -> list[str]:
     """The external data files the ONNX file at ``model_path`` (an earlier output) reads under
     the names ``Staging`` gives (``<out>.data``, ``<out>.<8 hex digits>.data``, beside it),
@@ -398,8 +426,7 @@ def _own_data_files(model_path: str) -> list[str]:
     it is missing or not a readable ONNX file."""
     if not os.path.isfile(model_path) or not model_path.lower().endswith(".onnx"):
         return []       # none, or not an ONNX output (a state_dict .pt is not parsed)
-    base = os.path.basename(model_path)
-    own = re.compile(re.escape(base) + r"(\.[0-9a-f]{8})?\.data")
+    own = data_file_names(model_path)
     folder = os.path.dirname(os.path.abspath(model_path))
     try:
         model = ir.load(model_path)

@@ -163,6 +163,14 @@ def load(st: OnnxState) -> None:
         st.input_files = io.input_files(st.model, st.in_path)
     st.had_external = io.has_external_data(st.model)
     already_preconditioned(st.model, st.in_path)
+    fed = weights_as_inputs(st.model)
+    if fed:
+        raise PrecondError(
+            f"{st.in_path}: the layers read their weights from graph inputs "
+            f"({', '.join(fed[:4])}{'...' if len(fed) > 4 else ''}) and the file holds no "
+            f"initializers: the weights were exported as inputs (torch.onnx.export(..., "
+            f"export_params=False)), so there are no weights to re-initialize; export with "
+            f"export_params=True (the default) and precondition that file")
 
 
 def already_preconditioned(model: ir.Model, path: str) -> None:
@@ -245,6 +253,27 @@ def capture_stage(st: OnnxState) -> None:
         driver.has_work(st.graph, "Conv, Gemm, MatMul with a weight initializer...")
 
 
+def weights_as_inputs(model: ir.Model) -> list[str]:
+    """In a file without float initializers, the graph inputs that a Conv, ConvTranspose, Gemm
+    or MatMul reads as its weight (second input): the weights of a file exported with
+    ``export_params=False``, which precondfx would calibrate with random data in their place
+    and leave as they are."""
+    inits = model.graph.initializers
+    if any(v.dtype in io.FLOAT_TYPES and v.const_value is not None and v.const_value.size > 1
+           for v in inits.values()):
+        return []       # the file holds weights: a layer reading an input is the model's own
+    fed: list[str] = []
+    for node in model.graph:
+        if node.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul") or \
+                len(node.inputs) < 2:
+            continue
+        w = node.inputs[1]
+        if w is None or not w.is_graph_input() or w.name in inits or w.name in fed:
+            continue
+        fed.append(w.name)
+    return fed
+
+
 def backend(st: OnnxState) -> None:
     st.backend = OnnxApplier(st.model, st.captured, st.opts.seed)
     st.result = st.model
@@ -255,6 +284,36 @@ def backend(st: OnnxState) -> None:
         if note:
             st.graph.notes.append(note)
     st.graph.notes.extend(_split_ties(value_ties(st.model), st.plan))
+    note = _feedable_note(st.model, st.plan)
+    if note:
+        st.graph.notes.append(note)
+
+
+def _feedable_note(model: ir.Model, plan: Any) -> str | None:
+    """What the report says of initializers that are also graph inputs (IR version < 4, or
+    ``keep_initializers_as_inputs=True``): a caller may feed them (onnxruntime lets it from IR
+    version 4 on), and a value fed replaces the one the file holds, re-drawn weights
+    included."""
+    g = model.graph
+    names = [v.name for v in g.inputs if v.name in g.initializers]
+    if not names:
+        return None
+    drawn = [n for n in names if n in plan.inits and plan.inits[n].rule != "keep"]
+    real = [v.name for v in g.inputs if v.name not in g.initializers]
+    head = f"{len(names)} initializer(s) are also graph inputs"
+    listed = f"{', '.join(names[:4])}{'...' if len(names) > 4 else ''} ({len(drawn)} of them " \
+             f"re-initialized)"
+    if model.ir_version is not None and model.ir_version < 4:
+        return (f"{head} (IR version < 4 requires it, and the constants precondfx adds are "
+                f"graph inputs too): {listed}. The ONNX spec lets a caller feed them, replacing "
+                f"the file's values at run time (onnxruntime does not for IR < 4, other "
+                f"runtimes may): feed only the real inputs ({', '.join(real)}), or convert the "
+                f"model to IR version 4 or later")
+    return (f"{head} (exported with keep_initializers_as_inputs=True): {listed}. The file "
+            f"holds the new values, but a caller may feed these inputs (onnxruntime lets it), "
+            f"and a value fed replaces the file's at run time (feeding the original weights "
+            f"undoes the re-initialization): feed only the real inputs ({', '.join(real)}), or "
+            f"export with keep_initializers_as_inputs=False")
 
 
 def _split_ties(ties: list[tuple[str, str]], plan: Any) -> list[str]:
