@@ -18,7 +18,8 @@ from typing import Any, Callable
 from precondfx.core.graph import Graph
 from precondfx.errors import PrecondError
 from precondfx.core.measured import Measured
-from precondfx.core.options import Options, Override, Resolved, Support, resolve
+from precondfx.core.options import (Options, Override, Resolved, Support, did_you_mean,
+                                    resolve)
 from precondfx.core.plan import ParamInfo, Plan
 
 
@@ -127,7 +128,9 @@ def get_scheme(name: str, **kwargs: Any) -> Scheme:
         if bad:
             has = (f"its options are {known}" if known else
                    "it takes none (pass scheme_options=None)")
-            raise PrecondError(f"scheme_options {bad} are not options of scheme={name!r}: {has}")
+            hints = "".join(_option_hint(k, known, name) for k in bad)
+            raise PrecondError(f"scheme_options {bad} are not options of scheme={name!r}: "
+                               f"{has}{hints}")
     for k, v in kwargs.items():
         p = params.get(k)
         if p is not None:
@@ -138,6 +141,23 @@ def get_scheme(name: str, **kwargs: Any) -> Scheme:
         raise PrecondError(f"scheme_options of scheme={name!r}: {type(e).__name__}: {e}; "
                            f"check the values' types against the scheme's options "
                            f"{known}") from e
+
+
+def _option_hint(key: str, known: list[str], scheme: str) -> str:
+    """What a refused scheme option ``key`` resembles: the closest option of ``scheme``, else
+    the other schemes that take an option of that name."""
+    others = []
+    for other, cls in sorted(_REGISTRY.items()):
+        init = getattr(cls, "__init__", object.__init__)
+        if other != scheme and init is not object.__init__ and \
+                key in inspect.signature(init).parameters:
+            others.append(other)
+    if others:
+        return (f"; {key!r} is an option of scheme={others[0]!r}" if len(others) == 1 else
+                f"; {key!r} is an option of the schemes {others}")
+    close = did_you_mean(key, known) or did_you_mean(
+        key, [k for k in known if key.startswith(k) or k.startswith(key)], cutoff=0.0)
+    return f"; {key!r}{close}" if close else ""
 
 
 def _check_type(scheme: str, key: str, v: Any, default: Any) -> None:

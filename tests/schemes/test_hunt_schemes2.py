@@ -1,0 +1,26 @@
+"""Regressions found by the second scheme hunt (hunt_schemes2)."""
+import pytest
+import torch
+import torch.nn as nn
+
+import precondfx
+from precondfx.errors import PrecondError
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 2))
+
+
+@pytest.mark.parametrize("scheme,key,hint", [
+    ("lsuv", "tolerance", "did you mean 'tol'"),
+    ("lsuv", "max_iters", "did you mean 'max_iter'"),
+    ("tat", "shortcut_wieght", "did you mean 'shortcut_weight'"),
+    ("wn", "gama_relu", "did you mean 'gamma_relu'"),
+    ("tat", "zeta", "'zeta' is an option of scheme='dks'"),
+    ("geometric", "tol", "'tol' is an option of scheme='lsuv'"),
+])
+def test_misspelled_scheme_option_is_refused_with_the_name_it_resembles(scheme, key, hint):
+    with pytest.raises(PrecondError) as e:
+        precondfx.precondition(_mlp(), torch.randn(8, 10), scheme=scheme,
+                               scheme_options={key: 1})
+    assert hint in str(e.value)
