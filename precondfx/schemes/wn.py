@@ -85,7 +85,7 @@ class WeightNormInit(Scheme):
         if opts.balance in ("auto", "analytic"):
             out.append(Override("balance", "none", "the WN init fixes every layer's scale "
                                 "through g; the geometric scheme's alphas are not mixed in"))
-        if self.residual == "absorb" and opts.residual == "auto":
+        if self.residual == "absorb" and opts.residual == "auto" and opts.reinit:
             out.append(Override("residual", "none", "the branch scale alpha = 1/sqrt(B_k) is "
                                 "absorbed into the g of each branch's last layer (B.2.5, "
                                 "footnote 5), so the pass inserts no s"))
@@ -97,7 +97,7 @@ class WeightNormInit(Scheme):
         users = graph.users()
         last_of, stage_of = self._residual_roles(graph, plan)
         done: set[str] = set()
-        n_wn = 0
+        n_wn = kept = 0
         relu_used = False
         # the plan's layers on a node that is not a weighted one: a max-pool replaced by a
         # strided convolution (a new plain weight, drawn by the forward rule too)
@@ -145,6 +145,10 @@ class WeightNormInit(Scheme):
             if gi is None or vi is None or not vi.trainable:
                 row["action"] = "left as is (parameters missing or frozen)"
                 continue
+            if not opts.reinit:
+                row["action"] = "left as is (reinit=False): g, v and bias kept"
+                kept += 1
+                continue
             if len(vi.shape) < 2 or math.prod(gi.shape) != vi.shape[0] or gi.shape[0] != \
                     vi.shape[0]:
                 row["action"] = (f"left as is: magnitude shape {list(gi.shape)} is not per "
@@ -180,7 +184,10 @@ class WeightNormInit(Scheme):
         if self.gamma_relu != 2.0 and not relu_used:
             self._notes.append(f"gamma_relu={self.gamma_relu!r} has no effect: no weighted "
                                f"layer is followed by a ReLU")
-        if not n_wn:
+        if kept:
+            self._notes.append(f"reinit=False: the {kept} weight-normalized layer(s) keep "
+                               f"their g, v and bias; the WN init (B.2.4) is not applied")
+        elif not n_wn:
             self._notes.append("no weight-normalized layer (torch.nn.utils.parametrizations."
                                "weight_norm) found: only the forward rule on plain weights was "
                                "applied")

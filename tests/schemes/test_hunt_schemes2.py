@@ -24,3 +24,18 @@ def test_misspelled_scheme_option_is_refused_with_the_name_it_resembles(scheme, 
         precondfx.precondition(_mlp(), torch.randn(8, 10), scheme=scheme,
                                scheme_options={key: 1})
     assert hint in str(e.value)
+
+
+def test_wn_keeps_weight_normalized_layers_under_reinit_false():
+    """scheme='wn' with reinit_weights=False redrew every weight-normalized layer's g, v and
+    bias (the user's trained weights) and said nothing; it now keeps them and says so."""
+    torch.manual_seed(0)
+    wn = nn.utils.parametrizations.weight_norm
+    m = nn.Sequential(wn(nn.Linear(16, 32)), nn.ReLU(), wn(nn.Linear(32, 32)), nn.ReLU(),
+                      nn.Linear(32, 4))
+    r, rep = precondfx.precondition(m, torch.randn(32, 16), scheme="wn",
+                                    reinit_weights=False)
+    mine = dict(m.named_parameters())
+    changed = [n for n, p in r.named_parameters() if not torch.equal(p, mine[n])]
+    assert changed == []
+    assert any("reinit=False" in n and "weight-normalized" in n for n in rep.plan.notes)
