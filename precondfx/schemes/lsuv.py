@@ -289,8 +289,13 @@ def _sites(ctx: SchemeContext) -> tuple[list, list[tuple[str, str]]]:
             skipped.append((lay.node, f"{lay.kind}: not a convolution or fully-connected "
                                       f"layer (Algorithm 1 covers only those)"))
         elif ctx.buffer(lay.node) is None:
-            skipped.append((lay.node, "no alpha buffer could be placed at this call site "
-                                      "(see the report's skipped list)"))
+            pi = ctx.plan.inits.get(lay.weight or "")
+            skipped.append((lay.node, f"its weight {lay.weight} is kept ({pi.reason}) and has "
+                                      f"no alpha at this call site: not scaled, its output "
+                                      f"variance is not brought to the target"
+                            if pi is not None and pi.rule == "keep" else
+                            "no alpha buffer could be placed at this call site "
+                            "(see the report's skipped list)"))
         else:
             sites.append(lay)
     in_plan = {lay.node for lay in ctx.plan.layers}

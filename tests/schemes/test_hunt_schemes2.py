@@ -39,3 +39,18 @@ def test_wn_keeps_weight_normalized_layers_under_reinit_false():
     changed = [n for n, p in r.named_parameters() if not torch.equal(p, mine[n])]
     assert changed == []
     assert any("reinit=False" in n and "weight-normalized" in n for n in rep.plan.notes)
+
+
+def test_lsuv_says_a_frozen_layer_is_skipped_because_it_is_frozen():
+    """LSUV skipped a frozen layer 'because no alpha buffer could be placed (see the report's
+    skipped list)', a list that was empty: the reason now names the kept, frozen weight."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                      nn.Linear(32, 3))
+    for p in m[0].parameters():
+        p.requires_grad_(False)
+    _, rep = precondfx.precondition(m, torch.randn(32, 10), scheme="lsuv")
+    why = dict(rep.conditioning["lsuv"]["skipped"])
+    frozen = [n for n, r in why.items() if "0.weight" in r]
+    assert len(frozen) == 1 and "frozen" in why[frozen[0]]
+    assert len(rep.conditioning["lsuv"]["sites"]) == 2
