@@ -54,3 +54,18 @@ def test_lsuv_says_a_frozen_layer_is_skipped_because_it_is_frozen():
     frozen = [n for n, r in why.items() if "0.weight" in r]
     assert len(frozen) == 1 and "frozen" in why[frozen[0]]
     assert len(rep.conditioning["lsuv"]["sites"]) == 2
+
+
+def test_dks_says_q_slope_has_no_effect_on_a_relu_only_network():
+    """DKS drops ReLU's Q'(1) condition, so q_slope changes nothing on a ReLU-only network
+    (identical state dict); it was accepted without a word, like tat's idle eta/tau are not."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                      nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    x = torch.randn(64, 16)
+    base, _ = precondfx.precondition(m, x, scheme="dks")
+    r, rep = precondfx.precondition(m, x, scheme="dks", scheme_options={"q_slope": 2.0})
+    same = all(torch.equal(a, b) for a, b in zip(base.state_dict().values(),
+                                                  r.state_dict().values()))
+    assert same     # the option indeed changes nothing here
+    assert any("q_slope=2.0 has no effect" in n for n in rep.plan.notes)

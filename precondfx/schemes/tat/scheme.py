@@ -288,6 +288,10 @@ class DksScheme(TatScheme):
         if "relu" in kinds:
             notes.append("ReLU under DKS is only partly supported: its Q'(1) condition is dropped "
                          "(spec §2.8)")
+            if kinds == {"relu"} and self.q_slope != 1.0:
+                notes.append(f"scheme_options q_slope={self.q_slope!r} has no effect: the "
+                             f"network's only activation is ReLU, whose Q'(1) condition DKS "
+                             f"drops (spec §2.8)")
         if "prelu" in kinds:
             notes.append("PReLU replaced by the DKS leaky-ReLU transform: its slope becomes a "
                          "constant")
