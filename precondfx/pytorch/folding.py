@@ -277,6 +277,9 @@ def _homogeneous_operand(n: fx.Node, gm: fx.GraphModule) -> fx.Node | None:
     ``c > 0`` (the op table's positively homogeneous ops: ReLU, leaky ReLU, PReLU, dropout,
     average pooling, mean, negation, as modules, functions or methods; reshapes, casts and
     selections), else None."""
+    fixed = _fixed_factor_operand(n)
+    if fixed is not None:
+        return fixed
     if not n.args or not isinstance(n.args[0], fx.Node):
         return None
     if n.op == "call_module":
@@ -298,6 +301,29 @@ def _homogeneous_operand(n: fx.Node, gm: fx.GraphModule) -> fx.Node | None:
     if any(o.op != "get_attr" for o in others):   # a second activation operand
         return None
     return n.args[0]
+
+
+def _fixed_factor_operand(n: fx.Node) -> fx.Node | None:
+    """The activation operand ``x`` of a product ``c * x``, ``x * c`` or quotient ``x / c`` by a
+    fixed factor ``c`` (a Python number or a parameter or buffer read by ``get_attr``: a
+    branch's ``0.5 * layer(x)``, a layer scale's ``layer(x) * self.gamma``), which is linear
+    in ``x``: a scale on the product is the same scale on ``x``; else None."""
+    if n.kwargs or len(n.args) != 2:
+        return None
+    if n.op == "call_function" and n.target in (operator.mul, torch.mul):
+        pairs = ((n.args[0], n.args[1]), (n.args[1], n.args[0]))
+    elif n.op == "call_function" and n.target in (operator.truediv, torch.div):
+        pairs = ((n.args[0], n.args[1]),)
+    elif n.op == "call_method" and n.target in ("mul", "div"):
+        pairs = ((n.args[0], n.args[1]),)
+    else:
+        return None
+    for x, c in pairs:
+        if isinstance(x, fx.Node) and x.op != "get_attr" and \
+                ((isinstance(c, (int, float)) and not isinstance(c, bool)) or
+                 (isinstance(c, fx.Node) and c.op == "get_attr")):
+            return x
+    return None
 
 
 def _fx_scales(gm: fx.GraphModule) -> _Scales:

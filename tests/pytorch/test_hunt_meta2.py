@@ -53,3 +53,71 @@ def test_fold_tied_head_passes_its_factor_through_relu(capture: str, act: str) -
         fresh = _TiedReluHead(act)
         fresh.load_state_dict(plain.state_dict(), strict=True)
         assert torch.equal(fresh(x), plain(x))
+
+
+class _ScaledBranches(nn.Module):
+    """A residual MLP whose branches end in a fixed factor: ``0.5 * layer(h)``, a layer scale
+    ``layer(h) * self.gamma`` (CaiT/ConvNeXt style), ``layer(h) / 4``, or (not foldable) a
+    product with another activation, ``layer(h) * torch.sigmoid(h)``."""
+
+    def __init__(self, how: str, width: int = 16) -> None:
+        super().__init__()
+        self.how = how
+        self.inp = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+        self.gamma = nn.Parameter(torch.full((width,), 0.5))
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.blocks:
+            if self.how == "half":
+                b = 0.5 * layer(h)
+            elif self.how == "gamma":
+                b = layer(h) * self.gamma
+            elif self.how == "div":
+                b = layer(h) / 4
+            else:
+                b = layer(h) * torch.sigmoid(h)
+            h = h + b
+        return self.out(h)
+
+
+@pytest.mark.parametrize("how", ["half", "gamma", "div"])
+def test_fold_residual_scale_through_a_fixed_factor(how: str) -> None:
+    """fx back end: the residual scale sits on ``0.5 * layer(h)`` (or ``* gamma``, ``/ 4``);
+    fold refused it ("multiplies the output of mul ... which no module of your class can
+    absorb exactly") though the product is linear in ``layer(h)``: the scale now goes into
+    ``layer``'s weight and bias, also after training steps (gamma trained too)."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    model, _ = precondfx.precondition(_ScaledBranches(how), x, capture="fx")
+    assert any(k.startswith("precondfx_residual") and v != 1.0
+               for k, v in model.precondfx_constants.items())
+    assert precondfx.fold_problems(model) == []
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    plain = precondfx.fold(model)
+    assert type(plain) is _ScaledBranches
+    with torch.no_grad():
+        want = model(x)
+        got = plain(x)
+        assert ((got - want).norm() / want.norm()).item() < 1e-5
+        fresh = _ScaledBranches(how)
+        fresh.load_state_dict(plain.state_dict(), strict=True)
+        assert torch.equal(fresh(x), got)
+
+
+def test_fold_still_refuses_a_product_of_two_activations() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    model, _ = precondfx.precondition(_ScaledBranches("gate"), x, capture="fx")
+    res = [k for k, v in model.precondfx_constants.items()
+           if k.startswith("precondfx_residual") and v != 1.0]
+    assert len(res) == 2
+    assert sorted(k for k, _ in precondfx.fold_problems(model)) == sorted(res)
+    with pytest.raises(precondfx.PrecondError, match="no module of your class can absorb"):
+        precondfx.fold(model)
