@@ -121,3 +121,37 @@ def test_fold_still_refuses_a_product_of_two_activations() -> None:
     assert sorted(k for k, _ in precondfx.fold_problems(model)) == sorted(res)
     with pytest.raises(precondfx.PrecondError, match="no module of your class can absorb"):
         precondfx.fold(model)
+
+
+class _MaxNormEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(30, 12, max_norm=1.0)
+        self.mid = nn.Linear(12, 12)
+        self.head = nn.Linear(12, 30)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.mid(self.emb(t))).mean(1))
+
+
+@pytest.mark.parametrize("capture", ["fx", "eager"])
+def test_measured_balancing_leaves_a_max_norm_embedding_out(capture: str) -> None:
+    """``nn.Embedding(max_norm=...)`` renormalizes its rows in forward, so rescaling its weight
+    changes the function: balance='hessian' raised "measured balancing failed: rescaling
+    changed the output by 0.055" for the whole model (and 'auto' silently gave up on every
+    layer).  The embedding is now left out with why, and the other layers are balanced."""
+    torch.manual_seed(0)
+    t = torch.randint(0, 30, (8, 5))
+    model, rep = precondfx.precondition(_MaxNormEmbedding(), t, balance="hessian",
+                                        capture=capture)
+    h = rep.conditioning["hessian"]
+    assert "max_norm" in h["left_out"]["emb.weight"]
+    assert set(h["factors"]) == {"mid.weight", "head.weight"}
+    assert any(k == "balance emb.weight" and "max_norm" in why for k, why in rep.skipped)
+    assert max(abs(f - 1.0) for f in h["factors"].values()) > 1e-3   # they did move
+    plain = precondfx.fold(model)
+    model.eval()
+    plain.eval()
+    with torch.no_grad():
+        want = model(t)
+        assert ((plain(t) - want).norm() / want.norm()).item() < 1e-5
