@@ -271,6 +271,13 @@ def balance_measured(model: nn.Module, sample: Sample, plan: Plan | None,
         raise PrecondError("balance_measured needs the plan (or split=)")
     else:
         ok, left = balanceable(alpha_buffers, plan, graph)
+    # an embedding with max_norm renormalizes its stored rows at every forward: dividing the
+    # weight by a factor changes which rows are renormalized, so the function would change
+    # (and the output check would undo every layer's factor)
+    for w in sorted(set(ok) & set(cal._renormed(model))):
+        del ok[w]
+        left[w] = ("an embedding with max_norm renormalizes its rows in forward: rescaling "
+                   "its weight would change the function; left out of rescaling")
     n_layers = len(ok) + len(left)
     weights = list(ok)
     if len(weights) < 2:

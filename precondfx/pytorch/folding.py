@@ -62,6 +62,7 @@ from precondfx.pytorch.apply import weight_side
 from precondfx.pytorch.apply.common import PREFIX, scaled_operand
 from precondfx.pytorch.capture.common import leaves
 from precondfx.errors import PrecondError
+from precondfx.core.beta import CHAIN_OPS
 
 RECIPE = "_precondfx_recipe"
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm,
@@ -191,6 +192,9 @@ class _Scales:
     #: a module of no known kind whose output scale moved to a module upstream (inside it or
     #: before it): the factor its own parameters take (ESM's ``lm_head.bias``)
     own: dict[int, float] = field(default_factory=dict)
+    #: modules (id) whose upstream link passes a positively homogeneous op: only a positive
+    #: factor may move along it
+    positive: set[int] = field(default_factory=set)
 
     def add(self, table: dict[int, float], path: str, mod: nn.Module, v: float) -> None:
         self.mods[id(mod)] = (path, mod)
@@ -239,6 +243,7 @@ def _recipe_links(model: nn.Module, recipe: Recipe | None, sc: _Scales) -> None:
             sc.mods.setdefault(id(b), (u, b))
             sc.mods.setdefault(id(a), (m, a))
             sc.upstream[id(a)] = id(b)
+            sc.positive.add(id(a))      # checked by doubling, and may pass a ReLU
         for m in recipe.idle:
             try:
                 sc.idle.add(id(model.get_submodule(m)))
@@ -272,6 +277,9 @@ def _homogeneous_operand(n: fx.Node, gm: fx.GraphModule) -> fx.Node | None:
     ``c > 0`` (the op table's positively homogeneous ops: ReLU, leaky ReLU, PReLU, dropout,
     average pooling, mean, negation, as modules, functions or methods; reshapes, casts and
     selections), else None."""
+    fixed = _fixed_factor_operand(n)
+    if fixed is not None:
+        return fixed
     if not n.args or not isinstance(n.args[0], fx.Node):
         return None
     if n.op == "call_module":
@@ -293,6 +301,29 @@ def _homogeneous_operand(n: fx.Node, gm: fx.GraphModule) -> fx.Node | None:
     if any(o.op != "get_attr" for o in others):   # a second activation operand
         return None
     return n.args[0]
+
+
+def _fixed_factor_operand(n: fx.Node) -> fx.Node | None:
+    """The activation operand ``x`` of a product ``c * x``, ``x * c`` or quotient ``x / c`` by a
+    fixed factor ``c`` (a Python number or a parameter or buffer read by ``get_attr``: a
+    branch's ``0.5 * layer(x)``, a layer scale's ``layer(x) * self.gamma``), which is linear
+    in ``x``: a scale on the product is the same scale on ``x``; else None."""
+    if n.kwargs or len(n.args) != 2:
+        return None
+    if n.op == "call_function" and n.target in (operator.mul, torch.mul):
+        pairs = ((n.args[0], n.args[1]), (n.args[1], n.args[0]))
+    elif n.op == "call_function" and n.target in (operator.truediv, torch.div):
+        pairs = ((n.args[0], n.args[1]),)
+    elif n.op == "call_method" and n.target in ("mul", "div"):
+        pairs = ((n.args[0], n.args[1]),)
+    else:
+        return None
+    for x, c in pairs:
+        if isinstance(x, fx.Node) and x.op != "get_attr" and \
+                ((isinstance(c, (int, float)) and not isinstance(c, bool)) or
+                 (isinstance(c, fx.Node) and c.op == "get_attr")):
+            return x
+    return None
 
 
 def _fx_scales(gm: fx.GraphModule) -> _Scales:
@@ -395,17 +426,22 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
     shared_calls(per_call, sc.inp, "input", lambda m: kind(m) == "linear")
     # for tied bias-free linear layers: the module producing their input (through value-
     # preserving ops and the products by other constants, which fold away)
+    # and positively homogeneous ops (F.relu as nn.ReLU, as for any other scale: a positive
+    # factor only)
     for n in gm.graph.nodes:
         m = module_at(n)
         if m is None or kind(m[1]) != "linear" or not n.args:
             continue
         cur = n.args[0]
+        homog = False
         while isinstance(cur, fx.Node) and len(cur.users) == 1:
             if scaled_operand(cur) is not None:
                 cur = scaled_operand(cur)
             elif (cur.op == "call_method" and cur.target in _SAME_VALUES_METHODS) or \
                     (cur.op == "call_function" and cur.target in _SAME_VALUES_FNS):
                 cur = cur.args[0]
+            elif _homogeneous_operand(cur, gm) is not None:
+                cur, homog = _homogeneous_operand(cur, gm), True
             else:
                 break
         up = module_at(cur)
@@ -413,6 +449,8 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
             sc.mods.setdefault(id(m[1]), m)
             sc.mods.setdefault(id(up[1]), up)
             sc.upstream[id(m[1])] = id(up[1])
+            if homog:
+                sc.positive.add(id(m[1]))
     return sc
 
 
@@ -575,9 +613,11 @@ def _untie(sc: _Scales, owners: dict[int, list[tuple[int, str]]], names: dict[in
             if _close(r, f):
                 continue
             upath, umod = sc.mods[sc.upstream[mid]]
-            if kind(umod) not in ("linear", "norm", "embedding"):
+            if kind(umod) not in ("linear", "norm", "embedding") or \
+                    (mid in sc.positive and not r / f > 0):
                 sc.problems.append((names[pid], f"tied weight: the difference of scale "
-                                    f"cannot pass to {upath} ({type(umod).__name__})"))
+                                    f"(x{r / f:.6g}) cannot pass to {upath} "
+                                    f"({type(umod).__name__})"))
                 sc.inp.pop(mid, None)
                 sc.out.pop(mid, None)
             else:
@@ -869,12 +909,13 @@ def tied_upstream(model: nn.Module, graph: Any, run: Callable[[nn.Module], Any],
         if not (tied or bare):
             continue
         cur = graph.get(n.inputs[0])
-        # through value-preserving ops, a dropout, a product with a Python number (T5 scales
+        # through value-preserving ops, an elementwise positively homogeneous op (ReLU,
+        # leaky ReLU, PReLU, dropout: f(c x) = c f(x), c > 0), a product with a Python number (T5 scales
         # by d_model ** -0.5 before its tied head); the run check below confirms
         while cur is not None and len(cur.inputs) == 1 and \
                 len(users.get(cur.inputs[0], [])) == 1 and \
                 ((not cur.module and cur.kind in ("reshape", "cast", "select")) or
-                 cur.kind == "dropout" or
+                 cur.kind in CHAIN_OPS or
                  (not cur.module and cur.kind == "mul" and not cur.params and
                   cur.const_operands == 1)):
             cur = graph.get(cur.inputs[0])
