@@ -253,7 +253,34 @@ def build_parser() -> argparse.ArgumentParser:
     _plan_options(c)
     _calib_options(c)
     c.set_defaults(func=cmd_precondition)
+    p.set_defaults(_subparsers={"demo": d, "inspect": i, "precondition": c})
     return p
+
+
+def _unknown_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                   extra: list[str]) -> None:
+    """Refuse the arguments no parser took, as argparse does (``unrecognized arguments: ...``),
+    and say for each unknown ``--flag`` which command takes it or, failing that, the flag of
+    this command it resembles (argparse's own message names neither).  Exits 2."""
+    from precondfx.core.options import did_you_mean
+    subs = getattr(args, "_subparsers", {})
+    sub = subs.get(getattr(args, "command", None) or "", parser)
+    flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    said: list[str] = []
+    for tok in extra:
+        name = tok.split("=", 1)[0]
+        if not name.startswith("--"):
+            continue
+        others = sorted(c for c, sp in subs.items() if sp is not sub and any(
+            name in a.option_strings for a in sp._actions))
+        if others:
+            said.append(f"{name} is a flag of {', '.join(others)}, not of {args.command}")
+            continue
+        hint = did_you_mean(name, flags, cutoff=0.6)
+        if hint:
+            said.append(f"{name}: {hint.strip()[1:-1]}")
+    tail = f" ({'; '.join(said)})" if said else ""
+    parser.error(f"unrecognized arguments: {' '.join(extra)}{tail}; see {sub.prog} --help")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -670,7 +697,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(list(argv) if argv is not None else None)
+        args, extra = parser.parse_known_args(list(argv) if argv is not None else None)
+        if extra:
+            _unknown_flags(parser, args, extra)
     except SystemExit as e:  # argparse: --help/--version (0) or a usage error (2)
         return int(e.code) if isinstance(e.code, int) else (0 if e.code is None else 2)
     if not getattr(args, "command", None):
