@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PyTorch models: random sample of this shape, e.g. 8x3x32x32 "
                         "(repeat for several inputs)")
     c.add_argument("--external-data", default="auto", choices=("auto", "always", "never"),
-                   help="ONNX: weights in OUT.data, or OUT.<hex>.data when the file at OUT "
+                   help="ONNX input files: weights in OUT.data, or OUT.<hex>.data when the file at OUT "
                         "reads OUT.data (auto: as the input, or above 1.8 GB)")
     c.add_argument("--no-verify", action="store_true",
                    help="ONNX: skip the onnxruntime run of the written file (for ops onnxruntime "
@@ -493,6 +493,10 @@ def _build(spec: str) -> Any:
 
 def _torch_sample(args: argparse.Namespace, given: Any) -> Any:
     import torch
+    if given is not None and (args.calib or args.calib_input or args.sample_shape):
+        _note(f"the sample {args.model} returned is not used: "
+              f"{'--calib' if args.calib or args.calib_input else '--sample-shape'} replaces "
+              f"it as the calibration batch")
     if args.calib or args.calib_input:
         if args.calib_input:
             raise UsageError("--calib-input applies to ONNX models; for a PyTorch model use "
@@ -549,6 +553,11 @@ def _precondition_torch(args: argparse.Namespace) -> int:
     if args.no_verify:
         raise UsageError("--no-verify applies to ONNX models (it skips the onnxruntime run of "
                          "the written file); a PyTorch model is checked in PyTorch")
+    if args.external_data != "auto":
+        raise UsageError(f"--external-data {args.external_data} applies to ONNX input files "
+                         f"(it places the rewritten ONNX file's weights); a PyTorch model's "
+                         f"-o .pt holds its state_dict and its -o .onnx is written by "
+                         f"torch.onnx.export as it decides: drop --external-data")
     progress(f"importing {args.model}")
     import torch
     from torch import nn

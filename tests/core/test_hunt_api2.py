@@ -19,3 +19,31 @@ def test_cli_flag_of_another_command_says_which(capsys):
     assert cli.main(["demo", "--target-std", "2"]) == 2
     err = capsys.readouterr().err
     assert "--target-std is a flag of inspect, precondition, not of demo" in err
+
+
+def _pair():
+    """A user's module:callable that returns (module, sample)."""
+    import torch
+    from torch import nn
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)), torch.randn(5, 6)
+
+
+@pytest.mark.parametrize("out", ["o.pt", "o.onnx"])
+def test_cli_external_data_refused_for_a_pytorch_model(tmp_path, capsys, out):
+    """--external-data was silently ignored for module:callable (state_dict or
+    torch.onnx.export): the run succeeded and wrote no OUT.data."""
+    path = tmp_path / out
+    assert cli.main(["precondition", "tests.core.test_hunt_api2:_pair", "-o", str(path),
+                     "--external-data", "always", "--quiet"]) == 2
+    assert "--external-data always applies to ONNX input files" in capsys.readouterr().err
+    assert not path.exists()
+
+
+def test_cli_sample_shape_over_the_callables_sample_is_said(tmp_path, capsys):
+    path = tmp_path / "o.pt"
+    assert cli.main(["precondition", "tests.core.test_hunt_api2:_pair", "-o", str(path),
+                     "--sample-shape", "4x6", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "the sample tests.core.test_hunt_api2:_pair returned is not used" in err
+    assert path.exists()
