@@ -47,3 +47,24 @@ def test_cli_sample_shape_over_the_callables_sample_is_said(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "the sample tests.core.test_hunt_api2:_pair returned is not used" in err
     assert path.exists()
+
+
+def test_reinit_with_a_whole_report_dict_says_to_pass_its_plan():
+    """reinit(model, report.to_dict()) raised KeyError('options') from Plan.from_dict."""
+    import torch
+    from torch import nn
+
+    import precondfx
+    from precondfx import PrecondError
+    torch.manual_seed(0)
+    model, _ = precondfx.precondition(nn.Sequential(nn.Linear(4, 4), nn.ReLU(),
+                                                    nn.Linear(4, 2)), torch.randn(8, 4))
+    d = precondfx.analyze(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)),
+                          torch.randn(8, 4)).to_dict()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(PrecondError, match=r"whole report's dict: pass its \['plan'\]"):
+        precondfx.reinit(model, d)
+    with pytest.raises(PrecondError, match="not a plan"):
+        precondfx.reinit(model, {"inits": {}})
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert len(precondfx.reinit(model, d["plan"])) == 4      # its plan still works
