@@ -68,3 +68,30 @@ def test_reinit_with_a_whole_report_dict_says_to_pass_its_plan():
         precondfx.reinit(model, {"inits": {}})
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert len(precondfx.reinit(model, d["plan"])) == 4      # its plan still works
+
+
+
+def test_forward_keyword_given_twice_is_refused():
+    """precondition(model, x, scale=2.0, forward_kwargs={'scale': 3.0}) ran with scale=2.0
+    and dropped forward_kwargs' 3.0 silently (split_keywords let the extra keyword win)."""
+    import torch
+    from torch import nn
+
+    import precondfx
+    from precondfx import PrecondError
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+        def forward(self, x, scale=1.0):
+            return self.b(torch.relu(self.a(x))) * scale
+
+    x = torch.randn(8, 4)
+    for fn in (precondfx.precondition, precondfx.analyze):
+        with pytest.raises(PrecondError, match=r"forward keyword 'scale' twice"):
+            fn(Net(), x, scale=2.0, forward_kwargs={"scale": 3.0})
+    # each place alone still reaches the forward
+    assert precondfx.analyze(Net(), x, scale=2.0) is not None
+    assert precondfx.analyze(Net(), x, forward_kwargs={"scale": 3.0}) is not None
