@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PyTorch models: random sample of this shape, e.g. 8x3x32x32 "
                         "(repeat for several inputs)")
     c.add_argument("--external-data", default="auto", choices=("auto", "always", "never"),
-                   help="ONNX: weights in OUT.data, or OUT.<hex>.data when the file at OUT "
+                   help="ONNX input files: weights in OUT.data, or OUT.<hex>.data when the file at OUT "
                         "reads OUT.data (auto: as the input, or above 1.8 GB)")
     c.add_argument("--no-verify", action="store_true",
                    help="ONNX: skip the onnxruntime run of the written file (for ops onnxruntime "
@@ -253,7 +253,34 @@ def build_parser() -> argparse.ArgumentParser:
     _plan_options(c)
     _calib_options(c)
     c.set_defaults(func=cmd_precondition)
+    p.set_defaults(_subparsers={"demo": d, "inspect": i, "precondition": c})
     return p
+
+
+def _unknown_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                   extra: list[str]) -> None:
+    """Refuse the arguments no parser took, as argparse does (``unrecognized arguments: ...``),
+    and say for each unknown ``--flag`` which command takes it or, failing that, the flag of
+    this command it resembles (argparse's own message names neither).  Exits 2."""
+    from precondfx.core.options import did_you_mean
+    subs = getattr(args, "_subparsers", {})
+    sub = subs.get(getattr(args, "command", None) or "", parser)
+    flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    said: list[str] = []
+    for tok in extra:
+        name = tok.split("=", 1)[0]
+        if not name.startswith("--"):
+            continue
+        others = sorted(c for c, sp in subs.items() if sp is not sub and any(
+            name in a.option_strings for a in sp._actions))
+        if others:
+            said.append(f"{name} is a flag of {', '.join(others)}, not of {args.command}")
+            continue
+        hint = did_you_mean(name, flags, cutoff=0.6)
+        if hint:
+            said.append(f"{name}: {hint.strip()[1:-1]}")
+    tail = f" ({'; '.join(said)})" if said else ""
+    parser.error(f"unrecognized arguments: {' '.join(extra)}{tail}; see {sub.prog} --help")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -466,6 +493,10 @@ def _build(spec: str) -> Any:
 
 def _torch_sample(args: argparse.Namespace, given: Any) -> Any:
     import torch
+    if given is not None and (args.calib or args.calib_input or args.sample_shape):
+        _note(f"the sample {args.model} returned is not used: "
+              f"{'--calib' if args.calib or args.calib_input else '--sample-shape'} replaces "
+              f"it as the calibration batch")
     if args.calib or args.calib_input:
         if args.calib_input:
             raise UsageError("--calib-input applies to ONNX models; for a PyTorch model use "
@@ -522,6 +553,11 @@ def _precondition_torch(args: argparse.Namespace) -> int:
     if args.no_verify:
         raise UsageError("--no-verify applies to ONNX models (it skips the onnxruntime run of "
                          "the written file); a PyTorch model is checked in PyTorch")
+    if args.external_data != "auto":
+        raise UsageError(f"--external-data {args.external_data} applies to ONNX input files "
+                         f"(it places the rewritten ONNX file's weights); a PyTorch model's "
+                         f"-o .pt holds its state_dict and its -o .onnx is written by "
+                         f"torch.onnx.export as it decides: drop --external-data")
     progress(f"importing {args.model}")
     import torch
     from torch import nn
@@ -670,7 +706,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(list(argv) if argv is not None else None)
+        args, extra = parser.parse_known_args(list(argv) if argv is not None else None)
+        if extra:
+            _unknown_flags(parser, args, extra)
     except SystemExit as e:  # argparse: --help/--version (0) or a usage error (2)
         return int(e.code) if isinstance(e.code, int) else (0 if e.code is None else 2)
     if not getattr(args, "command", None):

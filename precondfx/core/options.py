@@ -420,6 +420,10 @@ def split_keywords(model: Any, keywords: Mapping[str, Any], forward_kwargs: Any,
     out = dict(explicit)
     for k, v in keywords.items():
         hint = did_you_mean(k, opts)
+        if k in explicit:
+            raise PrecondError(
+                f"{entry}() got the forward keyword {k!r} twice, as {k}= and in "
+                f"forward_kwargs: pass it once, in either place")
         if k in names or (var and not hint):
             out[k] = v
             continue

@@ -148,6 +148,15 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
+        if not isinstance(d, dict) or "options" not in d:
+            # e.g. a whole report's dict (report.to_dict()) where its ['plan'] was meant
+            from precondfx.errors import PrecondError
+            got = sorted(d)[:8] if isinstance(d, dict) else type(d).__name__
+            todo = ("this is a whole report's dict: pass its ['plan']"
+                    if isinstance(d, dict) and isinstance(d.get("plan"), dict) else
+                    "pass report.plan, or the ['plan'] of a saved report's dict")
+            raise PrecondError(f"not a plan (a plan's dict has 'options', 'inits', "
+                               f"'layers'...; got {got}): {todo}")
         return cls(options=d["options"],
                    layers=[Layer(**x) for x in d.get("layers", [])],
                    inits={k: ParamInit(**v) for k, v in d.get("inits", {}).items()},
