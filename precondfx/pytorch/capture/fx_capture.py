@@ -105,31 +105,36 @@ def _refuse_dtype_properties(model: torch.nn.Module) -> Iterator[None]:
     or a silent float32 computation)."""
     saved: list[tuple[type, str, property]] = []
     seen: set[tuple[type, str]] = set()
-    for m in model.modules():
-        for cls in type(m).__mro__:
-            if cls in (nn.Module, object) or cls.__module__.startswith("torch."):
-                continue
-            for name, prop in list(vars(cls).items()):
-                if not isinstance(prop, property) or prop.fget is None or (cls, name) in seen:
+    try:        # restored also when a class refuses the patch half-way (a metaclass)
+        for m in model.modules():
+            for cls in type(m).__mro__:
+                if cls in (nn.Module, object) or cls.__module__.startswith("torch."):
                     continue
-                seen.add((cls, name))
-
-                def fget(obj: Any, _get: Any = prop.fget, _name: str = name,
-                         _cls: type = cls) -> Any:
-                    value = _get(obj)
-                    if isinstance(value, (torch.dtype, torch.device)):
-                        raise Unkeepable(
-                            f"the forward reads {_cls.__name__}.{_name}, a property whose value "
-                            f"({value}) a traced graph would freeze: after model.to(another "
-                            f"dtype or device) the graph would still use {value}: {_KEEP}")
-                    return value
-                saved.append((cls, name, prop))
-                setattr(cls, name, property(fget, prop.fset, prop.fdel, prop.__doc__))
-    try:
+                for name, prop in list(vars(cls).items()):
+                    if not isinstance(prop, property) or prop.fget is None or \
+                            (cls, name) in seen:
+                        continue
+                    seen.add((cls, name))
+                    wrapped = property(_refusing_get(prop.fget, cls, name), prop.fset,
+                                       prop.fdel, prop.__doc__)
+                    setattr(cls, name, wrapped)
+                    saved.append((cls, name, prop))
         yield
     finally:
         for cls, name, prop in saved:
             setattr(cls, name, prop)
+
+
+def _refusing_get(get: Any, cls: type, name: str) -> Any:
+    """``get`` (a property's getter) raising :class:`Unkeepable` on a dtype or device value."""
+    def fget(obj: Any) -> Any:
+        value = get(obj)
+        if isinstance(value, (torch.dtype, torch.device)):
+            raise Unkeepable(f"the forward reads {cls.__name__}.{name}, a property whose value "
+                             f"({value}) a traced graph would freeze: after model.to(another "
+                             f"dtype or device) the graph would still use {value}: {_KEEP}")
+        return value
+    return fget
 
 
 def _autocast_state() -> tuple:
