@@ -239,8 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PyTorch models: random sample of this shape, e.g. 8x3x32x32 "
                         "(repeat for several inputs)")
     c.add_argument("--external-data", default="auto", choices=("auto", "always", "never"),
-                   help="ONNX input files: weights in OUT.data, or OUT.<hex>.data when the file at OUT "
-                        "reads OUT.data (auto: as the input, or above 1.8 GB)")
+                   help="ONNX input files: weights in OUT.data, or OUT.<hex>.data when the "
+                        "file at OUT reads OUT.data (auto: as the input, or above 1.8 GB)")
     c.add_argument("--no-verify", action="store_true",
                    help="ONNX: skip the onnxruntime run of the written file (for ops onnxruntime "
                         "has no kernel for; use with --target-std none, as calibration runs it "

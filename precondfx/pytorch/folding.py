@@ -910,8 +910,8 @@ def tied_upstream(model: nn.Module, graph: Any, run: Callable[[nn.Module], Any],
             continue
         cur = graph.get(n.inputs[0])
         # through value-preserving ops, an elementwise positively homogeneous op (ReLU,
-        # leaky ReLU, PReLU, dropout: f(c x) = c f(x), c > 0), a product with a Python number (T5 scales
-        # by d_model ** -0.5 before its tied head); the run check below confirms
+        # leaky ReLU, PReLU, dropout: f(c x) = c f(x), c > 0), a product with a Python number
+        # (T5 scales by d_model ** -0.5 before its tied head); the run check below confirms
         while cur is not None and len(cur.inputs) == 1 and \
                 len(users.get(cur.inputs[0], [])) == 1 and \
                 ((not cur.module and cur.kind in ("reshape", "cast", "select")) or
