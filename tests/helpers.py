@@ -157,12 +157,17 @@ def _forked_rank(rank: int, worker: Any, port: int, out: str) -> None:
 
 
 def start_ranks(worker: Any, world: int, out: str) -> None:
-    """Run ``worker(rank, port, out)`` on ``world`` CPU processes, forked from this one (they
-    start with its imports instead of importing torch, precondfx and the test module again:
-    ~3 s per rank; each joins its own gloo group, none exists here), one thread each."""
+    """Run ``worker(rank, port, out)`` on ``world`` CPU processes, one thread each, forked from
+    a fork server that imported torch and precondfx once (not from this process: a fork of a
+    process holding threads, as the gloo threads an earlier test's process group leaves
+    behind, can inherit a lock held mid-operation, and both ranks hung at start-up in a full
+    CI run; a fresh interpreter per rank costs ~3 s of imports)."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
+    multiprocessing.set_forkserver_preload(["torch", "precondfx", "tests.helpers"])
     mp.start_processes(_forked_rank, args=(worker, free_port(), out), nprocs=world, join=True,
-                       start_method="fork")
+                       start_method="forkserver")
 
 
 def run_ranks(worker: Any, world: int, out: str) -> list[dict]:
