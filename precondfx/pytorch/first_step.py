@@ -429,22 +429,19 @@ def _on_device(sample: Any, model: nn.Module, graph: Any = None) -> Any:
     attention mask's -1e9 is -inf in float16 (NaN on rows masked whole, the rate not
     measured), and a forward that takes your float32 mask adds it in float32 (a softmax
     computed in float32)."""
+    from precondfx.pytorch.pipeline import float_dtype     # pipeline imports this module
     params = list(model.parameters())
     if not params:
         return sample
     dev = params[0].device
-    dtypes = {p.dtype for p in params if p.is_floating_point()}
-    dt = dtypes.pop() if len(dtypes) == 1 else _first_dtype(model, graph)
+    dt = float_dtype(model) or _first_dtype(model, graph)
 
-    def move(t: torch.Tensor) -> torch.Tensor:
-        if dt is None or not t.is_floating_point() or t.dtype == dt or _overflows(t, dt):
-            return t.to(dev)
-        return t.to(dev, dtype=dt)
-    if all(t.device == dev and (dt is None or not t.is_floating_point() or t.dtype == dt
-                                or _overflows(t, dt))
-           for t in sample.tensors()):
+    def keeps_dtype(t: torch.Tensor) -> bool:
+        return dt is None or not t.is_floating_point() or t.dtype == dt or _overflows(t, dt)
+
+    if all(t.device == dev and keeps_dtype(t) for t in sample.tensors()):
         return sample
-    return sample.map(move)
+    return sample.map(lambda t: t.to(dev) if keeps_dtype(t) else t.to(dev, dtype=dt))
 
 
 def _overflows(t: torch.Tensor, dt: torch.dtype) -> bool:

@@ -27,6 +27,16 @@ class _TiedReluHead(nn.Module):
         return self.head(h)
 
 
+def _two_steps_then_fold(model: nn.Module, x: torch.Tensor, lr: float) -> nn.Module:
+    """Two SGD steps on the result (the constants and weights move), then ``fold``."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    return precondfx.fold(model)
+
+
 @pytest.mark.parametrize("capture,act", [("fx", "function"), ("fx", "module"),
                                          ("eager", "function")])
 def test_fold_tied_head_passes_its_factor_through_relu(capture: str, act: str) -> None:
@@ -38,12 +48,7 @@ def test_fold_tied_head_passes_its_factor_through_relu(capture: str, act: str) -
     x = torch.randint(0, 40, (8, 5))
     model, _ = precondfx.precondition(_TiedReluHead(act), x, capture=capture)
     assert precondfx.fold_problems(model) == []
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    for _ in range(2):
-        opt.zero_grad()
-        model(x).pow(2).mean().backward()
-        opt.step()
-    plain = precondfx.fold(model)
+    plain = _two_steps_then_fold(model, x, lr=0.05)
     assert type(plain) is _TiedReluHead
     assert plain.head.weight is plain.emb.weight
     assert not [n for n, _ in plain.named_buffers() if "precondfx" in n]
@@ -95,12 +100,7 @@ def test_fold_residual_scale_through_a_fixed_factor(how: str) -> None:
     assert any(k.startswith("precondfx_residual") and v != 1.0
                for k, v in model.precondfx_constants.items())
     assert precondfx.fold_problems(model) == []
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    for _ in range(2):
-        opt.zero_grad()
-        model(x).pow(2).mean().backward()
-        opt.step()
-    plain = precondfx.fold(model)
+    plain = _two_steps_then_fold(model, x, lr=0.01)
     assert type(plain) is _ScaledBranches
     with torch.no_grad():
         want = model(x)
