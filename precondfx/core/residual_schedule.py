@@ -49,7 +49,10 @@ def _named(v: str) -> tuple[str, float] | None:
 
 def check(name: str, v: Any) -> Any:
     """The ``residual_scale`` option's check: the value to store (a float, 'auto', a named
-    schedule string, or a tuple of floats), else a PrecondError saying what to pass."""
+    schedule string, or a tuple of floats), else a PrecondError saying what to pass.  Words are
+    read in any case ('AUTO', 'NF:0.3'), as every option's words are."""
+    if isinstance(v, str) and (v.lower() == "auto" or _named(v.lower())):
+        v = v.lower()
     if isinstance(v, str) and (v == "auto" or _named(v)):
         return v
     if not isinstance(v, (str, bytes)) and callable(getattr(v, "tolist", None)) and \

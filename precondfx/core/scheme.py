@@ -100,9 +100,10 @@ _REGISTRY: dict[str, Callable[[], Scheme]] = {"geometric": Scheme}
 
 
 def register(name: str) -> Callable[[type], type]:
-    """Class decorator adding a scheme to the registry."""
+    """Class decorator adding a scheme to the registry (names are read in any case, as
+    ``scheme=`` is: stored lowercase)."""
     def deco(cls: type) -> type:
-        _REGISTRY[name] = cls
+        _REGISTRY[name.lower()] = cls
         return cls
     return deco
 
@@ -110,10 +111,12 @@ def register(name: str) -> Callable[[type], type]:
 def scheme_class(name: str) -> Callable[..., Scheme]:
     """The registered scheme class of ``name`` (scheme modules register themselves when
     ``precondfx.schemes`` is imported: each front end imports it)."""
-    if name not in _REGISTRY:
+    key = name.lower() if isinstance(name, str) else name
+    if key not in _REGISTRY:
+        hint = did_you_mean(key, _REGISTRY, cutoff=0.6) if isinstance(key, str) else ""
         raise PrecondError(f"scheme={name!r} is not one of {sorted(_REGISTRY)}: pass one of "
-                           f"these names")
-    return _REGISTRY[name]
+                           f"these names{hint}")
+    return _REGISTRY[key]
 
 
 def get_scheme(name: str, **kwargs: Any) -> Scheme:

@@ -766,6 +766,14 @@ def fold(model: nn.Module, *, source: nn.Module | None = None) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise PrecondError(f"fold takes the model precondition returned, got "
                            f"{type(model).__name__}")
+    if _untouched(model):
+        raise PrecondError(
+            f"fold found nothing of precondfx in this {type(model).__name__}: no constant, no "
+            f"record of a precondition run (a model never preconditioned, or one fold already "
+            f"returned), so there is nothing to fold and its weights are not a folded "
+            f"preconditioned model's. Pass the model precondfx.precondition returned (fold "
+            f"multiplies its constants into the weights); to load preconditioned weights into "
+            f"a fresh model of your class, precondition it with the same options first")
     factors, problems, src = _plan(model, source)
     if problems:
         raise PrecondError(_message(problems))
@@ -787,6 +795,18 @@ def fold(model: nn.Module, *, source: nn.Module | None = None) -> nn.Module:
         named[name].mul_(f)
     copy_modes(model, plain)
     return plain
+
+
+def _untouched(model: nn.Module) -> bool:
+    """Whether ``model`` holds nothing precondfx put there: no recipe, no precondfx buffer,
+    parameter or attribute on any module (a GraphModule is judged by ``_plan``)."""
+    if isinstance(model, fx.GraphModule) or recipe_of(model) is not None:
+        return False
+    for mod in model.modules():
+        names = [*mod._buffers, *mod._parameters, *vars(mod)]
+        if any(n.startswith(PREFIX) or n == RECIPE for n in names):
+            return False
+    return True
 
 
 def copy_modes(model: nn.Module, plain: nn.Module) -> None:
