@@ -192,3 +192,29 @@ def test_inspect_with_a_precondition_only_flag_says_why(capsys):
     err = capsys.readouterr().err
     assert "--scheme is a flag of precondition, not of inspect: scheme= other than " \
            "'geometric' needs the PyTorch model" in err
+
+
+# -- (b) scheme options without effect are said, and listed with the other idle options -------
+def _idle(rep):
+    return [w for kind, w in rep.skipped if kind == "option"]
+
+
+def test_wn_direction_without_weight_normalized_layer_is_said():
+    """scheme='wn', direction='gaussian' on a model without weight_norm layers: accepted
+    without a word (the plan's notes said only that no such layer was found)."""
+    _, rep = precondfx.precondition(*_mlp(), scheme="wn",
+                                    scheme_options={"direction": "gaussian"})
+    idle = _idle(rep)
+    assert len(idle) == 1 and "direction='gaussian' has no effect" in idle[0]
+    _, rep = precondfx.precondition(*_mlp(), scheme="wn")       # the default: nothing to say
+    assert _idle(rep) == []
+
+
+def test_scheme_option_without_effect_is_listed_as_core_options_are():
+    """lsuv alphas='keep' with balance='none': the scheme's note was in plan.notes only, while
+    a core option without effect (pool_conv with maxpool='keep') is also in report.skipped."""
+    _, rep = precondfx.precondition(*_mlp(), scheme="lsuv", balance="none",
+                                    scheme_options={"alphas": "keep"})
+    assert any("alphas='keep' has no effect" in w for w in _idle(rep))
+    _, rep = precondfx.precondition(*_mlp(), maxpool="keep", pool_conv="avg")
+    assert any("pool_conv='avg' has no effect" in w for w in _idle(rep))
