@@ -205,8 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="precondition a built-in model and print the report",
                        description="Build a small model from precondfx.demo, run "
                                    "precondfx.precondition on it and print the report.")
-    d.add_argument("--model", default="maxpool_cnn",
-                   help="built-in model: maxpool_cnn (default) or mlp")
+    from precondfx.demo import DEMOS
+    d.add_argument("--model", default="maxpool_cnn", choices=tuple(DEMOS), type=str.lower,
+                   help="built-in model (default maxpool_cnn)")
     _plan_options(d, only=("seed", "balance"))
     d.add_argument("--all", action="store_true", help="show structural nodes too")
     d.add_argument("--quiet", action="store_true", help="no progress lines")

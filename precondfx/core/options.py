@@ -133,21 +133,24 @@ def lr_scale_check() -> Check:
 
 
 def optimizer_family(name: str, v: Any) -> str | None:
-    """``optimizer=``: one of OPTIMIZERS in any case, or a torch optimizer class (SGD and its
-    subclasses: 'sgd'; Adam, AdamW and their subclasses: 'adam'); stored as the string."""
+    """``optimizer=``: one of OPTIMIZERS in any case, or a torch optimizer class or instance
+    (SGD and its subclasses: 'sgd'; Adam, AdamW and their subclasses: 'adam'); stored as the
+    string."""
     if v is None:
         return None
     if isinstance(v, str) and v.lower() in OPTIMIZERS:
         return v.lower()
-    if isinstance(v, type):       # by name along the MRO: the core imports no framework
-        for c in v.__mro__:
+    cls = v if isinstance(v, type) else type(v) if hasattr(v, "param_groups") else None
+    if cls is not None:           # by name along the MRO: the core imports no framework
+        for c in cls.__mro__:
             if c.__module__.startswith("torch.optim"):
                 fam = {"SGD": "sgd", "Adam": "adam", "AdamW": "adam"}.get(c.__name__)
                 if fam:
                     return fam
-    raise PrecondError(f"{name}={v!r} is not an optimizer family lr= knows: pass 'sgd' "
+    shown = f"a {cls.__name__} optimizer" if cls is not None and cls is not v else repr(v)
+    raise PrecondError(f"{name}={shown} is not an optimizer family lr= knows: pass 'sgd' "
                        f"(momentum included) or 'adam'/'adamw', or torch.optim.SGD / Adam / "
-                       f"AdamW (the class); another optimizer's rate moves in its own way with "
+                       f"AdamW (the class or your optimizer); another optimizer's rate moves in its own way with "
                        f"the stored weight scale, so drop lr= and optimizer= for it")
 
 
@@ -423,7 +426,12 @@ def option_names() -> list[str]:
 
 def did_you_mean(word: str, names: Iterable[str], cutoff: float = 0.75) -> str:
     """' (did you mean 'balance'?)' for the name closest to ``word`` (difflib), '' when none
-    is close."""
+    is close; an option's field name whose keyword differs names that keyword (``reinit`` ->
+    ``reinit_weights``, not the closer ``init``)."""
+    names = list(names)
+    alias = {f.name: keyword_of(f) for f in fields(Options) if keyword_of(f) != f.name}
+    if alias.get(word) in names:
+        return f" (did you mean {alias[word]!r}?)"
     close = difflib.get_close_matches(word, list(names), n=1, cutoff=cutoff)
     return f" (did you mean {close[0]!r}?)" if close else ""
 

@@ -96,6 +96,8 @@ def values(spec: Any, n_joins: int, joins: Sequence[str] = ()) -> list[float]:
     """``s`` at each of the ``n_joins`` residual joins (execution order); a sequence of the
     wrong length is a PrecondError naming the joins (``joins``)."""
     if isinstance(spec, (tuple, list)):
+        if not n_joins:     # no join to scale: said as for one number (has no effect)
+            return []
         if len(spec) != n_joins:
             shown = ", ".join(joins[:8]) + (", ..." if len(joins) > 8 else "")
             raise PrecondError(f"residual_scale has {len(spec)} values, but the model has "

@@ -134,6 +134,8 @@ def get_scheme(name: str, **kwargs: Any) -> Scheme:
             hints = "".join(_option_hint(k, known, name) for k in bad)
             raise PrecondError(f"scheme_options {bad} are not options of scheme={name!r}: "
                                f"{has}{hints}")
+    kwargs = {k: _as_default_kind(v, params[k].default if k in params else None)
+              for k, v in kwargs.items()}
     for k, v in kwargs.items():
         p = params.get(k)
         if p is not None:
@@ -161,6 +163,17 @@ def _option_hint(key: str, known: list[str], scheme: str) -> str:
     close = did_you_mean(key, known) or did_you_mean(
         key, [k for k in known if key.startswith(k) or k.startswith(key)], cutoff=0.0)
     return f"; {key!r}{close}" if close else ""
+
+
+def _as_default_kind(v: Any, default: Any) -> Any:
+    """A scheme option's value read as the pass's options are: a 0-d tensor or array is the
+    number it holds (``scalar``), a word of a lowercase string option in any case (``'Keep'``
+    for ``alphas='none'``) is lowercase."""
+    from precondfx.core.options import scalar
+    v = scalar(v)
+    if isinstance(v, str) and isinstance(default, str) and default == default.lower():
+        return v.lower()
+    return v
 
 
 def _check_type(scheme: str, key: str, v: Any, default: Any) -> None:

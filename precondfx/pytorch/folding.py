@@ -764,8 +764,12 @@ def fold(model: nn.Module, *, source: nn.Module | None = None) -> nn.Module:
     cannot fold, and why.  ``source`` is a model of your class, needed only for a GraphModule
     that was pickled (the reference ``precondition`` keeps is not)."""
     if not isinstance(model, nn.Module):
+        pair = isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Module)
         raise PrecondError(f"fold takes the model precondition returned, got "
-                           f"{type(model).__name__}")
+                           f"{type(model).__name__}"
+                           + (": the (model, report) pair; pass its model, "
+                              "fold(result.model) or model, report = precondition(...); "
+                              "fold(model)" if pair else ""))
     if _untouched(model):
         raise PrecondError(
             f"fold found nothing of precondfx in this {type(model).__name__}: no constant, no "

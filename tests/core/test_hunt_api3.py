@@ -218,3 +218,57 @@ def test_scheme_option_without_effect_is_listed_as_core_options_are():
     assert any("alphas='keep' has no effect" in w for w in _idle(rep))
     _, rep = precondfx.precondition(*_mlp(), maxpool="keep", pool_conv="avg")
     assert any("pool_conv='avg' has no effect" in w for w in _idle(rep))
+
+
+# -- more of the public surface ----------------------------------------------------------------
+def test_optimizer_instance_names_its_family():
+    """optimizer=opt (the user's SGD object) was refused with the optimizer's whole repr in the
+    message; its class says the family as the class itself does."""
+    from precondfx.core.options import Options
+    model, _ = _mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert Options.from_keywords(lr=0.1, optimizer=sgd).optimizer == "sgd"
+    assert Options.from_keywords(lr=1e-3, optimizer=adamw).optimizer == "adam"
+    rms = torch.optim.RMSprop(model.parameters())
+    with pytest.raises(PrecondError, match=r"optimizer=a RMSprop optimizer is not") as e:
+        Options.from_keywords(lr=1e-3, optimizer=rms)
+    assert "\n" not in str(e.value)
+
+
+def test_field_name_of_a_renamed_option_points_to_its_keyword():
+    """precondition(model, x, reinit=False): 'did you mean 'init'?' (the closer word), while
+    the option is reinit_weights (reinit is its field and report name)."""
+    with pytest.raises(PrecondError, match=r"'reinit' \(did you mean 'reinit_weights'\?\)"):
+        precondfx.precondition(*_mlp(), reinit=False)
+
+
+def test_fold_of_the_result_pair_says_to_pass_its_model():
+    res = precondfx.precondition(*_mlp())
+    with pytest.raises(PrecondError, match=r"the \(model, report\) pair; .*fold\(result.model\)"):
+        precondfx.fold(res)
+
+
+def test_scheme_option_tensor_and_capitals_read_as_pass_options():
+    """scheme_options={'tol': torch.tensor(0.05)} and {'alphas': 'Keep'} were refused ('must
+    be a number', "must be 'none' ... or 'keep'") while the pass's own options take both."""
+    _, rep = precondfx.precondition(*_mlp(), scheme="lsuv",
+                                    scheme_options={"tol": torch.tensor(0.05), "alphas": "Keep"})
+    sec = rep.conditioning["lsuv"]
+    assert sec["tol"] == pytest.approx(0.05) and type(sec["tol"]) is float
+    assert rep.plan.options["balance"] == "auto"       # alphas='keep': balance not turned off
+
+
+def test_residual_scale_sequence_on_a_model_without_joins_is_said_not_refused():
+    """residual_scale=[0.5] on an MLP: 'has 1 values, but the model has 0 residual joins ():
+    pass 0 values', where one number is accepted and noted as having no effect."""
+    _, rep = precondfx.precondition(*_mlp(), residual_scale=[0.5])
+    assert any("residual_scale=(0.5,) has no effect: the model has no residual join" in w
+               for w in _idle(rep))
+
+
+def test_cli_demo_model_in_capitals(capsys):
+    """demo --model MLP: 'unknown demo model' while every other word is read in any case; its
+    --help now lists the models as choices."""
+    assert cli.main(["demo", "--model", "MLP", "--quiet", "--balance", "none"]) == 0
+    assert "--model {maxpool_cnn,mlp}" in cli_help("demo")
