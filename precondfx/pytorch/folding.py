@@ -737,7 +737,10 @@ def _plan(model: nn.Module, source: nn.Module | None) -> tuple[dict[str, float],
 
 def fold_problems(model: nn.Module, *, source: nn.Module | None = None) -> list[tuple[str, str]]:
     """``(constant, why)`` for every constant of a preconditioned model that cannot be folded
-    into its weights; empty when :func:`fold` will succeed."""
+    into its weights; empty when :func:`fold` will succeed (a model precondition never
+    returned is one problem: there is nothing to fold)."""
+    if isinstance(model, nn.Module) and _untouched(model):
+        return [("model", _NOTHING.format(type(model).__name__))]
     return _plan(model, source)[1]
 
 
@@ -771,13 +774,7 @@ def fold(model: nn.Module, *, source: nn.Module | None = None) -> nn.Module:
                               "fold(result.model) or model, report = precondition(...); "
                               "fold(model)" if pair else ""))
     if _untouched(model):
-        raise PrecondError(
-            f"fold found nothing of precondfx in this {type(model).__name__}: no constant, no "
-            f"record of a precondition run (a model never preconditioned, or one fold already "
-            f"returned), so there is nothing to fold and its weights are not a folded "
-            f"preconditioned model's. Pass the model precondfx.precondition returned (fold "
-            f"multiplies its constants into the weights); to load preconditioned weights into "
-            f"a fresh model of your class, precondition it with the same options first")
+        raise PrecondError(_NOTHING.format(type(model).__name__))
     factors, problems, src = _plan(model, source)
     if problems:
         raise PrecondError(_message(problems))
@@ -799,6 +796,15 @@ def fold(model: nn.Module, *, source: nn.Module | None = None) -> nn.Module:
         named[name].mul_(f)
     copy_modes(model, plain)
     return plain
+
+
+#: fold of a model that holds nothing of precondfx (``_untouched``)
+_NOTHING = ("fold found nothing of precondfx in this {}: no constant, no record of a "
+            "precondition run (a model never preconditioned, or one fold already returned), so "
+            "there is nothing to fold and its weights are not a folded preconditioned model's. "
+            "Pass the model precondfx.precondition returned (fold multiplies its constants into "
+            "the weights); to load preconditioned weights into a fresh model of your class, "
+            "precondition it with the same options first")
 
 
 def _untouched(model: nn.Module) -> bool:

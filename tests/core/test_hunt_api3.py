@@ -105,6 +105,9 @@ def test_fold_of_a_plain_model_is_refused():
         assert torch.allclose(plain(x), res(x), atol=1e-5)
     with pytest.raises(PrecondError, match="one fold already returned"):
         precondfx.fold(plain)
+    # fold_problems says what fold would: empty for the result, the one problem for the rest
+    assert precondfx.fold_problems(res) == []
+    assert [k for k, _ in precondfx.fold_problems(model)] == ["model"]
 
 
 # -- (h) a DataLoader, an (x, y) batch or a numpy array as the sample ---------------------------
