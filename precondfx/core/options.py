@@ -150,8 +150,9 @@ def optimizer_family(name: str, v: Any) -> str | None:
     shown = f"a {cls.__name__} optimizer" if cls is not None and cls is not v else repr(v)
     raise PrecondError(f"{name}={shown} is not an optimizer family lr= knows: pass 'sgd' "
                        f"(momentum included) or 'adam'/'adamw', or torch.optim.SGD / Adam / "
-                       f"AdamW (the class or your optimizer); another optimizer's rate moves in its own way with "
-                       f"the stored weight scale, so drop lr= and optimizer= for it")
+                       f"AdamW (the class or your optimizer); another optimizer's rate moves "
+                       f"in its own way with the stored weight scale, so drop lr= and "
+                       f"optimizer= for it")
 
 
 optimizer_family.words = (None,) + OPTIMIZERS  # type: ignore[attr-defined]
