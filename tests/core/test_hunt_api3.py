@@ -275,3 +275,11 @@ def test_cli_demo_model_in_capitals(capsys):
     --help now lists the models as choices."""
     assert cli.main(["demo", "--model", "MLP", "--quiet", "--balance", "none"]) == 0
     assert "--model {maxpool_cnn,mlp}" in cli_help("demo")
+
+
+def test_analyze_with_precondition_only_arguments_says_so():
+    """analyze(model, x, inplace=True): 'unknown keyword 'inplace': it is not an option ... and
+    not a parameter of Sequential.forward(input)', though it is precondition's argument."""
+    with pytest.raises(PrecondError, match=r"analyze\(\) got inplace=: an argument of "
+                                           r"precondition\(\); analyze changes nothing"):
+        precondfx.analyze(*_mlp(), inplace=True)
