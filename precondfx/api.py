@@ -104,6 +104,15 @@ def resolve_torch(user: Options, model: nn.Module) -> Resolved:
     return resolve_options(user, TORCH, *extra)
 
 
+def _forward_names(model: Any) -> set[str]:
+    """The parameter names of the model's forward (none when it cannot be read)."""
+    import inspect
+    try:
+        return set(inspect.signature(getattr(model, "forward")).parameters)
+    except (TypeError, ValueError, AttributeError):
+        return set()
+
+
 @guarded
 def analyze(model: nn.Module, sample: Any, *, forward_kwargs: dict | None = None,
             **options: Any) -> Report:
@@ -111,7 +120,14 @@ def analyze(model: nn.Module, sample: Any, *, forward_kwargs: dict | None = None
     ``precondition`` would do with the same options (keyword arguments that are not options
     go to the model's forward, as in ``precondition``)."""
     from precondfx.core.options import option_names, split_keywords
+    from precondfx.errors import PrecondError
     names = set(option_names())
+    given = sorted(k for k in ("inplace", "verbose") if k in options)
+    if given and not any(k in _forward_names(model) for k in given):
+        raise PrecondError(
+            f"analyze() got {', '.join(f'{k}=' for k in given)}: "
+            f"{'an argument' if len(given) == 1 else 'arguments'} of precondition(); analyze changes nothing and prints nothing (it returns the "
+            f"report of what precondition would do); drop {' and '.join(given)}")
     fwd = split_keywords(model, {k: v for k, v in options.items() if k not in names},
                          forward_kwargs, names, "analyze")
     user = Options.from_keywords(**{k: v for k, v in options.items() if k in names})

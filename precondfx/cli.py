@@ -205,8 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="precondition a built-in model and print the report",
                        description="Build a small model from precondfx.demo, run "
                                    "precondfx.precondition on it and print the report.")
-    d.add_argument("--model", default="maxpool_cnn",
-                   help="built-in model: maxpool_cnn (default) or mlp")
+    from precondfx.demo import DEMOS
+    d.add_argument("--model", default="maxpool_cnn", choices=tuple(DEMOS), type=str.lower,
+                   help="built-in model (default maxpool_cnn)")
     _plan_options(d, only=("seed", "balance"))
     d.add_argument("--all", action="store_true", help="show structural nodes too")
     d.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -257,6 +258,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _onnx_refusal(flag: str) -> str:
+    """Why the ONNX back end refuses a pass option's flag (``--scheme``), '' when it does
+    not: ``inspect`` reads ONNX files only and offers no flag whose values it would refuse."""
+    from precondfx.core.options import REFUSE
+    try:
+        from precondfx.onnx.pipeline import ONNX
+    except ImportError:
+        return ""
+    kw = "reinit_weights" if flag == "--no-reinit" else flag[2:].replace("-", "_")
+    return next((r.why for r in ONNX.rules if r.option == kw and r.value is REFUSE), "")
+
+
 def _unknown_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
                    extra: list[str]) -> None:
     """Refuse the arguments no parser took, as argparse does (``unrecognized arguments: ...``),
@@ -274,7 +287,9 @@ def _unknown_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
         others = sorted(c for c, sp in subs.items() if sp is not sub and any(
             name in a.option_strings for a in sp._actions))
         if others:
-            said.append(f"{name} is a flag of {', '.join(others)}, not of {args.command}")
+            why = _onnx_refusal(name) if args.command == "inspect" else ""
+            said.append(f"{name} is a flag of {', '.join(others)}, not of {args.command}"
+                        + (f": {why}" if why else ""))
             continue
         hint = did_you_mean(name, flags, cutoff=0.6)
         if hint:

@@ -212,7 +212,10 @@ def plan(st: State) -> None:
     moot = options_mod.moot(st.resolved.user, st.opts) + moot_in_model(st.resolved.user,
                                                                        st.opts, p)
     p.notes.extend(moot)
+    before = len(p.notes)
     st.scheme.plan(st.graph, p, st.params, st.opts)
+    # the scheme's own 'scheme_options X has no effect' notes are listed with the others
+    moot += [n for n in p.notes[before:] if " has no effect" in n]
     late = moot_init(st.resolved.user, st.opts, p)
     st.in_scale = input_scale(st.opts, p, st.input_arrays)
     if st.in_scale is not None and st.float_inputs is False:

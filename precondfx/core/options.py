@@ -69,11 +69,38 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+def scalar(v: Any) -> Any:
+    """A one-element value as the Python number it holds: a 0-d torch tensor or numpy array
+    (``torch.tensor(0.5)``, ``np.array(3)``) becomes ``0.5``/``3``, as numpy scalars already
+    are numbers; anything else is returned as it is (the check then says what is wrong)."""
+    if not isinstance(v, (str, bytes, bool, numbers.Number)) and getattr(v, "ndim", None) == 0 \
+            and callable(getattr(v, "item", None)):
+        try:
+            return v.item()
+        except (TypeError, ValueError, RuntimeError):
+            return v
+    return v
+
+
+def word(v: Any, values: Iterable[Any]) -> Any:
+    """``v`` as the word of ``values`` it names in any case (``'Fan_In'`` -> ``'fan_in'``,
+    ``'AUTO'`` -> ``'auto'``): every option's words are lowercase, on the command line and in
+    Python alike; anything else is returned as it is."""
+    if isinstance(v, str):
+        low = v.lower()
+        for w in values:
+            if isinstance(w, str) and w.lower() == low:
+                return w
+    return v
+
+
 def one_of(*values: str) -> Check:
     def check(name: str, v: Any) -> str:
+        v = word(v, values)
         if isinstance(v, str) and v in values:
             return v
-        raise PrecondError(f"{name}={v!r} is not one of {values}: pass one of these strings")
+        raise PrecondError(f"{name}={v!r} is not one of {values}: pass one of these strings"
+                           f"{did_you_mean(v, values) if isinstance(v, str) else ''}")
     check.choices = values  # type: ignore[attr-defined]
     return check
 
@@ -81,6 +108,7 @@ def one_of(*values: str) -> Check:
 def one_of_or_none(*values: str) -> Check:
     """One of ``values`` or None (the command line's 'none')."""
     def check(name: str, v: Any) -> str | None:
+        v = word(v, values)
         if v is None or (isinstance(v, str) and v in values):
             return v
         raise PrecondError(f"{name}={v!r} is not one of {values} or None: pass one of these "
@@ -95,6 +123,7 @@ def lr_scale_check() -> Check:
     base = one_of_or_none("auto", *LR_SCALE_MODES)
 
     def check(name: str, v: Any) -> str | None:
+        v = word(v, LR_SCALE_REMOVED)
         if isinstance(v, str) and v in LR_SCALE_REMOVED:
             raise PrecondError(f"{name}={v!r}: {LR_SCALE_REMOVED[v]} (or lr_scale='sgd' with "
                                f"SGD)")
@@ -104,22 +133,26 @@ def lr_scale_check() -> Check:
 
 
 def optimizer_family(name: str, v: Any) -> str | None:
-    """``optimizer=``: one of OPTIMIZERS in any case, or a torch optimizer class (SGD and its
-    subclasses: 'sgd'; Adam, AdamW and their subclasses: 'adam'); stored as the string."""
+    """``optimizer=``: one of OPTIMIZERS in any case, or a torch optimizer class or instance
+    (SGD and its subclasses: 'sgd'; Adam, AdamW and their subclasses: 'adam'); stored as the
+    string."""
     if v is None:
         return None
     if isinstance(v, str) and v.lower() in OPTIMIZERS:
         return v.lower()
-    if isinstance(v, type):       # by name along the MRO: the core imports no framework
-        for c in v.__mro__:
+    cls = v if isinstance(v, type) else type(v) if hasattr(v, "param_groups") else None
+    if cls is not None:           # by name along the MRO: the core imports no framework
+        for c in cls.__mro__:
             if c.__module__.startswith("torch.optim"):
                 fam = {"SGD": "sgd", "Adam": "adam", "AdamW": "adam"}.get(c.__name__)
                 if fam:
                     return fam
-    raise PrecondError(f"{name}={v!r} is not an optimizer family lr= knows: pass 'sgd' "
+    shown = f"a {cls.__name__} optimizer" if cls is not None and cls is not v else repr(v)
+    raise PrecondError(f"{name}={shown} is not an optimizer family lr= knows: pass 'sgd' "
                        f"(momentum included) or 'adam'/'adamw', or torch.optim.SGD / Adam / "
-                       f"AdamW (the class); another optimizer's rate moves in its own way with "
-                       f"the stored weight scale, so drop lr= and optimizer= for it")
+                       f"AdamW (the class or your optimizer); another optimizer's rate moves "
+                       f"in its own way with the stored weight scale, so drop lr= and "
+                       f"optimizer= for it")
 
 
 optimizer_family.words = (None,) + OPTIMIZERS  # type: ignore[attr-defined]
@@ -128,6 +161,7 @@ optimizer_family.words = (None,) + OPTIMIZERS  # type: ignore[attr-defined]
 def number(what: str, ok: Callable[[float], bool], words: tuple[Any, ...] = ()) -> Check:
     """A real number (not a bool, not a string) satisfying ``ok``, or one of ``words``."""
     def check(name: str, v: Any) -> Any:
+        v = scalar(word(v, words))
         if (v is None and None in words) or (isinstance(v, str) and v in words):
             return v
         if _is_number(v) and math.isfinite(float(v)) and ok(float(v)):
@@ -142,6 +176,7 @@ def number(what: str, ok: Callable[[float], bool], words: tuple[Any, ...] = ()) 
 
 def integer(lo: int, hi: int | None = None) -> Check:
     def check(name: str, v: Any) -> int:
+        v = scalar(v)
         if _is_int(v) and int(v) >= lo and (hi is None or int(v) <= hi):
             return int(v)
         rng = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
@@ -164,6 +199,8 @@ def output_key(name: str, v: Any) -> str | int | None:
 
 
 def capture_methods(name: str, v: Any) -> tuple[str, ...]:
+    v = word(v, CAPTURE_METHODS) if isinstance(v, str) else \
+        [word(m, CAPTURE_METHODS) for m in v] if isinstance(v, (list, tuple)) else v
     ms = (v,) if isinstance(v, str) else tuple(v) if isinstance(v, (list, tuple)) else None
     if ms == ():
         raise PrecondError(f"{name}={v!r} is empty: pass one method of {CAPTURE_METHODS} or a "
@@ -184,6 +221,12 @@ def text(name: str, v: Any) -> str:
     if isinstance(v, str) and v:
         return v
     raise PrecondError(f"{name}={v!r} must be a name (a non-empty string)")
+
+
+def scheme_name(name: str, v: Any) -> str:
+    """A scheme's name, in any case (registered names are lowercase: ``'LSUV'`` is
+    ``'lsuv'``); the registry checks it later (``precondfx.core.scheme.get_scheme``)."""
+    return text(name, v).lower()
 
 
 def mapping(name: str, v: Any) -> dict:
@@ -302,7 +345,7 @@ class Options:
                         cli_help="keep the model's weights instead of re-initializing them: "
                         "each is divided by its alpha (the function is unchanged) and only the "
                         "constants are inserted (reinit_weights=False)")
-    scheme: str = _opt("geometric", text, "initialization scheme (geometric, lsuv, gne, wn, "
+    scheme: str = _opt("geometric", scheme_name, "initialization scheme (geometric, lsuv, gne, wn, "
                        "tat, dks); its name and scheme_options are checked by the scheme "
                        "registry (precondfx.core.scheme.get_scheme)", cli="NAME")
     scheme_options: dict | None = _opt(None, mapping, "keyword arguments of the scheme",
@@ -384,7 +427,12 @@ def option_names() -> list[str]:
 
 def did_you_mean(word: str, names: Iterable[str], cutoff: float = 0.75) -> str:
     """' (did you mean 'balance'?)' for the name closest to ``word`` (difflib), '' when none
-    is close."""
+    is close; an option's field name whose keyword differs names that keyword (``reinit`` ->
+    ``reinit_weights``, not the closer ``init``)."""
+    names = list(names)
+    alias = {f.name: keyword_of(f) for f in fields(Options) if keyword_of(f) != f.name}
+    if alias.get(word) in names:
+        return f" (did you mean {alias[word]!r}?)"
     close = difflib.get_close_matches(word, list(names), n=1, cutoff=cutoff)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -596,9 +644,30 @@ def from_text(name: str, s: str) -> Any:
     return check(keyword_of(f), v)
 
 
+def _lower(s: str) -> str:
+    """A command-line word in any case, as ``Options`` reads it (``--init Fan_In``)."""
+    return s.lower()
+
+
 def cli_fields() -> list[Any]:
     """The fields the command line has flags for, in definition order."""
     return [f for f in fields(Options) if f.metadata["cli"]]
+
+
+def _only_default(f: Any, support: Support) -> bool:
+    """Whether ``support`` refuses every value of field ``f`` but its default: any value
+    outside the option's words (a value no rule names) and each of its words."""
+    check, kw = f.metadata["check"], keyword_of(f)
+    if isinstance(f.default, bool):
+        return support.refuses(kw, not f.default)
+    words = [w for w in (getattr(check, "choices", None) or getattr(check, "words", ()))
+             if not (w == f.default and type(w) is type(f.default))]
+    other = None if getattr(check, "choices", None) else object()
+    try:
+        return (other is None or support.refuses(kw, other)) and \
+            all(support.refuses(kw, w) for w in words)
+    except Exception:      # a rule that cannot read an unknown value: keep the flag
+        return False
 
 
 def cli_flags(add_argument: Callable[..., Any], only: Iterable[str] | None = None,
@@ -607,11 +676,14 @@ def cli_flags(add_argument: Callable[..., Any], only: Iterable[str] | None = Non
     """Add a flag per CLI option through ``add_argument`` (argparse's); each flag's dest is the
     public keyword name and its default is :data:`DEFAULTS`'s value.  ``parse(name, text)``
     converts a value (raise ``argparse.ArgumentTypeError`` for a bad one).  ``support``: the
-    only back end the command runs on; the choices it refuses are not offered."""
+    only back end the command runs on; the choices it refuses are not offered, nor a flag
+    whose every value but the default it refuses (``inspect``'s ``--scheme``)."""
     for f in cli_fields():
         if only is not None and f.name not in only:
             continue
         kw, default = keyword_of(f), f.default
+        if support is not None and _only_default(f, support):
+            continue
         help = f.metadata.get("cli_help") or f.metadata["help"]
         if isinstance(default, bool):
             add_argument(f"--{'no-' if default else ''}{f.name.replace('_', '-')}", dest=kw,
@@ -622,7 +694,7 @@ def cli_flags(add_argument: Callable[..., Any], only: Iterable[str] | None = Non
         if choices and support is not None:
             choices = tuple(c for c in choices if not support.refuses(kw, c))
         meta = f.metadata["cli"]
-        extra: dict[str, Any] = {"choices": choices} if choices else {
+        extra: dict[str, Any] = {"choices": choices, "type": _lower} if choices else {
             "type": (lambda s, _n=f.name: parse(_n, s)),
             "metavar": meta if isinstance(meta, str) else f.name.upper()}
         add_argument(f"--{f.name.replace('_', '-')}", dest=kw, default=default,

@@ -49,7 +49,10 @@ def _named(v: str) -> tuple[str, float] | None:
 
 def check(name: str, v: Any) -> Any:
     """The ``residual_scale`` option's check: the value to store (a float, 'auto', a named
-    schedule string, or a tuple of floats), else a PrecondError saying what to pass."""
+    schedule string, or a tuple of floats), else a PrecondError saying what to pass.  Words are
+    read in any case ('AUTO', 'NF:0.3'), as every option's words are."""
+    if isinstance(v, str) and (v.lower() == "auto" or _named(v.lower())):
+        v = v.lower()
     if isinstance(v, str) and (v == "auto" or _named(v)):
         return v
     if not isinstance(v, (str, bytes)) and callable(getattr(v, "tolist", None)) and \
@@ -93,6 +96,8 @@ def values(spec: Any, n_joins: int, joins: Sequence[str] = ()) -> list[float]:
     """``s`` at each of the ``n_joins`` residual joins (execution order); a sequence of the
     wrong length is a PrecondError naming the joins (``joins``)."""
     if isinstance(spec, (tuple, list)):
+        if not n_joins:     # no join to scale: said as for one number (has no effect)
+            return []
         if len(spec) != n_joins:
             shown = ", ".join(joins[:8]) + (", ..." if len(joins) > 8 else "")
             raise PrecondError(f"residual_scale has {len(spec)} values, but the model has "

@@ -100,9 +100,10 @@ _REGISTRY: dict[str, Callable[[], Scheme]] = {"geometric": Scheme}
 
 
 def register(name: str) -> Callable[[type], type]:
-    """Class decorator adding a scheme to the registry."""
+    """Class decorator adding a scheme to the registry (names are read in any case, as
+    ``scheme=`` is: stored lowercase)."""
     def deco(cls: type) -> type:
-        _REGISTRY[name] = cls
+        _REGISTRY[name.lower()] = cls
         return cls
     return deco
 
@@ -110,10 +111,12 @@ def register(name: str) -> Callable[[type], type]:
 def scheme_class(name: str) -> Callable[..., Scheme]:
     """The registered scheme class of ``name`` (scheme modules register themselves when
     ``precondfx.schemes`` is imported: each front end imports it)."""
-    if name not in _REGISTRY:
+    key = name.lower() if isinstance(name, str) else name
+    if key not in _REGISTRY:
+        hint = did_you_mean(key, _REGISTRY, cutoff=0.6) if isinstance(key, str) else ""
         raise PrecondError(f"scheme={name!r} is not one of {sorted(_REGISTRY)}: pass one of "
-                           f"these names")
-    return _REGISTRY[name]
+                           f"these names{hint}")
+    return _REGISTRY[key]
 
 
 def get_scheme(name: str, **kwargs: Any) -> Scheme:
@@ -131,6 +134,8 @@ def get_scheme(name: str, **kwargs: Any) -> Scheme:
             hints = "".join(_option_hint(k, known, name) for k in bad)
             raise PrecondError(f"scheme_options {bad} are not options of scheme={name!r}: "
                                f"{has}{hints}")
+    kwargs = {k: _as_default_kind(v, params[k].default if k in params else None)
+              for k, v in kwargs.items()}
     for k, v in kwargs.items():
         p = params.get(k)
         if p is not None:
@@ -158,6 +163,17 @@ def _option_hint(key: str, known: list[str], scheme: str) -> str:
     close = did_you_mean(key, known) or did_you_mean(
         key, [k for k in known if key.startswith(k) or k.startswith(key)], cutoff=0.0)
     return f"; {key!r}{close}" if close else ""
+
+
+def _as_default_kind(v: Any, default: Any) -> Any:
+    """A scheme option's value read as the pass's options are: a 0-d tensor or array is the
+    number it holds (``scalar``), a word of a lowercase string option in any case (``'Keep'``
+    for ``alphas='none'``) is lowercase."""
+    from precondfx.core.options import scalar
+    v = scalar(v)
+    if isinstance(v, str) and isinstance(default, str) and default == default.lower():
+        return v.lower()
+    return v
 
 
 def _check_type(scheme: str, key: str, v: Any, default: Any) -> None:

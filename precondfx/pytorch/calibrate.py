@@ -329,6 +329,9 @@ def _input_hint(model: nn.Module, sample: Sample, e: BaseException) -> str:
     """'The sample is on X, the model on Y: move it' when the devices differ; 'convert it'
     when the model raised about a type, computes in floating point and the sample holds only
     integer or bool tensors (uint8 images); '' otherwise."""
+    extra = _extra_positional(model, sample)
+    if extra:
+        return extra
     have = {t.device for t in sample.tensors()}
     want = {p.device for p in model.parameters()}
     if len(want) == 1 and have and have != want:
@@ -344,6 +347,31 @@ def _input_hint(model: nn.Module, sample: Sample, e: BaseException) -> str:
                 f"{str(next(iter(pdt))).replace('torch.', '')}: if they are data rather than "
                 f"ids, convert them (x.float(); uint8 images: x.float() / 255). ")
     return ""
+
+
+def _extra_positional(model: nn.Module, sample: Sample) -> str:
+    """'The sample is a tuple of 2 positional inputs ... an (inputs, labels) batch?' when the
+    sample has more positional inputs than the model's forward takes; '' otherwise (or when
+    the forward's signature cannot be read, or takes ``*args``)."""
+    import inspect
+    try:
+        sig = inspect.signature(getattr(model, "_orig_mod", model).forward)
+    except (TypeError, ValueError):
+        return ""
+    ps = sig.parameters.values()
+    if any(p.kind is p.VAR_POSITIONAL for p in ps):
+        return ""
+    n = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in ps)
+    if len(sample.args) <= n:
+        return ""
+    last = sample.args[-1]
+    labels = isinstance(last, torch.Tensor) and not last.is_floating_point()
+    return (f"The sample is a tuple of {len(sample.args)} positional inputs and "
+            f"{type(model).__name__}.forward{sig} takes {n}"
+            + (" (its last one holds integers: labels?)" if labels else "")
+            + ": an (inputs, labels) batch from a DataLoader is not what the model is called "
+            f"with; pass the inputs only, precondition(model, batch[0]) or, for several "
+            f"inputs, a tuple of those the forward takes. ")
 
 
 def output_std(out: object, key: str | int | None = None) -> float:

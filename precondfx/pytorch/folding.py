@@ -737,7 +737,10 @@ def _plan(model: nn.Module, source: nn.Module | None) -> tuple[dict[str, float],
 
 def fold_problems(model: nn.Module, *, source: nn.Module | None = None) -> list[tuple[str, str]]:
     """``(constant, why)`` for every constant of a preconditioned model that cannot be folded
-    into its weights; empty when :func:`fold` will succeed."""
+    into its weights; empty when :func:`fold` will succeed (a model precondition never
+    returned is one problem: there is nothing to fold)."""
+    if isinstance(model, nn.Module) and _untouched(model):
+        return [("model", _NOTHING.format(type(model).__name__))]
     return _plan(model, source)[1]
 
 
@@ -764,8 +767,14 @@ def fold(model: nn.Module, *, source: nn.Module | None = None) -> nn.Module:
     cannot fold, and why.  ``source`` is a model of your class, needed only for a GraphModule
     that was pickled (the reference ``precondition`` keeps is not)."""
     if not isinstance(model, nn.Module):
+        pair = isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Module)
         raise PrecondError(f"fold takes the model precondition returned, got "
-                           f"{type(model).__name__}")
+                           f"{type(model).__name__}"
+                           + (": the (model, report) pair; pass its model, "
+                              "fold(result.model) or model, report = precondition(...); "
+                              "fold(model)" if pair else ""))
+    if _untouched(model):
+        raise PrecondError(_NOTHING.format(type(model).__name__))
     factors, problems, src = _plan(model, source)
     if problems:
         raise PrecondError(_message(problems))
@@ -787,6 +796,27 @@ def fold(model: nn.Module, *, source: nn.Module | None = None) -> nn.Module:
         named[name].mul_(f)
     copy_modes(model, plain)
     return plain
+
+
+#: fold of a model that holds nothing of precondfx (``_untouched``)
+_NOTHING = ("fold found nothing of precondfx in this {}: no constant, no record of a "
+            "precondition run (a model never preconditioned, or one fold already returned), so "
+            "there is nothing to fold and its weights are not a folded preconditioned model's. "
+            "Pass the model precondfx.precondition returned (fold multiplies its constants into "
+            "the weights); to load preconditioned weights into a fresh model of your class, "
+            "precondition it with the same options first")
+
+
+def _untouched(model: nn.Module) -> bool:
+    """Whether ``model`` holds nothing precondfx put there: no recipe, no precondfx buffer,
+    parameter or attribute on any module (a GraphModule is judged by ``_plan``)."""
+    if isinstance(model, fx.GraphModule) or recipe_of(model) is not None:
+        return False
+    for mod in model.modules():
+        names = [*mod._buffers, *mod._parameters, *vars(mod)]
+        if any(n.startswith(PREFIX) or n == RECIPE for n in names):
+            return False
+    return True
 
 
 def copy_modes(model: nn.Module, plain: nn.Module) -> None:

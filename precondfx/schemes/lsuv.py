@@ -31,8 +31,10 @@ Options (``scheme_options``): ``tol`` (0.1), ``max_iter`` (10), ``target_var`` (
 Report section ``report.conditioning['lsuv']``: per call site (execution order) ``variance_before``
 (when LSUV reached it, after the orthonormal init and the earlier sites' scaling), ``variance``
 (final), ``iterations``, ``scale`` (its alpha after folding), ``converged``; ``forwards`` (passes
-LSUV used), ``forwards_total`` (with the final re-measurement of shared buffers), ``folded``,
-``skipped`` (with reasons) and ``notes``.
+LSUV used), ``forwards_total`` (with the final re-measurement of shared buffers),
+``all_converged`` (every conv/linear call site scaled and converged: False when one was
+skipped),
+``folded``, ``skipped`` (with reasons) and ``notes``.
 """
 from __future__ import annotations
 
@@ -144,6 +146,12 @@ class LSUV(Scheme):
                                   and abs(r["variance"] / tgt - 1.0) < self.tol)
             r["scale"] = float(ctx.buffer(n))
         notes = list(self._notes) + _shared_notes(group, rows, ctx.graph.method)
+        missed = _missed(ctx, skipped)
+        if rows and missed:
+            notes.append(f"{len(missed)} convolution or fully-connected layer(s) not scaled "
+                         f"by LSUV ({', '.join(missed[:5])}{', ...' if len(missed) > 5 else ''}"
+                         f"; see skipped): all_converged is False, their output variance was "
+                         f"not brought to the target")
         if not rows:
             notes.append(f"LSUV scaled no call site: none of the {len(skipped)} weighted layers "
                          f"is a plain convolution or fully-connected call site it can scale "
@@ -158,7 +166,9 @@ class LSUV(Scheme):
             "sites": list(rows.values()),
             "forwards": lsuv_forwards,
             "forwards_total": ctx.forwards,
-            "all_converged": bool(rows) and all(r["converged"] for r in rows.values()),
+            # a skipped conv/linear layer was not brought to the target variance
+            "all_converged": bool(rows) and not missed and
+            all(r["converged"] for r in rows.values()),
             "folded": folded,
             "skipped": skipped,
             "notes": notes,
@@ -277,6 +287,15 @@ class LSUV(Scheme):
             if sc.tag == "alpha" and sc.node in rows:
                 ctx.measured.add("lsuv", "scale", sc.key(), rows[sc.node]["scale"],
                                  reason=why)
+
+
+def _missed(ctx: SchemeContext, skipped: list[tuple[str, str]]) -> list[str]:
+    """The skipped nodes that Algorithm 1 covers (convolutions and fully-connected layers: a
+    parametrized Linear, a kept weight without an alpha, an unprobed site), which LSUV left
+    off the target variance; an embedding or a normalization is outside its scope."""
+    kind = {n.name: n.kind for n in ctx.graph}
+    kind.update((lay.node, lay.kind) for lay in ctx.plan.layers)
+    return [n for n, _ in skipped if kind.get(n) in _KINDS]
 
 
 def _sites(ctx: SchemeContext) -> tuple[list, list[tuple[str, str]]]:

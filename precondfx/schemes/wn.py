@@ -184,6 +184,10 @@ class WeightNormInit(Scheme):
         if self.gamma_relu != 2.0 and not relu_used:
             self._notes.append(f"gamma_relu={self.gamma_relu!r} has no effect: no weighted "
                                f"layer is followed by a ReLU")
+        if self.direction != "orthogonal" and not n_wn:
+            self._notes.append(f"scheme_options direction={self.direction!r} has no effect: "
+                               f"it draws the direction v of weight-normalized layers, and "
+                               + ("reinit=False keeps them" if kept else "the model has none"))
         if kept:
             self._notes.append(f"reinit=False: the {kept} weight-normalized layer(s) keep "
                                f"their g, v and bias; the WN init (B.2.4) is not applied")

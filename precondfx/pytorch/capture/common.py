@@ -314,6 +314,18 @@ def make_sample(sample: Any, forward_kwargs: Mapping | None = None) -> Sample:
                 f"given as extra keywords) with their own values: pass each once, in the "
                 f"sample dict or in forward_kwargs")
         return Sample((), {**dict(sample), **extra})
+    if hasattr(sample, "__array__") or hasattr(sample, "__array_interface__"):
+        raise PrecondError(
+            f"sample is a {type(sample).__name__} (an array, not a torch tensor): convert it, "
+            f"precondition(model, torch.as_tensor(x)) (images often also need .float())")
+    if not isinstance(sample, (str, bytes)) and (hasattr(sample, "__iter__") or
+                                                 hasattr(sample, "__getitem__")):
+        raise PrecondError(
+            f"sample is a {type(sample).__name__} (a source of batches, not a batch): "
+            f"precondition calls the model once with the sample, so pass one batch of the "
+            f"model's inputs, e.g. x, y = next(iter(loader)); precondition(model, x) (the "
+            f"inputs only, not the labels); a single input of this type goes in a tuple, "
+            f"precondition(model, (batch,))")
     raise PrecondError(
         f"sample must be a tensor, a tuple of positional inputs or a dict of keyword inputs, "
         f"got {type(sample).__name__}: pass what you would call the model with, e.g. "

@@ -176,7 +176,18 @@ class TatScheme(Scheme):
         self.method = "TAT-smooth"
         kappa = _curvature_target(an, self.tau)
         self.info.update(method="TAT smooth", tau=self.tau, local_curvature=kappa)
-        self._transform(graph, an, {k: solve_tat_smooth_local(k, kappa) for k in kinds})
+        sol = {}
+        for k in sorted(kinds):
+            try:
+                sol[k] = solve_tat_smooth_local(k, kappa)
+            except PrecondError as e:
+                raise PrecondError(
+                    f"scheme='tat' found no transform of the {k} activation(s) that meets its "
+                    f"target: the local curvature C''(1)={kappa:.6g} (tau={self.tau} over the "
+                    f"network's depth); the solver said: {e} What to do: try another "
+                    f"scheme_options tau (now {self.tau}; 0.3 by default), "
+                    f"or scheme='dks', or the default scheme='geometric'") from None
+        self._transform(graph, an, sol)
 
     def _idle_options(self) -> list[str]:
         """A note for each TAT option given that the solved method does not read (eta is the
@@ -284,7 +295,10 @@ class DksScheme(TatScheme):
         sol = {}
         for k in sorted(kinds):
             key = "leaky_relu" if k in ("leaky_relu", "prelu") else k
-            sol[k] = solve_dks_local(key, s, self.q_slope)
+            try:
+                sol[k] = solve_dks_local(key, s, self.q_slope)
+            except PrecondError as e:
+                raise PrecondError(self._unsolved(k, s, e)) from None
         if "relu" in kinds:
             notes.append("ReLU under DKS is only partly supported: its Q'(1) condition is dropped "
                          "(spec §2.8)")
@@ -297,6 +311,21 @@ class DksScheme(TatScheme):
                          "constant")
         self.info.update(method="DKS", zeta=self.zeta, q_slope=self.q_slope, local_slope=s)
         self._transform(graph, an, sol)
+
+
+    def _unsolved(self, act: str, s: float, e: Exception) -> str:
+        """Why DKS found no transform for ``act`` at the local slope ``s``, and what to do."""
+        fix = (f"q_slope={self.q_slope!r} is a target DKS itself does not use (DKS sets Q'(1) "
+               f"= 1): drop scheme_options q_slope, or move it toward 1"
+               if self.q_slope != 1.0 else
+               f"try another scheme_options zeta (the DKS paper uses 1.5, 10 and 100; now "
+               f"{self.zeta})")
+        return (f"scheme='dks' found no transform of the {act} activation(s) that meets its two "
+                f"targets, the local slope C'(1)={s:.6g} (from zeta={self.zeta} over the "
+                f"network's depth) and Q'(1)=q_slope={self.q_slope}: these may be unreachable "
+                f"together for {act} (the solver said: {e}). What to do: {fix}; or use "
+                f"scheme='tat' (smooth activations: its curvature target) or the default "
+                f"scheme='geometric'")
 
 
 def architecture(model: nn.Module, sample: Any, *, maxpool: str = "stride",
