@@ -24,9 +24,10 @@ its curvature: the suggested SGD rate ``1 / lambda``
   others acts on theirs (two optimizers, in either order, or stepped k:1 as a GAN's); where
   no optimizer's parameter group holds them by that optimizer's second step (trainable
   layers nobody steps) their storage is kept, the report says so (``unheld``) and the kept
-  batch is released.  The measurement runs in the calibration mode (dropout off), or in
-  eval mode where the model is in eval mode at that step (``model.eval()`` before the loop:
-  fine-tuning with frozen BatchNorm statistics trains that function), with autocast off (a
+  batch is released.  The measurement runs in the calibration mode (dropout off), or, where
+  the model is in eval mode at that step, in each module's own mode (``model.eval()`` before
+  the loop: fine-tuning with frozen BatchNorm statistics trains that function; a part put
+  back in ``train()`` under it trains with its batch statistics), with autocast off (a
   step inside a bfloat16 ``torch.autocast`` region measures the float32 function the
   storage holds), on the kept batch in the model's dtype, or in its first layer's where
   parts were cast apart (a bfloat16 body under a float32 head).  A rate raised by hand
@@ -70,6 +71,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from precondfx.errors import PrecondError
 from precondfx.pytorch import lr_target, lr_transfer
+from precondfx.pytorch.calibrate import OWN
 
 log = logging.getLogger("precondfx")
 
@@ -261,8 +263,9 @@ class Pending:
         sample = _on_device(self.sample, model, self.graph)
         # a model the user put in eval() before the loop (fine-tuning with frozen BatchNorm
         # statistics) trains its eval-mode function: measured in that mode, not with the
-        # batch statistics of the calibration mode
-        mode = self.mode if model.training else "eval"
+        # batch statistics of the calibration mode; parts put back in train() under it (a
+        # head's BatchNorm) keep their flag: each module in the mode the loop trains it in
+        mode = self.mode if model.training else OWN
         bufs = {w: self.lr_buffers[w] for w in weights}
         now = self.report.measured.final(self.report.planned)
         edited = copy.deepcopy(now)
