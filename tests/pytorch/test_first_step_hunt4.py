@@ -11,7 +11,7 @@ from torch import nn
 import precondfx
 from precondfx.pytorch import first_step
 from precondfx.pytorch.measure.suggest import suggest_lr
-from tests.pytorch.test_first_step import _data, _train
+from tests.pytorch.test_first_step import _data, _mlp, _train
 from tests.pytorch.test_first_step_hunt3 import _bn_mlp
 
 
@@ -83,3 +83,33 @@ def test_functional_dropout_is_off_while_the_rate_is_measured():
     assert rep.conditioning["lr_target"]["factor"] == \
         pytest.approx(rep_t.conditioning["lr_target"]["factor"], rel=1e-9)
     assert la == pytest.approx(lt, rel=1e-6)
+
+
+@pytest.mark.parametrize("opt_class", [torch.optim.SGD, torch.optim.AdamW])
+def test_an_optimizer_created_before_precondition_is_refused(opt_class):
+    """``opt = SGD(model.parameters()); model, rep = precondition(model, x)``: the optimizer
+    stepped the parameters of the model passed in (no gradients) and the returned copy never
+    changed: loss 2.8389 at each of 5 steps, no warning, the report still 'pending'.  Now its
+    first step says so; created after precondition, or with inplace=True, it trains."""
+    from precondfx.errors import PrecondError
+    x, y = _data()
+    src = _mlp()
+    opt = opt_class(src.parameters(), lr=0.05)
+    model, _ = precondfx.precondition(src, x)
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(PrecondError, match="parameters of the model you passed to precond"):
+        opt.step()
+    assert all(p.grad is None for p in src.parameters())
+    # the original trained side by side with the result (its own gradients): not refused
+    model, _ = precondfx.precondition(src, x)
+    losses = {}
+    for name, m in (("src", src), ("result", model)):
+        o = opt_class(m.parameters(), lr=0.05) if name == "result" else opt
+        losses[name] = _train(m, o, 3)
+        assert losses[name][-1] < losses[name][0]
+    src2 = _mlp()
+    opt2 = opt_class(src2.parameters(), lr=0.05)
+    same, _ = precondfx.precondition(src2, x, inplace=True)
+    assert same is src2
+    ls = _train(same, opt2, 3)
+    assert ls[-1] < ls[0]
