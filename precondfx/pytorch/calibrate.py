@@ -178,20 +178,29 @@ def preserved(model: nn.Module) -> Iterator[None]:
                     p.copy_(v)
 
 
+#: the mode that keeps every module's own train/eval flag (dropout still off): the mode a
+#: training forward of the model as it is runs in (``lr='auto'``'s first step)
+OWN = "own"
+
+
 def set_mode(model: nn.Module, mode: str) -> None:
     """Put ``model`` in the calibration mode: 'eval' everywhere, or 'train' where a model
-    already in train mode keeps each module's own flag (a frozen BatchNorm stays in eval)."""
+    already in train mode keeps each module's own flag (a frozen BatchNorm stays in eval);
+    :data:`OWN`: every module's flag as it is."""
+    if mode == OWN:
+        return
     if mode == "eval" or not model.training:
         model.train(mode == "train")
 
 
 @contextlib.contextmanager
 def quiet_run(model: nn.Module, mode: str = "train") -> Iterator[None]:
-    """Run in ``mode`` ('train' or 'eval') with dropout off; restore modes and buffers after.
+    """Run in ``mode`` ('train', 'eval' or :data:`OWN`) with dropout off; restore modes and
+    buffers after.
 
     In 'train' mode a model that is already in train mode keeps each module's own flag: a
     module the user put in eval (a frozen BatchNorm) is calibrated as it will train."""
-    if mode not in ("train", "eval"):
+    if mode not in ("train", "eval", OWN):
         raise PrecondError(f"calibration mode must be 'train' or 'eval', got {mode!r}")
     with preserved(model):
         set_mode(model, mode)

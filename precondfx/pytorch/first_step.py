@@ -24,9 +24,10 @@ its curvature: the suggested SGD rate ``1 / lambda``
   others acts on theirs (two optimizers, in either order, or stepped k:1 as a GAN's); where
   no optimizer's parameter group holds them by that optimizer's second step (trainable
   layers nobody steps) their storage is kept, the report says so (``unheld``) and the kept
-  batch is released.  The measurement runs in the calibration mode (dropout off), or in
-  eval mode where the model is in eval mode at that step (``model.eval()`` before the loop:
-  fine-tuning with frozen BatchNorm statistics trains that function), with autocast off (a
+  batch is released.  The measurement runs in the calibration mode (dropout off), or, where
+  the model is in eval mode at that step, in each module's own mode (``model.eval()`` before
+  the loop: fine-tuning with frozen BatchNorm statistics trains that function; a part put
+  back in ``train()`` under it trains with its batch statistics), with autocast off (a
   step inside a bfloat16 ``torch.autocast`` region measures the float32 function the
   storage holds), on the kept batch in the model's dtype, or in its first layer's where
   parts were cast apart (a bfloat16 body under a float32 head).  A rate raised by hand
@@ -47,6 +48,10 @@ its curvature: the suggested SGD rate ``1 / lambda``
   template copied per run) share the pending step: they get the same factor at the same time,
   so that copies and the model keep one storage, and their gradients already computed are
   rescaled with them; a pickled copy (``torch.save(model)``) holds none, and pickling says so.
+
+An optimizer created before precondition over the model passed to it (the result being a
+copy) steps parameters that get no gradient while the result's do: its step raises a
+:class:`PrecondError` saying so, where the result would never have changed.
 
 A training loop that does not step a ``torch.optim`` optimizer calls :func:`settle_rate`
 (``precondfx.settle_rate``) with its rate instead.  The kept batch is released at that first
@@ -70,6 +75,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from precondfx.errors import PrecondError
 from precondfx.pytorch import lr_target, lr_transfer
+from precondfx.pytorch.calibrate import OWN
 
 log = logging.getLogger("precondfx")
 
@@ -104,6 +110,8 @@ class Pending:
         self.earlier: list[str] = []    # what the first steps of optimizers over parts did
         #: optimizers whose first step acted on some of the layers, the others left pending
         self.fired: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        #: the parameters of the model passed to precondition, where the result is a copy
+        self.source: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
     # -- copies share it; a pickled or saved copy holds nothing pending --------------------
     def __deepcopy__(self, memo: dict) -> "Pending":
@@ -135,6 +143,26 @@ class Pending:
             if m is not None and any(id(_param(m, w)) in ids for w in self.lr_buffers):
                 return m
         return None
+
+    def check_source(self, opt: torch.optim.Optimizer) -> None:
+        """Refuse the step of ``opt`` where it steps the parameters of the model passed to
+        precondition (created before it, the result a copy) while the result trains: those
+        got no gradient, and the result would never change (the same loss at every step)."""
+        src = [p for g in opt.param_groups for p in g["params"]
+               if self.source.get(id(p)) is p]
+        if not src or any(p.grad is not None for p in src):
+            return      # not that model's, or it trains too (side by side with the result)
+        for r in self.models:
+            m = r()
+            if m is not None and any(p.grad is not None for p in m.parameters()):
+                raise PrecondError(
+                    f"{type(opt).__name__} steps the parameters of the model you passed to "
+                    f"precondition ({len(src)} of them, none with a gradient), and the "
+                    f"gradients are in the returned model's: precondition returns a rewritten "
+                    f"copy, so this optimizer would never change it. Create the optimizer "
+                    f"after precondition, from the returned model "
+                    f"(torch.optim.SGD(model.parameters(), ...)), or pass inplace=True to "
+                    f"rewrite your model object in place")
 
     def consume(self) -> None:
         """Nothing is pending any more: the hook stops looking, the kept batch is released."""
@@ -261,8 +289,9 @@ class Pending:
         sample = _on_device(self.sample, model, self.graph)
         # a model the user put in eval() before the loop (fine-tuning with frozen BatchNorm
         # statistics) trains its eval-mode function: measured in that mode, not with the
-        # batch statistics of the calibration mode
-        mode = self.mode if model.training else "eval"
+        # batch statistics of the calibration mode; parts put back in train() under it (a
+        # head's BatchNorm) keep their flag: each module in the mode the loop trains it in
+        mode = self.mode if model.training else OWN
         bufs = {w: self.lr_buffers[w] for w in weights}
         now = self.report.measured.final(self.report.planned)
         edited = copy.deepcopy(now)
@@ -508,6 +537,8 @@ def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             hit = True
             pend.fire(opt, m, ids)
     if not hit:
+        for pend in list(_PENDING):     # an optimizer created before precondition: said
+            pend.check_source(opt)
         _NOT_MINE[opt] = count
     if not _PENDING:
         _release()
@@ -584,9 +615,11 @@ def _release() -> None:
 
 
 def arm(model: nn.Module, graph: Any, plan: Any, report: Any, lr_buffers: dict[str, list[str]],
-        sample: Any, mode: str, key: Any, seed: int) -> Pending | None:
+        sample: Any, mode: str, key: Any, seed: int, source: nn.Module | None = None
+        ) -> Pending | None:
     """Keep what the first step needs on ``model`` (and register the global hook); None when
-    no trainable layer carries an lr multiplier."""
+    no trainable layer carries an lr multiplier.  ``source``: the model passed to
+    precondition, whose parameters an optimizer created before it holds."""
     global _HANDLE
     ok, _ = lr_transfer.carried(lr_buffers, plan, graph)
     bufs = {w: lr_buffers[w] for w in ok}
@@ -594,6 +627,9 @@ def arm(model: nn.Module, graph: Any, plan: Any, report: Any, lr_buffers: dict[s
         return None
     pend = Pending(model, graph, report, bufs, sample.copy(), mode, key, seed)
     model.__dict__[ATTR] = pend       # not a submodule, parameter or buffer: no state_dict key
+    if source is not None and source is not model:
+        mine = {id(p) for p in model.parameters()}
+        pend.source.update({id(p): p for p in source.parameters() if id(p) not in mine})
     _PENDING.add(pend)
     _NOT_MINE.clear()
     if _HANDLE is None:

@@ -99,7 +99,10 @@ def suggest_lr(model: nn.Module, sample: Sample, *, mode: str = "train", key: An
     # torch's first jvp imports its decompositions through torch.jit.script, which warns
     # (DeprecationWarning, 18 times): not the user's to see, and under warnings-as-errors
     # (pytest's filterwarnings = error) it failed the measurement
-    with cal.quiet_run(model, mode), sdpa_kernel([SDPBackend.MATH]), \
+    # functional dropout (``F.dropout(h, p, self.training)``, a transformers attention's) off
+    # too, as in calibration: with it on, every product drew its own masks and the rate
+    # moved with the user's random state (0.49 or 0.65 for 0.47 on a two-dropout MLP)
+    with cal.quiet_run(model, mode), cal.NoDropout(), sdpa_kernel([SDPBackend.MATH]), \
             cal.checkpoint_as_call(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_JIT_SCRIPT, category=DeprecationWarning)
         with torch.enable_grad():   # a forward that turns gradients off: said, not a zero rate
