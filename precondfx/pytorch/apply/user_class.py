@@ -652,7 +652,14 @@ def mirror(res: fx.GraphModule, kinds: dict[str, str], placed: dict[str, str] | 
         # the graph's by the factor (a value returned between them would show it)
         # (a module called more than once, only where no module called once is found)
         first_in = (placed or {}).get(name) == "in"
+        # an alpha on a layer's input belongs to that layer, also one forward calls more than
+        # once (a block applied in a loop): taken upstream (through a relu, the previous
+        # layer's output), only the first call's would be mirrored, the others' left out
+        inp = (input_site(n, False) or input_site(n, True)) if first_in else None
         for shared in (False, True):
+            if inp is not None:
+                out = up = None
+                break
             inp = input_site(n, shared) if first_in else None
             out = output_site(x, n, through=False, shared=shared) if inp is None else None
             inp = input_site(n, shared) if out is None and not first_in else inp
