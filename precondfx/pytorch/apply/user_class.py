@@ -102,18 +102,18 @@ def _source_tree(fn: Any) -> ast.AST | None:
 
 #: the most plain leaves a container the traced forward read may hold to be checked (copied at
 #: the trace, compared by value at every call; a bigger one is not checked)
-_CONTAINER_LEAVES = 256
+CONTAINER_LEAVES = 256
 
 
 def _by_value(v: Any, budget: list[int] | None = None) -> bool:
     """Whether ``v`` is a plain value ``==`` compares by value: numbers, flags, strings, enums,
     and lists, tuples, sets and dicts of them, and dataclass instances (a config; compared
-    field by field) of them, nested, with at most ``_CONTAINER_LEAVES`` leaves."""
-    budget = [_CONTAINER_LEAVES] if budget is None else budget
+    field by field) of them, nested, with at most ``CONTAINER_LEAVES`` leaves."""
+    budget = [CONTAINER_LEAVES] if budget is None else budget
     budget[0] -= 1
     if budget[0] < 0:
         return False
-    if isinstance(v, _PLAIN) or isinstance(v, enum.Enum):
+    if isinstance(v, _PLAIN) or isinstance(v, enum.Enum) or _numpy_scalar(v):
         return True
     if isinstance(v, (list, tuple, set, frozenset)):
         return all(_by_value(e, budget) for e in v)
@@ -123,6 +123,20 @@ def _by_value(v: Any, budget: list[int] | None = None) -> bool:
             getattr(v, "__dataclass_params__", None) is not None and v.__dataclass_params__.eq:
         return all(_by_value(getattr(v, f.name, None), budget) for f in dataclasses.fields(v))
     return False
+
+
+def _numpy_scalar(v: Any) -> bool:
+    """A numpy number, flag or string (``np.float32(2.0)``, ``np.bool_(True)``, a value read
+    from a numpy config): compared by value like a Python one."""
+    if type(v).__module__ != "numpy":
+        return False
+    import numpy as np
+    return isinstance(v, (np.number, np.bool_, np.str_, np.bytes_))
+
+
+def _too_big(v: Any) -> bool:
+    """A container of plain values that :func:`_by_value` leaves unchecked for its size."""
+    return not _by_value(v) and _by_value(v, [1 << 20])
 
 
 def _check_reads(root: nn.Module, reads: tuple) -> None:
@@ -159,12 +173,13 @@ def _static(obj: Any, name: str) -> Any:
     return inspect.getattr_static(obj, name, _MISSING) if v is _MISSING else v
 
 
-def traced_reads(res: fx.GraphModule) -> tuple:
+def traced_reads(res: fx.GraphModule, unchecked: list[str] | None = None) -> tuple:
     """The plain values (numbers, flags, strings, enums; lists, tuples, sets and dicts of them
     and dataclass configs, copied: :func:`_by_value`) that the forwards the trace went through
     (the root's and those of the user's modules not called as graph modules) read from
     ``self`` (and from the methods and property getters of ``self`` they call), as the trace
-    saw them (recorded right after it): ((module, path, name, value), ...)."""
+    saw them (recorded right after it): ((module, path, name, value), ...).  A container of
+    them too big to compare at every call is appended to ``unchecked`` (for the report)."""
     called = {str(n.target) for n in res.graph.nodes if n.op == "call_module"}
     out: list[tuple[nn.Module | None, str, str, Any]] = []
     for path, m in res.named_modules():
@@ -212,6 +227,8 @@ def traced_reads(res: fx.GraphModule) -> tuple:
                 # a container copied: one changed in place afterwards compares unequal
                 out.append((m if path else None, path, name,
                             v if isinstance(v, _PLAIN) else copy.deepcopy(v)))
+            elif v is not _MISSING and unchecked is not None and _too_big(v):
+                unchecked.append(f"{path}.{name}" if path else name)
     return tuple(out)
 
 

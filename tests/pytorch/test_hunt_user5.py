@@ -1,0 +1,107 @@
+"""The result is the user's model, used the way user scripts use it (hunt ``user5``)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import precondfx
+from precondfx.errors import PrecondError
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+class _Looped(nn.Module):
+    """One block applied three times (weight sharing across depth, a recurrent refinement)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.block = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 4)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.inp(x))
+        for _ in range(3):
+            h = F.relu(self.block(h))
+        return h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x)).argmax(-1)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def test_a_block_applied_in_a_loop_carries_its_alpha_in_the_users_methods() -> None:
+    """The block's alpha (on its input) at its first call was mirrored upstream on ``inp``'s
+    output (through the relu), so its second and third calls' alphas were listed forward-only
+    and ``features``/``logits`` ran without them: 1.55 relative from ``forward`` (balance
+    'hessian', alphas 0.63).  Now mirrored on the block at every call: 2e-7."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 16)
+    pm, rep = precondfx.precondition(_Looped(), x, balance="hessian")
+    assert rep.capture == "fx"
+    assert abs(float(pm.get_buffer("precondfx_alpha_block")) - 1) > 0.05
+    assert rep.result["forward_only"] == []
+    assert _rel(pm.logits(x), pm(x)) < 1e-5
+    assert torch.equal(pm.predict(x), pm(x).argmax(-1))
+
+
+class _NumpyConfig(nn.Module):
+    """Config values that came from numpy (a YAML/np.load'ed config) and a long index list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import numpy as np
+        self.fc = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 2)
+        self.scale = np.float32(2.0)
+        self.use_half = np.bool_(True)
+        self.keep = list(range(300))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.fc(x))
+        if self.use_half:
+            h = h * 0.5
+        return self.out(h) * float(self.scale) + self.keep[0]
+
+
+def test_numpy_scalars_the_traced_forward_read_cannot_change_silently() -> None:
+    """``model.scale = np.float32(4.0)`` (or a numpy flag set False) on the fx result: it kept
+    computing with the traced 2.0 (relative output change 0 where the user's forward doubles),
+    silently; numpy scalars are now compared like Python numbers and refused."""
+    import numpy as np
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    pm, rep = precondfx.precondition(_NumpyConfig(), x)
+    assert rep.capture == "fx"
+    y = pm(x)
+    pm.scale = np.float32(4.0)
+    with pytest.raises(PrecondError, match=r"scale is np.float32\(4.0\)"):
+        pm(x)
+    pm.scale = np.float32(2.0)
+    pm.use_half = np.bool_(False)
+    with pytest.raises(PrecondError, match="use_half is"):
+        pm(x)
+    pm.use_half = np.bool_(True)
+    assert torch.equal(pm(x), y)
+
+
+def test_a_container_too_big_to_check_is_said_in_the_report() -> None:
+    """A 300-item list read by the traced forward is past the per-call check's 256 values: it
+    was left unchecked with nothing said (changed, the result computes with the traced
+    value); now a NOT APPLIED line names it."""
+    torch.manual_seed(0)
+    pm, rep = precondfx.precondition(_NumpyConfig(), torch.randn(16, 8))
+    lines = [why for what, why in rep.skipped if what == "attribute keep"]
+    assert len(lines) == 1 and "more than 256 values" in lines[0]
+    assert not any(what == "attribute scale" for what, _ in rep.skipped)
