@@ -603,6 +603,8 @@ def finish(st: TorchState) -> None:
         hf_checkpoints.prepare(st.result, st.report)
     # a checkpoint of the model before precondition, loaded into the result, is refused
     user_class.guard_checkpoints(st.result)
+    # an optimizer built on the model given (a copy was rewritten) is refused at its first step
+    user_class.guard_optimizers(st.model, st.result)
     if st.dtype is not None:
         st.result = st.result.to(st.dtype)
     if isinstance(st.result, torch.fx.GraphModule):

@@ -105,3 +105,34 @@ def test_a_container_too_big_to_check_is_said_in_the_report() -> None:
     lines = [why for what, why in rep.skipped if what == "attribute keep"]
     assert len(lines) == 1 and "more than 256 values" in lines[0]
     assert not any(what == "attribute scale" for what, _ in rep.skipped)
+
+
+@pytest.mark.parametrize("capture,opt_cls", [("fx", torch.optim.SGD),
+                                             ("eager", torch.optim.AdamW)])
+def test_an_optimizer_built_on_the_model_before_precondition_is_refused(
+        capture: str, opt_cls: type) -> None:
+    """``opt = SGD(model.parameters())`` then ``model2, _ = precondition(model, x)`` and the
+    loop on ``model2``: the result's parameters got the gradients, the optimizer stepped the
+    untouched original, and the result never moved (0 of 4 parameters changed after 3 steps,
+    SGD and AdamW, fx and eager), with no error or warning.  Now the first step raises a
+    PrecondError saying to build the optimizer from the result; that one, and an optimizer
+    training the original model itself, step as before."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    stale = opt_cls(model.parameters(), lr=0.01)
+    pm, rep = precondfx.precondition(model, x, capture=capture, lr=None)   # no rate step
+    assert rep.capture == capture
+    stale.zero_grad()
+    F.cross_entropy(pm(x), y).backward()
+    with pytest.raises(PrecondError, match="holds the parameters of the model you passed"):
+        stale.step()
+    before = [p.detach().clone() for p in pm.parameters()]
+    opt = opt_cls(pm.parameters(), lr=0.01)
+    opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, pm.parameters()))
+    own = opt_cls(model.parameters(), lr=0.01)      # training the original itself is fine
+    F.cross_entropy(model(x), y).backward()
+    w0 = model[0].weight.detach().clone()
+    own.step()
+    assert not torch.equal(model[0].weight, w0)

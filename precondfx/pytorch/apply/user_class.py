@@ -36,6 +36,7 @@ import inspect
 import operator
 import textwrap
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -764,3 +765,66 @@ def guard_checkpoints(model: nn.Module) -> None:
     if any(getattr(h, "hook", h) is _refuse_plain_checkpoint for h in hooks.values()):
         return
     model.register_load_state_dict_pre_hook(_refuse_plain_checkpoint)
+
+
+# -- optimizers built on the model before precondition -------------------------------------------
+#: id of a parameter of a model given to ``precondition`` (which rewrote a copy) -> (a weak
+#: reference to it, weak references to the parameters at its name in the results made from it)
+_SOURCES: dict[int, tuple[Any, list[Any]]] = {}
+#: the optimizers already looked at (their first step)
+_CHECKED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_STEP_HOOK: Any = None
+
+
+def _forget(ref: Any, key: int) -> None:
+    entry = _SOURCES.get(key)
+    if entry is not None and entry[0] is ref:
+        del _SOURCES[key]
+
+
+def _stale_optimizer(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global step pre-hook: at an optimizer's first step, refuse one that holds the parameters
+    of the model given to ``precondition`` (a copy was rewritten: those have no gradient) while
+    the result's parameters at the same names have one: every step would update the model you
+    do not train, and the result would never move, silently."""
+    if not _SOURCES or opt in _CHECKED:
+        return
+    held = [p for g in opt.param_groups for p in g["params"]]
+    src: list[torch.Tensor] = []
+    for p in held:
+        entry = _SOURCES.get(id(p))
+        if entry is not None and entry[0]() is p:
+            src.append(p)
+    if not src or len(src) < len(held) or any(p.grad is not None for p in src):
+        _CHECKED.add(opt)       # decided: not (only) the given model's, or trained
+        return
+    if not any(r() is not None and r().grad is not None
+               for p in src for r in _SOURCES[id(p)][1]):
+        return                  # no gradient anywhere yet: looked at again at the next step
+    from precondfx.errors import PrecondError
+    raise PrecondError(
+        f"this {type(opt).__name__} holds the parameters of the model you passed to "
+        f"precondfx.precondition, not those of the result it returned: precondition rewrites a "
+        f"copy (your model is unchanged), so the gradients are on the result's parameters and "
+        f"this step would update none of them. Build the optimizer from the result "
+        f"(model, report = precondfx.precondition(model, sample); "
+        f"opt = {type(opt).__name__}(model.parameters(), ...)), or pass inplace=True")
+
+
+def guard_optimizers(source: nn.Module, result: nn.Module) -> None:
+    """Remember ``source``'s parameters (the model given to ``precondition``) against the
+    result's at the same names, for :func:`_stale_optimizer` (registered once, globally)."""
+    mine = dict(result.named_parameters(remove_duplicate=False))
+    for name, p in source.named_parameters(remove_duplicate=False):
+        q = mine.get(name)
+        if q is None or q is p:
+            continue
+        entry = _SOURCES.get(id(p))
+        if entry is None or entry[0]() is not p:
+            ref = weakref.ref(p, functools.partial(_forget, key=id(p)))
+            entry = _SOURCES[id(p)] = (ref, [])
+        entry[1][:] = [r for r in entry[1] if r() is not None] + [weakref.ref(q)]
+    global _STEP_HOOK
+    if _STEP_HOOK is None and _SOURCES:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _STEP_HOOK = register_optimizer_step_pre_hook(_stale_optimizer)
