@@ -630,6 +630,7 @@ def result_record(st: TorchState) -> None:
                                       getattr(st.backend, "sides", None))
         unchecked: list[str] = []
         res.__dict__[user_class.READS] = user_class.traced_reads(res, unchecked)
+        res.__dict__[user_class.THROUGH] = user_class.traced_through(res)
         for name in unchecked:      # never silently: what the result does not check is said
             rep.skipped.append((
                 f"attribute {name}", f"the traced forward read it, but it holds more than "

@@ -136,3 +136,30 @@ def test_an_optimizer_built_on_the_model_before_precondition_is_refused(
     w0 = model[0].weight.detach().clone()
     own.step()
     assert not torch.equal(model[0].weight, w0)
+
+
+def test_a_hook_on_a_block_the_graph_runs_through_is_said_not_to_run() -> None:
+    """Feature extraction the usual way, ``model.layer1.register_forward_hook(save)``, on the
+    fx result: the graph calls the layers inside ``layer1``, never ``layer1`` itself, so the
+    hook never ran (0 of 2 container hooks fired; the eager result fires both), silently: the
+    features dict stayed empty.  Now a RuntimeWarning names the module and what to do; a hook
+    on a layer the graph calls runs as before, without a warning."""
+    import warnings
+    from tests.user_models import TimmResNet
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 16)
+    pm, rep = precondfx.precondition(TimmResNet(), x, lr=None)
+    assert rep.capture == "fx"
+    got: dict[str, torch.Tensor] = {}
+    h = pm.layer1[0].conv1.register_forward_hook(lambda m, a, o: got.__setitem__("conv", o))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        pm(x)
+    assert "conv" in got
+    h.remove()
+    pm.layer1.register_forward_hook(lambda m, a, o: got.__setitem__("layer1", o))
+    with pytest.warns(RuntimeWarning, match="does not call layer1 as a module"):
+        pm(x)
+    with pytest.warns(RuntimeWarning, match="does not call layer1 as a module"):
+        copy.deepcopy(pm)(x)
+    assert "layer1" not in got

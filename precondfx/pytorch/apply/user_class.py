@@ -54,6 +54,9 @@ METHODS = "_precondfx_methods"
 #: traced forwards read from the model's attributes, baked into the graph:
 #: ((module, path, name, value or a copy of the container), ...)
 READS = "_precondfx_traced_reads"
+#: the attribute recording the modules the graph runs through without calling them (a
+#: ``layer1`` container, a block): ((path, module), ...); a hook on one of them does not run
+THROUGH = "_precondfx_traced_through"
 #: the attribute recording the mirror hooks: ((module path, 'out' or 'in', constant), ...)
 MIRRORS = "_precondfx_mirrors"
 #: ops through which a positive scale on a module's output is a scale on the value (the eager
@@ -75,6 +78,9 @@ def _gated(fn: Any) -> Any:
         reads = self.__dict__.get(READS)
         if reads:
             _check_reads(self, reads)
+        through = self.__dict__.get(THROUGH)
+        if through:
+            _check_hooks(through)
         if not getattr(self, METHODS):     # training: no hook installed, nothing to do
             return fn(self, *args, **kwargs)
         setattr(self, DEPTH, getattr(self, DEPTH) + 1)
@@ -162,6 +168,53 @@ def _check_reads(root: nn.Module, reads: tuple) -> None:
 
 
 _MISSING = object()
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _users_hooks(m: nn.Module) -> bool:
+    """Whether ``m`` holds a forward or backward hook that is not precondfx's own."""
+    for attr in _HOOK_DICTS:
+        hooks = m.__dict__.get(attr)
+        if hooks and any(not str(getattr(getattr(h, "hook", h), "__module__", "") or "")
+                         .startswith("precondfx") for h in hooks.values()):
+            return True
+    return False
+
+
+def _check_hooks(through: tuple) -> None:
+    """Say (a ``RuntimeWarning``) that a hook registered on a module the graph runs through
+    without calling it does not run: the graph calls the layers inside it."""
+    hooked = [path for path, m in through if (m._forward_hooks or m._forward_pre_hooks or
+                                              m._backward_hooks or m._backward_pre_hooks)
+              and _users_hooks(m)]
+    if hooked:
+        import warnings
+        warnings.warn(
+            f"precondfx: the result's forward (the fx graph) does not call "
+            f"{', '.join(hooked[:4])}{', ...' if len(hooked) > 4 else ''} as a module (it runs "
+            f"the layers inside), so the hooks registered on it do not run in forward. Register "
+            f"them on a layer the graph calls, run them through one of your class's methods "
+            f"(your code, which calls the module), or precondition with capture='export' or "
+            f"'eager' (your forward, every module called)", RuntimeWarning, stacklevel=3)
+
+
+def traced_through(res: fx.GraphModule) -> tuple:
+    """The modules of ``res`` (path, module) that its graph runs through without calling them
+    as modules: the containers above the modules and attributes the graph reads."""
+    targets = {str(n.target) for n in res.graph.nodes if n.op in ("call_module", "get_attr")}
+    out: dict[str, nn.Module] = {}
+    for t in targets:
+        parts = t.split(".")
+        for i in range(1, len(parts)):
+            path = ".".join(parts[:i])
+            if path in targets or path in out:
+                continue
+            try:
+                out[path] = res.get_submodule(path)
+            except AttributeError:
+                continue
+    return tuple(sorted(out.items()))
 
 
 def _static(obj: Any, name: str) -> Any:
