@@ -368,6 +368,42 @@ def _in_method(fn: Any) -> Any:
     return method
 
 
+def _in_generator(fn: Any) -> Any:
+    """A generator method of the user's class (``iter_features`` yielding each block's output,
+    a streaming ``generate``), its body run with the mirror hooks installed at each resumption
+    (:func:`_in_method` returns as soon as the generator is made, before its body runs), and
+    none while the caller holds a yielded value."""
+    def resume(self: nn.Module, call: Any, *args: Any) -> Any:
+        n = getattr(self, METHODS)
+        handles = _install(self) if n == 0 else []
+        setattr(self, METHODS, n + 1)
+        try:
+            return call(*args)
+        finally:
+            setattr(self, METHODS, n)
+            for h in handles:
+                h.remove()
+
+    @functools.wraps(fn)
+    def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        gen = fn(self, *args, **kwargs)
+        try:
+            value = resume(self, gen.send, None)
+            while True:
+                try:
+                    sent = yield value
+                except GeneratorExit:
+                    resume(self, gen.close)
+                    raise
+                except BaseException as e:     # thrown in: passed on to the user's generator
+                    value = resume(self, gen.throw, e)
+                else:
+                    value = resume(self, gen.send, sent)
+        except StopIteration as stop:
+            return stop.value
+    return method
+
+
 def _user_methods(user_cls: type) -> dict[str, Any]:
     """The plain functions the user's class and its bases (up to ``nn.Module``) define, other
     than ``forward`` and special methods, each wrapped by :func:`_in_method`."""
@@ -379,7 +415,7 @@ def _user_methods(user_cls: type) -> dict[str, Any]:
             if name in out or name == "forward" or name.startswith("__") or \
                     not inspect.isfunction(v) or hasattr(fx.GraphModule, name):
                 continue
-            out[name] = _in_method(v)
+            out[name] = _in_generator(v) if inspect.isgeneratorfunction(v) else _in_method(v)
     return out
 
 
