@@ -187,9 +187,8 @@ def test_a_generator_method_computes_with_the_constants() -> None:
     """``for f in model.iter_features(x)``: the method wrapper installed the mirror hooks and
     removed them as soon as the generator object was made, before its body ran, so every
     yielded feature was computed without the blocks' alphas (0.72 and 0.48 relative from the
-    folded model's, first and last), silently.  Now each resumption runs with the hooks (1.6e-7);
-    none is left
-    installed after a ``break``."""
+    folded model's, first and last), silently.  Now each resumption runs with the hooks
+    (1.6e-7); none is left installed after a ``break``."""
     torch.manual_seed(0)
     x = torch.randn(64, 16)
     pm, rep = precondfx.precondition(_Stages(), x, balance="hessian", lr=None)
