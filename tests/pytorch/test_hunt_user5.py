@@ -203,3 +203,49 @@ def test_a_generator_method_computes_with_the_constants() -> None:
         break
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in pm.modules())
     assert _rel(f, want[0]) < 1e-5
+
+
+class _WithLock(nn.Module):
+    """A model holding what cannot pickle (a lock; a tokenizer or file handle alike), dropped
+    by its own ``__getstate__`` and made again by its ``__setstate__``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 4)
+        self._lock = threading.Lock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.fc1(x)))
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        import threading
+        super().__setstate__(state)
+        self._lock = threading.Lock()
+
+
+def test_the_fx_result_pickles_and_copies_through_the_classes_getstate() -> None:
+    """``torch.save(model)`` and ``copy.deepcopy(model)`` of the fx result raised "cannot
+    pickle '_thread.lock' object" where the user's model (and the eager result) pickle: the
+    result pickled its ``__dict__`` past the class's ``__getstate__``.  Now the class's
+    ``__getstate__``/``__setstate__`` are used: the copies compute the same and hold a lock."""
+    import io
+    torch.manual_seed(0)
+    x = torch.randn(32, 16)
+    pm, rep = precondfx.precondition(_WithLock(), x, lr=None)
+    assert rep.capture == "fx"
+    buf = io.BytesIO()
+    torch.save(pm, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    cp = copy.deepcopy(pm)
+    for other in (back, cp):
+        assert isinstance(other, _WithLock) and hasattr(other, "_lock")
+        assert other._lock is not pm._lock
+        assert torch.equal(other(x), pm(x))

@@ -293,13 +293,43 @@ def _recompile(self: fx.GraphModule) -> Any:
     return code
 
 
+def _users(cls: type, name: str) -> Any:
+    """``name`` (``__getstate__``, ``__setstate__``) as the user's class defines it (or a base
+    of it below ``nn.Module``), else None."""
+    user_cls = getattr(cls, "_precondfx_user_class", None)
+    for klass in (user_cls.__mro__ if user_cls is not None else ()):
+        if klass is nn.Module or klass is fx.GraphModule or issubclass(nn.Module, klass):
+            break
+        if name in vars(klass):
+            return vars(klass)[name]
+    return None
+
+
+def _state(self: fx.GraphModule) -> dict:
+    """What the result pickles and deep-copies: its ``__dict__`` without the Graph, through the
+    user's ``__getstate__`` where the class defines one (dropping a lock, a file handle...)."""
+    get = _users(type(self), "__getstate__")
+    state = get(self) if get is not None else self.__dict__
+    if not isinstance(state, dict):     # not a plain dict state: the result's own
+        state = self.__dict__
+    return {k: v for k, v in state.items() if k != "_graph"}
+
+
+def _restored(self: fx.GraphModule) -> None:
+    """The user's ``__setstate__`` (where the class defines one) run on the restored result:
+    it puts back what its ``__getstate__`` dropped."""
+    put = _users(type(self), "__setstate__")
+    if put is not None:
+        put(self, dict(self.__dict__))
+
+
 def _deepcopy(self: fx.GraphModule, memo: dict) -> fx.GraphModule:
     res = type(self).__new__(type(self))
     memo[id(self)] = res
-    state = {k: v for k, v in self.__dict__.items() if k != "_graph"}
-    res.__dict__.update(copy.deepcopy(state, memo))
+    res.__dict__.update(copy.deepcopy(_state(self), memo))
     res.__dict__[DEPTH] = res.__dict__[METHODS] = 0
     res.graph = copy.deepcopy(self._graph)
+    _restored(res)
     return res
 
 
@@ -318,7 +348,7 @@ def _reduce(self: fx.GraphModule) -> tuple:
     from torch.fx.graph_module import _format_import_block
     from torch.package import sys_importer
     code = self.recompile()
-    state = {k: v for k, v in self.__dict__.items() if k != "_graph"}
+    state = _state(self)
     return (_empty, (self._precondfx_user_class,),
             {"precondfx_state": state,
              "import_block": _format_import_block(code.globals, sys_importer)})
@@ -336,6 +366,7 @@ def _setstate(self: fx.GraphModule, state: dict) -> None:
     self.__dict__.update(body)
     self.__dict__[DEPTH] = self.__dict__[METHODS] = 0
     self.graph = plain.graph
+    _restored(self)
 
 
 def _scriptable(self: fx.GraphModule) -> fx.GraphModule:
