@@ -249,3 +249,36 @@ def test_the_fx_result_pickles_and_copies_through_the_classes_getstate() -> None
         assert isinstance(other, _WithLock) and hasattr(other, "_lock")
         assert other._lock is not pm._lock
         assert torch.equal(other(x), pm(x))
+
+
+class _GetattrFlag(nn.Module):
+    """``getattr(self, "use_gate", False)``: how code reads a flag an older config may lack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 4)
+        self.use_gate = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.fc1(x))
+        if getattr(self, "use_gate", False):
+            h = h * 0.5
+        return self.fc2(h)
+
+
+def test_a_flag_read_through_getattr_cannot_change_silently() -> None:
+    """``model.use_gate = False`` where forward reads ``getattr(self, "use_gate", False)``: the
+    fx result kept the traced branch (relative output change 0 where the user's forward
+    doubles the output), silently: only ``self.name`` reads were recorded.  Now refused like
+    them."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 16)
+    pm, rep = precondfx.precondition(_GetattrFlag(), x, lr=None)
+    assert rep.capture == "fx"
+    y = pm(x)
+    pm.use_gate = False
+    with pytest.raises(PrecondError, match="use_gate is False"):
+        pm(x)
+    pm.use_gate = True
+    assert torch.equal(pm(x), y)

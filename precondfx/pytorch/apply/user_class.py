@@ -263,6 +263,16 @@ def traced_reads(res: fx.GraphModule, unchecked: list[str] | None = None) -> tup
                     if isinstance(getattr(cls, n.attr, None), (types.FunctionType, property)) \
                             and n.attr not in seen:
                         todo.append(n.attr)
+                # getattr(self, "use_gate", False), getattr(self.config, "scale", 1.0)
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and \
+                        n.func.id == "getattr" and len(n.args) >= 2 and \
+                        isinstance(n.args[1], ast.Constant) and isinstance(n.args[1].value, str):
+                    obj = n.args[0]
+                    if isinstance(obj, ast.Name) and obj.id == "self":
+                        names.add(n.args[1].value)
+                    elif isinstance(obj, ast.Attribute) and isinstance(obj.value, ast.Name) \
+                            and obj.value.id == "self":
+                        names.add(f"{obj.attr}.{n.args[1].value}")
         # a field (self.config.return_dict) before the object holding it: its message is
         # the more precise
         for name in sorted(names - {"training"}, key=lambda n: (-n.count("."), n)):
