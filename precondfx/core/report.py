@@ -438,7 +438,7 @@ class Report:
         # script, not from a method of the class, runs without them (docs/concepts.md)
         direct = ("; a submodule you call from your script (model.encoder(x), model[0](x)) "
                   "runs without the constants the graph applies around it: call it from a "
-                  "method of your class" if r["graph_module"] else "")
+                  "method of your class" if r.get("graph_module") else "")
         if not only:
             return what + "; every method computes with the constants" + direct
         return (what + f"; only its forward applies {len(only)} change(s) (at functional "
