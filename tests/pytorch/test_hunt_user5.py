@@ -314,3 +314,33 @@ def test_the_result_line_says_a_submodule_called_from_a_script_runs_without_cons
     pe, rep_e = precondfx.precondition(_AE(), x, balance="hessian", lr=None, capture="eager")
     assert _rel(pe.encoder(x), precondfx.fold(pe).encoder(x)) < 1e-5
     assert "model.encoder(x)" not in rep_e.result_line()
+
+
+class _WithMeta(nn.Module):
+    """A label map kept in ``self.meta`` (a common name for a model's metadata)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.meta = {"classes": ["cat", "dog"]}
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.fc1(x)))
+
+    def labels(self, x: torch.Tensor) -> list[str]:
+        return [self.meta["classes"][i] for i in self(x).argmax(-1).tolist()]
+
+
+def test_an_attribute_named_like_a_graphmodule_attribute_is_kept() -> None:
+    """``self.meta = {"classes": [...]}``: the fx result (a GraphModule of the user's class)
+    read GraphModule's own, empty ``meta``, so ``model.labels(x)`` raised KeyError 'classes'
+    and ``model.meta`` was silently another dict.  fx now declines such a model (like a hook
+    it would drop) and the next capture keeps the user's attribute."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    pm, rep = precondfx.precondition(_WithMeta(), x, lr=None)
+    assert rep.capture != "fx" and rep.result["is_user_class"]
+    assert pm.meta == {"classes": ["cat", "dog"]}
+    assert set(pm.labels(x)) <= {"cat", "dog"}
+    assert any("fx not used" in n and "'meta'" in n for n in rep.capture_notes)
