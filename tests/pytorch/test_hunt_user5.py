@@ -13,7 +13,7 @@ from precondfx.errors import PrecondError
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
+    return float((a - b).detach().norm() / b.detach().norm())
 
 
 class _Looped(nn.Module):
