@@ -434,12 +434,17 @@ class Report:
         what = f"result: your class {name}" + (" (also the rewritten torch.fx.GraphModule: "
                                                "report.graph_module)" if r["graph_module"] else "")
         only = r.get("forward_only") or []
+        # the graph applies constants around the modules it calls: a submodule called from a
+        # script, not from a method of the class, runs without them (docs/concepts.md)
+        direct = ("; a submodule you call from your script (model.encoder(x), model[0](x)) "
+                  "runs without the constants the graph applies around it: call it from a "
+                  "method of your class" if r.get("graph_module") else "")
         if not only:
-            return what + "; every method computes with the constants"
+            return what + "; every method computes with the constants" + direct
         return (what + f"; only its forward applies {len(only)} change(s) (at functional "
                 f"sites, or read outside a module call: your other methods, e.g. "
                 f"forward_features, run without them): "
-                f"{'; '.join(only[:6])}" + (" ..." if len(only) > 6 else ""))
+                f"{'; '.join(only[:6])}" + (" ..." if len(only) > 6 else "") + direct)
 
     def constants_line(self) -> str:
         """Every constant the plan set, in one line: alphas by origin and range, residual

@@ -604,6 +604,8 @@ def finish(st: TorchState) -> None:
         hf_checkpoints.prepare(st.result, st.report)
     # a checkpoint of the model before precondition, loaded into the result, is refused
     user_class.guard_checkpoints(st.result)
+    # an optimizer built on the model given (a copy was rewritten) is refused at its first step
+    user_class.guard_optimizers(st.model, st.result)
     if st.dtype is not None:
         st.result = st.result.to(st.dtype)
     if isinstance(st.result, torch.fx.GraphModule):
@@ -627,7 +629,16 @@ def result_record(st: TorchState) -> None:
     if user_class.is_user_graph(res):
         _, consts = user_class.mirror(res, {n.name: n.kind for n in st.graph},
                                       getattr(st.backend, "sides", None))
-        res.__dict__[user_class.READS] = user_class.traced_reads(res)
+        unchecked: list[str] = []
+        res.__dict__[user_class.READS] = user_class.traced_reads(res, unchecked)
+        res.__dict__[user_class.THROUGH] = user_class.traced_through(res)
+        for name in unchecked:      # never silently: what the result does not check is said
+            rep.skipped.append((
+                f"attribute {name}", f"the traced forward read it, but it holds more than "
+                f"{user_class.CONTAINER_LEAVES} values, too many to compare at every call: "
+                f"changed afterwards, the result computes with the traced value (no error). "
+                f"Keep it unchanged, hold it in a tensor buffer, or precondition with "
+                f"capture='export'"))
         only = [f"constant {c}" for c in consts] + list(st.backend.graph_only)
         carriers = {site[0] for site in res.__dict__.get(user_class.MIRRORS, ())}
     elif not graph:         # the eager back end: constants on the root act on forward only

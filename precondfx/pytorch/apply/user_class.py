@@ -36,6 +36,7 @@ import inspect
 import operator
 import textwrap
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -53,6 +54,9 @@ METHODS = "_precondfx_methods"
 #: traced forwards read from the model's attributes, baked into the graph:
 #: ((module, path, name, value or a copy of the container), ...)
 READS = "_precondfx_traced_reads"
+#: the attribute recording the modules the graph runs through without calling them (a
+#: ``layer1`` container, a block): ((path, module), ...); a hook on one of them does not run
+THROUGH = "_precondfx_traced_through"
 #: the attribute recording the mirror hooks: ((module path, 'out' or 'in', constant), ...)
 MIRRORS = "_precondfx_mirrors"
 #: ops through which a positive scale on a module's output is a scale on the value (the eager
@@ -74,6 +78,9 @@ def _gated(fn: Any) -> Any:
         reads = self.__dict__.get(READS)
         if reads:
             _check_reads(self, reads)
+        through = self.__dict__.get(THROUGH)
+        if through:
+            _check_hooks(through)
         if not getattr(self, METHODS):     # training: no hook installed, nothing to do
             return fn(self, *args, **kwargs)
         setattr(self, DEPTH, getattr(self, DEPTH) + 1)
@@ -102,18 +109,18 @@ def _source_tree(fn: Any) -> ast.AST | None:
 
 #: the most plain leaves a container the traced forward read may hold to be checked (copied at
 #: the trace, compared by value at every call; a bigger one is not checked)
-_CONTAINER_LEAVES = 256
+CONTAINER_LEAVES = 256
 
 
 def _by_value(v: Any, budget: list[int] | None = None) -> bool:
     """Whether ``v`` is a plain value ``==`` compares by value: numbers, flags, strings, enums,
     and lists, tuples, sets and dicts of them, and dataclass instances (a config; compared
-    field by field) of them, nested, with at most ``_CONTAINER_LEAVES`` leaves."""
-    budget = [_CONTAINER_LEAVES] if budget is None else budget
+    field by field) of them, nested, with at most ``CONTAINER_LEAVES`` leaves."""
+    budget = [CONTAINER_LEAVES] if budget is None else budget
     budget[0] -= 1
     if budget[0] < 0:
         return False
-    if isinstance(v, _PLAIN) or isinstance(v, enum.Enum):
+    if isinstance(v, _PLAIN) or isinstance(v, enum.Enum) or _numpy_scalar(v):
         return True
     if isinstance(v, (list, tuple, set, frozenset)):
         return all(_by_value(e, budget) for e in v)
@@ -123,6 +130,20 @@ def _by_value(v: Any, budget: list[int] | None = None) -> bool:
             getattr(v, "__dataclass_params__", None) is not None and v.__dataclass_params__.eq:
         return all(_by_value(getattr(v, f.name, None), budget) for f in dataclasses.fields(v))
     return False
+
+
+def _numpy_scalar(v: Any) -> bool:
+    """A numpy number, flag or string (``np.float32(2.0)``, ``np.bool_(True)``, a value read
+    from a numpy config): compared by value like a Python one."""
+    if type(v).__module__ != "numpy":
+        return False
+    import numpy as np
+    return isinstance(v, (np.number, np.bool_, np.str_, np.bytes_))
+
+
+def _too_big(v: Any) -> bool:
+    """A container of plain values that :func:`_by_value` leaves unchecked for its size."""
+    return not _by_value(v) and _by_value(v, [1 << 20])
 
 
 def _check_reads(root: nn.Module, reads: tuple) -> None:
@@ -148,6 +169,53 @@ def _check_reads(root: nn.Module, reads: tuple) -> None:
 
 _MISSING = object()
 
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _users_hooks(m: nn.Module) -> bool:
+    """Whether ``m`` holds a forward or backward hook that is not precondfx's own."""
+    for attr in _HOOK_DICTS:
+        hooks = m.__dict__.get(attr)
+        if hooks and any(not str(getattr(getattr(h, "hook", h), "__module__", "") or "")
+                         .startswith("precondfx") for h in hooks.values()):
+            return True
+    return False
+
+
+def _check_hooks(through: tuple) -> None:
+    """Say (a ``RuntimeWarning``) that a hook registered on a module the graph runs through
+    without calling it does not run: the graph calls the layers inside it."""
+    hooked = [path for path, m in through if (m._forward_hooks or m._forward_pre_hooks or
+                                              m._backward_hooks or m._backward_pre_hooks)
+              and _users_hooks(m)]
+    if hooked:
+        import warnings
+        warnings.warn(
+            f"precondfx: the result's forward (the fx graph) does not call "
+            f"{', '.join(hooked[:4])}{', ...' if len(hooked) > 4 else ''} as a module (it runs "
+            f"the layers inside), so the hooks registered on it do not run in forward. Register "
+            f"them on a layer the graph calls, run them through one of your class's methods "
+            f"(your code, which calls the module), or precondition with capture='export' or "
+            f"'eager' (your forward, every module called)", RuntimeWarning, stacklevel=3)
+
+
+def traced_through(res: fx.GraphModule) -> tuple:
+    """The modules of ``res`` (path, module) that its graph runs through without calling them
+    as modules: the containers above the modules and attributes the graph reads."""
+    targets = {str(n.target) for n in res.graph.nodes if n.op in ("call_module", "get_attr")}
+    out: dict[str, nn.Module] = {}
+    for t in targets:
+        parts = t.split(".")
+        for i in range(1, len(parts)):
+            path = ".".join(parts[:i])
+            if path in targets or path in out:
+                continue
+            try:
+                out[path] = res.get_submodule(path)
+            except AttributeError:
+                continue
+    return tuple(sorted(out.items()))
+
 
 def _static(obj: Any, name: str) -> Any:
     """``obj.name`` from the instance's ``__dict__``, else a class attribute, without
@@ -159,12 +227,13 @@ def _static(obj: Any, name: str) -> Any:
     return inspect.getattr_static(obj, name, _MISSING) if v is _MISSING else v
 
 
-def traced_reads(res: fx.GraphModule) -> tuple:
+def traced_reads(res: fx.GraphModule, unchecked: list[str] | None = None) -> tuple:
     """The plain values (numbers, flags, strings, enums; lists, tuples, sets and dicts of them
     and dataclass configs, copied: :func:`_by_value`) that the forwards the trace went through
     (the root's and those of the user's modules not called as graph modules) read from
     ``self`` (and from the methods and property getters of ``self`` they call), as the trace
-    saw them (recorded right after it): ((module, path, name, value), ...)."""
+    saw them (recorded right after it): ((module, path, name, value), ...).  A container of
+    them too big to compare at every call is appended to ``unchecked`` (for the report)."""
     called = {str(n.target) for n in res.graph.nodes if n.op == "call_module"}
     out: list[tuple[nn.Module | None, str, str, Any]] = []
     for path, m in res.named_modules():
@@ -194,6 +263,16 @@ def traced_reads(res: fx.GraphModule) -> tuple:
                     if isinstance(getattr(cls, n.attr, None), (types.FunctionType, property)) \
                             and n.attr not in seen:
                         todo.append(n.attr)
+                # getattr(self, "use_gate", False), getattr(self.config, "scale", 1.0)
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and \
+                        n.func.id == "getattr" and len(n.args) >= 2 and \
+                        isinstance(n.args[1], ast.Constant) and isinstance(n.args[1].value, str):
+                    obj = n.args[0]
+                    if isinstance(obj, ast.Name) and obj.id == "self":
+                        names.add(n.args[1].value)
+                    elif isinstance(obj, ast.Attribute) and isinstance(obj.value, ast.Name) \
+                            and obj.value.id == "self":
+                        names.add(f"{obj.attr}.{n.args[1].value}")
         # a field (self.config.return_dict) before the object holding it: its message is
         # the more precise
         for name in sorted(names - {"training"}, key=lambda n: (-n.count("."), n)):
@@ -212,6 +291,8 @@ def traced_reads(res: fx.GraphModule) -> tuple:
                 # a container copied: one changed in place afterwards compares unequal
                 out.append((m if path else None, path, name,
                             v if isinstance(v, _PLAIN) else copy.deepcopy(v)))
+            elif v is not _MISSING and unchecked is not None and _too_big(v):
+                unchecked.append(f"{path}.{name}" if path else name)
     return tuple(out)
 
 
@@ -222,13 +303,43 @@ def _recompile(self: fx.GraphModule) -> Any:
     return code
 
 
+def _users(cls: type, name: str) -> Any:
+    """``name`` (``__getstate__``, ``__setstate__``) as the user's class defines it (or a base
+    of it below ``nn.Module``), else None."""
+    user_cls = getattr(cls, "_precondfx_user_class", None)
+    for klass in (user_cls.__mro__ if user_cls is not None else ()):
+        if klass is nn.Module or klass is fx.GraphModule or issubclass(nn.Module, klass):
+            break
+        if name in vars(klass):
+            return vars(klass)[name]
+    return None
+
+
+def _state(self: fx.GraphModule) -> dict:
+    """What the result pickles and deep-copies: its ``__dict__`` without the Graph, through the
+    user's ``__getstate__`` where the class defines one (dropping a lock, a file handle...)."""
+    get = _users(type(self), "__getstate__")
+    state = get(self) if get is not None else self.__dict__
+    if not isinstance(state, dict):     # not a plain dict state: the result's own
+        state = self.__dict__
+    return {k: v for k, v in state.items() if k != "_graph"}
+
+
+def _restored(self: fx.GraphModule) -> None:
+    """The user's ``__setstate__`` (where the class defines one) run on the restored result:
+    it puts back what its ``__getstate__`` dropped."""
+    put = _users(type(self), "__setstate__")
+    if put is not None:
+        put(self, dict(self.__dict__))
+
+
 def _deepcopy(self: fx.GraphModule, memo: dict) -> fx.GraphModule:
     res = type(self).__new__(type(self))
     memo[id(self)] = res
-    state = {k: v for k, v in self.__dict__.items() if k != "_graph"}
-    res.__dict__.update(copy.deepcopy(state, memo))
+    res.__dict__.update(copy.deepcopy(_state(self), memo))
     res.__dict__[DEPTH] = res.__dict__[METHODS] = 0
     res.graph = copy.deepcopy(self._graph)
+    _restored(res)
     return res
 
 
@@ -247,7 +358,7 @@ def _reduce(self: fx.GraphModule) -> tuple:
     from torch.fx.graph_module import _format_import_block
     from torch.package import sys_importer
     code = self.recompile()
-    state = {k: v for k, v in self.__dict__.items() if k != "_graph"}
+    state = _state(self)
     return (_empty, (self._precondfx_user_class,),
             {"precondfx_state": state,
              "import_block": _format_import_block(code.globals, sys_importer)})
@@ -265,6 +376,7 @@ def _setstate(self: fx.GraphModule, state: dict) -> None:
     self.__dict__.update(body)
     self.__dict__[DEPTH] = self.__dict__[METHODS] = 0
     self.graph = plain.graph
+    _restored(self)
 
 
 def _scriptable(self: fx.GraphModule) -> fx.GraphModule:
@@ -297,6 +409,42 @@ def _in_method(fn: Any) -> Any:
     return method
 
 
+def _in_generator(fn: Any) -> Any:
+    """A generator method of the user's class (``iter_features`` yielding each block's output,
+    a streaming ``generate``), its body run with the mirror hooks installed at each resumption
+    (:func:`_in_method` returns as soon as the generator is made, before its body runs), and
+    none while the caller holds a yielded value."""
+    def resume(self: nn.Module, call: Any, *args: Any) -> Any:
+        n = getattr(self, METHODS)
+        handles = _install(self) if n == 0 else []
+        setattr(self, METHODS, n + 1)
+        try:
+            return call(*args)
+        finally:
+            setattr(self, METHODS, n)
+            for h in handles:
+                h.remove()
+
+    @functools.wraps(fn)
+    def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        gen = fn(self, *args, **kwargs)
+        try:
+            value = resume(self, gen.send, None)
+            while True:
+                try:
+                    sent = yield value
+                except GeneratorExit:
+                    resume(self, gen.close)
+                    raise
+                except BaseException as e:     # thrown in: passed on to the user's generator
+                    value = resume(self, gen.throw, e)
+                else:
+                    value = resume(self, gen.send, sent)
+        except StopIteration as stop:
+            return stop.value
+    return method
+
+
 def _user_methods(user_cls: type) -> dict[str, Any]:
     """The plain functions the user's class and its bases (up to ``nn.Module``) define, other
     than ``forward`` and special methods, each wrapped by :func:`_in_method`."""
@@ -308,7 +456,7 @@ def _user_methods(user_cls: type) -> dict[str, Any]:
             if name in out or name == "forward" or name.startswith("__") or \
                     not inspect.isfunction(v) or hasattr(fx.GraphModule, name):
                 continue
-            out[name] = _in_method(v)
+            out[name] = _in_generator(v) if inspect.isgeneratorfunction(v) else _in_method(v)
     return out
 
 
@@ -652,7 +800,14 @@ def mirror(res: fx.GraphModule, kinds: dict[str, str], placed: dict[str, str] | 
         # the graph's by the factor (a value returned between them would show it)
         # (a module called more than once, only where no module called once is found)
         first_in = (placed or {}).get(name) == "in"
+        # an alpha on a layer's input belongs to that layer, also one forward calls more than
+        # once (a block applied in a loop): taken upstream (through a relu, the previous
+        # layer's output), only the first call's would be mirrored, the others' left out
+        inp = (input_site(n, False) or input_site(n, True)) if first_in else None
         for shared in (False, True):
+            if inp is not None:
+                out = up = None
+                break
             inp = input_site(n, shared) if first_in else None
             out = output_site(x, n, through=False, shared=shared) if inp is None else None
             inp = input_site(n, shared) if out is None and not first_in else inp
@@ -740,3 +895,66 @@ def guard_checkpoints(model: nn.Module) -> None:
     if any(getattr(h, "hook", h) is _refuse_plain_checkpoint for h in hooks.values()):
         return
     model.register_load_state_dict_pre_hook(_refuse_plain_checkpoint)
+
+
+# -- optimizers built on the model before precondition -------------------------------------------
+#: id of a parameter of a model given to ``precondition`` (which rewrote a copy) -> (a weak
+#: reference to it, weak references to the parameters at its name in the results made from it)
+_SOURCES: dict[int, tuple[Any, list[Any]]] = {}
+#: the optimizers already looked at (their first step)
+_CHECKED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_STEP_HOOK: Any = None
+
+
+def _forget(ref: Any, key: int) -> None:
+    entry = _SOURCES.get(key)
+    if entry is not None and entry[0] is ref:
+        del _SOURCES[key]
+
+
+def _stale_optimizer(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global step pre-hook: at an optimizer's first step, refuse one that holds the parameters
+    of the model given to ``precondition`` (a copy was rewritten: those have no gradient) while
+    the result's parameters at the same names have one: every step would update the model you
+    do not train, and the result would never move, silently."""
+    if not _SOURCES or opt in _CHECKED:
+        return
+    held = [p for g in opt.param_groups for p in g["params"]]
+    src: list[torch.Tensor] = []
+    for p in held:
+        entry = _SOURCES.get(id(p))
+        if entry is not None and entry[0]() is p:
+            src.append(p)
+    if not src or len(src) < len(held) or any(p.grad is not None for p in src):
+        _CHECKED.add(opt)       # decided: not (only) the given model's, or trained
+        return
+    if not any(r() is not None and r().grad is not None
+               for p in src for r in _SOURCES[id(p)][1]):
+        return                  # no gradient anywhere yet: looked at again at the next step
+    from precondfx.errors import PrecondError
+    raise PrecondError(
+        f"this {type(opt).__name__} holds the parameters of the model you passed to "
+        f"precondfx.precondition, not those of the result it returned: precondition rewrites a "
+        f"copy (your model is unchanged), so the gradients are on the result's parameters and "
+        f"this step would update none of them. Build the optimizer from the result "
+        f"(model, report = precondfx.precondition(model, sample); "
+        f"opt = {type(opt).__name__}(model.parameters(), ...)), or pass inplace=True")
+
+
+def guard_optimizers(source: nn.Module, result: nn.Module) -> None:
+    """Remember ``source``'s parameters (the model given to ``precondition``) against the
+    result's at the same names, for :func:`_stale_optimizer` (registered once, globally)."""
+    mine = dict(result.named_parameters(remove_duplicate=False))
+    for name, p in source.named_parameters(remove_duplicate=False):
+        q = mine.get(name)
+        if q is None or q is p:
+            continue
+        entry = _SOURCES.get(id(p))
+        if entry is None or entry[0]() is not p:
+            ref = weakref.ref(p, functools.partial(_forget, key=id(p)))
+            entry = _SOURCES[id(p)] = (ref, [])
+        entry[1][:] = [r for r in entry[1] if r() is not None] + [weakref.ref(q)]
+    global _STEP_HOOK
+    if _STEP_HOOK is None and _SOURCES:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _STEP_HOOK = register_optimizer_step_pre_hook(_stale_optimizer)

@@ -442,6 +442,32 @@ def opaque_parameter_calls(gm: fx.GraphModule) -> list[tuple[str, str]]:
     return out
 
 
+#: the names a GraphModule uses for its own state and API (``meta``, ``code``, ``graph``,
+#: ``recompile``...): a model attribute or method of the same name would be hidden by them
+_GM_NAMES = frozenset(
+    n for n in (set(dir(fx.GraphModule)) - set(dir(torch.nn.Module))) |
+    {"meta", "shape_env", "_code", "_graph", "_tracer_cls", "_tracer_extras", "_lineno_map",
+     "_prologue_start", "_in_spec", "_out_spec", "_erased"}
+    if not (n.startswith("__") and n.endswith("__")))
+
+
+def _check_names(model: torch.nn.Module) -> None:
+    """Raise :class:`Unkeepable` where the model's own attributes or its class's methods use
+    a name the GraphModule result (a subclass of GraphModule and of the model's class) holds
+    for itself: ``self.meta = {"classes": ...}`` would read GraphModule's empty ``meta``,
+    ``self.code`` the generated code, a method ``graph()`` the fx Graph."""
+    taken = sorted(n for n in vars(model) if n in _GM_NAMES)
+    for klass in type(model).__mro__:
+        if klass is torch.nn.Module or issubclass(torch.nn.Module, klass) or \
+                issubclass(klass, fx.GraphModule):
+            break
+        taken += sorted(n for n in vars(klass) if n in _GM_NAMES and n not in taken)
+    if taken:
+        raise Unkeepable(f"the model has an attribute or method named {taken[0]!r}, a name a "
+                         f"torch.fx.GraphModule uses for its own state or API: the result, a "
+                         f"GraphModule of your class, would hide yours; {_KEEP}")
+
+
 def trace(model: torch.nn.Module, sample: Sample) -> fx.GraphModule:
     """Symbolically trace ``model``; non-tensor keyword inputs become concrete arguments.
 
@@ -450,6 +476,8 @@ def trace(model: torch.nn.Module, sample: Sample) -> fx.GraphModule:
     mode (``F.dropout(x, p, training=self.training)``) are replaced by dropout modules so that
     the result still switches between train and eval; those with a fixed ``training`` stay as
     written.  Raises :class:`Unkeepable` for constructs a GraphModule cannot keep."""
+    if not isinstance(model, fx.GraphModule):
+        _check_names(model)
     concrete = {k: v for k, v in sample.kwargs.items() if not isinstance(v, torch.Tensor)}
     flags = {m: m.training for m in model.modules()}
     state = _python_state(model)
