@@ -49,10 +49,6 @@ its curvature: the suggested SGD rate ``1 / lambda``
   so that copies and the model keep one storage, and their gradients already computed are
   rescaled with them; a pickled copy (``torch.save(model)``) holds none, and pickling says so.
 
-An optimizer created before precondition over the model passed to it (the result being a
-copy) steps parameters that get no gradient while the result's do: its step raises a
-:class:`PrecondError` saying so, where the result would never have changed.
-
 A training loop that does not step a ``torch.optim`` optimizer calls :func:`settle_rate`
 (``precondfx.settle_rate``) with its rate instead.  The kept batch is released at that first
 step.  ``lr=None`` turns it off: the storage is then the one ``lr_scale`` chose, whatever the
@@ -110,8 +106,6 @@ class Pending:
         self.earlier: list[str] = []    # what the first steps of optimizers over parts did
         #: optimizers whose first step acted on some of the layers, the others left pending
         self.fired: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        #: the parameters of the model passed to precondition, where the result is a copy
-        self.source: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
     # -- copies share it; a pickled or saved copy holds nothing pending --------------------
     def __deepcopy__(self, memo: dict) -> "Pending":
@@ -143,26 +137,6 @@ class Pending:
             if m is not None and any(id(_param(m, w)) in ids for w in self.lr_buffers):
                 return m
         return None
-
-    def check_source(self, opt: torch.optim.Optimizer) -> None:
-        """Refuse the step of ``opt`` where it steps the parameters of the model passed to
-        precondition (created before it, the result a copy) while the result trains: those
-        got no gradient, and the result would never change (the same loss at every step)."""
-        src = [p for g in opt.param_groups for p in g["params"]
-               if self.source.get(id(p)) is p]
-        if not src or any(p.grad is not None for p in src):
-            return      # not that model's, or it trains too (side by side with the result)
-        for r in self.models:
-            m = r()
-            if m is not None and any(p.grad is not None for p in m.parameters()):
-                raise PrecondError(
-                    f"{type(opt).__name__} steps the parameters of the model you passed to "
-                    f"precondition ({len(src)} of them, none with a gradient), and the "
-                    f"gradients are in the returned model's: precondition returns a rewritten "
-                    f"copy, so this optimizer would never change it. Create the optimizer "
-                    f"after precondition, from the returned model "
-                    f"(torch.optim.SGD(model.parameters(), ...)), or pass inplace=True to "
-                    f"rewrite your model object in place")
 
     def consume(self) -> None:
         """Nothing is pending any more: the hook stops looking, the kept batch is released."""
@@ -537,8 +511,6 @@ def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             hit = True
             pend.fire(opt, m, ids)
     if not hit:
-        for pend in list(_PENDING):     # an optimizer created before precondition: said
-            pend.check_source(opt)
         _NOT_MINE[opt] = count
     if not _PENDING:
         _release()
@@ -615,11 +587,9 @@ def _release() -> None:
 
 
 def arm(model: nn.Module, graph: Any, plan: Any, report: Any, lr_buffers: dict[str, list[str]],
-        sample: Any, mode: str, key: Any, seed: int, source: nn.Module | None = None
-        ) -> Pending | None:
+        sample: Any, mode: str, key: Any, seed: int) -> Pending | None:
     """Keep what the first step needs on ``model`` (and register the global hook); None when
-    no trainable layer carries an lr multiplier.  ``source``: the model passed to
-    precondition, whose parameters an optimizer created before it holds."""
+    no trainable layer carries an lr multiplier."""
     global _HANDLE
     ok, _ = lr_transfer.carried(lr_buffers, plan, graph)
     bufs = {w: lr_buffers[w] for w in ok}
@@ -627,9 +597,6 @@ def arm(model: nn.Module, graph: Any, plan: Any, report: Any, lr_buffers: dict[s
         return None
     pend = Pending(model, graph, report, bufs, sample.copy(), mode, key, seed)
     model.__dict__[ATTR] = pend       # not a submodule, parameter or buffer: no state_dict key
-    if source is not None and source is not model:
-        mine = {id(p) for p in model.parameters()}
-        pend.source.update({id(p): p for p in source.parameters() if id(p) not in mine})
     _PENDING.add(pend)
     _NOT_MINE.clear()
     if _HANDLE is None:
