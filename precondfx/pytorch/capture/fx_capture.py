@@ -555,14 +555,18 @@ def trace(model: torch.nn.Module, sample: Sample) -> fx.GraphModule:
         if cls is None or n.name not in follow:
             continue
         p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5)
-        if not isinstance(p, (int, float)):
+        # F.dropout(h, p, self.training, True) drops h itself: so does the module (every other
+        # use of h sees the dropped values, as in the user's forward)
+        inplace = n.kwargs.get("inplace", n.args[3] if len(n.args) > 3 else False)
+        if not isinstance(p, (int, float)) or not isinstance(inplace, bool):
             raise Unkeepable(f"functional dropout {n.name} follows the train/eval mode with a "
-                             f"traced probability, which a dropout module cannot take: {_KEEP}")
+                             f"traced probability or inplace flag, which a dropout module "
+                             f"cannot take: {_KEEP}")
         # under the module that called it, so it follows that module's own train/eval flag
         owner = caller(n)
         path = f"{owner}.precondfx_dropout_{count}" if owner else f"precondfx_dropout_{count}"
         count += 1
-        gm.add_submodule(path, cls(float(p)))
+        gm.add_submodule(path, cls(float(p), inplace=inplace))
         with gm.graph.inserting_before(n):
             new = gm.graph.call_module(path, (n.args[0] if n.args else n.kwargs["input"],))
         n.replace_all_uses_with(new)
