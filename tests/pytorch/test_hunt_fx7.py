@@ -335,3 +335,27 @@ def test_inplace_functional_dropout_stays_in_place():
             out[capture] = result(x)
     # before: the fx result's dropout module was not in place: 2.48 apart in train mode
     torch.testing.assert_close(out["fx"], out["eager"])
+
+
+# -- a field of a returned structseq (h.max(dim=1).values) ----------------------------------------
+class _MaxPool1d(nn.Module):
+    def __init__(self, field):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 12), nn.Linear(12, 3)
+        self.field = field
+
+    def forward(self, x):
+        h = self.a(x).max(dim=1)
+        return self.b(torch.relu(h.values if self.field else h[0]))
+
+
+def test_structseq_field_is_a_selection_not_a_constant():
+    x = torch.randn(16, 5, 6)
+    kinds = {}
+    for field in (True, False):
+        torch.manual_seed(0)
+        _, report = precondfx.precondition(_MaxPool1d(field), x, capture="fx")
+        kinds[field] = [n.kind for n in report.nodes]
+    # before: the .values read was a 'constant' ("no activation flows through it")
+    assert kinds[True] == kinds[False]
+    assert "constant" not in kinds[True]

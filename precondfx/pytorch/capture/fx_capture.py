@@ -746,6 +746,10 @@ def to_graph(gm: fx.GraphModule) -> Graph:
                                     args, kwargs, out_shape=None, in_shapes=in_shapes))
         elif n.op == "call_function":
             spec = ops.for_function(n.target)
+            if n.target is getattr and out_shape is not None:
+                # ``h.max(dim=1).values``, ``torch.topk(h, k).indices``: a field of the tuple a
+                # call returned, read as export reads it (getitem): the values flow through
+                spec = optable.BY_KIND["select"]
             nodes.append(build_node(n.name, spec, target_name(n.target), args, kwargs,
                                     out_shape=out_shape, in_shapes=in_shapes))
             if nodes[-1].kind == "maxpool" and any("precondfx_value" in a.meta
