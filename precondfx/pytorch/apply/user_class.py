@@ -14,8 +14,9 @@ returns is built here so that it is *also* an instance of the user's class:
   code on the same modules; each constant the graph multiplies in where one module call
   produces (or consumes) the value is also applied by a hook on that module (:func:`mirror`
   records where), installed only while one of those methods runs (and off inside a ``self(x)``
-  it makes), so that every method computes with the constants, the graph never sees them
-  twice, and training through ``forward`` runs no hook at all.  A
+  it makes; acting only in the thread running the method: another thread's ``forward`` meanwhile
+  is the graph alone), so that every method computes with the constants, the graph never sees
+  them twice, and training through ``forward`` runs no hook at all.  A
   submodule called directly (``model.layer1(x)``), ``fx.Interpreter`` and other fx tools see
   the modules as the graph does (no mirror).  Constants and edits at functional sites no module owns (an ``F.relu``
   before a residual add, an ``F.max_pool2d`` turned into a strided convolution) only the graph's
