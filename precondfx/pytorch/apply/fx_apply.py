@@ -18,6 +18,7 @@ from precondfx.pytorch.apply.common import (buffer_name, first_param, like_param
                                             swap_references)
 from precondfx.pytorch.apply.torch_backend import TorchBackend
 from precondfx.pytorch.capture.common import placeholder_values
+from precondfx.pytorch.capture.fx_capture import _namedtuple_fields, namedtuple_values
 from precondfx.core.outputs import bounded_output, bounded_producer, skip_bounded
 from precondfx.core.plan import Plan, Scale
 
@@ -26,7 +27,9 @@ def _activation_args(node: fx.Node) -> list[fx.Node]:
     acts: list[fx.Node] = []
 
     def walk(a: Any) -> None:
-        if isinstance(a, fx.Node):
+        if isinstance(a, fx.Node) and _namedtuple_fields(a) is not None:
+            walk(namedtuple_values(a))      # a namedtuple built in forward: its fields
+        elif isinstance(a, fx.Node):
             # a size or a number computed from sizes (``x.size(-1)``, ``math.sqrt(d)``) is a
             # constant operand, as in the captured graph (``fx_capture._marker``): not counted
             if a.op != "get_attr" and "precondfx_value" not in a.meta and a not in acts:
@@ -41,6 +44,27 @@ def _activation_args(node: fx.Node) -> list[fx.Node]:
     walk(node.args)
     walk(node.kwargs)
     return acts
+
+
+def _replace_operand(node: fx.Node, src: fx.Node, new: fx.Node) -> None:
+    """``src`` replaced by ``new`` among ``node``'s operands, also inside a namedtuple built in
+    forward (``torch.cat(Pair(a, b))``): a copy of that construction takes ``new``, so the
+    other uses of the namedtuple (a returned value) keep ``src``."""
+    if src in node.args or src in node.kwargs.values() or \
+            not any(_namedtuple_fields(a) is not None for a in node.all_input_nodes):
+        node.replace_input_with(src, new)
+        return
+    for a in node.all_input_nodes:
+        if _namedtuple_fields(a) is not None and src in _activation_args(a):
+            with node.graph.inserting_before(node):
+                twin = node.graph.call_function(a.target, a.args, dict(a.kwargs))
+            twin.meta = dict(a.meta)
+            _replace_operand(twin, src, new)
+            node.replace_input_with(a, twin)
+            if not a.users:
+                node.graph.erase_node(a)
+            return
+    node.replace_input_with(src, new)       # inside a plain list or tuple operand
 
 
 def _set_submodule(gm: fx.GraphModule, path: str, mod: torch.nn.Module) -> None:
@@ -129,7 +153,7 @@ class FxApplier(TorchBackend, Records):
             src = acts[sc.index]
             self._buffer(bname, sc.value)
             m = self._mul(node, src, bname)
-            node.replace_input_with(src, m)
+            _replace_operand(node, src, m)
         else:  # output
             self._buffer(bname, sc.value)
             with self.gm.graph.inserting_after(node):

@@ -14,8 +14,9 @@ returns is built here so that it is *also* an instance of the user's class:
   code on the same modules; each constant the graph multiplies in where one module call
   produces (or consumes) the value is also applied by a hook on that module (:func:`mirror`
   records where), installed only while one of those methods runs (and off inside a ``self(x)``
-  it makes), so that every method computes with the constants, the graph never sees them
-  twice, and training through ``forward`` runs no hook at all.  A
+  it makes; acting only in the thread running the method: another thread's ``forward`` meanwhile
+  is the graph alone), so that every method computes with the constants, the graph never sees
+  them twice, and training through ``forward`` runs no hook at all.  A
   submodule called directly (``model.layer1(x)``), ``fx.Interpreter`` and other fx tools see
   the modules as the graph does (no mirror).  Constants and edits at functional sites no module owns (an ``F.relu``
   before a residual add, an ``F.max_pool2d`` turned into a strided convolution) only the graph's
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import contextlib
 import copy
 import dataclasses
 import enum
@@ -35,6 +37,7 @@ import functools
 import inspect
 import operator
 import textwrap
+import threading
 import types
 import weakref
 from typing import Any
@@ -46,10 +49,18 @@ from torch import nn
 from precondfx.core.backend import PREFIX
 from precondfx.pytorch.apply.common import times_first
 
-#: the attribute counting the graph forwards running on a model (its mirror hooks are off then)
-DEPTH = "_precondfx_graph_depth"
-#: the attribute counting the user's methods running on it (its mirror hooks are on then)
+#: the attribute counting the user's methods running on a model, in every thread (its mirror
+#: hooks are installed then)
 METHODS = "_precondfx_methods"
+#: installs and removals of the mirror hooks, and ``METHODS``, change under this lock
+_LOCK = threading.Lock()
+#: id(model) -> the handles of its mirror hooks, while one of its user methods runs
+_HANDLES: dict[int, list] = {}
+#: per thread, id(model) -> [user methods running, graph forwards running inside them]: a
+#: mirror hook acts in a thread running one of the model's methods (not inside its graph
+#: forward), never in another thread (one calling the model's forward, whose graph holds the
+#: constants already)
+_HERE = threading.local()
 #: the attribute recording the plain values (numbers, flags, strings, containers of them) the
 #: traced forwards read from the model's attributes, baked into the graph:
 #: ((module, path, name, value or a copy of the container), ...)
@@ -70,9 +81,27 @@ _GM_KEYS = {"_graph", "_code", "_lineno_map", "_prologue_start", "_tracer_cls",
 
 
 # -- the class -----------------------------------------------------------------------------------
+def _counts(root: nn.Module, create: bool = False) -> list[int] | None:
+    """This thread's [methods, graph forwards] running on ``root`` (:data:`_HERE`)."""
+    per = _HERE.__dict__.setdefault("counts", {})
+    return per.setdefault(id(root), [0, 0]) if create else per.get(id(root))
+
+
+def _release(root: nn.Module, c: list[int]) -> None:
+    if c == [0, 0]:
+        _HERE.__dict__["counts"].pop(id(root), None)
+
+
+def _mirroring(root: nn.Module) -> bool:
+    """Whether a mirror hook of ``root`` acts here: this thread runs one of its methods, not
+    inside its graph forward."""
+    c = _counts(root)
+    return c is not None and c[0] > 0 and c[1] == 0
+
+
 def _gated(fn: Any) -> Any:
-    """The graph's forward, counted in ``DEPTH`` while it runs inside one of the user's methods
-    (the mirror hooks, installed then, stay off)."""
+    """The graph's forward, counted while it runs inside one of the user's methods in this
+    thread (the mirror hooks, installed then, stay off)."""
     @functools.wraps(fn)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         reads = self.__dict__.get(READS)
@@ -81,13 +110,14 @@ def _gated(fn: Any) -> Any:
         through = self.__dict__.get(THROUGH)
         if through:
             _check_hooks(through)
-        if not getattr(self, METHODS):     # training: no hook installed, nothing to do
+        c = _counts(self)
+        if c is None or not c[0]:   # training: no method of this thread's, nothing to do
             return fn(self, *args, **kwargs)
-        setattr(self, DEPTH, getattr(self, DEPTH) + 1)
+        c[1] += 1
         try:
             return fn(self, *args, **kwargs)
         finally:
-            setattr(self, DEPTH, getattr(self, DEPTH) - 1)
+            c[1] -= 1
     forward._precondfx_gated = True  # type: ignore[attr-defined]
     return forward
 
@@ -337,7 +367,7 @@ def _deepcopy(self: fx.GraphModule, memo: dict) -> fx.GraphModule:
     res = type(self).__new__(type(self))
     memo[id(self)] = res
     res.__dict__.update(copy.deepcopy(_state(self), memo))
-    res.__dict__[DEPTH] = res.__dict__[METHODS] = 0
+    res.__dict__[METHODS] = 0
     res.graph = copy.deepcopy(self._graph)
     _restored(res)
     return res
@@ -374,7 +404,7 @@ def _setstate(self: fx.GraphModule, state: dict) -> None:
     forward = _forward_from_src(state["import_block"] + body["_code"], {})
     plain = _deserialize_graph_module(forward, dict(body))   # re-traces the code
     self.__dict__.update(body)
-    self.__dict__[DEPTH] = self.__dict__[METHODS] = 0
+    self.__dict__[METHODS] = 0
     self.graph = plain.graph
     _restored(self)
 
@@ -392,20 +422,38 @@ def _empty(user_cls: type) -> fx.GraphModule:
     return cls.__new__(cls)
 
 
+@contextlib.contextmanager
+def _running(self: nn.Module) -> Any:
+    """One of the user's methods running on ``self`` in this thread: the mirror hooks are
+    installed by the first running in any thread and removed by the last (counted in
+    ``METHODS``), and this thread's count (:func:`_counts`) lets them act here."""
+    with _LOCK:
+        n = getattr(self, METHODS)
+        if n == 0:
+            _HANDLES[id(self)] = _install(self)
+        setattr(self, METHODS, n + 1)
+    c = _counts(self, create=True)
+    c[0] += 1
+    try:
+        yield
+    finally:
+        c[0] -= 1
+        _release(self, c)
+        with _LOCK:
+            n = getattr(self, METHODS) - 1
+            setattr(self, METHODS, n)
+            for h in _HANDLES.pop(id(self), []) if n == 0 else []:
+                h.remove()
+
+
 def _in_method(fn: Any) -> Any:
-    """A method of the user's class, run with the mirror hooks installed (by the outermost
-    call; counted in ``METHODS``): outside the user's methods the modules carry no hook."""
+    """A method of the user's class, run with the mirror hooks installed (:func:`_running`):
+    outside the user's methods the modules carry no hook, and a hook acts only in a thread
+    running a method."""
     @functools.wraps(fn)
     def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        n = getattr(self, METHODS)
-        handles = _install(self) if n == 0 else []
-        setattr(self, METHODS, n + 1)
-        try:
+        with _running(self):
             return fn(self, *args, **kwargs)
-        finally:
-            setattr(self, METHODS, n)
-            for h in handles:
-                h.remove()
     return method
 
 
@@ -415,15 +463,8 @@ def _in_generator(fn: Any) -> Any:
     (:func:`_in_method` returns as soon as the generator is made, before its body runs), and
     none while the caller holds a yielded value."""
     def resume(self: nn.Module, call: Any, *args: Any) -> Any:
-        n = getattr(self, METHODS)
-        handles = _install(self) if n == 0 else []
-        setattr(self, METHODS, n + 1)
-        try:
+        with _running(self):
             return call(*args)
-        finally:
-            setattr(self, METHODS, n)
-            for h in handles:
-                h.remove()
 
     @functools.wraps(fn)
     def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -584,7 +625,7 @@ def graph_class(user_cls: type) -> type | None:
         bases = (user_cls,)
     ns = {"__module__": __name__, "__doc__": user_cls.__doc__,
           "recompile": _recompile, "__deepcopy__": _deepcopy, "__copy__": _copy,
-          "__reduce__": _reduce, "__setstate__": _setstate, DEPTH: 0, METHODS: 0,
+          "__reduce__": _reduce, "__setstate__": _setstate, METHODS: 0,
           "__prepare_scriptable__": _scriptable,
           "_precondfx_user_class": user_cls,
           # repr() names the user's class, not torch.fx's per-instance "GraphModuleImpl"
@@ -624,7 +665,7 @@ def adopt(gm: fx.GraphModule, work: nn.Module) -> tuple[fx.GraphModule, str | No
     d["_parameters"] = collections.OrderedDict(work._parameters)
     d["_buffers"] = collections.OrderedDict(work._buffers)
     d["_non_persistent_buffers_set"] = set(work._non_persistent_buffers_set)
-    d[DEPTH] = d[METHODS] = 0
+    d[METHODS] = 0
     res = cls.__new__(cls)
     res.__dict__.update(d)
     # what fx added: dropout modules for functional dropout, tensor constants as buffers
@@ -661,7 +702,7 @@ def plain_result(gm: fx.GraphModule) -> fx.GraphModule:
         return gm
     res = cls.__new__(cls)
     res.__dict__.update(gm.__dict__)
-    res.__dict__[DEPTH] = res.__dict__[METHODS] = 0
+    res.__dict__[METHODS] = 0
     res.graph = gm.graph
     return res
 
@@ -696,8 +737,8 @@ def _mirrored(root: nn.Module, names: tuple[str, ...], path: str) -> torch.Tenso
 def _install(root: nn.Module) -> list[Any]:
     """Register the mirror hooks ``root`` records (``MIRRORS``: (module path, 'out' or 'in',
     the constant at each of the module's calls in the graph)); returns their handles.  Each
-    reads the constant from ``root`` when it runs and does nothing while the graph's forward
-    runs."""
+    reads the constant from ``root`` when it runs and acts only in a thread running one of
+    ``root``'s methods, not inside its graph forward (:func:`_mirroring`)."""
     handles = []
     for path, where, names in root.__dict__.get(MIRRORS, ()):
         names = (names,) if isinstance(names, str) else tuple(names)
@@ -708,13 +749,13 @@ def _install(root: nn.Module) -> list[Any]:
         if where == "out":
             def hook(m: nn.Module, args: tuple, out: Any, names: tuple = names,
                      path: str = path) -> Any:
-                if getattr(root, DEPTH):
+                if not _mirroring(root):
                     return None
                 return times_first(out, _mirrored(root, names, path))
             handles.append(mod.register_forward_hook(hook))
         else:
             def pre(m: nn.Module, args: tuple, names: tuple = names, path: str = path) -> Any:
-                if getattr(root, DEPTH) or not args or not isinstance(args[0], torch.Tensor):
+                if not _mirroring(root) or not args or not isinstance(args[0], torch.Tensor):
                     return None
                 return (args[0] * _mirrored(root, names, path),) + tuple(args[1:])
             handles.append(mod.register_forward_pre_hook(pre))

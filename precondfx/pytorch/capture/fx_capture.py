@@ -10,14 +10,21 @@ the plan is applied to the user's own module instead (the eager back end): a cus
 ``torch.autograd.Function`` (its backward), a grad-mode change inside forward (``torch.no_grad``
 blocks), ``torch.utils.checkpoint`` (recomputation), and any difference between the graphs traced
 in train and in eval mode (``if self.training`` branches), changes to the modules' Python
-attributes (counters, caches), and reads of a module property returning a dtype or a device
-(``self.dtype``: the trace would freeze float32).
+attributes (counters, caches), and reads of a parameter's dtype or device outside the graph (a
+``self.dtype`` property, a ``get_dtype()`` method, ``next(self.parameters()).device``: the trace
+would freeze float32).
+
+The trace patches functions for the whole process (fx patches ``nn.Module.__call__``; this
+module ``random.random``, ``torch.is_autocast_enabled``...): one trace runs at a time, and the
+stand-ins act in the tracing thread only.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -42,6 +49,37 @@ class Unkeepable(Exception):
     """The forward uses a construct that a traced GraphModule would silently drop."""
 
 
+class _FrozenMetadata(Unkeepable):
+    """The forward reads, outside the traced graph, a parameter's dtype or device."""
+
+
+#: held while a trace runs: the stand-ins patched in for it (and fx's own patches of
+#: ``nn.Module.__call__`` and ``__getattr__``) are then put back in the reverse order they were
+#: put in; two threads tracing at once would each put back what the other put in, leaving a
+#: stand-in (a refusing ``random.random``, a dead tracer's ``Module.__call__``) for good
+_TRACE_LOCK = threading.RLock()
+#: the thread tracing now (``depth`` > 0 in it): the stand-ins act only there; every other
+#: thread (a server running another model, a data thread drawing random numbers) calls through
+#: to the original
+_TRACING = threading.local()
+
+
+def _tracing_here() -> bool:
+    """Whether this thread is tracing (the stand-ins refuse only then)."""
+    return getattr(_TRACING, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _tracing_scope() -> Iterator[None]:
+    """This thread traces (one trace at a time in the process, :data:`_TRACE_LOCK`)."""
+    with _TRACE_LOCK:
+        _TRACING.depth = getattr(_TRACING, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _TRACING.depth -= 1
+
+
 _CHECKPOINT_CODES = {inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__}
 _KEEP = ("the plan is applied to the model's own module instead (hooks and buffers), "
          "which keeps it")
@@ -60,6 +98,19 @@ class _Tracer(fx.Tracer):
         self._grad = torch.is_grad_enabled()
         self._inference = torch.is_inference_mode_enabled()
         self._autocast = _autocast_state()
+        self._thread = threading.get_ident()
+
+    def call_module(self, m: torch.nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        # fx patches nn.Module.__call__ for the whole process while it traces: a module run by
+        # another thread meanwhile runs as it is, not recorded into this graph
+        if threading.get_ident() != self._thread:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        if threading.get_ident() != self._thread:   # nn.Module.__getattr__, as call_module
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         # a module holding weights is traced through even if its name says 'Dropout' or
@@ -127,12 +178,18 @@ def _refuse_dtype_properties(model: torch.nn.Module) -> Iterator[None]:
 
 def _refusing_get(get: Any, cls: type, name: str) -> Any:
     """``get`` (a property's getter) raising :class:`Unkeepable` on a dtype or device value."""
+    def refuse(value: Any) -> Unkeepable:
+        return Unkeepable(f"the forward reads {cls.__name__}.{name}, a property whose value "
+                          f"({value}) a traced graph would freeze: after model.to(another "
+                          f"dtype or device) the graph would still use {value}: {_KEEP}")
+
     def fget(obj: Any) -> Any:
-        value = get(obj)
-        if isinstance(value, (torch.dtype, torch.device)):
-            raise Unkeepable(f"the forward reads {cls.__name__}.{name}, a property whose value "
-                             f"({value}) a traced graph would freeze: after model.to(another "
-                             f"dtype or device) the graph would still use {value}: {_KEEP}")
+        try:
+            value = get(obj)
+        except _FrozenMetadata as e:    # it read a parameter's dtype (_TraceTimeCompute)
+            raise refuse("a parameter's dtype or device") from e
+        if isinstance(value, (torch.dtype, torch.device)) and _tracing_here():
+            raise refuse(value)
         return value
     return fget
 
@@ -188,7 +245,7 @@ def _refuse_autograd_functions() -> Iterator[None]:
     orig = torch.autograd.Function.__dict__["apply"]
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if any(isinstance(a, fx.Proxy) for a in tree_leaves((args, kwargs))):
+        if _tracing_here() and any(isinstance(a, fx.Proxy) for a in tree_leaves((args, kwargs))):
             if cls is torch.utils.checkpoint.CheckpointFunction:
                 what = "torch.utils.checkpoint (use_reentrant=True), whose recomputation"
             else:
@@ -216,12 +273,16 @@ def _refuse_autocast() -> Iterator[None]:
     reads = {n: getattr(torch, n) for n in _AUTOCAST_READS if hasattr(torch, n)}
 
     def enter(self: Any) -> Any:
+        if not _tracing_here():
+            return orig(self)
         _refuse_checkpoint()
         raise Unkeepable(f"the forward enters a torch.autocast region, which a traced graph "
                          f"drops (under your own autocast it would compute in the low "
                          f"precision where your model does not): {_KEEP}")
 
-    def read(*args: Any, **kwargs: Any) -> Any:
+    def read(*args: Any, _name: str = "", **kwargs: Any) -> Any:
+        if not _tracing_here():
+            return reads[_name](*args, **kwargs)
         _refuse_checkpoint()        # checkpoint reads the autocast state: name the cause
         raise Unkeepable(f"the forward reads the autocast state (torch.is_autocast_enabled, "
                          f"as transformers' maybe_autocast does), which a traced graph would "
@@ -229,7 +290,7 @@ def _refuse_autocast() -> Iterator[None]:
 
     cls.__enter__ = enter  # type: ignore[method-assign]
     for n in reads:
-        setattr(torch, n, read)
+        setattr(torch, n, functools.partial(read, _name=n))
     try:
         yield
     finally:
@@ -276,7 +337,10 @@ def _refuse_python_random() -> Iterator[None]:
             if f is None:
                 continue
 
-            def refuse(*a: Any, _name: str = f"{mod.__name__}.{name}", **k: Any) -> Any:
+            def refuse(*a: Any, _name: str = f"{mod.__name__}.{name}", _f: Any = f,
+                       **k: Any) -> Any:
+                if not _tracing_here():
+                    return _f(*a, **k)
                 raise Unkeepable(f"the forward draws Python-level random numbers ({_name}), "
                                  f"which a traced graph would freeze at the values drawn "
                                  f"while tracing: {_KEEP}")
@@ -297,6 +361,11 @@ _METADATA = frozenset((
     "data_ptr", "element_size", "__hash__", "is_leaf", "grad_fn", "names", "is_sparse",
     "is_cuda", "is_meta", "is_quantized", "storage_offset", "untyped_storage", "__len__",
     "__repr__", "__format__", "_version", "grad"))
+
+
+#: metadata that ``model.to`` changes: read on a parameter or buffer outside the traced graph
+#: (``next(self.parameters()).dtype``, a ``get_dtype()`` method), it would be frozen
+_FROZEN_METADATA = frozenset(("dtype", "device", "get_device", "is_cuda"))
 
 
 def _func_name(func: Any) -> str:
@@ -323,6 +392,16 @@ class _TraceTimeCompute(TorchFunctionMode):
         kwargs = kwargs or {}
         name = _func_name(func)
         leaves_ = tree_leaves((args, kwargs))
+        if name in _FROZEN_METADATA:
+            hit = next((self.names[id(a)] for a in leaves_
+                        if isinstance(a, torch.Tensor) and id(a) in self.names), None)
+            if hit is not None:
+                raise _FrozenMetadata(
+                    f"the forward reads the {name} of {hit} outside the traced graph (through "
+                    f"self.parameters(), self.buffers() or a method returning it: "
+                    f"next(self.parameters()).{name}), a value a traced graph would freeze "
+                    f"({func(*args, **kwargs)}): after model.to(another dtype or device) the "
+                    f"graph would still use it: {_KEEP}")
         if name not in _METADATA and not any(isinstance(a, fx.Proxy) for a in leaves_):
             hit = next((self.names[id(a)] for a in leaves_
                         if isinstance(a, torch.Tensor) and id(a) in self.names), None)
@@ -340,8 +419,8 @@ def _trace_once(model: torch.nn.Module, concrete: dict) -> fx.GraphModule:
     added = {m: set(vars(m)) for m in model.modules()}
     tensors = {m: (dict(m._parameters), dict(m._buffers)) for m in model.modules()}
     try:
-        with _refuse_autograd_functions(), _refuse_python_random(), _refuse_autocast(), \
-                _refuse_dtype_properties(model), _TraceTimeCompute(model):
+        with _tracing_scope(), _refuse_autograd_functions(), _refuse_python_random(), \
+                _refuse_autocast(), _refuse_dtype_properties(model), _TraceTimeCompute(model):
             graph = tracer.trace(model, concrete_args=concrete or None)
         name = model.__class__.__name__ if isinstance(model, torch.nn.Module) else "module"
         gm = fx.GraphModule(tracer.root, graph, name)
@@ -504,14 +583,18 @@ def trace(model: torch.nn.Module, sample: Sample) -> fx.GraphModule:
         if cls is None or n.name not in follow:
             continue
         p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5)
-        if not isinstance(p, (int, float)):
+        # F.dropout(h, p, self.training, True) drops h itself: so does the module (every other
+        # use of h sees the dropped values, as in the user's forward)
+        inplace = n.kwargs.get("inplace", n.args[3] if len(n.args) > 3 else False)
+        if not isinstance(p, (int, float)) or not isinstance(inplace, bool):
             raise Unkeepable(f"functional dropout {n.name} follows the train/eval mode with a "
-                             f"traced probability, which a dropout module cannot take: {_KEEP}")
+                             f"traced probability or inplace flag, which a dropout module "
+                             f"cannot take: {_KEEP}")
         # under the module that called it, so it follows that module's own train/eval flag
         owner = caller(n)
         path = f"{owner}.precondfx_dropout_{count}" if owner else f"precondfx_dropout_{count}"
         count += 1
-        gm.add_submodule(path, cls(float(p)))
+        gm.add_submodule(path, cls(float(p), inplace=inplace))
         with gm.graph.inserting_before(n):
             new = gm.graph.call_module(path, (n.args[0] if n.args else n.kwargs["input"],))
         n.replace_all_uses_with(new)
@@ -618,6 +701,8 @@ def _default_of(gm: fx.GraphModule, name: str) -> Any:
 
 def _marker(a: Any, gm: fx.GraphModule) -> Any:
     if isinstance(a, fx.Node):
+        if _namedtuple_fields(a) is not None:   # a namedtuple built in forward: its fields
+            return tuple(_marker(v, gm) for v in namedtuple_values(a))
         if a.op == "get_attr":
             return Param(str(a.target))
         if "precondfx_value" in a.meta:     # a size, or a number computed from sizes
@@ -653,9 +738,9 @@ def to_graph(gm: fx.GraphModule) -> Graph:
     nodes: list[Node] = []
     module_calls: dict[str, int] = {}
     outputs: list[str] = []
-    containers = _output_containers(gm)
+    containers = _containers(gm)
     for n in gm.graph.nodes:
-        if n in containers:     # ``return Out(logits, hidden)``: the output's structure
+        if n in containers:     # ``Out(logits, hidden)``: a tuple of its fields
             continue
         meta = n.meta.get("tensor_meta")
         out_shape = shape_of(meta) if hasattr(meta, "shape") else None
@@ -689,6 +774,10 @@ def to_graph(gm: fx.GraphModule) -> Graph:
                                     args, kwargs, out_shape=None, in_shapes=in_shapes))
         elif n.op == "call_function":
             spec = ops.for_function(n.target)
+            if n.target is getattr and out_shape is not None:
+                # ``h.max(dim=1).values``, ``torch.topk(h, k).indices``: a field of the tuple a
+                # call returned, read as export reads it (getitem): the values flow through
+                spec = optable.BY_KIND["select"]
             nodes.append(build_node(n.name, spec, target_name(n.target), args, kwargs,
                                     out_shape=out_shape, in_shapes=in_shapes))
             if nodes[-1].kind == "maxpool" and any("precondfx_value" in a.meta
@@ -724,19 +813,23 @@ def _namedtuple_fields(n: fx.Node) -> tuple | None:
     return None
 
 
-def _output_containers(gm: fx.GraphModule) -> set[fx.Node]:
-    """The namedtuple constructions used only as (part of) the returned value: an output
-    container like a returned tuple or dict, not an operation of the graph."""
-    return {n for n in gm.graph.nodes if _namedtuple_fields(n) is not None
-            and all(u.op == "output" for u in n.users)}
+def namedtuple_values(n: fx.Node) -> list:
+    """The field values of the namedtuple ``n`` constructs, in field order."""
+    fields = _namedtuple_fields(n) or ()
+    return list(n.args) + [n.kwargs.get(f) for f in fields[len(n.args):]]
+
+
+def _containers(gm: fx.GraphModule) -> set[fx.Node]:
+    """The namedtuple constructions: containers of their fields (as a tuple is), not operations
+    of the graph, whether returned (``return Out(logits, hidden)``) or passed to an operation
+    (``torch.cat(Pair(a, b))``, where fx records the construction as a call of ``Pair``)."""
+    return {n for n in gm.graph.nodes if _namedtuple_fields(n) is not None}
 
 
 def _flatten_nodes(a: Any, out: list, containers: set[fx.Node] = frozenset()) -> None:
     for x in leaves(a):
         if isinstance(x, fx.Node) and x in containers:  # its fields, as a returned tuple
-            fields = _namedtuple_fields(x)
-            _flatten_nodes(list(x.args) + [x.kwargs.get(f) for f in fields[len(x.args):]],
-                           out, containers)
+            _flatten_nodes(namedtuple_values(x), out, containers)
         elif isinstance(x, fx.Node):
             out.append(x)
 
