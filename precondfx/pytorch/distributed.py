@@ -117,7 +117,9 @@ def _settle(model: nn.Module, run: Any) -> bool:
     from precondfx.pytorch.folding import confirm_upstream, recipe_of
     from precondfx.integrations import hf_checkpoints
     rec = recipe_of(model)
-    if rec is None or not rec.pending:
+    entry = getattr(getattr(model, "config", None), hf_checkpoints.CONFIG_KEY, None)
+    waiting = isinstance(entry, dict) and entry.get("checkpoints") == "pending"
+    if (rec is None or not rec.pending) and not waiting:
         return False
     confirm_upstream(model, run)
     if hf_checkpoints.is_transformers_model(model):

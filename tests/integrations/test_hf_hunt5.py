@@ -9,6 +9,15 @@ fix it names:
   returned value, ``cls_logits`` and ``distillation_logits`` left raw (``logits`` was 0.49 off
   their average), and checkpoints were raw.  The scale now sits on both heads (a sum or
   average of heads, checked by running), so every output agrees and checkpoints fold.
+* ESM's masked LM planned on the meta device: the search for the inner module that carries
+  ``EsmLMHead``'s output scale (``self.decoder(x) + self.bias``) needs values, and
+  ``distributed.calibrate`` never ran it: checkpoints stayed raw and ``fold`` refused, where
+  the same model preconditioned with data folds.  It now runs when the model gets its data.
+* A transformers model without tied weights (Qwen2, untied) planned on the meta device:
+  after ``to_empty``, ``reinit`` and ``distributed.calibrate`` its config still said
+  ``"checkpoints": "raw"`` ("it is on the meta device"), ``save_pretrained`` warned and
+  ``from_pretrained`` gave logits 60% off.  Such a model now waits as "pending" and calibrate
+  settles it: the checkpoint folds and reloads to 1e-5.
 """
 from __future__ import annotations
 
@@ -105,3 +114,67 @@ def test_deit_distillation_head_is_scaled_with_the_class_head_and_folds() -> Non
         back = type(model).from_pretrained(d).eval()
     with torch.no_grad():
         assert _rel(back(**batch).logits, out.logits) < 1e-5
+
+
+def _meta_flow(build, batch: dict, fwd: dict):
+    """Plan on the meta device, then to_empty, the user's own init of what the plan keeps
+    (taken from a model built with data), reinit and distributed calibration."""
+    from precondfx.pytorch import distributed
+    torch.manual_seed(0)
+    real = build()
+    with torch.device("meta"):
+        meta = build()
+    res, rep = _pre(meta, batch, seed=0, balance="analytic", **fwd)
+    assert res.config.precondfx["checkpoints"] == "pending"
+    res.to_empty(device="cpu")
+    params, bufs = dict(res.named_parameters()), dict(res.named_buffers())
+    with torch.no_grad():
+        for n, t in real.named_parameters():
+            if rep.plan.inits.get(n) is None or rep.plan.inits[n].rule == "keep":
+                params[n].copy_(t)
+        for n, t in real.named_buffers():
+            if n in bufs and "precondfx_" not in n:
+                bufs[n].copy_(t)
+    precondfx.reinit(res, rep.plan, seed=0)
+    distributed.calibrate(res, batch, forward_kwargs=fwd or None)
+    return real, res
+
+
+def _reloads(res, batch: dict, fwd: dict) -> None:
+    entry = res.config.precondfx
+    assert entry["checkpoints"] == "folded", entry["problems"]
+    res.eval()
+    with torch.no_grad():
+        want = res(**batch, **fwd).logits
+        assert _rel(precondfx.fold(res).eval()(**batch, **fwd).logits, want) < 1e-5
+    with tempfile.TemporaryDirectory() as d:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)      # no "constants dropped" warning
+            res.save_pretrained(d)
+        back = type(res).from_pretrained(d).eval()
+    with torch.no_grad():
+        assert _rel(back(**batch, **fwd).logits, want) < 1e-5      # qwen2: was 0.60
+
+
+def test_esm_masked_lm_planned_on_meta_folds_after_calibrate() -> None:
+    cfg = tf.EsmConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                       intermediate_size=32, max_position_embeddings=32, pad_token_id=1,
+                       mask_token_id=2, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0)
+    ids = torch.randint(4, V, (4, 10), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    _, res = _meta_flow(lambda: tf.EsmForMaskedLM(cfg), batch, {})
+    assert res.config.precondfx["upstream"].get("lm_head") == "lm_head.decoder"
+    _reloads(res, batch, {})
+
+
+def test_untied_causal_lm_planned_on_meta_folds_after_calibrate() -> None:
+    cfg = tf.Qwen2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=64, vocab_size=V,
+                         max_position_embeddings=64, tie_word_embeddings=False,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    ids = torch.randint(3, V, (3, 10), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    fwd = {"use_cache": False}
+    _, res = _meta_flow(lambda: tf.Qwen2ForCausalLM(cfg), batch, fwd)
+    _reloads(res, batch, fwd)
