@@ -285,9 +285,9 @@ class FxApplier(TorchBackend, Records):
                 with self.gm.graph.inserting_after(c):
                     m = self.gm.graph.call_function(operator.mul, (h, c))
                 h.replace_all_uses_with(m, delete_user_cb=lambda u, m=m: u is not m)
-            self._done("output", f"output scale at the outputs of "
-                       f"{', '.join(str(_under_own_products(h).target) for h in heads)}, which the main output "
-                       f"{target.name} is a sum or average of: every use inside forward and "
+            names = ", ".join(str(_under_own_products(h).target) for h in heads)
+            self._done("output", f"output scale at the outputs of {names}, which the main "
+                       f"output {target.name} is a sum or average of: every use inside forward and "
                        f"each head's own output see it", b)
             return b
         with self.gm.graph.inserting_after(node):
