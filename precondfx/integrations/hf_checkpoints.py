@@ -54,10 +54,12 @@ def prepare(model: nn.Module, report: Any = None) -> None:
     if cfg is not None:
         setattr(cfg, CONFIG_KEY, entry)
     follow_output_embeddings(model)
-    if rec is not None and rec.pending:
+    on_meta = any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
+    if (rec is not None and rec.pending) or on_meta:
         # planned on the meta device: whether a tied weight's factor can move upstream is
         # checked by running once the model holds data (precondfx.pytorch.distributed.calibrate, which
         # calls prepare again); until then checkpoints are neither folded nor warned about
+        # (a model with nothing to check waits too: its only problem is having no values)
         entry["checkpoints"] = "pending"
         if not (isinstance(old, dict) and old.get("checkpoints") == "pending"):
             model.register_state_dict_post_hook(_warn_pending)

@@ -117,7 +117,9 @@ def _settle(model: nn.Module, run: Any) -> bool:
     from precondfx.pytorch.folding import confirm_upstream, recipe_of
     from precondfx.integrations import hf_checkpoints
     rec = recipe_of(model)
-    if rec is None or not rec.pending:
+    entry = getattr(getattr(model, "config", None), hf_checkpoints.CONFIG_KEY, None)
+    waiting = isinstance(entry, dict) and entry.get("checkpoints") == "pending"
+    if (rec is None or not rec.pending) and not waiting:
         return False
     confirm_upstream(model, run)
     if hf_checkpoints.is_transformers_model(model):
@@ -126,12 +128,13 @@ def _settle(model: nn.Module, run: Any) -> bool:
 
 
 # -- distributed calibration ------------------------------------------------------------------
-def _output_buffer(model: nn.Module) -> str:
+def _output_buffers(model: nn.Module) -> list[str]:
+    """The output scale's buffers: one, or one per head the main output sums (DeiT's)."""
     names = [n for n, _ in model.named_buffers() if n.rpartition(".")[2] == PREFIX + "output_scale"]
     if not names:
         raise PrecondError("the model has no output scale (precondfx_output_scale buffer): "
                            "precondition it with target_std set (the default) first")
-    return names[0]
+    return names
 
 
 @torch.no_grad()
@@ -159,12 +162,13 @@ def calibrate(model: nn.Module, sample: Any, target_std: float | None = None, *,
             f"them, leaving the copy uninitialized): call precondfx.reinit(model, report.plan, "
             f"seed) after to_empty (it ties them again), or model.tie_weights() and then "
             f"reinit, before calibrating")
-    buf_name = _output_buffer(model)
-    buf = model.get_buffer(buf_name)
-    current = float(buf.float().cpu())
+    buf_names = _output_buffers(model)
+    bufs = [model.get_buffer(n) for n in buf_names]
+    current = float(bufs[0].float().cpu())
     if not (math.isfinite(current) and current != 0.0):  # uninitialized after to_empty
         current = 1.0
-        buf.fill_(1.0)
+    for buf in bufs:
+        buf.fill_(current)
     before, _ = _global_std(main_output(cal.forward(model, s, mode), output_key), group)
     if not math.isfinite(before):
         bad = [n for n, p in model.named_parameters()
@@ -176,10 +180,11 @@ def calibrate(model: nn.Module, sample: Any, target_std: float | None = None, *,
             f"model, report.plan, seed) and give the parameters and buffers the plan keeps "
             f"(rule 'keep' in report.plan.inits; rotary frequencies) your usual init first")
     scale = current * cal.solve_output_scale(before, target_std)
-    buf.fill_(scale)
     rec = getattr(model, CONSTANTS, None)
-    if isinstance(rec, dict):
-        rec[buf_name] = scale
+    for name, buf in zip(buf_names, bufs):
+        buf.fill_(scale)
+        if isinstance(rec, dict):
+            rec[name] = scale
     after, local = _global_std(main_output(cal.forward(model, s, mode), output_key), group)
     _settle(model, lambda m: cal.forward(m, s, "eval"))
     return {"std_before": before / current, "scale": scale, "std_after": after,

@@ -964,7 +964,24 @@ def tied_upstream(model: nn.Module, graph: Any, run: Callable[[nn.Module], Any],
             out[n.module] = up
     if pending is None:
         out.update(_inner_upstream(model, out, run))
+    else:       # the inner-module search runs once the model holds data (confirm_upstream)
+        pending.update({p: INNER for p in _inner_candidates(model, pending)})
     return out
+
+
+#: a ``Recipe.pending`` entry whose module's upstream is searched among its inner modules
+#: (:func:`_inner_upstream`) once the model holds data
+INNER = ""
+
+_OUTS = (PREFIX + "out_scale", PREFIX + "output_scale", PREFIX + "lr_scale")
+
+
+def _inner_candidates(model: nn.Module, found: dict[str, str]) -> list[str]:
+    """Modules of no known kind carrying an output constant, not in ``found``: those
+    :func:`_inner_upstream` searches."""
+    return [path for path, mod in model.named_modules()
+            if path and path not in found and kind(mod) is None and
+            any(b in mod._buffers for b in _OUTS)]
 
 
 #: at most this many inner modules are tried per module, and this many in all (each try runs
@@ -981,13 +998,10 @@ def _inner_upstream(model: nn.Module, found: dict[str, str],
     with the module's own parameters, doubles the module's output (checked by running; the
     last registered weighted inner modules first).  Fold then scales that inner module's
     output and the module's own parameters."""
-    outs = (PREFIX + "out_scale", PREFIX + "output_scale", PREFIX + "lr_scale")
     res: dict[str, str] = {}
     budget = _INNER_BUDGET
-    for path, mod in model.named_modules():
-        if not path or path in found or kind(mod) is not None or \
-                not any(b in mod._buffers for b in outs):
-            continue
+    for path in _inner_candidates(model, found):
+        mod = model.get_submodule(path)
         inner = [(p, m) for p, m in mod.named_modules(prefix=path) if p != path and
                  kind(m) is not None]
         for p, _ in list(reversed(inner))[:min(_INNER_TRIES, budget)]:
@@ -1106,11 +1120,14 @@ def confirm_upstream(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[
     if rec is None or not rec.pending:
         return []
     done = [m for m, u in rec.pending.items()
-            if _doubles(model, u, m, run, inputs=kind(model.get_submodule(m)) == "linear",
-                        own=kind(model.get_submodule(m)) is None)]
+            if u != INNER and
+            _doubles(model, u, m, run, inputs=kind(model.get_submodule(m)) == "linear",
+                     own=kind(model.get_submodule(m)) is None)]
     rec.upstream.update({m: rec.pending[m] for m in done})
+    inner = _inner_upstream(model, rec.upstream, run)       # ESM's EsmLMHead
+    rec.upstream.update(inner)
     rec.pending.clear()
-    return done
+    return done + list(inner)
 
 
 def _doubles(model: nn.Module, up: str, down: str, run: Callable[[nn.Module], Any],

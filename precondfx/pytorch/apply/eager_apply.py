@@ -250,6 +250,14 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
         self._done_modules: dict[tuple[str, str], float] = {}
         self._swapped: set[str] = set()
         self.output_module: str | None = None
+        # the output scale's constant -> the other heads' constants set with it
+        self.output_twins: dict[str, list[str]] = {}
+
+    def set_constant(self, name: str, value: float) -> None:
+        """The constant ``name`` set to ``value`` (an output scale on several summed heads:
+        each head's)."""
+        for n in [name] + self.output_twins.get(name, []):
+            super().set_constant(n, value)
 
     def _register(self, mod: nn.Module, name: str, value: float) -> None:
         mod.register_buffer(name, scalar_buffer(value, like_param(self.model)))

@@ -17,7 +17,7 @@ from torch import nn
 from precondfx.core.outputs import bounded_producer, skip_bounded
 from precondfx.errors import PrecondError
 from precondfx.pytorch.apply.common import PREFIX, scale_at_path, times_first
-from precondfx.pytorch.capture.common import at_path, child, output_path
+from precondfx.pytorch.capture.common import _items, at_path, child, output_path
 
 
 def _module_output_scale_hook(module: nn.Module, args: tuple, out: Any) -> Any:
@@ -58,7 +58,40 @@ def _root_output_hook(module: nn.Module, args: tuple, out: Any) -> Any:
         return out
     if internal_loss(out, path):
         raise PrecondError(LOSS_BEFORE_SCALE)
-    return scale_at_path(out, path, getattr(module, PREFIX + "output_scale"))
+    scale = getattr(module, PREFIX + "output_scale")
+    for p in [path] + views_of(out, path):
+        out = scale_at_path(out, p, scale)
+    return out
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+def views_of(out: Any, path: list) -> list[list]:
+    """Paths of the other tensors in ``out`` that hold the main output's own numbers (views of
+    the same tensor: CLIP's ``logits_per_text`` is ``logits_per_image.t()``): the scale on the
+    returned value multiplies them too, or the two would disagree.  Outputs inside a
+    ``torch.distributions`` object are left out (their parameters are not views to rescale)."""
+    try:
+        target = at_path(out, path)
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return []
+    if not isinstance(target, torch.Tensor) or not path:
+        return []
+    base, found = _root(target), []
+
+    def walk(o: Any, where: list) -> None:
+        if isinstance(o, torch.distributions.Distribution):
+            return
+        for k, v in _items(o):
+            if isinstance(v, torch.Tensor):
+                if where + [k] != path and v.is_floating_point() and _root(v) is base:
+                    found.append(where + [k])
+            else:
+                walk(v, where + [k])
+    walk(out, [])
+    return found
 
 
 LOSS_BEFORE_SCALE = (
@@ -123,6 +156,22 @@ class OutputSearch:
                        f"{also}): everything forward computes from it, its own loss included, "
                        f"sees the scale", f"{found}.{PREFIX}output_scale")
             return f"{found}.{PREFIX}output_scale"
+        heads = self._summed_heads(path, run, out) if found is None and run is not None \
+            and bounded is None else []
+        if heads:
+            from precondfx.pytorch.apply.eager_apply import module_hook   # imports this module
+            names = [f"{h}.{PREFIX}output_scale" for h in heads]
+            for h in heads:
+                mod = self.model.get_submodule(h)
+                self._register(mod, PREFIX + "output_scale", 1.0)
+                self._hook(module_hook(mod, PREFIX + "output_scale"))
+            self.output_twins[names[0]] = names[1:]
+            self.output_module = heads[0]
+            self._done("output", f"output scale on the outputs of {', '.join(heads)}, which the "
+                       f"main output is a sum or average of (DeiT's class and distillation "
+                       f"heads): the main output and each head's own output see the scale",
+                       names[0])
+            return names[0]
         if out is not None and internal_loss(out, path):
             raise PrecondError(LOSS_BEFORE_SCALE.replace("this preconditioned model computed",
                                                          "the model computes"))
@@ -187,6 +236,55 @@ class OutputSearch:
                     self._scales_output(cand, path, run, target):
                 return cand, out
         return None, out
+
+    def _summed_heads(self, path: list, run: Callable[[nn.Module], Any], out: Any
+                      ) -> list[str]:
+        """Modules, each called once, whose outputs the main output is a sum, difference or
+        average of (``(cls_head(h0) + distill_head(h1)) / 2``), checked by running: doubling
+        all of their outputs doubles the main output (in train mode too).  [] if none."""
+        try:
+            target = at_path(out, mode_path(out, path) or path)
+        except (KeyError, IndexError, TypeError, AttributeError):
+            return []
+        if not isinstance(target, torch.Tensor):
+            return []
+        for o in self.graph.outputs:
+            node = self.graph.get(o)
+            if node is None or node.out_shape is None or \
+                    tuple(node.out_shape) != tuple(target.shape):
+                continue
+            heads = self._sum_leaves(node)
+            if not heads or len(heads) < 2 or len(set(heads)) != len(heads) or \
+                    any(a.startswith(b + ".") for a in heads for b in heads) or \
+                    not all(self.calls.get(h, 0) == 1 and self._unique(h) for h in heads):
+                continue
+            runs = [run] + ([self.train_runner] if self.train_runner is not None else [])
+            if all(self._scales_output(heads, path, r, at_path(r(self.model), path))
+                   for r in runs[1:]) and self._scales_output(heads, path, run, target):
+                return heads
+        return []
+
+    def _sum_leaves(self, node: Any) -> list[str] | None:
+        """The modules whose outputs ``node`` adds up, through reshapes, casts and products
+        with constants; None where anything else enters."""
+        while node is not None and node.module is None:
+            live = [i for i in node.inputs if not self._frozen(i)]
+            if node.kind in ("add", "sub") and len(live) == len(node.inputs) >= 2 and \
+                    not node.params:
+                heads: list[str] = []
+                for i in live:
+                    sub = self._sum_leaves(self.graph.get(i))
+                    if not sub:
+                        return None
+                    heads += sub
+                return heads
+            if node.kind == "mul" and len(live) == 1 and self._frozen_params(node):
+                node = self.graph.get(live[0])
+            elif node.kind in ("reshape", "cast") and len(node.inputs) == 1:
+                node = self.graph.get(node.inputs[0])
+            else:
+                return None
+        return [node.module] if node is not None else None
 
     def _bounded(self, found: str | None, out: Any, path: list) -> str | None:
         """Why the main output cannot take a scale (``outputs.bounded_output``): the op of the
@@ -282,14 +380,16 @@ class OutputSearch:
             return False
         return all(self._frozen(i) for i in node.inputs)
 
-    def _scales_output(self, path: str, out_path: list, run: Callable[[nn.Module], Any],
-                       before: torch.Tensor) -> bool:
-        """Check, by running, that doubling ``path``'s output doubles the main output."""
+    def _scales_output(self, path: str | list[str], out_path: list,
+                       run: Callable[[nn.Module], Any], before: torch.Tensor) -> bool:
+        """Check, by running, that doubling ``path``'s output (every one of a list's) doubles
+        the main output."""
         def double(mod: nn.Module, args: tuple, out: Any) -> Any:
             if isinstance(out, torch.Tensor):
                 return out * 2
             return out
-        h = self.model.get_submodule(path).register_forward_hook(double)
+        hs = [self.model.get_submodule(p).register_forward_hook(double)
+              for p in ([path] if isinstance(path, str) else path)]
         try:
             after = at_path(run(self.model), out_path)
             return isinstance(after, torch.Tensor) and after.shape == before.shape and \
@@ -297,4 +397,5 @@ class OutputSearch:
         except Exception:   # the model does not run that way, or has no data (meta device)
             return False
         finally:
-            h.remove()
+            for h in hs:
+                h.remove()

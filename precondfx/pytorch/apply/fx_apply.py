@@ -299,6 +299,21 @@ class FxApplier(TorchBackend, Records):
                        f"{node.target} is called more than once, so the values forward "
                        f"computes from its calls keep their scale", b)
             return b
+        heads = self._summed_heads(node)
+        if heads:
+            # the main output sums or averages heads (DeiT's class and distillation heads,
+            # returned beside it): the scale on each head keeps them and it in agreement
+            for h in heads:
+                with self.gm.graph.inserting_after(h):
+                    c = self.gm.graph.get_attr(b)
+                with self.gm.graph.inserting_after(c):
+                    m = self.gm.graph.call_function(operator.mul, (h, c))
+                h.replace_all_uses_with(m, delete_user_cb=lambda u, m=m: u is not m)
+            names = ", ".join(str(_under_own_products(h).target) for h in heads)
+            self._done("output", f"output scale at the outputs of {names}, which the main "
+                       f"output {target.name} is a sum or average of: every use inside forward and "
+                       f"each head's own output see it", b)
+            return b
         with self.gm.graph.inserting_after(node):
             c = self.gm.graph.get_attr(b)
         with self.gm.graph.inserting_after(c):
@@ -316,6 +331,39 @@ class FxApplier(TorchBackend, Records):
         mod = self.gm.get_submodule(str(node.target))
         return sum(1 for n in self.gm.graph.nodes if n.op == "call_module" and
                    self.gm.get_submodule(str(n.target)) is mod) > 1
+
+    def _summed_heads(self, node: fx.Node) -> list[fx.Node]:
+        """The module calls whose outputs ``node`` adds up (through sums, differences and
+        products or quotients by Python numbers), when there are two or more, each called
+        once and read elsewhere too (returned beside the main output); [] otherwise."""
+        def leaves(n: Any) -> list[fx.Node] | None:
+            if not isinstance(n, fx.Node):
+                return None
+            if n.op == "call_module":
+                return [n]
+            inner = scaled_operand(n)         # a module's output times a constant (lr_scale)
+            if inner is not None:
+                return [n] if leaves(inner) == [inner] else None
+            if n.op != "call_function":
+                return None
+            name = getattr(n.target, "__name__", str(n.target))
+            ts = [a for a in n.args if isinstance(a, fx.Node)]
+            if n.kwargs or len(n.args) != 2:
+                return None
+            if name in ("add", "sub") and len(ts) == 2:
+                a, b = leaves(ts[0]), leaves(ts[1])
+                return a + b if a and b else None
+            if name in ("mul", "truediv") and len(ts) == 1 and \
+                    isinstance(n.args[1 - n.args.index(ts[0])], (int, float)) and \
+                    (name == "mul" or n.args[0] is ts[0]):
+                return leaves(ts[0])
+            return None
+        heads = leaves(node)
+        if not heads or len(heads) < 2 or len(set(heads)) != len(heads) or \
+                all(len(h.users) == 1 for h in heads) or \
+                any(self._shared_call(_under_own_products(h)) for h in heads):
+            return []
+        return heads
 
     def _producer(self, node: fx.Node) -> fx.Node:
         """Walk up from ``node`` through single-operand ops that keep the values (reshape, cast:
