@@ -96,7 +96,7 @@ def check_defined(model: ir.Model, path: str) -> None:
                     or v.is_initializer():
                 continue
             if node.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul") and \
-                    v is node.inputs[1] and not _all_initializers(model):
+                    v is node.inputs[1] and not all_initializers(model):
                 raise PrecondError(f"{path}: node {node.name or node.op_type!r} reads its weight "
                                    f"{v.name!r}, which no node, graph input or initializer "
                                    f"defines, and the file holds no initializers at all: were "
@@ -117,7 +117,7 @@ def check_external_data(model: ir.Model, path: str) -> None:
     every weight is drawn anew.  Only file sizes are read."""
     base = os.path.dirname(os.path.abspath(path))
     sizes: dict[str, int] = {}
-    for v in _all_initializers(model):
+    for v in all_initializers(model):
         t = v.const_value
         if not isinstance(t, ir.ExternalTensor):
             continue
@@ -178,8 +178,10 @@ def check_inside(path: str, base: str, location: str, tensor: str) -> None:
                          if x not in ("", ".")] + parts
 
 
-def _all_initializers(model: ir.Model) -> list[ir.Value]:
-    """The initializers of the main graph and of every subgraph."""
+def all_initializers(model: ir.Model) -> list[ir.Value]:
+    """The initializers of the main graph and of every subgraph (If branches, Loop and Scan
+    bodies, nested): a subgraph's tensors live in the same file and data files as the main
+    graph's."""
     out = list(model.graph.initializers.values())
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         for attr in node.attributes.values():
@@ -194,7 +196,7 @@ def input_files(model: ir.Model, path: str | os.PathLike) -> list[str]:
     """The model file and every external data file it reads."""
     files = {os.path.realpath(path)}
     base = os.path.dirname(os.path.abspath(path))
-    for v in model.graph.initializers.values():
+    for v in all_initializers(model):
         t = v.const_value
         if isinstance(t, ir.ExternalTensor):
             files.add(os.path.realpath(os.path.join(t.base_dir or base, t.location)))
@@ -202,14 +204,14 @@ def input_files(model: ir.Model, path: str | os.PathLike) -> list[str]:
 
 
 def has_external_data(model: ir.Model) -> bool:
-    return any(isinstance(v.const_value, ir.ExternalTensor)
-               for v in model.graph.initializers.values())
+    return any(isinstance(v.const_value, ir.ExternalTensor) for v in all_initializers(model))
 
 
 def weight_bytes(model: ir.Model) -> int:
-    """Bytes of all initializers (from their shapes and dtypes; nothing is read)."""
+    """Bytes of all initializers, subgraphs' included (from their shapes and dtypes; nothing
+    is read)."""
     total = 0
-    for v in model.graph.initializers.values():
+    for v in all_initializers(model):
         t = v.const_value
         if t is None:
             continue
@@ -433,7 +435,7 @@ def _own_data_files(model_path: str) -> list[str]:
     except Exception:       # not a readable ONNX file: leave the data files alone
         return []
     out = []
-    for v in _all_initializers(model):
+    for v in all_initializers(model):
         t = v.const_value
         if isinstance(t, ir.ExternalTensor) and own.fullmatch(os.fspath(t.location)):
             f = os.path.join(folder, os.fspath(t.location))
