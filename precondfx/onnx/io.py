@@ -673,10 +673,13 @@ def check_dims(inputs: list[InputSpec], dims: Mapping[str, int]) -> None:
 
 def resolve_feeds(inputs: list[InputSpec], given: Mapping[str, Any] | None = None, *,
                   dims: Mapping[str, int] | None = None, batch: int | None = None,
-                  seed: int = 0, allow_random: bool = True) -> Feeds:
+                  seed: int = 0, allow_random: bool = True,
+                  weights: Mapping[str, str] | None = None) -> Feeds:
     """Check given arrays against the model inputs and fill the missing ones with N(0, 1) data
     of the model's shape (symbolic dims from the data, then ``dims``, then ``batch`` for a
-    leading dim)."""
+    leading dim).  ``weights`` (input name -> the layer that reads it as its weight) are
+    never filled: N(0, 1) data is not a weight's scale, and the output scale would be fitted
+    to it."""
     given = dict(given or {})
     names = [i.name for i in inputs]
     for k in given:
@@ -726,6 +729,12 @@ def resolve_feeds(inputs: list[InputSpec], given: Mapping[str, Any] | None = Non
             continue
         if not allow_random:
             raise PrecondError(f"no calibration data for input {spec.name!r}")
+        if weights and spec.name in weights:
+            raise PrecondError(f"input {spec.name!r} is read as the weight of "
+                               f"{weights[spec.name]}: random N(0,1) data cannot stand in for a "
+                               f"weight (the output scale would be fitted to that scale, not "
+                               f"to the weights the caller feeds); give the values it is run "
+                               f"with: --calib-input {spec.name}=FILE.npy or --calib")
         if not spec.is_float:
             kind = spec.dtype.name if spec.dtype is not None else "unknown type"
             raise PrecondError(f"input {spec.name!r} is {kind}: random normal data cannot stand "

@@ -200,7 +200,7 @@ def normalize_stage(st: OnnxState) -> None:
     given.update(io.feeds_by_name(st.specs, st.given))
     try:
         st.feeds = io.resolve_feeds(st.specs, given, dims=dimmap, batch=st.batch,
-                                    seed=st.opts.seed)
+                                    seed=st.opts.seed, weights=weight_inputs(st.model))
     except PrecondError:
         if st.opts.target_std is not None or st.opts.input_scale == "auto":
             raise
@@ -272,6 +272,28 @@ def weights_as_inputs(model: ir.Model) -> list[str]:
             continue
         fed.append(w.name)
     return fed
+
+
+#: op type -> the input slots it reads a weight from
+WEIGHT_SLOTS = {"Conv": (1,), "ConvTranspose": (1,), "Gemm": (1,), "MatMul": (1,)}
+
+
+def weight_inputs(model: ir.Model) -> dict[str, str]:
+    """The real graph inputs a layer reads directly as its weight (input name -> the node): a
+    Conv or ConvTranspose weight, a Gemm's B, or a MatMul's right operand of rank 2 with every
+    dim fixed (a weight table fed by the caller; a batched right operand is an activation)."""
+    inits = model.graph.initializers
+    out: dict[str, str] = {}
+    for node in model.graph:
+        for slot in WEIGHT_SLOTS.get(node.op_type, ()):
+            w = node.inputs[slot] if len(node.inputs) > slot else None
+            if w is None or not w.is_graph_input() or w.name in inits or w.name in out:
+                continue
+            if node.op_type == "MatMul" and (w.shape is None or len(w.shape) != 2 or not all(
+                    isinstance(d, int) and d > 0 for d in w.shape)):
+                continue
+            out[w.name] = f"{node.op_type} node {node.name or '(unnamed)'!r}"
+    return out
 
 
 def backend(st: OnnxState) -> None:

@@ -80,3 +80,29 @@ def test_external_data_inside_an_if_branch_is_read_and_written(tmp_path):
     assert abs(float(y.std()) - 1.0) < 1e-4
     assert abs(rep.output_std_after - 1.0) < 1e-6
     assert sess.run(None, {**feeds, "c": np.array(False)})[0].shape == (32, 4)
+
+
+def test_a_weight_fed_as_an_input_is_not_drawn_at_random(tmp_path):
+    """A head whose weight the caller feeds (a graph input read as a MatMul's right operand,
+    every dim fixed) beside a file that holds its other weights: the calibration filled it with
+    N(0, 1) data, 8x the scale of the weight the caller feeds here, and fitted the output scale
+    to that (the result's output std was 0.114, not 1, with the real weight).  Now random data
+    is refused for it, with the flag that gives it; given, the output lands at the target."""
+    rng = np.random.default_rng(0)
+    m = _model([h.make_node("MatMul", ["x", "W"], ["h"]), h.make_node("Relu", ["h"], ["r"]),
+                h.make_node("MatMul", ["r", "Whead"], ["y"])],
+               [h.make_tensor_value_info("x", T.FLOAT, ["N", 8]),
+                h.make_tensor_value_info("Whead", T.FLOAT, [64, 10])],
+               [h.make_tensor_value_info("y", T.FLOAT, ["N", 10])],
+               [nh.from_array(_arr(rng, 8, 64), "W")])
+    src = tmp_path / "m.onnx"
+    onnx.save(m, str(src))
+    x, head = _arr(rng, 32, 8), _arr(rng, 64, 10, scale=1 / 8)
+    out = tmp_path / "out.onnx"
+    with pytest.raises(PrecondError, match=r"'Whead' is read as the weight of MatMul.*"
+                                           r"--calib-input Whead=FILE.npy"):
+        precondition_onnx(str(src), str(out), feeds={"x": x})
+    assert not out.exists()
+    precondition_onnx(str(src), str(out), feeds={"x": x, "Whead": head})
+    y = ort.InferenceSession(str(out)).run(None, {"x": x, "Whead": head})[0]
+    assert abs(float(y.std()) - 1.0) < 1e-4
