@@ -298,6 +298,8 @@ def weight_inputs(model: ir.Model) -> dict[str, str]:
 
 def backend(st: OnnxState) -> None:
     st.backend = OnnxApplier(st.model, st.captured, st.opts.seed)
+    if st.feeds is not None:
+        st.backend.random_inputs = list(st.feeds.random)
     st.result = st.model
     key = st.opts.output_key
     st.main_path = [key] if key is not None else []

@@ -106,3 +106,35 @@ def test_a_weight_fed_as_an_input_is_not_drawn_at_random(tmp_path):
     precondition_onnx(str(src), str(out), feeds={"x": x, "Whead": head})
     y = ort.InferenceSession(str(out)).run(None, {"x": x, "Whead": head})[0]
     assert abs(float(y.std()) - 1.0) < 1e-4
+
+
+def test_nan_output_from_a_random_mask_input_names_the_input(tmp_path, capsys):
+    """Logits plus log(mask) (0 where padded: -inf there) with only ``x`` given: the float
+    mask was filled with N(0, 1) data, log of its negative entries is NaN, and the error
+    blamed the model ('NaN/inf values after re-initialization; check the model for numerical
+    issues').  Now it names the random input and the flag that gives its data; with the mask
+    given the run succeeds."""
+    rng = np.random.default_rng(0)
+    m = _model([h.make_node("MatMul", ["x", "W"], ["h"]), h.make_node("Relu", ["h"], ["r"]),
+                h.make_node("MatMul", ["r", "W2"], ["z"]), h.make_node("Log", ["mask"], ["lm"]),
+                h.make_node("Add", ["z", "lm"], ["y"])],
+               [h.make_tensor_value_info("x", T.FLOAT, ["N", 8]),
+                h.make_tensor_value_info("mask", T.FLOAT, ["N", 4])],
+               [h.make_tensor_value_info("y", T.FLOAT, ["N", 4])],
+               [nh.from_array(_arr(rng, 8, 16), "W"), nh.from_array(_arr(rng, 16, 4), "W2")])
+    src = tmp_path / "m.onnx"
+    onnx.save(m, str(src))
+    np.save(tmp_path / "x.npy", _arr(rng, 32, 8))
+    np.save(tmp_path / "mask.npy", np.ones((32, 4), np.float32))
+    out = str(tmp_path / "out.onnx")
+    code = main(["precondition", str(src), "-o", out, "--calib-input",
+                 f"x={tmp_path / 'x.npy'}", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "mask [32, 4] were random N(0,1) data" in err and \
+        "--calib-input mask=FILE.npy" in err, err
+    assert not os.path.exists(out)
+    code = main(["precondition", str(src), "-o", out, "--calib-input",
+                 f"x={tmp_path / 'x.npy'}", "--calib-input", f"mask={tmp_path / 'mask.npy'}",
+                 "--quiet"])
+    assert code == 0, capsys.readouterr().err
