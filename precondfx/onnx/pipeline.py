@@ -308,6 +308,7 @@ def backend(st: OnnxState) -> None:
         if note:
             st.graph.notes.append(note)
     st.graph.notes.extend(_split_ties(value_ties(st.model), st.plan))
+    st.graph.notes.extend(_shared_weights(st.plan))
     note = _feedable_note(st.model, st.plan)
     if note:
         st.graph.notes.append(note)
@@ -357,6 +358,30 @@ def _split_ties(ties: list[tuple[str, str]], plan: Any) -> list[str]:
             f"do_constant_folding=False (dynamo=False): the tie is then one initializer; or "
             f"precondition the PyTorch model")
     return notes
+
+
+def _shared_weights(plan: Any) -> list[str]:
+    """What the report says of an initializer that several layers read as their weight: one
+    weight, drawn once, so those layers start (and, trained from this file, stay) equal.  A
+    tie the user meant looks the same as layers that held equal values when exported:
+    ``torch.onnx.export(dynamo=True)`` stores equal initializers once (the clones of
+    ``nn.TransformerEncoder``'s layers, ``copy.deepcopy``), which the PyTorch model trains
+    apart."""
+    readers: dict[str, list[str]] = {}
+    for layer in plan.layers:
+        if layer.weight is not None:
+            readers.setdefault(layer.weight, []).append(layer.node)
+    shared = [f"{name!r} ({len(nodes)} layers: {', '.join(nodes[:3])}"
+              f"{'...' if len(nodes) > 3 else ''})" for name, nodes in readers.items()
+              if len(nodes) > 1 and name in plan.inits and plan.inits[name].rule != "keep"]
+    if not shared:
+        return []
+    return [f"{len(shared)} initializer(s) are each the weight of several layers: "
+            f"{'; '.join(shared[:4])}{'...' if len(shared) > 4 else ''}. Each is one weight, "
+            f"drawn once, so its layers are tied in this file. If your model has separate "
+            f"layers there (copies of one layer with equal values, e.g. nn.TransformerEncoder's, "
+            f"which torch.onnx.export(dynamo=True) stores once), export with optimize=False (or "
+            f"dynamo=False) and precondition that file: each layer then gets its own draw"]
 
 
 def record_gains(st: OnnxState) -> None:

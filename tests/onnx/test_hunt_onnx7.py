@@ -177,3 +177,29 @@ def test_the_output_scale_reaches_every_use_of_the_logits(tmp_path):
     soft /= soft.sum(-1, keepdims=True)
     assert np.abs(soft - probs).max() < 1e-5
     assert abs(float(logits.std()) - 1.0) < 1e-4
+
+
+def test_one_initializer_read_by_two_layers_is_reported_as_a_tie(tmp_path):
+    """torch.onnx.export(dynamo=True) stores initializers with equal values once: the two
+    layers of an nn.TransformerEncoder (deep copies of one layer) read the same out_proj
+    weight and the same three MatMul weights, one initializer each.  precondfx drew each once,
+    so the file's layers were tied (equal, and trained as one weight), without a word; the
+    PyTorch model draws them apart.  This is that file's shape (one weight, two Gemm layers):
+    the report now says which initializers several layers read, and how to export them
+    apart."""
+    rng = np.random.default_rng(0)
+    w = nh.from_array(_arr(rng, 16, 16), "a.weight")
+    m = _model([h.make_node("Gemm", ["x", "a.weight"], ["h1"], transB=1),
+                h.make_node("Relu", ["h1"], ["r1"]),
+                h.make_node("Gemm", ["r1", "a.weight"], ["h2"], transB=1),
+                h.make_node("Relu", ["h2"], ["r2"]),
+                h.make_node("Gemm", ["r2", "c.weight"], ["y"], transB=1)],
+               [h.make_tensor_value_info("x", T.FLOAT, ["N", 16])],
+               [h.make_tensor_value_info("y", T.FLOAT, ["N", 4])],
+               [w, nh.from_array(_arr(rng, 4, 16), "c.weight")])
+    src = tmp_path / "m.onnx"
+    onnx.save(m, str(src))
+    rep = precondition_onnx(str(src), str(tmp_path / "out.onnx"), feeds=_arr(rng, 32, 16))
+    text = str(rep)
+    assert "'a.weight' (2 layers" in text and "optimize=False" in text, text
+    assert "'c.weight' (" not in text
