@@ -15,6 +15,7 @@ hints into the calibration feed: one array per model input, checked against the 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -22,7 +23,7 @@ import secrets
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 import onnx_ir as ir
@@ -342,8 +343,8 @@ class Staging:
                 ir.save(model, self.path, external_data=self.data_name,
                         size_threshold_bytes=1024)
             else:
-                # materialize lazy external tensors first: the source file may be the one we read
-                ir.save(model, self.path)
+                with inline_external(model):
+                    ir.save(model, self.path)
         except OSError as e:
             no_room(e, self.out_path, weights=external)
             raise
@@ -408,6 +409,26 @@ class Staging:
 
     def __exit__(self, *exc: Any) -> None:
         self.cleanup()
+
+
+@contextlib.contextmanager
+def inline_external(model: ir.Model) -> Iterator[None]:
+    """Within the block, every initializer the file keeps in external data (the main graph's
+    and the subgraphs') holds its values in memory: ``ir.save`` without ``external_data``
+    writes an external tensor as a reference to the input's data file, relative to the
+    output's folder (the weights precondfx keeps: a Reshape's shape, a norm gain, an index
+    table), so the inline file would read another folder's file or none.  Restored after."""
+    swapped = []
+    try:
+        for v in all_initializers(model):
+            t = v.const_value
+            if isinstance(t, ir.ExternalTensor):
+                swapped.append((v, t))
+                v.const_value = ir.tensor(t.numpy(), dtype=t.dtype, name=v.name)
+        yield
+    finally:
+        for v, t in swapped:
+            v.const_value = t
 
 
 def _reads_data(model_path: str, data: str) -> bool:

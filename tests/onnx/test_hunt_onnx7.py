@@ -203,3 +203,48 @@ def test_one_initializer_read_by_two_layers_is_reported_as_a_tie(tmp_path):
     text = str(rep)
     assert "'a.weight' (2 layers" in text and "optimize=False" in text, text
     assert "'c.weight' (" not in text
+
+
+def test_external_data_never_writes_the_kept_tensors_inline(tmp_path, capsys):
+    """A model saved with external data (its weights and a fixed sinusoidal position table
+    buffer), rewritten with --external-data never into another folder: the tensors precondfx
+    keeps (the table) were written as references to the input's data file, relative to the
+    output's folder, and the run ended with 'the rewritten model fails onnx.checker ... (this
+    is a precondfx bug ...)' (with --no-verify the file would read a data file that is not
+    there).  Now every tensor is inline, the input folder is untouched and onnxruntime runs the
+    output alone at the target std."""
+    import torch
+    import torch.nn as nn
+
+    class PosMLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            pos = torch.arange(32.0)[:, None] / 10000 ** (torch.arange(0.0, 16, 2) / 16)
+            self.register_buffer("pe", torch.cat([pos.sin(), pos.cos()], dim=1))  # 2 KB
+            self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 4)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x + self.pe)))
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 32, 16)
+    src_dir, out_dir = tmp_path / "src", tmp_path / "out"
+    src_dir.mkdir()
+    out_dir.mkdir()
+    tmp = str(tmp_path / "tmp.onnx")
+    torch.onnx.export(PosMLP().eval(), (x,), tmp, dynamo=False, input_names=["x"],
+                      dynamic_axes={"x": {0: "batch"}})
+    src = src_dir / "m.onnx"
+    onnx.save(onnx.load(tmp), str(src), save_as_external_data=True, location="m.weights")
+    assert _locations(src)["pe"] == "m.weights"
+    before = _digest(src_dir)
+    np.save(tmp_path / "x.npy", x.numpy())
+    out = out_dir / "m_pc.onnx"
+    code = main(["precondition", str(src), "-o", str(out), "--calib", str(tmp_path / "x.npy"),
+                 "--external-data", "never", "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    assert _digest(src_dir) == before
+    assert sorted(os.listdir(out_dir)) == ["m_pc.onnx"]
+    assert all(loc is None for loc in _locations(out).values())
+    y = ort.InferenceSession(str(out)).run(None, {"x": x.numpy()})[0]
+    assert abs(float(y.std()) - 1.0) < 1e-4
