@@ -282,34 +282,20 @@ class OnnxApplier(Records, PoolSurgery):
         if bounded is not None:
             skip_bounded(self, bounded)
             return None
-        at = self._producer_value(out)
-        c = self._const(f"{PREFIX}output_scale", 1.0, at)
-        ms = self._mul_nodes(at, c, f"{at.name}_scaled", f"{PREFIX}output_scale_mul")
-        self.g.insert_after(at.producer(), ms)
-        # every use sees the scale (a softmax or a loss the graph computes from the logits),
-        # as on the PyTorch back ends; graph outputs keep their public names
-        self._redirect(at, ms[-1].outputs[0], exclude=ms[0])
+        public = out.name
+        c = self._const(f"{PREFIX}output_scale", 1.0, out)
+        ms = self._mul_nodes(out, c, f"{public}_scaled", f"{PREFIX}output_scale_mul")
+        self.g.extend(ms)
+        new = ms[-1].outputs[0]
+        for k, o in enumerate(self.g.outputs):   # every slot listing it: one public name
+            if o is out:
+                self.g.outputs[k] = new
+        out.name = self._fresh(f"{public}.prescale", self._values)
+        new.name = public
         self.output_scale_name = c.name
-        self.output_value = ms[-1].outputs[0] if at is out else out
+        self.output_value = new
         self._done("output", None, c.name)
         return c.name
-
-    def _producer_value(self, out: ir.Value) -> ir.Value:
-        """The value the output scale multiplies: ``out``, or up through single-operand
-        reshapes and casts to the value they copy (computed by a node), so that a use of the
-        logits before a final ``Reshape`` sees the scale too (``fx_apply._producer``)."""
-        v = out
-        while True:
-            node = v.producer()
-            gn = self.cap.graph.get(node.name) if node is not None else None
-            if gn is None or gn.kind not in ("reshape", "cast") or len(gn.inputs) != 1:
-                return v
-            slots = self.cap.act_index.get(node.name, [])
-            src = node.inputs[slots[0]] if len(slots) == 1 else None
-            if src is None or src.producer() is None or src.is_graph_input() or \
-                    self._dtype(src) not in FLOAT_TYPES:
-                return v
-            v = src
 
     def replace(self, name: str, mod: Any, path: str | None = None,
                 all_calls: bool = False) -> bool:
