@@ -279,9 +279,10 @@ WEIGHT_SLOTS = {"Conv": (1,), "ConvTranspose": (1,), "Gemm": (1,), "MatMul": (1,
 
 
 def weight_inputs(model: ir.Model) -> dict[str, str]:
-    """The real graph inputs a layer reads directly as its weight (input name -> the node): a
-    Conv or ConvTranspose weight, a Gemm's B, or a MatMul's right operand of rank 2 with every
-    dim fixed (a weight table fed by the caller; a batched right operand is an activation)."""
+    """The real graph inputs a layer reads directly as its weight (input name -> the node),
+    every dim fixed: a Conv or ConvTranspose weight, a Gemm's B, a MatMul's right operand of
+    rank 2 (a weight table fed by the caller; an operand with a symbolic dim, or a batched
+    one, is an activation)."""
     inits = model.graph.initializers
     out: dict[str, str] = {}
     for node in model.graph:
@@ -289,9 +290,9 @@ def weight_inputs(model: ir.Model) -> dict[str, str]:
             w = node.inputs[slot] if len(node.inputs) > slot else None
             if w is None or not w.is_graph_input() or w.name in inits or w.name in out:
                 continue
-            if node.op_type == "MatMul" and (w.shape is None or len(w.shape) != 2 or not all(
-                    isinstance(d, int) and d > 0 for d in w.shape)):
-                continue
+            if w.shape is None or not all(isinstance(d, int) and d > 0 for d in w.shape) or \
+                    (node.op_type == "MatMul" and len(w.shape) != 2):
+                continue        # a batched operand: an activation the caller feeds
             out[w.name] = f"{node.op_type} node {node.name or '(unnamed)'!r}"
     return out
 
