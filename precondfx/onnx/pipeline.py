@@ -34,6 +34,7 @@ from precondfx.onnx.capture import Captured, infer_shapes, symbolic_values, to_g
 from precondfx.onnx.normalize import NormalizeInfo, normalize, value_ties
 from precondfx.core.options import DEFAULTS as D
 from precondfx.core.options import REFUSE, Options, Resolved, Rule, Support, flag
+from precondfx.core.outputs import bounded_producer
 import precondfx.schemes  # noqa: F401 (registers the schemes)
 from precondfx.core.scheme import resolve_options
 from precondfx.core.report import Report
@@ -311,7 +312,10 @@ def backend(st: OnnxState) -> None:
     st.graph.notes.extend(_split_ties(value_ties(st.model), st.plan))
     st.graph.notes.extend(_shared_weights(st.plan))
     if st.opts.target_std is not None:
-        note = _read_unscaled(st.backend.main_output(st.main_path)[1])
+        out = st.backend.main_output(st.main_path)[1]
+        scaled = out.producer() is not None and not out.is_graph_input() and \
+            bounded_producer(st.captured.graph, out.producer().name) is None
+        note = _read_unscaled(out) if scaled else None     # as OnnxApplier.output_scale
         if note:
             st.graph.notes.append(note)
     note = _feedable_note(st.model, st.plan)
