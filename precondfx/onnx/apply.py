@@ -73,6 +73,9 @@ class OnnxApplier(Records, PoolSurgery):
         self.output_scale_name: str | None = None
         self.output_value: ir.Value | None = None
         self.new_params: list[str] = []
+        #: calibration inputs filled with random N(0, 1) data (``io.Feeds.random``), named when
+        #: the output is not finite on them
+        self.random_inputs: list[str] = []
         self._names = {n.name for n in self.g if n.name}
         self._values: set[str] = {v.name for v in self.g.initializers.values() if v.name}
         for n in self.g:
@@ -342,6 +345,15 @@ class OnnxApplier(Records, PoolSurgery):
         name = self.output_value.name if self.output_value is not None else \
             self.main_output([key] if key is not None else [])[1].name
         std, self.calib_shape = cal.measure_model(self.model, sample, name)
+        if not np.isfinite(std) and self.random_inputs:
+            shapes = ", ".join(f"{n} {list(np.shape(sample[n]))}" for n in self.random_inputs)
+            flags = " ".join(f"--calib-input {n}=FILE.npy" for n in self.random_inputs)
+            raise PrecondError(
+                f"output {name!r} has NaN/inf values on the calibration batch, and the inputs "
+                f"{shapes} were random N(0,1) data (no calibration data was given for them): an "
+                f"input the model reads as a mask, a probability or a positive quantity (log, "
+                f"sqrt, a division) needs its real values; give them with {flags} or --calib "
+                f"(from Python: feeds=), or pass target_std=None to skip the output scale")
         return std
 
     def set_constant(self, name: str, value: float) -> None:

@@ -149,6 +149,11 @@ def session_for_model(model: ir.Model) -> "object":
                 v.const_value = ir.ExternalTensor("precondfx_placeholder.bin", 0, t.nbytes,
                                                   t.dtype, shape=t.shape, name=v.name,
                                                   base_dir="")
+            for v in _subgraph_initializers(model):
+                t = v.const_value
+                if isinstance(t, ir.ExternalTensor):    # no weights (normalize refuses them):
+                    swapped.append((v, t))              # index tables, shapes; inline them
+                    v.const_value = ir.tensor(t.numpy(), dtype=t.dtype, name=v.name)
             proto = ir.serde.serialize_model(model)
         finally:
             for v, t in swapped:
@@ -163,6 +168,15 @@ def session_for_model(model: ir.Model) -> "object":
         raise _load_error(e) from None
     sess._precondfx_keepalive = values  # the OrtValues must outlive the session
     return sess
+
+
+def _subgraph_initializers(model: ir.Model) -> list[ir.Value]:
+    """The initializers of the subgraphs (If branches, Loop and Scan bodies): a session built
+    from bytes cannot read their external data, and ``add_external_initializers`` reaches the
+    main graph's only."""
+    from precondfx.onnx.io import all_initializers
+    main = set(map(id, model.graph.initializers.values()))
+    return [v for v in all_initializers(model) if id(v) not in main]
 
 
 def measure_model(model: ir.Model, feeds: Mapping[str, np.ndarray], output: str

@@ -15,6 +15,7 @@ hints into the calibration feed: one array per model input, checked against the 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -22,7 +23,7 @@ import secrets
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 import onnx_ir as ir
@@ -96,7 +97,7 @@ def check_defined(model: ir.Model, path: str) -> None:
                     or v.is_initializer():
                 continue
             if node.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul") and \
-                    v is node.inputs[1] and not _all_initializers(model):
+                    v is node.inputs[1] and not all_initializers(model):
                 raise PrecondError(f"{path}: node {node.name or node.op_type!r} reads its weight "
                                    f"{v.name!r}, which no node, graph input or initializer "
                                    f"defines, and the file holds no initializers at all: were "
@@ -117,7 +118,7 @@ def check_external_data(model: ir.Model, path: str) -> None:
     every weight is drawn anew.  Only file sizes are read."""
     base = os.path.dirname(os.path.abspath(path))
     sizes: dict[str, int] = {}
-    for v in _all_initializers(model):
+    for v in all_initializers(model):
         t = v.const_value
         if not isinstance(t, ir.ExternalTensor):
             continue
@@ -178,8 +179,10 @@ def check_inside(path: str, base: str, location: str, tensor: str) -> None:
                          if x not in ("", ".")] + parts
 
 
-def _all_initializers(model: ir.Model) -> list[ir.Value]:
-    """The initializers of the main graph and of every subgraph."""
+def all_initializers(model: ir.Model) -> list[ir.Value]:
+    """The initializers of the main graph and of every subgraph (If branches, Loop and Scan
+    bodies, nested): a subgraph's tensors live in the same file and data files as the main
+    graph's."""
     out = list(model.graph.initializers.values())
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         for attr in node.attributes.values():
@@ -194,7 +197,7 @@ def input_files(model: ir.Model, path: str | os.PathLike) -> list[str]:
     """The model file and every external data file it reads."""
     files = {os.path.realpath(path)}
     base = os.path.dirname(os.path.abspath(path))
-    for v in model.graph.initializers.values():
+    for v in all_initializers(model):
         t = v.const_value
         if isinstance(t, ir.ExternalTensor):
             files.add(os.path.realpath(os.path.join(t.base_dir or base, t.location)))
@@ -202,14 +205,14 @@ def input_files(model: ir.Model, path: str | os.PathLike) -> list[str]:
 
 
 def has_external_data(model: ir.Model) -> bool:
-    return any(isinstance(v.const_value, ir.ExternalTensor)
-               for v in model.graph.initializers.values())
+    return any(isinstance(v.const_value, ir.ExternalTensor) for v in all_initializers(model))
 
 
 def weight_bytes(model: ir.Model) -> int:
-    """Bytes of all initializers (from their shapes and dtypes; nothing is read)."""
+    """Bytes of all initializers, subgraphs' included (from their shapes and dtypes; nothing
+    is read)."""
     total = 0
-    for v in model.graph.initializers.values():
+    for v in all_initializers(model):
         t = v.const_value
         if t is None:
             continue
@@ -340,8 +343,8 @@ class Staging:
                 ir.save(model, self.path, external_data=self.data_name,
                         size_threshold_bytes=1024)
             else:
-                # materialize lazy external tensors first: the source file may be the one we read
-                ir.save(model, self.path)
+                with inline_external(model):
+                    ir.save(model, self.path)
         except OSError as e:
             no_room(e, self.out_path, weights=external)
             raise
@@ -408,6 +411,26 @@ class Staging:
         self.cleanup()
 
 
+@contextlib.contextmanager
+def inline_external(model: ir.Model) -> Iterator[None]:
+    """Within the block, every initializer the file keeps in external data (the main graph's
+    and the subgraphs') holds its values in memory: ``ir.save`` without ``external_data``
+    writes an external tensor as a reference to the input's data file, relative to the
+    output's folder (the weights precondfx keeps: a Reshape's shape, a norm gain, an index
+    table), so the inline file would read another folder's file or none.  Restored after."""
+    swapped = []
+    try:
+        for v in all_initializers(model):
+            t = v.const_value
+            if isinstance(t, ir.ExternalTensor):
+                swapped.append((v, t))
+                v.const_value = ir.tensor(t.numpy(), dtype=t.dtype, name=v.name)
+        yield
+    finally:
+        for v, t in swapped:
+            v.const_value = t
+
+
 def _reads_data(model_path: str, data: str) -> bool:
     """Whether the ONNX file at ``model_path`` (an earlier output) keeps weights in ``data``."""
     return os.path.abspath(data) in _own_data_files(model_path)
@@ -433,7 +456,7 @@ def _own_data_files(model_path: str) -> list[str]:
     except Exception:       # not a readable ONNX file: leave the data files alone
         return []
     out = []
-    for v in _all_initializers(model):
+    for v in all_initializers(model):
         t = v.const_value
         if isinstance(t, ir.ExternalTensor) and own.fullmatch(os.fspath(t.location)):
             f = os.path.join(folder, os.fspath(t.location))
@@ -671,10 +694,13 @@ def check_dims(inputs: list[InputSpec], dims: Mapping[str, int]) -> None:
 
 def resolve_feeds(inputs: list[InputSpec], given: Mapping[str, Any] | None = None, *,
                   dims: Mapping[str, int] | None = None, batch: int | None = None,
-                  seed: int = 0, allow_random: bool = True) -> Feeds:
+                  seed: int = 0, allow_random: bool = True,
+                  weights: Mapping[str, str] | None = None) -> Feeds:
     """Check given arrays against the model inputs and fill the missing ones with N(0, 1) data
     of the model's shape (symbolic dims from the data, then ``dims``, then ``batch`` for a
-    leading dim)."""
+    leading dim).  ``weights`` (input name -> the layer that reads it as its weight) are
+    never filled: N(0, 1) data is not a weight's scale, and the output scale would be fitted
+    to it."""
     given = dict(given or {})
     names = [i.name for i in inputs]
     for k in given:
@@ -724,6 +750,12 @@ def resolve_feeds(inputs: list[InputSpec], given: Mapping[str, Any] | None = Non
             continue
         if not allow_random:
             raise PrecondError(f"no calibration data for input {spec.name!r}")
+        if weights and spec.name in weights:
+            raise PrecondError(f"input {spec.name!r} is read as the weight of "
+                               f"{weights[spec.name]}: random N(0,1) data cannot stand in for a "
+                               f"weight (the output scale would be fitted to that scale, not "
+                               f"to the weights the caller feeds); give the values it is run "
+                               f"with: --calib-input {spec.name}=FILE.npy or --calib")
         if not spec.is_float:
             kind = spec.dtype.name if spec.dtype is not None else "unknown type"
             raise PrecondError(f"input {spec.name!r} is {kind}: random normal data cannot stand "

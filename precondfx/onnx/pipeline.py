@@ -34,6 +34,7 @@ from precondfx.onnx.capture import Captured, infer_shapes, symbolic_values, to_g
 from precondfx.onnx.normalize import NormalizeInfo, normalize, value_ties
 from precondfx.core.options import DEFAULTS as D
 from precondfx.core.options import REFUSE, Options, Resolved, Rule, Support, flag
+from precondfx.core.outputs import bounded_producer
 import precondfx.schemes  # noqa: F401 (registers the schemes)
 from precondfx.core.scheme import resolve_options
 from precondfx.core.report import Report
@@ -200,7 +201,7 @@ def normalize_stage(st: OnnxState) -> None:
     given.update(io.feeds_by_name(st.specs, st.given))
     try:
         st.feeds = io.resolve_feeds(st.specs, given, dims=dimmap, batch=st.batch,
-                                    seed=st.opts.seed)
+                                    seed=st.opts.seed, weights=weight_inputs(st.model))
     except PrecondError:
         if st.opts.target_std is not None or st.opts.input_scale == "auto":
             raise
@@ -274,8 +275,33 @@ def weights_as_inputs(model: ir.Model) -> list[str]:
     return fed
 
 
+#: op type -> the input slots it reads a weight from
+WEIGHT_SLOTS = {"Conv": (1,), "ConvTranspose": (1,), "Gemm": (1,), "MatMul": (1,)}
+
+
+def weight_inputs(model: ir.Model) -> dict[str, str]:
+    """The real graph inputs a layer reads directly as its weight (input name -> the node),
+    every dim fixed: a Conv or ConvTranspose weight, a Gemm's B, a MatMul's right operand of
+    rank 2 (a weight table fed by the caller; an operand with a symbolic dim, or a batched
+    one, is an activation)."""
+    inits = model.graph.initializers
+    out: dict[str, str] = {}
+    for node in model.graph:
+        for slot in WEIGHT_SLOTS.get(node.op_type, ()):
+            w = node.inputs[slot] if len(node.inputs) > slot else None
+            if w is None or not w.is_graph_input() or w.name in inits or w.name in out:
+                continue
+            if w.shape is None or not all(isinstance(d, int) and d > 0 for d in w.shape) or \
+                    (node.op_type == "MatMul" and len(w.shape) != 2):
+                continue        # a batched operand: an activation the caller feeds
+            out[w.name] = f"{node.op_type} node {node.name or '(unnamed)'!r}"
+    return out
+
+
 def backend(st: OnnxState) -> None:
     st.backend = OnnxApplier(st.model, st.captured, st.opts.seed)
+    if st.feeds is not None:
+        st.backend.random_inputs = list(st.feeds.random)
     st.result = st.model
     key = st.opts.output_key
     st.main_path = [key] if key is not None else []
@@ -284,6 +310,14 @@ def backend(st: OnnxState) -> None:
         if note:
             st.graph.notes.append(note)
     st.graph.notes.extend(_split_ties(value_ties(st.model), st.plan))
+    st.graph.notes.extend(_shared_weights(st.plan))
+    if st.opts.target_std is not None:
+        out = st.backend.main_output(st.main_path)[1]
+        scaled = out.producer() is not None and not out.is_graph_input() and \
+            bounded_producer(st.captured.graph, out.producer().name) is None
+        note = _read_unscaled(out) if scaled else None     # as OnnxApplier.output_scale
+        if note:
+            st.graph.notes.append(note)
     note = _feedable_note(st.model, st.plan)
     if note:
         st.graph.notes.append(note)
@@ -333,6 +367,55 @@ def _split_ties(ties: list[tuple[str, str]], plan: Any) -> list[str]:
             f"do_constant_folding=False (dynamo=False): the tie is then one initializer; or "
             f"precondition the PyTorch model")
     return notes
+
+
+#: ops whose output holds the values of their first input (a final reshape of the logits)
+COPIES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast")
+
+
+def _read_unscaled(out: ir.Value) -> str | None:
+    """What the report says of nodes that read the main output inside the graph (a softmax,
+    a loss): the output scale multiplies the returned value only, so they read the values
+    before it (the PyTorch back end scales where the output is computed, and they see it)."""
+    def read(v: ir.Value, skip: ir.Node | None = None) -> list[str]:
+        return [u.node.name or u.node.op_type for u in v.uses()
+                if u.node is not skip and u.node.op_type not in ("Shape", "Size")]
+    readers, v = read(out), out
+    while v.producer() is not None and v.producer().op_type in COPIES and \
+            v.producer().inputs and v.producer().inputs[0] is not None:
+        copy, v = v.producer(), v.producer().inputs[0]      # the values before a final Reshape
+        readers += read(v, copy)
+    if not readers:
+        return None
+    return (f"the output scale multiplies the returned {out.name!r} only: {len(readers)} "
+            f"node(s) in the graph read it before the scale ({', '.join(readers[:4])}"
+            f"{'...' if len(readers) > 4 else ''}), so outputs computed from it (probabilities, "
+            f"a loss) keep their values and no longer match the scaled {out.name!r}; the "
+            f"PyTorch back end scales it where it is computed, and every use sees the scale")
+
+
+def _shared_weights(plan: Any) -> list[str]:
+    """What the report says of an initializer that several layers read as their weight: one
+    weight, drawn once, so those layers start (and, trained from this file, stay) equal.  A
+    tie the user meant looks the same as layers that held equal values when exported:
+    ``torch.onnx.export(dynamo=True)`` stores equal initializers once (the clones of
+    ``nn.TransformerEncoder``'s layers, ``copy.deepcopy``), which the PyTorch model trains
+    apart."""
+    readers: dict[str, list[str]] = {}
+    for layer in plan.layers:
+        if layer.weight is not None:
+            readers.setdefault(layer.weight, []).append(layer.node)
+    shared = [f"{name!r} ({len(nodes)} layers: {', '.join(nodes[:3])}"
+              f"{'...' if len(nodes) > 3 else ''})" for name, nodes in readers.items()
+              if len(nodes) > 1 and name in plan.inits and plan.inits[name].rule != "keep"]
+    if not shared:
+        return []
+    return [f"{len(shared)} initializer(s) are each the weight of several layers: "
+            f"{'; '.join(shared[:4])}{'...' if len(shared) > 4 else ''}. Each is one weight, "
+            f"drawn once, so its layers are tied in this file. If your model has separate "
+            f"layers there (copies of one layer with equal values, e.g. nn.TransformerEncoder's, "
+            f"which torch.onnx.export(dynamo=True) stores once), export with optimize=False (or "
+            f"dynamo=False) and precondition that file: each layer then gets its own draw"]
 
 
 def record_gains(st: OnnxState) -> None:
