@@ -142,7 +142,11 @@ def test_bf16_meta_model_equals_bf16_real_model(name: str) -> None:
     _user_init(pm, real, rep.plan)
     precondfx.reinit(pm, rep.plan, seed=1)
     stats = precondfx.pytorch.distributed.calibrate(pm, _ids(), target_std=0.5)
-    assert stats["scale"] == pytest.approx(rref.output_scale, rel=1e-4)
+    # the meta model's statistics come from its bf16 forward, the real one's from float32:
+    # they differ by bf16 rounding summed over the logits, which depends on the CPU's bf16
+    # kernels (1.2e-4 relative on an AVX2-only AMD EPYC, under 1e-4 where this was written),
+    # still far below the constant's own bf16 rounding (2^-8)
+    assert stats["scale"] == pytest.approx(rref.output_scale, rel=1e-3)
     assert stats["std_after"] == pytest.approx(0.5, rel=2 ** -8)
     a, b = _logits(pm), _logits(ref)
     assert a.dtype == torch.bfloat16 and torch.equal(a, b)
