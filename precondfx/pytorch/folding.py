@@ -408,7 +408,8 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
                 continue
             desc = f"{src.op} {src.target}" if src.op != "placeholder" else "a model input"
             sc.problems.append((what, f"multiplies the output of {src.name} ({desc}), which "
-                                f"no module of your class can absorb exactly"))
+                                f"no module of your class can absorb exactly "
+                                f"({_remedy(None, what)})"))
     def shared_calls(by: dict[str, list[tuple[str, float]]], where: dict, side: str,
                      fits: Callable[[nn.Module], bool]) -> None:
         """A module called several times, scaled on one side at each call: its weights carry
@@ -533,15 +534,23 @@ def _settle_scales(sc: _Scales) -> None:
             sc.out.pop(mid, None)
 
 
+#: the option that leaves a constant out, by the constant's name: the eager back end's buffer
+#: on a module, or the fx back end's buffer prefix (``apply.common.buffer_name``: its tag)
 _REMEDIES = {PREFIX + "output_scale": "target_std=None: no output scale",
              PREFIX + "out_scale": "residual='none' for a residual branch scale",
-             PREFIX + "lr_scale": "lr_scale=None: no learning-rate multipliers"}
+             PREFIX + "lr_scale": "lr_scale=None: no learning-rate multipliers",
+             PREFIX + "output_": "target_std=None: no output scale",
+             PREFIX + "residual_": "residual='none' for a residual branch scale",
+             PREFIX + "lr_": "lr_scale=None: no learning-rate multipliers"}
 
 
-def _remedy(mod: nn.Module) -> str:
-    """What to do about an output scale no parameter of ``mod`` can carry: the option that
-    leaves out each of the constants it holds, or keeping the preconditioned model."""
-    opts = [r for b, r in _REMEDIES.items() if b in mod._buffers]
+def _remedy(mod: nn.Module | None, constant: str = "") -> str:
+    """What to do about a scale nothing can carry (the constants ``mod`` holds, or the fx
+    back end's ``constant``): the option that leaves each out, or keeping the preconditioned
+    model."""
+    held = list(mod._buffers) if mod is not None else []
+    opts = list(dict.fromkeys(r for b, r in _REMEDIES.items() if b in held or
+                              (constant and constant.startswith(b) and b.endswith("_"))))
     return ("to fold, precondition with " + "; or ".join(opts) + "; " if opts else "") + \
         "or keep the preconditioned model itself (torch.save(model) keeps the constants)"
 

@@ -282,17 +282,26 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
         return fqn
 
     def _upstream_module(self, name: str) -> str | None:
-        """Nearest module call upstream of ``name`` through single-user homogeneous ops."""
+        """Nearest module call upstream of ``name`` through single-user homogeneous ops; else
+        the innermost module called once that returned a value on that way (a block of the
+        user's ending in a functional op, ``x + self.mlp(x)`` with ``F.gelu`` last: the eager
+        capture marks it, ``attrs["module_outputs"]``)."""
+        walked = []
         cur = self.graph.get(name)
         while cur is not None:
             if cur.module and self.calls.get(cur.module, 0) == 1:
                 return cur.module
+            walked.append(cur)
             if cur.kind not in _PASS_THROUGH or len(cur.inputs) != 1:
-                return None
+                break
             prev = cur.inputs[0]
             if len(self.users.get(prev, [])) != 1:
-                return None
+                break
             cur = self.graph.get(prev)
+        for n in walked:
+            for path in n.attrs.get("module_outputs", ()):
+                if self.calls.get(path, 0) == 0:    # no leaf-module node of that name
+                    return path
         return None
 
     def _linear_owner(self, node: Any) -> str | None:
