@@ -96,3 +96,46 @@ def test_fold_refusal_says_what_to_do_and_remedy_folds(capture: str) -> None:
     with torch.no_grad():
         a, b = r2(x), f(x)
     assert (a - b).abs().max().item() <= 1e-5 * a.abs().max().item()
+
+
+class _TupleBlock(nn.Module):
+    """A block returning ``(input, value)``: its output hook would scale the input."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, F.gelu(self.fc(x))
+
+
+class _ResTuple(_Res):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__(d)
+        self.tb = _TupleBlock(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        x = x + self.mlp(x)
+        _, h = self.tb(x)
+        return self.head(x + h)
+
+
+def test_export_residual_scale_on_block_ending_in_functional_op() -> None:
+    """The same under torch.export's capture (its result is applied by hooks as the eager
+    tracer's): the block ``mlp`` carries the scale (skipped before); a block returning a
+    tuple whose second item is the branch keeps the skip (reported), never scaling the wrong
+    item; export's and the eager tracer's results compute the same function."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 8)
+    base = _ResTuple()
+    rex, rep = _pre(base, x, "export")
+    skipped = [w for w, _ in rep.skipped if "residual" in w]
+    assert len(skipped) == 1, rep.skipped
+    assert float(rex.mlp.precondfx_out_scale) == pytest.approx(1 / math.sqrt(2), rel=1e-6)
+    assert "precondfx_out_scale" not in rex.tb._buffers
+    reg, rep_e = _pre(base, x, "eager")
+    assert len([w for w, _ in rep_e.skipped if "residual" in w]) == 1
+    with torch.no_grad():
+        a, b = reg(x), rex(x)
+    assert (a - b).abs().max().item() <= 1e-5 * a.abs().max().item()

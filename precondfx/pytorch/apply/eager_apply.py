@@ -300,9 +300,29 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
             cur = self.graph.get(prev)
         for n in walked:
             for path in n.attrs.get("module_outputs", ()):
-                if self.calls.get(path, 0) == 0:    # no leaf-module node of that name
+                if self.calls.get(path, 0) == 0 and self._returns_tensor(path):
                     return path
         return None
+
+    def _returns_tensor(self, path: str) -> bool:
+        """Whether module ``path`` returns a tensor (its output hook scales exactly that
+        value): the eager capture marks only such modules; for another capture's marks
+        (``export_capture._module_outputs``) one run with a hook says."""
+        if self.graph.method == "eager":
+            return True
+        if self.runner is None:
+            return False
+        seen: list[bool] = []
+        h = self.model.get_submodule(path).register_forward_hook(
+            lambda m, a, o: seen.append(isinstance(o, torch.Tensor)))
+        try:
+            with torch.no_grad():
+                self.runner(self.model)
+        except Exception:   # the model does not run that way: place nothing
+            return False
+        finally:
+            h.remove()
+        return seen == [True]
 
     def _linear_owner(self, node: Any) -> str | None:
         """The module owning a functional linear op's weight, when scaling that module's input
