@@ -307,7 +307,8 @@ def _fixed_factor_operand(n: fx.Node) -> fx.Node | None:
     """The activation operand ``x`` of a product ``c * x``, ``x * c`` or quotient ``x / c`` by a
     fixed factor ``c`` (a Python number or a parameter or buffer read by ``get_attr``: a
     branch's ``0.5 * layer(x)``, a layer scale's ``layer(x) * self.gamma``), which is linear
-    in ``x``: a scale on the product is the same scale on ``x``; else None."""
+    in ``x``: a scale on the product is the same scale on ``x``; else None.  The same rule
+    on the captured graph of the hooks' back end is :func:`fixed_factor_node`."""
     if n.kwargs or len(n.args) != 2:
         return None
     if n.op == "call_function" and n.target in (operator.mul, torch.mul):
@@ -324,6 +325,15 @@ def _fixed_factor_operand(n: fx.Node) -> fx.Node | None:
                  (isinstance(c, fx.Node) and c.op == "get_attr")):
             return x
     return None
+
+
+def fixed_factor_node(node: Any) -> bool:
+    """:func:`_fixed_factor_operand`'s rule on a captured (neutral) graph node: a product or
+    quotient, outside any module call, of one activation by one fixed factor (a Python number,
+    or a parameter or buffer).  That graph keeps no operand order, so a factor divided by the
+    activation passes too: its callers confirm by running."""
+    return not node.module and node.kind == "mul" and len(node.inputs) == 1 and \
+        node.const_operands + len(node.params) == 1
 
 
 def _fx_scales(gm: fx.GraphModule) -> _Scales:
@@ -919,14 +929,16 @@ def tied_upstream(model: nn.Module, graph: Any, run: Callable[[nn.Module], Any],
             continue
         cur = graph.get(n.inputs[0])
         # through value-preserving ops, an elementwise positively homogeneous op (ReLU,
-        # leaky ReLU, PReLU, dropout: f(c x) = c f(x), c > 0), a product with a Python number
-        # (T5 scales by d_model ** -0.5 before its tied head); the run check below confirms
+        # leaky ReLU, PReLU, dropout: f(c x) = c f(x), c > 0), a product with a fixed factor
+        # (T5 scales by d_model ** -0.5 before its tied head; a learned temperature) unless
+        # that factor is a normalization's or linear map's own weight (LlamaRMSNorm's
+        # ``weight * x``: that module takes the factor); the run check below confirms
         while cur is not None and len(cur.inputs) == 1 and \
                 len(users.get(cur.inputs[0], [])) == 1 and \
                 ((not cur.module and cur.kind in ("reshape", "cast", "select")) or
                  cur.kind in CHAIN_OPS or
-                 (not cur.module and cur.kind == "mul" and not cur.params and
-                  cur.const_operands == 1)):
+                 (fixed_factor_node(cur) and
+                  _norm_owner(model, cur, ("norm", "linear"), graph) is None)):
             cur = graph.get(cur.inputs[0])
         if cur is None or len(users.get(cur.name, [])) != 1:
             continue

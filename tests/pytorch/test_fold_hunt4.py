@@ -4,6 +4,7 @@ a plain model of the user's class computing the same function or says what to do
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -139,3 +140,72 @@ def test_export_residual_scale_on_block_ending_in_functional_op() -> None:
     with torch.no_grad():
         a, b = reg(x), rex(x)
     assert (a - b).abs().max().item() <= 1e-5 * a.abs().max().item()
+
+
+class _TiedTemp(nn.Module):
+    """A tied LM head reading ``ln(h) * self.temp`` (a learned temperature)."""
+
+    def __init__(self, vocab: int = 20, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.fc = nn.Linear(d, d)
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.temp = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        h = h + torch.relu(self.fc(h))
+        return self.head(self.scaled(self.ln(h)))
+
+    def scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.temp
+
+
+class _TiedOverTemp(_TiedTemp):
+    def scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return self.temp / h        # not linear in h: the difference may not pass
+
+
+def _train_fold_compare(r: nn.Module, make: Any, x: torch.Tensor) -> float:
+    opt = torch.optim.SGD(r.parameters(), lr=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        r(x).pow(2).mean().backward()
+        opt.step()
+    f = precondfx.fold(r)
+    fresh = make()
+    fresh.load_state_dict(f.state_dict())
+    with torch.no_grad():
+        a, b = r(x), fresh(x)
+    return ((a - b).abs().max() / a.abs().max()).item()
+
+
+@pytest.mark.parametrize("capture", ["fx", "eager", "export"])
+def test_fold_tied_head_after_learned_temperature(capture: str) -> None:
+    """The tied embedding and head need different factors; the difference passes to ``ln``
+    through the product by the parameter ``temp``.  fx's rule walked through a product by a
+    parameter, the hooks' back end's only through one by a Python number: eager and export
+    refused ("a tied weight whose users need different scales (emb x1.26441, head
+    x0.117423)") where fx folded.  One rule now: all three fold, trained, to float rounding,
+    into a state_dict your class loads."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 20, (4, 10))
+    r, _ = _pre(_TiedTemp(), ids, capture)
+    assert _train_fold_compare(r, _TiedTemp, ids) < 1e-5
+
+
+@pytest.mark.parametrize("capture", ["fx", "eager", "export"])
+def test_fold_tied_head_after_factor_over_activation_never_wrong(capture: str) -> None:
+    """``temp / h`` is not linear in ``h``: fold refuses (or folds exactly), never folds a
+    different function."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 20, (4, 10))
+    r, _ = _pre(_TiedOverTemp(), ids, capture)
+    try:
+        d = _train_fold_compare(r, _TiedOverTemp, ids)
+    except PrecondError as e:
+        assert "tied weight" in str(e)
+    else:
+        assert d < 1e-5
