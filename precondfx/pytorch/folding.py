@@ -63,6 +63,7 @@ from precondfx.pytorch.apply.common import PREFIX, scaled_operand
 from precondfx.pytorch.capture.common import leaves
 from precondfx.errors import PrecondError
 from precondfx.core.beta import CHAIN_OPS
+from precondfx.core.nodes import fixed_factor_node
 
 RECIPE = "_precondfx_recipe"
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm,
@@ -308,7 +309,7 @@ def _fixed_factor_operand(n: fx.Node) -> fx.Node | None:
     fixed factor ``c`` (a Python number or a parameter or buffer read by ``get_attr``: a
     branch's ``0.5 * layer(x)``, a layer scale's ``layer(x) * self.gamma``), which is linear
     in ``x``: a scale on the product is the same scale on ``x``; else None.  The same rule
-    on the captured graph of the hooks' back end is :func:`fixed_factor_node`."""
+    on the captured graph is ``core.nodes.fixed_factor_node``."""
     if n.kwargs or len(n.args) != 2:
         return None
     if n.op == "call_function" and n.target in (operator.mul, torch.mul):
@@ -325,15 +326,6 @@ def _fixed_factor_operand(n: fx.Node) -> fx.Node | None:
                  (isinstance(c, fx.Node) and c.op == "get_attr")):
             return x
     return None
-
-
-def fixed_factor_node(node: Any) -> bool:
-    """:func:`_fixed_factor_operand`'s rule on a captured (neutral) graph node: a product or
-    quotient, outside any module call, of one activation by one fixed factor (a Python number,
-    or a parameter or buffer).  That graph keeps no operand order, so a factor divided by the
-    activation passes too: its callers confirm by running."""
-    return not node.module and node.kind == "mul" and len(node.inputs) == 1 and \
-        node.const_operands + len(node.params) == 1
 
 
 def _fx_scales(gm: fx.GraphModule) -> _Scales:

@@ -209,3 +209,49 @@ def test_fold_tied_head_after_factor_over_activation_never_wrong(capture: str) -
         assert "tied weight" in str(e)
     else:
         assert d < 1e-5
+
+
+class _LayerScale(nn.Module):
+    """A block ending in a layer scale: ``self.fc(x) * self.gamma``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.gamma = nn.Parameter(torch.full((d,), 0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.gamma
+
+
+class _ResLS(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.b1, self.b2 = _LayerScale(d), _LayerScale(d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        x = x + self.b1(x)
+        x = x + self.b2(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("capture", ["eager", "export"])
+def test_layer_scale_branch_like_fx_and_folds(capture: str) -> None:
+    """``x + self.block(x)`` with the block ending in ``fc(x) * gamma``: fx scales fc's output
+    through the product (linear in it) and folds; the hooks' back ends skipped both residual
+    scales ("produced by a functional op", a different function from fx's). Now the scale
+    passes the product by a fixed factor (the fold rule, core.nodes.fixed_factor_node) to
+    ``fc``: fx's function, and it folds after training."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 8)
+    base = _ResLS()
+    rfx, _ = _pre(base, x, "fx")
+    r, rep = _pre(base, x, capture)
+    assert [w for w, _ in rep.skipped if "residual" in w] == []
+    assert float(r.b1.fc.precondfx_out_scale) == pytest.approx(1 / math.sqrt(2), rel=1e-6)
+    with torch.no_grad():
+        a, b = rfx(x), r(x)
+    assert (a - b).abs().max().item() <= 1e-5 * a.abs().max().item()
+    assert _train_fold_compare(r, _ResLS, x) < 1e-5

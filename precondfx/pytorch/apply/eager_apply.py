@@ -27,6 +27,7 @@ from precondfx.pytorch.apply.eager_output import (LOSS_BEFORE_SCALE,  # noqa: F4
                                                    _root_output_hook, internal_loss)  # hf)
 from precondfx.pytorch.apply.torch_backend import TorchBackend
 from precondfx.core.graph import Graph
+from precondfx.core.nodes import fixed_factor_node
 from precondfx.core.plan import Plan, Scale
 
 _PASS_THROUGH = ("relu", "leaky_relu", "prelu", "dropout", "avgpool", "mean", "neg", "reshape",
@@ -292,7 +293,10 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
             if cur.module and self.calls.get(cur.module, 0) == 1:
                 return cur.module
             walked.append(cur)
-            if cur.kind not in _PASS_THROUGH or len(cur.inputs) != 1:
+            # a positive residual scale passes homogeneous ops; any scale passes a product
+            # by a fixed factor (``self.fc(x) * self.gamma``, a layer scale)
+            if (cur.kind not in _PASS_THROUGH and not fixed_factor_node(cur)) or \
+                    len(cur.inputs) != 1:
                 break
             prev = cur.inputs[0]
             if len(self.users.get(prev, [])) != 1:
