@@ -255,3 +255,27 @@ def test_layer_scale_branch_like_fx_and_folds(capture: str) -> None:
         a, b = rfx(x), r(x)
     assert (a - b).abs().max().item() <= 1e-5 * a.abs().max().item()
     assert _train_fold_compare(r, _ResLS, x) < 1e-5
+
+
+@pytest.mark.parametrize("method", ["eager", "fx"])
+def test_fixed_factor_rule_on_captured_quotients(method: str) -> None:
+    """The rule's reading of every quotient spelling: ``h / c`` and ``h * c`` are linear in
+    ``h``; ``c / h`` (by a number or a parameter, ``torch.div(c, h)``) is not."""
+    from precondfx.core.nodes import fixed_factor_node
+    from precondfx.pytorch.capture import ladder
+    from precondfx.pytorch.capture.common import Sample
+
+    class Q(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.t = nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            return (2.0 / h) + (self.t / h) + (h / self.t) + (h / 2.0) + \
+                torch.div(self.t, h) + h * self.t
+    graph = ladder.capture(Q(), Sample((torch.randn(3, 4),), {}), (method,)).graph
+    got = [fixed_factor_node(n) for n in graph
+           if n.kind == "mul" or "div" in n.target.lower()]
+    assert got == [False, False, True, True, False, True]
