@@ -181,7 +181,20 @@ def build_node(name: str, spec: optable.OpSpec | None, target: str, args: list, 
                 params[f"operand{len(params)}"] = a.name
         elif isinstance(a, Const) or isinstance(a, (int, float)):
             nconst += 1
+    if spec.kind == "mul" and "div" in target.lower() and args and not isinstance(args[0], Act):
+        attrs["divides_by_activation"] = True       # c / x: not linear in x
     return Node(name=name, kind=spec.kind, target=target, inputs=inputs, params=params,
                 attrs=attrs, module=module, call_index=call_index,
                 out_shape=tuple(out_shape) if out_shape is not None else None,
                 in_shapes=list(in_shapes or []), const_operands=nconst)
+
+
+def fixed_factor_node(node: Node) -> bool:
+    """A product ``c * x``, ``x * c`` or quotient ``x / c``, outside any module call, of one
+    activation ``x`` by one fixed factor ``c`` (a Python number, or a parameter or buffer):
+    linear in ``x``, so a scale on ``x`` is the same scale on the result.  The one rule for
+    the captured graph (fold's walks and the hooks' back end's placements); fold's reading
+    of an fx GraphModule states it on fx nodes (``pytorch.folding._fixed_factor_operand``)."""
+    return not node.module and node.kind == "mul" and len(node.inputs) == 1 and \
+        node.const_operands + len(node.params) == 1 and \
+        not node.attrs.get("divides_by_activation")

@@ -63,6 +63,7 @@ from precondfx.pytorch.apply.common import PREFIX, scaled_operand
 from precondfx.pytorch.capture.common import leaves
 from precondfx.errors import PrecondError
 from precondfx.core.beta import CHAIN_OPS
+from precondfx.core.nodes import fixed_factor_node
 
 RECIPE = "_precondfx_recipe"
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm,
@@ -307,7 +308,8 @@ def _fixed_factor_operand(n: fx.Node) -> fx.Node | None:
     """The activation operand ``x`` of a product ``c * x``, ``x * c`` or quotient ``x / c`` by a
     fixed factor ``c`` (a Python number or a parameter or buffer read by ``get_attr``: a
     branch's ``0.5 * layer(x)``, a layer scale's ``layer(x) * self.gamma``), which is linear
-    in ``x``: a scale on the product is the same scale on ``x``; else None."""
+    in ``x``: a scale on the product is the same scale on ``x``; else None.  The same rule
+    on the captured graph is ``core.nodes.fixed_factor_node``."""
     if n.kwargs or len(n.args) != 2:
         return None
     if n.op == "call_function" and n.target in (operator.mul, torch.mul):
@@ -408,7 +410,8 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
                 continue
             desc = f"{src.op} {src.target}" if src.op != "placeholder" else "a model input"
             sc.problems.append((what, f"multiplies the output of {src.name} ({desc}), which "
-                                f"no module of your class can absorb exactly"))
+                                f"no module of your class can absorb exactly "
+                                f"({_remedy(None, what)})"))
     def shared_calls(by: dict[str, list[tuple[str, float]]], where: dict, side: str,
                      fits: Callable[[nn.Module], bool]) -> None:
         """A module called several times, scaled on one side at each call: its weights carry
@@ -533,15 +536,23 @@ def _settle_scales(sc: _Scales) -> None:
             sc.out.pop(mid, None)
 
 
+#: the option that leaves a constant out, by the constant's name: the eager back end's buffer
+#: on a module, or the fx back end's buffer prefix (``apply.common.buffer_name``: its tag)
 _REMEDIES = {PREFIX + "output_scale": "target_std=None: no output scale",
              PREFIX + "out_scale": "residual='none' for a residual branch scale",
-             PREFIX + "lr_scale": "lr_scale=None: no learning-rate multipliers"}
+             PREFIX + "lr_scale": "lr_scale=None: no learning-rate multipliers",
+             PREFIX + "output_": "target_std=None: no output scale",
+             PREFIX + "residual_": "residual='none' for a residual branch scale",
+             PREFIX + "lr_": "lr_scale=None: no learning-rate multipliers"}
 
 
-def _remedy(mod: nn.Module) -> str:
-    """What to do about an output scale no parameter of ``mod`` can carry: the option that
-    leaves out each of the constants it holds, or keeping the preconditioned model."""
-    opts = [r for b, r in _REMEDIES.items() if b in mod._buffers]
+def _remedy(mod: nn.Module | None, constant: str = "") -> str:
+    """What to do about a scale nothing can carry (the constants ``mod`` holds, or the fx
+    back end's ``constant``): the option that leaves each out, or keeping the preconditioned
+    model."""
+    held = list(mod._buffers) if mod is not None else []
+    opts = list(dict.fromkeys(r for b, r in _REMEDIES.items() if b in held or
+                              (constant and constant.startswith(b) and b.endswith("_"))))
     return ("to fold, precondition with " + "; or ".join(opts) + "; " if opts else "") + \
         "or keep the preconditioned model itself (torch.save(model) keeps the constants)"
 
@@ -940,14 +951,16 @@ def tied_upstream(model: nn.Module, graph: Any, run: Callable[[nn.Module], Any],
             continue
         cur = graph.get(n.inputs[0])
         # through value-preserving ops, an elementwise positively homogeneous op (ReLU,
-        # leaky ReLU, PReLU, dropout: f(c x) = c f(x), c > 0), a product with a Python number
-        # (T5 scales by d_model ** -0.5 before its tied head); the run check below confirms
+        # leaky ReLU, PReLU, dropout: f(c x) = c f(x), c > 0), a product with a fixed factor
+        # (T5 scales by d_model ** -0.5 before its tied head; a learned temperature) unless
+        # that factor is a normalization's or linear map's own weight (LlamaRMSNorm's
+        # ``weight * x``: that module takes the factor); the run check below confirms
         while cur is not None and len(cur.inputs) == 1 and \
                 len(users.get(cur.inputs[0], [])) == 1 and \
                 ((not cur.module and cur.kind in ("reshape", "cast", "select")) or
                  cur.kind in CHAIN_OPS or
-                 (not cur.module and cur.kind == "mul" and not cur.params and
-                  cur.const_operands == 1)):
+                 (fixed_factor_node(cur) and
+                  _norm_owner(model, cur, ("norm", "linear"), graph) is None)):
             cur = graph.get(cur.inputs[0])
         if cur is None or len(users.get(cur.name, [])) != 1:
             continue
