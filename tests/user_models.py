@@ -116,3 +116,19 @@ class SmallCNN(nn.Module):
         x = F.max_pool2d(F.relu(self.c1(x)), 2)
         x = F.relu(self.c2(x))
         return self.fc(x.mean((2, 3)))
+
+
+class AutoEncoder(nn.Module):
+    """An encoder and a decoder, each Linear-ReLU-Linear, and an ``encode`` method (a user
+    method returning a submodule's output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 8))
+        self.decoder = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 20))
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder(x))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import precondfx
-from tests.user_models import SmallCNN as _SmallCNN
+from tests.user_models import SmallCNN as _SmallCNN, AutoEncoder
 from precondfx.errors import PrecondError
 
 
@@ -232,26 +232,13 @@ def test_a_method_calling_a_layers_forward_directly_is_reported(capture: str) ->
     assert not any("__init__" in ln for ln in rep.result["forward_only"])
 
 
-class _AutoEncoder(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.encoder = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 8))
-        self.decoder = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 20))
-
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        return self.encoder(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.encoder(x))
-
-
 def test_a_method_returning_a_modules_output_leaves_the_next_layers_alpha_out() -> None:
     """The decoder's first alpha (on its input) was mirrored on the encoder's output, so
     ``encode`` returned the code times that alpha (relative change 1.6% from the folded
     model's ``encode``, also through AveragedModel and torch.compile)."""
     torch.manual_seed(0)
     x = torch.randn(32, 20)
-    pm, rep = precondfx.precondition(_AutoEncoder(), x, balance="hessian")
+    pm, rep = precondfx.precondition(AutoEncoder(), x, balance="hessian")
     assert rep.capture == "fx"
     assert abs(float(pm.get_buffer("precondfx_alpha_decoder_0")) - 1) > 0.005
     ref = precondfx.fold(pm)

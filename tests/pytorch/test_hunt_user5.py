@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import precondfx
+from tests.user_models import AutoEncoder
 from precondfx.errors import PrecondError
 
 
@@ -284,19 +285,6 @@ def test_a_flag_read_through_getattr_cannot_change_silently() -> None:
     assert torch.equal(pm(x), y)
 
 
-class _AE(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.encoder = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 8))
-        self.decoder = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 20))
-
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        return self.encoder(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.encoder(x))
-
-
 def test_the_result_line_says_a_submodule_called_from_a_script_runs_without_constants() -> None:
     """``result.encoder(x)`` in a script on the fx result runs without the constants the graph
     applies around the encoder's layers (0.09 relative from the folded model here; a method,
@@ -305,13 +293,14 @@ def test_the_result_line_says_a_submodule_called_from_a_script_runs_without_cons
     says it (fx only: the eager result's constants ride on the modules)."""
     torch.manual_seed(0)
     x = torch.randn(32, 20)
-    pm, rep = precondfx.precondition(_AE(), x, balance="hessian", lr=None)
+    pm, rep = precondfx.precondition(AutoEncoder(), x, balance="hessian", lr=None)
     assert rep.capture == "fx"
     ref = precondfx.fold(pm)
     assert _rel(pm.encode(x), ref.encode(x)) < 1e-5
     assert _rel(pm.encoder(x), ref.encoder(x)) > 1e-3      # what the line warns about
     assert "model.encoder(x)" in rep.result_line()
-    pe, rep_e = precondfx.precondition(_AE(), x, balance="hessian", lr=None, capture="eager")
+    pe, rep_e = precondfx.precondition(AutoEncoder(), x, balance="hessian", lr=None,
+                                       capture="eager")
     assert _rel(pe.encoder(x), precondfx.fold(pe).encoder(x)) < 1e-5
     assert "model.encoder(x)" not in rep_e.result_line()
 

@@ -392,9 +392,9 @@ class _TraceTimeCompute(TorchFunctionMode):
         kwargs = kwargs or {}
         name = _func_name(func)
         leaves_ = tree_leaves((args, kwargs))
+        hit = next((self.names[id(a)] for a in leaves_
+                    if isinstance(a, torch.Tensor) and id(a) in self.names), None)
         if name in _FROZEN_METADATA:
-            hit = next((self.names[id(a)] for a in leaves_
-                        if isinstance(a, torch.Tensor) and id(a) in self.names), None)
             if hit is not None:
                 raise _FrozenMetadata(
                     f"the forward reads the {name} of {hit} outside the traced graph (through "
@@ -403,8 +403,6 @@ class _TraceTimeCompute(TorchFunctionMode):
                     f"({func(*args, **kwargs)}): after model.to(another dtype or device) the "
                     f"graph would still use it: {_KEEP}")
         if name not in _METADATA and not any(isinstance(a, fx.Proxy) for a in leaves_):
-            hit = next((self.names[id(a)] for a in leaves_
-                        if isinstance(a, torch.Tensor) and id(a) in self.names), None)
             if hit is not None:
                 raise Unkeepable(
                     f"the forward computes on the values of {hit} outside the traced graph "
