@@ -126,8 +126,9 @@ def analyze(model: nn.Module, sample: Any, *, forward_kwargs: dict | None = None
     if given and not any(k in _forward_names(model) for k in given):
         raise PrecondError(
             f"analyze() got {', '.join(f'{k}=' for k in given)}: "
-            f"{'an argument' if len(given) == 1 else 'arguments'} of precondition(); analyze changes nothing and prints nothing (it returns the "
-            f"report of what precondition would do); drop {' and '.join(given)}")
+            f"{'an argument' if len(given) == 1 else 'arguments'} of precondition(); analyze "
+            f"changes nothing and prints nothing (it returns the report of what precondition "
+            f"would do); drop {' and '.join(given)}")
     fwd = split_keywords(model, {k: v for k, v in options.items() if k not in names},
                          forward_kwargs, names, "analyze")
     user = Options.from_keywords(**{k: v for k, v in options.items() if k in names})
