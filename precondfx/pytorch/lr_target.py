@@ -118,9 +118,27 @@ def keep_rate(model: nn.Module, graph: Any, plan: Any, lr_buffers: dict[str, lis
                           f"wants a rate that far from yours (the function is unchanged)")
     elif rate and abs(math.log2(rate / lr)) > 1.0 and not (ceiling and rate >= lr):
         out["warning"] = (f"lr=: the suggested {fam} rate reached {rate:.4g}, not {lr:.4g}: the "
-                          f"curvature sits on parameters outside the scaled layers")
+                          f"curvature sits on parameters outside the scaled layers"
+                          + _unscaled(model, plan, ok))
     plan.notes.append(out["summary"])
     return out
+
+
+def _unscaled(model: nn.Module, plan: Any, ok: dict[str, list[str]], most: int = 4) -> str:
+    """The modules holding trainable parameters the factor does not scale (a recurrent cell,
+    a normalization, a layer left out), named in the warning with what to do; "" if none."""
+    scaled = set(ok) | {lay.bias for lay in plan.layers if lay.weight in ok and lay.bias}
+    mods: list[str] = []
+    for name, p in model.named_parameters():
+        mod = name.rpartition(".")[0] or name
+        if p.requires_grad and name not in scaled and mod not in mods:
+            mods.append(mod)
+    if not mods:
+        return ""
+    more = f" and {len(mods) - most} more" if len(mods) > most else ""
+    return (f" ({', '.join(mods[:most])}{more}: the factor does not reach them, so they train "
+            f"at your rate, above what their curvature takes; give them a lower rate in a "
+            f"parameter group of their own)")
 
 
 def kept_for_adam(lr: float, optimizer: str) -> dict[str, Any]:

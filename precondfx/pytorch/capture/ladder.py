@@ -67,6 +67,38 @@ def unseen_parameters(model: torch.nn.Module, graph: Graph) -> list[str]:
     return [name for name, p in model.named_parameters() if id(p) not in ids]
 
 
+def _check_path(model: torch.nn.Module, sample: Sample, graph: Graph) -> None:
+    """Refuse a draft_export graph whose parameters are not those of the modules the sample's
+    own forward calls: its data-dependent branches were specialized on hints, not on the
+    sample (an MoE whose sample routes to experts 0 and 1 came out reading experts 0 and 7,
+    or 0, 1, 2 and 5).  The eager capture, next, follows the sample."""
+    called: list[str] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: called.append(name))
+             for name, m in model.named_modules() if name]
+    try:
+        with torch.no_grad():
+            model(*sample.copy().args, **sample.copy().kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    mods = dict(model.named_modules())
+    used = {id(p): f"{n}.{k}" for n in dict.fromkeys(called)
+            for k, p in mods[n].named_parameters(recurse=False)}
+    root = {id(p) for p in model.parameters(recurse=False)}
+    read = {p for n in graph for p in n.params.values()}
+    seen = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)
+            if name in read}
+    missed = [name for i, name in used.items() if i not in seen]
+    extra = [name for i, name in seen.items() if i not in used and i not in root]
+    if missed or extra:
+        said = ([f"never reads {', '.join(missed[:2])} ({len(missed)} in all), which the "
+                 f"sample's forward uses"] if missed else []) + \
+            ([f"reads {', '.join(extra[:2])} ({len(extra)} in all), which it does not"]
+             if extra else [])
+        raise RuntimeError(f"draft_export took other data-dependent branches than the "
+                           f"sample: its graph {'; it '.join(said)}")
+
+
 def capture(model: torch.nn.Module, sample: Sample, methods: tuple[str, ...] | list[str] = METHODS,
             mode: str = "train") -> Captured:
     """Try each capture method in turn; raise PrecondError if none works."""
@@ -106,6 +138,8 @@ def capture(model: torch.nn.Module, sample: Sample, methods: tuple[str, ...] | l
                         ep = export_capture.export(model, sample,
                                                    draft=method == "draft_export")
                     result = Captured(export_capture.to_graph(ep, model, method))
+                    if method == "draft_export" and not on_meta:
+                        _check_path(model, sample, result.graph)
                 else:
                     with fake():
                         graph, _ = eager_capture.capture(model, sample)
