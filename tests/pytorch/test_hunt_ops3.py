@@ -456,8 +456,9 @@ def test_the_suggested_rates_of_a_complex_weight_match_its_real_parametrization(
     torch.manual_seed(0)
     c = _ComplexOnly()
     r, x = _AsReal(c), _x(64, 6)
-    with torch.no_grad():
-        assert torch.equal(c(x), r(x))
+    with torch.no_grad():      # the same function; bit-equal only where the CPU's complex
+        a, b = c(x), r(x)      # matmul sums in the real model's order (not on an AVX2 EPYC)
+        assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max())
     s = make_sample(x)
     adam = [suggest_lr(m, s, iters=60, tol=0, families=("adam",))["adam"] for m in (c, r)]
     sgd = [suggest_lr(m, s, iters=60, tol=0, families=("sgd",))["sgd"] for m in (c, r)]
