@@ -1,0 +1,77 @@
+"""lr='auto' and calibration, fifth hunt: parameter groups at different rates, modules whose
+class name says 'Dropout' but hold layers.  Each test compares numbers that differed before
+its fix."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import precondfx
+from precondfx.pytorch.calibrate import is_stochastic, quiet_run
+from tests.pytorch.test_first_step import _data, _mlp, _train
+
+
+def test_a_head_group_at_a_far_higher_rate_is_lowered_for_its_own_rate():
+    """One SGD optimizer, the body at 0.01 and the head at 50: the ceiling was read from the
+    group holding most of the layers' weights (the body, 0.01), nothing was lowered and the
+    loss went 2.8 -> 51 in 20 steps.  Now each layer's rate is read from its own group."""
+    x, _ = _data()
+    model, rep = precondfx.precondition(_mlp(), x)
+    head = model[4]
+    body = [p for n, p in model.named_parameters() if not n.startswith("4.")]
+    opt = torch.optim.SGD([{"params": body, "lr": 0.01},
+                           {"params": head.parameters(), "lr": 50.0}])
+    losses = _train(model, opt, 20)
+    sec = rep.conditioning["lr_target"]
+    assert sec["factor"] < 0.5, sec["summary"]
+    assert losses[-1] < losses[0], losses
+
+
+def test_groups_at_one_rate_below_the_ceiling_keep_the_storage():
+    """The same two groups both at 0.01 (below the suggested rate): nothing changes."""
+    x, _ = _data()
+    model, rep = precondfx.precondition(_mlp(), x)
+    w = model[4].weight.detach().clone()
+    body = [p for n, p in model.named_parameters() if not n.startswith("4.")]
+    opt = torch.optim.SGD([{"params": body, "lr": 0.01},
+                           {"params": model[4].parameters(), "lr": 0.01}])
+    _train(model, opt, 1)
+    assert rep.conditioning["lr_target"]["factor"] == 1.0
+
+
+class MLPWithDropout(nn.Module):
+    """A user's model whose class name says 'Dropout': it holds layers and a hand-written
+    batch normalization that reads its own ``training`` flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(20, 64), nn.Linear(64, 10)
+        self.drop = nn.Dropout(0.1)
+        self.register_buffer("rm", torch.zeros(64))
+        self.register_buffer("rv", torch.ones(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x) + 3.0
+        h = F.batch_norm(h, self.rm, self.rv, training=self.training)
+        return self.fc2(self.drop(F.relu(h)))
+
+
+def test_a_model_class_named_with_dropout_is_not_dropout():
+    """``MLPWithDropout`` (parameters, children) was taken for dropout: calibration and the
+    measurements forced its own ``training`` flag off, so its forward ran in eval mode there
+    (its batch norm on running statistics).  Only torch's dropout classes and parameter-free
+    leaves whose name says so are dropout now."""
+    torch.manual_seed(0)
+    m = MLPWithDropout()
+    assert not is_stochastic(m)
+    assert is_stochastic(m.drop)
+    with quiet_run(m, "train"):
+        assert m.training and not m.drop.training
+    x, _ = _data()
+    res, _ = precondfx.precondition(MLPWithDropout(), x)
+    res.train()
+    res.drop.p = 0.0
+    with torch.no_grad():
+        std = res(x).std().item()
+    assert 0.5 < std < 2.0, std
