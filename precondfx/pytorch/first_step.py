@@ -12,8 +12,10 @@ its curvature: the suggested SGD rate ``1 / lambda``
 * at the first ``step()`` of a ``torch.optim.SGD`` holding the result's layers, before the
   update, the suggested SGD rate of the parameters it steps is measured on that batch.  When
   the optimizer's peak rate (a ``OneCycleLR``'s or ``CyclicLR``'s ``max_lr``, or
-  ``initial_lr`` where a scheduler set one, else ``lr``; the parameter group holding most of
-  the layers' weights) is above it, the layers' stored weights and biases are divided by one
+  ``initial_lr`` where a scheduler set one, else ``lr``; each layer's own parameter group:
+  groups at different rates are set one by one, each by the curvature of the parameters it
+  steps, the report's ``groups``) is above it, the layers' stored weights and biases are
+  divided by one
   factor ``c < 1`` and the multipliers multiplied by it (the same function), as ``lr=`` does
   (:mod:`precondfx.pytorch.lr_target`), so that the layers' effective rate is the suggested
   one; the gradients already computed are multiplied by ``c`` too (the gradient of the new
@@ -217,19 +219,33 @@ class Pending:
         if missing:
             return self._kept(opt, f"the model no longer holds its lr multipliers ({missing[0]}"
                                    f"; folded?): the storage is kept")
-        group = _main_group(opt, {id(_param(model, w)): _param(model, w).numel()
-                                  for w in weights})
-        lr = max(_peak(group), _cyclic_peak(opt, group))
-        if not (lr > 0 and math.isfinite(lr)):
-            return self._kept(opt, f"its rate {lr!r} is not a positive number (a warm-up set "
-                                   f"by hand?): the rate you train at is not known here: "
+        parts = _by_group(opt, model, weights)
+        rates = [max(_peak(g), _cyclic_peak(opt, g)) for g, _ in parts]
+        bad = [r for r in rates if not (r > 0 and math.isfinite(r))]
+        if bad:
+            return self._kept(opt, f"its rate {bad[0]!r} is not a positive number (a warm-up "
+                                   f"set by hand?): the rate you train at is not known here: "
                                    f"call precondfx.settle_rate(model, peak_lr) before the "
                                    f"first step, let a torch.optim.lr_scheduler do the warm-up "
                                    f"(its initial_lr is read), or pass lr= and "
                                    f"optimizer='sgd' to precondition", warn=True)
-        steps = {n for n, p in model.named_parameters() if id(p) in held}
-        sec = self.set(model, weights, lr, name, steps)
-        _watch(opt, self, group, lr, sec)
+        if len(set(rates)) == 1:        # one rate: the curvature of all it steps bounds it
+            steps = {n for n, p in model.named_parameters() if id(p) in held}
+            sec = self.set(model, weights, rates[0], name, steps)
+            _watch(opt, self, parts[0][0], rates[0], sec)
+            return self._rest(model, weights, sec)
+        # groups at different rates (a head at a higher rate than the body): each group's
+        # layers are set for that group's rate, by the curvature of the parameters it steps
+        # (the function is unchanged by one group's factor, so the order does not matter)
+        secs = []
+        for (group, ws), lr in sorted(zip(parts, rates), key=lambda t: -t[1]):
+            ids = {id(p) for p in group["params"]}
+            steps = {n for n, p in model.named_parameters() if id(p) in ids}
+            one = self.set(model, ws, lr, name, steps)
+            _watch(opt, self, group, lr, one)
+            one["group"] = opt.param_groups.index(group)
+            secs.append(one)
+        sec = _joined(secs)
         return self._rest(model, weights, sec)
 
     def _rest(self, model: nn.Module, weights: list[str], sec: dict[str, Any]
@@ -370,9 +386,35 @@ def _changed(rms: float, p: Any) -> bool:
     return abs(now - rms) > tol * max(rms, 1e-30)
 
 
-def _main_group(opt: torch.optim.Optimizer, sizes: dict[int, int]) -> dict[str, Any]:
-    """The parameter group holding most of the layers' weights (by element count)."""
-    return max(opt.param_groups, key=lambda g: sum(sizes.get(id(p), 0) for p in g["params"]))
+def _by_group(opt: torch.optim.Optimizer, model: nn.Module, weights: list[str]
+              ) -> list[tuple[dict[str, Any], list[str]]]:
+    """The parameter groups of ``opt`` holding some of ``weights``, each with those it holds
+    (a layer's rate is its own group's), in the optimizer's order."""
+    out = []
+    for g in opt.param_groups:
+        ids = {id(p) for p in g["params"]}
+        ws = [w for w in weights if id(_param(model, w)) in ids]
+        if ws:
+            out.append((g, ws))
+    return out
+
+
+def _joined(secs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report section for the first step of an optimizer whose parameter groups hold
+    layers at different rates: each group's section under ``groups``, the highest rate's
+    keys at the top, ``factor`` the smallest of the groups' factors."""
+    sec = dict(secs[0])
+    sec["groups"] = secs
+    sec["factor"] = min(float(s.get("factor", 1.0)) for s in secs)
+    sec["layers"] = sum(int(s.get("layers", 0)) for s in secs)
+    sec["summary"] = "; ".join(f"group {s['group']} ({s['layers']} layers): {s['summary']}"
+                               for s in secs)
+    warned = [s["warning"] for s in secs if s.get("warning")]
+    if warned:
+        sec["warning"] = "; ".join(warned)
+    else:
+        sec.pop("warning", None)
+    return sec
 
 
 def _peak(group: dict[str, Any]) -> float:
