@@ -26,10 +26,11 @@ its curvature: the suggested SGD rate ``1 / lambda``
   others acts on theirs (two optimizers, in either order, or stepped k:1 as a GAN's); where
   no optimizer's parameter group holds them by that optimizer's second step (trainable
   layers nobody steps) their storage is kept, the report says so (``unheld``) and the kept
-  batch is released.  The measurement runs in the calibration mode (dropout off), or, where
-  the model is in eval mode at that step, in each module's own mode (``model.eval()`` before
-  the loop: fine-tuning with frozen BatchNorm statistics trains that function; a part put
-  back in ``train()`` under it trains with its batch statistics), with autocast off (a
+  batch is released.  The measurement runs with each module in its own mode at that step,
+  dropout off, whatever the calibration mode (``model.eval()`` before the loop: fine-tuning
+  with frozen BatchNorm statistics trains that function; a part put back in ``train()``
+  under it trains with its batch statistics; ``calibration='eval'`` then a loop in train
+  mode trains the train-mode function), with autocast off (a
   step inside a bfloat16 ``torch.autocast`` region measures the float32 function the
   storage holds), on the kept batch in the model's dtype, or in its first layer's where
   parts were cast apart (a bfloat16 body under a float32 head).  A rate raised by hand
@@ -40,8 +41,9 @@ its curvature: the suggested SGD rate ``1 / lambda``
   a gradient clipped before that step (``clip_grad_norm_``) was clipped at the old storage,
   so the first step is ``c`` times the clipped one where ``lr=`` clips ``c`` times the
   gradient (the later steps are ``lr=``'s); and the measurement runs the model's forward
-  about 40 times per round, with the module hooks it holds (a hook you registered after
-  precondition that logs or accumulates sees those calls);
+  about 40 times per round, with the module hooks it holds (a hook that logs or accumulates
+  sees those calls, as it sees precondition's own: a hook is part of the function, never
+  skipped);
 * an optimizer of another family (Adam, AdamW: precondfx's storage already keeps the rate
   tuned for the framework's init there, heldout_cpu.md), resumed optimizer state, weights
   changed since precondition (a checkpoint loaded), several processes (each would measure its
@@ -277,11 +279,13 @@ class Pending:
         head fine-tuned alone, a second optimizer over the rest); None: all."""
         from precondfx.pytorch.measure.suggest import suggest_lr
         sample = _on_device(self.sample, model, self.graph)
-        # a model the user put in eval() before the loop (fine-tuning with frozen BatchNorm
-        # statistics) trains its eval-mode function: measured in that mode, not with the
-        # batch statistics of the calibration mode; parts put back in train() under it (a
-        # head's BatchNorm) keep their flag: each module in the mode the loop trains it in
-        mode = self.mode if model.training else OWN
+        # each module in the mode the loop trains it in (its flag now, dropout off), whatever
+        # the calibration mode: a model the user put in eval() before the loop (fine-tuning
+        # with frozen BatchNorm statistics) trains its eval-mode function, parts put back in
+        # train() under it (a head's BatchNorm) their batch statistics, and a model
+        # calibrated with calibration='eval' (a batch too small for batch statistics) but
+        # trained in train mode its train-mode function
+        mode = OWN
         bufs = {w: self.lr_buffers[w] for w in weights}
         now = self.report.measured.final(self.report.planned)
         edited = copy.deepcopy(now)

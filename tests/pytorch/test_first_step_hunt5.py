@@ -79,3 +79,25 @@ def test_a_model_class_named_with_dropout_is_not_dropout():
     with torch.no_grad():
         std = res(x).std().item()
     assert 0.5 < std < 2.0, std
+
+
+def test_calibration_eval_with_a_loop_in_train_mode_measures_the_train_function():
+    """``calibration='eval'`` (a batch too small for batch statistics at precondition), then a
+    loop in train mode: the first step measured the eval-mode function (running statistics
+    the loop never uses).  The first step measures each module in the mode the loop trains
+    it in, whatever the calibration mode."""
+    from tests.pytorch.test_first_step_hunt3 import _bn_mlp
+    from precondfx.pytorch import first_step
+    from precondfx.pytorch.measure.suggest import suggest_lr
+    x, y = _data()
+    model, rep = precondfx.precondition(_bn_mlp(), x, calibration="eval")
+    model.train()
+    kept = model.__dict__[first_step.ATTR].sample
+    by_hand = {m: suggest_lr(model, kept, mode=m, families=("sgd",))["sgd"]
+               for m in ("eval", "train")}
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    sec = rep.conditioning["lr_target"]
+    assert abs(by_hand["train"] / by_hand["eval"] - 1) > 0.5, by_hand
+    assert abs(sec["suggested_before"] / by_hand["train"] - 1) < 1e-6, (sec, by_hand)
