@@ -223,6 +223,11 @@ class Pending:
                                    f"; folded?): the storage is kept")
         parts = _by_group(opt, model, weights)
         rates = [max(_peak(g), _cyclic_peak(opt, g)) for g, _ in parts]
+        # a group at rate 0 beside groups at positive rates (layers frozen by their rate):
+        # its layers do not move, their storage is kept, said in the report
+        still = [ws for (_, ws), r in zip(parts, rates) if r == 0] \
+            if any(r > 0 for r in rates) else []
+        parts, rates = zip(*[(p, r) for p, r in zip(parts, rates) if r != 0 or not still])
         bad = [r for r in rates if not (r > 0 and math.isfinite(r))]
         if bad:
             return self._kept(opt, f"its rate {bad[0]!r} is not a positive number (a warm-up "
@@ -232,10 +237,11 @@ class Pending:
                                    f"(its initial_lr is read), or pass lr= and "
                                    f"optimizer='sgd' to precondition", warn=True)
         if len(set(rates)) == 1:        # one rate: the curvature of all it steps bounds it
-            steps = {n for n, p in model.named_parameters() if id(p) in held}
-            sec = self.set(model, weights, rates[0], name, steps)
+            ids = {id(p) for g, _ in parts for p in g["params"]} if still else held
+            steps = {n for n, p in model.named_parameters() if id(p) in ids}
+            sec = self.set(model, [w for _, ws in parts for w in ws], rates[0], name, steps)
             _watch(opt, self, parts[0][0], rates[0], sec)
-            return self._rest(model, weights, sec)
+            return self._rest(model, weights, _still(sec, still))
         # groups at different rates (a head at a higher rate than the body): each group's
         # layers are set for that group's rate, by the curvature of the parameters it steps
         # (the function is unchanged by one group's factor, so the order does not matter)
@@ -248,7 +254,7 @@ class Pending:
             one["group"] = opt.param_groups.index(group)
             secs.append(one)
         sec = _joined(secs)
-        return self._rest(model, weights, sec)
+        return self._rest(model, weights, _still(sec, still))
 
     def _rest(self, model: nn.Module, weights: list[str], sec: dict[str, Any]
               ) -> dict[str, Any]:
@@ -401,6 +407,17 @@ def _by_group(opt: torch.optim.Optimizer, model: nn.Module, weights: list[str]
         if ws:
             out.append((g, ws))
     return out
+
+
+def _still(sec: dict[str, Any], still: list[list[str]]) -> dict[str, Any]:
+    """``sec`` with the layers of parameter groups at rate 0 said (their storage kept)."""
+    ws = [w for part in still for w in part]
+    if ws:
+        sec["still"] = ws
+        sec["summary"] += (f"; {len(ws)} layers in parameter groups at rate 0 (e.g. {ws[0]}) "
+                           f"keep their storage: given a rate later, they train it without "
+                           f"the ceiling (call precondfx.settle_rate(model, lr) first there)")
+    return sec
 
 
 def _joined(secs: list[dict[str, Any]]) -> dict[str, Any]:

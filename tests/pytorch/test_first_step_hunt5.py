@@ -101,3 +101,19 @@ def test_calibration_eval_with_a_loop_in_train_mode_measures_the_train_function(
     sec = rep.conditioning["lr_target"]
     assert abs(by_hand["train"] / by_hand["eval"] - 1) > 0.5, by_hand
     assert abs(sec["suggested_before"] / by_hand["train"] - 1) < 1e-6, (sec, by_hand)
+
+
+def test_a_group_at_rate_zero_beside_a_high_rate_keeps_its_layers_and_lowers_the_others():
+    """A group at rate 0 (layers frozen by their rate) beside the rest at a rate above the
+    ceiling: the frozen group's layers keep their storage, the others are lowered."""
+    x, _ = _data()
+    model, rep = precondfx.precondition(_mlp(), x)
+    w0 = model[0].weight.detach().clone()
+    rest = [p for n, p in model.named_parameters() if not n.startswith("0.")]
+    opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.0},
+                           {"params": rest, "lr": 50.0}])
+    _train(model, opt, 1)
+    sec = rep.conditioning["lr_target"]
+    assert sec["factor"] < 0.5, sec["summary"]
+    assert sec["still"] == ["0.weight"]
+    assert torch.equal(model[0].weight.detach(), w0)
