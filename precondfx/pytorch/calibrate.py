@@ -25,7 +25,6 @@ from torch.overrides import TorchFunctionMode
 from precondfx.pytorch.capture.common import Sample, main_output
 from precondfx.pytorch.checks import is_out_of_memory
 from precondfx.core import calibration
-from precondfx.core.optable import stochastic_layer
 from precondfx.pytorch.ops import stochastic_leaf
 from precondfx.core.calibration import (SCALE_REFUSE, SCALE_WARN,  # noqa: F401 (re-exported)
                                         scale_warning, solve_output_scale)
@@ -36,10 +35,14 @@ _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropou
 
 
 def is_stochastic(m: nn.Module) -> bool:
-    """Dropout and its relatives (timm's DropPath, torchvision's StochasticDepth, DropBlock, a
-    parameter-free module holding ``drop_prob``: ``optable.stochastic_layer``; the dropout
-    between the layers of nn.LSTM/GRU/RNN): random in train mode, identity in eval mode."""
-    return isinstance(m, _DROPOUT) or stochastic_layer(type(m).__name__) or stochastic_leaf(m) \
+    """Dropout and its relatives: torch's dropout classes, a parameter-free leaf whose class
+    name or attributes say so (timm's DropPath, torchvision's StochasticDepth, DropBlock, a
+    module holding ``drop_prob``: ``optable.stochastic_layer`` via ``ops.stochastic_leaf``),
+    the dropout between the layers of nn.LSTM/GRU/RNN: random in train mode, identity in
+    eval mode.  A module with parameters or children is not, whatever its name (a user's
+    ``MLPWithDropout`` or ``ResidualDropoutBlock``: its own forward keeps its mode; the
+    dropout layers inside it are found on their own)."""
+    return isinstance(m, _DROPOUT) or stochastic_leaf(m) \
         or (isinstance(m, nn.RNNBase) and m.dropout > 0 and m.num_layers > 1)
 
 
@@ -205,8 +208,8 @@ def quiet_run(model: nn.Module, mode: str = "train") -> Iterator[None]:
     with preserved(model):
         set_mode(model, mode)
         for m in model.modules():
-            if is_stochastic(m):    # the module's own flag: a user block whose name says
-                m.training = False  # 'Dropout' keeps its BatchNorms' modes
+            if is_stochastic(m):    # dropout layers only: a user's block whose name says
+                m.training = False  # 'Dropout' keeps its own mode and its BatchNorms'
         yield
 
 

@@ -12,8 +12,10 @@ its curvature: the suggested SGD rate ``1 / lambda``
 * at the first ``step()`` of a ``torch.optim.SGD`` holding the result's layers, before the
   update, the suggested SGD rate of the parameters it steps is measured on that batch.  When
   the optimizer's peak rate (a ``OneCycleLR``'s or ``CyclicLR``'s ``max_lr``, or
-  ``initial_lr`` where a scheduler set one, else ``lr``; the parameter group holding most of
-  the layers' weights) is above it, the layers' stored weights and biases are divided by one
+  ``initial_lr`` where a scheduler set one, else ``lr``; each layer's own parameter group:
+  groups at different rates are set one by one, each by the curvature of the parameters it
+  steps, the report's ``groups``) is above it, the layers' stored weights and biases are
+  divided by one
   factor ``c < 1`` and the multipliers multiplied by it (the same function), as ``lr=`` does
   (:mod:`precondfx.pytorch.lr_target`), so that the layers' effective rate is the suggested
   one; the gradients already computed are multiplied by ``c`` too (the gradient of the new
@@ -24,10 +26,11 @@ its curvature: the suggested SGD rate ``1 / lambda``
   others acts on theirs (two optimizers, in either order, or stepped k:1 as a GAN's); where
   no optimizer's parameter group holds them by that optimizer's second step (trainable
   layers nobody steps) their storage is kept, the report says so (``unheld``) and the kept
-  batch is released.  The measurement runs in the calibration mode (dropout off), or, where
-  the model is in eval mode at that step, in each module's own mode (``model.eval()`` before
-  the loop: fine-tuning with frozen BatchNorm statistics trains that function; a part put
-  back in ``train()`` under it trains with its batch statistics), with autocast off (a
+  batch is released.  The measurement runs with each module in its own mode at that step,
+  dropout off, whatever the calibration mode (``model.eval()`` before the loop: fine-tuning
+  with frozen BatchNorm statistics trains that function; a part put back in ``train()``
+  under it trains with its batch statistics; ``calibration='eval'`` then a loop in train
+  mode trains the train-mode function), with autocast off (a
   step inside a bfloat16 ``torch.autocast`` region measures the float32 function the
   storage holds), on the kept batch in the model's dtype, or in its first layer's where
   parts were cast apart (a bfloat16 body under a float32 head).  A rate raised by hand
@@ -38,8 +41,9 @@ its curvature: the suggested SGD rate ``1 / lambda``
   a gradient clipped before that step (``clip_grad_norm_``) was clipped at the old storage,
   so the first step is ``c`` times the clipped one where ``lr=`` clips ``c`` times the
   gradient (the later steps are ``lr=``'s); and the measurement runs the model's forward
-  about 40 times per round, with the module hooks it holds (a hook you registered after
-  precondition that logs or accumulates sees those calls);
+  about 40 times per round, with the module hooks it holds (a hook that logs or accumulates
+  sees those calls, as it sees precondition's own: a hook is part of the function, never
+  skipped);
 * an optimizer of another family (Adam, AdamW: precondfx's storage already keeps the rate
   tuned for the framework's init there, heldout_cpu.md), resumed optimizer state, weights
   changed since precondition (a checkpoint loaded), several processes (each would measure its
@@ -217,20 +221,40 @@ class Pending:
         if missing:
             return self._kept(opt, f"the model no longer holds its lr multipliers ({missing[0]}"
                                    f"; folded?): the storage is kept")
-        group = _main_group(opt, {id(_param(model, w)): _param(model, w).numel()
-                                  for w in weights})
-        lr = max(_peak(group), _cyclic_peak(opt, group))
-        if not (lr > 0 and math.isfinite(lr)):
-            return self._kept(opt, f"its rate {lr!r} is not a positive number (a warm-up set "
-                                   f"by hand?): the rate you train at is not known here: "
+        parts = _by_group(opt, model, weights)
+        rates = [max(_peak(g), _cyclic_peak(opt, g)) for g, _ in parts]
+        # a group at rate 0 beside groups at positive rates (layers frozen by their rate):
+        # its layers do not move, their storage is kept, said in the report
+        still = [ws for (_, ws), r in zip(parts, rates) if r == 0] \
+            if any(r > 0 for r in rates) else []
+        parts, rates = zip(*[(p, r) for p, r in zip(parts, rates) if r != 0 or not still])
+        bad = [r for r in rates if not (r > 0 and math.isfinite(r))]
+        if bad:
+            return self._kept(opt, f"its rate {bad[0]!r} is not a positive number (a warm-up "
+                                   f"set by hand?): the rate you train at is not known here: "
                                    f"call precondfx.settle_rate(model, peak_lr) before the "
                                    f"first step, let a torch.optim.lr_scheduler do the warm-up "
                                    f"(its initial_lr is read), or pass lr= and "
                                    f"optimizer='sgd' to precondition", warn=True)
-        steps = {n for n, p in model.named_parameters() if id(p) in held}
-        sec = self.set(model, weights, lr, name, steps)
-        _watch(opt, self, group, lr, sec)
-        return self._rest(model, weights, sec)
+        if len(set(rates)) == 1:        # one rate: the curvature of all it steps bounds it
+            ids = {id(p) for g, _ in parts for p in g["params"]} if still else held
+            steps = {n for n, p in model.named_parameters() if id(p) in ids}
+            sec = self.set(model, [w for _, ws in parts for w in ws], rates[0], name, steps)
+            _watch(opt, self, parts[0][0], rates[0], sec)
+            return self._rest(model, weights, _still(sec, still))
+        # groups at different rates (a head at a higher rate than the body): each group's
+        # layers are set for that group's rate, by the curvature of the parameters it steps
+        # (the function is unchanged by one group's factor, so the order does not matter)
+        secs = []
+        for (group, ws), lr in sorted(zip(parts, rates), key=lambda t: -t[1]):
+            ids = {id(p) for p in group["params"]}
+            steps = {n for n, p in model.named_parameters() if id(p) in ids}
+            one = self.set(model, ws, lr, name, steps)
+            _watch(opt, self, group, lr, one)
+            one["group"] = opt.param_groups.index(group)
+            secs.append(one)
+        sec = _joined(secs)
+        return self._rest(model, weights, _still(sec, still))
 
     def _rest(self, model: nn.Module, weights: list[str], sec: dict[str, Any]
               ) -> dict[str, Any]:
@@ -261,11 +285,13 @@ class Pending:
         head fine-tuned alone, a second optimizer over the rest); None: all."""
         from precondfx.pytorch.measure.suggest import suggest_lr
         sample = _on_device(self.sample, model, self.graph)
-        # a model the user put in eval() before the loop (fine-tuning with frozen BatchNorm
-        # statistics) trains its eval-mode function: measured in that mode, not with the
-        # batch statistics of the calibration mode; parts put back in train() under it (a
-        # head's BatchNorm) keep their flag: each module in the mode the loop trains it in
-        mode = self.mode if model.training else OWN
+        # each module in the mode the loop trains it in (its flag now, dropout off), whatever
+        # the calibration mode: a model the user put in eval() before the loop (fine-tuning
+        # with frozen BatchNorm statistics) trains its eval-mode function, parts put back in
+        # train() under it (a head's BatchNorm) their batch statistics, and a model
+        # calibrated with calibration='eval' (a batch too small for batch statistics) but
+        # trained in train mode its train-mode function
+        mode = OWN
         bufs = {w: self.lr_buffers[w] for w in weights}
         now = self.report.measured.final(self.report.planned)
         edited = copy.deepcopy(now)
@@ -370,9 +396,46 @@ def _changed(rms: float, p: Any) -> bool:
     return abs(now - rms) > tol * max(rms, 1e-30)
 
 
-def _main_group(opt: torch.optim.Optimizer, sizes: dict[int, int]) -> dict[str, Any]:
-    """The parameter group holding most of the layers' weights (by element count)."""
-    return max(opt.param_groups, key=lambda g: sum(sizes.get(id(p), 0) for p in g["params"]))
+def _by_group(opt: torch.optim.Optimizer, model: nn.Module, weights: list[str]
+              ) -> list[tuple[dict[str, Any], list[str]]]:
+    """The parameter groups of ``opt`` holding some of ``weights``, each with those it holds
+    (a layer's rate is its own group's), in the optimizer's order."""
+    out = []
+    for g in opt.param_groups:
+        ids = {id(p) for p in g["params"]}
+        ws = [w for w in weights if id(_param(model, w)) in ids]
+        if ws:
+            out.append((g, ws))
+    return out
+
+
+def _still(sec: dict[str, Any], still: list[list[str]]) -> dict[str, Any]:
+    """``sec`` with the layers of parameter groups at rate 0 said (their storage kept)."""
+    ws = [w for part in still for w in part]
+    if ws:
+        sec["still"] = ws
+        sec["summary"] += (f"; {len(ws)} layers in parameter groups at rate 0 (e.g. {ws[0]}) "
+                           f"keep their storage: given a rate later, they train it without "
+                           f"the ceiling (call precondfx.settle_rate(model, lr) first there)")
+    return sec
+
+
+def _joined(secs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report section for the first step of an optimizer whose parameter groups hold
+    layers at different rates: each group's section under ``groups``, the highest rate's
+    keys at the top, ``factor`` the smallest of the groups' factors."""
+    sec = dict(secs[0])
+    sec["groups"] = secs
+    sec["factor"] = min(float(s.get("factor", 1.0)) for s in secs)
+    sec["layers"] = sum(int(s.get("layers", 0)) for s in secs)
+    sec["summary"] = "; ".join(f"group {s['group']} ({s['layers']} layers): {s['summary']}"
+                               for s in secs)
+    warned = [s["warning"] for s in secs if s.get("warning")]
+    if warned:
+        sec["warning"] = "; ".join(warned)
+    else:
+        sec.pop("warning", None)
+    return sec
 
 
 def _peak(group: dict[str, Any]) -> float:
