@@ -316,8 +316,9 @@ def make_sample(sample: Any, forward_kwargs: Mapping | None = None) -> Sample:
         return Sample((), {**dict(sample), **extra})
     if hasattr(sample, "__array__") or hasattr(sample, "__array_interface__"):
         raise PrecondError(
-            f"sample is a {type(sample).__name__} (an array, not a torch tensor): convert it, "
-            f"precondition(model, torch.as_tensor(x)) (images often also need .float())")
+            f"sample is a {type(sample).__name__} (an array, not a torch tensor): pass it as a "
+            f"tensor, precondition(model, torch.as_tensor(x)) (images often also need "
+            f".float())")
     if not isinstance(sample, (str, bytes)) and (hasattr(sample, "__iter__") or
                                                  hasattr(sample, "__getitem__")):
         raise PrecondError(
