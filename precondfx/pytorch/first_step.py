@@ -494,8 +494,10 @@ def _dtypes_said(model: nn.Module, graph: Any) -> str:
 def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The global step pre-hook: fire what the stepping optimizer holds; cheap for the others
     (an optimizer found holding nothing pending is remembered until its parameters change)."""
-    if not _PENDING:            # every pending result fired or was collected
-        _release()
+    # every pending result fired or was collected: the hook stays registered (cheap), since
+    # removing it here, inside torch's loop over the global hooks, breaks that loop
+    # ("OrderedDict mutated during iteration") when another hook was registered after it
+    if not _PENDING:
         return None
     for pend in list(_PENDING):     # a second step of an optimizer that left layers pending
         if opt in pend.fired:
@@ -512,8 +514,6 @@ def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             pend.fire(opt, m, ids)
     if not hit:
         _NOT_MINE[opt] = count
-    if not _PENDING:
-        _release()
     return None
 
 
@@ -577,13 +577,6 @@ class _RateWatch:
             sec["raised"] = text
             sec["summary"] = f"{sec['summary']}; later: {text}"
         return None
-
-
-def _release() -> None:
-    global _HANDLE
-    if _HANDLE is not None:
-        _HANDLE.remove()
-        _HANDLE = None
 
 
 def arm(model: nn.Module, graph: Any, plan: Any, report: Any, lr_buffers: dict[str, list[str]],
