@@ -494,10 +494,8 @@ def _dtypes_said(model: nn.Module, graph: Any) -> str:
 def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The global step pre-hook: fire what the stepping optimizer holds; cheap for the others
     (an optimizer found holding nothing pending is remembered until its parameters change)."""
-    # every pending result fired or was collected: the hook stays registered (cheap), since
-    # removing it here, inside torch's loop over the global hooks, breaks that loop
-    # ("OrderedDict mutated during iteration") when another hook was registered after it
-    if not _PENDING:
+    if not _PENDING:            # every pending result fired or was collected
+        _release_after(opt)
         return None
     for pend in list(_PENDING):     # a second step of an optimizer that left layers pending
         if opt in pend.fired:
@@ -514,6 +512,8 @@ def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             pend.fire(opt, m, ids)
     if not hit:
         _NOT_MINE[opt] = count
+    if not _PENDING:
+        _release_after(opt)
     return None
 
 
@@ -577,6 +577,27 @@ class _RateWatch:
             sec["raised"] = text
             sec["summary"] = f"{sec['summary']}; later: {text}"
         return None
+
+
+def _release() -> None:
+    global _HANDLE
+    if _HANDLE is not None:
+        _HANDLE.remove()
+        _HANDLE = None
+
+
+def _release_after(opt: torch.optim.Optimizer) -> None:
+    """Remove the global hook once this step of ``opt`` is over: removing it in
+    :func:`_pre_step`, inside torch's loop over the global step pre-hooks, breaks that loop
+    ("OrderedDict mutated during iteration") when a hook was registered after it.  A step
+    post-hook of ``opt``, the last it holds, does it and removes itself."""
+    handle: list[Any] = []
+
+    def post(o: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        handle.pop().remove()
+        if not _PENDING:
+            _release()
+    handle.append(opt.register_step_post_hook(post))
 
 
 def arm(model: nn.Module, graph: Any, plan: Any, report: Any, lr_buffers: dict[str, list[str]],
