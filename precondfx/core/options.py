@@ -272,7 +272,9 @@ class Options:
     built, frozen afterwards (use :func:`resolve` or ``dataclasses.replace`` to change one)."""
 
     init: str = _opt("geometric", one_of(*INIT_RULES, "keep"),
-                     "weight initialization rule (Sec. 6; keep: leave the weights)", cli=True)
+                     "weight initialization rule (Sec. 6; keep: leave the weight matrices; "
+                     "biases still start at 0 and norm gains at 1, Sec. 6: "
+                     "reinit_weights=False keeps every value)", cli=True)
     maxpool: str = _opt("stride", one_of(*MAXPOOL_MODES),
                         "max-pool replacement: fold the stride into the conv before it when "
                         "possible, else a strided conv (stride); always a conv; average pool; "

@@ -558,7 +558,7 @@ def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The global step pre-hook: fire what the stepping optimizer holds; cheap for the others
     (an optimizer found holding nothing pending is remembered until its parameters change)."""
     if not _PENDING:            # every pending result fired or was collected
-        _release()
+        _release_after(opt)
         return None
     for pend in list(_PENDING):     # a second step of an optimizer that left layers pending
         if opt in pend.fired:
@@ -576,7 +576,7 @@ def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if not hit:
         _NOT_MINE[opt] = count
     if not _PENDING:
-        _release()
+        _release_after(opt)
     return None
 
 
@@ -647,6 +647,20 @@ def _release() -> None:
     if _HANDLE is not None:
         _HANDLE.remove()
         _HANDLE = None
+
+
+def _release_after(opt: torch.optim.Optimizer) -> None:
+    """Remove the global hook once this step of ``opt`` is over: removing it in
+    :func:`_pre_step`, inside torch's loop over the global step pre-hooks, breaks that loop
+    ("OrderedDict mutated during iteration") when a hook was registered after it.  A step
+    post-hook of ``opt``, the last it holds, does it and removes itself."""
+    handle: list[Any] = []
+
+    def post(o: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        handle.pop().remove()
+        if not _PENDING:
+            _release()
+    handle.append(opt.register_step_post_hook(post))
 
 
 def arm(model: nn.Module, graph: Any, plan: Any, report: Any, lr_buffers: dict[str, list[str]],

@@ -597,6 +597,8 @@ def finish(st: TorchState) -> None:
                 f"{', ...' if len(added) > 4 else ''}: the convolutions that replace max-pools) "
                 f"are in your model now: an optimizer built before this call does not hold "
                 f"them, so build it after precondition"))
+            # and one that holds the rest of the model is refused at its first step
+            user_class.guard_added(st.result, added)
     st.say("recording how to fold the constants back into the weights")
     record(st.result, st.work, st.backend, st.graph, lambda m: run_on(m, st.sample, "eval"))
     if hf_checkpoints.is_transformers_model(st.result):   # config entry, checkpoint folding

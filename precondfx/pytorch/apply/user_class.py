@@ -74,6 +74,9 @@ MIRRORS = "_precondfx_mirrors"
 #: back end's ``_PASS_THROUGH``)
 PASS_THROUGH = ("relu", "leaky_relu", "prelu", "dropout", "avgpool", "mean", "neg", "reshape",
                 "select", "pad", "cast")
+#: the attribute recording the graph's inputs that the sample gave as tensors and the graph
+#: reads: ((position, name), ...); None in their place cannot run the graph (:func:`_check_args`)
+NEEDED = "_precondfx_tensor_inputs"
 #: GraphModule's own state in ``__dict__`` (never taken from the user's model)
 _GM_KEYS = {"_graph", "_code", "_lineno_map", "_prologue_start", "_tracer_cls",
             "_tracer_extras", "meta", "_in_spec", "_out_spec", "_erased", "training",
@@ -110,6 +113,9 @@ def _gated(fn: Any) -> Any:
         through = self.__dict__.get(THROUGH)
         if through:
             _check_hooks(through)
+        needed = self.__dict__.get(NEEDED)
+        if needed:
+            _check_args(self, needed, args, kwargs)
         c = _counts(self)
         if c is None or not c[0]:   # training: no method of this thread's, nothing to do
             return fn(self, *args, **kwargs)
@@ -120,6 +126,37 @@ def _gated(fn: Any) -> Any:
             c[1] -= 1
     forward._precondfx_gated = True  # type: ignore[attr-defined]
     return forward
+
+
+def _needed_inputs(gm: fx.GraphModule) -> tuple[tuple[int, str], ...]:
+    """The graph's inputs (position, name) that the sample gave as tensors and the graph reads
+    (a placeholder's ``meta['type']``, recorded by the trace)."""
+    out = []
+    for i, n in enumerate(gm.graph.nodes):
+        if n.op != "placeholder":
+            break
+        t = n.meta.get("type")
+        if n.users and isinstance(t, type) and issubclass(t, torch.Tensor) and \
+                not str(n.target).startswith("*"):
+            out.append((i, str(n.target)))
+    return tuple(out)
+
+
+def _check_args(self: nn.Module, needed: tuple, args: tuple, kwargs: dict) -> None:
+    """Refuse None (or nothing) for an input the traced graph computes with: the graph followed
+    the branch of the user's forward that the sample's tensor took, and would fail inside it
+    (``Tensor * NoneType``) or compute the wrong branch."""
+    for i, name in needed:
+        v = args[i] if i < len(args) else kwargs.get(name)
+        if v is None:
+            from precondfx.errors import PrecondError
+            raise PrecondError(
+                f"{self._get_name()}.forward was called without {name!r} (None), but "
+                f"precondition traced it from a sample that gave {name!r} as a tensor: the "
+                f"graph holds the path your forward takes with {name!r} and cannot take the "
+                f"other one. Pass {name!r} on every call, or precondition with a sample that "
+                f"leaves {name!r} out (the model then keeps your forward, whose branches both "
+                f"run with the constants), or precondition one model per call pattern")
 
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -135,6 +172,16 @@ def _source_tree(fn: Any) -> ast.AST | None:
         return ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
     except (OSError, TypeError, SyntaxError, IndentationError):
         return None
+
+
+def _self_name(tree: ast.AST | None) -> str:
+    """The name a method's source gives its instance (its first parameter: ``self`` by
+    convention, ``this`` or ``m`` in some code); ``self`` where there is none."""
+    for n in ast.walk(tree) if tree is not None else ():
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = n.args.posonlyargs + n.args.args
+            return a[0].arg if a else "self"
+    return "self"
 
 
 #: the most plain leaves a container the traced forward read may hold to be checked (copied at
@@ -283,12 +330,13 @@ def traced_reads(res: fx.GraphModule, unchecked: list[str] | None = None) -> tup
             tree = _source_tree(fn.fget if isinstance(fn, property) else getattr(cls, meth, None))
             if tree is None:
                 continue
+            me = _self_name(tree)
             for n in ast.walk(tree):
                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and \
-                        isinstance(n.value.value, ast.Name) and n.value.value.id == "self":
+                        isinstance(n.value.value, ast.Name) and n.value.value.id == me:
                     names.add(f"{n.value.attr}.{n.attr}")    # self.config.return_dict
                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and \
-                        n.value.id == "self" and isinstance(n.ctx, ast.Load):
+                        n.value.id == me and isinstance(n.ctx, ast.Load):
                     names.add(n.attr)
                     if isinstance(getattr(cls, n.attr, None), (types.FunctionType, property)) \
                             and n.attr not in seen:
@@ -298,10 +346,10 @@ def traced_reads(res: fx.GraphModule, unchecked: list[str] | None = None) -> tup
                         n.func.id == "getattr" and len(n.args) >= 2 and \
                         isinstance(n.args[1], ast.Constant) and isinstance(n.args[1].value, str):
                     obj = n.args[0]
-                    if isinstance(obj, ast.Name) and obj.id == "self":
+                    if isinstance(obj, ast.Name) and obj.id == me:
                         names.add(n.args[1].value)
                     elif isinstance(obj, ast.Attribute) and isinstance(obj.value, ast.Name) \
-                            and obj.value.id == "self":
+                            and obj.value.id == me:
                         names.add(f"{obj.attr}.{n.args[1].value}")
         # a field (self.config.return_dict) before the object holding it: its message is
         # the more precise
@@ -328,6 +376,7 @@ def traced_reads(res: fx.GraphModule, unchecked: list[str] | None = None) -> tup
 
 def _recompile(self: fx.GraphModule) -> Any:
     code = fx.GraphModule.recompile(self)
+    self.__dict__[NEEDED] = _needed_inputs(self)
     cls = type(self)
     cls.forward = _gated(cls.forward)
     return code
@@ -488,21 +537,33 @@ def _in_generator(fn: Any) -> Any:
 
 def _user_methods(user_cls: type) -> dict[str, Any]:
     """The plain functions the user's class and its bases (up to ``nn.Module``) define, other
-    than ``forward`` and special methods, each wrapped by :func:`_in_method`."""
+    than ``forward`` and special methods, each wrapped by :func:`_in_method`; the getters of its
+    properties and ``functools.cached_property`` too (``self.embeddings`` computed by calling
+    ``self.encoder``), as the first class in the MRO defines each name."""
     out: dict[str, Any] = {}
+    seen: set[str] = set()
     for klass in user_cls.__mro__:
         if klass in (nn.Module, object) or issubclass(nn.Module, klass):
             continue
         for name, v in vars(klass).items():
-            if name in out or name == "forward" or name.startswith("__") or \
-                    not inspect.isfunction(v) or hasattr(fx.GraphModule, name):
+            if name in seen:
                 continue
-            out[name] = _in_generator(v) if inspect.isgeneratorfunction(v) else _in_method(v)
+            seen.add(name)
+            if name == "forward" or name.startswith("__") or hasattr(fx.GraphModule, name):
+                continue
+            if inspect.isfunction(v):
+                out[name] = (_in_generator(v) if inspect.isgeneratorfunction(v)
+                             else _in_method(v))
+            elif isinstance(v, property) and v.fget is not None:
+                out[name] = v.getter(_in_method(v.fget))
+            elif isinstance(v, functools.cached_property):
+                out[name] = functools.cached_property(_in_method(v.func))
     return out
 
 
-def _self_path(node: ast.AST) -> str | None:
-    """``self.a.b[0]`` -> ``"a.b.0"`` (attribute and constant-index chains from ``self``)."""
+def _self_path(node: ast.AST, me: str = "self") -> str | None:
+    """``self.a.b[0]`` -> ``"a.b.0"`` (attribute and constant-index chains from ``self``, by
+    the name ``me`` the method gives it)."""
     parts: list[str] = []
     while True:
         if isinstance(node, ast.Attribute):
@@ -512,7 +573,7 @@ def _self_path(node: ast.AST) -> str | None:
                 isinstance(node.slice.value, (int, str)):
             parts.append(str(node.slice.value))
             node = node.value
-        elif isinstance(node, ast.Name) and node.id == "self" and parts:
+        elif isinstance(node, ast.Name) and node.id == me and parts:
             return ".".join(reversed(parts))
         else:
             return None
@@ -555,20 +616,24 @@ def direct_reads(user_cls: type, paths: set[str]) -> list[str]:
             # forward: the trace sees it; __init__ and other special methods do not compute
             # on the result (``self.out.weight = self.emb.weight`` ties, it reads nothing)
             skip = name == "forward" or (name.startswith("__") and name.endswith("__"))
+            # a property's getter computes on the result like a method (its mirror hooks)
+            fn = fn.fget if isinstance(fn, property) else \
+                fn.func if isinstance(fn, functools.cached_property) else fn
             tree = _source_tree(fn) if not skip else None
             if tree is None:
                 continue
+            me = _self_name(tree)
             parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
             reads: dict[str, set[str]] = {}
             forwards: set[str] = set()
             for n in ast.walk(tree):
                 if isinstance(n, ast.Attribute) and n.attr in ("weight", "bias") and \
                         isinstance(n.ctx, ast.Load) and _computes(n, parent) and \
-                        (p := _self_path(n.value)) in paths:
+                        (p := _self_path(n.value, me)) in paths:
                     reads.setdefault(p, set()).add(n.attr)
                 # self.head.forward(h): the module's hooks (the constants' mirror) do not run
                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and \
-                        n.func.attr == "forward" and (p := _self_path(n.func.value)) in paths:
+                        n.func.attr == "forward" and (p := _self_path(n.func.value, me)) in paths:
                     forwards.add(p)
             lines = [f"method {name} reads "
                      f"{' and '.join(f'self.{p}.{a}' for a in sorted(reads[p], reverse=True))} "
@@ -999,3 +1064,53 @@ def guard_optimizers(source: nn.Module, result: nn.Module) -> None:
     if _STEP_HOOK is None and _SOURCES:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
         _STEP_HOOK = register_optimizer_step_pre_hook(_stale_optimizer)
+
+
+#: model rewritten in place -> names of the parameters precondition added to it (a max-pool's
+#: replacement convolution), for :func:`_missing_new`
+_ADDED: "weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+_CHECKED_ADDED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_ADDED_HOOK: Any = None
+
+
+def _missing_new(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global step pre-hook: refuse an optimizer that holds every parameter a model rewritten
+    in place had before ``precondition`` but not those it added, once they have a gradient:
+    built before the call, it would never move them (the new layers stay at their init)."""
+    if not _ADDED or opt in _CHECKED_ADDED:
+        return
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    pending = False
+    for model, names in list(_ADDED.items()):
+        params = dict(model.named_parameters())
+        new = {n: params[n] for n in names if n in params}
+        old = [p for n, p in params.items() if n not in new and p.requires_grad]
+        if not old or not all(id(p) in held for p in old):
+            continue                # not an optimizer over that whole model
+        missing = [n for n, p in new.items() if p.requires_grad and id(p) not in held]
+        if not missing:
+            continue
+        if all(new[n].grad is None for n in missing):
+            pending = True          # no gradient yet: looked at again at the next step
+            continue
+        from precondfx.errors import PrecondError
+        raise PrecondError(
+            f"this {type(opt).__name__} holds every parameter {model._get_name()} had before "
+            f"precondfx.precondition(..., inplace=True), but not the {len(missing)} it added "
+            f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}: the convolutions "
+            f"that replace max-pools): it was built before the call, and this step would leave "
+            f"them at their init. Build the optimizer after precondition "
+            f"(opt = {type(opt).__name__}(model.parameters(), ...)), add them "
+            f"(opt.add_param_group({{'params': [...]}})), or pass maxpool='keep'")
+    if not pending:
+        _CHECKED_ADDED.add(opt)
+
+
+def guard_added(model: nn.Module, names: list[str]) -> None:
+    """Remember the parameters ``precondition(..., inplace=True)`` added to ``model``, for
+    :func:`_missing_new` (registered once, globally)."""
+    _ADDED[model] = tuple(names)
+    global _ADDED_HOOK
+    if _ADDED_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _ADDED_HOOK = register_optimizer_step_pre_hook(_missing_new)
