@@ -84,3 +84,40 @@ def test_model_preconditioned_with_its_labels_still_runs_without_them(case: str)
     main = plain["logits"] if isinstance(plain, dict) else plain
     assert abs(float(main.std()) - 1.0) < 0.2, float(main.std())
     assert rep.capture != "fx", rep.capture
+
+
+class HyperLinear(nn.Module):
+    """A hypernetwork: ``hyper`` maps a learned code to every weight of ``target``, which runs
+    on them through ``torch.func.functional_call`` (its own parameters are never read)."""
+
+    def __init__(self, dz: int = 4, din: int = 10, dout: int = 6) -> None:
+        super().__init__()
+        self.target = nn.Linear(din, dout)
+        n = sum(p.numel() for p in self.target.parameters())
+        self.hyper = nn.Sequential(nn.Linear(dz, 32), nn.ReLU(), nn.Linear(32, n))
+        self.z = nn.Parameter(torch.randn(dz))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat, weights, i = self.hyper(self.z), {}, 0
+        for name, p in self.target.named_parameters():
+            weights[name] = flat[i:i + p.numel()].view_as(p)
+            i += p.numel()
+        return torch.func.functional_call(self.target, weights, (x,))
+
+
+def test_fold_refuses_a_scale_on_a_module_run_on_borrowed_weights() -> None:
+    """The output scale (0.355) sits on ``target``'s output; fold multiplied it into
+    target.weight/bias, which functional_call never reads: the folded model's output std was
+    2.83 against the result's 1.00 (max relative error 2.68), silently.  The run at
+    precondition now records modules whose parameter slots hold other tensors when called, and
+    fold refuses their factors, saying why."""
+    torch.manual_seed(0)
+    model = HyperLinear()
+    x = torch.randn(16, 10, generator=torch.Generator().manual_seed(0))
+    res, rep = _quiet(precondfx.precondition, model, x, seed=0)
+    assert isinstance(res, HyperLinear)
+    assert abs(float(res(x).std()) - 1.0) < 0.1
+    problems = precondfx.pytorch.folding.fold_problems(res)
+    assert any(w == "target.weight" and "functional_call" in why for w, why in problems), problems
+    with pytest.raises(precondfx.errors.PrecondError, match="functional_call"):
+        precondfx.fold(res)
