@@ -93,17 +93,22 @@ class Recipe:
     #: slot of a tied parameter that a called module holds but never reads itself (BERT's
     #: ``cls.predictions.bias``: only its ``decoder`` reads the tensor)
     idle: list[str] = field(default_factory=list)
+    #: modules whose forward ran on weights other than their own parameters (a hypernetwork's
+    #: ``torch.func.functional_call(self.target, weights, x)``): a factor multiplied into their
+    #: parameters would not reach what they compute
+    borrowed: list[str] = field(default_factory=list)
 
     def __deepcopy__(self, memo: dict) -> "Recipe":
         return Recipe(copy.deepcopy(self.source, memo), list(self.structural),
-                      dict(self.upstream), dict(self.pending), list(self.idle))
+                      dict(self.upstream), dict(self.pending), list(self.idle),
+                      list(self.borrowed))
 
     def __getstate__(self) -> dict:   # pickling drops the source (pass source= to fold)
         return {"source": None, "structural": self.structural, "upstream": self.upstream,
-                "pending": self.pending, "idle": self.idle}
+                "pending": self.pending, "idle": self.idle, "borrowed": self.borrowed}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update({"pending": {}, "idle": [], **state})
+        self.__dict__.update({"pending": {}, "idle": [], "borrowed": [], **state})
 
 
 def recipe_of(model: nn.Module) -> Recipe | None:
@@ -743,6 +748,15 @@ def _plan(model: nn.Module, source: nn.Module | None) -> tuple[dict[str, float],
         sc = _eager_scales(model, recipe)
     problems = _structural(view, recipe, same)
     factors = _param_factors(model, sc)
+    borrowed = set(recipe.borrowed) if recipe is not None else set()
+    for name, f in factors.items():
+        path = name.rpartition(".")[0]
+        if path in borrowed and not _close(f, 1.0):
+            problems.append((name, f"{path or 'the model'} runs on weights passed in at call "
+                             f"time (torch.func.functional_call or a stateless call), not on "
+                             f"its own {name}: the factor {f:.6g} multiplied into {name} would "
+                             f"not reach what it computes; keep the preconditioned model itself "
+                             f"(torch.save(model) keeps the constants)"))
     return factors, problems + sc.problems, src
 
 
@@ -1051,6 +1065,31 @@ def idle_tied(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[str]:
     return idle + _idle_slots(model, holders, idle, run)
 
 
+def borrowed_weights(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[str]:
+    """Modules that, when the forward calls them, hold tensors other than their own parameters
+    in their parameter slots (``torch.func.functional_call`` swaps them in for the call), found
+    by running with hooks; none on the meta device."""
+    own = {path: dict(mod._parameters) for path, mod in model.named_modules()
+           if any(p is not None for p in mod._parameters.values())}
+    if not own or any(p.device.type == "meta" for p in model.parameters()):
+        return []
+    seen: set[str] = set()
+
+    def hook(mod: nn.Module, args: Any, path: str) -> None:
+        if any(mod._parameters.get(k) is not p for k, p in own[path].items()):
+            seen.add(path)
+    handles = [model.get_submodule(path).register_forward_pre_hook(
+        lambda mod, args, path=path: hook(mod, args, path)) for path in own]
+    try:
+        run(model)
+    except Exception:   # the model does not run that way: nothing found
+        return []
+    finally:
+        for h in handles:
+            h.remove()
+    return sorted(seen)
+
+
 def _leaves(out: Any) -> list[torch.Tensor]:
     """The tensors of a model output (nested tuples, lists, dicts, ModelOutputs)."""
     return [t for t in leaves(out) if isinstance(t, torch.Tensor)]
@@ -1224,11 +1263,12 @@ def record(result: nn.Module, traced: nn.Module, applier: Any, graph: Any,
     layers' inputs (eager)."""
     structural = [a for a in applier.applied if " replaced by " in a or " folded into " in a]
     if isinstance(result, fx.GraphModule):
-        rec = Recipe(traced, structural, idle=idle_tied(result, run))
+        rec = Recipe(traced, structural, idle=idle_tied(result, run),
+                     borrowed=borrowed_weights(result, run))
     else:
         on_meta = any(p.device.type == "meta" for p in result.parameters())
         pending: dict[str, str] | None = {} if on_meta else None
         rec = Recipe(None, structural, tied_upstream(result, graph, run, pending),
-                     pending or {}, idle_tied(result, run))
+                     pending or {}, idle_tied(result, run), borrowed_weights(result, run))
     attach(result, rec)
     return rec

@@ -619,6 +619,11 @@ def check_same(gm: fx.GraphModule, model: torch.nn.Module, sample: Sample) -> No
             torch.manual_seed(0)
             return tree_flatten(sample.call(m))
 
+    def once_on(m: torch.nn.Module, s: Sample) -> Any:
+        with preserved(m), torch.no_grad(), NoDropout():
+            torch.manual_seed(0)
+            return tree_flatten(s.call(m))
+
     (a, spec_a), (b, spec_b) = once(model), once(gm)
     dc = next((x for x in a if is_dataclass_output(x) and not hasattr(x, "__getitem__")), None)
     if dc is not None:
@@ -644,6 +649,44 @@ def check_same(gm: fx.GraphModule, model: torch.nn.Module, sample: Sample) -> No
                          f"sample ({why}): the forward uses a construct the trace does not "
                          f"record (a context manager, a hook, Python-level state or "
                          f"randomness): {_KEEP}")
+    for name, without in _optional_inputs_left_out(model, sample):
+        try:
+            a2, spec2 = once_on(model, without)
+        except Exception:   # the forward itself needs the input: nothing the graph must keep
+            continue
+        try:
+            b2, spec_b2 = once_on(gm, without)
+            same = spec2 == spec_b2 and len(a2) == len(b2)
+        except Exception:
+            same = False
+        if not same:
+            raise Unkeepable(f"the traced graph fixed the branch the forward takes on its "
+                             f"optional input {name!r} (default None) being given: called "
+                             f"without it, as your forward allows (inference without "
+                             f"{name}=), the graph fails or returns another structure: "
+                             f"{_KEEP}")
+
+
+def _optional_inputs_left_out(model: torch.nn.Module,
+                              sample: Sample) -> list[tuple[str, Sample]]:
+    """(name, the sample without it) for each input of the forward whose default is None and
+    to which the sample gives a tensor (``labels=None``): a trace takes the branch written for
+    the input being given, which the graph must not fix."""
+    try:
+        sig = inspect.signature(model.forward)
+        bound = sig.bind(*sample.args, **sample.kwargs)
+    except (TypeError, ValueError):
+        return []
+    out = []
+    for name, value in bound.arguments.items():
+        par = sig.parameters[name]
+        if par.default is not None or par.kind in (par.VAR_POSITIONAL, par.VAR_KEYWORD) or \
+                not isinstance(value, torch.Tensor):
+            continue
+        rest = sig.bind_partial(**{k: v for k, v in bound.arguments.items() if k != name})
+        out.append((name, Sample(tuple(rest.args), dict(rest.kwargs), sample.batched,
+                                 sample.batch_dim)))
+    return out
 
 
 def _same_values(x: torch.Tensor, y: torch.Tensor) -> bool:
