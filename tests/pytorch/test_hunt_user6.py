@@ -29,18 +29,33 @@ class MaskedMLP(nn.Module):
         return self.l2(h)
 
 
-def test_optional_input_left_out_on_fx_result_is_refused_clearly() -> None:
-    """Before: ``model(x)`` after preconditioning on ``(x, mask)`` failed inside the graph with
-    ``TypeError: unsupported operand type(s) for *: 'Tensor' and 'NoneType'``."""
+class AlwaysMasked(MaskedMLP):
+    """The mask has a default of None, but the forward always uses it."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.l2(torch.relu(self.l1(x)) * mask)
+
+
+def test_optional_input_left_out_later() -> None:
+    """Before: ``model(x)`` after preconditioning on ``(x, mask)`` failed inside the fx graph with
+    ``TypeError: unsupported operand type(s) for *: 'Tensor' and 'NoneType'``.  Now a forward
+    that handles ``mask=None`` gets a capture that keeps it (the fx graph, which holds the
+    branch the sample took, is declined), and one that cannot run without it gets a
+    PrecondError that says which input is missing."""
     torch.manual_seed(0)
     x, mask = torch.randn(32, 8), (torch.rand(32, 16) > 0.5).float()
     model, _ = precondfx.precondition(MaskedMLP(), (x, mask), verbose=False)
-    assert hasattr(model, "graph")          # the fx result (the case of the defect)
-    assert model(x, mask).shape == (32, 4)
+    ones = torch.ones(32, 16)
     for call in (lambda: model(x), lambda: model(x, None), lambda: model(x, mask=None)):
-        with pytest.raises(PrecondError, match=r"MaskedMLP\.forward was called without 'mask'"):
+        assert torch.allclose(call(), model(x, ones), rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(model(x, mask), model(x, ones))
+    strict, _ = precondfx.precondition(AlwaysMasked(), (x, mask), verbose=False)
+    assert hasattr(strict, "graph")          # the fx result (the case of the defect)
+    assert strict(x, mask).shape == (32, 4)
+    for call in (lambda: strict(x), lambda: strict(x, None), lambda: strict(x, mask=None)):
+        with pytest.raises(PrecondError, match=r"AlwaysMasked\.forward was called without 'mask'"):
             call()
-    assert model(x, mask=mask).shape == (32, 4)
+    assert strict(x, mask=mask).shape == (32, 4)
 
 
 class Block(nn.Module):
