@@ -63,3 +63,14 @@ LOSS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 FORWARD: dict[str, dict[str, Any]] = {"gpt2": {"use_cache": False}, "llama": {"use_cache": False},
                                       "bert": {}, "vit": {}}
 NAMES = ("gpt2", "bert", "vit", "llama")
+
+
+def quiet_precondition(model: torch.nn.Module, batch: Any, **options: Any) -> Any:
+    """``precondfx.precondition`` with its warnings (and transformers') silenced: for tests
+    that check the result, not what it says."""
+    import warnings
+
+    import precondfx
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return precondfx.precondition(model, batch, **options)

@@ -382,8 +382,8 @@ def _extra_positional(model: nn.Module, sample: Sample) -> str:
             f"{type(model).__name__}.forward{sig} takes {n}"
             + (" (its last one holds integers: labels?)" if labels else "")
             + ": an (inputs, labels) batch from a DataLoader is not what the model is called "
-            f"with; pass the inputs only, precondition(model, batch[0]) or, for several "
-            f"inputs, a tuple of those the forward takes. ")
+            "with; pass the inputs only, precondition(model, batch[0]) or, for several "
+            "inputs, a tuple of those the forward takes. ")
 
 
 def output_std(out: object, key: str | int | None = None) -> float:

@@ -29,16 +29,14 @@ import pytest
 import torch
 
 import precondfx
+from tests.hf_tiny import quiet_precondition
 
 tf = pytest.importorskip("transformers")
 
 V = 50
 
 
-def _pre(model, batch, **options):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return precondfx.precondition(model, batch, **options)
+_pre = quiet_precondition
 
 
 def _fold_and_reload(model, batch, other, key):
