@@ -291,50 +291,26 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
         return fqn
 
     def _upstream_module(self, name: str) -> str | None:
-        """Nearest module call upstream of ``name`` through single-user homogeneous ops; else
-        the innermost module called once that returned a value on that way (a block of the
-        user's ending in a functional op, ``x + self.mlp(x)`` with ``F.gelu`` last: the eager
-        capture marks it, ``attrs["module_outputs"]``)."""
-        walked = []
+        """Nearest module call upstream of ``name`` through single-user homogeneous ops and
+        products by a fixed factor (``self.fc(x) * self.gamma``, a layer scale).  A block of
+        the user's ending in a functional op (``x + self.mlp(x)`` with ``F.gelu`` last) is not
+        taken: a scale on its output would keep a transformers checkpoint from folding (the
+        MoE blocks of Mixtral and Qwen2-MoE, wav2vec2's positional convolution), so that
+        branch scale is skipped and reported, as before."""
         cur = self.graph.get(name)
         while cur is not None:
             if cur.module and self.calls.get(cur.module, 0) == 1:
                 return cur.module
-            walked.append(cur)
             # a positive residual scale passes homogeneous ops; any scale passes a product
             # by a fixed factor (``self.fc(x) * self.gamma``, a layer scale)
             if (cur.kind not in _PASS_THROUGH and not fixed_factor_node(cur)) or \
                     len(cur.inputs) != 1:
-                break
+                return None
             prev = cur.inputs[0]
             if len(self.users.get(prev, [])) != 1:
-                break
+                return None
             cur = self.graph.get(prev)
-        for n in walked:
-            for path in n.attrs.get("module_outputs", ()):
-                if self.calls.get(path, 0) == 0 and self._returns_tensor(path):
-                    return path
         return None
-
-    def _returns_tensor(self, path: str) -> bool:
-        """Whether module ``path`` returns a tensor (its output hook scales exactly that
-        value): the eager capture marks only such modules; for another capture's marks
-        (``export_capture._module_outputs``) one run with a hook says."""
-        if self.graph.method == "eager":
-            return True
-        if self.runner is None:
-            return False
-        seen: list[bool] = []
-        h = self.model.get_submodule(path).register_forward_hook(
-            lambda m, a, o: seen.append(isinstance(o, torch.Tensor)))
-        try:
-            with torch.no_grad():
-                self.runner(self.model)
-        except Exception:   # the model does not run that way: place nothing
-            return False
-        finally:
-            h.remove()
-        return seen == [True]
 
     def _linear_owner(self, node: Any) -> str | None:
         """The module owning a functional linear op's weight, when scaling that module's input

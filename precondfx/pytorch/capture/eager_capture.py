@@ -5,10 +5,6 @@ hooks mark the calls of leaf modules known to the op table (a Conv2d call is one
 functional calls inside it are not recorded).  Data flow is recovered from tensor identity: a
 call's tensor operand is linked to the node that produced that tensor object.  Like
 ``draft_export``, the graph describes the path the sample took through data-dependent branches.
-A module the op table does not know (a block of the user's, ``x + self.mlp(x)`` whose
-``forward`` ends in ``F.gelu``) is no node, but a node whose tensor such a module, called once,
-returns is marked (``attrs["module_outputs"]``, innermost module first): a constant on that
-value is exactly a constant on the module's output, as a hook applies it.
 """
 from __future__ import annotations
 
@@ -44,9 +40,6 @@ class _Recorder(TorchFunctionMode):
         self.depth = 0                       # > 0 while inside a known leaf module
         self.calls: dict[str, int] = {}
         self.leaf_stack: list[tuple[nn.Module, tuple, dict]] = []
-        #: node -> paths of the modules (not in the op table) that returned its tensor
-        self.returned_by: dict[str, list[str]] = {}
-        self.outer_calls: dict[str, int] = {}    # calls of those modules, outside leaf modules
 
     # -- helpers -------------------------------------------------------------------------
     def _name(self, base: str) -> str:
@@ -124,24 +117,6 @@ class _Recorder(TorchFunctionMode):
                                      out_shape=shape_of(outt), in_shapes=[shape_of(first)]))
         self.produce(out, name)
 
-    def outer_hook(self, mod: nn.Module, args: tuple, out: Any) -> None:
-        """A module the op table does not know returned: the node producing the tensor it
-        returned (a tensor, not a tuple) is that module's output."""
-        path = self.mod_names.get(id(mod))
-        if self.depth > 0 or not path:
-            return
-        self.outer_calls[path] = self.outer_calls.get(path, 0) + 1
-        src = self.producer.get(id(out)) if isinstance(out, torch.Tensor) else None
-        if src is not None:
-            self.returned_by.setdefault(src, []).append(path)
-
-    def mark_module_outputs(self) -> None:
-        """``attrs["module_outputs"]`` on each node some module called once returned."""
-        for n in self.nodes:
-            paths = [p for p in self.returned_by.get(n.name, ()) if self.outer_calls[p] == 1]
-            if paths:
-                n.attrs["module_outputs"] = paths
-
     # -- functions -----------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -178,15 +153,12 @@ def capture(model: nn.Module, sample: Sample) -> tuple[Graph, Any]:
         if ops.for_module(m) is not None:
             handles.append(m.register_forward_pre_hook(rec.pre_hook, with_kwargs=True))
             handles.append(m.register_forward_hook(rec.post_hook, with_kwargs=True))
-        else:
-            handles.append(m.register_forward_hook(rec.outer_hook))
     try:
         with rec:
             out = sample.call(model, copy=False)
     finally:
         for h in handles:
             h.remove()
-    rec.mark_module_outputs()
     outs: list[str] = []
     _collect(out, rec, outs)
     rec.nodes.append(Node("output", "output", "output", inputs=outs))

@@ -159,9 +159,7 @@ def to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, method: s
     pmap.update(sig.inputs_to_buffers)
     pmap.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
     user_inputs = set(sig.user_inputs)
-    flat = inline_regions(ep)
-    order, groups, group_of = _group_leaf_calls(flat)
-    returned = _module_outputs(flat)
+    order, groups, group_of = _group_leaf_calls(inline_regions(ep))
     marker = _marker(pmap, group_of)
     nodes: list[Node] = []
     outputs: list[str] = []
@@ -180,41 +178,11 @@ def to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, method: s
             nodes.append(Node(n.name, "output", "output", inputs=outputs))
         elif n.op == "call_function":
             nodes.append(_function_node(n, marker))
-            if n.name in returned:
-                nodes[-1].attrs["module_outputs"] = returned[n.name]
     notes = []
     if method == "draft_export":
         notes.append("draft_export specialized data-dependent branches on the sample: the "
                      "analysis describes the path the sample took")
     return Graph(nodes, method, notes=notes, outputs=outputs)
-
-
-def _module_outputs(graph: fx.Graph) -> dict[str, list[str]]:
-    """fx node -> the paths of the modules called once (``nn_module_stack``) whose call
-    computes it as the one value read outside the call, innermost first: a block of the
-    user's ending in a functional op (``x + self.mlp(x)``, ``F.gelu`` last), which the eager
-    back end can scale by a hook on the block's output (it checks by running that the block
-    returns a tensor, not a tuple holding the value)."""
-    members: dict[str, list[fx.Node]] = {}
-    where: dict[str, tuple[str, int]] = {}      # scope key -> (path, depth in the stack)
-    for n in graph.nodes:
-        for depth, (key, (path, _cls)) in enumerate((n.meta.get("nn_module_stack")
-                                                     or {}).items()):
-            members.setdefault(key, []).append(n)
-            where[key] = (_clean_path(path), depth)
-    calls: dict[str, int] = {}
-    for path, _ in where.values():
-        calls[path] = calls.get(path, 0) + 1
-    found: dict[str, list[tuple[int, str]]] = {}
-    for key, nodes in members.items():
-        path, depth = where[key]
-        if not path or calls[path] != 1:
-            continue
-        inside = {m.name for m in nodes}
-        leave = [m for m in nodes if any(u.name not in inside for u in m.users)]
-        if len(leave) == 1 and leave[0].op == "call_function":
-            found.setdefault(leave[0].name, []).append((depth, path))
-    return {k: [p for _, p in sorted(v, reverse=True)] for k, v in found.items()}
 
 
 def _group_leaf_calls(graph: fx.Graph) -> tuple[list[tuple[str, Any]], dict[str, dict],
