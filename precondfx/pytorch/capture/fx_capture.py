@@ -551,8 +551,9 @@ def trace(model: torch.nn.Module, sample: Sample) -> fx.GraphModule:
     The model is traced in train mode with grad on and in eval mode with grad off (each
     module's own flag is restored after); the two graphs must agree.  Functional dropout calls
     whose ``training`` argument follows the mode (``F.dropout(x, p, training=self.training)``)
-    are replaced by dropout modules so that the result still switches between train and eval;
-    those with a fixed ``training`` stay as written.  Raises :class:`Unkeepable` for constructs a GraphModule cannot keep."""
+    are replaced by dropout modules so that
+    the result still switches between train and eval; those with a fixed ``training`` stay as
+    written.  Raises :class:`Unkeepable` for constructs a GraphModule cannot keep."""
     if not isinstance(model, fx.GraphModule):
         _check_names(model)
     concrete = {k: v for k, v in sample.kwargs.items() if not isinstance(v, torch.Tensor)}
