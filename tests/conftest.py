@@ -14,7 +14,9 @@ still run as before on everything the tests create, the frozen objects are only 
 again."""
 import gc
 
+import pytest
 import torch
+import torch.utils.checkpoint
 
 torch.set_num_threads(1)
 
@@ -22,3 +24,29 @@ torch.set_num_threads(1)
 def pytest_collection_finish(session) -> None:
     gc.collect()
     gc.freeze()
+
+
+def _process_switches() -> tuple:
+    """Process-wide torch state that precondfx switches while it measures (reentrant
+    checkpoints as plain calls, attention on its math kernel)."""
+    b = torch.backends.cuda
+    return (torch.utils.checkpoint.CheckpointFunction, b.flash_sdp_enabled(),
+            b.mem_efficient_sdp_enabled(), b.math_sdp_enabled())
+
+
+_SWITCHES = _process_switches()
+
+
+@pytest.fixture(autouse=True)
+def _switches_put_back(request):
+    """A test that leaves a switch on fails where it leaves it, not in a later test that meets
+    it (the checkpoint tests failed after the thread tests, in some orders only)."""
+    yield
+    now = _process_switches()
+    if now != _SWITCHES:
+        torch.utils.checkpoint.CheckpointFunction = _SWITCHES[0]
+        torch.backends.cuda.enable_flash_sdp(_SWITCHES[1])
+        torch.backends.cuda.enable_mem_efficient_sdp(_SWITCHES[2])
+        torch.backends.cuda.enable_math_sdp(_SWITCHES[3])
+        pytest.fail(f"{request.node.nodeid} left torch's process-wide state switched: {now} "
+                    f"(was {_SWITCHES})")

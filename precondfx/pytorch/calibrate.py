@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import math
 import random
+import threading
 import weakref
 from typing import Any, Iterator
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from precondfx.pytorch.capture.common import Sample, main_output
@@ -77,13 +79,65 @@ class NoDropout(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class SharedPatch:
+    """A process-wide patch that several threads may hold at once (two ``precondition`` calls
+    in two threads, a measurement beside a training thread): the first to enter applies it,
+    the last to leave undoes it.  Entered and left one after the other by two threads, a plain
+    save-and-restore context manager put back the other thread's patched value and left it
+    installed for the rest of the process (``torch.utils.checkpoint`` no longer recomputing,
+    scaled-dot-product attention held on its math kernel)."""
+
+    def __init__(self, make: Any) -> None:
+        self._make, self._lock, self._depth, self._held = make, threading.Lock(), 0, None
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._depth == 0:
+                held = self._make()
+                held.__enter__()
+                self._held = held
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    held, self._held = self._held, None
+                    held.__exit__(None, None, None)
+
+
+_AS_CALL = threading.local()        # this thread's depth of checkpoint_as_call
+
+
 class _CheckpointAsCall:
     """Stands in for ``torch.utils.checkpoint.CheckpointFunction`` (reentrant checkpointing)
-    while :func:`checkpoint_as_call` is active: the checkpointed function is called directly."""
+    while :func:`checkpoint_as_call` is active in some thread: in the measuring thread the
+    checkpointed function is called directly, in any other thread the real checkpoint runs."""
+
+    real: Any = torch.utils.checkpoint.CheckpointFunction
 
     @staticmethod
     def apply(function: Any, preserve_rng_state: bool, *args: Any) -> Any:
-        return function(*args)
+        if getattr(_AS_CALL, "depth", 0):
+            return function(*args)
+        return _CheckpointAsCall.real.apply(function, preserve_rng_state, *args)
+
+
+@contextlib.contextmanager
+def _install_checkpoint_as_call() -> Iterator[None]:
+    cp = torch.utils.checkpoint
+    orig = cp.CheckpointFunction
+    _CheckpointAsCall.real = orig
+    cp.CheckpointFunction = _CheckpointAsCall
+    try:
+        yield
+    finally:
+        cp.CheckpointFunction = orig
+
+
+_CHECKPOINT_AS_CALL = SharedPatch(_install_checkpoint_as_call)
 
 
 @contextlib.contextmanager
@@ -92,14 +146,19 @@ def checkpoint_as_call() -> Iterator[None]:
     ``use_reentrant`` is not passed, and transformers' gradient checkpointing) as a plain call
     of the checkpointed function: the same values and gradients, without the recomputation,
     whose backward refuses ``torch.autograd.grad``, which the measurements differentiate with.
-    Only for measuring runs: a capture must still see the checkpoint (fx refuses it)."""
-    cp = torch.utils.checkpoint
-    orig = cp.CheckpointFunction
-    cp.CheckpointFunction = _CheckpointAsCall
+    Only for measuring runs, and only in the calling thread: a capture must still see the
+    checkpoint (fx refuses it), and another thread's training keeps its recomputation."""
+    _AS_CALL.depth = getattr(_AS_CALL, "depth", 0) + 1
     try:
-        yield
+        with _CHECKPOINT_AS_CALL():
+            yield
     finally:
-        cp.CheckpointFunction = orig
+        _AS_CALL.depth -= 1
+
+
+#: scaled-dot-product attention on its math kernel (forward-mode AD has no rule for the fused
+#: ones): torch's ``sdpa_kernel`` sets process-wide flags, so held through a SharedPatch
+math_attention = SharedPatch(lambda: sdpa_kernel([SDPBackend.MATH]))
 
 
 _PLAIN = (int, float, bool, complex, str, bytes, type(None))

@@ -23,6 +23,7 @@ widens: on the digits MLPs it is 1.3 octaves low at width 128 and 4.5 at width 2
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from typing import Any
 
@@ -30,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, jvp, vjp
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from precondfx.pytorch import calibrate as cal, reals
 from precondfx.pytorch.capture.common import Sample
@@ -43,6 +43,9 @@ ITERS = 20
 CONVERGED = 1e-3
 #: slices of the batch whose sampled-label gradients estimate Adam's second moment
 CHUNKS = 8
+#: held by a measurement: torch's forward-AD levels are process-wide, not per thread
+_FORWARD_AD = threading.RLock()
+
 #: the message of torch's lazy import of its jvp decompositions (torch.jit.script)
 _JIT_SCRIPT = r"`torch\.jit\.script` is deprecated"
 #: Adam's eps
@@ -102,7 +105,10 @@ def suggest_lr(model: nn.Module, sample: Sample, *, mode: str = "train", key: An
     # functional dropout (``F.dropout(h, p, self.training)``, a transformers attention's) off
     # too, as in calibration: with it on, every product drew its own masks and the rate
     # moved with the user's random state (0.49 or 0.65 for 0.47 on a two-dropout MLP)
-    with cal.quiet_run(model, mode), cal.NoDropout(), sdpa_kernel([SDPBackend.MATH]), \
+    # one measurement at a time in the process: torch's forward-AD levels are shared by all
+    # threads (a jvp in a second thread failed, "a forward AD level with an invalid index", and
+    # its rate came out None); a precondition in each of two threads waits here for the other
+    with _FORWARD_AD, cal.quiet_run(model, mode), cal.NoDropout(), cal.math_attention(), \
             cal.checkpoint_as_call(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_JIT_SCRIPT, category=DeprecationWarning)
         with torch.enable_grad():   # a forward that turns gradients off: said, not a zero rate
