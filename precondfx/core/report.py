@@ -98,11 +98,14 @@ def _plan_actions(plan: Plan) -> dict[str, list[str]]:
     layer_of = {lay.node: lay for lay in plan.layers}
     for lay in plan.layers:
         pi = plan.inits.get(lay.weight or "")
+        # a bare parameter (``self.W`` used in a matmul, no module owns it): the row is the
+        # functional node, so the parameter re-drawn is named
+        bare = f"{lay.weight} " if pi is not None and lay.module is None else ""
         if pi is not None and pi.rule not in ("keep", "scale"):
             std = f" std={pi.std:.3g}" if pi.std is not None else ""
-            acts.setdefault(lay.node, []).append(f"{pi.rule}{std}")
+            acts.setdefault(lay.node, []).append(f"{bare}{pi.rule}{std}")
         elif pi is not None:
-            acts.setdefault(lay.node, []).append(f"weights {pi.rule}")
+            acts.setdefault(lay.node, []).append(f"{bare or 'weights '}{pi.rule}")
     names = {"alpha": "alpha", "residual": "s", "shortcut": "w", "beta": "1/beta"}
     for r in plan.residuals:
         if getattr(r, "beta", 1.0) != 1.0:
@@ -343,6 +346,12 @@ class Report:
             nre = sum(1 for p in self.plan.inits.values() if p.rule != "keep")
             nkeep = sum(1 for p in self.plan.inits.values() if p.rule == "keep")
             lines += ["", f"parameters: {nre} re-initialized, {nkeep} kept"]
+            bare = {lay.weight: lay.node for lay in self.plan.layers
+                    if lay.module is None and lay.weight in self.plan.inits and
+                    self.plan.inits[lay.weight].rule != "keep"}
+            if bare:        # no module row names them: the table shows the functional node
+                lines.append("  re-initialized parameters used outside a module: " + ", ".join(
+                    f"{w} (row {rename.get(n, n) if rename else n})" for w, n in bare.items()))
             for p in self.plan.inits.values():
                 if p.rule == "keep":
                     lines.append(f"  kept {p.name}: {p.reason}")
