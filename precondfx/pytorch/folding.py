@@ -366,7 +366,12 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
         return out
 
     per_call: dict[str, list[tuple[str, float]]] = {}
-    per_call_out: dict[str, list[tuple[str, float]]] = {}
+    # module -> call node -> (the constants on that call's output, their product)
+    out_calls: dict[str, dict[fx.Node, tuple[list[str], float]]] = {}
+
+    def on_call_output(call: fx.Node, what: str, v: float) -> None:
+        names, prod = out_calls.setdefault(str(call.target), {}).get(call, ([], 1.0))
+        out_calls[str(call.target)][call] = (names + [what], prod * v)
     for n in gm.graph.nodes:
         if n.op != "get_attr" or not str(n.target).startswith(PREFIX):
             continue
@@ -384,7 +389,7 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
                     calls[str(first.target)] > 1 and set(first.users) == {mul}:
                 # an lr multiplier on the output of one call of a shared layer (lr= and
                 # lr='auto' give every call site of a weight one factor)
-                per_call_out.setdefault(str(first.target), []).append((what, v))
+                on_call_output(first, what, v)
                 continue
             # where the eager back end puts it: the input of the linear modules reading it
             # (of each call of a module called several times), else the output of the module
@@ -413,6 +418,13 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
                     kind(prod[1]) is not None:
                 sc.add(sc.out, prod[0], prod[1], v)
                 continue
+            if src.op == "call_module" and calls[str(src.target)] > 1 and \
+                    (set(src.users) == {mul} or src is not first) and \
+                    kind(gm.get_submodule(str(src.target))) is not None:
+                # one call of a shared layer (an Euler loop's step, a residual branch scale
+                # at each call): its weights carry it when every call has the same product
+                on_call_output(src, what, v)
+                continue
             desc = f"{src.op} {src.target}" if src.op != "placeholder" else "a model input"
             sc.problems.append((what, f"multiplies the output of {src.name} ({desc}), which "
                                 f"no module of your class can absorb exactly "
@@ -430,6 +442,8 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
                                     f"{calls[t]} times with different {side} scales "
                                     f"({', '.join(f'{v:.4g}' for _, v in vals)}): its one "
                                     f"weight cannot carry them all"))
+    per_call_out = {t: [(", ".join(names), prod) for names, prod in by.values()]
+                    for t, by in out_calls.items()}
     shared_calls(per_call_out, sc.out, "output", lambda m: kind(m) is not None)
     shared_calls(per_call, sc.inp, "input", lambda m: kind(m) == "linear")
     # for tied bias-free linear layers: the module producing their input (through value-

@@ -664,7 +664,7 @@ def _warn_methods(cls: type, methods: list[str], only: list[str]) -> None:
         f"precondfx: {cls.__name__}.{', .'.join(methods)} run(s) your code on the layers, not "
         f"the rewritten forward: only forward applies {'; '.join(only[:4])}"
         f"{' ...' if len(only) > 4 else ''}, so these methods compute a different function "
-        f"(an inverse no longer inverts forward); {todo} (report.result['forward_only'])",
+        f"(e.g. an inverse no longer inverts forward); {todo} (report.result['forward_only'])",
         RuntimeWarning, stacklevel=2)
 
 

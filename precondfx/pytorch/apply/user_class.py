@@ -656,6 +656,23 @@ def _library_class(klass: type) -> bool:
     return "site-packages" in path or "dist-packages" in path
 
 
+def _runs(n: ast.AST, parent: dict) -> bool:
+    """Whether the read ``self.<child>`` runs the child: called (``self.enc(x)``), passed to a
+    call (``reversed(self.layers)``), iterated, indexed (``self.layers[0](x)``) or read further
+    (``self.head.weight @ h``; not ``.data``, ``.shape``, an in-place method); not returned,
+    stored or assigned (``get_classifier``, ``reset_classifier``)."""
+    up = parent.get(n)
+    if isinstance(up, ast.Call):
+        return True
+    if isinstance(up, ast.For):
+        return up.iter is n
+    if isinstance(up, ast.Subscript):
+        return up.value is n
+    if isinstance(up, ast.Attribute):
+        return not (up.attr in _NOT_COMPUTING or up.attr.endswith("_"))
+    return False
+
+
 def own_code_methods(user_cls: type, children: set[str]) -> list[str]:
     """The methods of the user's own classes (not an installed library's) other than
     ``forward`` that run the user's code on the submodules (they read ``self.<child>`` for a
@@ -677,6 +694,7 @@ def own_code_methods(user_cls: type, children: set[str]) -> list[str]:
             if tree is None:
                 continue
             me = _self_name(tree)
+            parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
             graph = reads = False
             calls: set[str] = set()
             for n in ast.walk(tree):
@@ -685,7 +703,7 @@ def own_code_methods(user_cls: type, children: set[str]) -> list[str]:
                 if isinstance(n, ast.Call) and (isinstance(n.func, ast.Name) and
                                                 n.func.id == me or _self_forward(n.func, me)):
                     graph = True        # self(x) / self.forward(x): the graph, constants in
-                reads = reads or (own and n.attr in children)
+                reads = reads or (own and n.attr in children and _runs(n, parent))
                 if own:
                     calls.add(n.attr)
             found[name] = (graph, reads, calls)
