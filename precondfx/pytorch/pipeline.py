@@ -658,6 +658,10 @@ def _warn_methods(cls: type, methods: list[str], only: list[str]) -> None:
         fixes.append("target_std=None (no output scale)")
     if any("residual" in c for c in only):
         fixes.append("residual='none' (no residual scales)")
+    if any("input_scale" in c for c in only):
+        fixes.append("input_scale=None (no input scale)")
+    if any("max_pool" in c and "replaced" in c for c in only):
+        fixes.append("maxpool='keep' (max-pooling kept)")
     todo = (f"precondition with {' and '.join(fixes)} so that they compute the same function "
             f"as forward" if fixes else "call them only through forward, or fold the model")
     warnings.warn(

@@ -216,3 +216,30 @@ def test_euler_loop_with_one_shared_block_folds_exactly():
         assert "module f.2 is called 4 times with different output scales" in str(e), str(e)
     else:
         raise AssertionError("fold of per-step scales on one shared block was not refused")
+
+
+# -- a triplet net: one encoder, three returned embeddings ------------------------------------
+class Triplet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 8))
+
+    def forward(self, anchor, positive, negative):
+        return self.enc(anchor), self.enc(positive), self.enc(negative)
+
+
+def test_triplet_net_embeds_all_three_inputs_with_the_same_function():
+    """A triplet net returning its one encoder's three embeddings (trained with
+    F.triplet_margin_loss outside): before, the output scale went on the first returned value
+    only, so the same input was embedded with std 1.004 as anchor and 1.427 as positive or
+    negative (the loss compared two functions).  Now every value returned from the encoder's
+    calls takes the scale, on the fx and the eager back end."""
+    torch.manual_seed(0)
+    a = torch.randn(16, 10)
+    for capture in (("fx",), ("eager",)):
+        res, _ = precondfx.precondition(Triplet(), (a, a.clone(), a.clone()),
+                                        balance="analytic", lr=None, capture=capture)
+        with torch.no_grad():
+            za, zp, zn = res(a, a, a)
+        assert abs(za.std().item() - 1) < 0.05, capture
+        assert torch.allclose(za, zp) and torch.allclose(za, zn), (capture, zp.std().item())
