@@ -126,7 +126,7 @@ def test_capsule_report_names_the_bare_parameter_it_redraws():
     torch.manual_seed(0)
     model = CapsNet()
     res, rep = precondfx.precondition(model, torch.randn(4, 1, 16, 16), balance="analytic",
-                                      lr=None)
+                                      lr=None, capture=("export",))
     assert abs(res.W.std().item() - model.W.std().item()) > 0.05     # re-drawn
     text = rep.table(width=200)
     row = [ln for ln in text.splitlines() if ln.startswith("matmul ")]
