@@ -278,6 +278,22 @@ def _uses(user: fx.Node, n: fx.Node) -> int:
     return sum(1 for a in seen if a is n)
 
 
+#: products linear in their first operand when the second is a parameter
+_MATMULS = (operator.matmul, torch.matmul, torch.mm, torch.bmm)
+
+
+def _of_parameters(n: fx.Node, depth: int = 0) -> bool:
+    """Whether ``n`` is computed from the model's parameters and buffers alone (a parameter,
+    its transpose or reshape): no activation reaches it."""
+    if n.op == "get_attr":
+        return True
+    if n.op not in ("call_method", "call_function") or depth > 8:
+        return False
+    args: list[fx.Node] = []
+    fx.node.map_arg((n.args, n.kwargs), args.append)
+    return bool(args) and all(_of_parameters(a, depth + 1) for a in args)
+
+
 def _homogeneous_operand(n: fx.Node, gm: fx.GraphModule) -> fx.Node | None:
     """The activation operand ``x`` of a node computing ``f(x)`` with ``f(c x) = c f(x)`` for
     ``c > 0`` (the op table's positively homogeneous ops: ReLU, leaky ReLU, PReLU, dropout,
@@ -288,6 +304,10 @@ def _homogeneous_operand(n: fx.Node, gm: fx.GraphModule) -> fx.Node | None:
         return fixed
     if not n.args or not isinstance(n.args[0], fx.Node):
         return None
+    if n.op == "call_function" and n.target in _MATMULS and len(n.args) == 2 and \
+            not n.kwargs and isinstance(n.args[1], fx.Node) and _of_parameters(n.args[1]):
+        # x @ W (a tied output layer: ``h @ self.emb.weight.t()``): linear in x
+        return n.args[0]
     if n.op == "call_module":
         mod = gm.get_submodule(str(n.target))
         spec = ops.for_module(mod)
