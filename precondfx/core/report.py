@@ -88,9 +88,19 @@ def _alpha_source(reason: str) -> str:
     return ""
 
 
-def _plan_actions(plan: Plan) -> dict[str, list[str]]:
-    """What the plan does at each node, in words with the constants' values."""
+def _bare(lay: Any, labels: dict[str, str]) -> bool:
+    """Whether the layer's weight is a parameter no module of the row's label owns (``self.W``
+    in a matmul): its row, the functional node, does not name it."""
+    owner = (lay.weight or "").rpartition(".")[0]
+    label = labels.get(lay.node) or lay.node
+    return lay.module is None and bool(lay.weight) and not (owner and label.startswith(owner))
+
+
+def _plan_actions(plan: Plan, labels: dict[str, str] | None = None) -> dict[str, list[str]]:
+    """What the plan does at each node, in words with the constants' values (``labels``: the
+    rows' labels by node name)."""
     acts: dict[str, list[str]] = {}
+    labels = labels or {}
     for pc in plan.pools:
         acts.setdefault(pc.node, []).append(
             {"fold": f"folded into {pc.into}", "conv": "-> strided conv",
@@ -98,11 +108,14 @@ def _plan_actions(plan: Plan) -> dict[str, list[str]]:
     layer_of = {lay.node: lay for lay in plan.layers}
     for lay in plan.layers:
         pi = plan.inits.get(lay.weight or "")
+        # a bare parameter (``self.W`` used in a matmul, no module owns it): the row is the
+        # functional node, so the parameter re-drawn is named
+        bare = f"{lay.weight} " if pi is not None and _bare(lay, labels) else ""
         if pi is not None and pi.rule not in ("keep", "scale"):
             std = f" std={pi.std:.3g}" if pi.std is not None else ""
-            acts.setdefault(lay.node, []).append(f"{pi.rule}{std}")
+            acts.setdefault(lay.node, []).append(f"{bare}{pi.rule}{std}")
         elif pi is not None:
-            acts.setdefault(lay.node, []).append(f"weights {pi.rule}")
+            acts.setdefault(lay.node, []).append(f"{bare or 'weights '}{pi.rule}")
     names = {"alpha": "alpha", "residual": "s", "shortcut": "w", "beta": "1/beta"}
     for r in plan.residuals:
         if getattr(r, "beta", 1.0) != 1.0:
@@ -264,7 +277,7 @@ class Report:
         values)."""
         if self.plan is None:
             return
-        acts = _plan_actions(self.plan)
+        acts = _plan_actions(self.plan, {r.name: r.label for r in self.nodes if r.label})
         for r in self.nodes:
             r.actions = acts.get(r.name, [])
 
@@ -343,6 +356,13 @@ class Report:
             nre = sum(1 for p in self.plan.inits.values() if p.rule != "keep")
             nkeep = sum(1 for p in self.plan.inits.values() if p.rule == "keep")
             lines += ["", f"parameters: {nre} re-initialized, {nkeep} kept"]
+            labels = {r.name: r.label for r in self.nodes if r.label}
+            bare = {lay.weight: lay.node for lay in self.plan.layers
+                    if _bare(lay, labels) and lay.weight in self.plan.inits and
+                    self.plan.inits[lay.weight].rule != "keep"}
+            if bare:        # no module row names them: the table shows the functional node
+                lines.append("  re-initialized parameters used outside a module: " + ", ".join(
+                    f"{w} (row {labels.get(n, n)})" for w, n in bare.items()))
             for p in self.plan.inits.values():
                 if p.rule == "keep":
                     lines.append(f"  kept {p.name}: {p.reason}")

@@ -278,6 +278,22 @@ def _uses(user: fx.Node, n: fx.Node) -> int:
     return sum(1 for a in seen if a is n)
 
 
+#: products linear in their first operand when the second is a parameter
+_MATMULS = (operator.matmul, torch.matmul, torch.mm, torch.bmm)
+
+
+def _of_parameters(n: fx.Node, depth: int = 0) -> bool:
+    """Whether ``n`` is computed from the model's parameters and buffers alone (a parameter,
+    its transpose or reshape): no activation reaches it."""
+    if n.op == "get_attr":
+        return True
+    if n.op not in ("call_method", "call_function") or depth > 8:
+        return False
+    args: list[fx.Node] = []
+    fx.node.map_arg((n.args, n.kwargs), args.append)
+    return bool(args) and all(_of_parameters(a, depth + 1) for a in args)
+
+
 def _homogeneous_operand(n: fx.Node, gm: fx.GraphModule) -> fx.Node | None:
     """The activation operand ``x`` of a node computing ``f(x)`` with ``f(c x) = c f(x)`` for
     ``c > 0`` (the op table's positively homogeneous ops: ReLU, leaky ReLU, PReLU, dropout,
@@ -288,6 +304,10 @@ def _homogeneous_operand(n: fx.Node, gm: fx.GraphModule) -> fx.Node | None:
         return fixed
     if not n.args or not isinstance(n.args[0], fx.Node):
         return None
+    if n.op == "call_function" and n.target in _MATMULS and len(n.args) == 2 and \
+            not n.kwargs and isinstance(n.args[1], fx.Node) and _of_parameters(n.args[1]):
+        # x @ W (a tied output layer: ``h @ self.emb.weight.t()``): linear in x
+        return n.args[0]
     if n.op == "call_module":
         mod = gm.get_submodule(str(n.target))
         spec = ops.for_module(mod)
@@ -366,7 +386,12 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
         return out
 
     per_call: dict[str, list[tuple[str, float]]] = {}
-    per_call_out: dict[str, list[tuple[str, float]]] = {}
+    # module -> call node -> (the constants on that call's output, their product)
+    out_calls: dict[str, dict[fx.Node, tuple[list[str], float]]] = {}
+
+    def on_call_output(call: fx.Node, what: str, v: float) -> None:
+        names, prod = out_calls.setdefault(str(call.target), {}).get(call, ([], 1.0))
+        out_calls[str(call.target)][call] = (names + [what], prod * v)
     for n in gm.graph.nodes:
         if n.op != "get_attr" or not str(n.target).startswith(PREFIX):
             continue
@@ -384,7 +409,7 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
                     calls[str(first.target)] > 1 and set(first.users) == {mul}:
                 # an lr multiplier on the output of one call of a shared layer (lr= and
                 # lr='auto' give every call site of a weight one factor)
-                per_call_out.setdefault(str(first.target), []).append((what, v))
+                on_call_output(first, what, v)
                 continue
             # where the eager back end puts it: the input of the linear modules reading it
             # (of each call of a module called several times), else the output of the module
@@ -413,6 +438,13 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
                     kind(prod[1]) is not None:
                 sc.add(sc.out, prod[0], prod[1], v)
                 continue
+            if src.op == "call_module" and calls[str(src.target)] > 1 and \
+                    (set(src.users) == {mul} or src is not first) and \
+                    kind(gm.get_submodule(str(src.target))) is not None:
+                # one call of a shared layer (an Euler loop's step, a residual branch scale
+                # at each call): its weights carry it when every call has the same product
+                on_call_output(src, what, v)
+                continue
             desc = f"{src.op} {src.target}" if src.op != "placeholder" else "a model input"
             sc.problems.append((what, f"multiplies the output of {src.name} ({desc}), which "
                                 f"no module of your class can absorb exactly "
@@ -430,6 +462,8 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
                                     f"{calls[t]} times with different {side} scales "
                                     f"({', '.join(f'{v:.4g}' for _, v in vals)}): its one "
                                     f"weight cannot carry them all"))
+    per_call_out = {t: [(", ".join(names), prod) for names, prod in by.values()]
+                    for t, by in out_calls.items()}
     shared_calls(per_call_out, sc.out, "output", lambda m: kind(m) is not None)
     shared_calls(per_call, sc.inp, "input", lambda m: kind(m) == "linear")
     # for tied bias-free linear layers: the module producing their input (through value-

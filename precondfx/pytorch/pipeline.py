@@ -618,6 +618,60 @@ def finish(st: TorchState) -> None:
         weight_side_forwards(st.result)
 
 
+def reset_stale_statistics(st: TorchState) -> None:
+    """BatchNorm running statistics that describe the weights before re-initialization are
+    reset (mean 0, variance 1, no batches counted: those of a freshly built model).  A
+    normalization layer downstream of a re-drawn weight that had tracked batches (a trained
+    model) would otherwise normalize in eval mode with the old weights' statistics (PointNet:
+    eval output std 24 against 0.41 before precondition); its statistics upstream of every
+    re-drawn weight still hold and are kept.  Said in the report's notes."""
+    drawn = {n for n, pi in st.plan.inits.items() if pi.rule not in ("keep", "scale")}
+    if not drawn:
+        return
+    tainted: set[str] = set()
+    stale: list[str] = []
+    modules = dict(st.result.named_modules())
+    for n in st.graph:
+        if any(p in drawn for p in n.params.values()) or any(i in tainted for i in n.inputs):
+            tainted.add(n.name)
+        m = modules.get(n.module or "")
+        if isinstance(m, nn.modules.batchnorm._NormBase) and \
+                any(i in tainted for i in n.inputs) and m.running_mean is not None and \
+                m.num_batches_tracked is not None and \
+                m.num_batches_tracked.device.type != "meta" and \
+                int(m.num_batches_tracked) > 0 and \
+                n.module not in stale:
+            m.reset_running_stats()
+            stale.append(n.module)
+    if stale:
+        st.plan.notes.append(
+            f"running statistics of {len(stale)} normalization layer(s) after re-drawn weights "
+            f"reset to a new model's (they described the weights before): {', '.join(stale)}; "
+            f"training updates them (eval mode before that uses mean 0, variance 1)")
+
+
+def _warn_methods(cls: type, methods: list[str], only: list[str]) -> None:
+    """Warn that ``methods`` of the user's class (an ``inverse``, an ``encode``) run the user's
+    code on the layers and compute without the constants ``only`` lists, with what to do."""
+    fixes = []
+    if any("output_scale" in c for c in only):
+        fixes.append("target_std=None (no output scale)")
+    if any("residual" in c for c in only):
+        fixes.append("residual='none' (no residual scales)")
+    if any("input_scale" in c for c in only):
+        fixes.append("input_scale=None (no input scale)")
+    if any("max_pool" in c and "replaced" in c for c in only):
+        fixes.append("maxpool='keep' (max-pooling kept)")
+    todo = (f"precondition with {' and '.join(fixes)} so that they compute the same function "
+            f"as forward" if fixes else "call them only through forward, or fold the model")
+    warnings.warn(
+        f"precondfx: {cls.__name__}.{', .'.join(methods)} run(s) your code on the layers, not "
+        f"the rewritten forward: only forward applies {'; '.join(only[:4])}"
+        f"{' ...' if len(only) > 4 else ''}, so these methods compute a different function "
+        f"(e.g. an inverse no longer inverts forward); {todo} (report.result['forward_only'])",
+        RuntimeWarning, stacklevel=2)
+
+
 def result_record(st: TorchState) -> None:
     """What the result is (``report.result``): the user's class or not, and what only its
     ``forward`` sees.  On a GraphModule of the user's class, the constants at module sites get
@@ -650,6 +704,10 @@ def result_record(st: TorchState) -> None:
                     if any(k.startswith(PREFIX) for k in m._buffers)}
     only += user_class.direct_reads(cls, carriers)
     mine = isinstance(res, cls)
+    methods = user_class.own_code_methods(cls, {n for n, _ in res.named_children()}) \
+        if mine and only else []
+    if methods:         # never silently: an inverse that no longer inverts forward
+        _warn_methods(cls, methods, only)
     if not mine:        # never silently: the report's result line says it too
         warnings.warn(f"precondfx: the result is a torch.fx.GraphModule, not your class "
                       f"{cls.__name__} ({st.not_user_class}): its methods other than forward "
@@ -671,6 +729,8 @@ STAGES = (
     Stage("apply", backend, ensures=("backend", "result")),
     driver.APPLY,
     driver.REINIT,
+    Stage("statistics", reset_stale_statistics, when=lambda st: st.opts.reinit,
+          requires=("plan", "graph", "result")),
     driver.MATCH,
     driver.SCHEME,
     driver.CALIBRATE,

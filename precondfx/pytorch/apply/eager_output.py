@@ -59,9 +59,22 @@ def _root_output_hook(module: nn.Module, args: tuple, out: Any) -> Any:
     if internal_loss(out, path):
         raise PrecondError(LOSS_BEFORE_SCALE)
     scale = getattr(module, PREFIX + "output_scale")
-    for p in [path] + views_of(out, path):
+    twins = [list(w) for w in getattr(module, PREFIX + "output_twins", ()) if fits(out, list(w))]
+    for p in [path] + views_of(out, path) + [w for w in twins if w != path]:
         out = scale_at_path(out, p, scale)
     return out
+
+
+def _leaf_paths(out: Any, where: list | None = None) -> list[list]:
+    """Paths of the floating-point tensors in ``out``'s containers."""
+    found: list[list] = []
+    for k, v in _items(out):
+        if isinstance(v, torch.Tensor):
+            if v.is_floating_point():
+                found.append((where or []) + [k])
+        elif not isinstance(v, torch.distributions.Distribution):
+            found += _leaf_paths(v, (where or []) + [k])
+    return found
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:
@@ -178,6 +191,10 @@ class OutputSearch:
         self._register(self.model, PREFIX + "output_scale", 1.0)
         setattr(self.model, PREFIX + "output_path", tuple(path))
         self.undo.append(("attrdel", self.model, PREFIX + "output_path"))
+        twins = tuple(tuple(w) for w in getattr(self, "twin_paths", ()))
+        if twins:
+            setattr(self.model, PREFIX + "output_twins", twins)
+            self.undo.append(("attrdel", self.model, PREFIX + "output_twins"))
         self._hook(self.model.register_forward_hook(_root_output_hook))
         self._done("output", None, PREFIX + "output_scale")
         return PREFIX + "output_scale"
@@ -220,6 +237,12 @@ class OutputSearch:
             name = next((n for n, v in seen.get(id(target), []) if v == now), None)
         if not isinstance(target, torch.Tensor):
             return None, out
+        if name is not None and calls.get(name, 0) > 1:
+            # a module called more than once (a triplet net's one encoder): the other values
+            # returned from its calls take the scale on the returned value too
+            self.twin_paths = [w for w in _leaf_paths(out) if w != path and any(
+                n == name and v == _version(at_path(out, w)) for n, v in
+                seen.get(id(at_path(out, w)), []))]
         cands = self._graph_candidates(tuple(target.shape))
         if name is not None and calls.get(name, 0) == 1 and self._unique(name):
             # a head module returning ``self.proj(h).squeeze(-1)`` (ELECTRA's discriminator):

@@ -291,13 +291,17 @@ class FxApplier(TorchBackend, Records):
             # call alone would change what forward computes from it and its twin's output (a
             # contrastive loss), so only the returned value takes the scale, as on the eager
             # back end
+            # the twins' returned values (a triplet net's anchor, positive and negative
+            # embeddings) take the same scale: one encoder, one function at every output
+            values = [target] + self._twin_outputs(out, target, node)
             with self.gm.graph.inserting_before(out):
                 c = self.gm.graph.get_attr(b)
-                m = self.gm.graph.call_function(operator.mul, (target, c))
-            out.replace_input_with(target, m)
-            self._done("output", f"output scale on the returned value {target.name}: "
-                       f"{node.target} is called more than once, so the values forward "
-                       f"computes from its calls keep their scale", b)
+                for v in values:
+                    out.replace_input_with(v, self.gm.graph.call_function(operator.mul, (v, c)))
+            self._done("output", f"output scale on the returned value(s) "
+                       f"{', '.join(v.name for v in values)}: {node.target} is called more "
+                       f"than once, so the values forward computes from its calls keep their "
+                       f"scale", b)
             return b
         heads = self._summed_heads(node)
         if heads:
@@ -323,6 +327,21 @@ class FxApplier(TorchBackend, Records):
                    f"{'' if node is target else ' up to ' + target.name}): every use inside "
                    f"forward sees it", b)
         return b
+
+    def _twin_outputs(self, out: fx.Node, target: fx.Node, node: fx.Node) -> list[fx.Node]:
+        """The other values the graph returns that other calls of ``node``'s module produce
+        (through value-keeping ops and precondfx's own products)."""
+        mod = self.gm.get_submodule(str(_under_own_products(node).target))
+        leaves: list[fx.Node] = []
+        fx.node.map_arg(out.args[0], leaves.append)
+        twins: list[fx.Node] = []
+        for v in leaves:
+            if v is target or v in twins:
+                continue
+            p = _under_own_products(self._producer(v))
+            if p.op == "call_module" and self.gm.get_submodule(str(p.target)) is mod:
+                twins.append(v)
+        return twins
 
     def _shared_call(self, node: fx.Node) -> bool:
         """Whether ``node`` calls a module that the graph calls more than once."""

@@ -646,6 +646,81 @@ def direct_reads(user_cls: type, paths: set[str]) -> list[str]:
     return out
 
 
+def _library_class(klass: type) -> bool:
+    """Whether ``klass`` comes from an installed package (``site-packages``), not the user's
+    own code (its methods are not the user's to check)."""
+    try:
+        path = inspect.getsourcefile(klass) or ""
+    except (TypeError, OSError):
+        return True
+    return "site-packages" in path or "dist-packages" in path
+
+
+def _runs(n: ast.AST, parent: dict) -> bool:
+    """Whether the read ``self.<child>`` runs the child: called (``self.enc(x)``), passed to a
+    call (``reversed(self.layers)``), iterated, indexed (``self.layers[0](x)``) or read further
+    (``self.head.weight @ h``; not ``.data``, ``.shape``, an in-place method); not returned,
+    stored or assigned (``get_classifier``, ``reset_classifier``)."""
+    up = parent.get(n)
+    if isinstance(up, ast.Call):
+        return True
+    if isinstance(up, ast.For):
+        return up.iter is n
+    if isinstance(up, ast.Subscript):
+        return up.value is n
+    if isinstance(up, ast.Attribute):
+        return not (up.attr in _NOT_COMPUTING or up.attr.endswith("_"))
+    return False
+
+
+def own_code_methods(user_cls: type, children: set[str]) -> list[str]:
+    """The methods of the user's own classes (not an installed library's) other than
+    ``forward`` that run the user's code on the submodules (they read ``self.<child>`` for a
+    child in ``children``, or call such a method: ``sample`` calling ``self.inverse``) without
+    going through ``self(...)`` or ``self.forward(...)``, which run the rewritten graph: an
+    ``inverse`` or ``encode`` calling the layers itself.  Such a method computes without the
+    constants only the graph's forward applies."""
+    found: dict[str, tuple[bool, bool, set[str]]] = {}     # name -> graph, reads, calls
+    for klass in user_cls.__mro__:
+        if klass in (nn.Module, object) or issubclass(nn.Module, klass):
+            continue
+        for name, fn in vars(klass).items():
+            if name in found or name == "forward" or name.startswith("__") or \
+                    _library_class(klass):
+                continue
+            fn = fn.fget if isinstance(fn, property) else \
+                fn.func if isinstance(fn, functools.cached_property) else fn
+            tree = _source_tree(fn)
+            if tree is None:
+                continue
+            me = _self_name(tree)
+            parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+            graph = reads = False
+            calls: set[str] = set()
+            for n in ast.walk(tree):
+                own = isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and \
+                    n.value.id == me
+                if isinstance(n, ast.Call) and (isinstance(n.func, ast.Name) and
+                                                n.func.id == me or _self_forward(n.func, me)):
+                    graph = True        # self(x) / self.forward(x): the graph, constants in
+                reads = reads or (own and n.attr in children and _runs(n, parent))
+                if own:
+                    calls.add(n.attr)
+            found[name] = (graph, reads, calls)
+    out = {k for k, (g, r, _) in found.items() if r and not g}
+    while True:         # a method calling one of them (sample -> inverse) computes the same
+        more = {k for k, (g, _, c) in found.items() if not g and c & out} - out
+        if not more:
+            return [k for k in found if k in out]
+        out |= more
+
+
+def _self_forward(func: ast.AST, me: str) -> bool:
+    """Whether ``func`` is ``self.forward`` (by the name ``me`` the method gives ``self``)."""
+    return isinstance(func, ast.Attribute) and func.attr == "forward" and \
+        isinstance(func.value, ast.Name) and func.value.id == me
+
+
 def _no_slices(getitem: Any) -> Any:
     """``result[a:b]`` of an ``nn.Sequential`` or ``nn.ModuleList`` result: torch builds the
     slice as ``self.__class__(...)``, the GraphModule class, which failed deep in torch
