@@ -34,7 +34,6 @@ from precondfx.onnx.capture import Captured, infer_shapes, symbolic_values, to_g
 from precondfx.onnx.normalize import NormalizeInfo, normalize, value_ties
 from precondfx.core.options import DEFAULTS as D
 from precondfx.core.options import REFUSE, Options, Resolved, Rule, Support, flag
-from precondfx.core.outputs import bounded_producer
 import precondfx.schemes  # noqa: F401 (registers the schemes)
 from precondfx.core.scheme import resolve_options
 from precondfx.core.report import Report
@@ -311,13 +310,6 @@ def backend(st: OnnxState) -> None:
             st.graph.notes.append(note)
     st.graph.notes.extend(_split_ties(value_ties(st.model), st.plan))
     st.graph.notes.extend(_shared_weights(st.plan))
-    if st.opts.target_std is not None:
-        out = st.backend.main_output(st.main_path)[1]
-        scaled = out.producer() is not None and not out.is_graph_input() and \
-            bounded_producer(st.captured.graph, out.producer().name) is None
-        note = _read_unscaled(out) if scaled else None     # as OnnxApplier.output_scale
-        if note:
-            st.graph.notes.append(note)
     note = _feedable_note(st.model, st.plan)
     if note:
         st.graph.notes.append(note)
@@ -367,31 +359,6 @@ def _split_ties(ties: list[tuple[str, str]], plan: Any) -> list[str]:
             f"do_constant_folding=False (dynamo=False): the tie is then one initializer; or "
             f"precondition the PyTorch model")
     return notes
-
-
-#: ops whose output holds the values of their first input (a final reshape of the logits)
-COPIES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast")
-
-
-def _read_unscaled(out: ir.Value) -> str | None:
-    """What the report says of nodes that read the main output inside the graph (a softmax,
-    a loss): the output scale multiplies the returned value only, so they read the values
-    before it (the PyTorch back end scales where the output is computed, and they see it)."""
-    def read(v: ir.Value, skip: ir.Node | None = None) -> list[str]:
-        return [u.node.name or u.node.op_type for u in v.uses()
-                if u.node is not skip and u.node.op_type not in ("Shape", "Size")]
-    readers, v = read(out), out
-    while v.producer() is not None and v.producer().op_type in COPIES and \
-            v.producer().inputs and v.producer().inputs[0] is not None:
-        copy, v = v.producer(), v.producer().inputs[0]      # the values before a final Reshape
-        readers += read(v, copy)
-    if not readers:
-        return None
-    return (f"the output scale multiplies the returned {out.name!r} only: {len(readers)} "
-            f"node(s) in the graph read it before the scale ({', '.join(readers[:4])}"
-            f"{'...' if len(readers) > 4 else ''}), so outputs computed from it (probabilities, "
-            f"a loss) keep their values and no longer match the scaled {out.name!r}; the "
-            f"PyTorch back end scales it where it is computed, and every use sees the scale")
 
 
 def _shared_weights(plan: Any) -> list[str]:
