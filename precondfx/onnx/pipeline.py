@@ -200,7 +200,8 @@ def normalize_stage(st: OnnxState) -> None:
     given.update(io.feeds_by_name(st.specs, st.given))
     try:
         st.feeds = io.resolve_feeds(st.specs, given, dims=dimmap, batch=st.batch,
-                                    seed=st.opts.seed, weights=weight_inputs(st.model))
+                                    seed=st.opts.seed, weights=weight_inputs(st.model),
+                                    masks=mask_inputs(st.model))
     except PrecondError:
         if st.opts.target_std is not None or st.opts.input_scale == "auto":
             raise
@@ -294,6 +295,56 @@ def weight_inputs(model: ir.Model) -> dict[str, str]:
                     (node.op_type == "MatMul" and len(w.shape) != 2):
                 continue        # a batched operand: an activation the caller feeds
             out[w.name] = f"{node.op_type} node {node.name or '(unnamed)'!r}"
+    return out
+
+
+#: ops that carry a mask's values to where it is used (a broadcast, a dtype cast)
+MASK_CARRIERS = ("Cast", "Unsqueeze", "Reshape", "Expand", "Squeeze", "Identity", "Slice",
+                 "Flatten")
+
+
+def _mask_use(v: ir.Value, seen: set[int] | None = None) -> str | None:
+    """How ``v`` is used as a mask (None when it is not): as a ``Where`` condition, by
+    ``Not``, cast to BOOL, or subtracted from a constant (``1 - mask``), through broadcasts
+    and casts."""
+    seen = set() if seen is None else seen
+    for use in v.uses():
+        node = use.node
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        op = node.op_type
+        to = node.attributes.get("to")
+        if op == "Where" and use.idx == 0 or op == "Not" or \
+                op == "Cast" and to is not None and to.value == ir.DataType.BOOL:
+            return f"{op} node {node.name or '(unnamed)'!r} reads it as a condition"
+        if op == "Sub" and use.idx == 1 and node.inputs[0] is not None and \
+                node.inputs[0].const_value is not None:
+            return f"Sub node {node.name or '(unnamed)'!r} computes constant - it (1 - mask)"
+        if op in MASK_CARRIERS and use.idx == 0:
+            for out in node.outputs:
+                why = _mask_use(out, seen)
+                if why:
+                    return why
+    return None
+
+
+def mask_inputs(model: ir.Model) -> dict[str, str]:
+    """The floating-point graph inputs that are masks (input name -> why): named so
+    (``attention_mask``) or used as one (``_mask_use``).  Calibration fills them with ones
+    (nothing masked) when no data is given: N(0, 1) data would mask at random."""
+    out: dict[str, str] = {}
+    inits = model.graph.initializers
+    for v in model.graph.inputs:
+        if v.name in inits or v.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16,
+                                              ir.DataType.DOUBLE, ir.DataType.BFLOAT16):
+            continue
+        if "mask" in (v.name or "").lower():
+            out[v.name] = "its name says so"
+            continue
+        why = _mask_use(v)
+        if why:
+            out[v.name] = why
     return out
 
 

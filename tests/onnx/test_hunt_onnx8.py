@@ -75,3 +75,70 @@ def test_outputs_computed_from_the_logits_agree_on_both_back_ends(tmp_path, cls,
     assert rep.output_scale == pytest.approx(prep.output_scale, rel=1e-4)
     for k in names:
         np.testing.assert_allclose(ox[k], pt[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+# -- (b) mask inputs -----------------------------------------------------------------------------
+class MaskedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.o = nn.Linear(16, 4)
+
+    def forward(self, x, attention_mask):
+        scores = self.q(x) @ self.k(x).transpose(1, 2) / 4
+        scores = scores + (1.0 - attention_mask[:, None, :]) * -10000.0   # BERT's float mask
+        return self.o((torch.softmax(scores, -1) @ self.v(x)).mean(1))
+
+
+def test_a_float_attention_mask_given_no_data_is_calibrated_with_ones(tmp_path):
+    """(b) A float ``attention_mask`` input with no calibration data got N(0,1) values (masked
+    at random, the note said 'random N(0,1)'): the file's output std on unpadded data (mask
+    of ones) was 0.43 for a target of 1.  Now the mask gets ones (nothing masked), the note
+    says so, and the std is 1."""
+    torch.manual_seed(0)
+    model, x, ones = MaskedAttention().eval(), torch.randn(32, 10, 16), torch.ones(32, 10)
+    src, out = str(tmp_path / "m.onnx"), str(tmp_path / "out.onnx")
+    torch.onnx.export(model, (x, ones), src, dynamo=False, input_names=["x", "attention_mask"],
+                      output_names=["logits"], dynamic_axes={"x": {0: "b"},
+                                                             "attention_mask": {0: "b"}})
+    rep = precondition_onnx(src, out, feeds={"x": x.numpy()})
+    y = _run(out, {"x": x.numpy(), "attention_mask": ones.numpy()})["logits"]
+    assert float(y.std()) == pytest.approx(1.0, rel=1e-3)
+    text = " ".join(str(rep).split())
+    assert "used ones (nothing masked) for the mask input(s) attention_mask [32, 10]" in text
+    assert "random N(0,1) inputs for attention_mask" not in text
+
+
+def _helper_masked(name: str):
+    """Hand-written: logits + (1 - m) * -10000, ``m`` a float input of any name."""
+    from onnx import TensorProto as TP, helper, numpy_helper
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 8)).astype(np.float32), "W"),
+             numpy_helper.from_array(np.zeros(4, np.float32), "b"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+             numpy_helper.from_array(np.array(-10000.0, np.float32), "big")]
+    nodes = [helper.make_node("Gemm", ["x", "W", "b"], ["z"], name="fc", transB=1),
+             helper.make_node("Sub", ["one", name], ["inv"], name="inv"),
+             helper.make_node("Mul", ["inv", "big"], ["pen"], name="pen"),
+             helper.make_node("Add", ["z", "pen"], ["y"], name="add")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, ["N", 8]),
+                                       helper.make_tensor_value_info(name, TP.FLOAT, ["N", 4])],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, ["N", 4])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_float_input_used_as_a_mask_is_filled_with_ones_on_the_command_line(tmp_path,
+                                                                               capsys):
+    """(b) ``logits + (1 - keep) * -10000`` by onnx.helper, ``keep`` a float input named
+    without 'mask', only ``x`` given on the command line: ``keep`` got N(0,1) data, the
+    penalty dominated: output std on real data (keep = ones) 1.6e-4 for a target of 1.  Now
+    its use (1 - keep) says it is a mask: ones, std 1."""
+    src, out = tmp_path / "m.onnx", tmp_path / "out.onnx"
+    onnx.save(_helper_masked("keep"), str(src))
+    x = np.random.default_rng(1).standard_normal((64, 8)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    code = main(["precondition", str(src), "-o", str(out), "--calib-input",
+                 f"x={tmp_path / 'x.npy'}", "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    y = _run(out, {"x": x, "keep": np.ones((64, 4), np.float32)})["y"]
+    assert float(y.std()) == pytest.approx(1.0, rel=1e-3)
