@@ -73,6 +73,8 @@ class OnnxApplier(Records, PoolSurgery):
         self.calib_shape: tuple[int, ...] | None = None
         self.output_scale_name: str | None = None
         self.output_value: ir.Value | None = None
+        #: masked (-inf) entries of the main output the last std measurement left out
+        self.masked_entries, self.output_size = 0, 0
         self.new_params: list[str] = []
         #: calibration inputs filled with random N(0, 1) data (``io.Feeds.random``), named when
         #: the output is not finite on them
@@ -359,7 +361,9 @@ class OnnxApplier(Records, PoolSurgery):
         from precondfx.onnx import calibrate as cal
         name = self.output_value.name if self.output_value is not None else \
             self.main_output([key] if key is not None else [])[1].name
-        std, self.calib_shape = cal.measure_model(self.model, sample, name)
+        std, self.calib_shape, self.masked_entries = cal.measure_masked(self.model, sample,
+                                                                         name)
+        self.output_size = int(np.prod(self.calib_shape))
         if not np.isfinite(std) and self.random_inputs:
             shapes = ", ".join(f"{n} {list(np.shape(sample[n]))}" for n in self.random_inputs)
             flags = " ".join(f"--calib-input {n}=FILE.npy" for n in self.random_inputs)

@@ -38,6 +38,7 @@ def _both(model, x, tmp_path, names):
         res, prep = precondfx.precondition(model, x, lr=None, **SAME)
     with torch.no_grad():
         got = res(x)
+    got = (got,) if isinstance(got, torch.Tensor) else got
     pt = dict(zip(names, [t.numpy() for t in got]))
     return pt, _run(out, {"x": x.numpy()}), rep, prep
 
@@ -142,3 +143,51 @@ def test_a_float_input_used_as_a_mask_is_filled_with_ones_on_the_command_line(tm
     assert code == 0, capsys.readouterr().err
     y = _run(out, {"x": x, "keep": np.ones((64, 4), np.float32)})["y"]
     assert float(y.std()) == pytest.approx(1.0, rel=1e-3)
+
+
+# -- (c) outputs masked with -inf ----------------------------------------------------------------
+class MaskedLogits(nn.Module):
+    """An action-masked policy head: illegal actions get -inf (here: x_j > 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 6)
+
+    def forward(self, x):
+        z = self.b(torch.relu(self.a(x)))
+        return z.masked_fill(x[:, :6] > 1.0, float("-inf"))
+
+
+def test_masked_logits_are_calibrated_on_their_finite_entries(tmp_path):
+    """(c) Logits masked with -inf (``masked_fill(~legal, -inf)``) were refused on both back
+    ends ('NaN/inf values ... pass target_std=None'): no output scale for a masked policy.  Now
+    the std is measured over the finite entries (core.calibration.masked_std), -inf stays
+    -inf, a report line says how many entries were masked, and onnxruntime on the file equals
+    the PyTorch result."""
+    torch.manual_seed(0)
+    model, x = MaskedLogits().eval(), torch.randn(64, 8)
+    pt, ox, rep, prep = _both(model, x, tmp_path, ["logits"])
+    y = ox["logits"]
+    fin = np.isfinite(y)
+    assert (fin == np.isfinite(pt["logits"])).all() and (y[~fin] == -np.inf).all()
+    assert 0 < (~fin).sum() < y.size
+    assert float(y[fin].std()) == pytest.approx(1.0, rel=1e-4)
+    np.testing.assert_allclose(y[fin], pt["logits"][fin], rtol=1e-4, atol=1e-5)
+    assert rep.output_scale == pytest.approx(prep.output_scale, rel=1e-4)
+    for r in (rep, prep):
+        assert f"holds -inf in {(~fin).sum()} of {y.size} entries" in " ".join(str(r).split())
+
+
+def test_an_output_with_nan_is_still_refused(tmp_path):
+    """(c) The -inf rule is for masks only: +inf or NaN in the main output is still refused."""
+    class Bad(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 6)
+
+        def forward(self, x):
+            return self.a(x).masked_fill(x[:, :6] > 1.0, float("inf"))
+
+    x = torch.randn(64, 8)
+    with pytest.raises(PrecondError, match="NaN/inf"):
+        precondfx.precondition(Bad().eval(), x, lr=None)
