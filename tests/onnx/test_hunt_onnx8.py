@@ -191,3 +191,46 @@ def test_an_output_with_nan_is_still_refused(tmp_path):
     x = torch.randn(64, 8)
     with pytest.raises(PrecondError, match="NaN/inf"):
         precondfx.precondition(Bad().eval(), x, lr=None)
+
+
+# -- (d) installed without its dependencies ------------------------------------------------------
+_NO_DEPS = """
+import sys, importlib.abc
+class Gone(importlib.abc.MetaPathFinder):     # what pip install --no-deps leaves: no {mod}
+    def find_spec(self, name, path, target=None):
+        return None if name.split(".")[0] != {mod!r} else self.gone(name)
+    def gone(self, name):
+        raise ModuleNotFoundError("No module named " + repr(name), name=name)
+sys.meta_path.insert(0, Gone())
+sys.argv = ["precondfx", "inspect", "model.onnx"]
+from precondfx.cli import main
+raise SystemExit(main())
+"""
+
+
+@pytest.mark.parametrize("mod,req", [("torch", "torch>=2.4"), ("numpy", "numpy>=1.26")])
+def test_the_command_line_without_a_required_dependency_says_what_to_install(tmp_path, mod,
+                                                                             req):
+    """(d) ``pip install --no-deps .`` then ``precondfx ...``: the console script died in
+    ``import precondfx`` with a raw ModuleNotFoundError traceback ('No module named torch').
+    Now exit 2 and one line naming the install command."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root)
+    r = subprocess.run([sys.executable, "-c", _NO_DEPS.format(mod=mod)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert f"a required dependency not installed (installed with --no-deps?): pip install " \
+           f"'{req}'" in r.stderr, r.stderr
+
+
+def test_a_missing_tqdm_is_named_as_a_required_dependency():
+    """(d) tqdm (required, imported when a progress bar shows) missing: the command line said
+    "module 'tqdm' is not installed (imported by the model's code)"; now it names the
+    install command for precondfx's own dependency."""
+    from precondfx.cli import _missing_extra
+    msg = _missing_extra(ModuleNotFoundError("No module named 'tqdm'", name="tqdm"))
+    assert "pip install 'tqdm>=4.66'" in msg and "model's code" not in msg, msg
