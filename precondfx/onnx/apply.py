@@ -79,6 +79,8 @@ class OnnxApplier(Records, PoolSurgery):
         #: calibration inputs filled with random N(0, 1) data (``io.Feeds.random``), named when
         #: the output is not finite on them
         self.random_inputs: list[str] = []
+        #: mask inputs filled with ones (``io.Feeds.ones``), named with them
+        self.ones_inputs: list[str] = []
         self._names = {n.name for n in self.g if n.name}
         self._values: set[str] = {v.name for v in self.g.initializers.values() if v.name}
         for n in self.g:
@@ -364,12 +366,15 @@ class OnnxApplier(Records, PoolSurgery):
         std, self.calib_shape, self.masked_entries = cal.measure_masked(self.model, sample,
                                                                          name)
         self.output_size = int(np.prod(self.calib_shape))
-        if not np.isfinite(std) and self.random_inputs:
-            shapes = ", ".join(f"{n} {list(np.shape(sample[n]))}" for n in self.random_inputs)
-            flags = " ".join(f"--calib-input {n}=FILE.npy" for n in self.random_inputs)
+        made_up = self.random_inputs + self.ones_inputs
+        if not np.isfinite(std) and made_up:
+            shapes = ", ".join(f"{n} {list(np.shape(sample[n]))}" for n in made_up)
+            flags = " ".join(f"--calib-input {n}=FILE.npy" for n in made_up)
+            what = " and ".join(w for w, names in (("random N(0,1) data", self.random_inputs),
+                                                   ("ones (a mask)", self.ones_inputs)) if names)
             raise PrecondError(
                 f"output {name!r} has NaN/inf values on the calibration batch, and the inputs "
-                f"{shapes} were random N(0,1) data (no calibration data was given for them): an "
+                f"{shapes} were {what} (no calibration data was given for them): an "
                 f"input the model reads as a mask, a probability or a positive quantity (log, "
                 f"sqrt, a division) needs its real values; give them with {flags} or --calib "
                 f"(from Python: feeds=), or pass target_std=None to skip the output scale")

@@ -352,6 +352,7 @@ def backend(st: OnnxState) -> None:
     st.backend = OnnxApplier(st.model, st.captured, st.opts.seed)
     if st.feeds is not None:
         st.backend.random_inputs = list(st.feeds.random)
+        st.backend.ones_inputs = list(st.feeds.ones)
     st.result = st.model
     key = st.opts.output_key
     st.main_path = [key] if key is not None else []

@@ -234,3 +234,29 @@ def test_a_missing_tqdm_is_named_as_a_required_dependency():
     from precondfx.cli import _missing_extra
     msg = _missing_extra(ModuleNotFoundError("No module named 'tqdm'", name="tqdm"))
     assert "pip install 'tqdm>=4.66'" in msg and "model's code" not in msg, msg
+
+
+def test_a_mask_filled_with_ones_that_masks_everything_is_named(tmp_path):
+    """(b) A mask whose convention is the other way round (1 = padded): ones mask every entry
+    and the output is all -inf.  The error names the input filled with ones and the flag that
+    gives its data (it blamed the model's numerics, as for an input given by the user)."""
+    from onnx import TensorProto as TP, helper, numpy_helper
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Gemm", ["x", "W", "b"], ["z"], name="fc", transB=1),
+             helper.make_node("Sub", ["one", "pad"], ["keep"], name="keep"),
+             helper.make_node("Log", ["keep"], ["lk"], name="log"),
+             helper.make_node("Add", ["z", "lk"], ["y"], name="add")]
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 8)).astype(np.float32), "W"),
+             numpy_helper.from_array(np.zeros(4, np.float32), "b"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "one")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, ["N", 8]),
+                                       helper.make_tensor_value_info("pad", TP.FLOAT, ["N", 4])],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, ["N", 4])], inits)
+    src = str(tmp_path / "m.onnx")
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              src)
+    x = rng.standard_normal((32, 8)).astype(np.float32)
+    with pytest.raises(PrecondError, match=r"pad \[32, 4\] were ones \(a mask\).*"
+                                           r"--calib-input pad=FILE.npy"):
+        precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"x": x})
+    assert not (tmp_path / "out.onnx").exists()
