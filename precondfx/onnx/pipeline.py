@@ -13,6 +13,7 @@ by onnxruntime; then it is moved into place.  On any error the output path is le
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -339,7 +340,9 @@ def mask_inputs(model: ir.Model) -> dict[str, str]:
         if v.name in inits or v.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16,
                                               ir.DataType.DOUBLE, ir.DataType.BFLOAT16):
             continue
-        if "mask" in (v.name or "").lower():
+        words = re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", v.name or ""
+                                                ).lower())
+        if any(w.endswith(("mask", "masks")) for w in words):     # not 'masked_image'
             out[v.name] = "its name says so"
             continue
         why = _mask_use(v)
