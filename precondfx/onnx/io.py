@@ -759,7 +759,7 @@ def resolve_feeds(inputs: list[InputSpec], given: Mapping[str, Any] | None = Non
                                f"weight (the output scale would be fitted to that scale, not "
                                f"to the weights the caller feeds); give the values it is run "
                                f"with: --calib-input {spec.name}=FILE.npy or --calib")
-        if not spec.is_float:
+        if not spec.is_float and not (masks and spec.name in masks):
             kind = spec.dtype.name if spec.dtype is not None else "unknown type"
             raise PrecondError(f"input {spec.name!r} is {kind}: random normal data cannot stand "
                                f"in for it (token ids, masks...); give its data with --calib "
@@ -786,7 +786,7 @@ def resolve_feeds(inputs: list[InputSpec], given: Mapping[str, Any] | None = Non
                                    f"in the model, so --dim cannot set it: give calibration "
                                    f"data (--calib, or --calib-input {spec.name}=FILE.npy)")
         if masks and spec.name in masks:
-            arrays[spec.name] = _cast(spec, np.ones(shape, dtype=np.float32))
+            arrays[spec.name] = _cast(spec, np.ones(shape, dtype=spec.np_dtype or np.float32))
             feeds.ones.append(spec.name)
             continue
         arrays[spec.name] = _cast(spec, rng.standard_normal(shape, dtype=np.float32))

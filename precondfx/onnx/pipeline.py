@@ -331,21 +331,24 @@ def _mask_use(v: ir.Value, seen: set[int] | None = None) -> str | None:
 
 
 def mask_inputs(model: ir.Model) -> dict[str, str]:
-    """The floating-point graph inputs that are masks (input name -> why): named so
-    (``attention_mask``) or used as one (``_mask_use``).  Calibration fills them with ones
-    (nothing masked) when no data is given: N(0, 1) data would mask at random."""
+    """The floating-point or integer graph inputs that are masks (input name -> why): named
+    so (``attention_mask``, also int64 as transformers exports it) or, floating-point, used
+    as one (``_mask_use``).  Calibration fills them with ones (nothing masked) when no data
+    is given: N(0, 1) data would mask at random.  A BOOL mask is not filled (``True`` means
+    masked in torch's ``key_padding_mask``, kept in others)."""
     out: dict[str, str] = {}
     inits = model.graph.initializers
+    floats = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16)
+    ints = (ir.DataType.INT64, ir.DataType.INT32)
     for v in model.graph.inputs:
-        if v.name in inits or v.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16,
-                                              ir.DataType.DOUBLE, ir.DataType.BFLOAT16):
+        if v.name in inits or v.dtype not in floats + ints:
             continue
         words = re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", v.name or ""
                                                 ).lower())
         if any(w.endswith(("mask", "masks")) for w in words):     # not 'masked_image'
             out[v.name] = "its name says so"
             continue
-        why = _mask_use(v)
+        why = _mask_use(v) if v.dtype in floats else None
         if why:
             out[v.name] = why
     return out

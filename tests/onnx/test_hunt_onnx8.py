@@ -260,3 +260,34 @@ def test_a_mask_filled_with_ones_that_masks_everything_is_named(tmp_path):
                                            r"--calib-input pad=FILE.npy"):
         precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"x": x})
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_an_int64_attention_mask_given_no_data_gets_ones(tmp_path, capsys):
+    """(b) transformers export ``attention_mask`` as int64 beside ``input_ids``; with only the
+    ids given the command line refused ('is INT64: random normal data cannot stand in'),
+    though ones (no padding) is what transformers itself uses when no mask is passed.  Now
+    ones, with the note, and the file's std on unpadded data is 1."""
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(50, 16), nn.Linear(16, 3)
+
+        def forward(self, input_ids, attention_mask):
+            m = attention_mask[..., None].to(torch.float32)
+            return self.head((self.emb(input_ids) * m).sum(1) / m.sum(1))
+
+    torch.manual_seed(0)
+    ids, ones = torch.randint(0, 50, (32, 7)), torch.ones(32, 7, dtype=torch.int64)
+    src, out = str(tmp_path / "m.onnx"), str(tmp_path / "out.onnx")
+    torch.onnx.export(Tiny().eval(), (ids, ones), src, dynamo=False,
+                      input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                      dynamic_axes={"input_ids": {0: "b", 1: "t"},
+                                    "attention_mask": {0: "b", 1: "t"}})
+    np.save(tmp_path / "ids.npy", ids.numpy())
+    code = main(["precondition", src, "-o", out, "--calib-input",
+                 f"input_ids={tmp_path / 'ids.npy'}", "--quiet", "--report",
+                 str(tmp_path / "r.json")])
+    assert code == 0, capsys.readouterr().err
+    y = _run(out, {"input_ids": ids.numpy(), "attention_mask": ones.numpy()})["logits"]
+    assert float(y.std()) == pytest.approx(1.0, rel=1e-3)
+    assert "mask input(s) attention_mask [32, 7]" in (tmp_path / "r.json").read_text()
