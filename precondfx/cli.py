@@ -45,7 +45,10 @@ _EXTRAS = {"onnx": "onnx", "onnxruntime": "onnx", "onnx_ir": "onnx", "onnxscript
 def _missing_extra(e: ImportError) -> str | None:
     """One line naming the extra to install for a missing optional dependency (None when the
     missing module is not an optional dependency of precondfx)."""
+    from precondfx._deps import REQUIRED, required_message
     name = (getattr(e, "name", None) or "").split(".")[0]
+    if name in REQUIRED:
+        return required_message([name])
     if name in _EXTRAS:
         extra = _EXTRAS[name]
         return (f"this needs the optional dependency {name!r}, which is not installed: "
@@ -719,6 +722,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    from precondfx._deps import missing_required, required_message
+    missing = missing_required(("torch", "numpy"))
+    if missing:         # pip install --no-deps: say what to install, not a traceback
+        _err(required_message(missing))
+        return 2
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(list(argv) if argv is not None else None)

@@ -7,6 +7,7 @@ refuse with what to do.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +23,31 @@ def is_additive_mask(a: np.ndarray) -> bool:
         return False
     fin = np.isfinite(a)
     return bool((a[~fin] < 0).all()) and bool((a[fin] <= 0).all())
+
+
+def masked_std(a: Any) -> tuple[float, int]:
+    """The output std calibration reads, and how many entries it left out: over every element
+    (float64, population std), or, when the only non-finite values are ``-inf`` (masked
+    logits or attention scores: ``logits.masked_fill(~legal, -inf)``), over the finite ones,
+    which the output scale multiplies (``-inf`` times a positive scale stays ``-inf``).  NaN
+    when a value is NaN or ``+inf``, or fewer than two entries are finite."""
+    a = np.asarray(a, dtype=np.float64)
+    fin = np.isfinite(a)
+    if bool(fin.all()):
+        return float(a.std()), 0
+    rest = a[~fin]
+    if bool(np.isnan(rest).any()) or bool((rest > 0).any()) or int(fin.sum()) < 2:
+        return float("nan"), 0
+    return float(a[fin].std()), int(rest.size)
+
+
+def masked_note(n: int, total: int | None) -> str:
+    """The report's line when calibration left ``n`` masked (-inf) output entries out."""
+    of = f" of {total}" if total else ""
+    return (f"the main output holds -inf in {n}{of} entries on the calibration batch (a mask: "
+            f"masked logits or scores); its std was measured over the finite entries, and the "
+            f"output scale leaves -inf as it is. If -inf is not meant (log(0), an overflow), "
+            f"fix the model; target_std=None skips the output scale")
 
 
 def input_second_moment(arrays: list[np.ndarray]) -> float | None:
@@ -54,10 +80,11 @@ def solve_output_scale(std: float, target: float, reinit: bool = True,
         "with the model's own weights kept (reinit_weights=False)"
     if not math.isfinite(std):
         raise PrecondError(f"the model's output on the calibration batch has NaN/inf values "
-                           f"{weights}; check the model for numerical issues. An output that "
-                           f"holds -inf by design (logits plus an additive mask) has no std: "
-                           f"pass target_std=None to skip the output scale, or output_key= "
-                           f"an output without them")
+                           f"{weights}; check the model for numerical issues (-inf alone, a "
+                           f"mask, is measured over the finite entries; NaN and +inf are not, "
+                           f"nor an output with fewer than two finite entries). Or pass "
+                           f"target_std=None to skip the output scale, or output_key= an "
+                           f"output without them")
     if std <= 1e-30:
         if not reinit:     # the kept weights, more often than the data: a zero-initialized head
             raise PrecondError(

@@ -452,6 +452,10 @@ def calibrate(st: State) -> None:
             be.set_constant(st.out_const, scale)
             break
         scale, after = trial, got
+    masked = getattr(be, "masked_entries", 0)
+    if masked:
+        rep.skipped.append(("note: masked output",
+                            cal.masked_note(masked, getattr(be, "output_size", None))))
     rep.output_std_before, rep.output_std_after = std, after
     rep.target_std, rep.output_scale = opts.target_std, scale
     why = f"output std {std:.4g} -> {opts.target_std}"

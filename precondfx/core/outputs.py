@@ -72,6 +72,22 @@ def bounded_output(kind: str | None, target: str = "", part: bool = False) -> st
             f"pass target_std=None to turn output scaling off")
 
 
+#: op kinds the output scale moves up through, from the returned value to the node that
+#: computes it: the scale sits where the main output is computed, so every use of it inside
+#: the model (a softmax, a loss computed from the logits) sees it, on every back end
+SCALE_THROUGH = ("reshape", "cast", "select")
+
+
+def scale_moves_up(kind: str | None, n_operands: int, operand_uses: int) -> bool:
+    """Whether the output scale moves from a node up to its one activation operand (the one
+    rule ``fx_apply._producer`` and ``OnnxApplier.output_scale`` apply): a reshape or a cast
+    (every other use of the operand reads the same values), or a selection whose operand has
+    no other use (scaling the whole operand would reach values the model reads elsewhere)."""
+    if kind not in SCALE_THROUGH or n_operands != 1:
+        return False
+    return kind != "select" or operand_uses == 1
+
+
 #: op kinds that pass values through unchanged in range (a final view, a dtype cast, a slice)
 PASS_THROUGH = ("reshape", "cast", "select")
 

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from precondfx.core.outputs import bounded_producer, others_note, pick_main, skip_bounded
+from precondfx.core.outputs import bounded_producer, others_note, pick_main, scale_moves_up, \
+    skip_bounded
 from precondfx.core.backend import Records
 from precondfx.core.backend import PREFIX
 from precondfx.errors import PrecondError
@@ -72,10 +73,14 @@ class OnnxApplier(Records, PoolSurgery):
         self.calib_shape: tuple[int, ...] | None = None
         self.output_scale_name: str | None = None
         self.output_value: ir.Value | None = None
+        #: masked (-inf) entries of the main output the last std measurement left out
+        self.masked_entries, self.output_size = 0, 0
         self.new_params: list[str] = []
         #: calibration inputs filled with random N(0, 1) data (``io.Feeds.random``), named when
         #: the output is not finite on them
         self.random_inputs: list[str] = []
+        #: mask inputs filled with ones (``io.Feeds.ones``), named with them
+        self.ones_inputs: list[str] = []
         self._names = {n.name for n in self.g if n.name}
         self._values: set[str] = {v.name for v in self.g.initializers.values() if v.name}
         for n in self.g:
@@ -282,20 +287,34 @@ class OnnxApplier(Records, PoolSurgery):
         if bounded is not None:
             skip_bounded(self, bounded)
             return None
-        public = out.name
-        c = self._const(f"{PREFIX}output_scale", 1.0, out)
-        ms = self._mul_nodes(out, c, f"{public}_scaled", f"{PREFIX}output_scale_mul")
-        self.g.extend(ms)
-        new = ms[-1].outputs[0]
-        for k, o in enumerate(self.g.outputs):   # every slot listing it: one public name
-            if o is out:
-                self.g.outputs[k] = new
-        out.name = self._fresh(f"{public}.prescale", self._values)
-        new.name = public
+        # where the main output is computed (core.outputs.scale_moves_up): every use in the
+        # graph (a softmax, a loss computed from the logits) sees the scale, as on the PyTorch
+        # back ends; graph outputs keep their public names
+        at = self._scale_site(out)
+        c = self._const(f"{PREFIX}output_scale", 1.0, at)
+        ms = self._mul_nodes(at, c, f"{at.name}_scaled", f"{PREFIX}output_scale_mul")
+        self.g.insert_after(at.producer(), ms)
+        self._redirect(at, ms[-1].outputs[0], exclude=ms[0])
         self.output_scale_name = c.name
-        self.output_value = new
+        self.output_value = ms[-1].outputs[0] if at is out else out
         self._done("output", None, c.name)
         return c.name
+
+    def _scale_site(self, out: ir.Value) -> ir.Value:
+        """The value the output scale multiplies: ``out``, or up through the ops that
+        ``core.outputs.scale_moves_up`` names (a final ``Reshape``/``Cast``, a sole slice) to
+        the floating-point value a node computes."""
+        v = out
+        while True:
+            node = v.producer()
+            gn = self.cap.graph.get(node.name) if node is not None else None
+            slots = self.cap.act_index.get(node.name, []) if node is not None else []
+            src = node.inputs[slots[0]] if gn is not None and len(slots) == 1 else None
+            if src is None or src.producer() is None or src.is_graph_input() or \
+                    src.is_initializer() or self._dtype(src) not in FLOAT_TYPES or \
+                    not scale_moves_up(gn.kind, len(slots), len(list(src.uses()))):
+                return v
+            v = src
 
     def replace(self, name: str, mod: Any, path: str | None = None,
                 all_calls: bool = False) -> bool:
@@ -344,13 +363,18 @@ class OnnxApplier(Records, PoolSurgery):
         from precondfx.onnx import calibrate as cal
         name = self.output_value.name if self.output_value is not None else \
             self.main_output([key] if key is not None else [])[1].name
-        std, self.calib_shape = cal.measure_model(self.model, sample, name)
-        if not np.isfinite(std) and self.random_inputs:
-            shapes = ", ".join(f"{n} {list(np.shape(sample[n]))}" for n in self.random_inputs)
-            flags = " ".join(f"--calib-input {n}=FILE.npy" for n in self.random_inputs)
+        std, self.calib_shape, self.masked_entries = cal.measure_masked(self.model, sample,
+                                                                         name)
+        self.output_size = int(np.prod(self.calib_shape))
+        made_up = self.random_inputs + self.ones_inputs
+        if not np.isfinite(std) and made_up:
+            shapes = ", ".join(f"{n} {list(np.shape(sample[n]))}" for n in made_up)
+            flags = " ".join(f"--calib-input {n}=FILE.npy" for n in made_up)
+            what = " and ".join(w for w, names in (("random N(0,1) data", self.random_inputs),
+                                                   ("ones (a mask)", self.ones_inputs)) if names)
             raise PrecondError(
                 f"output {name!r} has NaN/inf values on the calibration batch, and the inputs "
-                f"{shapes} were random N(0,1) data (no calibration data was given for them): an "
+                f"{shapes} were {what} (no calibration data was given for them): an "
                 f"input the model reads as a mask, a probability or a positive quantity (log, "
                 f"sqrt, a division) needs its real values; give them with {flags} or --calib "
                 f"(from Python: feeds=), or pass target_std=None to skip the output scale")

@@ -20,6 +20,7 @@ import numpy as np
 import onnx_ir as ir
 
 from precondfx.core.backend import PREFIX
+from precondfx.core.calibration import masked_std
 from precondfx.errors import PrecondError
 
 PROVIDERS = ["CPUExecutionProvider"]
@@ -97,15 +98,18 @@ def run(sess: "object", feeds: Mapping[str, np.ndarray], outputs: list[str] | No
 
 
 def output_std(arr: np.ndarray) -> float:
-    """Population std (correction 0) over all elements, in float64; NaN if any is not finite."""
+    """Population std (correction 0) in float64 (``core.calibration.masked_std``: over the
+    finite entries when the others are -inf, a mask; NaN for NaN/+inf)."""
+    return masked_output_std(arr)[0]
+
+
+def masked_output_std(arr: np.ndarray) -> tuple[float, int]:
+    """``output_std`` and how many masked (-inf) entries it left out."""
     a = np.asarray(arr)
     if a.size < 2:
         raise PrecondError(f"the main output has {a.size} element(s): its std is undefined; use "
                            f"a calibration batch with more samples or pass target_std=None")
-    a = a.astype(np.float64)
-    if not np.isfinite(a).all():
-        return float("nan")
-    return float(a.std())
+    return masked_std(a)
 
 
 _ORT_DTYPES = {np.dtype(t) for t in (np.float32, np.float16, np.float64, np.int64, np.int32,
@@ -184,7 +188,16 @@ def measure_model(model: ir.Model, feeds: Mapping[str, np.ndarray], output: str
     """Output std and shape of the in-memory model on the feed (Dropout training off)."""
     sess = session_for_model(model)
     y = run(sess, feeds, [output])[0]
-    return output_std(y), tuple(np.shape(y))
+    return masked_output_std(y)[0], tuple(np.shape(y))
+
+
+def measure_masked(model: ir.Model, feeds: Mapping[str, np.ndarray], output: str
+                   ) -> tuple[float, tuple[int, ...], int]:
+    """``measure_model`` and the number of masked (-inf) output entries left out."""
+    sess = session_for_model(model)
+    y = run(sess, feeds, [output])[0]
+    std, masked = masked_output_std(y)
+    return std, tuple(np.shape(y)), masked
 
 
 def dropout_training_off(model: ir.Model) -> Any:

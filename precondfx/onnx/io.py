@@ -560,6 +560,7 @@ class Feeds:
     arrays: dict[str, np.ndarray]
     bindings: dict[str, int] = field(default_factory=dict)  # symbolic dim -> size
     random: list[str] = field(default_factory=list)         # inputs filled with random data
+    ones: list[str] = field(default_factory=list)           # mask inputs filled with ones
     notes: list[str] = field(default_factory=list)
 
 
@@ -695,12 +696,14 @@ def check_dims(inputs: list[InputSpec], dims: Mapping[str, int]) -> None:
 def resolve_feeds(inputs: list[InputSpec], given: Mapping[str, Any] | None = None, *,
                   dims: Mapping[str, int] | None = None, batch: int | None = None,
                   seed: int = 0, allow_random: bool = True,
-                  weights: Mapping[str, str] | None = None) -> Feeds:
+                  weights: Mapping[str, str] | None = None,
+                  masks: Mapping[str, str] | None = None) -> Feeds:
     """Check given arrays against the model inputs and fill the missing ones with N(0, 1) data
     of the model's shape (symbolic dims from the data, then ``dims``, then ``batch`` for a
     leading dim).  ``weights`` (input name -> the layer that reads it as its weight) are
     never filled: N(0, 1) data is not a weight's scale, and the output scale would be fitted
-    to it."""
+    to it.  ``masks`` (input name -> why it is a mask) are filled with ones: nothing
+    masked, as a batch of unpadded sequences has it."""
     given = dict(given or {})
     names = [i.name for i in inputs]
     for k in given:
@@ -756,7 +759,7 @@ def resolve_feeds(inputs: list[InputSpec], given: Mapping[str, Any] | None = Non
                                f"weight (the output scale would be fitted to that scale, not "
                                f"to the weights the caller feeds); give the values it is run "
                                f"with: --calib-input {spec.name}=FILE.npy or --calib")
-        if not spec.is_float:
+        if not spec.is_float and not (masks and spec.name in masks):
             kind = spec.dtype.name if spec.dtype is not None else "unknown type"
             raise PrecondError(f"input {spec.name!r} is {kind}: random normal data cannot stand "
                                f"in for it (token ids, masks...); give its data with --calib "
@@ -782,8 +785,18 @@ def resolve_feeds(inputs: list[InputSpec], given: Mapping[str, Any] | None = Non
                 raise PrecondError(f"input {spec.name!r} dim {i} has neither a size nor a name "
                                    f"in the model, so --dim cannot set it: give calibration "
                                    f"data (--calib, or --calib-input {spec.name}=FILE.npy)")
+        if masks and spec.name in masks:
+            arrays[spec.name] = _cast(spec, np.ones(shape, dtype=spec.np_dtype or np.float32))
+            feeds.ones.append(spec.name)
+            continue
         arrays[spec.name] = _cast(spec, rng.standard_normal(shape, dtype=np.float32))
         feeds.random.append(spec.name)
+    if feeds.ones:
+        feeds.notes.append("calibration used ones (nothing masked) for the mask input(s) " +
+                           ", ".join(f"{n} {list(arrays[n].shape)} ({masks[n]})"
+                                     for n in feeds.ones) +
+                           ": the output scale assumes unpadded data (pass --calib-input "
+                           "NAME=FILE.npy for real masks)")
     if feeds.random:
         feeds.notes.append("calibration used random N(0,1) inputs for " +
                            ", ".join(f"{n} {list(arrays[n].shape)}" for n in feeds.random) +

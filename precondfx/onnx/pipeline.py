@@ -13,6 +13,7 @@ by onnxruntime; then it is moved into place.  On any error the output path is le
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -34,7 +35,6 @@ from precondfx.onnx.capture import Captured, infer_shapes, symbolic_values, to_g
 from precondfx.onnx.normalize import NormalizeInfo, normalize, value_ties
 from precondfx.core.options import DEFAULTS as D
 from precondfx.core.options import REFUSE, Options, Resolved, Rule, Support, flag
-from precondfx.core.outputs import bounded_producer
 import precondfx.schemes  # noqa: F401 (registers the schemes)
 from precondfx.core.scheme import resolve_options
 from precondfx.core.report import Report
@@ -201,7 +201,8 @@ def normalize_stage(st: OnnxState) -> None:
     given.update(io.feeds_by_name(st.specs, st.given))
     try:
         st.feeds = io.resolve_feeds(st.specs, given, dims=dimmap, batch=st.batch,
-                                    seed=st.opts.seed, weights=weight_inputs(st.model))
+                                    seed=st.opts.seed, weights=weight_inputs(st.model),
+                                    masks=mask_inputs(st.model))
     except PrecondError:
         if st.opts.target_std is not None or st.opts.input_scale == "auto":
             raise
@@ -298,10 +299,66 @@ def weight_inputs(model: ir.Model) -> dict[str, str]:
     return out
 
 
+#: ops that carry a mask's values to where it is used (a broadcast, a dtype cast)
+MASK_CARRIERS = ("Cast", "Unsqueeze", "Reshape", "Expand", "Squeeze", "Identity", "Slice",
+                 "Flatten")
+
+
+def _mask_use(v: ir.Value, seen: set[int] | None = None) -> str | None:
+    """How ``v`` is used as a mask (None when it is not): as a ``Where`` condition, by
+    ``Not``, cast to BOOL, or subtracted from a constant (``1 - mask``), through broadcasts
+    and casts."""
+    seen = set() if seen is None else seen
+    for use in v.uses():
+        node = use.node
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        op = node.op_type
+        to = node.attributes.get("to")
+        if op == "Where" and use.idx == 0 or op == "Not" or \
+                op == "Cast" and to is not None and to.value == ir.DataType.BOOL:
+            return f"{op} node {node.name or '(unnamed)'!r} reads it as a condition"
+        if op == "Sub" and use.idx == 1 and node.inputs[0] is not None and \
+                node.inputs[0].const_value is not None:
+            return f"Sub node {node.name or '(unnamed)'!r} computes constant - it (1 - mask)"
+        if op in MASK_CARRIERS and use.idx == 0:
+            for out in node.outputs:
+                why = _mask_use(out, seen)
+                if why:
+                    return why
+    return None
+
+
+def mask_inputs(model: ir.Model) -> dict[str, str]:
+    """The floating-point or integer graph inputs that are masks (input name -> why): named
+    so (``attention_mask``, also int64 as transformers exports it) or, floating-point, used
+    as one (``_mask_use``).  Calibration fills them with ones (nothing masked) when no data
+    is given: N(0, 1) data would mask at random.  A BOOL mask is not filled (``True`` means
+    masked in torch's ``key_padding_mask``, kept in others)."""
+    out: dict[str, str] = {}
+    inits = model.graph.initializers
+    floats = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16)
+    ints = (ir.DataType.INT64, ir.DataType.INT32)
+    for v in model.graph.inputs:
+        if v.name in inits or v.dtype not in floats + ints:
+            continue
+        words = re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", v.name or ""
+                                                ).lower())
+        if any(w.endswith(("mask", "masks")) for w in words):     # not 'masked_image'
+            out[v.name] = "its name says so"
+            continue
+        why = _mask_use(v) if v.dtype in floats else None
+        if why:
+            out[v.name] = why
+    return out
+
+
 def backend(st: OnnxState) -> None:
     st.backend = OnnxApplier(st.model, st.captured, st.opts.seed)
     if st.feeds is not None:
         st.backend.random_inputs = list(st.feeds.random)
+        st.backend.ones_inputs = list(st.feeds.ones)
     st.result = st.model
     key = st.opts.output_key
     st.main_path = [key] if key is not None else []
@@ -311,13 +368,6 @@ def backend(st: OnnxState) -> None:
             st.graph.notes.append(note)
     st.graph.notes.extend(_split_ties(value_ties(st.model), st.plan))
     st.graph.notes.extend(_shared_weights(st.plan))
-    if st.opts.target_std is not None:
-        out = st.backend.main_output(st.main_path)[1]
-        scaled = out.producer() is not None and not out.is_graph_input() and \
-            bounded_producer(st.captured.graph, out.producer().name) is None
-        note = _read_unscaled(out) if scaled else None     # as OnnxApplier.output_scale
-        if note:
-            st.graph.notes.append(note)
     note = _feedable_note(st.model, st.plan)
     if note:
         st.graph.notes.append(note)
@@ -367,31 +417,6 @@ def _split_ties(ties: list[tuple[str, str]], plan: Any) -> list[str]:
             f"do_constant_folding=False (dynamo=False): the tie is then one initializer; or "
             f"precondition the PyTorch model")
     return notes
-
-
-#: ops whose output holds the values of their first input (a final reshape of the logits)
-COPIES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast")
-
-
-def _read_unscaled(out: ir.Value) -> str | None:
-    """What the report says of nodes that read the main output inside the graph (a softmax,
-    a loss): the output scale multiplies the returned value only, so they read the values
-    before it (the PyTorch back end scales where the output is computed, and they see it)."""
-    def read(v: ir.Value, skip: ir.Node | None = None) -> list[str]:
-        return [u.node.name or u.node.op_type for u in v.uses()
-                if u.node is not skip and u.node.op_type not in ("Shape", "Size")]
-    readers, v = read(out), out
-    while v.producer() is not None and v.producer().op_type in COPIES and \
-            v.producer().inputs and v.producer().inputs[0] is not None:
-        copy, v = v.producer(), v.producer().inputs[0]      # the values before a final Reshape
-        readers += read(v, copy)
-    if not readers:
-        return None
-    return (f"the output scale multiplies the returned {out.name!r} only: {len(readers)} "
-            f"node(s) in the graph read it before the scale ({', '.join(readers[:4])}"
-            f"{'...' if len(readers) > 4 else ''}), so outputs computed from it (probabilities, "
-            f"a loss) keep their values and no longer match the scaled {out.name!r}; the "
-            f"PyTorch back end scales it where it is computed, and every use sees the scale")
 
 
 def _shared_weights(plan: Any) -> list[str]:

@@ -449,9 +449,18 @@ def output_std(out: object, key: str | int | None = None) -> float:
     """Population std (correction 0) over all elements of the main output, in float64 (a
     complex output in complex128: the std of its values, sqrt E|z - mean|^2, not of their real
     parts, which a cast to float64 would keep)."""
+    return masked_output_std(out, key)[0]
+
+
+def masked_output_std(out: object, key: str | int | None = None) -> tuple[float, int]:
+    """``output_std`` and how many masked (-inf) entries it left out: a real output whose only
+    non-finite values are -inf is measured over its finite entries
+    (``core.calibration.masked_std``, the rule every back end applies)."""
     t = main_output(out, key).detach()
     check_calibratable(t)
-    return float(t.to(torch.complex128 if t.is_complex() else torch.float64).std(correction=0))
+    if not t.is_complex() and not bool(torch.isfinite(t).all()):
+        return calibration.masked_std(t.to(device="cpu", dtype=torch.float64).numpy())
+    return float(t.to(torch.complex128 if t.is_complex() else torch.float64).std(correction=0)), 0
 
 
 def _not_real(t: Any) -> bool:

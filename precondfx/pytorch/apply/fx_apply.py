@@ -19,7 +19,8 @@ from precondfx.pytorch.apply.common import (buffer_name, first_param, like_param
 from precondfx.pytorch.apply.torch_backend import TorchBackend
 from precondfx.pytorch.capture.common import placeholder_values
 from precondfx.pytorch.capture.fx_capture import _namedtuple_fields, namedtuple_values
-from precondfx.core.outputs import bounded_output, bounded_producer, skip_bounded
+from precondfx.core.outputs import bounded_output, bounded_producer, scale_moves_up, \
+    skip_bounded
 from precondfx.core.plan import Plan, Scale
 
 
@@ -391,11 +392,10 @@ class FxApplier(TorchBackend, Records):
         while True:
             kind = self.kinds.get(node.name)
             acts = [a for a in _activation_args(node) if _is_tensor(a)]
-            if kind not in ("reshape", "cast", "select") or len(acts) != 1:
+            src = acts[0] if len(acts) == 1 else None
+            if src is None or not scale_moves_up(kind, len(acts), len(src.users)):
                 return node
-            src = acts[0]
-            if not _is_tensor(src) or src.op == "placeholder" or \
-                    (kind == "select" and len(src.users) != 1):
+            if not _is_tensor(src) or src.op == "placeholder":
                 return node
             node = src
 

@@ -36,7 +36,9 @@ class TorchBackend:
         out = cal.forward(self.module, sample, mode)
         if is_sharded(self.module):
             return cal.global_std(cal.main_output(out, key))
-        return cal.output_std(out, key)
+        std, self.masked_entries = cal.masked_output_std(out, key)
+        self.output_size = int(cal.main_output(out, key).numel())
+        return std
 
     def seeded_output_std(self, sample: Any, mode: str, key: Any, seed: int
                           ) -> tuple[float, bool]:
