@@ -497,10 +497,11 @@ def test_value_listed_twice_as_output(tmp_path):
 
 
 
-def test_scalar_loss_before_logits_gets_no_scale(tmp_path):
+def test_scalar_loss_before_logits_sees_the_scaled_logits(tmp_path):
     """``return loss, logits`` exported: the output scale goes on the logits (the PyTorch
-    path's rule: the first floating-point output that is not a single number); the loss keeps
-    its value."""
+    path's rule: the first floating-point output that is not a single number), where they are
+    computed, so the model's own loss sees them scaled, as on the PyTorch back end (the loss
+    used to keep its unscaled value)."""
     nodes = _mlp_nodes() + [helper.make_node("Mul", ["y", "y"], ["sq"], name="sq"),
                             helper.make_node("ReduceMean", ["sq"], ["loss"], name="mean",
                                              keepdims=0)]
@@ -514,7 +515,9 @@ def test_scalar_loss_before_logits_gets_no_scale(tmp_path):
     before, after = _run(src, {"x": x}), _run(out, {"x": x})
     assert _std(after["y"]) == pytest.approx(TARGET, rel=1e-4)
     np.testing.assert_allclose(after["y"], before["y"] * rep.output_scale, rtol=1e-5)
-    np.testing.assert_allclose(after["loss"], before["loss"], rtol=1e-5)
+    np.testing.assert_allclose(after["loss"], np.mean((before["y"] * rep.output_scale) ** 2),
+                               rtol=1e-5)
+    assert abs(rep.output_scale - 1) > 0.1          # the check above could fail
 
 
 
@@ -862,7 +865,8 @@ def test_sequence_first_input_whose_length_equals_the_batch(tmp_path):
 
 def test_sequence_output_is_not_the_main_output(tmp_path):
     """A ``seq(tensor(float))`` graph output listed first: the output scale goes on the first
-    float *tensor* output (a Mul on the sequence made a file onnxruntime refused)."""
+    float *tensor* output (a Mul on the sequence made a file onnxruntime refused), where it is
+    computed, so the sequence split from it is scaled too (as on the PyTorch back end)."""
     nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["y"], name="fc1", transB=1),
              helper.make_node("SplitToSequence", ["y"], ["seq"], name="split", axis=1)]
     m = _model(nodes, [_vi("x", TP.FLOAT, ["N", 8])],
@@ -878,7 +882,7 @@ def test_sequence_output_is_not_the_main_output(tmp_path):
     assert _std(y) == pytest.approx(TARGET, rel=1e-4)
     y0 = _run(src, {"x": x})["y"]
     np.testing.assert_allclose(y, y0 * rep.output_scale, rtol=1e-5)
-    np.testing.assert_allclose(np.concatenate(seq, axis=1), y0, rtol=1e-6)   # unscaled
+    np.testing.assert_allclose(np.concatenate(seq, axis=1), y0 * rep.output_scale, rtol=1e-5)
 
 
 
