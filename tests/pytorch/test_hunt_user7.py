@@ -61,6 +61,12 @@ class AE(nn.Module):
     def snapshot(self) -> nn.Module:
         return copy.deepcopy(self.encoder)
 
+    def make_ema(self) -> nn.Module:
+        return copy.deepcopy(self)
+
+    def save(self, f: io.BytesIO) -> None:
+        torch.save(self, f)
+
 
 def _result(capture: str = "fx") -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
@@ -110,6 +116,18 @@ def test_copy_of_a_block_made_in_a_method_is_plain_and_pickles() -> None:
     assert torch.equal(res2.with_copy(snap2, o), snap2(o))
     # the result's own methods still see the constants
     assert not torch.allclose(res2.encode(o), snap2(o))
+    # the whole model copied or saved inside one of its methods: the copy computes as the
+    # result (bit for bit once its inert hooks have gone at the first call), and carries none
+    x = torch.randn(16, 8)
+    ema = res.make_ema()
+    ema(x)
+    assert torch.equal(ema(x), res(x)) and torch.equal(ema.encode(x), res.encode(x))
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in ema.modules())
+    buf = io.BytesIO()
+    res.save(buf)
+    buf.seek(0)
+    back = _quiet(torch.load, buf, weights_only=False)
+    assert torch.allclose(back(x), res(x)) and torch.equal(back.encode(x), res.encode(x))
 
 
 def test_cheap_properties_install_no_hooks() -> None:
@@ -132,6 +150,33 @@ def test_cheap_properties_install_no_hooks() -> None:
     assert res.device == user.device and res.num_layers == 6
     mine, theirs = cost(res), cost(user)
     assert mine < 3 * theirs + 2e-3, (mine, theirs)
+
+
+class KeyValue(nn.Module):
+    """Submodules named ``keys`` and ``values``: a getter calling them needs the hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys = nn.Linear(8, 8)
+        self.values = nn.Linear(8, 8)
+        self.mem = nn.Parameter(torch.randn(2, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.values(torch.relu(self.keys(x)))
+
+    @property
+    def memory_values(self) -> torch.Tensor:
+        return self.values(torch.relu(self.keys(self.mem)))
+
+
+def test_getter_calling_a_submodule_named_like_a_dict_method() -> None:
+    """A getter calling ``self.values(...)`` (a submodule) is not taken for ``dict.values``:
+    it runs with the constants, as ``forward`` on the same input."""
+    torch.manual_seed(0)
+    res, rep = _quiet(precondfx.precondition, KeyValue(), torch.randn(32, 8), seed=0,
+                      lr_scale="user")
+    assert rep.capture == "fx"
+    assert torch.allclose(res.memory_values, res(res.mem), rtol=1e-5, atol=1e-6)
 
 
 class Attn(nn.Module):

@@ -498,39 +498,49 @@ def _running(self: nn.Module) -> Any:
                 h.remove()
 
 
-#: calls that run no module: builtins, and the introspection methods of modules, tensors,
-#: dicts and strings (``next(self.parameters()).device``, ``len(self.blocks)``)
-_NO_MODULE_CALLS = {
+#: calls that run no module: builtins (by name), the introspection methods of ``nn.Module``
+#: (on ``self`` or anything), and methods of tensors, dicts and strings on a value not read
+#: from ``self`` (``self.values(h)`` may be a submodule named so)
+_NO_MODULE_NAMES = {
     "len", "next", "iter", "isinstance", "issubclass", "hasattr", "getattr", "type", "int",
     "float", "bool", "str", "tuple", "list", "dict", "set", "frozenset", "sorted", "reversed",
-    "enumerate", "zip", "range", "min", "max", "sum", "any", "all", "abs", "round", "repr",
+    "enumerate", "zip", "range", "min", "max", "sum", "any", "all", "abs", "round", "repr"}
+_MODULE_INTROSPECTION = {
     "parameters", "named_parameters", "buffers", "named_buffers", "children",
     "named_children", "modules", "named_modules", "get_submodule", "get_parameter",
-    "get_buffer", "numel", "size", "dim", "nelement", "element_size", "keys", "values",
-    "items", "get", "format", "join", "startswith", "endswith"}
+    "get_buffer"}
+_VALUE_METHODS = {"numel", "size", "dim", "nelement", "element_size", "keys", "values",
+                  "items", "get", "format", "join", "startswith", "endswith"}
 
 
 def _calls_no_module(fn: Any) -> bool:
-    """Whether the function's source makes no call but those of :data:`_NO_MODULE_CALLS`
-    (by name, or as a method): a getter such as ``device`` (``next(self.parameters()).device``)
-    or ``num_blocks`` computes nothing through a module, so it runs without installing the
-    mirror hooks (which cost about 1.5 ms for 27 of them, at every access: 100x the getter).
-    A property or method of the class it reads is wrapped on its own; a function without
-    source counts as calling one."""
+    """Whether the function's source makes no call but those named above: a getter such as
+    ``device`` (``next(self.parameters()).device``) or ``num_blocks`` (``len(self.blocks)``)
+    computes nothing through a module, so it runs without installing the mirror hooks (about
+    1.5 ms for 27 of them at every access: 100x the getter).  A property or method of the
+    class it reads is wrapped on its own; a function without source, or decorated otherwise
+    than as a property, counts as calling one."""
     tree = _source_tree(fn)
     if tree is None:
         return False
     body = tree.body[0] if isinstance(tree, ast.Module) and tree.body else tree
+    me = _self_name(tree)
     for n in ast.walk(body):
         if n is not body and isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
                                             ast.Lambda, ast.Yield, ast.YieldFrom, ast.Await)):
             return False
-        if isinstance(n, ast.Call):
-            f = n.func
-            name = f.id if isinstance(f, ast.Name) else f.attr \
-                if isinstance(f, ast.Attribute) else None
-            if name not in _NO_MODULE_CALLS:
+        if not isinstance(n, ast.Call):
+            continue
+        f = n.func
+        if isinstance(f, ast.Name):
+            if f.id not in _NO_MODULE_NAMES:
                 return False
+        elif not isinstance(f, ast.Attribute):
+            return False
+        elif f.attr not in _MODULE_INTROSPECTION and (
+                f.attr not in _VALUE_METHODS or _self_path(f.value, me) is not None or
+                (isinstance(f.value, ast.Name) and f.value.id == me)):
+            return False
     # a decorator other than the property's own may wrap it in anything
     return not any(ast.unparse(d) != "property" and not (
         isinstance(d, ast.Attribute) and d.attr in ("getter", "setter", "deleter"))
@@ -852,9 +862,18 @@ class _Inert:
     """What a mirror hook becomes in a copy or a pickle of its module (``copy.deepcopy(
     self.encoder)`` or ``torch.save(self, path)`` in one of your methods, while the hooks are
     installed): nothing, as in a copy made outside a method (the copy is a plain module; the
-    result installs hooks on its own modules at each method call)."""
+    result installs hooks on its own modules at each method call).  It removes itself at its
+    first call, so that the copy runs as a module without hooks (``weight_side.layer`` takes
+    the constants-on-weights path only there)."""
 
-    def __call__(self, *args: Any) -> None:
+    def __call__(self, m: nn.Module, *args: Any) -> None:
+        for attr in ("_forward_hooks", "_forward_pre_hooks"):
+            hooks = m.__dict__.get(attr) or {}
+            for key in [k for k, h in hooks.items() if h is self]:
+                del hooks[key]
+                for aux in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                            "_forward_pre_hooks_with_kwargs"):
+                    (m.__dict__.get(aux) or {}).pop(key, None)
         return None
 
     def __reduce__(self) -> tuple:
