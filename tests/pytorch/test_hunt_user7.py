@@ -267,3 +267,28 @@ def test_plain_weights_loaded_into_a_part(capture: str) -> None:
         ema.encoder.load_state_dict(res.encoder.state_dict())
     with pytest.raises(PrecondError):     # the whole user checkpoint: refused as before
         res.load_state_dict(user.state_dict(), strict=False)
+
+
+def test_plain_weights_loaded_into_a_part_of_a_transformers_result() -> None:
+    """A transformers result saves its constants folded (non-persistent buffers), so a part's
+    state dict holds none either way.  Before: ``res.bert.encoder.load_state_dict(
+    user.bert.encoder.state_dict())`` was accepted without a word and moved the logits by
+    1.80.  Now it warns; the root's (folded) and a part's own state dicts reload silently,
+    the same function."""
+    pytest.importorskip("transformers")
+    from tests.hf_tiny import build, quiet_precondition
+    model, batch = build("bert", dropout=False)
+    user = copy.deepcopy(model)
+    res, _ = quiet_precondition(model, batch)
+    x = {k: v for k, v in batch.items() if k != "labels"}
+    ref = res(**x).logits.detach()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="precondfx: load_state_dict")
+        res.load_state_dict(res.state_dict())
+        buf = io.BytesIO()
+        torch.save(res.bert.encoder.state_dict(), buf)
+        buf.seek(0)
+        res.bert.encoder.load_state_dict(torch.load(buf))
+    assert torch.allclose(res(**x).logits, ref, rtol=1e-5, atol=1e-5)
+    with pytest.warns(RuntimeWarning, match="plain weights .* into bert.encoder"):
+        res.bert.encoder.load_state_dict(user.bert.encoder.state_dict())

@@ -1092,25 +1092,34 @@ def _refuse_plain_checkpoint(module: nn.Module, state_dict: dict, prefix: str, m
         f"dict saved from a preconditioned model (it holds the precondfx_* entries)")
 
 
-#: the ``state_dict`` metadata entry a module of a GraphModule result writes (:func:`_mark`)
+#: the ``state_dict`` metadata entry a module of a result writes (:class:`_Mark`)
 SAVED = "precondfx_storage"
 
 
-def _mark(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """``state_dict`` post-hook on a module of a GraphModule result: its entry in the state
-    dict's metadata says the weights are the result's (kept by ``torch.save``/``load``)."""
-    local_metadata[SAVED] = True
+class _Mark:
+    """``state_dict`` post-hook on the module at ``path`` of a result: its entry in the state
+    dict's metadata says the weights are the result's storage (``torch.save``/``load`` keep
+    it); not in a state dict of the root where the root folds the constants into the weights
+    (a transformers result's: those weights are plain)."""
+
+    def __init__(self, path: str, root_folds: bool) -> None:
+        self.path, self.root_folds = path, root_folds
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str,
+                 local_metadata: dict) -> None:
+        if not (self.root_folds and prefix.endswith(f"{self.path}.")):
+            local_metadata[SAVED] = True
 
 
 class _SubCheckpoint:
-    """``load_state_dict`` pre-hook on a module (at ``path``) of a GraphModule result, whose
-    constants sit on the root: a state dict loaded into the module itself or a module above it
-    other than the root (``result.encoder.load_state_dict(torch.load("encoder.pt"))``) holds
-    no constants either way, so one without :func:`_mark`'s entry (saved from your model
-    before precondition) is said with a ``RuntimeWarning`` where the module's call carries a
-    constant other than 1: its weights would run under the result's constants, another
-    function, silently (before: accepted without a word).  A load through the root (or a
-    model holding it) is the root's to check (:func:`_refuse_plain_checkpoint`)."""
+    """``load_state_dict`` pre-hook on the module at ``path`` of a result whose state dicts of
+    a part hold no constants (a GraphModule result: they sit on the root; a transformers result:
+    they are not saved): a state dict loaded into the module itself or a module above it other
+    than the root (``result.encoder.load_state_dict(torch.load("encoder.pt"))``) without
+    :class:`_Mark`'s entry (saved from your model before precondition) is said with a
+    ``RuntimeWarning`` where the module's call carries a constant other than 1: its weights
+    would run under the result's constants, another function, silently (before: accepted
+    without a word).  A load through the root (or a model holding it) is the root's."""
 
     def __init__(self, root: nn.Module, path: str) -> None:
         self.root, self.path = weakref.ref(root), path
@@ -1123,6 +1132,14 @@ class _SubCheckpoint:
     def __reduce__(self) -> tuple:
         return (_SubCheckpoint, (self.root(), self.path))
 
+    def _constants(self, root: nn.Module, module: nn.Module) -> dict[str, torch.Tensor]:
+        if is_user_graph(root):
+            return {n: getattr(root, n) for path, _, group in root.__dict__.get(MIRRORS, ())
+                    if path == self.path
+                    for n in ((group,) if isinstance(group, str) else group)}
+        return {f"{self.path}.{n}": b for n, b in module._buffers.items()
+                if n.startswith(PREFIX) and b is not None}
+
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, meta: Any,
                  *rest: Any) -> None:
         root = self.root()
@@ -1130,15 +1147,13 @@ class _SubCheckpoint:
             return
         held = [prefix + n for n, p in module._parameters.items()
                 if p is not None and prefix + n in state_dict]
-        names = [n for path, _, group in root.__dict__.get(MIRRORS, ()) if path == self.path
-                 for n in ((group,) if isinstance(group, str) else group)]
-        consts = {n: float(getattr(root, n)) for n in names
-                  if not getattr(root, n).is_meta and getattr(root, n).numel() == 1}
-        off = {n: c for n, c in consts.items() if c != 1.0}
+        off = {n: c for n, c in self._constants(root, module).items()
+               if not c.is_meta and not bool((c == 1).all())}
         if not held or not off:
             return
         import warnings
-        shown = ", ".join(f"{n}={c:.4g}" for n, c in list(off.items())[:3])
+        shown = ", ".join(f"{n}={float(c):.4g}" if c.numel() == 1 else n
+                          for n, c in list(off.items())[:3])
         warnings.warn(
             f"precondfx: load_state_dict into a part of the preconditioned "
             f"{root._get_name()} puts plain weights ({held[0]}, not saved from a "
@@ -1147,31 +1162,34 @@ class _SubCheckpoint:
             f"compute another function than the model they were saved from. Load them into "
             f"your original model and precondition that (reinit_weights=False keeps them), "
             f"or load a state dict saved from the result (its state_dict(), or "
-            f"result.get_submodule({self.path!r}).state_dict(): those carry the mark). Weights saved from this result "
-            f"and copied into a new dict (which drops the metadata) load as they are: "
-            f"ignore this warning then", RuntimeWarning, stacklevel=4)
+            f"result.get_submodule({self.path!r}).state_dict(): those carry the mark). Weights "
+            f"saved from this result and copied into a new dict (which drops the metadata) "
+            f"load as they are: ignore this warning then", RuntimeWarning, stacklevel=4)
 
 
 def guard_checkpoints(model: nn.Module) -> None:
     """Register :func:`_refuse_plain_checkpoint` on a result, and on each of its modules
-    holding constants (``result.encoder.load_state_dict`` of an eager or export result); on
-    each module with parameters of a GraphModule result, :class:`_SubCheckpoint` and
-    :func:`_mark` (once; ``fold`` removes them with precondfx's other hooks)."""
+    holding persistent constants (``result.encoder.load_state_dict`` of an eager or export
+    result); on each module with parameters of a result whose parts' state dicts hold no
+    constants (GraphModule, transformers), :class:`_SubCheckpoint` and :class:`_Mark` (once;
+    ``fold`` removes them with precondfx's other hooks)."""
     hooks = getattr(model, "_load_state_dict_pre_hooks", {})
     if any(getattr(h, "hook", h) is _refuse_plain_checkpoint for h in hooks.values()):
         return
     model.register_load_state_dict_pre_hook(_refuse_plain_checkpoint)
     graph = is_user_graph(model)
+    folds = any(getattr(h, "__name__", "") == "_fold_state_dict" and
+                str(getattr(h, "__module__", "")).startswith("precondfx")
+                for h in model._state_dict_hooks.values())
     for path, m in model.named_modules():
         if not path:
             continue
-        if graph and any(p is not None for p in m._parameters.values()):
-            m.register_load_state_dict_pre_hook(_SubCheckpoint(model, path))
-            m.register_state_dict_post_hook(_mark)
-        elif not graph and any(n.startswith(PREFIX) and b is not None and
-                               n not in m._non_persistent_buffers_set
-                               for n, b in m._buffers.items()):
+        consts = [n for n, b in m._buffers.items() if n.startswith(PREFIX) and b is not None]
+        if any(n not in m._non_persistent_buffers_set for n in consts):
             m.register_load_state_dict_pre_hook(_refuse_plain_checkpoint)
+        elif (graph or consts) and any(p is not None for p in m._parameters.values()):
+            m.register_load_state_dict_pre_hook(_SubCheckpoint(model, path))
+            m.register_state_dict_post_hook(_Mark(path, folds))
 
 
 # -- optimizers built on the model before precondition -------------------------------------------
