@@ -48,6 +48,8 @@ from torch import nn
 
 from precondfx.core.backend import PREFIX
 from precondfx.pytorch.apply.common import times_first
+# placeholder meta: the graph computes the forward's function with None for this optional input
+from precondfx.pytorch.capture.fx_capture import NONE_OK
 
 #: the attribute counting the user's methods running on a model, in every thread (its mirror
 #: hooks are installed then)
@@ -77,9 +79,6 @@ PASS_THROUGH = ("relu", "leaky_relu", "prelu", "dropout", "avgpool", "mean", "ne
 #: the attribute recording the graph's inputs that the sample gave as tensors and the graph
 #: reads: ((position, name), ...); None in their place cannot run the graph (:func:`_check_args`)
 NEEDED = "_precondfx_tensor_inputs"
-#: placeholder meta set by the fx capture's check: the graph computes the forward's function
-#: with None for this optional input (``fx_capture.NONE_OK``)
-NONE_OK = "precondfx_none_ok"
 #: GraphModule's own state in ``__dict__`` (never taken from the user's model)
 _GM_KEYS = {"_graph", "_code", "_lineno_map", "_prologue_start", "_tracer_cls",
             "_tracer_extras", "meta", "_in_spec", "_out_spec", "_erased", "training",
