@@ -839,6 +839,7 @@ def fold(model: nn.Module, *, source: nn.Module | None = None) -> nn.Module:
         raise PrecondError(_message(problems))
     if isinstance(model, fx.GraphModule):
         plain = copy.deepcopy(src)
+        strip(plain)    # the checkpoint hooks on the modules the result shares with it
         state = {k: v for k, v in model.state_dict().items() if PREFIX not in k}
         _place_like(plain, state)
         res = plain.load_state_dict(state, strict=False)

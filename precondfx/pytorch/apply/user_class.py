@@ -48,6 +48,8 @@ from torch import nn
 
 from precondfx.core.backend import PREFIX
 from precondfx.pytorch.apply.common import times_first
+# placeholder meta: the graph computes the forward's function with None for this optional input
+from precondfx.pytorch.capture.fx_capture import NONE_OK
 
 #: the attribute counting the user's methods running on a model, in every thread (its mirror
 #: hooks are installed then)
@@ -137,7 +139,7 @@ def _needed_inputs(gm: fx.GraphModule) -> tuple[tuple[int, str], ...]:
             break
         t = n.meta.get("type")
         if n.users and isinstance(t, type) and issubclass(t, torch.Tensor) and \
-                not str(n.target).startswith("*"):
+                not str(n.target).startswith("*") and not n.meta.get(NONE_OK):
             out.append((i, str(n.target)))
     return tuple(out)
 
@@ -495,6 +497,55 @@ def _running(self: nn.Module) -> Any:
                 h.remove()
 
 
+#: calls that run no module: builtins (by name), the introspection methods of ``nn.Module``
+#: (on ``self`` or anything), and methods of tensors, dicts and strings on a value not read
+#: from ``self`` (``self.values(h)`` may be a submodule named so)
+_NO_MODULE_NAMES = {
+    "len", "next", "iter", "isinstance", "issubclass", "hasattr", "getattr", "type", "int",
+    "float", "bool", "str", "tuple", "list", "dict", "set", "frozenset", "sorted", "reversed",
+    "enumerate", "zip", "range", "min", "max", "sum", "any", "all", "abs", "round", "repr"}
+_MODULE_INTROSPECTION = {
+    "parameters", "named_parameters", "buffers", "named_buffers", "children",
+    "named_children", "modules", "named_modules", "get_submodule", "get_parameter",
+    "get_buffer"}
+_VALUE_METHODS = {"numel", "size", "dim", "nelement", "element_size", "keys", "values",
+                  "items", "get", "format", "join", "startswith", "endswith"}
+
+
+def _calls_no_module(fn: Any) -> bool:
+    """Whether the function's source makes no call but those named above: a getter such as
+    ``device`` (``next(self.parameters()).device``) or ``num_blocks`` (``len(self.blocks)``)
+    computes nothing through a module, so it runs without installing the mirror hooks (about
+    1.5 ms for 27 of them at every access: 100x the getter).  A property or method of the
+    class it reads is wrapped on its own; a function without source, or decorated otherwise
+    than as a property, counts as calling one."""
+    tree = _source_tree(fn)
+    if tree is None:
+        return False
+    body = tree.body[0] if isinstance(tree, ast.Module) and tree.body else tree
+    me = _self_name(tree)
+    for n in ast.walk(body):
+        if n is not body and isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                            ast.Lambda, ast.Yield, ast.YieldFrom, ast.Await)):
+            return False
+        if not isinstance(n, ast.Call):
+            continue
+        f = n.func
+        if isinstance(f, ast.Name):
+            if f.id not in _NO_MODULE_NAMES:
+                return False
+        elif not isinstance(f, ast.Attribute):
+            return False
+        elif f.attr not in _MODULE_INTROSPECTION and (
+                f.attr not in _VALUE_METHODS or _self_path(f.value, me) is not None or
+                (isinstance(f.value, ast.Name) and f.value.id == me)):
+            return False
+    # a decorator other than the property's own may wrap it in anything
+    return not any(ast.unparse(d) != "property" and not (
+        isinstance(d, ast.Attribute) and d.attr in ("getter", "setter", "deleter"))
+        for d in getattr(body, "decorator_list", ()))
+
+
 def _in_method(fn: Any) -> Any:
     """A method of the user's class, run with the mirror hooks installed (:func:`_running`):
     outside the user's methods the modules carry no hook, and a hook acts only in a thread
@@ -554,8 +605,15 @@ def _user_methods(user_cls: type) -> dict[str, Any]:
             if inspect.isfunction(v):
                 out[name] = (_in_generator(v) if inspect.isgeneratorfunction(v)
                              else _in_method(v))
-            elif isinstance(v, property) and v.fget is not None:
-                out[name] = v.getter(_in_method(v.fget))
+            elif isinstance(v, property) and (v.fget or v.fset or v.fdel) is not None:
+                # its setter and deleter too (``model.temperature = t`` recomputing a cached
+                # code by calling ``self.encoder``): each runs like a method; one calling no
+                # module (``device``, ``num_blocks``) as it is
+                def wrap(f: Any) -> Any:
+                    return f if _calls_no_module(f) else _in_method(f)
+                w = v.getter(wrap(v.fget)) if v.fget is not None else v
+                w = w.setter(wrap(v.fset)) if v.fset is not None else w
+                out[name] = w.deleter(wrap(v.fdel)) if v.fdel is not None else w
             elif isinstance(v, functools.cached_property):
                 out[name] = functools.cached_property(_in_method(v.func))
     return out
@@ -874,6 +932,54 @@ def _mirrored(root: nn.Module, names: tuple[str, ...], path: str) -> torch.Tenso
     return c
 
 
+class _Inert:
+    """What a mirror hook becomes in a copy or a pickle of its module (``copy.deepcopy(
+    self.encoder)`` or ``torch.save(self, path)`` in one of your methods, while the hooks are
+    installed): nothing, as in a copy made outside a method (the copy is a plain module; the
+    result installs hooks on its own modules at each method call).  It removes itself at its
+    first call, so that the copy runs as a module without hooks (``weight_side.layer`` takes
+    the constants-on-weights path only there)."""
+
+    def __call__(self, m: nn.Module, *args: Any) -> None:
+        for attr in ("_forward_hooks", "_forward_pre_hooks"):
+            hooks = m.__dict__.get(attr) or {}
+            for key in [k for k, h in hooks.items() if h is self]:
+                del hooks[key]
+                for aux in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                            "_forward_pre_hooks_with_kwargs"):
+                    (m.__dict__.get(aux) or {}).pop(key, None)
+        return None
+
+    def __reduce__(self) -> tuple:
+        return (_Inert, ())
+
+
+class _Mirror:
+    """A mirror hook: applies ``root``'s constant ``names`` on the output (``where='out'``) or
+    the first input ('in') of the module at ``path``, in a thread running one of ``root``'s
+    methods.  Its copies and pickles are :class:`_Inert` (before, a copy made in a method kept
+    the hook, acting on ``root``'s constants at its later calls, and ``torch.save`` of it
+    failed: a local function cannot be pickled)."""
+
+    def __init__(self, root: nn.Module, names: tuple[str, ...], path: str, where: str) -> None:
+        self.root, self.names, self.path, self.where = root, names, path, where
+
+    def __call__(self, m: nn.Module, args: tuple, *out: Any) -> Any:
+        if not _mirroring(self.root):
+            return None
+        if self.where == "out":
+            return times_first(out[0], _mirrored(self.root, self.names, self.path))
+        if not args or not isinstance(args[0], torch.Tensor):
+            return None
+        return (args[0] * _mirrored(self.root, self.names, self.path),) + tuple(args[1:])
+
+    def __deepcopy__(self, memo: dict) -> _Inert:
+        return _Inert()
+
+    def __reduce__(self) -> tuple:
+        return (_Inert, ())
+
+
 def _install(root: nn.Module) -> list[Any]:
     """Register the mirror hooks ``root`` records (``MIRRORS``: (module path, 'out' or 'in',
     the constant at each of the module's calls in the graph)); returns their handles.  Each
@@ -882,23 +988,14 @@ def _install(root: nn.Module) -> list[Any]:
     handles = []
     for path, where, names in root.__dict__.get(MIRRORS, ()):
         names = (names,) if isinstance(names, str) else tuple(names)
-        try:
-            mod = root.get_submodule(path)
-        except AttributeError:      # replaced by the user (reset_classifier): nothing to mirror
+        mod: Any = root     # get_submodule's walk, without its checks (3x the install)
+        for part in path.split(".") if path else ():
+            mod = mod.__dict__["_modules"].get(part) if isinstance(mod, nn.Module) else None
+        if not isinstance(mod, nn.Module):  # removed by the user: nothing to mirror
             continue
-        if where == "out":
-            def hook(m: nn.Module, args: tuple, out: Any, names: tuple = names,
-                     path: str = path) -> Any:
-                if not _mirroring(root):
-                    return None
-                return times_first(out, _mirrored(root, names, path))
-            handles.append(mod.register_forward_hook(hook))
-        else:
-            def pre(m: nn.Module, args: tuple, names: tuple = names, path: str = path) -> Any:
-                if not _mirroring(root) or not args or not isinstance(args[0], torch.Tensor):
-                    return None
-                return (args[0] * _mirrored(root, names, path),) + tuple(args[1:])
-            handles.append(mod.register_forward_pre_hook(pre))
+        hook = _Mirror(root, names, path, where)
+        handles.append(mod.register_forward_hook(hook) if where == "out"
+                       else mod.register_forward_pre_hook(hook))
     return handles
 
 
@@ -1069,13 +1166,104 @@ def _refuse_plain_checkpoint(module: nn.Module, state_dict: dict, prefix: str, m
         f"dict saved from a preconditioned model (it holds the precondfx_* entries)")
 
 
+#: the ``state_dict`` metadata entry a module of a result writes (:class:`_Mark`)
+SAVED = "precondfx_storage"
+
+
+class _Mark:
+    """``state_dict`` post-hook on the module at ``path`` of a result: its entry in the state
+    dict's metadata says the weights are the result's storage (``torch.save``/``load`` keep
+    it); not in a state dict of the root where the root folds the constants into the weights
+    (a transformers result's: those weights are plain)."""
+
+    def __init__(self, path: str, root_folds: bool) -> None:
+        self.path, self.root_folds = path, root_folds
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str,
+                 local_metadata: dict) -> None:
+        if not (self.root_folds and prefix.endswith(f"{self.path}.")):
+            local_metadata[SAVED] = True
+
+
+class _SubCheckpoint:
+    """``load_state_dict`` pre-hook on the module at ``path`` of a result whose state dicts of
+    a part hold no constants (a GraphModule result: they sit on the root; a transformers result:
+    they are not saved): a state dict loaded into the module itself or a module above it other
+    than the root (``result.encoder.load_state_dict(torch.load("encoder.pt"))``) without
+    :class:`_Mark`'s entry (saved from your model before precondition) is said with a
+    ``RuntimeWarning`` where the module's call carries a constant other than 1: its weights
+    would run under the result's constants, another function, silently (before: accepted
+    without a word).  A load through the root (or a model holding it) is the root's."""
+
+    def __init__(self, root: nn.Module, path: str) -> None:
+        self.root, self.path = weakref.ref(root), path
+
+    def __deepcopy__(self, memo: dict) -> "_SubCheckpoint":
+        root = self.root()      # the copy of the root, where the root is copied with it
+        return _SubCheckpoint(memo.get(id(root), root), self.path) if root is not None \
+            else self
+
+    def __reduce__(self) -> tuple:
+        return (_SubCheckpoint, (self.root(), self.path))
+
+    def _constants(self, root: nn.Module, module: nn.Module) -> dict[str, torch.Tensor]:
+        if is_user_graph(root):
+            return {n: getattr(root, n) for path, _, group in root.__dict__.get(MIRRORS, ())
+                    if path == self.path
+                    for n in ((group,) if isinstance(group, str) else group)}
+        return {f"{self.path}.{n}": b for n, b in module._buffers.items()
+                if n.startswith(PREFIX) and b is not None}
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, meta: Any,
+                 *rest: Any) -> None:
+        root = self.root()
+        if root is None or prefix.endswith(f"{self.path}.") or (meta or {}).get(SAVED):
+            return
+        held = [prefix + n for n, p in module._parameters.items()
+                if p is not None and prefix + n in state_dict]
+        off = {n: c for n, c in self._constants(root, module).items()
+               if not c.is_meta and not bool((c == 1).all())}
+        if not held or not off:
+            return
+        import warnings
+        shown = ", ".join(f"{n}={float(c):.4g}" if c.numel() == 1 else n
+                          for n, c in list(off.items())[:3])
+        warnings.warn(
+            f"precondfx: load_state_dict into a part of the preconditioned "
+            f"{root._get_name()} puts plain weights ({held[0]}, not saved from a "
+            f"preconditioned model: no precondfx entry in the state dict's metadata) into "
+            f"{self.path}, whose call multiplies the result's constants ({shown}): it will "
+            f"compute another function than the model they were saved from. Load them into "
+            f"your original model and precondition that (reinit_weights=False keeps them), "
+            f"or load a state dict saved from the result (its state_dict(), or "
+            f"result.get_submodule({self.path!r}).state_dict(): those carry the mark). Weights "
+            f"saved from this result and copied into a new dict (which drops the metadata) "
+            f"load as they are: ignore this warning then", RuntimeWarning, stacklevel=4)
+
+
 def guard_checkpoints(model: nn.Module) -> None:
-    """Register :func:`_refuse_plain_checkpoint` on a result (once; ``fold`` removes it with
-    precondfx's other hooks)."""
+    """Register :func:`_refuse_plain_checkpoint` on a result, and on each of its modules
+    holding persistent constants (``result.encoder.load_state_dict`` of an eager or export
+    result); on each module with parameters of a result whose parts' state dicts hold no
+    constants (GraphModule, transformers), :class:`_SubCheckpoint` and :class:`_Mark` (once;
+    ``fold`` removes them with precondfx's other hooks)."""
     hooks = getattr(model, "_load_state_dict_pre_hooks", {})
     if any(getattr(h, "hook", h) is _refuse_plain_checkpoint for h in hooks.values()):
         return
     model.register_load_state_dict_pre_hook(_refuse_plain_checkpoint)
+    graph = is_user_graph(model)
+    folds = any(getattr(h, "__name__", "") == "_fold_state_dict" and
+                str(getattr(h, "__module__", "")).startswith("precondfx")
+                for h in model._state_dict_hooks.values())
+    for path, m in model.named_modules():
+        if not path:
+            continue
+        consts = [n for n, b in m._buffers.items() if n.startswith(PREFIX) and b is not None]
+        if any(n not in m._non_persistent_buffers_set for n in consts):
+            m.register_load_state_dict_pre_hook(_refuse_plain_checkpoint)
+        elif (graph or consts) and any(p is not None for p in m._parameters.values()):
+            m.register_load_state_dict_pre_hook(_SubCheckpoint(model, path))
+            m.register_state_dict_post_hook(_Mark(path, folds))
 
 
 # -- optimizers built on the model before precondition -------------------------------------------

@@ -661,12 +661,29 @@ def check_same(gm: fx.GraphModule, model: torch.nn.Module, sample: Sample) -> No
             same = spec2 == spec_b2 and len(a2) == len(b2)
         except Exception:
             same = False
-        if not same:
+        # the same structure and values: the graph passes None where the forward does
+        # (``attn_mask=mask`` into attention), it may be called without it; other values:
+        # it holds the branch written for the input given (``if ctx is not None: h = 2 * h``),
+        # which it would run without the input, silently
+        values = same and all(
+            _same_values(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+            and x.shape == y.shape and x.dtype == y.dtype else
+            not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor) and x == y
+            for x, y in zip(a2, b2))
+        if not values:
             raise Unkeepable(f"the traced graph fixed the branch the forward takes on its "
                              f"optional input {name!r} (default None) being given: called "
                              f"without it, as your forward allows (inference without "
-                             f"{name}=), the graph fails or returns another structure: "
-                             f"{_KEEP}")
+                             f"{name}=), the graph fails or computes another "
+                             f"{'value' if same else 'structure'}: {_KEEP}")
+        for n in gm.graph.nodes:
+            if n.op == "placeholder" and str(n.target) == name:
+                n.meta[NONE_OK] = True
+
+
+#: placeholder meta: the graph, run without this optional input (None), computes what the
+#: forward computes without it (the result takes None for it)
+NONE_OK = "precondfx_none_ok"
 
 
 def _optional_inputs_left_out(model: torch.nn.Module,
