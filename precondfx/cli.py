@@ -173,8 +173,8 @@ def _plan_options(p: argparse.ArgumentParser, only: tuple[str, ...] | None = Non
 
 def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The pass options given on the command line, by their public keyword names."""
-    from precondfx.core.options import cli_fields, keyword_of
-    return {keyword_of(f): getattr(args, keyword_of(f)) for f in cli_fields()
+    from precondfx.core.options import cli_fields, cli_value, keyword_of
+    return {keyword_of(f): cli_value(f, getattr(args, keyword_of(f))) for f in cli_fields()
             if hasattr(args, keyword_of(f))}
 
 
