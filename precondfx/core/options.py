@@ -281,15 +281,17 @@ mapping.from_pairs = from_pairs  # type: ignore[attr-defined]
 
 
 def _opt(default: Any, check: Check, help: str, *, cli: bool | str = False, plan: bool = True,
-         keyword: str | None = None, cli_help: str | None = None) -> Any:
+         keyword: str | None = None, cli_help: str | None = None,
+         part_of: str | None = None) -> Any:
     """A field of :class:`Options`: ``plan`` (it shapes the plan and is stored in
     ``plan.options``), ``cli`` (the command line has a flag for it; a string is the flag's
     metavar), ``keyword`` (the public
     keyword argument, when it differs from the field name), ``cli_help`` (the flag's help when
-    it must read differently, e.g. a ``--no-...`` flag says what turning it off does)."""
+    it must read differently, e.g. a ``--no-...`` flag says what turning it off does),
+    ``part_of`` (the option it belongs to: no flag where that option has none)."""
     return field(default=default, metadata={"check": check, "help": help, "cli": cli,
                                             "plan": plan, "keyword": keyword,
-                                            "cli_help": cli_help})
+                                            "cli_help": cli_help, "part_of": part_of})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,7 +398,7 @@ class Options:
     scheme_options: dict | None = _opt(None, mapping, "keyword arguments of the scheme (on the "
                                        "command line --scheme-option KEY=VALUE, repeated: "
                                        "true/false, none and numbers are read as such)",
-                                       plan=False, cli="KEY=VALUE")
+                                       plan=False, cli="KEY=VALUE", part_of="scheme")
     balance_samples: int = _opt(16, integer(1, MAX_BALANCE_SAMPLES),
                                 "samples measured by measured balancing and measure=True (at "
                                 "most 4096)", plan=False, cli="N")
@@ -750,11 +752,14 @@ def cli_flags(add_argument: Callable[..., Any], only: Iterable[str] | None = Non
     converts a value (raise ``argparse.ArgumentTypeError`` for a bad one).  ``support``: the
     only back end the command runs on; the choices it refuses are not offered, nor a flag
     whose every value but the default it refuses (``inspect``'s ``--scheme``)."""
+    hidden: set[str] = set()
     for f in cli_fields():
         if only is not None and f.name not in only:
             continue
         kw, default = keyword_of(f), f.default
-        if support is not None and _only_default(f, support):
+        if support is not None and _only_default(f, support) or \
+                f.metadata["part_of"] in hidden:
+            hidden.add(f.name)
             continue
         help = f.metadata.get("cli_help") or f.metadata["help"]
         if isinstance(default, bool):

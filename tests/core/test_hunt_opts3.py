@@ -95,3 +95,42 @@ def test_init_keep_with_reinit_false_says_init_has_no_effect():
     r2, rep2 = precondfx.precondition(m, torch.randn(32, 8), init="keep")
     assert r2[0].bias[0].item() == 0.0
     assert not [n for n in rep2.plan.notes if "init='keep' has no effect" in n]
+
+
+def test_cli_option_given_twice_is_refused(spec, tmp_path, capsys):
+    """Before: '--seed 3 --seed 4' ran with seed 4 (exit 0), the 3 dropped silently."""
+    rc, _ = _run(spec, tmp_path, "--seed", "3", "--seed=4")
+    err = capsys.readouterr().err
+    assert rc == 2 and "--seed (3 and 4)" in err
+    rc, rep = _run(spec, tmp_path, "--seed", "3", "--seed", "3")    # the same value: fine
+    assert rc == 0 and rep["plan"]["options"]["seed"] == 3
+
+
+def test_scheme_value_refusal_is_not_called_a_type_error():
+    """Before: "scheme_options of scheme='tat': PrecondError: eta=1 must be in (0, 1) ...;
+    check the values' types against the scheme's options" although the type was right."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    with pytest.raises(PrecondError) as e:
+        precondfx.precondition(model, torch.randn(8, 8), scheme="tat",
+                               scheme_options={"eta": 1.0})
+    msg = str(e.value)
+    assert "eta=1.0 must be in (0, 1)" in msg and "scheme='tat'" in msg
+    assert "PrecondError:" not in msg and "types" not in msg
+
+
+def test_solver_quadrature_rule_is_built_once():
+    """A DKS/TAT solve that cannot succeed evaluates the Gaussian moments ~26,000 times (50
+    starts x damped Newton); the smooth-activation rule was rebuilt at each (a third of the
+    time: tanh with C'(1)=1.05, Q'(1)=3 took 19.6 s on main, 12.0 s here in one run). The rule
+    is now built once, the same numbers, and cannot be changed by a caller."""
+    import numpy as np
+    from precondfx.schemes.activations import _QUAD_PANELS, _rule, gaussian_rule
+    z, w = gaussian_rule(())
+    assert gaussian_rule(np.zeros(0))[0] is z
+    fresh = _rule(np.zeros(0), _QUAD_PANELS)
+    assert np.array_equal(z, fresh[0]) and np.array_equal(w, fresh[1])
+    with pytest.raises(ValueError):
+        w[0] = 1.0
+    # a kinked activation still gets its own split rule
+    zk, _ = gaussian_rule([0.3])
+    assert zk is not z and zk.size > z.size
