@@ -176,8 +176,8 @@ def _plan_options(p: argparse.ArgumentParser, only: tuple[str, ...] | None = Non
 
 def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The pass options given on the command line, by their public keyword names."""
-    from precondfx.core.options import cli_fields, keyword_of
-    return {keyword_of(f): getattr(args, keyword_of(f)) for f in cli_fields()
+    from precondfx.core.options import cli_fields, cli_value, keyword_of
+    return {keyword_of(f): cli_value(f, getattr(args, keyword_of(f))) for f in cli_fields()
             if hasattr(args, keyword_of(f))}
 
 
@@ -271,6 +271,26 @@ def _onnx_refusal(flag: str) -> str:
         return ""
     kw = "reinit_weights" if flag == "--no-reinit" else flag[2:].replace("-", "_")
     return next((r.why for r in ONNX.rules if r.option == kw and r.value is REFUSE), "")
+
+
+def _repeated_options(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Refuse a pass option's flag given twice with different values (``--seed 3 --seed 4``):
+    argparse keeps the last one and drops the other silently.  ``--scheme-option`` is
+    repeatable (one KEY=VALUE each) and an on/off flag twice means the same.  Exits 2."""
+    from precondfx.core.options import cli_fields, flag_of, mapping
+    once = {flag_of(f) for f in cli_fields()
+            if f.metadata["check"] is not mapping and not isinstance(f.default, bool)}
+    given: dict[str, list[str]] = {}
+    toks = argv[:argv.index("--")] if "--" in argv else argv
+    for i, tok in enumerate(toks):
+        name, eq, val = tok.partition("=")
+        if name in once:
+            given.setdefault(name, []).append(val if eq else
+                                              (toks[i + 1] if i + 1 < len(toks) else ""))
+    twice = [f"{k} ({' and '.join(v)})" for k, v in given.items() if len(set(v)) > 1]
+    if twice:
+        parser.error(f"given more than once with different values: {'; '.join(twice)}; give "
+                     f"each option once (argparse would keep the last value silently)")
 
 
 def _unknown_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
@@ -729,9 +749,11 @@ def _main(argv: Sequence[str] | None) -> int:
         return 2
     parser = build_parser()
     try:
-        args, extra = parser.parse_known_args(list(argv) if argv is not None else None)
+        argv = list(argv) if argv is not None else sys.argv[1:]
+        args, extra = parser.parse_known_args(argv)
         if extra:
             _unknown_flags(parser, args, extra)
+        _repeated_options(parser, argv)
     except SystemExit as e:  # argparse: --help/--version (0) or a usage error (2)
         return int(e.code) if isinstance(e.code, int) else (0 if e.code is None else 2)
     if not getattr(args, "command", None):

@@ -54,13 +54,10 @@ def _allowed(name: str, check: Any) -> str:
 
 
 def _flag(f: dataclasses.Field) -> str:
-    cli = f.metadata.get("cli")
-    if not cli:
+    if not f.metadata.get("cli"):
         return ""
-    dashed = f.name.replace("_", "-")
-    if isinstance(f.default, bool):
-        return f"`--{'no-' if f.default else ''}{dashed}`"
-    return f"`--{dashed}`"
+    from precondfx.core.options import flag_of
+    return f"`{flag_of(f)}`"
 
 
 def options_table() -> str:

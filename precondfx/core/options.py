@@ -237,16 +237,61 @@ def mapping(name: str, v: Any) -> dict:
     raise PrecondError(f"{name}={v!r} must be a dict of keyword arguments (or None)")
 
 
+def _text_value(s: str) -> Any:
+    """A command-line value as Python reads it: true/false (any case) a bool, none None, an
+    integer an int, a number a float, anything else the string."""
+    low = s.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for conv in (int, float):
+        try:
+            return conv(s)
+        except ValueError:
+            pass
+    return s
+
+
+def key_value(name: str, s: str) -> tuple[str, Any]:
+    """One ``KEY=VALUE`` item of a repeatable mapping flag (``--scheme-option eta=0.5``), the
+    value read by :func:`_text_value`; the keys are checked where the API checks them."""
+    key, eq, val = s.partition("=")
+    if not eq or not key.strip() or not val.strip():
+        raise PrecondError(f"{name} {s!r} must be KEY=VALUE (e.g. eta=0.5, delta=false): give "
+                           f"one option per flag, repeating the flag for several")
+    return key.strip(), _text_value(val.strip())
+
+
+def from_pairs(name: str, pairs: Iterable[tuple[str, Any]] | None) -> dict | None:
+    """The dict of a repeatable ``KEY=VALUE`` flag (None when not given); a key given twice is
+    refused rather than one value silently winning."""
+    if pairs is None:
+        return None
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise PrecondError(f"{name} {k}= is given twice ({out[k]!r} and {v!r}): give each "
+                               f"key once")
+        out[k] = v
+    return out
+
+
+mapping.from_pairs = from_pairs  # type: ignore[attr-defined]
+
+
 def _opt(default: Any, check: Check, help: str, *, cli: bool | str = False, plan: bool = True,
-         keyword: str | None = None, cli_help: str | None = None) -> Any:
+         keyword: str | None = None, cli_help: str | None = None,
+         part_of: str | None = None) -> Any:
     """A field of :class:`Options`: ``plan`` (it shapes the plan and is stored in
     ``plan.options``), ``cli`` (the command line has a flag for it; a string is the flag's
     metavar), ``keyword`` (the public
     keyword argument, when it differs from the field name), ``cli_help`` (the flag's help when
-    it must read differently, e.g. a ``--no-...`` flag says what turning it off does)."""
+    it must read differently, e.g. a ``--no-...`` flag says what turning it off does),
+    ``part_of`` (the option it belongs to: no flag where that option has none)."""
     return field(default=default, metadata={"check": check, "help": help, "cli": cli,
                                             "plan": plan, "keyword": keyword,
-                                            "cli_help": cli_help})
+                                            "cli_help": cli_help, "part_of": part_of})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,8 +395,10 @@ class Options:
     scheme: str = _opt("geometric", scheme_name, "initialization scheme (geometric, lsuv, gne, wn, "
                        "tat, dks); its name and scheme_options are checked by the scheme "
                        "registry (precondfx.core.scheme.get_scheme)", cli="NAME")
-    scheme_options: dict | None = _opt(None, mapping, "keyword arguments of the scheme",
-                                       plan=False)
+    scheme_options: dict | None = _opt(None, mapping, "keyword arguments of the scheme (on the "
+                                       "command line --scheme-option KEY=VALUE, repeated: "
+                                       "true/false, none and numbers are read as such)",
+                                       plan=False, cli="KEY=VALUE", part_of="scheme")
     balance_samples: int = _opt(16, integer(1, MAX_BALANCE_SAMPLES),
                                 "samples measured by measured balancing and measure=True (at "
                                 "most 4096)", plan=False, cli="N")
@@ -606,6 +653,10 @@ def moot(user: Options, opts: Options) -> list[str]:
          f"(balance={opts.balance!r})"),
         ("residual_scale", opts.residual == "none",
          "residual='none' scales no residual branch"),
+        ("init", opts.init == "keep" and not opts.reinit,
+         "reinit_weights=False keeps every value as it is, biases and normalization gains "
+         "included (init='keep' alone would start those at 0 and 1): drop init='keep', or "
+         "drop reinit_weights=False to keep only the weight matrices"),
         ("balance_samples", opts.balance not in MEASURED and not opts.measure,
          f"it is read by measured balancing (balance='auto' or 'hessian') and measure=True "
          f"only (balance={opts.balance!r})"),
@@ -626,9 +677,12 @@ _TEXT_WORDS = {"none": None, "off": None}
 
 
 def from_text(name: str, s: str) -> Any:
-    """Parse a command-line value of option ``name`` and check it (PrecondError if bad)."""
+    """Parse a command-line value of option ``name`` and check it (PrecondError if bad); a
+    mapping option's flag gives one ``(key, value)`` item (:func:`cli_value` makes the dict)."""
     f = next(f for f in fields(Options) if f.name == name)
     check = f.metadata["check"]
+    if check is mapping:                                  # one KEY=VALUE item of its flag
+        return key_value(flag_of(f), s)
     if getattr(check, "from_text", None) is not None:     # the option parses its own text
         return check(keyword_of(f), check.from_text(s))
     v: Any = s
@@ -649,6 +703,24 @@ def from_text(name: str, s: str) -> Any:
 def _lower(s: str) -> str:
     """A command-line word in any case, as ``Options`` reads it (``--init Fan_In``)."""
     return s.lower()
+
+
+def flag_of(f: Any) -> str:
+    """The command-line flag of field ``f`` (``--balance-threshold``, ``--no-reinit``; a
+    mapping is given one item per flag: ``--scheme-option KEY=VALUE``)."""
+    dashed = f.name.replace("_", "-")
+    if isinstance(f.default, bool):
+        return f"--{'no-' if f.default else ''}{dashed}"
+    if f.metadata["check"] is mapping:
+        return f"--{dashed.removesuffix('s')}"
+    return f"--{dashed}"
+
+
+def cli_value(f: Any, v: Any) -> Any:
+    """A parsed flag's value as the option takes it (a mapping flag's KEY=VALUE items as a
+    dict)."""
+    conv = getattr(f.metadata["check"], "from_pairs", None)
+    return conv(flag_of(f), v) if conv is not None else v
 
 
 def cli_fields() -> list[Any]:
@@ -680,17 +752,24 @@ def cli_flags(add_argument: Callable[..., Any], only: Iterable[str] | None = Non
     converts a value (raise ``argparse.ArgumentTypeError`` for a bad one).  ``support``: the
     only back end the command runs on; the choices it refuses are not offered, nor a flag
     whose every value but the default it refuses (``inspect``'s ``--scheme``)."""
+    hidden: set[str] = set()
     for f in cli_fields():
         if only is not None and f.name not in only:
             continue
         kw, default = keyword_of(f), f.default
-        if support is not None and _only_default(f, support):
+        if support is not None and _only_default(f, support) or \
+                f.metadata["part_of"] in hidden:
+            hidden.add(f.name)
             continue
         help = f.metadata.get("cli_help") or f.metadata["help"]
         if isinstance(default, bool):
-            add_argument(f"--{'no-' if default else ''}{f.name.replace('_', '-')}", dest=kw,
-                         action="store_false" if default else "store_true", default=default,
-                         help=help)
+            add_argument(flag_of(f), dest=kw, action="store_false" if default else "store_true",
+                         default=default, help=help)
+            continue
+        if f.metadata["check"] is mapping:
+            add_argument(flag_of(f), dest=kw, action="append", default=None,
+                         metavar=f.metadata["cli"], help=f"{help} (repeatable)",
+                         type=lambda s, _n=f.name: parse(_n, s))
             continue
         choices = getattr(f.metadata["check"], "choices", None)
         if choices and support is not None:
@@ -699,5 +778,6 @@ def cli_flags(add_argument: Callable[..., Any], only: Iterable[str] | None = Non
         extra: dict[str, Any] = {"choices": choices, "type": _lower} if choices else {
             "type": (lambda s, _n=f.name: parse(_n, s)),
             "metavar": meta if isinstance(meta, str) else f.name.upper()}
-        add_argument(f"--{f.name.replace('_', '-')}", dest=kw, default=default,
+        add_argument(flag_of(f), dest=kw, default=default,
                      help=f"{help} (default {default!r})", **extra)
+

@@ -142,6 +142,8 @@ def get_scheme(name: str, **kwargs: Any) -> Scheme:
             _check_type(name, k, v, p.default)
     try:
         return cls(**kwargs)
+    except PrecondError as e:               # the scheme's own check: it says what to pass
+        raise PrecondError(f"scheme_options of scheme={name!r}: {e}") from e
     except (TypeError, ValueError) as e:    # a value the scheme cannot use
         raise PrecondError(f"scheme_options of scheme={name!r}: {type(e).__name__}: {e}; "
                            f"check the values' types against the scheme's options "
