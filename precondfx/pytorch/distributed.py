@@ -116,11 +116,14 @@ def settle_checkpoints(model: nn.Module, sample: Any, *,
 def _settle(model: nn.Module, run: Any) -> bool:
     from precondfx.pytorch.folding import confirm_upstream, recipe_of
     from precondfx.integrations import hf_checkpoints
+    from precondfx.pytorch.apply.eager_output import OUTPUT_CANDIDATES, settle_output_scale
     rec = recipe_of(model)
     entry = getattr(getattr(model, "config", None), hf_checkpoints.CONFIG_KEY, None)
     waiting = isinstance(entry, dict) and entry.get("checkpoints") == "pending"
-    if (rec is None or not rec.pending) and not waiting:
+    moving = OUTPUT_CANDIDATES in model.__dict__
+    if (rec is None or not rec.pending) and not waiting and not moving:
         return False
+    settle_output_scale(model, run)     # before confirm_upstream: a head's factor moves on
     confirm_upstream(model, run)
     if hf_checkpoints.is_transformers_model(model):
         hf_checkpoints.prepare(model)

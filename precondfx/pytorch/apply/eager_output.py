@@ -136,6 +136,7 @@ class OutputSearch:
         ``run`` defaults to the one given to the constructor."""
         run = run or self.runner
         self.split_outputs: set[str] = set()
+        self.unchecked: list[list[str]] = []     # candidates a model on meta cannot run
         found, out = self._output_module(path, run) if run is not None else (None, None)
         if found is not None and self.train_runner is not None and \
                 self._output_module(path, self.train_runner)[0] != found:
@@ -178,6 +179,9 @@ class OutputSearch:
         self._register(self.model, PREFIX + "output_scale", 1.0)
         setattr(self.model, PREFIX + "output_path", tuple(path))
         self.undo.append(("attrdel", self.model, PREFIX + "output_path"))
+        if self.unchecked:      # on the meta device: checked when the model holds data
+            setattr(self.model, OUTPUT_CANDIDATES, tuple(tuple(g) for g in self.unchecked))
+            self.undo.append(("attrdel", self.model, OUTPUT_CANDIDATES))
         self._hook(self.model.register_forward_hook(_root_output_hook))
         self._done("output", None, PREFIX + "output_scale")
         return PREFIX + "output_scale"
@@ -384,18 +388,77 @@ class OutputSearch:
                        run: Callable[[nn.Module], Any], before: torch.Tensor) -> bool:
         """Check, by running, that doubling ``path``'s output (every one of a list's) doubles
         the main output."""
-        def double(mod: nn.Module, args: tuple, out: Any) -> Any:
-            if isinstance(out, torch.Tensor):
-                return out * 2
-            return out
-        hs = [self.model.get_submodule(p).register_forward_hook(double)
-              for p in ([path] if isinstance(path, str) else path)]
-        try:
-            after = at_path(run(self.model), out_path)
-            return isinstance(after, torch.Tensor) and after.shape == before.shape and \
-                bool(torch.allclose(after, before * 2, rtol=1e-5, atol=1e-30))
-        except Exception:   # the model does not run that way, or has no data (meta device)
-            return False
-        finally:
-            for h in hs:
-                h.remove()
+        if any(p.device.type == "meta" for p in self.model.parameters()):
+            group = [path] if isinstance(path, str) else list(path)
+            if group not in self.unchecked:
+                self.unchecked.append(group)
+            return False        # no values to run on: settle_output_scale checks it later
+        return doubles_output(self.model, path, out_path, run, before)
+
+
+#: the model attribute listing, on a model planned on the meta device whose output scale went
+#: on the returned value, the module groups that may carry it instead (checked by running)
+OUTPUT_CANDIDATES = PREFIX + "output_candidates"
+
+
+def doubles_output(model: nn.Module, path: str | list[str], out_path: list,
+                   run: Callable[[nn.Module], Any], before: torch.Tensor) -> bool:
+    """Whether doubling ``path``'s output (every one of a list's) doubles the main output
+    ``before`` (at ``out_path`` of ``run(model)``), checked by running."""
+    def double(mod: nn.Module, args: tuple, out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            return out * 2
+        return out
+    hs = [model.get_submodule(p).register_forward_hook(double)
+          for p in ([path] if isinstance(path, str) else path)]
+    try:
+        after = at_path(run(model), out_path)
+        return isinstance(after, torch.Tensor) and after.shape == before.shape and \
+            bool(torch.allclose(after, before * 2, rtol=1e-5, atol=1e-30))
+    except Exception:   # the model does not run that way, or has no data (meta device)
+        return False
+    finally:
+        for h in hs:
+            h.remove()
+
+
+@torch.no_grad()
+def settle_output_scale(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[str]:
+    """On a model planned on the meta device, now that it holds data: move the output scale
+    from the returned value onto the modules recorded as able to carry it (BART's ``lm_head``
+    before ``+ final_logits_bias``, DeiT's two heads), the first group that passes the
+    doubling check by running (as precondition does with data), so that the model's own loss
+    sees it and checkpoints fold.  Returns the modules that took it ([] if none)."""
+    from precondfx.pytorch.apply.eager_apply import module_hook   # imports this module
+    groups = model.__dict__.pop(OUTPUT_CANDIDATES, None)
+    name = PREFIX + "output_scale"
+    path = list(getattr(model, PREFIX + "output_path", ()) or ())
+    if not groups or name not in model._buffers:
+        return []
+    out = run(model)
+    try:
+        before = at_path(out, mode_path(out, path) or path)
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return []
+    if not isinstance(before, torch.Tensor):
+        return []
+    for group in groups:
+        if not doubles_output(model, list(group), path, run, before):
+            continue
+        buf = model._buffers.pop(name)
+        model._non_persistent_buffers_set.discard(name)
+        for k, h in list(model._forward_hooks.items()):
+            if h is _root_output_hook:
+                del model._forward_hooks[k]
+        model.__dict__.pop(PREFIX + "output_path", None)
+        planned = model.__dict__.get(PREFIX + "constants")
+        for m in group:
+            mod = model.get_submodule(m)
+            mod.register_buffer(name, buf.detach().clone())
+            module_hook(mod, name)
+            if isinstance(planned, dict) and name in planned:
+                planned[f"{m}.{name}"] = planned[name]
+        if isinstance(planned, dict):
+            planned.pop(name, None)
+        return list(group)
+    return []
