@@ -8,6 +8,11 @@ fix it names:
   ``from_pretrained`` lost the scale, and BART called with ``labels`` raised (its loss would
   not see the scale), where the same models preconditioned with data fold.  The candidates
   are now recorded on meta and checked when calibrate runs on the materialized model.
+* CLIP: the output scale multiplies the returned ``logit_scale.exp() * text @ image.T``, so
+  checkpoints stayed ``"raw"`` (``save_pretrained`` warned, ``from_pretrained`` lost the scale,
+  0.54 here) and ``fold`` refused.  It folds exactly into ``logit_scale`` (``+ log s``, checked
+  by running: adding ``log 2`` doubles the logits): checkpoints fold, reload to 2e-7, and
+  ``reattach`` gives back the preconditioned ``logit_scale``.
 """
 from __future__ import annotations
 
@@ -100,6 +105,35 @@ def test_meta_planned_output_scale_moves_onto_heads_and_folds(name: str) -> None
     with torch.no_grad():
         assert _rel(back(**batch, **fwd).logits, want) < 1e-5
     if name == "bart":      # its own loss sees the scale (was: PrecondError, loss before scale)
-        out = res(**batch, labels=batch["input_ids"], **fwd)
+        with torch.no_grad():
+            out = res(**batch, labels=batch["input_ids"], **fwd)
         ce = F.cross_entropy(out.logits.reshape(-1, V), batch["input_ids"].reshape(-1))
         assert abs(float(out.loss) - float(ce)) < 1e-5
+
+
+def test_clip_output_scale_folds_into_logit_scale() -> None:
+    from precondfx.integrations.hf import reattach
+    from tests.integrations.test_hf_hunt5 import _clip, _clip_batch
+    batch = _clip_batch()
+    model = _clip()
+    res, rep = _pre(model, batch, balance="analytic")
+    assert abs(rep.output_scale - 1.0) > 0.05
+    entry = res.config.precondfx
+    assert entry["checkpoints"] == "folded", entry["problems"]          # was "raw"
+    assert torch.equal(res.logit_scale, model.logit_scale)     # the live model's is untouched
+    res.eval()
+    with torch.no_grad():
+        out = res(**batch)
+        plain = precondfx.fold(res).eval()                               # refused before
+        assert _rel(plain(**batch).logits_per_image, out.logits_per_image) < 1e-6
+        assert _rel(plain(**batch).logits_per_text, out.logits_per_text) < 1e-6
+    with tempfile.TemporaryDirectory() as d:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)      # no "constants dropped" warning
+            res.save_pretrained(d)
+        back = type(model).from_pretrained(d).eval()
+        again = reattach(type(model).from_pretrained(d)).eval()
+    with torch.no_grad():
+        assert _rel(back(**batch).logits_per_image, out.logits_per_image) < 1e-6
+        assert abs(float(again.logit_scale) - float(res.logit_scale)) < 1e-6
+        assert _rel(again(**batch).logits_per_image, out.logits_per_image) < 1e-6

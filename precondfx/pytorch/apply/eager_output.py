@@ -176,9 +176,13 @@ class OutputSearch:
         if out is not None and internal_loss(out, path):
             raise PrecondError(LOSS_BEFORE_SCALE.replace("this preconditioned model computed",
                                                          "the model computes"))
+        log_param = self._log_param(path, run, out) if run is not None else None
         self._register(self.model, PREFIX + "output_scale", 1.0)
         setattr(self.model, PREFIX + "output_path", tuple(path))
         self.undo.append(("attrdel", self.model, PREFIX + "output_path"))
+        if log_param is not None:   # CLIP's logit_scale: checkpoints fold the scale into it
+            setattr(self.model, OUTPUT_LOG_PARAM, log_param)
+            self.undo.append(("attrdel", self.model, OUTPUT_LOG_PARAM))
         if self.unchecked:      # on the meta device: checked when the model holds data
             setattr(self.model, OUTPUT_CANDIDATES, tuple(tuple(g) for g in self.unchecked))
             self.undo.append(("attrdel", self.model, OUTPUT_CANDIDATES))
@@ -384,6 +388,43 @@ class OutputSearch:
             return False
         return all(self._frozen(i) for i in node.inputs)
 
+    @torch.no_grad()
+    def _log_param(self, path: list, run: Callable[[nn.Module], Any], out: Any) -> str | None:
+        """A one-element parameter of the model itself whose exponential multiplies the main
+        output (CLIP's and SigLIP's ``logit_scale.exp() * text @ image.T``), checked by
+        running: adding ``log 2`` to it doubles the main output (in train mode too).  The
+        output scale ``s`` on the returned value then folds exactly into it (``+ log s``).
+        None where there is none, or on the meta device."""
+        try:
+            target = at_path(out, mode_path(out, path) or path) if out is not None else None
+        except (KeyError, IndexError, TypeError, AttributeError):
+            return None
+        if not isinstance(target, torch.Tensor) or target.device.type == "meta":
+            return None
+        runs = [run] + ([self.train_runner] if self.train_runner is not None else [])
+        for name, p in self.model._parameters.items():
+            if p is None or p.numel() != 1 or not p.is_floating_point() or \
+                    sum(q is p for q in self.model.parameters()) != 1:
+                continue
+            ok = True
+            for r in runs:
+                before = target if r is run else at_path(r(self.model), path)
+                saved = p.detach().clone()
+                p.add_(math.log(2.0))
+                try:
+                    after = at_path(r(self.model), path)
+                    ok = isinstance(after, torch.Tensor) and after.shape == before.shape and \
+                        bool(torch.allclose(after, before * 2, rtol=1e-5, atol=1e-30))
+                except Exception:   # the model does not run that way
+                    ok = False
+                finally:
+                    p.copy_(saved)      # bit for bit (a + log 2 - log 2 may round)
+                if not ok:
+                    break
+            if ok:
+                return name
+        return None
+
     def _scales_output(self, path: str | list[str], out_path: list,
                        run: Callable[[nn.Module], Any], before: torch.Tensor) -> bool:
         """Check, by running, that doubling ``path``'s output (every one of a list's) doubles
@@ -395,6 +436,11 @@ class OutputSearch:
             return False        # no values to run on: settle_output_scale checks it later
         return doubles_output(self.model, path, out_path, run, before)
 
+
+#: the model attribute naming the one-element parameter whose exponential multiplies the main
+#: output (CLIP's ``logit_scale``), when the output scale sits on the returned value: folding
+#: adds ``log(scale)`` to it (:meth:`OutputSearch._log_param`)
+OUTPUT_LOG_PARAM = PREFIX + "output_log_param"
 
 #: the model attribute listing, on a model planned on the meta device whose output scale went
 #: on the returned value, the module groups that may carry it instead (checked by running)
@@ -450,6 +496,7 @@ def settle_output_scale(model: nn.Module, run: Callable[[nn.Module], Any]) -> li
         for k, h in list(model._forward_hooks.items()):
             if h is _root_output_hook:
                 del model._forward_hooks[k]
+                model._forward_hooks_always_called.pop(k, None)
         model.__dict__.pop(PREFIX + "output_path", None)
         planned = model.__dict__.get(PREFIX + "constants")
         for m in group:
