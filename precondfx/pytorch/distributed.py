@@ -150,6 +150,7 @@ def calibrate(model: nn.Module, sample: Any, target_std: float | None = None, *,
     (one process).  ``target_std=None`` takes precondition's default.  Returns the stds
     before and after and the scale."""
     from precondfx.pytorch import calibrate as cal
+    from precondfx.pytorch.apply.eager_output import settle_output_scale
     if target_std is None:
         from precondfx.core.options import Options
         target_std = Options().target_std
@@ -165,6 +166,9 @@ def calibrate(model: nn.Module, sample: Any, target_std: float | None = None, *,
             f"them, leaving the copy uninitialized): call precondfx.reinit(model, report.plan, "
             f"seed) after to_empty (it ties them again), or model.tie_weights() and then "
             f"reinit, before calibrating")
+    # a scale planned on the meta device on the returned value goes onto the module(s) that
+    # can carry it (checked by running), before a forward whose own loss must see it
+    settle_output_scale(model, lambda m: cal.forward(m, s, "eval"))
     buf_names = _output_buffers(model)
     bufs = [model.get_buffer(n) for n in buf_names]
     current = float(bufs[0].float().cpu())

@@ -7,7 +7,11 @@ fix it names:
   after ``distributed.calibrate``: checkpoints ``"raw"``, ``save_pretrained`` warned and
   ``from_pretrained`` lost the scale, and BART called with ``labels`` raised (its loss would
   not see the scale), where the same models preconditioned with data fold.  The candidates
-  are now recorded on meta and checked when calibrate runs on the materialized model.
+  are now recorded on meta and checked when calibrate runs on the materialized model, before
+  its first forward (so the training batch with labels calibrates: it raised).  Planning BART
+  on meta with labels is still refused (it cannot be checked there), now saying to plan
+  without them and that calibrate moves the scale onto ``lm_head`` (it said no module
+  produces the main output).
 * CLIP: the output scale multiplies the returned ``logit_scale.exp() * text @ image.T``, so
   checkpoints stayed ``"raw"`` (``save_pretrained`` warned, ``from_pretrained`` lost the scale,
   0.54 here) and ``fold`` refused.  It folds exactly into ``logit_scale`` (``+ log s``, checked
@@ -54,7 +58,7 @@ def _bart() -> tuple:
     return (lambda: tf.BartForConditionalGeneration(cfg)), batch, {"use_cache": False}
 
 
-def _meta_flow(build, batch: dict, fwd: dict):
+def _meta_flow(build, batch: dict, fwd: dict, calib: dict | None = None):
     """Plan on the meta device, then to_empty, the user's own init of what the plan keeps or
     leaves as is (taken from a model built with data), reinit and distributed calibration."""
     from precondfx.pytorch import distributed
@@ -75,14 +79,16 @@ def _meta_flow(build, batch: dict, fwd: dict):
             if n in bufs and "precondfx_" not in n:
                 bufs[n].copy_(t)
     precondfx.reinit(res, rep.plan, seed=0)
-    distributed.calibrate(res, batch, forward_kwargs=fwd or None)
+    distributed.calibrate(res, calib or batch, forward_kwargs=fwd or None)
     return res
 
 
 @pytest.mark.parametrize("name", ["deit", "bart"])
 def test_meta_planned_output_scale_moves_onto_heads_and_folds(name: str) -> None:
     build, batch, fwd = {"deit": _deit, "bart": _bart}[name]()
-    res = _meta_flow(build, batch, fwd)
+    # BART: calibrated on the training batch, labels included (raised: loss before the scale)
+    calib = {**batch, "labels": batch["input_ids"]} if name == "bart" else None
+    res = _meta_flow(build, batch, fwd, calib)
     entry = res.config.precondfx
     assert entry["checkpoints"] == "folded", entry["problems"]        # was "raw"
     scales = sorted(n for n, _ in res.named_buffers() if n.endswith("output_scale"))
@@ -137,3 +143,15 @@ def test_clip_output_scale_folds_into_logit_scale() -> None:
         assert _rel(back(**batch).logits_per_image, out.logits_per_image) < 1e-6
         assert abs(float(again.logit_scale) - float(res.logit_scale)) < 1e-6
         assert _rel(again(**batch).logits_per_image, out.logits_per_image) < 1e-6
+
+
+def test_meta_planned_bart_with_labels_says_to_plan_without_them() -> None:
+    """The refusal said no module produces the main output (lm_head does: it cannot be
+    checked on meta); it now says what to do."""
+    build, batch, fwd = _bart()
+    with torch.device("meta"):
+        meta = build()
+    with pytest.raises(precondfx.PrecondError) as e:
+        _pre(meta, {**batch, "labels": batch["input_ids"]}, seed=0, balance="analytic", **fwd)
+    msg = str(e.value)
+    assert "lm_head" in msg and "distributed.calibrate" in msg and "labels" in msg, msg

@@ -173,6 +173,17 @@ class OutputSearch:
                        f"heads): the main output and each head's own output see the scale",
                        names[0])
             return names[0]
+        if out is not None and internal_loss(out, path) and self.unchecked:
+            mods = " or ".join("+".join(g) for g in self.unchecked)
+            raise PrecondError(
+                f"the model computes a loss inside its forward (the output has a 'loss'), and "
+                f"on the meta device precondfx cannot check by running whether {mods} can "
+                f"carry the output scale so that the loss sees it (until then it sits on the "
+                f"returned value, after that loss).  Plan without what makes the model compute "
+                f"the loss (leave labels out of the sample); after to_empty and reinit, "
+                f"precondfx.pytorch.distributed.calibrate(model, batch) checks {mods} and moves "
+                f"the scale there, and labels work from then on.  Or precondition with "
+                f"target_std=None")
         if out is not None and internal_loss(out, path):
             raise PrecondError(LOSS_BEFORE_SCALE.replace("this preconditioned model computed",
                                                          "the model computes"))
@@ -481,31 +492,48 @@ def settle_output_scale(model: nn.Module, run: Callable[[nn.Module], Any]) -> li
     path = list(getattr(model, PREFIX + "output_path", ()) or ())
     if not groups or name not in model._buffers:
         return []
+    roots = [k for k, h in model._forward_hooks.items() if h is _root_output_hook]
+    for k in roots:     # checked without the scale: a loss from labels, no value set yet
+        model._forward_hooks[k] = _pass_through
+    try:
+        group = _first_doubling(model, groups, path, run)
+    finally:
+        for k in roots:
+            model._forward_hooks[k] = _root_output_hook
+    if group is None:
+        return []
+    buf = model._buffers.pop(name)
+    model._non_persistent_buffers_set.discard(name)
+    for k, h in list(model._forward_hooks.items()):
+        if h is _root_output_hook:
+            del model._forward_hooks[k]
+            model._forward_hooks_always_called.pop(k, None)
+    model.__dict__.pop(PREFIX + "output_path", None)
+    planned = model.__dict__.get(PREFIX + "constants")
+    for m in group:
+        mod = model.get_submodule(m)
+        mod.register_buffer(name, buf.detach().clone())
+        module_hook(mod, name)
+        if isinstance(planned, dict) and name in planned:
+            planned[f"{m}.{name}"] = planned[name]
+    if isinstance(planned, dict):
+        planned.pop(name, None)
+    return list(group)
+
+
+def _pass_through(module: nn.Module, args: tuple, out: Any) -> None:
+    """A forward hook that leaves the output as it is."""
+    return None
+
+
+def _first_doubling(model: nn.Module, groups: Any, path: list,
+                    run: Callable[[nn.Module], Any]) -> tuple | None:
+    """The first group of modules whose doubled outputs double the main output."""
     out = run(model)
     try:
         before = at_path(out, mode_path(out, path) or path)
     except (KeyError, IndexError, TypeError, AttributeError):
-        return []
+        return None
     if not isinstance(before, torch.Tensor):
-        return []
-    for group in groups:
-        if not doubles_output(model, list(group), path, run, before):
-            continue
-        buf = model._buffers.pop(name)
-        model._non_persistent_buffers_set.discard(name)
-        for k, h in list(model._forward_hooks.items()):
-            if h is _root_output_hook:
-                del model._forward_hooks[k]
-                model._forward_hooks_always_called.pop(k, None)
-        model.__dict__.pop(PREFIX + "output_path", None)
-        planned = model.__dict__.get(PREFIX + "constants")
-        for m in group:
-            mod = model.get_submodule(m)
-            mod.register_buffer(name, buf.detach().clone())
-            module_hook(mod, name)
-            if isinstance(planned, dict) and name in planned:
-                planned[f"{m}.{name}"] = planned[name]
-        if isinstance(planned, dict):
-            planned.pop(name, None)
-        return list(group)
-    return []
+        return None
+    return next((g for g in groups if doubles_output(model, list(g), path, run, before)), None)
