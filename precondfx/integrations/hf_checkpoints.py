@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 from precondfx.pytorch.apply.common import PREFIX, scalar_buffer
+from precondfx.pytorch.apply.eager_output import OUTPUT_LOG_PARAM
 from precondfx.errors import PrecondError
-from precondfx.pytorch.folding import Recipe, attach, fold_factors, fold_problems, recipe_of
+from precondfx.pytorch.folding import (Recipe, attach, fold_factors, fold_problems, fold_shifts,
+                                       recipe_of)
 
 CONFIG_KEY = "precondfx"
 
@@ -40,6 +42,7 @@ def prepare(model: nn.Module, report: Any = None) -> None:
         "version": __version__,
         "constants": _constants(model),
         "output_path": list(getattr(model, PREFIX + "output_path", ()) or ()),
+        "output_log_param": model.__dict__.get(OUTPUT_LOG_PARAM),
         "upstream": dict(rec.upstream) if rec else {},
         "idle": list(rec.idle) if rec else [],
         "checkpoints": "folded" if not problems else "raw",
@@ -195,6 +198,10 @@ def _rescale_state_dict(module: nn.Module, state_dict: dict, prefix: str, fold: 
             k = prefix + n
             if k in state_dict and not isinstance(state_dict[k], nn.Parameter):
                 state_dict[k] = state_dict[k] * f if fold else state_dict[k] / f
+    for name, d in fold_shifts(module).items():    # CLIP's logit_scale: + log(output scale)
+        k = prefix + name
+        if k in state_dict and not isinstance(state_dict[k], nn.Parameter):
+            state_dict[k] = state_dict[k] + d if fold else state_dict[k] - d
 
 
 def _fold_state_dict(module: nn.Module, state_dict: dict, prefix: str, meta: Any) -> None:
@@ -235,6 +242,8 @@ def reattach(model: nn.Module) -> nn.Module:
         mod.register_buffer(name, scalar_buffer(value, like))
         if name == PREFIX + "output_scale" and not path:        # on the returned value
             setattr(model, PREFIX + "output_path", tuple(entry.get("output_path", ())))
+            if entry.get("output_log_param"):
+                setattr(model, OUTPUT_LOG_PARAM, entry["output_log_param"])
             model.register_forward_hook(ea._root_output_hook)
         elif name == PREFIX + "input_scale":
             model.register_forward_pre_hook(ea._root_input_hook, with_kwargs=True, prepend=True)
@@ -249,5 +258,7 @@ def reattach(model: nn.Module) -> nn.Module:
     named = dict(model.named_parameters())
     for name, f in factors.items():
         named[name].div_(f)
+    for name, d in fold_shifts(model).items():
+        named[name].sub_(d)
     _install(model)
     return model

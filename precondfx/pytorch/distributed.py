@@ -116,11 +116,14 @@ def settle_checkpoints(model: nn.Module, sample: Any, *,
 def _settle(model: nn.Module, run: Any) -> bool:
     from precondfx.pytorch.folding import confirm_upstream, recipe_of
     from precondfx.integrations import hf_checkpoints
+    from precondfx.pytorch.apply.eager_output import OUTPUT_CANDIDATES, settle_output_scale
     rec = recipe_of(model)
     entry = getattr(getattr(model, "config", None), hf_checkpoints.CONFIG_KEY, None)
     waiting = isinstance(entry, dict) and entry.get("checkpoints") == "pending"
-    if (rec is None or not rec.pending) and not waiting:
+    moving = OUTPUT_CANDIDATES in model.__dict__
+    if (rec is None or not rec.pending) and not waiting and not moving:
         return False
+    settle_output_scale(model, run)     # before confirm_upstream: a head's factor moves on
     confirm_upstream(model, run)
     if hf_checkpoints.is_transformers_model(model):
         hf_checkpoints.prepare(model)
@@ -147,6 +150,7 @@ def calibrate(model: nn.Module, sample: Any, target_std: float | None = None, *,
     (one process).  ``target_std=None`` takes precondition's default.  Returns the stds
     before and after and the scale."""
     from precondfx.pytorch import calibrate as cal
+    from precondfx.pytorch.apply.eager_output import settle_output_scale
     if target_std is None:
         from precondfx.core.options import Options
         target_std = Options().target_std
@@ -162,6 +166,9 @@ def calibrate(model: nn.Module, sample: Any, target_std: float | None = None, *,
             f"them, leaving the copy uninitialized): call precondfx.reinit(model, report.plan, "
             f"seed) after to_empty (it ties them again), or model.tie_weights() and then "
             f"reinit, before calibrating")
+    # a scale planned on the meta device on the returned value goes onto the module(s) that
+    # can carry it (checked by running), before a forward whose own loss must see it
+    settle_output_scale(model, lambda m: cal.forward(m, s, "eval"))
     buf_names = _output_buffers(model)
     bufs = [model.get_buffer(n) for n in buf_names]
     current = float(bufs[0].float().cpu())

@@ -48,6 +48,7 @@ pickled GraphModule, pass ``source=YourModel(...)``.
 from __future__ import annotations
 
 import copy
+import math
 import operator
 import weakref
 from dataclasses import dataclass, field
@@ -221,6 +222,8 @@ def _eager_scales(model: nn.Module, recipe: Recipe | None) -> _Scales:
             elif name in (PREFIX + "out_scale", PREFIX + "output_scale",
                           PREFIX + "lr_scale") and path:
                 sc.add(sc.out, path, mod, v)
+            elif name == PREFIX + "output_scale" and _log_param(model) and v > 0:
+                pass        # folds into the parameter it multiplies through exp: fold_shifts
             elif name == PREFIX + "output_scale":
                 sc.problems.append((fqn, "the output scale multiplies the returned value: no "
                                     "module of the model produces the main output (DeiT's "
@@ -812,6 +815,27 @@ def fold_factors(model: nn.Module) -> dict[str, float]:
     return factors
 
 
+def _log_param(model: nn.Module) -> str | None:
+    """The root parameter whose exponential multiplies the main output (CLIP's
+    ``logit_scale``), recorded where the output scale sits on the returned value."""
+    from precondfx.pytorch.apply.eager_output import OUTPUT_LOG_PARAM
+    name = model.__dict__.get(OUTPUT_LOG_PARAM)
+    return name if isinstance(name, str) and name in model._parameters else None
+
+
+def fold_shifts(model: nn.Module) -> dict[str, float]:
+    """What folding adds to a parameter (besides :func:`fold_factors`' products): ``log s``
+    to the one whose exponential multiplies the main output (CLIP's ``logit_scale``), for
+    the output scale ``s`` on the returned value: ``exp(a + log s) = s * exp(a)``."""
+    name, buf = _log_param(model), model._buffers.get(PREFIX + "output_scale")
+    if name is None or buf is None:
+        return {}
+    planned = model.__dict__.get(PREFIX + "constants") or {}
+    v = float(planned.get(PREFIX + "output_scale", 1.0)) if buf.device.type == "meta" \
+        else float(buf)
+    return {name: math.log(v)} if v > 0 and v != 1.0 else {}
+
+
 def _message(problems: list[tuple[str, str]]) -> str:
     lines = "; ".join(f"{w}: {why}" for w, why in problems)
     return (f"cannot fold {len(problems)} precondfx constant(s) into the weights: {lines}. "
@@ -854,6 +878,8 @@ def fold(model: nn.Module, *, source: nn.Module | None = None) -> nn.Module:
     named = dict(plain.named_parameters(remove_duplicate=False))   # a tied weight by any name
     for name, f in factors.items():
         named[name].mul_(f)
+    for name, d in fold_shifts(model).items():
+        named[name].add_(d)
     copy_modes(model, plain)
     return plain
 

@@ -149,6 +149,7 @@ class OutputSearch:
         ``run`` defaults to the one given to the constructor."""
         run = run or self.runner
         self.split_outputs: set[str] = set()
+        self.unchecked: list[list[str]] = []     # candidates a model on meta cannot run
         found, out = self._output_module(path, run) if run is not None else (None, None)
         if found is not None and self.train_runner is not None and \
                 self._output_module(path, self.train_runner)[0] != found:
@@ -185,9 +186,21 @@ class OutputSearch:
                        f"heads): the main output and each head's own output see the scale",
                        names[0])
             return names[0]
+        if out is not None and internal_loss(out, path) and self.unchecked:
+            mods = " or ".join("+".join(g) for g in self.unchecked)
+            raise PrecondError(
+                f"the model computes a loss inside its forward (the output has a 'loss'), and "
+                f"on the meta device precondfx cannot check by running whether {mods} can "
+                f"carry the output scale so that the loss sees it (until then it sits on the "
+                f"returned value, after that loss).  Plan without what makes the model compute "
+                f"the loss (leave labels out of the sample); after to_empty and reinit, "
+                f"precondfx.pytorch.distributed.calibrate(model, batch) checks {mods} and moves "
+                f"the scale there, and labels work from then on.  Or precondition with "
+                f"target_std=None")
         if out is not None and internal_loss(out, path):
             raise PrecondError(LOSS_BEFORE_SCALE.replace("this preconditioned model computed",
                                                          "the model computes"))
+        log_param = self._log_param(path, run, out) if run is not None else None
         self._register(self.model, PREFIX + "output_scale", 1.0)
         setattr(self.model, PREFIX + "output_path", tuple(path))
         self.undo.append(("attrdel", self.model, PREFIX + "output_path"))
@@ -195,6 +208,12 @@ class OutputSearch:
         if twins:
             setattr(self.model, PREFIX + "output_twins", twins)
             self.undo.append(("attrdel", self.model, PREFIX + "output_twins"))
+        if log_param is not None:   # CLIP's logit_scale: checkpoints fold the scale into it
+            setattr(self.model, OUTPUT_LOG_PARAM, log_param)
+            self.undo.append(("attrdel", self.model, OUTPUT_LOG_PARAM))
+        if self.unchecked:      # on the meta device: checked when the model holds data
+            setattr(self.model, OUTPUT_CANDIDATES, tuple(tuple(g) for g in self.unchecked))
+            self.undo.append(("attrdel", self.model, OUTPUT_CANDIDATES))
         self._hook(self.model.register_forward_hook(_root_output_hook))
         self._done("output", None, PREFIX + "output_scale")
         return PREFIX + "output_scale"
@@ -403,22 +422,141 @@ class OutputSearch:
             return False
         return all(self._frozen(i) for i in node.inputs)
 
+    @torch.no_grad()
+    def _log_param(self, path: list, run: Callable[[nn.Module], Any], out: Any) -> str | None:
+        """A one-element parameter of the model itself whose exponential multiplies the main
+        output (CLIP's and SigLIP's ``logit_scale.exp() * text @ image.T``), checked by
+        running: adding ``log 2`` to it doubles the main output (in train mode too).  The
+        output scale ``s`` on the returned value then folds exactly into it (``+ log s``).
+        None where there is none, or on the meta device."""
+        try:
+            target = at_path(out, mode_path(out, path) or path) if out is not None else None
+        except (KeyError, IndexError, TypeError, AttributeError):
+            return None
+        if not isinstance(target, torch.Tensor) or target.device.type == "meta":
+            return None
+        runs = [run] + ([self.train_runner] if self.train_runner is not None else [])
+        for name, p in self.model._parameters.items():
+            if p is None or p.numel() != 1 or not p.is_floating_point() or \
+                    sum(q is p for q in self.model.parameters()) != 1:
+                continue
+            ok = True
+            for r in runs:
+                before = target if r is run else at_path(r(self.model), path)
+                saved = p.detach().clone()
+                p.add_(math.log(2.0))
+                try:
+                    after = at_path(r(self.model), path)
+                    ok = isinstance(after, torch.Tensor) and after.shape == before.shape and \
+                        bool(torch.allclose(after, before * 2, rtol=1e-5, atol=1e-30))
+                except Exception:   # the model does not run that way
+                    ok = False
+                finally:
+                    p.copy_(saved)      # bit for bit (a + log 2 - log 2 may round)
+                if not ok:
+                    break
+            if ok:
+                return name
+        return None
+
     def _scales_output(self, path: str | list[str], out_path: list,
                        run: Callable[[nn.Module], Any], before: torch.Tensor) -> bool:
         """Check, by running, that doubling ``path``'s output (every one of a list's) doubles
         the main output."""
-        def double(mod: nn.Module, args: tuple, out: Any) -> Any:
-            if isinstance(out, torch.Tensor):
-                return out * 2
-            return out
-        hs = [self.model.get_submodule(p).register_forward_hook(double)
-              for p in ([path] if isinstance(path, str) else path)]
-        try:
-            after = at_path(run(self.model), out_path)
-            return isinstance(after, torch.Tensor) and after.shape == before.shape and \
-                bool(torch.allclose(after, before * 2, rtol=1e-5, atol=1e-30))
-        except Exception:   # the model does not run that way, or has no data (meta device)
-            return False
-        finally:
-            for h in hs:
-                h.remove()
+        if any(p.device.type == "meta" for p in self.model.parameters()):
+            group = [path] if isinstance(path, str) else list(path)
+            if group not in self.unchecked:
+                self.unchecked.append(group)
+            return False        # no values to run on: settle_output_scale checks it later
+        return doubles_output(self.model, path, out_path, run, before)
+
+
+#: the model attribute naming the one-element parameter whose exponential multiplies the main
+#: output (CLIP's ``logit_scale``), when the output scale sits on the returned value: folding
+#: adds ``log(scale)`` to it (:meth:`OutputSearch._log_param`)
+OUTPUT_LOG_PARAM = PREFIX + "output_log_param"
+
+#: the model attribute listing, on a model planned on the meta device whose output scale went
+#: on the returned value, the module groups that may carry it instead (checked by running)
+OUTPUT_CANDIDATES = PREFIX + "output_candidates"
+
+
+def doubles_output(model: nn.Module, path: str | list[str], out_path: list,
+                   run: Callable[[nn.Module], Any], before: torch.Tensor) -> bool:
+    """Whether doubling ``path``'s output (every one of a list's) doubles the main output
+    ``before`` (at ``out_path`` of ``run(model)``), checked by running."""
+    def double(mod: nn.Module, args: tuple, out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            return out * 2
+        return out
+    hs = [model.get_submodule(p).register_forward_hook(double)
+          for p in ([path] if isinstance(path, str) else path)]
+    try:
+        after = at_path(run(model), out_path)
+        return isinstance(after, torch.Tensor) and after.shape == before.shape and \
+            bool(torch.allclose(after, before * 2, rtol=1e-5, atol=1e-30))
+    except Exception:   # the model does not run that way, or has no data (meta device)
+        return False
+    finally:
+        for h in hs:
+            h.remove()
+
+
+@torch.no_grad()
+def settle_output_scale(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[str]:
+    """On a model planned on the meta device, now that it holds data: move the output scale
+    from the returned value onto the modules recorded as able to carry it (BART's ``lm_head``
+    before ``+ final_logits_bias``, DeiT's two heads), the first group that passes the
+    doubling check by running (as precondition does with data), so that the model's own loss
+    sees it and checkpoints fold.  Returns the modules that took it ([] if none)."""
+    from precondfx.pytorch.apply.eager_apply import module_hook   # imports this module
+    groups = model.__dict__.pop(OUTPUT_CANDIDATES, None)
+    name = PREFIX + "output_scale"
+    path = list(getattr(model, PREFIX + "output_path", ()) or ())
+    if not groups or name not in model._buffers:
+        return []
+    roots = [k for k, h in model._forward_hooks.items() if h is _root_output_hook]
+    for k in roots:     # checked without the scale: a loss from labels, no value set yet
+        model._forward_hooks[k] = _pass_through
+    try:
+        group = _first_doubling(model, groups, path, run)
+    finally:
+        for k in roots:
+            model._forward_hooks[k] = _root_output_hook
+    if group is None:
+        return []
+    buf = model._buffers.pop(name)
+    model._non_persistent_buffers_set.discard(name)
+    for k, h in list(model._forward_hooks.items()):
+        if h is _root_output_hook:
+            del model._forward_hooks[k]
+            model._forward_hooks_always_called.pop(k, None)
+    model.__dict__.pop(PREFIX + "output_path", None)
+    planned = model.__dict__.get(PREFIX + "constants")
+    for m in group:
+        mod = model.get_submodule(m)
+        mod.register_buffer(name, buf.detach().clone())
+        module_hook(mod, name)
+        if isinstance(planned, dict) and name in planned:
+            planned[f"{m}.{name}"] = planned[name]
+    if isinstance(planned, dict):
+        planned.pop(name, None)
+    return list(group)
+
+
+def _pass_through(module: nn.Module, args: tuple, out: Any) -> None:
+    """A forward hook that leaves the output as it is."""
+    return None
+
+
+def _first_doubling(model: nn.Module, groups: Any, path: list,
+                    run: Callable[[nn.Module], Any]) -> tuple | None:
+    """The first group of modules whose doubled outputs double the main output."""
+    out = run(model)
+    try:
+        before = at_path(out, mode_path(out, path) or path)
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return None
+    if not isinstance(before, torch.Tensor):
+        return None
+    return next((g for g in groups if doubles_output(model, list(g), path, run, before)), None)
