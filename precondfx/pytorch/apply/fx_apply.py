@@ -67,6 +67,36 @@ def _replace_operand(node: fx.Node, src: fx.Node, new: fx.Node) -> None:
     node.replace_input_with(src, new)       # inside a plain list or tuple operand
 
 
+def _mutates(node: fx.Node, src: fx.Node) -> bool:
+    """Whether ``node`` changes ``src`` in place: an in-place Tensor method on it
+    (``src.add_(h)``, ``src.mul_(2)``) or an in-place operator (``operator.iadd``)."""
+    if not node.args or node.args[0] is not src:
+        return False
+    if node.op == "call_method":
+        t = str(node.target)
+        return t.endswith("_") and not t.startswith("_")
+    return node.op == "call_function" and node.target in _INPLACE_OPERATORS
+
+
+_INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                                operator.ifloordiv, operator.imod, operator.ipow,
+                                operator.imatmul, operator.iand, operator.ior, operator.ixor,
+                                operator.ilshift, operator.irshift})
+
+
+def _rebind_after(node: fx.Node, src: fx.Node, new: fx.Node) -> None:
+    """Every use of ``src`` by a node after ``node`` (graph order: the order forward runs)
+    reads ``new`` instead."""
+    after, seen = [], False
+    for n in node.graph.nodes:
+        if n is node:
+            seen = True
+        elif seen and src in n.all_input_nodes:
+            after.append(n)
+    for n in after:
+        n.replace_input_with(src, new)
+
+
 def _set_submodule(gm: fx.GraphModule, path: str, mod: torch.nn.Module) -> None:
     """Put ``mod`` at ``path``; every other reference to the module there (another name, a
     plain list or dict the user's methods iterate) follows (``swap_references``)."""
@@ -151,9 +181,15 @@ class FxApplier(TorchBackend, Records):
                                          f"are parameters or constants): no {sc.tag} placed")
                 return None
             src = acts[sc.index]
+            mutated = _mutates(node, src)
             self._buffer(bname, sc.value)
             m = self._mul(node, src, bname)
             _replace_operand(node, src, m)
+            if mutated:
+                # ``b.add_(h)`` updates the scaled copy now: the uses of ``b`` after it take
+                # that copy (the user's forward reads the updated ``b`` there), not the
+                # unscaled ``b`` without the update
+                _rebind_after(node, src, node)
         else:  # output
             self._buffer(bname, sc.value)
             with self.gm.graph.inserting_after(node):

@@ -422,6 +422,7 @@ def _trace_once(model: torch.nn.Module, concrete: dict) -> fx.GraphModule:
         with _tracing_scope(), _refuse_autograd_functions(), _refuse_python_random(), \
                 _refuse_autocast(), _refuse_dtype_properties(model), _TraceTimeCompute(model):
             graph = tracer.trace(model, concrete_args=concrete or None)
+        _keep_input_names(graph, concrete)
         name = model.__class__.__name__ if isinstance(model, torch.nn.Module) else "module"
         gm = fx.GraphModule(tracer.root, graph, name)
     finally:
@@ -444,6 +445,31 @@ def _trace_once(model: torch.nn.Module, concrete: dict) -> fx.GraphModule:
         raise Unkeepable(f"the forward assigns to the buffer or parameter {changed[0]} (a "
                          f"counter, a running statistic), which a traced graph drops: {_KEEP}")
     return gm
+
+
+def _keep_input_names(graph: fx.Graph, concrete: dict) -> None:
+    """Give each input the sample fixed (``mode="b"``) its own name back in the graph's
+    signature: fx names its placeholder ``mode_1``, so the graph refused ``mode=`` (and its
+    shape propagation ran on the default, failing the trace's own check), and tell the user
+    what to do in the check that refuses another value later."""
+    for n in graph.nodes:
+        if n.op != "placeholder":
+            continue
+        name = str(n.target)
+        base = name[:-2] if name.endswith("_1") else None
+        if base not in concrete or isinstance(concrete[base], (dict, list, tuple)) or \
+                any(m.op == "placeholder" and m.target == base for m in graph.nodes):
+            continue
+        n.target = base
+        for user in list(n.users):
+            for check in list(user.users):
+                if check.op == "call_function" and check.target is torch._assert and \
+                        len(check.args) > 1:
+                    check.args = (check.args[0], (
+                        f"{base} has been specialized to have value {concrete[base]!r} but got "
+                        f"another value: precondition traced the forward with the sample's "
+                        f"{base}={concrete[base]!r}, and the graph holds that path only. Call it "
+                        f"with {base}={concrete[base]!r}, or precondition one model per value"))
 
 
 def _dropout_training(n: fx.Node) -> Any:
