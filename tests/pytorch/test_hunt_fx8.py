@@ -88,3 +88,36 @@ def test_inplace_op_on_scaled_operand_updates_the_users_tensor(capture):
     with torch.no_grad():
         a, b = outs[0](x), outs[1](x)
     assert float((a - b).abs().max()) < 1e-5
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f, self.g = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.g(F.relu(self.f(x)))
+
+
+class CondModel(nn.Module):
+    """Two blocks chosen by ``torch.cond`` on a data-dependent predicate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.o = nn.Linear(8, 16), Block(), Block(), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = torch.cond(h.sum() > 0, lambda t: self.b(t), lambda t: self.c(t), (h,))
+        return self.o(h)
+
+
+def test_torch_cond_hidden_layers_are_said():
+    # before: the 8 parameters inside the cond's branches were only listed as kept, "read by
+    # an op that is not a weighted layer (e.g. a position embedding...)", with no note
+    torch.manual_seed(0)
+    m = CondModel()
+    _, rep = precondfx.precondition(m, torch.randn(64, 8), capture="export")
+    notes = [n for n in rep.capture_notes if "cond" in n]
+    assert len(notes) == 1 and "8 parameter(s)" in notes[0] and "b.f.weight" in notes[0]
+    assert "keep their values" in notes[0]
