@@ -121,3 +121,24 @@ def test_torch_cond_hidden_layers_are_said():
     notes = [n for n in rep.capture_notes if "cond" in n]
     assert len(notes) == 1 and "8 parameter(s)" in notes[0] and "b.f.weight" in notes[0]
     assert "keep their values" in notes[0]
+
+
+class SharedBlock(nn.Module):
+    """One residual block applied twice (weight sharing across depth)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.o = nn.Linear(8, 16), Block(), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.o(self.b(self.b(self.a(x))))
+
+
+def test_skip_of_a_module_called_twice_says_so():
+    # before: "the residual operand is produced by a functional op with no module to hook",
+    # though it is the output of b.g, a module called twice
+    torch.manual_seed(0)
+    _, rep = precondfx.precondition(SharedBlock(), torch.randn(64, 8), capture="eager")
+    whys = [why for what, why in rep.skipped if what.startswith("residual")]
+    assert len(whys) == 2
+    assert all("output of b.g, which forward calls 2 times" in w for w in whys)
