@@ -451,7 +451,9 @@ def _keep_input_names(graph: fx.Graph, concrete: dict) -> None:
     """Give each input the sample fixed (``mode="b"``) its own name back in the graph's
     signature: fx names its placeholder ``mode_1``, so the graph refused ``mode=`` (and its
     shape propagation ran on the default, failing the trace's own check), and tell the user
-    what to do in the check that refuses another value later."""
+    what to do in the check that refuses another value later.  An input fx adds no such check
+    for (a value of no base type: an object, a callable) keeps fx's name, so that a call with
+    another value fails rather than computing with the traced one."""
     for n in graph.nodes:
         if n.op != "placeholder":
             continue
@@ -460,16 +462,23 @@ def _keep_input_names(graph: fx.Graph, concrete: dict) -> None:
         if base not in concrete or isinstance(concrete[base], (dict, list, tuple)) or \
                 any(m.op == "placeholder" and m.target == base for m in graph.nodes):
             continue
+        checks = [c for u in n.users for c in [u, *u.users] if c.op == "call_function"
+                  and c.target in _CHECKS and len(c.args) > 1]
+        if not checks:
+            continue
         n.target = base
-        for user in list(n.users):
-            for check in list(user.users):
-                if check.op == "call_function" and check.target is torch._assert and \
-                        len(check.args) > 1:
-                    check.args = (check.args[0], (
-                        f"{base} has been specialized to have value {concrete[base]!r} but got "
-                        f"another value: precondition traced the forward with the sample's "
-                        f"{base}={concrete[base]!r}, and the graph holds that path only. Call it "
-                        f"with {base}={concrete[base]!r}, or precondition one model per value"))
+        v = concrete[base]
+        for check in checks:
+            check.args = (check.args[0], (
+                f"{base} has been specialized to have value {v!r} but got another value: "
+                f"precondition traced the forward with the sample's {base}={v!r}, and the "
+                f"graph holds that path only. Call it with {base}={v!r}, or precondition one "
+                f"model per value"))
+
+
+#: the checks fx's trace adds on an input fixed to the sample's value
+_CHECKS = tuple(f for f in (torch._assert, getattr(fx._symbolic_trace, "_assert_is_none", None))
+                if f is not None)
 
 
 def _dropout_training(n: fx.Node) -> Any:
