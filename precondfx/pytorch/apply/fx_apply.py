@@ -350,11 +350,20 @@ class FxApplier(TorchBackend, Records):
                        f"output {target.name} is a sum or average of: every use inside forward and "
                        f"each head's own output see it", b)
             return b
-        with self.gm.graph.inserting_after(node):
+        order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        # forward changes the output in place after computing it (``y.clamp_(-5, 5)``): the
+        # scale goes after the last such change, as on the value forward returns
+        changes = sorted((u for u in node.users if _mutates(u, node)), key=order.get)
+        at = changes[-1] if changes else node
+        with self.gm.graph.inserting_after(at):
             c = self.gm.graph.get_attr(b)
         with self.gm.graph.inserting_after(c):
             m = self.gm.graph.call_function(operator.mul, (node, c))
-        node.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
+        if changes:
+            for src in (node, *changes):
+                _rebind_after(m, src, m)
+        else:
+            node.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
         self._done("output", f"output scale at the output of {node.name} (the main output"
                    f"{'' if node is target else ' up to ' + target.name}): every use inside "
                    f"forward sees it", b)
