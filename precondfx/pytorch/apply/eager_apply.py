@@ -343,8 +343,7 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
             src = node.inputs[sc.index] if sc.index < len(node.inputs) else None
             path = self._upstream_module(src) if src else None
             if path is None or len(self.users.get(src, [])) != 1:
-                self._skip(key, what, f"the {sc.tag} operand is produced by a functional op "
-                           f"with no module to hook (capture: {self.graph.method})")
+                self._skip(key, what, self._no_hook_why(sc.tag, src))
                 return None
             fqn = self._module_scale(path, "output", sc.value, what, key)
         elif node.module is None and sc.where in ("input", "output") and \
@@ -360,6 +359,28 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
         if fqn is not None:
             self._done(key, f"{what}: {sc.value:.4g}", fqn)
         return fqn
+
+    def _no_hook_why(self, tag: str, src: str | None) -> str:
+        """Why no hook can carry a scale on operand ``src``: it is read elsewhere too, its
+        producer is a module called more than once (each call would take it), or a
+        functional op."""
+        cap = f"(capture: {self.graph.method})"
+        if src is not None and len(self.users.get(src, [])) > 1:
+            return (f"the {tag} operand {src} is also read elsewhere in forward "
+                    f"({len(self.users[src])} uses): a hook on what produces it would scale "
+                    f"those uses too {cap}")
+        cur = self.graph.get(src) if src else None
+        while cur is not None:
+            if cur.module and self.calls.get(cur.module, 0) > 1:
+                return (f"the {tag} operand is the output of {cur.module}, which forward calls "
+                        f"{self.calls[cur.module]} times: a hook on it would scale every call, "
+                        f"not this branch alone {cap}")
+            if cur.module or len(cur.inputs) != 1 or \
+                    (cur.kind not in _PASS_THROUGH and not fixed_factor_node(cur)) or \
+                    len(self.users.get(cur.inputs[0], [])) != 1:
+                break
+            cur = self.graph.get(cur.inputs[0])
+        return f"the {tag} operand is produced by a functional op with no module to hook {cap}"
 
     def upstream_module(self, node: str) -> str | None:
         """The module whose output is node ``node``'s value up to a positive factor (the

@@ -68,6 +68,36 @@ def _replace_operand(node: fx.Node, src: fx.Node, new: fx.Node) -> None:
     node.replace_input_with(src, new)       # inside a plain list or tuple operand
 
 
+def _mutates(node: fx.Node, src: fx.Node) -> bool:
+    """Whether ``node`` changes ``src`` in place: an in-place Tensor method on it
+    (``src.add_(h)``, ``src.mul_(2)``) or an in-place operator (``operator.iadd``)."""
+    if not node.args or node.args[0] is not src:
+        return False
+    if node.op == "call_method":
+        t = str(node.target)
+        return t.endswith("_") and not t.startswith("_")
+    return node.op == "call_function" and node.target in _INPLACE_OPERATORS
+
+
+_INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                                operator.ifloordiv, operator.imod, operator.ipow,
+                                operator.imatmul, operator.iand, operator.ior, operator.ixor,
+                                operator.ilshift, operator.irshift})
+
+
+def _rebind_after(node: fx.Node, src: fx.Node, new: fx.Node) -> None:
+    """Every use of ``src`` by a node after ``node`` (graph order: the order forward runs)
+    reads ``new`` instead."""
+    after, seen = [], False
+    for n in node.graph.nodes:
+        if n is node:
+            seen = True
+        elif seen and src in n.all_input_nodes:
+            after.append(n)
+    for n in after:
+        n.replace_input_with(src, new)
+
+
 def _set_submodule(gm: fx.GraphModule, path: str, mod: torch.nn.Module) -> None:
     """Put ``mod`` at ``path``; every other reference to the module there (another name, a
     plain list or dict the user's methods iterate) follows (``swap_references``)."""
@@ -152,9 +182,15 @@ class FxApplier(TorchBackend, Records):
                                          f"are parameters or constants): no {sc.tag} placed")
                 return None
             src = acts[sc.index]
+            mutated = _mutates(node, src)
             self._buffer(bname, sc.value)
             m = self._mul(node, src, bname)
             _replace_operand(node, src, m)
+            if mutated:
+                # ``b.add_(h)`` updates the scaled copy now: the uses of ``b`` after it take
+                # that copy (the user's forward reads the updated ``b`` there), not the
+                # unscaled ``b`` without the update
+                _rebind_after(node, src, node)
         else:  # output
             self._buffer(bname, sc.value)
             with self.gm.graph.inserting_after(node):
@@ -319,11 +355,20 @@ class FxApplier(TorchBackend, Records):
                        f"output {target.name} is a sum or average of: every use inside forward and "
                        f"each head's own output see it", b)
             return b
-        with self.gm.graph.inserting_after(node):
+        order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        # forward changes the output in place after computing it (``y.clamp_(-5, 5)``): the
+        # scale goes after the last such change, as on the value forward returns
+        changes = sorted((u for u in node.users if _mutates(u, node)), key=order.get)
+        at = changes[-1] if changes else node
+        with self.gm.graph.inserting_after(at):
             c = self.gm.graph.get_attr(b)
         with self.gm.graph.inserting_after(c):
             m = self.gm.graph.call_function(operator.mul, (node, c))
-        node.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
+        if changes:
+            for src in (node, *changes):
+                _rebind_after(m, src, m)
+        else:
+            node.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
         self._done("output", f"output scale at the output of {node.name} (the main output"
                    f"{'' if node is target else ' up to ' + target.name}): every use inside "
                    f"forward sees it", b)

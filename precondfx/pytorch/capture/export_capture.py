@@ -159,7 +159,8 @@ def to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, method: s
     pmap.update(sig.inputs_to_buffers)
     pmap.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
     user_inputs = set(sig.user_inputs)
-    order, groups, group_of = _group_leaf_calls(inline_regions(ep))
+    flat = inline_regions(ep)
+    order, groups, group_of = _group_leaf_calls(flat)
     marker = _marker(pmap, group_of)
     nodes: list[Node] = []
     outputs: list[str] = []
@@ -178,11 +179,35 @@ def to_graph(ep: torch.export.ExportedProgram, model: torch.nn.Module, method: s
             nodes.append(Node(n.name, "output", "output", inputs=outputs))
         elif n.op == "call_function":
             nodes.append(_function_node(n, marker))
-    notes = []
+    notes = _nested_notes(flat, sig.inputs_to_parameters)
     if method == "draft_export":
         notes.append("draft_export specialized data-dependent branches on the sample: the "
                      "analysis describes the path the sample took")
     return Graph(nodes, method, notes=notes, outputs=outputs)
+
+
+def _nested_notes(flat: fx.Graph, params: dict[str, str]) -> list[str]:
+    """What each higher-order op left after the regions were inlined (``torch.cond``,
+    ``while_loop``, ``map``) hides: the parameters its nested graphs read, which the plan
+    does not see (before, they were only listed as kept, "read by an op that is not a
+    weighted layer")."""
+    from torch.utils._pytree import tree_leaves
+    notes = []
+    for n in flat.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.HigherOrderOperator):
+            continue
+        read = [params[a.name] for a in tree_leaves((n.args, n.kwargs))
+                if isinstance(a, fx.Node) and a.name in params]
+        if read:
+            op = getattr(n.target, "__name__", str(n.target))
+            shown = ", ".join(read[:6]) + (f" and {len(read) - 6} more" if len(read) > 6 else "")
+            notes.append(f"{n.name}: torch.export keeps {op} as one call whose nested graphs "
+                         f"read {len(read)} parameter(s) ({shown}): the layers inside are "
+                         f"hidden from the plan and keep their values (not re-initialized, "
+                         f"not scaled). To have them preconditioned, write the branch as "
+                         f"Python control flow (the eager capture follows the sample's "
+                         f"branch), or precondition the modules inside on their own")
+    return notes
 
 
 def _group_leaf_calls(graph: fx.Graph) -> tuple[list[tuple[str, Any]], dict[str, dict],
