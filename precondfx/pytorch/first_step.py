@@ -157,8 +157,9 @@ class Pending:
                 rest = sec.pop("rest")
         except Exception as e:          # never break the user's step: say it, keep the storage
             sec = self._kept(opt, f"the measurement failed ({type(e).__name__}: {e}); the "
-                                  f"storage stays as precondition left it: pass lr= to set it "
-                                  f"at precondition{_dtypes_said(model, self.graph)}",
+                                  f"storage stays as precondition left it: pass lr= (your "
+                                  f"rate) and optimizer='sgd' to precondition to set it "
+                                  f"there{_dtypes_said(model, self.graph)}",
                              warn=True)
         finally:
             if rest:
@@ -303,13 +304,29 @@ class Pending:
         # the user's random stream untouched; a step taken under inference_mode measured too,
         # one inside an autocast region in the model's own dtypes (the curvature of the
         # function the storage holds, not of its bfloat16 rounding)
+        used: list[str] = []
+
+        def measure(fam: str) -> float | None:
+            try:
+                return suggest_lr(model, sample, mode=used[0] if used else mode, key=self.key,
+                                  seed=self.seed, families=(fam,), only=steps).get(fam)
+            except ValueError as e:     # a train-mode BatchNorm on a kept batch of one
+                if used or not _one_sample(e):
+                    raise
+                used.append("eval")
+                return suggest_lr(model, sample, mode="eval", key=self.key, seed=self.seed,
+                                  families=(fam,), only=steps).get(fam)
+
         with torch.random.fork_rng(devices=devices), torch.inference_mode(False), \
                 _no_autocast(model):
-            sec = lr_target.keep_rate(
-                model, self.graph, edited, bufs, lr, "sgd",
-                lambda fam: suggest_lr(model, sample, mode=mode, key=self.key,
-                                       seed=self.seed, families=(fam,), only=steps).get(fam),
-                ceiling=True)
+            sec = lr_target.keep_rate(model, self.graph, edited, bufs, lr, "sgd", measure,
+                                      ceiling=True)
+        if used:
+            sec["eval_mode"] = (f"the kept calibration batch holds one sample, on which a "
+                                f"train-mode normalization layer cannot run: the suggested "
+                                f"rate was measured in eval mode (running statistics), as "
+                                f"calibration='eval' and lr= measure it")
+            sec["summary"] += f"; {sec['eval_mode']}"
         if sec.get("warning") and sec.get("rounds") == [] and not sec.get("suggested_before"):
             sec["warning"] += _dtypes_said(model, self.graph)   # not measured: what to do
         c = float(sec.get("factor", 1.0))
@@ -353,6 +370,11 @@ def _param(model: nn.Module, name: str) -> Any:
         return model.get_parameter(name)
     except AttributeError:
         return None
+
+
+def _one_sample(e: BaseException) -> bool:
+    """Whether ``e`` is a train-mode normalization layer's refusal of a batch of one."""
+    return "more than 1 value per channel" in str(e)
 
 
 def _scale_grads(model: nn.Module, weights: Any, bias_of: dict[str, str], c: float) -> None:

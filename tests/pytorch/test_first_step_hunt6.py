@@ -92,3 +92,49 @@ def test_a_denoisers_rate_is_its_squared_errors_not_a_softmax_over_its_width():
     sec = rep.conditioning["lr_target"]
     assert sec["factor"] < 1.0, sec["summary"]
     assert max(losses) <= losses[0] * 1.5 and losses[-1] < losses[0], losses
+
+
+def test_a_kept_batch_of_one_under_train_mode_batchnorm_still_gets_its_ceiling():
+    """calibration='eval' on a batch of one (a train-mode BatchNorm cannot run on it), then a
+    loop in train mode at SGD lr=1: the first step's measurement ran in train mode on the kept
+    batch of one and failed; the storage was kept (no ceiling) and the warning advised "pass
+    lr= to set it at precondition", which alone raises ("lr= and optimizer= go together").
+    Now the rate is measured in eval mode there (as lr= measures it), the storage is lowered
+    (factor 0.30) and the report says how it was measured."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
+    x = torch.randn(1, 8)
+    result, rep = precondfx.precondition(model, x, calibration="eval")
+    result.train()
+    opt = torch.optim.SGD(result.parameters(), lr=1.0)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        F.cross_entropy(result(torch.randn(4, 8)), torch.tensor([0, 1, 2, 3])).backward()
+        opt.step()
+    sec = rep.conditioning["lr_target"]
+    assert "kept" not in sec, sec["summary"]                # kept (measurement failed) before
+    assert sec["factor"] < 0.5, sec["summary"]
+    assert "eval mode" in sec["eval_mode"]
+    assert not [w for w in said if "measurement failed" in str(w.message)]
+
+
+def test_a_failed_measurements_advice_names_optimizer_too(monkeypatch):
+    """The failed first-step measurement's advice: 'pass lr=' alone is refused by precondition
+    (lr= and optimizer= go together); it now says both."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 10))
+    x = torch.randn(8, 8)
+    result, rep = precondfx.precondition(model, x)
+    opt = torch.optim.SGD(result.parameters(), lr=1.0)
+    result(x).sum().backward()
+    import precondfx.pytorch.measure.suggest as sug
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(sug, "suggest_lr", broken)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        opt.step()
+    text = " ".join(str(w.message) for w in said)
+    assert "measurement failed" in text, text
+    assert "optimizer='sgd'" in text, text
