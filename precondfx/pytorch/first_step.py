@@ -48,10 +48,20 @@ its curvature: the suggested SGD rate ``1 / lambda``
   tuned for the framework's init there, heldout_cpu.md), resumed optimizer state, weights
   changed since precondition (a checkpoint loaded), several processes (each would measure its
   own factor) or a failed measurement keep the storage, and the report says which;
-* deep copies of the result made before that step (an EMA or ``AveragedModel`` copy, a
-  template copied per run) share the pending step: they get the same factor at the same time,
-  so that copies and the model keep one storage, and their gradients already computed are
-  rescaled with them; a pickled copy (``torch.save(model)``) holds none, and pickling says so.
+* deep copies of the stepped model made before that step (an EMA or ``AveragedModel``
+  copy), and copies the stepping optimizer holds, share the pending step: they get the same
+  factor at the same time, so that copies and the model keep one storage, and their gradients
+  already computed are rescaled with them.  The model a run was copied from and its other
+  copies (a template copied per run: ``run = copy.deepcopy(template)``) keep a pending step
+  of their own: each run's first step sets its storage for its own rate, as a fresh result's
+  would (a sweep over copies sweeps; before, the first run's rate decided every later run's
+  storage).  The report's section is the latest first step's.  A pickled copy
+  (``torch.save(model)``) holds none, and pickling says so;
+* gradient accumulation: the rate read is the optimizer's.  A loop summing ``k``
+  micro-batches' gradients before each step without dividing the loss by ``k`` steps ``k``
+  times the mean gradient, so it trains at ``k * lr`` and the ceiling, decided for ``lr``, is
+  ``k`` times too high for it: divide the loss by ``k`` (the usual form, the rate keeps its
+  meaning), or call :func:`settle_rate` with ``k * lr`` before the first step.
 
 A training loop that does not step a ``torch.optim`` optimizer calls :func:`settle_rate`
 (``precondfx.settle_rate``) with its rate instead.  The kept batch is released at that first
@@ -103,6 +113,7 @@ class Pending:
                  lr_buffers: dict[str, list[str]], sample: Any, mode: str, key: Any,
                  seed: int) -> None:
         self.models = [weakref.ref(model)]
+        self.parents: list[int | None] = [None]     # the index of the model each was copied from
         self.graph, self.report = graph, report
         self.lr_buffers = lr_buffers
         self.sample, self.mode, self.key, self.seed = sample, mode, key, seed
@@ -113,11 +124,50 @@ class Pending:
 
     # -- copies share it; a pickled or saved copy holds nothing pending --------------------
     def __deepcopy__(self, memo: dict) -> "Pending":
-        for r in list(self.models):
+        for i, r in enumerate(list(self.models)):
             m = r()
             if m is not None and id(m) in memo:
                 self.models.append(weakref.ref(memo[id(m)]))
+                self.parents.append(i)
         return self
+
+    def split(self, model: nn.Module, held: set[int]) -> None:
+        """Before ``model``'s first step: the models this one was copied from and their other
+        copies (a template copied per run, runs copied up front), which the stepping optimizer
+        does not hold, get a pending step of their own (their own optimizer's first step sets
+        their storage for its rate); ``model``, its own copies (an EMA, an AveragedModel) and
+        the models the optimizer holds follow this step."""
+        idx = next((i for i, r in enumerate(self.models) if r() is model), None)
+        if idx is None:
+            return
+        keep = {idx}
+        for i, par in enumerate(self.parents):      # copies come after what they copy
+            if par in keep:
+                keep.add(i)
+        out = [i for i, r in enumerate(self.models) if i not in keep for m in [r()]
+               if m is not None and not any(id(_param(m, w)) in held for w in self.lr_buffers)]
+        if not out:
+            return
+        new = copy.copy(self.__dict__)
+        other = Pending.__new__(Pending)
+        other.__dict__.update(new)
+        first = self.models[out[0]]()
+        other.models = [self.models[i] for i in out]
+        other.parents = [out.index(self.parents[i]) if self.parents[i] in out else None
+                         for i in out]
+        other.lr_buffers = dict(self.lr_buffers)
+        other.rms = {w: lr_transfer.stored_rms(first.get_parameter(w)) for w in other.lr_buffers}
+        other.earlier, other.fired = [], weakref.WeakSet()
+        for i in out:
+            m = self.models[i]()
+            if m is not None and m.__dict__.get(ATTR) is self:
+                m.__dict__[ATTR] = other
+        left = [i for i in range(len(self.models)) if i not in out]
+        self.parents = [left.index(self.parents[i]) if self.parents[i] in left else None
+                        for i in left]
+        self.models = [self.models[i] for i in left]
+        _PENDING.add(other)
+        _NOT_MINE.clear()
 
     def __copy__(self) -> "Pending":
         return self
@@ -151,6 +201,7 @@ class Pending:
         """Set the storage for ``opt``'s rate (see the module docstring), once; ``held``: the
         ids of the parameters ``opt`` holds."""
         rest: dict[str, list[str]] = {}
+        self.split(model, held)
         try:
             sec = self._fire(opt, model, held)
             if "rest" in sec:           # the other layers wait for their own optimizer

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -138,3 +139,47 @@ def test_a_failed_measurements_advice_names_optimizer_too(monkeypatch):
     text = " ".join(str(w.message) for w in said)
     assert "measurement failed" in text, text
     assert "optimizer='sgd'" in text, text
+
+
+def _sweep_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 10))
+
+
+def _run(model: nn.Module, lr: float, x: torch.Tensor, y: torch.Tensor) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    out = []
+    for _ in range(6):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def test_a_sweep_over_copies_of_one_template_sets_each_runs_own_ceiling():
+    """``for lr in lrs: run = copy.deepcopy(template)``: the first run's first step settled
+    the pending step of the template and of every copy made from it.  Ascending (0.01 then
+    4.0): the run at 4.0 trained with no ceiling (factor 1; loss 2.61, 1.97, 1.58, 1.66, 1.67,
+    1.96) where a fresh result is lowered (factor 0.33; 2.61, 2.24, 2.03, 1.87 ...).
+    Descending (4.0 then 0.01): the run at 0.01 trained the storage lowered for 4.0 (its
+    effective rate 0.1x).  Now each run's first step sets its own storage, and both sweeps
+    train as fresh results do; a copy made from the run itself (an EMA) still follows it."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 20), torch.randint(0, 10, (64,))
+    fresh = {}
+    for lr in (0.01, 4.0):
+        m, _ = precondfx.precondition(_sweep_mlp(), x)
+        fresh[lr] = _run(m, lr, x, y)
+    for order in ((0.01, 4.0), (4.0, 0.01)):
+        template, rep = precondfx.precondition(_sweep_mlp(), x)
+        for lr in order:
+            run = copy.deepcopy(template)
+            ema = copy.deepcopy(run)
+            losses = _run(run, lr, x, y)
+            assert losses == pytest.approx(fresh[lr], rel=1e-5), (order, lr, losses)
+            for a, b in zip(run.buffers(), ema.buffers()):      # the EMA follows its run
+                assert torch.equal(a, b)
+

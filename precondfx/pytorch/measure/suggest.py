@@ -9,8 +9,8 @@ Both rates are ``1 / lambda``, with no constant fitted to any benchmark:
   shaped like a floating-point input of the sample: a denoiser's noise prediction, an
   autoencoder's reconstruction, each element one row: read as rows of logits over its last
   spatial dimension, a diffusion UNet's rate came out 0.97 where its squared error's
-  curvature gives 0.18, and it diverged at SGD lr=1 under ``lr='auto'``).  Gradient descent on a quadratic of that
-  curvature is stable below ``2 / lambda``.
+  curvature gives 0.18, and it diverged at SGD lr=1 under ``lr='auto'``).  Gradient descent
+  on a quadratic of that curvature is stable below ``2 / lambda``.
 * **Adam**: ``lambda`` of the same matrix preconditioned as Adam preconditions it after its
   first steps, ``D^-1/2 G D^-1/2`` with ``D = sqrt(v) + eps``, ``v`` the mean squared gradient of
   :data:`CHUNKS` slices of the batch with labels drawn from the model's own softmax.
