@@ -48,10 +48,20 @@ its curvature: the suggested SGD rate ``1 / lambda``
   tuned for the framework's init there, heldout_cpu.md), resumed optimizer state, weights
   changed since precondition (a checkpoint loaded), several processes (each would measure its
   own factor) or a failed measurement keep the storage, and the report says which;
-* deep copies of the result made before that step (an EMA or ``AveragedModel`` copy, a
-  template copied per run) share the pending step: they get the same factor at the same time,
-  so that copies and the model keep one storage, and their gradients already computed are
-  rescaled with them; a pickled copy (``torch.save(model)``) holds none, and pickling says so.
+* deep copies of the stepped model made before that step (an EMA or ``AveragedModel``
+  copy), and copies the stepping optimizer holds, share the pending step: they get the same
+  factor at the same time, so that copies and the model keep one storage, and their gradients
+  already computed are rescaled with them.  The model a run was copied from and its other
+  copies (a template copied per run: ``run = copy.deepcopy(template)``) keep a pending step
+  of their own: each run's first step sets its storage for its own rate, as a fresh result's
+  would (a sweep over copies sweeps; before, the first run's rate decided every later run's
+  storage).  The report's section is the latest first step's.  A pickled copy
+  (``torch.save(model)``) holds none, and pickling says so;
+* gradient accumulation: the rate read is the optimizer's.  A loop summing ``k``
+  micro-batches' gradients before each step without dividing the loss by ``k`` steps ``k``
+  times the mean gradient, so it trains at ``k * lr`` and the ceiling, decided for ``lr``, is
+  ``k`` times too high for it: divide the loss by ``k`` (the usual form, the rate keeps its
+  meaning), or call :func:`settle_rate` with ``k * lr`` before the first step.
 
 A training loop that does not step a ``torch.optim`` optimizer calls :func:`settle_rate`
 (``precondfx.settle_rate``) with its rate instead.  The kept batch is released at that first
@@ -103,6 +113,7 @@ class Pending:
                  lr_buffers: dict[str, list[str]], sample: Any, mode: str, key: Any,
                  seed: int) -> None:
         self.models = [weakref.ref(model)]
+        self.parents: list[int | None] = [None]     # the index of the model each was copied from
         self.graph, self.report = graph, report
         self.lr_buffers = lr_buffers
         self.sample, self.mode, self.key, self.seed = sample, mode, key, seed
@@ -113,11 +124,50 @@ class Pending:
 
     # -- copies share it; a pickled or saved copy holds nothing pending --------------------
     def __deepcopy__(self, memo: dict) -> "Pending":
-        for r in list(self.models):
+        for i, r in enumerate(list(self.models)):
             m = r()
             if m is not None and id(m) in memo:
                 self.models.append(weakref.ref(memo[id(m)]))
+                self.parents.append(i)
         return self
+
+    def split(self, model: nn.Module, held: set[int]) -> None:
+        """Before ``model``'s first step: the models this one was copied from and their other
+        copies (a template copied per run, runs copied up front), which the stepping optimizer
+        does not hold, get a pending step of their own (their own optimizer's first step sets
+        their storage for its rate); ``model``, its own copies (an EMA, an AveragedModel) and
+        the models the optimizer holds follow this step."""
+        idx = next((i for i, r in enumerate(self.models) if r() is model), None)
+        if idx is None:
+            return
+        keep = {idx}
+        for i, par in enumerate(self.parents):      # copies come after what they copy
+            if par in keep:
+                keep.add(i)
+        out = [i for i, r in enumerate(self.models) if i not in keep for m in [r()]
+               if m is not None and not any(id(_param(m, w)) in held for w in self.lr_buffers)]
+        if not out:
+            return
+        new = copy.copy(self.__dict__)
+        other = Pending.__new__(Pending)
+        other.__dict__.update(new)
+        first = self.models[out[0]]()
+        other.models = [self.models[i] for i in out]
+        other.parents = [out.index(self.parents[i]) if self.parents[i] in out else None
+                         for i in out]
+        other.lr_buffers = dict(self.lr_buffers)
+        other.rms = {w: lr_transfer.stored_rms(first.get_parameter(w)) for w in other.lr_buffers}
+        other.earlier, other.fired = [], weakref.WeakSet()
+        for i in out:
+            m = self.models[i]()
+            if m is not None and m.__dict__.get(ATTR) is self:
+                m.__dict__[ATTR] = other
+        left = [i for i in range(len(self.models)) if i not in out]
+        self.parents = [left.index(self.parents[i]) if self.parents[i] in left else None
+                        for i in left]
+        self.models = [self.models[i] for i in left]
+        _PENDING.add(other)
+        _NOT_MINE.clear()
 
     def __copy__(self) -> "Pending":
         return self
@@ -151,14 +201,16 @@ class Pending:
         """Set the storage for ``opt``'s rate (see the module docstring), once; ``held``: the
         ids of the parameters ``opt`` holds."""
         rest: dict[str, list[str]] = {}
+        self.split(model, held)
         try:
             sec = self._fire(opt, model, held)
             if "rest" in sec:           # the other layers wait for their own optimizer
                 rest = sec.pop("rest")
         except Exception as e:          # never break the user's step: say it, keep the storage
             sec = self._kept(opt, f"the measurement failed ({type(e).__name__}: {e}); the "
-                                  f"storage stays as precondition left it: pass lr= to set it "
-                                  f"at precondition{_dtypes_said(model, self.graph)}",
+                                  f"storage stays as precondition left it: pass lr= (your "
+                                  f"rate) and optimizer='sgd' to precondition to set it "
+                                  f"there{_dtypes_said(model, self.graph)}",
                              warn=True)
         finally:
             if rest:
@@ -303,13 +355,29 @@ class Pending:
         # the user's random stream untouched; a step taken under inference_mode measured too,
         # one inside an autocast region in the model's own dtypes (the curvature of the
         # function the storage holds, not of its bfloat16 rounding)
+        used: list[str] = []
+
+        def measure(fam: str) -> float | None:
+            try:
+                return suggest_lr(model, sample, mode=used[0] if used else mode, key=self.key,
+                                  seed=self.seed, families=(fam,), only=steps).get(fam)
+            except ValueError as e:     # a train-mode BatchNorm on a kept batch of one
+                if used or not _one_sample(e):
+                    raise
+                used.append("eval")
+                return suggest_lr(model, sample, mode="eval", key=self.key, seed=self.seed,
+                                  families=(fam,), only=steps).get(fam)
+
         with torch.random.fork_rng(devices=devices), torch.inference_mode(False), \
                 _no_autocast(model):
-            sec = lr_target.keep_rate(
-                model, self.graph, edited, bufs, lr, "sgd",
-                lambda fam: suggest_lr(model, sample, mode=mode, key=self.key,
-                                       seed=self.seed, families=(fam,), only=steps).get(fam),
-                ceiling=True)
+            sec = lr_target.keep_rate(model, self.graph, edited, bufs, lr, "sgd", measure,
+                                      ceiling=True)
+        if used:
+            sec["eval_mode"] = (f"the kept calibration batch holds one sample, on which a "
+                                f"train-mode normalization layer cannot run: the suggested "
+                                f"rate was measured in eval mode (running statistics), as "
+                                f"calibration='eval' and lr= measure it")
+            sec["summary"] += f"; {sec['eval_mode']}"
         if sec.get("warning") and sec.get("rounds") == [] and not sec.get("suggested_before"):
             sec["warning"] += _dtypes_said(model, self.graph)   # not measured: what to do
         c = float(sec.get("factor", 1.0))
@@ -353,6 +421,11 @@ def _param(model: nn.Module, name: str) -> Any:
         return model.get_parameter(name)
     except AttributeError:
         return None
+
+
+def _one_sample(e: BaseException) -> bool:
+    """Whether ``e`` is a train-mode normalization layer's refusal of a batch of one."""
+    return "more than 1 value per channel" in str(e)
 
 
 def _scale_grads(model: nn.Module, weights: Any, bias_of: dict[str, str], c: float) -> None:

@@ -136,9 +136,21 @@ def _unscaled(model: nn.Module, plan: Any, ok: dict[str, list[str]], most: int =
     if not mods:
         return ""
     more = f" and {len(mods) - most} more" if len(mods) > most else ""
+    rnn = [m for m in mods if isinstance(_module(model, m), nn.RNNBase)]
+    why = (f"; {', '.join(rnn[:most])}: a recurrent module's gates read its weight_ih, "
+           f"weight_hh and biases inside the cell (W_ih x + W_hh h + b, then the gate's "
+           f"nonlinearity, at every time step), where no multiplier outside it preserves its "
+           f"function, so no factor is put on them" if rnn else "")
     return (f" ({', '.join(mods[:most])}{more}: the factor does not reach them, so they train "
             f"at your rate, above what their curvature takes; give them a lower rate in a "
-            f"parameter group of their own)")
+            f"parameter group of their own{why})")
+
+
+def _module(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def kept_for_adam(lr: float, optimizer: str) -> dict[str, Any]:
