@@ -422,7 +422,6 @@ def _trace_once(model: torch.nn.Module, concrete: dict) -> fx.GraphModule:
         with _tracing_scope(), _refuse_autograd_functions(), _refuse_python_random(), \
                 _refuse_autocast(), _refuse_dtype_properties(model), _TraceTimeCompute(model):
             graph = tracer.trace(model, concrete_args=concrete or None)
-        _keep_input_names(graph, concrete)
         name = model.__class__.__name__ if isinstance(model, torch.nn.Module) else "module"
         gm = fx.GraphModule(tracer.root, graph, name)
     finally:
@@ -445,40 +444,6 @@ def _trace_once(model: torch.nn.Module, concrete: dict) -> fx.GraphModule:
         raise Unkeepable(f"the forward assigns to the buffer or parameter {changed[0]} (a "
                          f"counter, a running statistic), which a traced graph drops: {_KEEP}")
     return gm
-
-
-def _keep_input_names(graph: fx.Graph, concrete: dict) -> None:
-    """Give each input the sample fixed (``mode="b"``) its own name back in the graph's
-    signature: fx names its placeholder ``mode_1``, so the graph refused ``mode=`` (and its
-    shape propagation ran on the default, failing the trace's own check), and tell the user
-    what to do in the check that refuses another value later.  An input fx adds no such check
-    for (a value of no base type: an object, a callable) keeps fx's name, so that a call with
-    another value fails rather than computing with the traced one."""
-    for n in graph.nodes:
-        if n.op != "placeholder":
-            continue
-        name = str(n.target)
-        base = name[:-2] if name.endswith("_1") else None
-        if base not in concrete or isinstance(concrete[base], (dict, list, tuple)) or \
-                any(m.op == "placeholder" and m.target == base for m in graph.nodes):
-            continue
-        checks = [c for u in n.users for c in [u, *u.users] if c.op == "call_function"
-                  and c.target in _CHECKS and len(c.args) > 1]
-        if not checks:
-            continue
-        n.target = base
-        v = concrete[base]
-        for check in checks:
-            check.args = (check.args[0], (
-                f"{base} has been specialized to have value {v!r} but got another value: "
-                f"precondition traced the forward with the sample's {base}={v!r}, and the "
-                f"graph holds that path only. Call it with {base}={v!r}, or precondition one "
-                f"model per value"))
-
-
-#: the checks fx's trace adds on an input fixed to the sample's value
-_CHECKS = tuple(f for f in (torch._assert, getattr(fx._symbolic_trace, "_assert_is_none", None))
-                if f is not None)
 
 
 def _dropout_training(n: fx.Node) -> Any:
