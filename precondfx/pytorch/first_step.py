@@ -110,13 +110,12 @@ class Pending:
     """The first-step factor of one result and its deep copies (shared by all of them)."""
 
     def __init__(self, model: nn.Module, graph: Any, report: Any,
-                 lr_buffers: dict[str, list[str]], sample: Any, mode: str, key: Any,
-                 seed: int) -> None:
+                 lr_buffers: dict[str, list[str]], sample: Any, key: Any, seed: int) -> None:
         self.models = [weakref.ref(model)]
         self.parents: list[int | None] = [None]     # the index of the model each was copied from
         self.graph, self.report = graph, report
         self.lr_buffers = lr_buffers
-        self.sample, self.mode, self.key, self.seed = sample, mode, key, seed
+        self.sample, self.key, self.seed = sample, key, seed
         self.rms = {w: lr_transfer.stored_rms(model.get_parameter(w)) for w in lr_buffers}
         self.earlier: list[str] = []    # what the first steps of optimizers over parts did
         #: optimizers whose first step acted on some of the layers, the others left pending
@@ -737,7 +736,7 @@ def _release_after(opt: torch.optim.Optimizer) -> None:
 
 
 def arm(model: nn.Module, graph: Any, plan: Any, report: Any, lr_buffers: dict[str, list[str]],
-        sample: Any, mode: str, key: Any, seed: int) -> Pending | None:
+        sample: Any, key: Any, seed: int) -> Pending | None:
     """Keep what the first step needs on ``model`` (and register the global hook); None when
     no trainable layer carries an lr multiplier."""
     global _HANDLE
@@ -745,7 +744,7 @@ def arm(model: nn.Module, graph: Any, plan: Any, report: Any, lr_buffers: dict[s
     bufs = {w: lr_buffers[w] for w in ok}
     if not bufs:
         return None
-    pend = Pending(model, graph, report, bufs, sample.copy(), mode, key, seed)
+    pend = Pending(model, graph, report, bufs, sample.copy(), key, seed)
     model.__dict__[ATTR] = pend       # not a submodule, parameter or buffer: no state_dict key
     _PENDING.add(pend)
     _NOT_MINE.clear()

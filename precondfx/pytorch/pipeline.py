@@ -524,7 +524,7 @@ def first_step(st: TorchState) -> None:
                        f"the materialized, unsharded model to set it for your rate"}
         return
     pend = first_step_mod.arm(st.result, st.graph, st.plan, st.report, st.lr_buffers, st.sample,
-                              st.opts.calibration, st.opts.output_key, st.opts.seed)
+                              st.opts.output_key, st.opts.seed)
     if pend is None:
         scale = st.report.output_scale
         if scale not in (None, 1.0) and any(p.requires_grad for p in st.result.parameters()):
