@@ -74,3 +74,32 @@ def quiet_precondition(model: torch.nn.Module, batch: Any, **options: Any) -> An
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return precondfx.precondition(model, batch, **options)
+
+
+def meta_flow(build: Callable[[], torch.nn.Module], batch: dict, fwd: dict,
+              calib: dict | None = None) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Plan on the meta device, then to_empty, the user's own init of what the plan keeps or
+    leaves as is (taken from a model built with data: rule 'keep', and 'match' without a
+    std), reinit and distributed calibration (on ``calib``, else ``batch``).  Returns the
+    model built with data and the result."""
+    import precondfx
+    from precondfx.pytorch import distributed
+    torch.manual_seed(0)
+    real = build()
+    with torch.device("meta"):
+        meta = build()
+    res, rep = quiet_precondition(meta, batch, seed=0, balance="analytic", **fwd)
+    assert res.config.precondfx["checkpoints"] == "pending"
+    res.to_empty(device="cpu")
+    params, bufs = dict(res.named_parameters()), dict(res.named_buffers())
+    with torch.no_grad():
+        for n, t in real.named_parameters():
+            pi = rep.plan.inits.get(n)
+            if pi is None or pi.rule == "keep" or (pi.rule == "match" and pi.std is None):
+                params[n].copy_(t)
+        for n, t in real.named_buffers():
+            if n in bufs and "precondfx_" not in n:
+                bufs[n].copy_(t)
+    precondfx.reinit(res, rep.plan, seed=0)
+    distributed.calibrate(res, calib or batch, forward_kwargs=fwd or None)
+    return real, res

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import precondfx
-from tests.hf_tiny import quiet_precondition
+from tests.hf_tiny import meta_flow, quiet_precondition
 
 tf = pytest.importorskip("transformers")
 
@@ -116,30 +116,6 @@ def test_deit_distillation_head_is_scaled_with_the_class_head_and_folds() -> Non
         assert _rel(back(**batch).logits, out.logits) < 1e-5
 
 
-def _meta_flow(build, batch: dict, fwd: dict):
-    """Plan on the meta device, then to_empty, the user's own init of what the plan keeps
-    (taken from a model built with data), reinit and distributed calibration."""
-    from precondfx.pytorch import distributed
-    torch.manual_seed(0)
-    real = build()
-    with torch.device("meta"):
-        meta = build()
-    res, rep = _pre(meta, batch, seed=0, balance="analytic", **fwd)
-    assert res.config.precondfx["checkpoints"] == "pending"
-    res.to_empty(device="cpu")
-    params, bufs = dict(res.named_parameters()), dict(res.named_buffers())
-    with torch.no_grad():
-        for n, t in real.named_parameters():
-            if rep.plan.inits.get(n) is None or rep.plan.inits[n].rule == "keep":
-                params[n].copy_(t)
-        for n, t in real.named_buffers():
-            if n in bufs and "precondfx_" not in n:
-                bufs[n].copy_(t)
-    precondfx.reinit(res, rep.plan, seed=0)
-    distributed.calibrate(res, batch, forward_kwargs=fwd or None)
-    return real, res
-
-
 def _reloads(res, batch: dict, fwd: dict) -> None:
     entry = res.config.precondfx
     assert entry["checkpoints"] == "folded", entry["problems"]
@@ -163,7 +139,7 @@ def test_esm_masked_lm_planned_on_meta_folds_after_calibrate() -> None:
                        attention_probs_dropout_prob=0.0)
     ids = torch.randint(4, V, (4, 10), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    _, res = _meta_flow(lambda: tf.EsmForMaskedLM(cfg), batch, {})
+    _, res = meta_flow(lambda: tf.EsmForMaskedLM(cfg), batch, {})
     assert res.config.precondfx["upstream"].get("lm_head") == "lm_head.decoder"
     _reloads(res, batch, {})
 
@@ -176,7 +152,7 @@ def test_untied_causal_lm_planned_on_meta_folds_after_calibrate() -> None:
     ids = torch.randint(3, V, (3, 10), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     fwd = {"use_cache": False}
-    _, res = _meta_flow(lambda: tf.Qwen2ForCausalLM(cfg), batch, fwd)
+    _, res = meta_flow(lambda: tf.Qwen2ForCausalLM(cfg), batch, fwd)
     _reloads(res, batch, fwd)
 
 

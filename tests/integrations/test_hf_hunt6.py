@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import precondfx
-from tests.hf_tiny import quiet_precondition as _pre
+from tests.hf_tiny import meta_flow, quiet_precondition as _pre
 
 tf = pytest.importorskip("transformers")
 
@@ -58,37 +58,12 @@ def _bart() -> tuple:
     return (lambda: tf.BartForConditionalGeneration(cfg)), batch, {"use_cache": False}
 
 
-def _meta_flow(build, batch: dict, fwd: dict, calib: dict | None = None):
-    """Plan on the meta device, then to_empty, the user's own init of what the plan keeps or
-    leaves as is (taken from a model built with data), reinit and distributed calibration."""
-    from precondfx.pytorch import distributed
-    torch.manual_seed(0)
-    real = build()
-    with torch.device("meta"):
-        meta = build()
-    res, rep = _pre(meta, batch, seed=0, balance="analytic", **fwd)
-    assert res.config.precondfx["checkpoints"] == "pending"
-    res.to_empty(device="cpu")
-    params, bufs = dict(res.named_parameters()), dict(res.named_buffers())
-    with torch.no_grad():
-        for n, t in real.named_parameters():
-            pi = rep.plan.inits.get(n)
-            if pi is None or pi.rule == "keep" or (pi.rule == "match" and pi.std is None):
-                params[n].copy_(t)
-        for n, t in real.named_buffers():
-            if n in bufs and "precondfx_" not in n:
-                bufs[n].copy_(t)
-    precondfx.reinit(res, rep.plan, seed=0)
-    distributed.calibrate(res, calib or batch, forward_kwargs=fwd or None)
-    return res
-
-
 @pytest.mark.parametrize("name", ["deit", "bart"])
 def test_meta_planned_output_scale_moves_onto_heads_and_folds(name: str) -> None:
     build, batch, fwd = {"deit": _deit, "bart": _bart}[name]()
     # BART: calibrated on the training batch, labels included (raised: loss before the scale)
     calib = {**batch, "labels": batch["input_ids"]} if name == "bart" else None
-    res = _meta_flow(build, batch, fwd, calib)
+    _, res = meta_flow(build, batch, fwd, calib)
     entry = res.config.precondfx
     assert entry["checkpoints"] == "folded", entry["problems"]        # was "raw"
     scales = sorted(n for n, _ in res.named_buffers() if n.endswith("output_scale"))
