@@ -172,5 +172,8 @@ def test_extra_forward_kwargs_reach_the_model():
                 raise RuntimeError("scale not passed")
             return self.lin(x) * scale
 
-    pm, rep = precondfx.precondition(M(), torch.randn(16, 8), scale=2.0, target_std=0.05)
-    assert abs(train_std(pm, {"x": torch.randn(16, 8), "scale": 2.0}) / 0.05 - 1) < 0.3
+    # seeded, and batches of 256: with 16 unseeded rows the std of a new batch moved 31% from
+    # the calibration batch's in one test order (0.0655 for 0.05)
+    torch.manual_seed(0)
+    pm, rep = precondfx.precondition(M(), torch.randn(256, 8), scale=2.0, target_std=0.05)
+    assert abs(train_std(pm, {"x": torch.randn(256, 8), "scale": 2.0}) / 0.05 - 1) < 0.1
