@@ -103,3 +103,15 @@ def meta_flow(build: Callable[[], torch.nn.Module], batch: dict, fwd: dict,
     precondfx.reinit(res, rep.plan, seed=0)
     distributed.calibrate(res, calib or batch, forward_kwargs=fwd or None)
     return real, res
+
+
+def pretrained_round_trip(model: torch.nn.Module) -> torch.nn.Module:
+    """``save_pretrained`` then ``from_pretrained`` (in eval mode) through a temporary folder;
+    a ``UserWarning`` while saving (precondfx's "constants dropped") fails the test."""
+    import tempfile
+    import warnings
+    with tempfile.TemporaryDirectory() as d:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            model.save_pretrained(d)
+        return type(model).from_pretrained(d).eval()

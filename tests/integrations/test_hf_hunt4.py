@@ -22,14 +22,12 @@ fix it names:
 """
 from __future__ import annotations
 
-import tempfile
-import warnings
 
 import pytest
 import torch
 
 import precondfx
-from tests.hf_tiny import quiet_precondition
+from tests.hf_tiny import quiet_precondition, pretrained_round_trip
 
 tf = pytest.importorskip("transformers")
 
@@ -50,11 +48,7 @@ def _fold_and_reload(model, batch, other, key):
         got = plain(**other)[key]
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
     assert not any("precondfx" in k for k in plain.state_dict())
-    with tempfile.TemporaryDirectory() as d:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", UserWarning)   # no "constants dropped" warning
-            res.save_pretrained(d)
-        loaded = type(model).from_pretrained(d).eval()
+    loaded = pretrained_round_trip(res)   # no "constants dropped" warning
     with torch.no_grad():
         again = loaded(**other)[key]
     assert float((again - want).abs().max() / want.abs().max()) < 1e-5

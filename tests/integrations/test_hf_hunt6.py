@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import precondfx
-from tests.hf_tiny import meta_flow, quiet_precondition as _pre
+from tests.hf_tiny import meta_flow, pretrained_round_trip, quiet_precondition as _pre
 
 tf = pytest.importorskip("transformers")
 
@@ -78,11 +78,7 @@ def test_meta_planned_output_scale_moves_onto_heads_and_folds(name: str) -> None
             data = _pre(build(), batch, seed=0, balance="analytic", **fwd)[0].eval()
             assert _rel(want, data(**batch, **fwd).logits) < 1e-5   # the plan made with data
         assert abs(float(want.std(correction=0)) - 1.0) < 1e-3
-    with tempfile.TemporaryDirectory() as d:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", UserWarning)      # no "constants dropped" warning
-            res.save_pretrained(d)
-        back = type(res).from_pretrained(d).eval()
+    back = pretrained_round_trip(res)   # no "constants dropped" warning
     with torch.no_grad():
         assert _rel(back(**batch, **fwd).logits, want) < 1e-5
     if name == "bart":      # its own loss sees the scale (was: PrecondError, loss before scale)
