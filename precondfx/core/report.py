@@ -277,11 +277,15 @@ class Report:
         values)."""
         if self.plan is None:
             return
-        acts = _plan_actions(self.plan, {r.name: r.label for r in self.nodes if r.label})
+        acts = _plan_actions(self.plan, self._labels())
         for r in self.nodes:
             r.actions = acts.get(r.name, [])
 
     # -- summaries ---------------------------------------------------------------------------
+    def _labels(self) -> dict[str, str]:
+        """The rows' labels by node name (where a row has one)."""
+        return {r.name: r.label for r in self.nodes if r.label}
+
     def counts(self) -> dict[str, int]:
         """Number of nodes per status."""
         out: dict[str, int] = {}
@@ -356,7 +360,7 @@ class Report:
             nre = sum(1 for p in self.plan.inits.values() if p.rule != "keep")
             nkeep = sum(1 for p in self.plan.inits.values() if p.rule == "keep")
             lines += ["", f"parameters: {nre} re-initialized, {nkeep} kept"]
-            labels = {r.name: r.label for r in self.nodes if r.label}
+            labels = self._labels()
             bare = {lay.weight: lay.node for lay in self.plan.layers
                     if _bare(lay, labels) and lay.weight in self.plan.inits and
                     self.plan.inits[lay.weight].rule != "keep"}

@@ -363,8 +363,7 @@ class OnnxApplier(Records, PoolSurgery):
         from precondfx.onnx import calibrate as cal
         name = self.output_value.name if self.output_value is not None else \
             self.main_output([key] if key is not None else [])[1].name
-        std, self.calib_shape, self.masked_entries = cal.measure_masked(self.model, sample,
-                                                                         name)
+        std, self.calib_shape, self.masked_entries = cal.measure_model(self.model, sample, name)
         self.output_size = int(np.prod(self.calib_shape))
         made_up = self.random_inputs + self.ones_inputs
         if not np.isfinite(std) and made_up:

@@ -4,7 +4,8 @@ The session always uses ``CPUExecutionProvider``, set explicitly, so runs are re
 calibration copy has every Dropout's ``training_mode`` set to False, so the output scale does not
 depend on ORT's optimization level (with optimizations on, ORT drops a training-mode Dropout;
 with them off, it applies it at random).  The std is the population std (correction 0) over all
-elements of the output, in float64, as on the PyTorch path (``precondfx.pytorch.calibrate.output_std``);
+elements of the output (its finite ones when the others are -inf, a mask), in float64, as on
+the PyTorch path (``precondfx.pytorch.calibrate.output_std``);
 ``precondfx.pytorch.calibrate.solve_output_scale`` turns it into the scale.
 
 The model is run from memory, before anything is written: its large initializers are handed to
@@ -97,14 +98,10 @@ def run(sess: "object", feeds: Mapping[str, np.ndarray], outputs: list[str] | No
                            f"(shapes {shapes}): {msg[:400]}{hint}") from None
 
 
-def output_std(arr: np.ndarray) -> float:
+def output_std(arr: np.ndarray) -> tuple[float, int]:
     """Population std (correction 0) in float64 (``core.calibration.masked_std``: over the
-    finite entries when the others are -inf, a mask; NaN for NaN/+inf)."""
-    return masked_output_std(arr)[0]
-
-
-def masked_output_std(arr: np.ndarray) -> tuple[float, int]:
-    """``output_std`` and how many masked (-inf) entries it left out."""
+    finite entries when the others are -inf, a mask; NaN for NaN/+inf), and how many masked
+    entries it left out."""
     a = np.asarray(arr)
     if a.size < 2:
         raise PrecondError(f"the main output has {a.size} element(s): its std is undefined; use "
@@ -184,19 +181,12 @@ def _subgraph_initializers(model: ir.Model) -> list[ir.Value]:
 
 
 def measure_model(model: ir.Model, feeds: Mapping[str, np.ndarray], output: str
-                  ) -> tuple[float, tuple[int, ...]]:
-    """Output std and shape of the in-memory model on the feed (Dropout training off)."""
+                  ) -> tuple[float, tuple[int, ...], int]:
+    """Output std and shape of the in-memory model on the feed (Dropout training off), and the
+    number of masked (-inf) output entries the std left out."""
     sess = session_for_model(model)
     y = run(sess, feeds, [output])[0]
-    return masked_output_std(y)[0], tuple(np.shape(y))
-
-
-def measure_masked(model: ir.Model, feeds: Mapping[str, np.ndarray], output: str
-                   ) -> tuple[float, tuple[int, ...], int]:
-    """``measure_model`` and the number of masked (-inf) output entries left out."""
-    sess = session_for_model(model)
-    y = run(sess, feeds, [output])[0]
-    std, masked = masked_output_std(y)
+    std, masked = output_std(y)
     return std, tuple(np.shape(y)), masked
 
 

@@ -147,9 +147,8 @@ class Pending:
                if m is not None and not any(id(_param(m, w)) in held for w in self.lr_buffers)]
         if not out:
             return
-        new = copy.copy(self.__dict__)
         other = Pending.__new__(Pending)
-        other.__dict__.update(new)
+        other.__dict__.update(self.__dict__)
         first = self.models[out[0]]()
         other.models = [self.models[i] for i in out]
         other.parents = [out.index(self.parents[i]) if self.parents[i] in out else None
@@ -357,15 +356,18 @@ class Pending:
         used: list[str] = []
 
         def measure(fam: str) -> float | None:
+            def run(m: str) -> float | None:
+                return suggest_lr(model, sample, mode=m, key=self.key, seed=self.seed,
+                                  families=(fam,), only=steps).get(fam)
+            if used:
+                return run(used[0])
             try:
-                return suggest_lr(model, sample, mode=used[0] if used else mode, key=self.key,
-                                  seed=self.seed, families=(fam,), only=steps).get(fam)
+                return run(mode)
             except ValueError as e:     # a train-mode BatchNorm on a kept batch of one
-                if used or not _one_sample(e):
+                if not _one_sample(e):
                     raise
                 used.append("eval")
-                return suggest_lr(model, sample, mode="eval", key=self.key, seed=self.seed,
-                                  families=(fam,), only=steps).get(fam)
+                return run("eval")
 
         with torch.random.fork_rng(devices=devices), torch.inference_mode(False), \
                 _no_autocast(model):

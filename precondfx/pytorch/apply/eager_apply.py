@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -290,27 +290,26 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
         self._done_modules[key] = value
         return fqn
 
-    def _upstream_module(self, name: str) -> str | None:
-        """Nearest module call upstream of ``name`` through single-user homogeneous ops and
-        products by a fixed factor (``self.fc(x) * self.gamma``, a layer scale).  A block of
-        the user's ending in a functional op (``x + self.mlp(x)`` with ``F.gelu`` last) is not
-        taken: a scale on its output would keep a transformers checkpoint from folding (the
-        MoE blocks of Mixtral and Qwen2-MoE, wav2vec2's positional convolution), so that
-        branch scale is skipped and reported, as before."""
+    def _upstream_chain(self, name: str) -> Iterator[Any]:
+        """The nodes from ``name`` upstream that a scale on ``name`` passes: through single-user
+        homogeneous ops (a positive residual scale) and products by a fixed factor (any scale:
+        ``self.fc(x) * self.gamma``, a layer scale), each with one input read by it alone."""
         cur = self.graph.get(name)
         while cur is not None:
-            if cur.module and self.calls.get(cur.module, 0) == 1:
-                return cur.module
-            # a positive residual scale passes homogeneous ops; any scale passes a product
-            # by a fixed factor (``self.fc(x) * self.gamma``, a layer scale)
+            yield cur
             if (cur.kind not in _PASS_THROUGH and not fixed_factor_node(cur)) or \
-                    len(cur.inputs) != 1:
-                return None
-            prev = cur.inputs[0]
-            if len(self.users.get(prev, [])) != 1:
-                return None
-            cur = self.graph.get(prev)
-        return None
+                    len(cur.inputs) != 1 or len(self.users.get(cur.inputs[0], [])) != 1:
+                return
+            cur = self.graph.get(cur.inputs[0])
+
+    def _upstream_module(self, name: str) -> str | None:
+        """Nearest module called once on :meth:`_upstream_chain`.  A block of the user's
+        ending in a functional op (``x + self.mlp(x)`` with ``F.gelu`` last) is not taken: a
+        scale on its output would keep a transformers checkpoint from folding (the MoE blocks
+        of Mixtral and Qwen2-MoE, wav2vec2's positional convolution), so that branch scale is
+        skipped and reported, as before."""
+        return next((n.module for n in self._upstream_chain(name)
+                     if n.module and self.calls.get(n.module, 0) == 1), None)
 
     def _linear_owner(self, node: Any) -> str | None:
         """The module owning a functional linear op's weight, when scaling that module's input
@@ -369,17 +368,12 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
             return (f"the {tag} operand {src} is also read elsewhere in forward "
                     f"({len(self.users[src])} uses): a hook on what produces it would scale "
                     f"those uses too {cap}")
-        cur = self.graph.get(src) if src else None
-        while cur is not None:
-            if cur.module and self.calls.get(cur.module, 0) > 1:
-                return (f"the {tag} operand is the output of {cur.module}, which forward calls "
-                        f"{self.calls[cur.module]} times: a hook on it would scale every call, "
-                        f"not this branch alone {cap}")
-            if cur.module or len(cur.inputs) != 1 or \
-                    (cur.kind not in _PASS_THROUGH and not fixed_factor_node(cur)) or \
-                    len(self.users.get(cur.inputs[0], [])) != 1:
-                break
-            cur = self.graph.get(cur.inputs[0])
+        mod = next((n.module for n in self._upstream_chain(src) if n.module), None) \
+            if src else None
+        if mod is not None and self.calls.get(mod, 0) > 1:
+            return (f"the {tag} operand is the output of {mod}, which forward calls "
+                    f"{self.calls[mod]} times: a hook on it would scale every call, not this "
+                    f"branch alone {cap}")
         return f"the {tag} operand is produced by a functional op with no module to hook {cap}"
 
     def upstream_module(self, node: str) -> str | None:

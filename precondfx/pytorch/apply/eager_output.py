@@ -150,6 +150,7 @@ class OutputSearch:
         run = run or self.runner
         self.split_outputs: set[str] = set()
         self.unchecked: list[list[str]] = []     # candidates a model on meta cannot run
+        self.twin_paths: list[list] = []    # other returned values of the output module's calls
         found, out = self._output_module(path, run) if run is not None else (None, None)
         if found is not None and self.train_runner is not None and \
                 self._output_module(path, self.train_runner)[0] != found:
@@ -204,7 +205,7 @@ class OutputSearch:
         self._register(self.model, PREFIX + "output_scale", 1.0)
         setattr(self.model, PREFIX + "output_path", tuple(path))
         self.undo.append(("attrdel", self.model, PREFIX + "output_path"))
-        twins = tuple(tuple(w) for w in getattr(self, "twin_paths", ()))
+        twins = tuple(tuple(w) for w in self.twin_paths)
         if twins:
             setattr(self.model, PREFIX + "output_twins", twins)
             self.undo.append(("attrdel", self.model, PREFIX + "output_twins"))
@@ -446,9 +447,7 @@ class OutputSearch:
                 saved = p.detach().clone()
                 p.add_(math.log(2.0))
                 try:
-                    after = at_path(r(self.model), path)
-                    ok = isinstance(after, torch.Tensor) and after.shape == before.shape and \
-                        bool(torch.allclose(after, before * 2, rtol=1e-5, atol=1e-30))
+                    ok = _doubled(at_path(r(self.model), path), before)
                 except Exception:   # the model does not run that way
                     ok = False
                 finally:
@@ -492,14 +491,18 @@ def doubles_output(model: nn.Module, path: str | list[str], out_path: list,
     hs = [model.get_submodule(p).register_forward_hook(double)
           for p in ([path] if isinstance(path, str) else path)]
     try:
-        after = at_path(run(model), out_path)
-        return isinstance(after, torch.Tensor) and after.shape == before.shape and \
-            bool(torch.allclose(after, before * 2, rtol=1e-5, atol=1e-30))
+        return _doubled(at_path(run(model), out_path), before)
     except Exception:   # the model does not run that way, or has no data (meta device)
         return False
     finally:
         for h in hs:
             h.remove()
+
+
+def _doubled(after: Any, before: torch.Tensor) -> bool:
+    """Whether ``after`` is ``before`` doubled (the check of every doubling run)."""
+    return isinstance(after, torch.Tensor) and after.shape == before.shape and \
+        bool(torch.allclose(after, before * 2, rtol=1e-5, atol=1e-30))
 
 
 @torch.no_grad()

@@ -438,9 +438,8 @@ class FxApplier(TorchBackend, Records):
             kind = self.kinds.get(node.name)
             acts = [a for a in _activation_args(node) if _is_tensor(a)]
             src = acts[0] if len(acts) == 1 else None
-            if src is None or not scale_moves_up(kind, len(acts), len(src.users)):
-                return node
-            if not _is_tensor(src) or src.op == "placeholder":
+            if src is None or src.op == "placeholder" or \
+                    not scale_moves_up(kind, len(acts), len(src.users)):
                 return node
             node = src
 

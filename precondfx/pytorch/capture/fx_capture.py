@@ -616,12 +616,7 @@ def check_same(gm: fx.GraphModule, model: torch.nn.Module, sample: Sample) -> No
 
     from precondfx.pytorch.calibrate import NoDropout, preserved
 
-    def once(m: torch.nn.Module) -> Any:
-        with preserved(m), torch.no_grad(), NoDropout():
-            torch.manual_seed(0)
-            return tree_flatten(sample.call(m))
-
-    def once_on(m: torch.nn.Module, s: Sample) -> Any:
+    def once(m: torch.nn.Module, s: Sample = sample) -> Any:
         with preserved(m), torch.no_grad(), NoDropout():
             torch.manual_seed(0)
             return tree_flatten(s.call(m))
@@ -631,21 +626,7 @@ def check_same(gm: fx.GraphModule, model: torch.nn.Module, sample: Sample) -> No
     if dc is not None:
         raise Unkeepable(f"the model returns a dataclass ({type(dc).__name__}), which the traced "
                          f"graph builds by a call whose fields it cannot scale: {_KEEP}")
-    why = None
-    if spec_a != spec_b or len(a) != len(b):
-        why = "its output has another structure"
-    for x, y in zip(a, b):
-        if why is not None:
-            break
-        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
-            why = "its output has another structure"
-        elif not isinstance(x, torch.Tensor):
-            why = None if x == y or (x != x and y != y) else f"an output differs ({x!r}, {y!r})"
-        elif x.shape != y.shape or x.dtype != y.dtype:
-            why = (f"an output has shape {tuple(y.shape)} {y.dtype} instead of "
-                   f"{tuple(x.shape)} {x.dtype}")
-        elif not _same_values(x, y):
-            why = "an output's values differ"
+    why = _difference(a, spec_a, b, spec_b)
     if why is not None:
         raise Unkeepable(f"the traced graph does not compute what the model computes on the "
                          f"sample ({why}): the forward uses a construct the trace does not "
@@ -653,32 +634,45 @@ def check_same(gm: fx.GraphModule, model: torch.nn.Module, sample: Sample) -> No
                          f"randomness): {_KEEP}")
     for name, without in _optional_inputs_left_out(model, sample):
         try:
-            a2, spec2 = once_on(model, without)
+            a2, spec2 = once(model, without)
         except Exception:   # the forward itself needs the input: nothing the graph must keep
             continue
         try:
-            b2, spec_b2 = once_on(gm, without)
-            same = spec2 == spec_b2 and len(a2) == len(b2)
-        except Exception:
-            same = False
+            why = _difference(a2, spec2, *once(gm, without))
+        except Exception as e:
+            why = f"it fails: {type(e).__name__}"
         # the same structure and values: the graph passes None where the forward does
         # (``attn_mask=mask`` into attention), it may be called without it; other values:
         # it holds the branch written for the input given (``if ctx is not None: h = 2 * h``),
         # which it would run without the input, silently
-        values = same and all(
-            _same_values(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
-            and x.shape == y.shape and x.dtype == y.dtype else
-            not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor) and x == y
-            for x, y in zip(a2, b2))
-        if not values:
+        if why is not None:
             raise Unkeepable(f"the traced graph fixed the branch the forward takes on its "
                              f"optional input {name!r} (default None) being given: called "
                              f"without it, as your forward allows (inference without "
-                             f"{name}=), the graph fails or computes another "
-                             f"{'value' if same else 'structure'}: {_KEEP}")
+                             f"{name}=), the graph does not compute what it computes ({why}): "
+                             f"{_KEEP}")
         for n in gm.graph.nodes:
             if n.op == "placeholder" and str(n.target) == name:
                 n.meta[NONE_OK] = True
+
+
+def _difference(a: list, spec_a: Any, b: list, spec_b: Any) -> str | None:
+    """How the flattened outputs ``b`` differ from ``a`` (None where they are the same in
+    structure and values)."""
+    if spec_a != spec_b or len(a) != len(b):
+        return "its output has another structure"
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return "its output has another structure"
+        if not isinstance(x, torch.Tensor):
+            if not (x == y or (x != x and y != y)):
+                return f"an output differs ({x!r}, {y!r})"
+        elif x.shape != y.shape or x.dtype != y.dtype:
+            return (f"an output has shape {tuple(y.shape)} {y.dtype} instead of "
+                    f"{tuple(x.shape)} {x.dtype}")
+        elif not _same_values(x, y):
+            return "an output's values differ"
+    return None
 
 
 #: placeholder meta: the graph, run without this optional input (None), computes what the
