@@ -660,6 +660,11 @@ def moot(user: Options, opts: Options) -> list[str]:
         ("balance_samples", opts.balance not in MEASURED and not opts.measure,
          f"it is read by measured balancing (balance='auto' or 'hessian') and measure=True "
          f"only (balance={opts.balance!r})"),
+        ("output_key", opts.target_std is None and not _output_read(opts),
+         f"target_std=None places no output scale, and nothing else here reads the main "
+         f"output (measured balancing, measure=True, suggest_lr=True, lr=; "
+         f"balance={opts.balance!r}): pass target_std= to scale the output it names, or "
+         f"drop output_key"),
     )
     out = []
     for name, idle, why in rules:
@@ -667,7 +672,17 @@ def moot(user: Options, opts: Options) -> list[str]:
         given = getattr(user, name)
         if idle and given != f.default:
             out.append(f"{keyword_of(f)}={given!r} has no effect: {why}")
+    if opts.target_std is None and user.output_key is not None and _output_read(opts):
+        out.append(f"output_key={user.output_key!r} scales no output (target_std=None): it "
+                   f"only picks the output that the measurements (measured balancing, "
+                   f"measure=, suggest_lr=, lr=) differentiate; pass target_std= to scale it")
     return out
+
+
+def _output_read(opts: Options) -> bool:
+    """Whether a stage other than the output scale reads the main output (``output_key``)."""
+    return opts.balance in MEASURED or opts.measure or opts.suggest_lr or \
+        fixed_lr(opts) is not None or lr_auto(opts)
 
 
 # ---------------------------------------------------------------------------------------------
