@@ -71,11 +71,12 @@ def refuse_empty(empty: list[str]) -> None:
 
 
 def solve_output_scale(std: float, target: float, reinit: bool = True,
-                       input_rms: float | None = None) -> float:
+                       input_rms: float | None = None, floor: float = 0.0) -> float:
     """The scalar that brings the output std to ``target``, with a clear error for std 0
     (``reinit``: whether the weights were re-initialized, for the wording; ``input_rms``: the
     rms of the floating-point inputs as the model sees them, so that a scale out of range
-    because of the data is blamed on the data, :func:`input_blame`)."""
+    because of the data is blamed on the data, :func:`input_blame`; ``floor``: the std that
+    rounding alone gives the output, at or below which it is constant on the sample)."""
     weights = "after re-initialization" if reinit else \
         "with the model's own weights kept (reinit_weights=False)"
     if not math.isfinite(std):
@@ -96,6 +97,15 @@ def solve_output_scale(std: float, target: float, reinit: bool = True,
         raise PrecondError("the model's output has zero variance on the calibration batch, so no "
                            "output scale can reach the target std; use a batch of varied inputs, "
                            "or pass target_std=None")
+    if std <= floor:
+        raise PrecondError(
+            f"the model's main output is constant on the calibration batch {weights} (std "
+            f"{std:.3g}, what rounding alone gives an output of its size: {floor:.3g}), so no "
+            f"output scale can bring it to the target std (it would scale rounding noise): a "
+            f"similarity of identical pairs (a siamese model called with (x, x)), or an output "
+            f"that does not depend on the inputs. Calibrate on inputs for which the output "
+            f"varies (pairs that differ), name a varying output with output_key=, or pass "
+            f"target_std=None to skip the output scale")
     scale = target / std
     if not SCALE_REFUSE[0] <= scale <= SCALE_REFUSE[1]:
         blame = input_blame(std, target, input_rms)

@@ -433,7 +433,14 @@ def calibrate(st: State) -> None:
     std, draws = output_std(st)
     rms = st.input_rms * st.in_scale if st.input_rms is not None and st.in_scale else \
         st.input_rms       # the inputs as the model sees them (after the input scale)
-    scale = cal.solve_output_scale(std, opts.target_std, reinit=opts.reinit, input_rms=rms)
+    scale = cal.solve_output_scale(std, opts.target_std, reinit=opts.reinit, input_rms=rms,
+                                   floor=getattr(be, "output_floor", 0.0))
+    if getattr(be, "same_rows", False):
+        same = ("the main output is the same for every sample of the calibration batch (to "
+                "rounding): it does not depend on the inputs, or the batch repeats one input; "
+                "the output scale is set from the spread of its entries alone. Check that "
+                "forward reads its inputs, and calibrate on varied inputs")
+        rep.skipped.append(("note: constant output", same))
     warn = cal.scale_warning(std, scale, rms, opts.target_std)
     if warn:
         warnings.warn(f"precondfx: {warn}", RuntimeWarning, stacklevel=2)

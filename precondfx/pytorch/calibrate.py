@@ -463,6 +463,32 @@ def masked_output_std(out: object, key: str | int | None = None) -> tuple[float,
     return float(t.to(torch.complex128 if t.is_complex() else torch.float64).std(correction=0)), 0
 
 
+#: rounding's share of an output's magnitude, in units of its dtype's eps: an output whose std
+#: is below it is constant on the sample (a cosine similarity of identical pairs: 1 +- 1e-7)
+ROUNDING_EPS = 64
+
+
+def constancy(out: object, key: str | int | None = None) -> tuple[float, bool]:
+    """How constant the main output is on the sample: the std rounding alone gives it
+    (:data:`ROUNDING_EPS` times its dtype's eps times its root mean square, finite entries),
+    and whether every sample (rows along dim 0, two or more) holds the same values to that
+    precision (an output that does not depend on the inputs)."""
+    t = main_output(out, key).detach()
+    if not isinstance(t, torch.Tensor) or _not_real(t) or t.numel() < 2:
+        return 0.0, False
+    eps = torch.finfo(t.real.dtype if t.is_complex() else t.dtype).eps
+    a = t.to("cpu").abs().double()
+    a = a[torch.isfinite(a)]
+    if a.numel() == 0:
+        return 0.0, False
+    floor = ROUNDING_EPS * eps * float(a.square().mean().sqrt())
+    same = False
+    if t.dim() >= 1 and t.shape[0] >= 2 and bool(torch.isfinite(t).all()):
+        d = (t - t[:1]).abs().to("cpu").double()
+        same = bool(d.max() <= floor)
+    return floor, same
+
+
 def _not_real(t: Any) -> bool:
     """A tensor that holds no real-valued prediction: integers or booleans (class indices,
     token ids, a mask), which neither take an output scale nor have a gradient."""

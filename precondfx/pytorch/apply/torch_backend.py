@@ -38,6 +38,7 @@ class TorchBackend:
             return cal.global_std(cal.main_output(out, key))
         std, self.masked_entries = cal.masked_output_std(out, key)
         self.output_size = int(cal.main_output(out, key).numel())
+        self.output_floor, self.same_rows = cal.constancy(out, key)
         return std
 
     def seeded_output_std(self, sample: Any, mode: str, key: Any, seed: int
