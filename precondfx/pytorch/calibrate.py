@@ -108,6 +108,13 @@ class SharedPatch:
                     held.__exit__(None, None, None)
 
 
+#: held while precondfx changes state every thread shares (warning filters, sys.stdout and
+#: sys.stderr, logger levels) and puts it back: warnings.catch_warnings() and
+#: contextlib.redirect_stdout save the state at entry and restore it at exit, so two threads
+#: whose spans overlap (A in, B in, A out, B out) left A's silenced state behind (an 'ignore'
+#: filter, sys.stdout a StringIO) for the rest of the process
+PROCESS_STATE = threading.RLock()
+
 _AS_CALL = threading.local()        # this thread's depth of checkpoint_as_call
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from precondfx.pytorch.calibrate import quiet_run
+from precondfx.pytorch.calibrate import PROCESS_STATE, quiet_run
 from precondfx.pytorch.capture import eager_capture, export_capture, fx_capture, meta
 from precondfx.pytorch.capture.common import Sample
 from precondfx.pytorch.checks import is_out_of_memory
@@ -42,7 +42,16 @@ def _first_line(e: BaseException) -> str:
 
 @contextlib.contextmanager
 def _silenced():
-    """Keep torch.export's warnings and logs off the user's console during attempts."""
+    """Keep torch.export's warnings and logs off the user's console during attempts (one
+    thread at a time: the state it changes is the process's, ``PROCESS_STATE``)."""
+    with PROCESS_STATE:
+        with _silenced_here():
+            yield
+
+
+@contextlib.contextmanager
+def _silenced_here():
+    """:func:`_silenced`'s work, under its lock."""
     loggers = [logging.getLogger(n) for n in ("torch._export", "torch.export", "torch._dynamo",
                                              "torch.fx.experimental.symbolic_shapes",
                                              "torch._subclasses", "torch._functorch")]

@@ -123,7 +123,7 @@ def suggest_lr(model: nn.Module, sample: Sample, *, mode: str = "train", key: An
     # threads (a jvp in a second thread failed, "a forward AD level with an invalid index", and
     # its rate came out None); a precondition in each of two threads waits here for the other
     with _FORWARD_AD, cal.quiet_run(model, mode), cal.NoDropout(), cal.math_attention(), \
-            cal.checkpoint_as_call(), warnings.catch_warnings():
+            cal.checkpoint_as_call(), cal.PROCESS_STATE, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_JIT_SCRIPT, category=DeprecationWarning)
         with torch.enable_grad():   # a forward that turns gradients off: said, not a zero rate
             f({n: p.requires_grad_() for n, p in params.items()})
