@@ -657,9 +657,49 @@ def _find_joins(graph: Graph, plan: Plan) -> list[tuple[Node, int, str, list[str
             continue
         bi = 0 if len(la) > len(lb) else 1
         branch = la if bi == 0 else lb
+        summed = _summed_branch(graph, n, n.inputs[bi], weighted)
+        if summed:
+            n.reason = (f"adds {n.inputs[bi]}, whose last layer's features are summed to fewer "
+                        f"values ({summed}: a per-sample total, as a normalizing flow's "
+                        f"log-determinant or a penalty accumulates): not a residual join")
+            continue
         bset = (ca if bi == 0 else cb) & since
         joins.append((n, bi, fork, branch, bool(bset & nmask)))
     return joins
+
+
+def _numel(shape: tuple | None) -> int | None:
+    """Elements of a known static shape, else None."""
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return math.prod(shape)
+
+
+def _summed_branch(graph: Graph, join: Node, operand: str, weighted: set[str]) -> str | None:
+    """The ``sum`` node on the way from the branch's last weighted layers to ``join`` when the
+    join adds fewer values than each of those layers computes (a flow's ``log_det = log_det +
+    s.sum(-1)``: the branch's features summed per sample, not a residual of the signal), else
+    None.  A mixture of experts' sum over experts keeps a layer's size: not this."""
+    size = _numel(join.out_shape)
+    if size is None:
+        return None
+    seen, todo, summed, last = set(), [operand], None, []
+    while todo:
+        name = todo.pop()
+        node = graph.get(name)
+        if node is None or name in seen:
+            continue
+        seen.add(name)
+        if name in weighted:
+            last.append(node)
+            continue
+        if node.kind == "sum" and summed is None:
+            summed = name
+        todo.extend(node.inputs)
+    if summed is None or not last:
+        return None
+    sizes = [_numel(w.out_shape) for w in last]
+    return summed if all(m is not None and m > size for m in sizes) else None
 
 
 def _analytic_alphas(plan: Plan, order: dict[str, int]) -> None:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from precondfx.pytorch import calibrate as cal
-from precondfx.pytorch import checks, distributed
+from precondfx.pytorch import checks, distributed, flows
 from precondfx.core import driver
 from precondfx.pytorch.apply.common import PREFIX, output_path
 from precondfx.pytorch.apply.eager_apply import EagerApplier, weight_side_forwards
@@ -578,6 +578,13 @@ def verify(st: TorchState) -> None:
                f"measured (please report this model)")
         warnings.warn(f"precondfx: {why}", RuntimeWarning, stacklevel=2)
         st.report.skipped.append(("warning: output scale", why))
+    flow = flows.log_det_offset(st.result, st.sample, st.main_key, st.opts.calibration,
+                                st.report.output_scale) if st.out_const is not None and \
+        st.data else None
+    if flow is not None:
+        st.report.conditioning["flow"] = flow
+        warnings.warn(f"precondfx: {flow['summary']}", RuntimeWarning, stacklevel=2)
+        st.report.skipped.append(("warning: flow log-determinant", flow["summary"]))
 
 
 def finish(st: TorchState) -> None:
