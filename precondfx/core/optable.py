@@ -473,7 +473,9 @@ _BY_NN_NAME: dict[str, OpSpec] = {m: s for s in OPS for m in s.modules}
 #: those libraries is needed: stochastic-depth variants behave as dropout.
 BY_CLASS_NAME: dict[str, str] = {"StochasticDepth": "dropout", "DropPath": "dropout",
                                  "DropBlock2d": "dropout", "FrozenBatchNorm2d": "normalization",
-                                 "LayerNorm2d": "normalization"}
+                                 "LayerNorm2d": "normalization",
+                                 # torch.ao.quantization's stubs: the identity in float
+                                 "QuantStub": "reshape", "DeQuantStub": "reshape"}
 
 #: Class-name fragments of stochastic layers (timm's DropPath, torchvision's StochasticDepth,
 #: DropBlock, a user's ``MyDropPath``) and the attribute that names a drop probability (a

@@ -245,3 +245,34 @@ def test_per_sample_second_output_that_is_no_log_det_gets_no_flow_note():
     torch.manual_seed(0)
     _, rep = precondfx.precondition(Penalized(), torch.randn(64, 8))
     assert "flow" not in rep.conditioning
+
+
+# -- hunt: eager-mode quantization stubs ----------------------------------------------------------
+class _QuantMLP(nn.Module):
+    """The eager-mode quantization tutorial's layout: QuantStub in, DeQuantStub out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quant = torch.ao.quantization.QuantStub()
+        self.dequant = torch.ao.quantization.DeQuantStub()
+        self.fc1, self.relu, self.fc2 = nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dequant(self.fc2(self.relu(self.fc1(self.quant(x)))))
+
+
+def test_quant_stubs_stay_called_in_the_result():
+    """Before: fx traced through QuantStub/DeQuantStub (the identity in float), so the result's
+    forward no longer called them: after prepare_qat the input's fake-quantizer never ran
+    (its observer's min_val stayed inf) and after prepare/convert a quantized Linear met a
+    float tensor.  Now the stubs stay calls of the result (fold's model for convert)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    result, rep = precondfx.precondition(_QuantMLP(), x)
+    result.train()
+    result.qconfig = torch.ao.quantization.get_default_qat_qconfig("fbgemm")
+    torch.ao.quantization.prepare_qat(result, inplace=True)
+    result(x)
+    seen = result.quant.activation_post_process.activation_post_process.min_val
+    assert bool(torch.isfinite(seen).all())
+    assert float(seen) == pytest.approx(float(x.min()), rel=1e-6)

@@ -120,6 +120,11 @@ class _Tracer(fx.Tracer):
         # captures do: kept as one call, its layers would be hidden from the plan
         if next(m.children(), None) is not None and ops.for_module(m) is None:
             return False
+        if isinstance(m, _QUANT_STUBS):
+            # the identity until torch.ao.quantization's prepare/convert swap them (QuantStub
+            # -> Quantize): traced through, their calls left the graph, and a quantized layer
+            # of the converted result met a float tensor
+            return True
         return (is_stochastic(m) and next(m.parameters(), None) is None) or \
             super().is_leaf_module(m, qualname)
 
@@ -134,6 +139,10 @@ class _Tracer(fx.Tracer):
             raise Unkeepable(f"the forward runs under torch.autocast, which a traced graph "
                              f"drops (it would compute in the default dtype): {_KEEP}")
         return super().create_node(*args, **kwargs)
+
+
+#: eager-mode quantization's markers of where tensors are quantized and dequantized
+_QUANT_STUBS = (torch.ao.quantization.QuantStub, torch.ao.quantization.DeQuantStub)
 
 
 def _refuse_checkpoint() -> None:
