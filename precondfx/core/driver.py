@@ -191,6 +191,13 @@ def has_work(g: Graph, what: str) -> None:
         derived = classify.derived_weights(g)
         if derived:
             where = "; ".join(n.name + " from " + ", ".join(p) for n, p in derived[:4])
+            if any("weight_fake_quant" in q for _, p in derived for q in p):
+                raise PrecondError(
+                    f"the model was prepared for quantization-aware training: its layers "
+                    f"take their weights through weight_fake_quant ({derived[0][0].name} from "
+                    f"{derived[0][1][0]}), so precondfx finds no weight it can re-initialize. "
+                    f"Precondition the float model first, then call "
+                    f"torch.ao.quantization.prepare_qat on the result")
             raise PrecondError(
                 f"the model has no weighted layer precondfx can re-initialize: "
                 f"{len(derived)} layer(s) take a weight computed in forward from a parameter "

@@ -276,3 +276,17 @@ def test_quant_stubs_stay_called_in_the_result():
     seen = result.quant.activation_post_process.activation_post_process.min_val
     assert bool(torch.isfinite(seen).all())
     assert float(seen) == pytest.approx(float(x.min()), rel=1e-6)
+
+
+def test_qat_prepared_model_without_its_layers_says_prepare_after():
+    """A model already through prepare_qat, captured by torch.export (its Linear decomposed:
+    the weight passes through weight_fake_quant).  Before: 'take a weight computed in forward
+    ... as an equalized learning rate does ... write the layers as modules'.  Now it says the
+    model was prepared for QAT and to precondition the float model before prepare_qat."""
+    torch.manual_seed(0)
+    m = _QuantMLP().train()
+    m.qconfig = torch.ao.quantization.get_default_qat_qconfig("fbgemm")
+    torch.ao.quantization.prepare_qat(m, inplace=True)
+    with pytest.raises(PrecondError, match="prepared for quantization-aware training") as e:
+        precondfx.precondition(m, torch.randn(64, 8), capture=("export",))
+    assert "then call torch.ao.quantization.prepare_qat on the result" in str(e.value)
