@@ -290,3 +290,27 @@ def test_qat_prepared_model_without_its_layers_says_prepare_after():
     with pytest.raises(PrecondError, match="prepared for quantization-aware training") as e:
         precondfx.precondition(m, torch.randn(64, 8), capture=("export",))
     assert "then call torch.ao.quantization.prepare_qat on the result" in str(e.value)
+
+
+# -- (d) an unreachable DKS target is refused before the solve ----------------------------------
+def test_dks_unreachable_q_slope_refused_before_the_solve():
+    """q_slope=3.5 on a 2-layer tanh MLP (local C'(1) = 1.5^(1/2) = 1.2247): a normalized
+    activation's Q'(1) is at most 2 C'(1) + 1/2 = 2.95.  Before: 50 Newton starts, 16.8 s
+    (softplus: 43 s), 'Failed to find transformation parameters'.  Now refused at once, and
+    the scheme says what to do."""
+    from precondfx.schemes.tat.transforms import solve_dks_local
+    t = time.perf_counter()
+    with pytest.raises(PrecondError, match=r"Q'\(1\) lies in \[-0.5, 2.9494"):
+        solve_dks_local("tanh", 1.2247, 3.5)
+    assert time.perf_counter() - t < 1.0
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                      nn.Linear(16, 4))
+    t = time.perf_counter()
+    with pytest.raises(PrecondError) as e:
+        precondfx.precondition(m, torch.randn(32, 8), scheme="dks",
+                               scheme_options={"q_slope": 3.5})
+    assert time.perf_counter() - t < 10.0
+    assert "q_slope=3.5" in str(e.value) and "2 C'(1) + 1/2" in str(e.value)
+    # the targets the reference's tests use are still solved
+    assert solve_dks_local("tanh", 1.0378008872270585, 0.97).input_scale > 0

@@ -193,6 +193,22 @@ def solve_tat_smooth_local(name: str, c_curv_target: float) -> ActivationTransfo
     )
 
 
+def q_slope_reachable(c_slope: float, q_slope: float) -> None:
+    """Refuse a DKS target no activation can meet, before the solve (50 starting points: 17 s
+    to 137 s to fail for tanh and softplus): with E[phi]=0 (C(0)=0) and E[phi^2]=1 (Q(1)=1),
+    phi = sum_k a_k h_k (orthonormal Hermite functions, k >= 1, sum a_k^2 = 1) has
+    C'(1) = sum k a_k^2 and Q'(1) = C'(1) + sum_j a_j a_(j+2) sqrt((j+1)(j+2)) (spec §2.2:
+    C'(1) = E[phi'^2], Q'(1) = E[phi phi' z]); each cross term is at most
+    ((j+1) a_j^2 + (j+2) a_(j+2)^2)/2 in size, their sum at most C'(1) + 1/2, so
+    -1/2 <= Q'(1) <= 2 C'(1) + 1/2 is necessary."""
+    lo, hi = -0.5, 2.0 * c_slope + 0.5
+    if not lo <= q_slope <= hi:
+        raise PrecondError(
+            f"no activation meets Q'(1)={q_slope:g} with C'(1)={c_slope:.6g} and C(0)=0: a "
+            f"normalized activation's Q'(1) lies in [{lo:g}, {hi:.6g}] (2 C'(1) + 1/2; "
+            f"precondfx.schemes.tat.transforms.q_slope_reachable).")
+
+
 def solve_dks_local(name: str, c_slope_target: float, q_slope_target: float = 1.0) -> ActivationTransform:
     """DKS transform given the local C'(1) target s (spec §2.8; DKS paper).
 
@@ -225,6 +241,7 @@ def solve_dks_local(name: str, c_slope_target: float, q_slope_target: float = 1.
 
         return _solve_transform(name, ("input_scale",), build, residual, None)
 
+    q_slope_reachable(c_slope_target, q_slope_target)
     if key == "leaky_relu":
 
         def residual(p: np.ndarray) -> np.ndarray:
