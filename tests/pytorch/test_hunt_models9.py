@@ -103,7 +103,7 @@ _EVENTS: dict[str, threading.Event] = {}
 
 class _Staged(nn.Module):
     """An MLP whose forwards wait on events, so that two threads' captures overlap in a known
-    order: A's fx trace starts and waits (at most 1.5 s) for B's to start; B's first real
+    order: A's fx trace starts and waits (at most 0.5 s) for B's to start; B's first real
     forward waits for A's trace, and B's trace lasts 1 s, past A's end."""
 
     def __init__(self, role: str) -> None:
@@ -115,7 +115,7 @@ class _Staged(nn.Module):
         if isinstance(x, torch.fx.Proxy):
             if self.role == "a":
                 _EVENTS["a_in"].set()
-                _EVENTS["b_in"].wait(1.5)
+                _EVENTS["b_in"].wait(0.5)
             else:
                 _EVENTS["b_in"].set()
                 time.sleep(1.0)
