@@ -484,15 +484,15 @@ def constancy(out: object, key: str | int | None = None) -> tuple[float, bool]:
     if not isinstance(t, torch.Tensor) or _not_real(t) or t.numel() < 2:
         return 0.0, False
     eps = torch.finfo(t.real.dtype if t.is_complex() else t.dtype).eps
-    a = t.to("cpu").abs().double()
-    a = a[torch.isfinite(a)]
-    if a.numel() == 0:
+    finite = bool(torch.isfinite(t).all())
+    kept = t if finite else t[torch.isfinite(t)]     # masked (-inf) entries left out
+    if kept.numel() == 0:
         return 0.0, False
-    floor = ROUNDING_EPS * eps * float(a.square().mean().sqrt())
-    same = False
-    if t.dim() >= 1 and t.shape[0] >= 2 and bool(torch.isfinite(t).all()):
-        d = (t - t[:1]).abs().to("cpu").double()
-        same = bool(d.max() <= floor)
+    rms = float(torch.linalg.vector_norm(kept, dtype=torch.float64 if not t.is_complex()
+                                         else None)) / math.sqrt(kept.numel())
+    floor = ROUNDING_EPS * eps * rms
+    same = finite and t.dim() >= 1 and t.shape[0] >= 2 and \
+        float((t - t[:1]).abs().amax()) <= floor
     return floor, same
 
 
