@@ -473,11 +473,15 @@ def masked_output_std(out: object, key: str | int | None = None) -> tuple[float,
 #: rounding's share of an output's magnitude, in units of its dtype's eps: an output whose std
 #: is below it is constant on the sample (a cosine similarity of identical pairs: 1 +- 1e-7)
 ROUNDING_EPS = 64
+#: at most this share of its rms (a float16/bfloat16 output: 64 eps would be 6% or 50%, and a
+#: real output with a large mean and a small spread would be called constant)
+MAX_ROUNDING = 2.0 ** -10
 
 
 def constancy(out: object, key: str | int | None = None) -> tuple[float, bool]:
     """How constant the main output is on the sample: the std rounding alone gives it
-    (:data:`ROUNDING_EPS` times its dtype's eps times its root mean square, finite entries),
+    (:data:`ROUNDING_EPS` times its dtype's eps, at most :data:`MAX_ROUNDING`, times its root
+    mean square over the finite entries),
     and whether every sample (rows along dim 0, two or more) holds the same values to that
     precision (an output that does not depend on the inputs)."""
     t = main_output(out, key).detach()
@@ -490,7 +494,7 @@ def constancy(out: object, key: str | int | None = None) -> tuple[float, bool]:
         return 0.0, False
     rms = float(torch.linalg.vector_norm(kept, dtype=torch.float64 if not t.is_complex()
                                          else None)) / math.sqrt(kept.numel())
-    floor = ROUNDING_EPS * eps * rms
+    floor = min(ROUNDING_EPS * eps, MAX_ROUNDING) * rms
     same = finite and t.dim() >= 1 and t.shape[0] >= 2 and \
         float((t - t[:1]).abs().amax()) <= floor
     return floor, same
