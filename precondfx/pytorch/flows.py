@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from precondfx.errors import PrecondError
 from precondfx.pytorch import calibrate as cal
 from precondfx.pytorch.capture.common import Sample, at_path, output_path
 
@@ -30,6 +31,34 @@ def _outputs(out: Any) -> list[tuple[Any, torch.Tensor]]:
     return [(k, v) for k, v in items if isinstance(v, torch.Tensor) and v.is_floating_point()]
 
 
+def _parts(out: Any, sample: Sample, key: Any) -> tuple[torch.Tensor, Any, Any] | None:
+    """(x, the main output's key, the other output's key) when ``out`` is shaped as a flow's:
+    one floating-point input ``x`` with as many values per sample as the main output ``z``
+    (at most :data:`MAX_DIM`), and exactly one other floating-point output with one value per
+    sample; else None."""
+    xs = [t for t in sample.tensors() if t.is_floating_point()]
+    if len(xs) != 1 or xs[0].dim() < 2 or xs[0].shape[0] < 1:
+        return None
+    x = xs[0]
+    path = output_path(out, key)
+    z = at_path(out, path)
+    b, d = x.shape[0], x[0].numel()
+    if len(path) != 1 or not isinstance(z, torch.Tensor) or z.dim() < 1 or \
+            z.shape[0] != b or z[0].numel() != d or d > MAX_DIM:
+        return None
+    others = [k for k, v in _outputs(out) if k != path[0] and v.numel() == b]
+    return (x, path[0], others[0]) if len(others) == 1 else None
+
+
+def shaped_as_flow(out: Any, sample: Sample, key: Any) -> bool:
+    """Whether the model's output ``out`` on ``sample`` is shaped as ``(z, log_det)`` (the
+    measurement of :func:`log_det_offset` runs only then)."""
+    try:
+        return _parts(out, sample, key) is not None
+    except PrecondError:      # no main output: the output scale says why
+        return False
+
+
 def log_det_offset(model: nn.Module, sample: Sample, key: Any, mode: str,
                    scale: float | None) -> dict[str, Any] | None:
     """When ``model`` is a flow (the output next to its main output ``z`` is, on the first
@@ -39,22 +68,12 @@ def log_det_offset(model: nn.Module, sample: Sample, key: Any, mode: str,
     most :data:`MAX_DIM` of them."""
     if scale is None or not math.isfinite(scale) or scale <= 0 or scale == 1.0:
         return None
-    xs = [t for t in sample.tensors() if t.is_floating_point()]
-    if len(xs) != 1 or xs[0].dim() < 2 or xs[0].shape[0] < 1:
+    parts = _parts(cal.forward(model, sample, mode), sample, key)
+    if parts is None:
         return None
-    x = xs[0]
-    out = cal.forward(model, sample, mode)
-    path = output_path(out, key)
-    z = at_path(out, path)
-    b, d = x.shape[0], x[0].numel()
-    if len(path) != 1 or not isinstance(z, torch.Tensor) or z.dim() < 1 or \
-            z.shape[0] != b or z[0].numel() != d or d > MAX_DIM:
-        return None
-    others = [(k, v) for k, v in _outputs(out) if k != path[0] and v.numel() == b]
-    if len(others) != 1:
-        return None
-    k, _ = others[0]
-    measured, returned = _log_det_first(model, sample, x, path[0], k, mode)
+    x, zkey, k = parts
+    d = x[0].numel()
+    measured, returned = _log_det_first(model, sample, x, zkey, k, mode)
     if measured is None or not math.isfinite(measured) or not math.isfinite(returned):
         return None
     offset = d * math.log(scale)

@@ -64,6 +64,8 @@ class TorchState(State):
     not_user_class: str | None = None   # why a GraphModule result is not the user's class
     #: the main output picked on the whole batch (``output_key`` of per-sample measurements)
     main_key: Any = None
+    #: the output is shaped as a normalizing flow's ``(z, log_det)`` (``flows.shaped_as_flow``)
+    flow_shaped: bool = False
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -354,6 +356,7 @@ def prepare(st: TorchState) -> None:
         note = others_note(out0, st.main_path) if st.opts.output_key is None else None
         if note:
             st.notes.append(note)
+    st.flow_shaped = flows.shaped_as_flow(out0, s, st.opts.output_key)
     if st.opts.target_std is not None and not st.data:   # on data, calibration checks it
         cal.check_calibratable(main_output(out0, st.opts.output_key))
     st.input_arrays = input_arrays(s, st.opts)
@@ -580,7 +583,7 @@ def verify(st: TorchState) -> None:
         st.report.skipped.append(("warning: output scale", why))
     flow = flows.log_det_offset(st.result, st.sample, st.main_key, st.opts.calibration,
                                 st.report.output_scale) if st.out_const is not None and \
-        st.data else None
+        st.data and st.flow_shaped else None
     if flow is not None:
         st.report.conditioning["flow"] = flow
         warnings.warn(f"precondfx: {flow['summary']}", RuntimeWarning, stacklevel=2)
