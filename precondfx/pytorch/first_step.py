@@ -57,11 +57,13 @@ its curvature: the suggested SGD rate ``1 / lambda``
   would (a sweep over copies sweeps; before, the first run's rate decided every later run's
   storage).  The report's section is the latest first step's.  A pickled copy
   (``torch.save(model)``) holds none, and pickling says so;
-* gradient accumulation: the rate read is the optimizer's.  A loop summing ``k``
-  micro-batches' gradients before each step without dividing the loss by ``k`` steps ``k``
-  times the mean gradient, so it trains at ``k * lr`` and the ceiling, decided for ``lr``, is
-  ``k`` times too high for it: divide the loss by ``k`` (the usual form, the rate keeps its
-  meaning), or call :func:`settle_rate` with ``k * lr`` before the first step.
+* gradient accumulation: the rate read is the optimizer's ``lr``, never ``k * lr``.  A loop
+  summing ``k`` micro-batches' gradients before each step without dividing the loss by ``k``
+  steps ``k`` times the mean gradient: the ceiling leaves the optimizer at ``min(lr, s)``
+  (``s`` the suggested rate) and the loop trains at ``k * min(lr, s)``, up to ``k`` times the
+  suggested rate: divide the loss by ``k`` (the usual form, the rate keeps its meaning), or
+  call :func:`settle_rate` with ``k * lr`` before the first step.  The report says it
+  (``rate_read``): the optimizer cannot show how many micro-batches a step sums.
 
 A training loop that does not step a ``torch.optim`` optimizer calls :func:`settle_rate`
 (``precondfx.settle_rate``) with its rate instead.  The kept batch is released at that first
@@ -250,10 +252,7 @@ class Pending:
         weights = [w for w in self.lr_buffers if id(_param(model, w)) in held]
         name = type(opt).__name__
         if not isinstance(opt, torch.optim.SGD):
-            sec = self._kept(opt, f"{name} is not SGD: under Adam-family optimizers the "
-                                  f"storage precondition chose keeps the rate tuned for the "
-                                  f"framework's init (docs/results/heldout_cpu.md); other "
-                                  f"optimizers: pass lr= and optimizer= to set it")
+            sec = self._kept(opt, _not_sgd(opt))
             return self._rest(model, weights, sec)
         if torch.distributed.is_available() and torch.distributed.is_initialized() and \
                 torch.distributed.get_world_size() > 1:
@@ -358,7 +357,7 @@ class Pending:
         def measure(fam: str) -> float | None:
             def run(m: str) -> float | None:
                 return suggest_lr(model, sample, mode=m, key=self.key, seed=self.seed,
-                                  families=(fam,), only=steps).get(fam)
+                                  families=(fam,), only=steps, graph=self.graph).get(fam)
             if used:
                 return run(used[0])
             try:
@@ -373,12 +372,19 @@ class Pending:
                 _no_autocast(model):
             sec = lr_target.keep_rate(model, self.graph, edited, bufs, lr, "sgd", measure,
                                       ceiling=True)
-        if used:
+        if used:    # not the function the loop trains: said, with what measures that one
             sec["eval_mode"] = (f"the kept calibration batch holds one sample, on which a "
                                 f"train-mode normalization layer cannot run: the suggested "
-                                f"rate was measured in eval mode (running statistics), as "
-                                f"calibration='eval' and lr= measure it")
+                                f"rate was measured in eval mode (running statistics) on "
+                                f"that sample, not on the train-mode function (batch "
+                                f"statistics) your loop trains, whose rate can be far from it "
+                                f"(16x higher on a small BatchNorm MLP): for the ceiling of "
+                                f"the function you train, precondition with a calibration "
+                                f"batch of at least two samples (calibration='train'); "
+                                f"lr=None keeps precondition's storage at your rate")
             sec["summary"] += f"; {sec['eval_mode']}"
+            sec["warning"] = f"{sec['warning']}; " if sec.get("warning") else "lr=: "
+            sec["warning"] += sec["eval_mode"]
         if sec.get("warning") and sec.get("rounds") == [] and not sec.get("suggested_before"):
             sec["warning"] += _dtypes_said(model, self.graph)   # not measured: what to do
         c = float(sec.get("factor", 1.0))
@@ -396,7 +402,12 @@ class Pending:
         self.report.measured.record_diff("lr_target", now, edited)
         self.report.plan = self.report.measured.final(self.report.planned)
         sec["when"] = f"lr='auto': at the first step of {name} (peak rate {lr:.4g})"
-        sec["summary"] = f"{sec['when']}: {sec['summary']}"
+        sec["rate_read"] = (f"the ceiling is for the rate the optimizer holds, {lr:.4g}, on "
+                            f"the gradient a step sees: a loop summing k micro-batches' "
+                            f"gradients without dividing the loss by k trains at k times the "
+                            f"rate left here (divide the loss by k, or call "
+                            f"precondfx.settle_rate(model, k * lr) before the first step)")
+        sec["summary"] = f"{sec['when']}: {sec['summary']}; {sec['rate_read']}"
         log.info("precondfx: %s", sec["summary"])
         if sec.get("warning"):      # said as lr='auto''s, not as an lr= the user never passed
             sec["warning"] = sec["warning"].replace(
@@ -415,6 +426,22 @@ class Pending:
             warnings.warn(f"precondfx: {text}", RuntimeWarning, stacklevel=4)
         return {"lr": "auto", "optimizer": name, "factor": 1.0, "layers": 0,
                 "rounds": [], "kept": why, "summary": text}
+
+
+def _not_sgd(opt: torch.optim.Optimizer) -> str:
+    """Why the first step of ``opt``, not an SGD, keeps the storage: an Adam-family one keeps
+    the rate tuned for the framework's init; another (LBFGS, RMSprop, Adagrad) has a rate that
+    moves in its own way with the stored scale, and ``optimizer=`` refuses it."""
+    from precondfx.core.options import optimizer_family
+    name = type(opt).__name__
+    try:
+        optimizer_family("optimizer", opt)
+    except ValueError:
+        return (f"{name} is neither SGD nor Adam-family: its rate moves in its own way with "
+                f"the stored weight scale, so no ceiling is set for it (lr= and optimizer= "
+                f"know SGD and Adam only): the storage precondition chose is kept")
+    return (f"{name} is not SGD: under Adam-family optimizers the storage precondition chose "
+            f"keeps the rate tuned for the framework's init (docs/results/heldout_cpu.md)")
 
 
 def _param(model: nn.Module, name: str) -> Any:
