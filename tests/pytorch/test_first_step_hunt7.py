@@ -182,3 +182,44 @@ def test_an_lbfgs_first_step_says_why_without_advice_that_is_refused():
     except precondfx.PrecondError:
         refused = True
     assert refused
+
+
+def test_a_rate_set_above_a_schedulers_initial_lr_before_the_first_step_is_the_peak():
+    """A sweep reusing its set-up: SGD(lr=0.1) with a CosineAnnealingLR, then every group's lr
+    set to 4.0 before training.  The first step read initial_lr (0.1): no factor (1.0), a
+    'raised' warning, and the loss rose mid-run (0.94 -> 1.84 -> 2.36) where the same loop
+    built at lr=4.0 falls steadily (factor 0.34).  Now the first step takes the larger of
+    initial_lr and lr: the same factor and losses as the loop built at 4.0."""
+    x, y = torch.randn(128, 20), torch.randint(0, 10, (128,))
+
+    def make() -> nn.Module:
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                             nn.Linear(64, 10))
+
+    def run(set_later: bool) -> tuple[float, list[float], list[str]]:
+        model, rep = precondfx.precondition(make(), x)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1 if set_later else 4.0, momentum=0.9)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=30)
+        if set_later:
+            for g in opt.param_groups:
+                g["lr"] = 4.0
+        losses = []
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for _ in range(8):
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                sched.step()
+                losses.append(float(loss))
+        raised = [str(w.message) for w in said if "decided at the first step" in str(w.message)]
+        return rep.conditioning["lr_target"]["factor"], losses, raised
+
+    f_set, l_set, raised = run(True)
+    f_built, l_built, _ = run(False)
+    assert f_built < 0.6
+    assert abs(f_set / f_built - 1) < 1e-6, (f_set, f_built)
+    assert max(abs(a - b) for a, b in zip(l_set, l_built)) < 1e-5, (l_set, l_built)
+    assert not raised, raised
