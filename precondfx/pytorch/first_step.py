@@ -36,7 +36,9 @@ its curvature: the suggested SGD rate ``1 / lambda``
   parts were cast apart (a bfloat16 body under a float32 head).  A rate raised by hand
   after the first step past both the rate the ceiling was decided at and the suggested one
   (a warm-up written in the loop, an LR finder) is said once, in a warning and the report
-  (``raised``): call :func:`settle_rate` with the peak rate before the first step there.
+  (``raised``): call :func:`settle_rate` with the peak rate before the first step there;
+  so is a later ``torch.optim.SGD`` over the same layers at a rate above it (a second phase
+  of training with a new optimizer), while the result lives.
   Two things differ from ``lr=``:
   a gradient clipped before that step (``clip_grad_norm_``) was clipped at the old storage,
   so the first step is ``c`` times the clipped one where ``lr=`` clips ``c`` times the
@@ -100,6 +102,10 @@ CHANGED = 1e-3
 
 _PENDING: "weakref.WeakSet[Pending]" = weakref.WeakSet()
 _NOT_MINE: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+#: results whose first step decided the ceiling (while they live, a later SGD over their
+#: layers at a rate above it is said: :func:`_check_later`), and the optimizers checked
+_DECIDED: "weakref.WeakSet[Pending]" = weakref.WeakSet()
+_SEEN: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 _HANDLE: Any = None
 
 
@@ -122,6 +128,9 @@ class Pending:
         self.earlier: list[str] = []    # what the first steps of optimizers over parts did
         #: optimizers whose first step acted on some of the layers, the others left pending
         self.fired: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        #: the rate up to which the decided storage holds, and the optimizers that decided it
+        self.limit: float | None = None
+        self.deciders: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
     # -- copies share it; a pickled or saved copy holds nothing pending --------------------
     def __deepcopy__(self, memo: dict) -> "Pending":
@@ -158,6 +167,7 @@ class Pending:
         other.lr_buffers = dict(self.lr_buffers)
         other.rms = {w: lr_transfer.stored_rms(first.get_parameter(w)) for w in other.lr_buffers}
         other.earlier, other.fired = [], weakref.WeakSet()
+        other.limit, other.deciders = None, weakref.WeakSet()
         for i in out:
             m = self.models[i]()
             if m is not None and m.__dict__.get(ATTR) is self:
@@ -666,15 +676,23 @@ def _dtypes_said(model: nn.Module, graph: Any) -> str:
 def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The global step pre-hook: fire what the stepping optimizer holds; cheap for the others
     (an optimizer found holding nothing pending is remembered until its parameters change)."""
-    if not _PENDING:            # every pending result fired or was collected
+    if _PENDING:
+        _fire_pending(opt)
+    if _DECIDED:
+        _check_later(opt)
+    if not _PENDING and not _DECIDED:   # every result fired and was collected
         _release_after(opt)
-        return None
+    return None
+
+
+def _fire_pending(opt: torch.optim.Optimizer) -> None:
+    """Fire what ``opt`` holds of the pending results (:func:`_pre_step`)."""
     for pend in list(_PENDING):     # a second step of an optimizer that left layers pending
         if opt in pend.fired:
             pend.unheld(opt)
     count = sum(len(g["params"]) for g in opt.param_groups)
     if _NOT_MINE.get(opt) == count:
-        return None
+        return
     ids = {id(p) for g in opt.param_groups for p in g["params"]}
     hit = False
     for pend in list(_PENDING):
@@ -684,9 +702,6 @@ def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             pend.fire(opt, m, ids)
     if not hit:
         _NOT_MINE[opt] = count
-    if not _PENDING:
-        _release_after(opt)
-    return None
 
 
 def _watch(opt: torch.optim.Optimizer, pend: Pending, group: dict[str, Any], lr: float,
@@ -700,6 +715,53 @@ def _watch(opt: torch.optim.Optimizer, pend: Pending, group: dict[str, Any], lr:
         return
     watch = _RateWatch(pend, idx, lr, after, max(lr, after) * 2.0 ** lr_target.TOLERANCE)
     watch.handle = opt.register_step_pre_hook(watch)
+    _decided(pend, watch.limit, opt)
+
+
+def _decided(pend: Pending, limit: float, opt: Any = None) -> None:
+    """Record that ``pend``'s storage was decided for rates up to ``limit`` (by ``opt``'s first
+    step, or settle_rate): a later SGD over its layers above it is said (:func:`_check_later`)."""
+    pend.limit = max(pend.limit or 0.0, limit)
+    if opt is not None:
+        pend.deciders.add(opt)
+    _DECIDED.add(pend)
+    _SEEN.clear()
+
+
+def _check_later(opt: torch.optim.Optimizer) -> None:
+    """A later ``torch.optim.SGD`` (not the one whose first step decided the ceiling: that one
+    has its :class:`_RateWatch`) over the layers of a result whose storage was decided, at a
+    rate above where it was decided: said once, in a warning and the report (a second phase of
+    training with a new optimizer at a higher rate trained silently without the ceiling: the
+    loss went 2.68 -> 3.68 at lr=4 after a first optimizer at 0.01, where one at 4 from the
+    start falls steadily).  Each optimizer is checked once while its parameters stay."""
+    count = sum(len(g["params"]) for g in opt.param_groups)
+    if _SEEN.get(opt) == count:
+        return
+    _SEEN[opt] = count
+    if not isinstance(opt, torch.optim.SGD):
+        return
+    for pend in list(_DECIDED):
+        if pend in _PENDING or opt in pend.deciders or pend.limit is None:
+            continue
+        hit = [g for g in opt.param_groups for ids in [{id(p) for p in g["params"]}]
+               if pend.held_by(ids) is not None]
+        now = max([r for r in map(_peak, hit) if math.isfinite(r)], default=0.0)
+        if now <= pend.limit:
+            continue
+        _DECIDED.discard(pend)      # said once
+        text = (f"lr='auto': the ceiling was decided for rates up to {pend.limit:.4g} at the "
+                f"first step of an earlier optimizer (or settle_rate); {type(opt).__name__}, a "
+                f"later optimizer over the same layers, steps at {now:.4g}, above it, and the "
+                f"storage is not lowered for it: pass lr= (the highest rate you train at) and "
+                f"optimizer='sgd' to precondition, or call precondfx.settle_rate(model, "
+                f"peak_lr) before the first optimizer's first step")
+        log.info("precondfx: %s", text)
+        warnings.warn(f"precondfx: {text}", RuntimeWarning, stacklevel=4)
+        sec = pend.report.conditioning.get("lr_target")
+        if isinstance(sec, dict):
+            sec["raised"] = text
+            sec["summary"] = f"{sec['summary']}; later: {text}"
 
 
 def _unwatched() -> Any:
@@ -767,7 +829,7 @@ def _release_after(opt: torch.optim.Optimizer) -> None:
 
     def post(o: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         handle.pop().remove()
-        if not _PENDING:
+        if not _PENDING and not _DECIDED:
             _release()
     handle.append(opt.register_step_post_hook(post))
 
@@ -820,6 +882,9 @@ def settle_rate(model: nn.Module, lr: float, optimizer: Any = "sgd") -> dict[str
     else:
         try:
             sec = pend.set(model, list(pend.lr_buffers), lr, "SGD (settle_rate)")
+            after = sec.get("suggested_after")
+            if isinstance(after, float) and math.isfinite(after):
+                _decided(pend, max(lr, after) * 2.0 ** lr_target.TOLERANCE)
         finally:
             pend.consume()
     pend.report.conditioning["lr_target"] = sec

@@ -223,3 +223,36 @@ def test_a_rate_set_above_a_schedulers_initial_lr_before_the_first_step_is_the_p
     assert abs(f_set / f_built - 1) < 1e-6, (f_set, f_built)
     assert max(abs(a - b) for a, b in zip(l_set, l_built)) < 1e-5, (l_set, l_built)
     assert not raised, raised
+
+
+def test_a_later_optimizer_at_a_higher_rate_is_said_not_silent():
+    """Two phases, each with its own optimizer: SGD at 0.01 for 3 steps (below the ceiling:
+    storage kept), then a new SGD at 4.0.  The second trained without the ceiling and said
+    nothing: the loss went 2.68 -> 3.68 where an optimizer at 4.0 from the start falls
+    steadily.  Now a warning and the report's 'raised' say it once, with what to do; a new
+    optimizer at the first one's rate (rebuilt per epoch) says nothing."""
+    x, y = torch.randn(128, 20), torch.randint(0, 10, (128,))
+
+    def make() -> nn.Module:
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                             nn.Linear(64, 10))
+
+    def phases(model: nn.Module, rates: list[float]) -> list[str]:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for lr in rates:
+                opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+                for _ in range(2):
+                    opt.zero_grad()
+                    F.cross_entropy(model(x), y).backward()
+                    opt.step()
+        return [str(w.message) for w in said if "later optimizer" in str(w.message)]
+
+    model, rep = precondfx.precondition(make(), x)
+    said = phases(model, [0.01, 4.0, 4.0])
+    assert len(said) == 1 and "lr= (the highest rate" in said[0], said
+    assert "later optimizer" in rep.conditioning["lr_target"]["raised"]
+    again, rep2 = precondfx.precondition(make(), x)
+    assert phases(again, [0.01, 0.01, 0.01]) == []
+    assert "raised" not in rep2.conditioning["lr_target"]
