@@ -1,6 +1,8 @@
 """lr='auto' and the suggested SGD rate in real training loops (hunt 7): a segmentation net's
 ``(B, C, H, W)`` logits measured over the classes in dim 1 (not a softmax over W), a kept
-batch of one measured in eval mode said as a warning with advice that fits lr='auto'."""
+batch of one measured in eval mode said as a warning with advice that fits lr='auto',
+gradient accumulation said in the report, LBFGS's message, a rate set above a scheduler's
+initial_lr before the first step, a later optimizer at a higher rate said."""
 from __future__ import annotations
 
 import warnings
