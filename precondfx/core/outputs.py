@@ -135,3 +135,37 @@ def skip_bounded(backend: Any, why: str) -> None:
     and a ``report.skipped`` line, the same on every back end."""
     warnings.warn(f"precondfx: {why}", RuntimeWarning, stacklevel=3)
     backend._skip("output", "output scale", why)
+
+
+#: op kinds whose output holds its features in dim 1 (channels first): a main output that
+#: comes out of one of them, through ops that keep dim 1 (an activation, an upsampling, a
+#: residual add), holds its classes there (a segmentation net's ``(B, C, H, W)`` logits)
+CHANNELS_FIRST = ("conv", "conv_transpose")
+
+
+def class_dim(graph: Any, shape: tuple[int, ...]) -> int:
+    """The dimension of the main output (shaped ``shape``) that holds its classes: 1 where it
+    comes out of a convolution through ops that keep dim 1 at the convolution's channel
+    count (``F.cross_entropy`` reads classes in dim 1: a segmentation net's ``(B, C, H, W)``);
+    else -1, the last (a language model's ``(B, T, V)``, a classifier's ``(B, C)``, a
+    convolution's output permuted channels-last).  -1 without a graph or below 3 dims."""
+    if graph is None or len(shape) < 3:
+        return -1
+    todo = [i for n in graph if n.kind == "output" for i in n.inputs
+            for m in [graph.get(i)] if m is not None and m.out_shape is not None and
+            tuple(m.out_shape)[1:] == tuple(shape)[1:]]     # the main output's producers
+    seen: set[str] = set()
+    while todo:
+        node = graph.get(todo.pop())
+        if node is None or node.name in seen or node.out_shape is None:
+            continue
+        seen.add(node.name)
+        out = tuple(node.out_shape)
+        if len(out) != len(shape) or out[1] != shape[1]:
+            continue        # a path that changes dim 1 (a permute, a view) says nothing
+        if node.kind in CHANNELS_FIRST:
+            return 1
+        if node.params or node.kind in ("input", "reshape", "select"):
+            continue        # another weighted layer (features last), or a layout change
+        todo.extend(node.inputs)
+    return -1

@@ -11,8 +11,8 @@ its curvature: the suggested SGD rate ``1 / lambda``
   calibration batch is kept with the result;
 * at the first ``step()`` of a ``torch.optim.SGD`` holding the result's layers, before the
   update, the suggested SGD rate of the parameters it steps is measured on that batch.  When
-  the optimizer's peak rate (a ``OneCycleLR``'s or ``CyclicLR``'s ``max_lr``, or
-  ``initial_lr`` where a scheduler set one, else ``lr``; each layer's own parameter group:
+  the optimizer's peak rate (the largest of a ``OneCycleLR``'s or ``CyclicLR``'s ``max_lr``,
+  ``initial_lr`` where a scheduler set one, and ``lr``; each layer's own parameter group:
   groups at different rates are set one by one, each by the curvature of the parameters it
   steps, the report's ``groups``) is above it, the layers' stored weights and biases are
   divided by one
@@ -36,7 +36,9 @@ its curvature: the suggested SGD rate ``1 / lambda``
   parts were cast apart (a bfloat16 body under a float32 head).  A rate raised by hand
   after the first step past both the rate the ceiling was decided at and the suggested one
   (a warm-up written in the loop, an LR finder) is said once, in a warning and the report
-  (``raised``): call :func:`settle_rate` with the peak rate before the first step there.
+  (``raised``): call :func:`settle_rate` with the peak rate before the first step there;
+  so is a later ``torch.optim.SGD`` over the same layers at a rate above it (a second phase
+  of training with a new optimizer), while the result lives.
   Two things differ from ``lr=``:
   a gradient clipped before that step (``clip_grad_norm_``) was clipped at the old storage,
   so the first step is ``c`` times the clipped one where ``lr=`` clips ``c`` times the
@@ -57,11 +59,13 @@ its curvature: the suggested SGD rate ``1 / lambda``
   would (a sweep over copies sweeps; before, the first run's rate decided every later run's
   storage).  The report's section is the latest first step's.  A pickled copy
   (``torch.save(model)``) holds none, and pickling says so;
-* gradient accumulation: the rate read is the optimizer's.  A loop summing ``k``
-  micro-batches' gradients before each step without dividing the loss by ``k`` steps ``k``
-  times the mean gradient, so it trains at ``k * lr`` and the ceiling, decided for ``lr``, is
-  ``k`` times too high for it: divide the loss by ``k`` (the usual form, the rate keeps its
-  meaning), or call :func:`settle_rate` with ``k * lr`` before the first step.
+* gradient accumulation: the rate read is the optimizer's ``lr``, never ``k * lr``.  A loop
+  summing ``k`` micro-batches' gradients before each step without dividing the loss by ``k``
+  steps ``k`` times the mean gradient: the ceiling leaves the optimizer at ``min(lr, s)``
+  (``s`` the suggested rate) and the loop trains at ``k * min(lr, s)``, up to ``k`` times the
+  suggested rate: divide the loss by ``k`` (the usual form, the rate keeps its meaning), or
+  call :func:`settle_rate` with ``k * lr`` before the first step.  The report says it
+  (``rate_read``): the optimizer cannot show how many micro-batches a step sums.
 
 A training loop that does not step a ``torch.optim`` optimizer calls :func:`settle_rate`
 (``precondfx.settle_rate``) with its rate instead.  The kept batch is released at that first
@@ -98,6 +102,10 @@ CHANGED = 1e-3
 
 _PENDING: "weakref.WeakSet[Pending]" = weakref.WeakSet()
 _NOT_MINE: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+#: results whose first step decided the ceiling (while they live, a later SGD over their
+#: layers at a rate above it is said: :func:`_check_later`), and the optimizers checked
+_DECIDED: "weakref.WeakSet[Pending]" = weakref.WeakSet()
+_SEEN: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 _HANDLE: Any = None
 
 
@@ -120,6 +128,9 @@ class Pending:
         self.earlier: list[str] = []    # what the first steps of optimizers over parts did
         #: optimizers whose first step acted on some of the layers, the others left pending
         self.fired: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        #: the rate up to which the decided storage holds, and the optimizers that decided it
+        self.limit: float | None = None
+        self.deciders: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
     # -- copies share it; a pickled or saved copy holds nothing pending --------------------
     def __deepcopy__(self, memo: dict) -> "Pending":
@@ -156,6 +167,7 @@ class Pending:
         other.lr_buffers = dict(self.lr_buffers)
         other.rms = {w: lr_transfer.stored_rms(first.get_parameter(w)) for w in other.lr_buffers}
         other.earlier, other.fired = [], weakref.WeakSet()
+        other.limit, other.deciders = None, weakref.WeakSet()
         for i in out:
             m = self.models[i]()
             if m is not None and m.__dict__.get(ATTR) is self:
@@ -250,10 +262,7 @@ class Pending:
         weights = [w for w in self.lr_buffers if id(_param(model, w)) in held]
         name = type(opt).__name__
         if not isinstance(opt, torch.optim.SGD):
-            sec = self._kept(opt, f"{name} is not SGD: under Adam-family optimizers the "
-                                  f"storage precondition chose keeps the rate tuned for the "
-                                  f"framework's init (docs/results/heldout_cpu.md); other "
-                                  f"optimizers: pass lr= and optimizer= to set it")
+            sec = self._kept(opt, _not_sgd(opt))
             return self._rest(model, weights, sec)
         if torch.distributed.is_available() and torch.distributed.is_initialized() and \
                 torch.distributed.get_world_size() > 1:
@@ -358,7 +367,7 @@ class Pending:
         def measure(fam: str) -> float | None:
             def run(m: str) -> float | None:
                 return suggest_lr(model, sample, mode=m, key=self.key, seed=self.seed,
-                                  families=(fam,), only=steps).get(fam)
+                                  families=(fam,), only=steps, graph=self.graph).get(fam)
             if used:
                 return run(used[0])
             try:
@@ -373,12 +382,19 @@ class Pending:
                 _no_autocast(model):
             sec = lr_target.keep_rate(model, self.graph, edited, bufs, lr, "sgd", measure,
                                       ceiling=True)
-        if used:
+        if used:    # not the function the loop trains: said, with what measures that one
             sec["eval_mode"] = (f"the kept calibration batch holds one sample, on which a "
                                 f"train-mode normalization layer cannot run: the suggested "
-                                f"rate was measured in eval mode (running statistics), as "
-                                f"calibration='eval' and lr= measure it")
+                                f"rate was measured in eval mode (running statistics) on "
+                                f"that sample, not on the train-mode function (batch "
+                                f"statistics) your loop trains, whose rate can be far from it "
+                                f"(16x higher on a small BatchNorm MLP): for the ceiling of "
+                                f"the function you train, precondition with a calibration "
+                                f"batch of at least two samples (calibration='train'); "
+                                f"lr=None keeps precondition's storage at your rate")
             sec["summary"] += f"; {sec['eval_mode']}"
+            sec["warning"] = f"{sec['warning']}; " if sec.get("warning") else "lr=: "
+            sec["warning"] += sec["eval_mode"]
         if sec.get("warning") and sec.get("rounds") == [] and not sec.get("suggested_before"):
             sec["warning"] += _dtypes_said(model, self.graph)   # not measured: what to do
         c = float(sec.get("factor", 1.0))
@@ -396,7 +412,12 @@ class Pending:
         self.report.measured.record_diff("lr_target", now, edited)
         self.report.plan = self.report.measured.final(self.report.planned)
         sec["when"] = f"lr='auto': at the first step of {name} (peak rate {lr:.4g})"
-        sec["summary"] = f"{sec['when']}: {sec['summary']}"
+        sec["rate_read"] = (f"the ceiling is for the rate the optimizer holds, {lr:.4g}, on "
+                            f"the gradient a step sees: a loop summing k micro-batches' "
+                            f"gradients without dividing the loss by k trains at k times the "
+                            f"rate left here (divide the loss by k, or call "
+                            f"precondfx.settle_rate(model, k * lr) before the first step)")
+        sec["summary"] = f"{sec['when']}: {sec['summary']}; {sec['rate_read']}"
         log.info("precondfx: %s", sec["summary"])
         if sec.get("warning"):      # said as lr='auto''s, not as an lr= the user never passed
             sec["warning"] = sec["warning"].replace(
@@ -415,6 +436,26 @@ class Pending:
             warnings.warn(f"precondfx: {text}", RuntimeWarning, stacklevel=4)
         return {"lr": "auto", "optimizer": name, "factor": 1.0, "layers": 0,
                 "rounds": [], "kept": why, "summary": text}
+
+
+def _not_sgd(opt: torch.optim.Optimizer) -> str:
+    """Why the first step of ``opt``, not an SGD, keeps the storage: an Adam-family one keeps
+    the rate tuned for the framework's init (NAdam, RAdam, Adamax: a step that does not scale
+    with the gradient either); another (LBFGS, RMSprop, Adagrad) has a rate that moves in its
+    own way with the stored scale, and ``optimizer=`` refuses it."""
+    from precondfx.core.options import optimizer_family
+    name = type(opt).__name__
+    try:
+        optimizer_family("optimizer", opt)
+    except ValueError:
+        if "adam" in name.lower():      # NAdam, RAdam, Adamax: Adam's scale-free step
+            return (f"{name} is not SGD: like Adam's, its step does not scale with the "
+                    f"gradient, and the storage precondition chose is kept")
+        return (f"{name} is neither SGD nor Adam-family: its rate moves in its own way with "
+                f"the stored weight scale, so no ceiling is set for it (lr= and optimizer= "
+                f"know SGD and Adam only): the storage precondition chose is kept")
+    return (f"{name} is not SGD: under Adam-family optimizers the storage precondition chose "
+            f"keeps the rate tuned for the framework's init (docs/results/heldout_cpu.md)")
 
 
 def _param(model: nn.Module, name: str) -> Any:
@@ -513,15 +554,19 @@ def _joined(secs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _peak(group: dict[str, Any]) -> float:
-    """The rate the user tuned: a scheduler's peak (OneCycleLR's ``max_lr``) or starting rate
-    (``initial_lr``, before a warm-up lowered ``lr``), else ``lr``."""
+    """The rate the user tuned: the largest of a scheduler's peak (OneCycleLR's ``max_lr``),
+    its starting rate (``initial_lr``, before a warm-up lowered ``lr``) and ``lr`` (a rate set
+    by hand above a scheduler's ``initial_lr`` before the first step is the rate that step
+    takes: read as ``initial_lr`` alone, its ceiling was decided for 0.1 at lr=4 and the loss
+    rose 0.94 -> 2.36); a value that is not finite first (said as not a positive number)."""
+    rates = []
     for k in ("max_lr", "initial_lr", "lr"):
         v = group.get(k)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return float(v)
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            return float(v)
-    return float("nan")
+        if isinstance(v, (int, float)) and not isinstance(v, bool) or \
+                isinstance(v, torch.Tensor) and v.numel() == 1:
+            rates.append(float(v))
+    bad = [r for r in rates if not math.isfinite(r)]
+    return bad[0] if bad else max(rates, default=float("nan"))
 
 
 def _cyclic_peak(opt: torch.optim.Optimizer, group: dict[str, Any]) -> float:
@@ -631,15 +676,23 @@ def _dtypes_said(model: nn.Module, graph: Any) -> str:
 def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The global step pre-hook: fire what the stepping optimizer holds; cheap for the others
     (an optimizer found holding nothing pending is remembered until its parameters change)."""
-    if not _PENDING:            # every pending result fired or was collected
+    if _PENDING:
+        _fire_pending(opt)
+    if _DECIDED:
+        _check_later(opt)
+    if not _PENDING and not _DECIDED:   # every result fired and was collected
         _release_after(opt)
-        return None
+    return None
+
+
+def _fire_pending(opt: torch.optim.Optimizer) -> None:
+    """Fire what ``opt`` holds of the pending results (:func:`_pre_step`)."""
     for pend in list(_PENDING):     # a second step of an optimizer that left layers pending
         if opt in pend.fired:
             pend.unheld(opt)
     count = sum(len(g["params"]) for g in opt.param_groups)
     if _NOT_MINE.get(opt) == count:
-        return None
+        return
     ids = {id(p) for g in opt.param_groups for p in g["params"]}
     hit = False
     for pend in list(_PENDING):
@@ -649,9 +702,6 @@ def _pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             pend.fire(opt, m, ids)
     if not hit:
         _NOT_MINE[opt] = count
-    if not _PENDING:
-        _release_after(opt)
-    return None
 
 
 def _watch(opt: torch.optim.Optimizer, pend: Pending, group: dict[str, Any], lr: float,
@@ -665,6 +715,53 @@ def _watch(opt: torch.optim.Optimizer, pend: Pending, group: dict[str, Any], lr:
         return
     watch = _RateWatch(pend, idx, lr, after, max(lr, after) * 2.0 ** lr_target.TOLERANCE)
     watch.handle = opt.register_step_pre_hook(watch)
+    _decided(pend, watch.limit, opt)
+
+
+def _decided(pend: Pending, limit: float, opt: Any = None) -> None:
+    """Record that ``pend``'s storage was decided for rates up to ``limit`` (by ``opt``'s first
+    step, or settle_rate): a later SGD over its layers above it is said (:func:`_check_later`)."""
+    pend.limit = max(pend.limit or 0.0, limit)
+    if opt is not None:
+        pend.deciders.add(opt)
+    _DECIDED.add(pend)
+    _SEEN.clear()
+
+
+def _check_later(opt: torch.optim.Optimizer) -> None:
+    """A later ``torch.optim.SGD`` (not the one whose first step decided the ceiling: that one
+    has its :class:`_RateWatch`) over the layers of a result whose storage was decided, at a
+    rate above where it was decided: said once, in a warning and the report (a second phase of
+    training with a new optimizer at a higher rate trained silently without the ceiling: the
+    loss went 2.68 -> 3.68 at lr=4 after a first optimizer at 0.01, where one at 4 from the
+    start falls steadily).  Each optimizer is checked once while its parameters stay."""
+    count = sum(len(g["params"]) for g in opt.param_groups)
+    if _SEEN.get(opt) == count:
+        return
+    _SEEN[opt] = count
+    if not isinstance(opt, torch.optim.SGD):
+        return
+    for pend in list(_DECIDED):
+        if pend in _PENDING or opt in pend.deciders or pend.limit is None:
+            continue
+        hit = [g for g in opt.param_groups for ids in [{id(p) for p in g["params"]}]
+               if pend.held_by(ids) is not None]
+        now = max([r for r in map(_peak, hit) if math.isfinite(r)], default=0.0)
+        if now <= pend.limit:
+            continue
+        _DECIDED.discard(pend)      # said once
+        text = (f"lr='auto': the ceiling was decided for rates up to {pend.limit:.4g} at the "
+                f"first step of an earlier optimizer (or settle_rate); {type(opt).__name__}, a "
+                f"later optimizer over the same layers, steps at {now:.4g}, above it, and the "
+                f"storage is not lowered for it: pass lr= (the highest rate you train at) and "
+                f"optimizer='sgd' to precondition, or call precondfx.settle_rate(model, "
+                f"peak_lr) before the first optimizer's first step")
+        log.info("precondfx: %s", text)
+        warnings.warn(f"precondfx: {text}", RuntimeWarning, stacklevel=4)
+        sec = pend.report.conditioning.get("lr_target")
+        if isinstance(sec, dict):
+            sec["raised"] = text
+            sec["summary"] = f"{sec['summary']}; later: {text}"
 
 
 def _unwatched() -> Any:
@@ -732,7 +829,7 @@ def _release_after(opt: torch.optim.Optimizer) -> None:
 
     def post(o: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         handle.pop().remove()
-        if not _PENDING:
+        if not _PENDING and not _DECIDED:
             _release()
     handle.append(opt.register_step_post_hook(post))
 
@@ -785,6 +882,9 @@ def settle_rate(model: nn.Module, lr: float, optimizer: Any = "sgd") -> dict[str
     else:
         try:
             sec = pend.set(model, list(pend.lr_buffers), lr, "SGD (settle_rate)")
+            after = sec.get("suggested_after")
+            if isinstance(after, float) and math.isfinite(after):
+                _decided(pend, max(lr, after) * 2.0 ** lr_target.TOLERANCE)
         finally:
             pend.consume()
     pend.report.conditioning["lr_target"] = sec

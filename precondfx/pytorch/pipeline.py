@@ -482,7 +482,7 @@ def _suggested(st: TorchState, families: tuple[str, ...] = ("sgd", "adam")) -> d
     from precondfx.pytorch.measure.suggest import suggest_lr
     o = st.opts
     return suggest_lr(st.result, st.sample, mode=o.calibration, key=o.output_key, seed=o.seed,
-                      families=families)
+                      families=families, graph=st.graph)
 
 
 def lr_scale(st: TorchState) -> None:
