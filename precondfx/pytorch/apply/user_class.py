@@ -1183,6 +1183,32 @@ class _Mark:
                  local_metadata: dict) -> None:
         if not (self.root_folds and prefix.endswith(f"{self.path}.")):
             local_metadata[SAVED] = True
+            for n, p in module._parameters.items():     # a copy of the dict keeps these
+                t = state_dict.get(prefix + n)
+                if p is not None and isinstance(t, torch.Tensor):
+                    _stored(t)
+
+
+#: id of a tensor a result's part put into a state dict -> a weak reference to it: a state
+#: dict copied into a new dict (``dict(sd)``, a comprehension) holds the same tensors, though
+#: not the metadata :class:`_Mark` writes
+_STORED: dict[int, Any] = {}
+
+
+def _stored(t: torch.Tensor) -> None:
+    """Remember ``t`` as the result's storage (until it is collected)."""
+    key = id(t)
+    _STORED[key] = weakref.ref(t, lambda _r, key=key: _STORED.pop(key, None))
+
+
+def _is_stored(t: Any) -> bool:
+    """Whether ``t`` is a tensor a result's state dict holds (:func:`_stored`)."""
+    r = _STORED.get(id(t))
+    return r is not None and r() is t
+
+
+#: the attribute of a result holding the load into a part in progress (:class:`_SubLoaded`)
+LOADING = "_precondfx_loading"
 
 
 class _SubCheckpoint:
@@ -1215,30 +1241,77 @@ class _SubCheckpoint:
                 if n.startswith(PREFIX) and b is not None}
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, meta: Any,
-                 *rest: Any) -> None:
+                 strict: bool = True, missing: Any = None, *rest: Any) -> None:
         root = self.root()
         if root is None or prefix.endswith(f"{self.path}.") or (meta or {}).get(SAVED):
             return
+        # the result's own tensors, copied into a new dict (no metadata): its storage
         held = [prefix + n for n, p in module._parameters.items()
-                if p is not None and prefix + n in state_dict]
+                if p is not None and prefix + n in state_dict and
+                not _is_stored(state_dict[prefix + n])]
         off = {n: c for n, c in self._constants(root, module).items()
                if not c.is_meta and not bool((c == 1).all())}
         if not held or not off:
             return
-        import warnings
-        shown = ", ".join(f"{n}={float(c):.4g}" if c.numel() == 1 else n
-                          for n, c in list(off.items())[:3])
-        warnings.warn(
-            f"precondfx: load_state_dict into a part of the preconditioned "
-            f"{root._get_name()} puts plain weights ({held[0]}, not saved from a "
-            f"preconditioned model: no precondfx entry in the state dict's metadata) into "
-            f"{self.path}, whose call multiplies the result's constants ({shown}): it will "
-            f"compute another function than the model they were saved from. Load them into "
-            f"your original model and precondition that (reinit_weights=False keeps them), "
-            f"or load a state dict saved from the result (its state_dict(), or "
-            f"result.get_submodule({self.path!r}).state_dict(): those carry the mark). Weights "
-            f"saved from this result and copied into a new dict (which drops the metadata) "
-            f"load as they are: ignore this warning then", RuntimeWarning, stacklevel=4)
+        # said once per load, by the module loaded (:class:`_SubLoaded`), for every layer
+        top = self.path[:len(self.path) - len(prefix)].rstrip(".") if prefix else self.path
+        rec = root.__dict__.get(LOADING)
+        if rec is None or rec["keys"] is not missing or missing is None:
+            rec = root.__dict__[LOADING] = {"keys": missing, "top": top, "held": [],
+                                            "paths": [], "off": {}}
+        rec["held"] += held
+        rec["paths"].append(self.path)
+        rec["off"].update(off)
+        if missing is None:         # called outside load_state_dict: said here
+            _say_plain_load(root, root.__dict__.pop(LOADING), 5)
+
+
+def _say_plain_load(root: nn.Module, rec: dict[str, Any], level: int) -> None:
+    """The one warning of a load of plain weights into a part of a result (:class:`_SubCheckpoint`
+    gathered what ``rec`` holds: the keys, the layers, their constants other than 1)."""
+    import warnings
+    held, paths, off = rec["held"], rec["paths"], rec["off"]
+    shown = ", ".join(f"{n}={float(c):.4g}" if c.numel() == 1 else n
+                      for n, c in list(off.items())[:3])
+    warnings.warn(
+        f"precondfx: load_state_dict into a part of the preconditioned "
+        f"{root._get_name()} puts plain weights ({held[0]}"
+        f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}, not saved from a "
+        f"preconditioned model: no precondfx entry in the state dict's metadata) into "
+        f"{', '.join(paths[:4])}{' ...' if len(paths) > 4 else ''} ({len(paths)} layer(s)), "
+        f"whose calls multiply the result's constants ({shown}"
+        f"{' ...' if len(off) > 3 else ''}): it will compute another function than the model "
+        f"they were saved from. Load them into your original model and precondition that "
+        f"(reinit_weights=False keeps them), or load a state dict saved from the result (its "
+        f"state_dict(), or result.get_submodule({rec['top']!r}).state_dict(), copied or not: "
+        f"those carry the mark). Weights saved from this result, copied into a new dict and "
+        f"then written to a file (which keeps neither the metadata nor the tensors) load as "
+        f"they are: ignore this warning then", RuntimeWarning, stacklevel=level)
+
+
+class _SubLoaded:
+    """``load_state_dict`` post-hook on each module of a result that :class:`_SubCheckpoint`
+    watches, or holds one that it watches: at the end of a load into this module, the one
+    warning of the plain weights found in it (before: one warning per layer)."""
+
+    def __init__(self, root: nn.Module, path: str) -> None:
+        self.root, self.path = weakref.ref(root), path
+
+    def __deepcopy__(self, memo: dict) -> "_SubLoaded":
+        root = self.root()
+        return _SubLoaded(memo.get(id(root), root), self.path) if root is not None else self
+
+    def __reduce__(self) -> tuple:
+        return (_SubLoaded, (self.root(), self.path))
+
+    def __call__(self, module: nn.Module, incompatible: Any) -> None:
+        root = self.root()
+        rec = root.__dict__.get(LOADING) if root is not None else None
+        if rec is None or rec["top"] != self.path or \
+                rec["keys"] is not getattr(incompatible, "missing_keys", None):
+            return
+        del root.__dict__[LOADING]
+        _say_plain_load(root, rec, 5)
 
 
 def guard_checkpoints(model: nn.Module) -> None:
@@ -1255,6 +1328,7 @@ def guard_checkpoints(model: nn.Module) -> None:
     folds = any(getattr(h, "__name__", "") == "_fold_state_dict" and
                 str(getattr(h, "__module__", "")).startswith("precondfx")
                 for h in model._state_dict_hooks.values())
+    watched: list[str] = []
     for path, m in model.named_modules():
         if not path:
             continue
@@ -1264,6 +1338,17 @@ def guard_checkpoints(model: nn.Module) -> None:
         elif (graph or consts) and any(p is not None for p in m._parameters.values()):
             m.register_load_state_dict_pre_hook(_SubCheckpoint(model, path))
             m.register_state_dict_post_hook(_Mark(path, folds))
+            watched.append(path)
+    tops = {path for w in watched for path in _and_above(w)}
+    for path, m in model.named_modules():
+        if path in tops:
+            m.register_load_state_dict_post_hook(_SubLoaded(model, path))
+
+
+def _and_above(path: str) -> list[str]:
+    """``path`` and the paths of the modules holding it, the root's excepted."""
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 # -- optimizers built on the model before precondition -------------------------------------------

@@ -1,0 +1,77 @@
+"""The user's model contract (hunt user8): plain weights loaded into a part of an fx result
+(one warning per load; the result's own state dict copied into a new dict loads silently),
+deep copies trained one per run (each its own report entry), methods that bypass the
+constants (a method calling ``self(x)`` and reading a layer, an installed library's class),
+and the training-loop idioms around them."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import precondfx
+
+
+def _quiet(fn, *a, **k):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*a, **k)
+
+
+def _caught(fn, *a, **k) -> list[str]:
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        fn(*a, **k)
+    return [str(w.message) for w in got if "precondfx" in str(w.message)]
+
+
+class Net(nn.Module):
+    """An encoder of three layers and a head: the encoder reloaded from a checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                                 nn.Linear(16, 16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.enc(x)))
+
+
+def _fx_result() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    user = Net()
+    # lr_scale='user': the layers' calls carry constants other than 1
+    res, rep = _quiet(precondfx.precondition, user, torch.randn(64, 8), lr=None,
+                      lr_scale="user", seed=0)
+    assert rep.capture == "fx"
+    return user, res
+
+
+def test_plain_weights_into_a_part_warn_once_per_load() -> None:
+    """Before: ``res.enc.load_state_dict(user.enc.state_dict())`` warned 3 times (once per
+    Linear of the encoder), each naming one layer.  Now once per load, naming the three."""
+    user, res = _fx_result()
+    said = _caught(res.enc.load_state_dict, user.enc.state_dict())
+    assert len(said) == 1, said
+    assert "enc.0, enc.2, enc.4 (3 layer(s))" in said[0]
+    # a second load is a second warning; a load into one layer names that layer
+    said = _caught(res.enc[2].load_state_dict, user.enc[2].state_dict())
+    assert len(said) == 1 and "into enc.2 (1 layer(s))" in said[0], said
+
+
+def test_the_results_own_state_dict_copied_into_a_new_dict_loads_silently() -> None:
+    """Before: ``{k: v for k, v in res.enc.state_dict().items()}`` (a new dict: no metadata)
+    loaded back warned 3 times that the weights were plain, and said to ignore it.  Now the
+    result's own tensors are recognized: no warning, the function unchanged."""
+    _, res = _fx_result()
+    x = torch.randn(16, 8)
+    ref = res(x).detach()
+    sd = res.enc.state_dict()
+    for copied in (dict(sd), {k: v for k, v in sd.items()}, copy.copy(sd)):
+        assert _caught(res.enc.load_state_dict, copied) == []
+    assert torch.allclose(res(x), ref)
