@@ -55,7 +55,11 @@ its curvature: the suggested SGD rate ``1 / lambda``
   copies (a template copied per run: ``run = copy.deepcopy(template)``) keep a pending step
   of their own: each run's first step sets its storage for its own rate, as a fresh result's
   would (a sweep over copies sweeps; before, the first run's rate decided every later run's
-  storage).  The report's section is the latest first step's.  A pickled copy
+  storage).  The report's ``lr_target`` section is the result's own first step's (and
+  its copies' that follow it), or the first copy's until the result steps; each copy
+  trained apart has its own section, listed in ``conditioning['lr_target_copies']`` in
+  the order of their first steps (its changes stay out of the result's
+  ``report.plan``).  A pickled copy
   (``torch.save(model)``) holds none, and pickling says so;
 * gradient accumulation: the rate read is the optimizer's.  A loop summing ``k``
   micro-batches' gradients before each step without dividing the loss by ``k`` steps ``k``
@@ -114,6 +118,12 @@ class Pending:
         self.models = [weakref.ref(model)]
         self.parents: list[int | None] = [None]     # the index of the model each was copied from
         self.graph, self.report = graph, report
+        #: the result ``precondition`` returned, and its report: the report's own section is
+        #: the result's (and its copies' that follow it); copies trained apart (one per run)
+        #: each get a report of their own, their sections listed in ``lr_target_copies``
+        self.result, self.main = weakref.ref(model), report
+        self.slot: int | None = None
+        self.last: dict[str, Any] | None = None     # the section it recorded last
         self.lr_buffers = lr_buffers
         self.sample, self.key, self.seed = sample, key, seed
         self.rms = {w: lr_transfer.stored_rms(model.get_parameter(w)) for w in lr_buffers}
@@ -164,8 +174,49 @@ class Pending:
         self.parents = [left.index(self.parents[i]) if self.parents[i] in left else None
                         for i in left]
         self.models = [self.models[i] for i in left]
+        # the side holding the result keeps its report; each other side gets its own
+        if other._holds_result():
+            other.report, other.slot, other.last = other.main, None, None
+            if self.report is self.main:
+                self._own_report()
+        else:
+            other._own_report()
         _PENDING.add(other)
         _NOT_MINE.clear()
+
+    def _holds_result(self) -> bool:
+        res = self.result()
+        return res is not None and any(r() is res for r in self.models)
+
+    def _own_report(self) -> None:
+        """A report of its own for the models this pending step holds apart from the result
+        (runs copied from it): their first step's changes are theirs, not the result's (before:
+        one run's factor went into the result's report.plan, and the latest run's section
+        replaced the result's)."""
+        own = copy.copy(self.main)
+        own.measured = copy.deepcopy(self.main.measured)
+        own.conditioning = dict(self.main.conditioning)
+        self.report, self.slot, self.last = own, None, None
+
+    def record(self, sec: dict[str, Any]) -> None:
+        """``sec`` as this pending step's report section: the result's report's
+        ``lr_target``; for copies trained apart (one per run) their own entry of its
+        ``lr_target_copies`` (in the order of their first steps), and its ``lr_target`` until
+        the result itself steps (an ensemble of copies, the result never trained)."""
+        prev, self.last = self.last, sec
+        self.report.conditioning["lr_target"] = sec
+        if self.report is self.main:
+            return
+        entries = self.main.conditioning.setdefault("lr_target_copies", [])
+        if self.slot is None:
+            self.slot = len(entries)
+            entries.append(sec)
+        else:
+            entries[self.slot] = sec
+        sec["copy"] = self.slot + 1
+        cur = self.main.conditioning.get("lr_target")
+        if not isinstance(cur, dict) or cur.get("pending") or cur is prev:
+            self.main.conditioning["lr_target"] = sec
 
     def __copy__(self) -> "Pending":
         return self
@@ -220,7 +271,7 @@ class Pending:
         if rest:
             self.earlier.append(sec["summary"])
             self.fired.add(opt)
-        self.report.conditioning["lr_target"] = sec
+        self.record(sec)
 
     def unheld(self, opt: torch.optim.Optimizer) -> None:
         """``opt``, whose first step left the other layers pending, steps again before any
@@ -787,7 +838,7 @@ def settle_rate(model: nn.Module, lr: float, optimizer: Any = "sgd") -> dict[str
             sec = pend.set(model, list(pend.lr_buffers), lr, "SGD (settle_rate)")
         finally:
             pend.consume()
-    pend.report.conditioning["lr_target"] = sec
+    pend.record(sec)
     return sec
 
 

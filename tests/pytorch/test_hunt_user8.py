@@ -75,3 +75,49 @@ def test_the_results_own_state_dict_copied_into_a_new_dict_loads_silently() -> N
     for copied in (dict(sd), {k: v for k, v in sd.items()}, copy.copy(sd)):
         assert _caught(res.enc.load_state_dict, copied) == []
     assert torch.allclose(res(x), ref)
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 10))
+
+
+def _train(model: nn.Module, lr: float, x: torch.Tensor, y: torch.Tensor,
+           steps: int = 2) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def test_runs_copied_from_a_template_each_get_their_own_report_entry() -> None:
+    """``for lr in (4.0, 0.01): run = copy.deepcopy(template)``.  Before: every run wrote
+    into the one report: ``conditioning['lr_target']`` ended as the latest run's section
+    (0.01, factor 1), the 4.0 run's went nowhere, and the 4.0 run's factor 0.3267 went into
+    the template's ``report.plan`` and ``report.measured`` (6 changes) though the template's
+    storage was untouched.  Now each run's section is its entry of ``lr_target_copies`` (in
+    the order of their first steps), ``lr_target`` is the first run's until the template
+    itself steps, and the template's plan records only the template's own step."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 20), torch.randint(0, 10, (64,))
+    template, rep = _quiet(precondfx.precondition, _mlp(), x, seed=0)
+    for lr in (4.0, 0.01):
+        run = copy.deepcopy(template)
+        ema = copy.deepcopy(run)        # an EMA follows its run, in the run's entry
+        _quiet(_train, run, lr, x, y)
+        for a, b in zip(run.buffers(), ema.buffers()):
+            assert torch.equal(a, b)
+    copies = rep.conditioning["lr_target_copies"]
+    assert [c["lr"] for c in copies] == [4.0, 0.01]
+    assert copies[0]["factor"] < 0.5 and copies[1]["factor"] == 1.0
+    assert rep.conditioning["lr_target"] is copies[0]
+    assert rep.measured.of("lr_target") == []
+    assert "copy 2 (its own first step)" in str(rep)
+    _quiet(_train, template, 4.0, x, y)        # the template's own step: its own entry
+    own = rep.conditioning["lr_target"]
+    assert own is not copies[0] and "copy" not in own
+    assert own["lr"] == 4.0 and own["factor"] == pytest.approx(copies[0]["factor"], rel=1e-4)
+    assert len(rep.measured.of("lr_target")) > 0
+    assert len(rep.conditioning["lr_target_copies"]) == 2
+
