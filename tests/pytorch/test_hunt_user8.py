@@ -121,3 +121,123 @@ def test_runs_copied_from_a_template_each_get_their_own_report_entry() -> None:
     assert len(rep.measured.of("lr_target")) > 0
     assert len(rep.conditioning["lr_target_copies"]) == 2
 
+
+# -- (a) methods that bypass the constants ---------------------------------------------------
+class TTA(nn.Module):
+    """A residual net with a test-time augmentation method that averages ``self(x)`` with the
+    layers run by hand on the flipped input, and a ``predict`` through ``self(x)`` alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(F.relu(self.a(x)))
+
+    def tta(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.flip(-1)
+        return (self(x) + xf + self.b(F.relu(self.a(xf)))) / 2
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x).argmax(-1)
+
+
+class Coupling(nn.Module):
+    def __init__(self, mask: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("mask", mask)
+        self.s = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.t = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xm = x * self.mask
+        s, t = self.s(xm) * (1 - self.mask), self.t(xm) * (1 - self.mask)
+        return xm + (1 - self.mask) * (x * torch.exp(s) + t)
+
+    def inverse(self, y: torch.Tensor) -> torch.Tensor:
+        ym = y * self.mask
+        s, t = self.s(ym) * (1 - self.mask), self.t(ym) * (1 - self.mask)
+        return ym + (1 - self.mask) * (y - t) * torch.exp(-s)
+
+
+class Flow(nn.Module):
+    """A RealNVP flow whose ``roundtrip`` runs ``self(x)`` and then its own ``inverse``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            Coupling(torch.tensor([i % 2, (i + 1) % 2] * 2).float()) for i in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def inverse(self, z: torch.Tensor) -> torch.Tensor:
+        for layer in reversed(self.layers):
+            z = layer.inverse(z)
+        return z
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inverse(self(x))
+
+
+def _said(model: nn.Module, x: torch.Tensor, **kw) -> tuple[nn.Module, object, list[str]]:
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        res, rep = precondfx.precondition(model, x, seed=0, **kw)
+    return res, rep, [str(w.message) for w in got if "run(s) your code" in str(w.message)]
+
+
+@pytest.mark.parametrize("capture", ["fx", "export", "eager"])
+def test_a_method_calling_self_and_the_layers_is_warned(capture: str) -> None:
+    """Before: ``tta`` calls ``self(x)``, so it was taken for a method through the rewritten
+    graph and never warned about, on every capture; its hand-run half computes without the
+    output scale: 1.02-1.38 off the average of two forward calls (output std 0.78).  Now the
+    warning names it, saying it calls self(...) too; ``predict`` (self(x) alone) is not named."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    res, rep, said = _said(TTA(), x, capture=capture, lr=None)
+    assert rep.capture == capture
+    with torch.no_grad():
+        want = (res(x) + res(x.flip(-1))) / 2
+        assert float((res.tta(x) - want).abs().max()) > 0.2 * float(want.std())
+    assert len(said) == 1 and "TTA.tta run(s)" in said[0], said
+    assert "tta call(s) self(...) too" in said[0] and "predict" not in said[0]
+    assert "target_std=None" in said[0]
+
+
+def test_a_method_calling_self_and_a_bypassing_method_is_named() -> None:
+    """fx: ``roundtrip`` = ``self.inverse(self(x))`` was left out of the warning naming
+    ``inverse`` (it calls self(x)); it is 30+ off x.  Now it is named with inverse."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    res, rep, said = _said(Flow(), x)
+    assert rep.capture == "fx"
+    with torch.no_grad():
+        assert float((res.roundtrip(x) - x).abs().max()) > 1.0
+    assert len(said) == 1 and "Flow.inverse, .roundtrip" in said[0], said
+    assert "roundtrip call(s) self(...) too" in said[0]
+
+
+@pytest.mark.parametrize("capture", ["export", "eager"])
+def test_a_submodules_own_inverse_is_warned_on_eager_and_export(capture: str) -> None:
+    """eager/export: the output scale rides on the last coupling's call (a hook), which
+    ``Coupling.inverse`` never runs: ``roundtrip(x)`` was 30+ off x and nothing was said
+    (``forward_only`` empty, no warning: only the root's constants were looked at).  Now a
+    warning names Coupling.inverse, the module (layers.3) and the constant, with the remedy;
+    with target_std=None there is nothing to say and the roundtrip is exact."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    model = Flow()
+    res, rep, said = _said(model, x, capture=capture)
+    with torch.no_grad():
+        assert float((res.roundtrip(x) - x).abs().max()) > 1.0
+    assert len(said) == 1 and "Coupling.inverse" in said[0], said
+    assert "outside the call of layers.3" in said[0] and "precondfx_output_scale" in said[0]
+    assert "target_std=None" in said[0]
+    assert any("Coupling.inverse" in s for s in rep.result["forward_only"])
+    res2, rep2, said2 = _said(model, x, capture=capture, target_std=None)
+    assert said2 == []
+    with torch.no_grad():
+        assert float((res2.roundtrip(x) - x).abs().max()) < 1e-3

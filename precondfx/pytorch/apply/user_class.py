@@ -734,10 +734,12 @@ def _runs(n: ast.AST, parent: dict) -> bool:
 def own_code_methods(user_cls: type, children: set[str]) -> list[str]:
     """The methods of the user's own classes (not an installed library's) other than
     ``forward`` that run the user's code on the submodules (they read ``self.<child>`` for a
-    child in ``children``, or call such a method: ``sample`` calling ``self.inverse``) without
-    going through ``self(...)`` or ``self.forward(...)``, which run the rewritten graph: an
+    child in ``children``, or call such a method: ``sample`` calling ``self.inverse``): an
     ``inverse`` or ``encode`` calling the layers itself.  Such a method computes without the
-    constants only the graph's forward applies."""
+    constants only the graph's forward applies, also where it calls ``self(...)`` or
+    ``self.forward(...)`` besides (a test-time augmentation averaging ``self(x)`` with
+    ``self.head(self.body(x.flip(-1)))``: that part runs without them); one that only calls
+    ``self(...)`` runs the rewritten graph (see :func:`also_forward`)."""
     found: dict[str, tuple[bool, bool, set[str]]] = {}     # name -> graph, reads, calls
     for klass in user_cls.__mro__:
         if klass in (nn.Module, object) or issubclass(nn.Module, klass):
@@ -765,12 +767,48 @@ def own_code_methods(user_cls: type, children: set[str]) -> list[str]:
                 if own:
                     calls.add(n.attr)
             found[name] = (graph, reads, calls)
-    out = {k for k, (g, r, _) in found.items() if r and not g}
+    out = {k for k, (_, r, _) in found.items() if r}
     while True:         # a method calling one of them (sample -> inverse) computes the same
-        more = {k for k, (g, _, c) in found.items() if not g and c & out} - out
+        more = {k for k, (_, _, c) in found.items() if c & out} - out
         if not more:
+            _ALSO_FORWARD[user_cls] = [k for k in found if k in out and found[k][0]]
             return [k for k in found if k in out]
         out |= more
+
+
+#: the methods :func:`own_code_methods` found last for a class that also call ``self(...)``
+_ALSO_FORWARD: "weakref.WeakKeyDictionary[type, list[str]]" = weakref.WeakKeyDictionary()
+
+
+def also_forward(user_cls: type) -> list[str]:
+    """Of the methods :func:`own_code_methods` returned for ``user_cls``, those that call
+    ``self(...)`` or ``self.forward(...)`` too (partly through the rewritten graph)."""
+    return list(_ALSO_FORWARD.get(user_cls, []))
+
+
+def carrier_methods(model: nn.Module, carriers: set[str]) -> list[tuple[str, list[str], dict]]:
+    """For each module at a path in ``carriers`` (not the root) of the user's own class (not
+    torch's or an installed library's) that holds constants other than 1 (an eager or export
+    result: applied by hooks on its call), the methods of its class other than ``forward``
+    that run its submodules (:func:`own_code_methods`: a coupling layer's ``inverse``): they
+    run none of those hooks, so they compute without the constants.  ``(path, methods,
+    {constant: value})`` each (one entry per class: its first such module)."""
+    out: list[tuple[str, list[str], dict]] = []
+    seen: set[type] = set()
+    for path in sorted(carriers):
+        m = model.get_submodule(path) if path else None
+        if m is None or type(m) in seen or _library_class(type(m)):
+            continue
+        consts = {n: float(b.reshape(-1)[0]) for n, b in m._buffers.items()
+                  if n.startswith(PREFIX) and b is not None and b.numel() and
+                  not b.is_meta and not bool((b == 1).all())}
+        if not consts:
+            continue
+        methods = own_code_methods(type(m), {n for n, _ in m.named_children()})
+        if methods:
+            seen.add(type(m))
+            out.append((path, methods, consts))
+    return out
 
 
 def _self_forward(func: ast.AST, me: str) -> bool:
