@@ -241,3 +241,49 @@ def test_a_submodules_own_inverse_is_warned_on_eager_and_export(capture: str) ->
     assert said2 == []
     with torch.no_grad():
         assert float((res2.roundtrip(x) - x).abs().max()) < 1e-3
+
+
+# -- (c) plain weights written into the result -------------------------------------------------
+@pytest.mark.parametrize("capture", ["fx", "export", "eager"])
+def test_unfold_writes_plain_weights_into_the_result(capture: str) -> None:
+    """Pretrained plain weights for the encoder (a checkpoint of your model): before, there
+    was no way to write them into the result but fold-then-precondition again; the docs said
+    an in-place ``copy_`` is not seen.  ``precondfx.unfold`` divides them by what fold
+    multiplies: loaded through the part, the root, or ``copy_`` of one tensor, the result
+    computes what your model computes with those weights (to 1e-5; the raw plain weights
+    copied in are 1.92x the output's max off it), with no warning."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    res, rep = _quiet(precondfx.precondition, Net(), x, lr=None, lr_scale="user",
+                      capture=capture, seed=0)
+    assert rep.capture == capture
+    torch.manual_seed(1)
+    pretrained = Net()
+    pre = pretrained.enc.state_dict()
+    want = copy.deepcopy(precondfx.fold(res))
+    want.enc.load_state_dict(pre)
+    with torch.no_grad():
+        ref = want(x)
+        scale = float(ref.abs().max())
+        raw = copy.deepcopy(res)
+        for k, v in pre.items():        # copy_ of the raw weights: not seen, off
+            raw.enc.get_parameter(k).copy_(v)
+        assert float((raw(x) - ref).abs().max()) > 0.1 * scale
+        part = copy.deepcopy(res)
+        assert _caught(part.enc.load_state_dict, precondfx.unfold(part, pre, prefix="enc.")) \
+            == []
+        assert torch.allclose(part(x), ref, rtol=1e-5, atol=1e-5 * scale)
+        root = copy.deepcopy(res)
+        whole = {f"enc.{k}": v for k, v in pre.items()}
+        whole.update({k: v for k, v in precondfx.fold(root).state_dict().items()
+                      if not k.startswith("enc.")})
+        assert _caught(root.load_state_dict, precondfx.unfold(root, whole)) == []
+        assert torch.allclose(root(x), ref, rtol=1e-5, atol=1e-5 * scale)
+        one = copy.deepcopy(res)
+        stored = precondfx.unfold(one, pre, prefix="enc.")
+        for k, v in stored.items():
+            if "precondfx" not in k:
+                one.enc.get_parameter(k).copy_(v)
+        assert torch.allclose(one(x), ref, rtol=1e-5, atol=1e-5 * scale)
+    with pytest.raises(precondfx.PrecondError, match="nothing of precondfx"):
+        precondfx.unfold(Net(), pre)
