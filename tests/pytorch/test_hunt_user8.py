@@ -287,3 +287,40 @@ def test_unfold_writes_plain_weights_into_the_result(capture: str) -> None:
         assert torch.allclose(one(x), ref, rtol=1e-5, atol=1e-5 * scale)
     with pytest.raises(precondfx.PrecondError, match="nothing of precondfx"):
         precondfx.unfold(Net(), pre)
+
+
+# -- a parametrization registered on a layer of the result -------------------------------------
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.fc = nn.Linear(20, 64), nn.Linear(64, 64), nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.relu(self.l2(F.relu(self.l1(x)))))
+
+
+@pytest.mark.parametrize("capture", ["export", "eager"])
+def test_weight_norm_registered_on_a_layer_of_the_result(capture: str) -> None:
+    """``torch.nn.utils.parametrizations.weight_norm(result.l2)`` after precondition (a
+    training recipe that adds weight norm to some layers): torch swaps the layer's class for
+    ``ParametrizedLinear``, and the next forward of an export or eager result failed with
+    ``KeyError: ParametrizedLinear`` (the weight-side forward looked layers up by exact
+    class).  Now the function is unchanged (1e-6), it trains, and the parametrization's
+    parameters get gradients."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 20), torch.randint(0, 10, (64,))
+    res, rep = _quiet(precondfx.precondition, MLP(), x, capture=capture, lr=None,
+                      lr_scale="user", seed=0)
+    assert rep.capture == capture
+    with torch.no_grad():
+        ref = res(x)
+    torch.nn.utils.parametrizations.weight_norm(res.l2)
+    with torch.no_grad():
+        assert torch.allclose(res(x), ref, atol=1e-5)
+    opt = torch.optim.SGD(res.parameters(), lr=0.1)
+    loss0 = F.cross_entropy(res(x), y)
+    loss0.backward()
+    g = res.l2.parametrizations.weight.original1.grad
+    assert g is not None and float(g.abs().sum()) > 0
+    opt.step()
+    assert float(F.cross_entropy(res(x), y)) < float(loss0)
