@@ -1199,9 +1199,11 @@ def _refuse_plain_checkpoint(module: nn.Module, state_dict: dict, prefix: str, m
         f"{held[0]}) but none of its {len(consts)} precondfx constants (e.g. {consts[0]}): it "
         f"was saved before precondition (or from precondfx.fold's plain model). Loaded into the "
         f"result, its weights would multiply the result's constants, a different function "
-        f"(strict=False would do it silently). Load it into your original model instead and "
-        f"precondition that (reinit_weights=False keeps the loaded weights), or load a state "
-        f"dict saved from a preconditioned model (it holds the precondfx_* entries)")
+        f"(strict=False would do it silently). Write its weights as the result's storage with "
+        f"load_state_dict(precondfx.unfold(result, state_dict)), load it into your original "
+        f"model instead and precondition that (reinit_weights=False keeps the loaded weights), "
+        f"or load a state dict saved from a preconditioned model (it holds the precondfx_* "
+        f"entries)")
 
 
 #: the ``state_dict`` metadata entry a module of a result writes (:class:`_Mark`)
@@ -1319,8 +1321,10 @@ def _say_plain_load(root: nn.Module, rec: dict[str, Any], level: int) -> None:
         f"{', '.join(paths[:4])}{' ...' if len(paths) > 4 else ''} ({len(paths)} layer(s)), "
         f"whose calls multiply the result's constants ({shown}"
         f"{' ...' if len(off) > 3 else ''}): it will compute another function than the model "
-        f"they were saved from. Load them into your original model and precondition that "
-        f"(reinit_weights=False keeps them), or load a state dict saved from the result (its "
+        f"they were saved from. Write them as the result's storage with "
+        f"result.get_submodule({rec['top']!r}).load_state_dict(precondfx.unfold(result, sd, "
+        f"prefix={rec['top'] + '.'!r})), load them into your original model and precondition "
+        f"that (reinit_weights=False keeps them), or load a state dict saved from the result (its "
         f"state_dict(), or result.get_submodule({rec['top']!r}).state_dict(), copied or not: "
         f"those carry the mark). Weights saved from this result, copied into a new dict and "
         f"then written to a file (which keeps neither the metadata nor the tensors) load as "
