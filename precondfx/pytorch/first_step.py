@@ -114,7 +114,8 @@ class Pending:
     """The first-step factor of one result and its deep copies (shared by all of them)."""
 
     def __init__(self, model: nn.Module, graph: Any, report: Any,
-                 lr_buffers: dict[str, list[str]], sample: Any, key: Any, seed: int) -> None:
+                 lr_buffers: dict[str, list[str]], sample: Any, key: Any, seed: int,
+                 added: tuple[str, ...] = ()) -> None:
         self.models = [weakref.ref(model)]
         self.parents: list[int | None] = [None]     # the index of the model each was copied from
         self.graph, self.report = graph, report
@@ -128,6 +129,8 @@ class Pending:
         self.sample, self.key, self.seed = sample, key, seed
         self.rms = {w: lr_transfer.stored_rms(model.get_parameter(w)) for w in lr_buffers}
         self.earlier: list[str] = []    # what the first steps of optimizers over parts did
+        #: the parameters precondition added (a max-pool's replacement convolution)
+        self.added = tuple(added)
         #: optimizers whose first step acted on some of the layers, the others left pending
         self.fired: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
@@ -268,6 +271,7 @@ class Pending:
                 self.consume()
         if self.earlier:
             sec["earlier"] = list(self.earlier)
+        _unstepped(self, model, held, sec)
         if rest:
             self.earlier.append(sec["summary"])
             self.fired.add(opt)
@@ -466,6 +470,28 @@ class Pending:
             warnings.warn(f"precondfx: {text}", RuntimeWarning, stacklevel=4)
         return {"lr": "auto", "optimizer": name, "factor": 1.0, "layers": 0,
                 "rounds": [], "kept": why, "summary": text}
+
+
+def _unstepped(pend: Pending, model: nn.Module, held: set[int], sec: dict[str, Any]) -> None:
+    """Say (a warning and ``sec['unstepped']``) the trainable parameters precondition added
+    (the strided convolution replacing a max-pool called twice or through ``F.max_pool2d``:
+    ``precondfx_*`` names) that neither the stepping optimizer nor any other parameter group
+    holds: parameter groups built by name (``n.startswith("backbone.")``) leave them out, and
+    they would never move from their initial values, silently."""
+    ps = {n: p for n in pend.added for p in [_param(model, n)]
+          if p is not None and p.requires_grad and id(p) not in held}
+    if not ps or _in_a_param_group(list(ps.values())):
+        return
+    names = list(ps)
+    text = (f"precondition added {len(names)} trainable parameters ({', '.join(names[:4])}"
+            f"{' ...' if len(names) > 4 else ''}: e.g. the strided convolution replacing a "
+            f"max-pool) that no optimizer's parameter group holds (groups built from parameter "
+            f"names leave them out): they get gradients and never move. Add them (by these "
+            f"names) to a group, build the optimizer from model.parameters(), "
+            f"or precondition with maxpool='keep'")
+    warnings.warn(f"precondfx: {text}", RuntimeWarning, stacklevel=4)
+    sec["unstepped"] = text
+    sec["summary"] = f"{sec['summary']}; {text}"
 
 
 def _param(model: nn.Module, name: str) -> Any:
@@ -789,15 +815,16 @@ def _release_after(opt: torch.optim.Optimizer) -> None:
 
 
 def arm(model: nn.Module, graph: Any, plan: Any, report: Any, lr_buffers: dict[str, list[str]],
-        sample: Any, key: Any, seed: int) -> Pending | None:
+        sample: Any, key: Any, seed: int, added: tuple[str, ...] = ()) -> Pending | None:
     """Keep what the first step needs on ``model`` (and register the global hook); None when
-    no trainable layer carries an lr multiplier."""
+    no trainable layer carries an lr multiplier.  ``added``: the names of the parameters
+    precondition added (said at the first step where no optimizer holds them)."""
     global _HANDLE
     ok, _ = lr_transfer.carried(lr_buffers, plan, graph)
     bufs = {w: lr_buffers[w] for w in ok}
     if not bufs:
         return None
-    pend = Pending(model, graph, report, bufs, sample.copy(), key, seed)
+    pend = Pending(model, graph, report, bufs, sample.copy(), key, seed, added)
     model.__dict__[ATTR] = pend       # not a submodule, parameter or buffer: no state_dict key
     _PENDING.add(pend)
     _NOT_MINE.clear()

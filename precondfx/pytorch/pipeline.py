@@ -523,8 +523,10 @@ def first_step(st: TorchState) -> None:
                        f"storage lr_scale chose; pass lr= and optimizer= when preconditioning "
                        f"the materialized, unsharded model to set it for your rate"}
         return
+    theirs = {n for n, _ in st.model.named_parameters(remove_duplicate=False)}
+    added = tuple(n for n, _ in st.result.named_parameters() if n not in theirs)
     pend = first_step_mod.arm(st.result, st.graph, st.plan, st.report, st.lr_buffers, st.sample,
-                              st.opts.output_key, st.opts.seed)
+                              st.opts.output_key, st.opts.seed, added)
     if pend is None:
         scale = st.report.output_scale
         if scale not in (None, 1.0) and any(p.requires_grad for p in st.result.parameters()):

@@ -324,3 +324,47 @@ def test_weight_norm_registered_on_a_layer_of_the_result(capture: str) -> None:
     assert g is not None and float(g.abs().sum()) > 0
     opt.step()
     assert float(F.cross_entropy(res(x), y)) < float(loss0)
+
+
+# -- parameter groups built by name leave out the parameters precondition added ----------------
+class CNN(nn.Module):
+    """A max-pool module called twice: fx replaces it by a strided convolution of its own
+    (``precondfx_pool_pool``), a trainable layer the user's names do not cover."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.pool = nn.MaxPool2d(2)
+        self.conv2, self.fc = nn.Conv2d(8, 16, 3, padding=1), nn.Linear(16 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pool(F.relu(self.bn1(self.conv1(x))))
+        h = self.pool(F.relu(self.conv2(h)))
+        return self.fc(h.flatten(1))
+
+
+def test_parameters_added_by_precondition_left_out_of_named_groups_are_said() -> None:
+    """Parameter groups by name (body at 0.05, head at 0.2): the replacement convolution
+    ``precondfx_pool_pool`` is in no group; before, it got gradients and never moved, and
+    nothing said so.  Now the first step warns, naming it, and the report says it; built from
+    ``model.parameters()`` nothing is said."""
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
+    res, rep = _quiet(precondfx.precondition, CNN(), x, seed=0)
+    assert rep.capture == "fx"
+    added = [n for n, _ in res.named_parameters() if n.startswith("precondfx_")]
+    assert added, [n for n, _ in res.named_parameters()]
+    ok = copy.deepcopy(res)
+    body = [p for n, p in res.named_parameters() if n.startswith(("conv", "bn"))]
+    head = [p for n, p in res.named_parameters() if n.startswith("fc")]
+    opt = torch.optim.SGD([{"params": body, "lr": 0.05}, {"params": head, "lr": 0.2}])
+    opt.zero_grad()
+    F.cross_entropy(res(x), y).backward()
+    said = _caught(opt.step)
+    assert len(said) == 1 and "precondfx_pool_pool.weight" in said[0], said
+    assert "no optimizer's parameter group holds" in said[0]
+    assert "precondfx_pool_pool.weight" in rep.conditioning["lr_target"]["unstepped"]
+    opt2 = torch.optim.SGD(ok.parameters(), lr=0.05)
+    opt2.zero_grad()
+    F.cross_entropy(ok(x), y).backward()
+    assert not any("no optimizer's parameter group" in s for s in _caught(opt2.step))
