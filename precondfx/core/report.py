@@ -426,7 +426,8 @@ class Report:
             if isinstance(lr, dict) and lr.get("summary"):
                 lines += [lr[k] for k in ("summary", "decision") if lr.get(k)]
         for i, sec in enumerate(self.conditioning.get("lr_target_copies") or []):
-            if isinstance(sec, dict) and sec.get("summary"):    # copies trained apart
+            if isinstance(sec, dict) and sec.get("summary") and \
+                    sec != self.conditioning.get("lr_target"):  # copies trained apart
                 lines.append(f"copy {i + 1} (its own first step): {sec['summary']}")
         for k, v in self.conditioning.items():
             if k not in ("hessian", "measure", "suggested_lr", "lr_scale", "lr_target",
