@@ -28,12 +28,13 @@ else:
     from precondfx.pytorch import distributed
     from precondfx.pytorch.apply.reinit import reinit
     from precondfx.pytorch.capture.common import Sample
-    from precondfx.pytorch.folding import fold, fold_problems
+    from precondfx.pytorch.folding import fold, fold_problems, unfold
     from precondfx.pytorch.first_step import settle_rate
 
     # ``import precondfx.distributed`` is public API: the module lives in the PyTorch back end.
     _sys.modules.setdefault(__name__ + ".distributed", distributed)
 
-__all__ = ["precondition", "analyze", "reinit", "fold", "fold_problems", "settle_rate", "Sample",
+__all__ = ["precondition", "analyze", "reinit", "fold", "fold_problems", "unfold",
+           "settle_rate", "Sample",
            "PrecondError",
            "Plan", "Options", "Report", "Result", "distributed", "init", "__version__"]

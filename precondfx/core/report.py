@@ -425,8 +425,13 @@ class Report:
             lr = self.conditioning.get(sec)
             if isinstance(lr, dict) and lr.get("summary"):
                 lines += [lr[k] for k in ("summary", "decision") if lr.get(k)]
+        for i, sec in enumerate(self.conditioning.get("lr_target_copies") or []):
+            if isinstance(sec, dict) and sec.get("summary") and \
+                    sec != self.conditioning.get("lr_target"):  # copies trained apart
+                lines.append(f"copy {i + 1} (its own first step): {sec['summary']}")
         for k, v in self.conditioning.items():
-            if k not in ("hessian", "measure", "suggested_lr", "lr_scale", "lr_target") and \
+            if k not in ("hessian", "measure", "suggested_lr", "lr_scale", "lr_target",
+                         "lr_target_copies") and \
                     isinstance(v, dict) and v:
                 brief = ", ".join(f"{a}={b}" for a, b in v.items()
                                   if isinstance(b, (int, float, str)) and len(str(b)) < 40)

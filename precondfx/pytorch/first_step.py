@@ -57,7 +57,11 @@ its curvature: the suggested SGD rate ``1 / lambda``
   copies (a template copied per run: ``run = copy.deepcopy(template)``) keep a pending step
   of their own: each run's first step sets its storage for its own rate, as a fresh result's
   would (a sweep over copies sweeps; before, the first run's rate decided every later run's
-  storage).  The report's section is the latest first step's.  A pickled copy
+  storage).  The report's ``lr_target`` section is the result's own first step's (and
+  its copies' that follow it), or the first copy's until the result steps; each copy
+  trained apart has its own section, listed in ``conditioning['lr_target_copies']`` in
+  the order of their first steps (its changes stay out of the result's
+  ``report.plan``).  A pickled copy
   (``torch.save(model)``) holds none, and pickling says so;
 * gradient accumulation: the rate read is the optimizer's ``lr``, never ``k * lr``.  A loop
   summing ``k`` micro-batches' gradients before each step without dividing the loss by ``k``
@@ -118,14 +122,23 @@ class Pending:
     """The first-step factor of one result and its deep copies (shared by all of them)."""
 
     def __init__(self, model: nn.Module, graph: Any, report: Any,
-                 lr_buffers: dict[str, list[str]], sample: Any, key: Any, seed: int) -> None:
+                 lr_buffers: dict[str, list[str]], sample: Any, key: Any, seed: int,
+                 added: tuple[str, ...] = ()) -> None:
         self.models = [weakref.ref(model)]
         self.parents: list[int | None] = [None]     # the index of the model each was copied from
         self.graph, self.report = graph, report
+        #: the result ``precondition`` returned, and its report: the report's own section is
+        #: the result's (and its copies' that follow it); copies trained apart (one per run)
+        #: each get a report of their own, their sections listed in ``lr_target_copies``
+        self.result, self.main = weakref.ref(model), report
+        self.slot: int | None = None
+        self.last: dict[str, Any] | None = None     # the section it recorded last
         self.lr_buffers = lr_buffers
         self.sample, self.key, self.seed = sample, key, seed
         self.rms = {w: lr_transfer.stored_rms(model.get_parameter(w)) for w in lr_buffers}
         self.earlier: list[str] = []    # what the first steps of optimizers over parts did
+        #: the parameters precondition added (a max-pool's replacement convolution)
+        self.added = tuple(added)
         #: optimizers whose first step acted on some of the layers, the others left pending
         self.fired: "weakref.WeakSet[Any]" = weakref.WeakSet()
         #: the rate up to which the decided storage holds, and the optimizers that decided it
@@ -176,8 +189,49 @@ class Pending:
         self.parents = [left.index(self.parents[i]) if self.parents[i] in left else None
                         for i in left]
         self.models = [self.models[i] for i in left]
+        # the side holding the result keeps its report; each other side gets its own
+        if other._holds_result():
+            other.report, other.slot, other.last = other.main, None, None
+            if self.report is self.main:
+                self._own_report()
+        else:
+            other._own_report()
         _PENDING.add(other)
         _NOT_MINE.clear()
+
+    def _holds_result(self) -> bool:
+        res = self.result()
+        return res is not None and any(r() is res for r in self.models)
+
+    def _own_report(self) -> None:
+        """A report of its own for the models this pending step holds apart from the result
+        (runs copied from it): their first step's changes are theirs, not the result's (before:
+        one run's factor went into the result's report.plan, and the latest run's section
+        replaced the result's)."""
+        own = copy.copy(self.main)
+        own.measured = copy.deepcopy(self.main.measured)
+        own.conditioning = dict(self.main.conditioning)
+        self.report, self.slot, self.last = own, None, None
+
+    def record(self, sec: dict[str, Any]) -> None:
+        """``sec`` as this pending step's report section: the result's report's
+        ``lr_target``; for copies trained apart (one per run) their own entry of its
+        ``lr_target_copies`` (in the order of their first steps), and its ``lr_target`` until
+        the result itself steps (an ensemble of copies, the result never trained)."""
+        prev, self.last = self.last, sec
+        self.report.conditioning["lr_target"] = sec
+        if self.report is self.main:
+            return
+        entries = self.main.conditioning.setdefault("lr_target_copies", [])
+        if self.slot is None:
+            self.slot = len(entries)
+            entries.append(sec)
+        else:
+            entries[self.slot] = sec
+        sec["copy"] = self.slot + 1
+        cur = self.main.conditioning.get("lr_target")
+        if not isinstance(cur, dict) or cur.get("pending") or cur is prev:
+            self.main.conditioning["lr_target"] = sec
 
     def __copy__(self) -> "Pending":
         return self
@@ -229,10 +283,11 @@ class Pending:
                 self.consume()
         if self.earlier:
             sec["earlier"] = list(self.earlier)
+        _unstepped(self, model, held, sec)
         if rest:
             self.earlier.append(sec["summary"])
             self.fired.add(opt)
-        self.report.conditioning["lr_target"] = sec
+        self.record(sec)
 
     def unheld(self, opt: torch.optim.Optimizer) -> None:
         """``opt``, whose first step left the other layers pending, steps again before any
@@ -456,6 +511,28 @@ def _not_sgd(opt: torch.optim.Optimizer) -> str:
                 f"know SGD and Adam only): the storage precondition chose is kept")
     return (f"{name} is not SGD: under Adam-family optimizers the storage precondition chose "
             f"keeps the rate tuned for the framework's init (docs/results/heldout_cpu.md)")
+
+
+def _unstepped(pend: Pending, model: nn.Module, held: set[int], sec: dict[str, Any]) -> None:
+    """Say (a warning and ``sec['unstepped']``) the trainable parameters precondition added
+    (the strided convolution replacing a max-pool called twice or through ``F.max_pool2d``:
+    ``precondfx_*`` names) that neither the stepping optimizer nor any other parameter group
+    holds: parameter groups built by name (``n.startswith("backbone.")``) leave them out, and
+    they would never move from their initial values, silently."""
+    ps = {n: p for n in pend.added for p in [_param(model, n)]
+          if p is not None and p.requires_grad and id(p) not in held}
+    if not ps or _in_a_param_group(list(ps.values())):
+        return
+    names = list(ps)
+    text = (f"precondition added {len(names)} trainable parameters ({', '.join(names[:4])}"
+            f"{' ...' if len(names) > 4 else ''}: e.g. the strided convolution replacing a "
+            f"max-pool) that no optimizer's parameter group holds (groups built from parameter "
+            f"names leave them out): they get gradients and never move. Add them (by these "
+            f"names) to a group, build the optimizer from model.parameters(), "
+            f"or precondition with maxpool='keep'")
+    warnings.warn(f"precondfx: {text}", RuntimeWarning, stacklevel=4)
+    sec["unstepped"] = text
+    sec["summary"] = f"{sec['summary']}; {text}"
 
 
 def _param(model: nn.Module, name: str) -> Any:
@@ -835,15 +912,16 @@ def _release_after(opt: torch.optim.Optimizer) -> None:
 
 
 def arm(model: nn.Module, graph: Any, plan: Any, report: Any, lr_buffers: dict[str, list[str]],
-        sample: Any, key: Any, seed: int) -> Pending | None:
+        sample: Any, key: Any, seed: int, added: tuple[str, ...] = ()) -> Pending | None:
     """Keep what the first step needs on ``model`` (and register the global hook); None when
-    no trainable layer carries an lr multiplier."""
+    no trainable layer carries an lr multiplier.  ``added``: the names of the parameters
+    precondition added (said at the first step where no optimizer holds them)."""
     global _HANDLE
     ok, _ = lr_transfer.carried(lr_buffers, plan, graph)
     bufs = {w: lr_buffers[w] for w in ok}
     if not bufs:
         return None
-    pend = Pending(model, graph, report, bufs, sample.copy(), key, seed)
+    pend = Pending(model, graph, report, bufs, sample.copy(), key, seed, added)
     model.__dict__[ATTR] = pend       # not a submodule, parameter or buffer: no state_dict key
     _PENDING.add(pend)
     _NOT_MINE.clear()
@@ -887,7 +965,7 @@ def settle_rate(model: nn.Module, lr: float, optimizer: Any = "sgd") -> dict[str
                 _decided(pend, max(lr, after) * 2.0 ** lr_target.TOLERANCE)
         finally:
             pend.consume()
-    pend.report.conditioning["lr_target"] = sec
+    pend.record(sec)
     return sec
 
 

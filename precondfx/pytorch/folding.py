@@ -47,6 +47,7 @@ pickled GraphModule, pass ``source=YourModel(...)``.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import operator
@@ -883,6 +884,45 @@ def fold(model: nn.Module, *, source: nn.Module | None = None) -> nn.Module:
     copy_modes(model, plain)
     return plain
 
+
+
+def unfold(model: nn.Module, state_dict: dict[str, Any], *, prefix: str = "") -> dict[str, Any]:
+    """Plain weights as ``model`` (a ``precondition`` result) stores them: the inverse of
+    :func:`fold`, for writing your model's weights (pretrained ones, a checkpoint saved before
+    precondition, :func:`fold`'s model) into the result.  ``state_dict`` is keyed as your
+    model's, or, with ``prefix`` (``"encoder."``), as the part ``model.encoder``'s.  Each
+    parameter is divided by the factor :func:`fold` multiplies it by (and the shift it adds
+    subtracted); the result's constants under ``prefix`` are added where missing; other
+    entries stay as they are.  ``model.load_state_dict(precondfx.unfold(model, sd))`` (or a
+    part's, or ``p.copy_(...)`` of one entry: an in-place copy is not seen by precondfx, so
+    copy the unfolded tensor) then computes what your model computes with those weights.
+    Raises ``PrecondError`` where :func:`fold` would (a constant that cannot fold)."""
+    from precondfx.pytorch.apply.user_class import _stored
+    if not isinstance(state_dict, dict):
+        raise PrecondError(f"unfold takes a state dict (a dict of tensors keyed as your "
+                           f"model's), got {type(state_dict).__name__}")
+    if _untouched(model):
+        raise PrecondError(_NOTHING.format(type(model).__name__))
+    factors, problems, _ = _plan(model, None)
+    if problems:
+        raise PrecondError(_message(problems))
+    shifts = fold_shifts(model)
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        for k, v in state_dict.items():
+            f, d = factors.get(prefix + k, 1.0), shifts.get(prefix + k, 0.0)
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and (f != 1.0 or d):
+                v = ((v - d) / f).to(v.dtype)
+            out[k] = v
+        for k, v in model.state_dict().items():       # the constants the result loads with
+            if k.startswith(prefix) and PREFIX in k and k[len(prefix):] not in out:
+                out[k[len(prefix):]] = v
+    for v in out.values():      # the result's storage: a part loads it without a warning
+        if isinstance(v, torch.Tensor):
+            _stored(v)
+    if hasattr(state_dict, "_metadata"):
+        out = collections.OrderedDict(out)
+    return out
 
 #: fold of a model that holds nothing of precondfx (``_untouched``)
 _NOTHING = ("fold found nothing of precondfx in this {}: no constant, no record of a "

@@ -526,8 +526,10 @@ def first_step(st: TorchState) -> None:
                        f"storage lr_scale chose; pass lr= and optimizer= when preconditioning "
                        f"the materialized, unsharded model to set it for your rate"}
         return
+    theirs = {n for n, _ in st.model.named_parameters(remove_duplicate=False)}
+    added = tuple(n for n, _ in st.result.named_parameters() if n not in theirs)
     pend = first_step_mod.arm(st.result, st.graph, st.plan, st.report, st.lr_buffers, st.sample,
-                              st.opts.output_key, st.opts.seed)
+                              st.opts.output_key, st.opts.seed, added)
     if pend is None:
         scale = st.report.output_scale
         if scale not in (None, 1.0) and any(p.requires_grad for p in st.result.parameters()):
@@ -660,9 +662,12 @@ def reset_stale_statistics(st: TorchState) -> None:
             f"training updates them (eval mode before that uses mean 0, variance 1)")
 
 
-def _warn_methods(cls: type, methods: list[str], only: list[str]) -> None:
+def _warn_methods(cls: type, methods: list[str], only: list[str], where: str = "",
+                  partly: list[str] | None = None) -> None:
     """Warn that ``methods`` of the user's class (an ``inverse``, an ``encode``) run the user's
-    code on the layers and compute without the constants ``only`` lists, with what to do."""
+    code on the layers and compute without the constants ``only`` lists, with what to do.
+    ``where``: the module whose call applies them (a submodule's class); ``partly``: the
+    methods that call ``self(...)`` too (the rest of their computation is outside it)."""
     fixes = []
     if any("output_scale" in c for c in only):
         fixes.append("target_std=None (no output scale)")
@@ -674,12 +679,16 @@ def _warn_methods(cls: type, methods: list[str], only: list[str]) -> None:
         fixes.append("maxpool='keep' (max-pooling kept)")
     todo = (f"precondition with {' and '.join(fixes)} so that they compute the same function "
             f"as forward" if fixes else "call them only through forward, or fold the model")
+    also = (f" ({', '.join(partly)} call(s) self(...) too, but run(s) the layers outside it "
+            f"as well)" if partly else "")
+    site = (f"outside the call of {where} (the hooks of its call apply the constants): only "
+            f"that call applies" if where else "not the rewritten forward: only forward applies")
     warnings.warn(
-        f"precondfx: {cls.__name__}.{', .'.join(methods)} run(s) your code on the layers, not "
-        f"the rewritten forward: only forward applies {'; '.join(only[:4])}"
-        f"{' ...' if len(only) > 4 else ''}, so these methods compute a different function "
-        f"(e.g. an inverse no longer inverts forward); {todo} (report.result['forward_only'])",
-        RuntimeWarning, stacklevel=2)
+        f"precondfx: {cls.__name__}.{', .'.join(methods)} run(s) your code on the layers, "
+        f"{site} {'; '.join(only[:4])}{' ...' if len(only) > 4 else ''}{also}, so these "
+        f"methods{' and the methods calling them' if where else ''} compute a different "
+        f"function (e.g. an inverse no longer inverts forward); {todo} "
+        f"(report.result['forward_only'])", RuntimeWarning, stacklevel=2)
 
 
 def result_record(st: TorchState) -> None:
@@ -717,7 +726,14 @@ def result_record(st: TorchState) -> None:
     methods = user_class.own_code_methods(cls, {n for n, _ in res.named_children()}) \
         if mine and only else []
     if methods:         # never silently: an inverse that no longer inverts forward
-        _warn_methods(cls, methods, only)
+        _warn_methods(cls, methods, only, partly=user_class.also_forward(cls))
+    if not graph:       # a submodule's own methods skip the hooks of its call (eager, export)
+        for path, ms, consts in user_class.carrier_methods(res, carriers):
+            said = [f"constant {n}={v:.4g}" for n, v in consts.items()]
+            _warn_methods(type(res.get_submodule(path)), ms, said, where=path)
+            only += [f"method {type(res.get_submodule(path)).__name__}.{m} (the class of "
+                     f"{path}) runs its layers outside its call: without {', '.join(said)}"
+                     for m in ms]
     if not mine:        # never silently: the report's result line says it too
         warnings.warn(f"precondfx: the result is a torch.fx.GraphModule, not your class "
                       f"{cls.__name__} ({st.not_user_class}): its methods other than forward "

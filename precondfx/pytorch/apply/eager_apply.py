@@ -96,6 +96,23 @@ def _hf_conv1d(mod: nn.Module) -> bool:
         getattr(mod, "weight", None) is not None and mod.weight.dim() == 2
 
 
+def _stock_base(m: nn.Module) -> type | None:
+    """The layer class (``nn.Linear``, a zero-padded ``nn.ConvNd``, ``nn.Embedding``,
+    transformers' ``Conv1D``) whose own forward ``m``'s class runs, where the weight-side
+    forward computes the same thing: also a subclass that keeps that forward (the class
+    ``torch.nn.utils.parametrize`` gives a layer when a parametrization such as
+    ``weight_norm`` is registered on it after precondition; before: ``KeyError:
+    ParametrizedLinear`` at the next call).  None where the class overrides the forward: the
+    class's forward then runs, and the hooks apply the scales."""
+    fwd = type(m).forward
+    for base in type(m).__mro__:
+        if base is nn.Linear or base is nn.Embedding or base in _CONVS or \
+                (base.__name__ == "Conv1D" and _hf_conv1d(m)):
+            ok = fwd is base.forward and (base not in _CONVS or m.padding_mode == "zeros")
+            return base if ok else None
+    return None
+
+
 def _only_scale_hooks(m: nn.Module) -> bool:
     g = nn.modules.module
     if m._backward_hooks or m._backward_pre_hooks or g._global_forward_hooks or \
@@ -112,7 +129,7 @@ def _on_weight(m: nn.Module, args: tuple) -> bool:
     pre-hook, the forward and the hook of one call)."""
     f = m.__dict__.get("forward")
     if not (isinstance(f, functools.partial) and f.func is _weight_side_forward) or \
-            len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            len(args) != 1 or not isinstance(args[0], torch.Tensor) or _stock_base(m) is None:
         return False
     x = args[0]
     act = x.numel() * m.embedding_dim if isinstance(m, nn.Embedding) else x.numel()
@@ -145,12 +162,13 @@ def _weight_side_forward(m: nn.Module, *args: Any, **kwargs: Any) -> Any:
     b = m.bias
     if b is not None and cout is not None:
         b = b * cout
-    if _hf_conv1d(m):
-        y = torch.addmm(b, x.view(-1, x.size(-1)), w)
-        return y.view(x.size()[:-1] + (m.nf,))
-    if type(m) is nn.Linear:
+    base = _stock_base(m)
+    if base is nn.Linear:
         return F.linear(x, w, b)
-    return _CONVS[type(m)](x, w, b, m.stride, m.padding, m.dilation, m.groups)
+    if base in _CONVS:
+        return _CONVS[base](x, w, b, m.stride, m.padding, m.dilation, m.groups)
+    y = torch.addmm(b, x.view(-1, x.size(-1)), w)       # transformers' Conv1D
+    return y.view(x.size()[:-1] + (m.nf,))
 
 
 _CONVS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}

@@ -734,10 +734,12 @@ def _runs(n: ast.AST, parent: dict) -> bool:
 def own_code_methods(user_cls: type, children: set[str]) -> list[str]:
     """The methods of the user's own classes (not an installed library's) other than
     ``forward`` that run the user's code on the submodules (they read ``self.<child>`` for a
-    child in ``children``, or call such a method: ``sample`` calling ``self.inverse``) without
-    going through ``self(...)`` or ``self.forward(...)``, which run the rewritten graph: an
+    child in ``children``, or call such a method: ``sample`` calling ``self.inverse``): an
     ``inverse`` or ``encode`` calling the layers itself.  Such a method computes without the
-    constants only the graph's forward applies."""
+    constants only the graph's forward applies, also where it calls ``self(...)`` or
+    ``self.forward(...)`` besides (a test-time augmentation averaging ``self(x)`` with
+    ``self.head(self.body(x.flip(-1)))``: that part runs without them); one that only calls
+    ``self(...)`` runs the rewritten graph (see :func:`also_forward`)."""
     found: dict[str, tuple[bool, bool, set[str]]] = {}     # name -> graph, reads, calls
     for klass in user_cls.__mro__:
         if klass in (nn.Module, object) or issubclass(nn.Module, klass):
@@ -765,12 +767,48 @@ def own_code_methods(user_cls: type, children: set[str]) -> list[str]:
                 if own:
                     calls.add(n.attr)
             found[name] = (graph, reads, calls)
-    out = {k for k, (g, r, _) in found.items() if r and not g}
+    out = {k for k, (_, r, _) in found.items() if r}
     while True:         # a method calling one of them (sample -> inverse) computes the same
-        more = {k for k, (g, _, c) in found.items() if not g and c & out} - out
+        more = {k for k, (_, _, c) in found.items() if c & out} - out
         if not more:
+            _ALSO_FORWARD[user_cls] = [k for k in found if k in out and found[k][0]]
             return [k for k in found if k in out]
         out |= more
+
+
+#: the methods :func:`own_code_methods` found last for a class that also call ``self(...)``
+_ALSO_FORWARD: "weakref.WeakKeyDictionary[type, list[str]]" = weakref.WeakKeyDictionary()
+
+
+def also_forward(user_cls: type) -> list[str]:
+    """Of the methods :func:`own_code_methods` returned for ``user_cls``, those that call
+    ``self(...)`` or ``self.forward(...)`` too (partly through the rewritten graph)."""
+    return list(_ALSO_FORWARD.get(user_cls, []))
+
+
+def carrier_methods(model: nn.Module, carriers: set[str]) -> list[tuple[str, list[str], dict]]:
+    """For each module at a path in ``carriers`` (not the root) of the user's own class (not
+    torch's or an installed library's) that holds constants other than 1 (an eager or export
+    result: applied by hooks on its call), the methods of its class other than ``forward``
+    that run its submodules (:func:`own_code_methods`: a coupling layer's ``inverse``): they
+    run none of those hooks, so they compute without the constants.  ``(path, methods,
+    {constant: value})`` each (one entry per class: its first such module)."""
+    out: list[tuple[str, list[str], dict]] = []
+    seen: set[type] = set()
+    for path in sorted(carriers):
+        m = model.get_submodule(path) if path else None
+        if m is None or type(m) in seen or _library_class(type(m)):
+            continue
+        consts = {n: float(b.reshape(-1)[0]) for n, b in m._buffers.items()
+                  if n.startswith(PREFIX) and b is not None and b.numel() and
+                  not b.is_meta and not bool((b == 1).all())}
+        if not consts:
+            continue
+        methods = own_code_methods(type(m), {n for n, _ in m.named_children()})
+        if methods:
+            seen.add(type(m))
+            out.append((path, methods, consts))
+    return out
 
 
 def _self_forward(func: ast.AST, me: str) -> bool:
@@ -1161,9 +1199,11 @@ def _refuse_plain_checkpoint(module: nn.Module, state_dict: dict, prefix: str, m
         f"{held[0]}) but none of its {len(consts)} precondfx constants (e.g. {consts[0]}): it "
         f"was saved before precondition (or from precondfx.fold's plain model). Loaded into the "
         f"result, its weights would multiply the result's constants, a different function "
-        f"(strict=False would do it silently). Load it into your original model instead and "
-        f"precondition that (reinit_weights=False keeps the loaded weights), or load a state "
-        f"dict saved from a preconditioned model (it holds the precondfx_* entries)")
+        f"(strict=False would do it silently). Write its weights as the result's storage with "
+        f"load_state_dict(precondfx.unfold(result, state_dict)), load it into your original "
+        f"model instead and precondition that (reinit_weights=False keeps the loaded weights), "
+        f"or load a state dict saved from a preconditioned model (it holds the precondfx_* "
+        f"entries)")
 
 
 #: the ``state_dict`` metadata entry a module of a result writes (:class:`_Mark`)
@@ -1183,6 +1223,32 @@ class _Mark:
                  local_metadata: dict) -> None:
         if not (self.root_folds and prefix.endswith(f"{self.path}.")):
             local_metadata[SAVED] = True
+            for n, p in module._parameters.items():     # a copy of the dict keeps these
+                t = state_dict.get(prefix + n)
+                if p is not None and isinstance(t, torch.Tensor):
+                    _stored(t)
+
+
+#: id of a tensor a result's part put into a state dict -> a weak reference to it: a state
+#: dict copied into a new dict (``dict(sd)``, a comprehension) holds the same tensors, though
+#: not the metadata :class:`_Mark` writes
+_STORED: dict[int, Any] = {}
+
+
+def _stored(t: torch.Tensor) -> None:
+    """Remember ``t`` as the result's storage (until it is collected)."""
+    key = id(t)
+    _STORED[key] = weakref.ref(t, lambda _r, key=key: _STORED.pop(key, None))
+
+
+def _is_stored(t: Any) -> bool:
+    """Whether ``t`` is a tensor a result's state dict holds (:func:`_stored`)."""
+    r = _STORED.get(id(t))
+    return r is not None and r() is t
+
+
+#: the attribute of a result holding the load into a part in progress (:class:`_SubLoaded`)
+LOADING = "_precondfx_loading"
 
 
 class _SubCheckpoint:
@@ -1215,30 +1281,79 @@ class _SubCheckpoint:
                 if n.startswith(PREFIX) and b is not None}
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, meta: Any,
-                 *rest: Any) -> None:
+                 strict: bool = True, missing: Any = None, *rest: Any) -> None:
         root = self.root()
         if root is None or prefix.endswith(f"{self.path}.") or (meta or {}).get(SAVED):
             return
+        # the result's own tensors, copied into a new dict (no metadata): its storage
         held = [prefix + n for n, p in module._parameters.items()
-                if p is not None and prefix + n in state_dict]
+                if p is not None and prefix + n in state_dict and
+                not _is_stored(state_dict[prefix + n])]
         off = {n: c for n, c in self._constants(root, module).items()
                if not c.is_meta and not bool((c == 1).all())}
         if not held or not off:
             return
-        import warnings
-        shown = ", ".join(f"{n}={float(c):.4g}" if c.numel() == 1 else n
-                          for n, c in list(off.items())[:3])
-        warnings.warn(
-            f"precondfx: load_state_dict into a part of the preconditioned "
-            f"{root._get_name()} puts plain weights ({held[0]}, not saved from a "
-            f"preconditioned model: no precondfx entry in the state dict's metadata) into "
-            f"{self.path}, whose call multiplies the result's constants ({shown}): it will "
-            f"compute another function than the model they were saved from. Load them into "
-            f"your original model and precondition that (reinit_weights=False keeps them), "
-            f"or load a state dict saved from the result (its state_dict(), or "
-            f"result.get_submodule({self.path!r}).state_dict(): those carry the mark). Weights "
-            f"saved from this result and copied into a new dict (which drops the metadata) "
-            f"load as they are: ignore this warning then", RuntimeWarning, stacklevel=4)
+        # said once per load, by the module loaded (:class:`_SubLoaded`), for every layer
+        top = self.path[:len(self.path) - len(prefix)].rstrip(".") if prefix else self.path
+        rec = root.__dict__.get(LOADING)
+        if rec is None or rec["keys"] is not missing or missing is None:
+            rec = root.__dict__[LOADING] = {"keys": missing, "top": top, "held": [],
+                                            "paths": [], "off": {}}
+        rec["held"] += held
+        rec["paths"].append(self.path)
+        rec["off"].update(off)
+        if missing is None:         # called outside load_state_dict: said here
+            _say_plain_load(root, root.__dict__.pop(LOADING), 5)
+
+
+def _say_plain_load(root: nn.Module, rec: dict[str, Any], level: int) -> None:
+    """The one warning of a load of plain weights into a part of a result (:class:`_SubCheckpoint`
+    gathered what ``rec`` holds: the keys, the layers, their constants other than 1)."""
+    import warnings
+    held, paths, off = rec["held"], rec["paths"], rec["off"]
+    shown = ", ".join(f"{n}={float(c):.4g}" if c.numel() == 1 else n
+                      for n, c in list(off.items())[:3])
+    warnings.warn(
+        f"precondfx: load_state_dict into a part of the preconditioned "
+        f"{root._get_name()} puts plain weights ({held[0]}"
+        f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}, not saved from a "
+        f"preconditioned model: no precondfx entry in the state dict's metadata) into "
+        f"{', '.join(paths[:4])}{' ...' if len(paths) > 4 else ''} ({len(paths)} layer(s)), "
+        f"whose calls multiply the result's constants ({shown}"
+        f"{' ...' if len(off) > 3 else ''}): it will compute another function than the model "
+        f"they were saved from. Write them as the result's storage with "
+        f"result.get_submodule({rec['top']!r}).load_state_dict(precondfx.unfold(result, sd, "
+        f"prefix={rec['top'] + '.'!r})), load them into your original model and precondition "
+        f"that (reinit_weights=False keeps them), or load a state dict saved from the result (its "
+        f"state_dict(), or result.get_submodule({rec['top']!r}).state_dict(), copied or not: "
+        f"those carry the mark). Weights saved from this result, copied into a new dict and "
+        f"then written to a file (which keeps neither the metadata nor the tensors) load as "
+        f"they are: ignore this warning then", RuntimeWarning, stacklevel=level)
+
+
+class _SubLoaded:
+    """``load_state_dict`` post-hook on each module of a result that :class:`_SubCheckpoint`
+    watches, or holds one that it watches: at the end of a load into this module, the one
+    warning of the plain weights found in it (before: one warning per layer)."""
+
+    def __init__(self, root: nn.Module, path: str) -> None:
+        self.root, self.path = weakref.ref(root), path
+
+    def __deepcopy__(self, memo: dict) -> "_SubLoaded":
+        root = self.root()
+        return _SubLoaded(memo.get(id(root), root), self.path) if root is not None else self
+
+    def __reduce__(self) -> tuple:
+        return (_SubLoaded, (self.root(), self.path))
+
+    def __call__(self, module: nn.Module, incompatible: Any) -> None:
+        root = self.root()
+        rec = root.__dict__.get(LOADING) if root is not None else None
+        if rec is None or rec["top"] != self.path or \
+                rec["keys"] is not getattr(incompatible, "missing_keys", None):
+            return
+        del root.__dict__[LOADING]
+        _say_plain_load(root, rec, 5)
 
 
 def guard_checkpoints(model: nn.Module) -> None:
@@ -1255,6 +1370,7 @@ def guard_checkpoints(model: nn.Module) -> None:
     folds = any(getattr(h, "__name__", "") == "_fold_state_dict" and
                 str(getattr(h, "__module__", "")).startswith("precondfx")
                 for h in model._state_dict_hooks.values())
+    watched: list[str] = []
     for path, m in model.named_modules():
         if not path:
             continue
@@ -1264,6 +1380,17 @@ def guard_checkpoints(model: nn.Module) -> None:
         elif (graph or consts) and any(p is not None for p in m._parameters.values()):
             m.register_load_state_dict_pre_hook(_SubCheckpoint(model, path))
             m.register_state_dict_post_hook(_Mark(path, folds))
+            watched.append(path)
+    tops = {path for w in watched for path in _and_above(w)}
+    for path, m in model.named_modules():
+        if path in tops:
+            m.register_load_state_dict_post_hook(_SubLoaded(model, path))
+
+
+def _and_above(path: str) -> list[str]:
+    """``path`` and the paths of the modules holding it, the root's excepted."""
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 # -- optimizers built on the model before precondition -------------------------------------------
