@@ -49,6 +49,24 @@ def _single(v: ir.Value) -> bool:
     return all(isinstance(d, int) and d == 1 for d in v.shape)
 
 
+def _downstream_outputs(v: ir.Value) -> set[int]:
+    """The ids of the graph outputs computed from ``v`` (``v`` itself included), through the
+    main graph's nodes."""
+    seen: set[int] = set()
+    out: set[int] = set()
+    todo = [v]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if x.is_graph_output():
+            out.add(id(x))
+        for use in x.uses():
+            todo.extend(use.node.outputs)
+    return out
+
+
 def _safe(s: str) -> str:
     return re.sub(r"[^0-9a-zA-Z_.]", "_", s).strip("_") or "v"
 
@@ -257,14 +275,18 @@ class OnnxApplier(Records, PoolSurgery):
         raise PrecondError(f"no floating-point graph output to scale (outputs "
                            f"{[o.name for o in outs]}); pass target_std=None")
 
-    def others_note(self) -> str | None:
+    def others_note(self, scaled: ir.Value | None = None) -> str | None:
         """``core.outputs.others_note`` for the graph outputs beside the main one (floating
-        point, not declared a single number), as the PyTorch back end says it."""
+        point, not declared a single number), as the PyTorch back end says it; ``scaled``:
+        the value the output scale multiplied, whose downstream outputs (a softmax of the
+        logits) see the scale in the file."""
         i, main = self.main_output([])
-        others = [f"output {o.name!r}" for k, o in enumerate(self.g.outputs)
-                  if k != i and o is not main and self._dtype(o) in FLOAT_TYPES
-                  and not _single(o)]
-        return others_note(f"output {main.name!r}", others)
+        seen = _downstream_outputs(scaled) if scaled is not None else set()
+        through, others = [], []
+        for k, o in enumerate(self.g.outputs):
+            if k != i and o is not main and self._dtype(o) in FLOAT_TYPES and not _single(o):
+                (through if id(o) in seen else others).append(f"output {o.name!r}")
+        return others_note(f"output {main.name!r}", others, through)
 
     def _floating(self, key: Any, o: ir.Value, outs: list[ir.Value]) -> ir.Value:
         """``o`` when the output scale can multiply it (a floating-point tensor, or one of
@@ -298,6 +320,10 @@ class OnnxApplier(Records, PoolSurgery):
         self.output_scale_name = c.name
         self.output_value = ms[-1].outputs[0] if at is out else out
         self._done("output", None, c.name)
+        if not path:        # the outputs beside the main one: which see the scale, which not
+            note = self.others_note(ms[-1].outputs[0])
+            if note:
+                self.cap.graph.notes.append(note)
         return c.name
 
     def _scale_site(self, out: ir.Value) -> ir.Value:

@@ -362,10 +362,8 @@ def backend(st: OnnxState) -> None:
     st.result = st.model
     key = st.opts.output_key
     st.main_path = [key] if key is not None else []
-    if st.opts.target_std is not None and key is None:
-        note = st.backend.others_note()
-        if note:
-            st.graph.notes.append(note)
+    # the note on the outputs beside the main one comes with the output scale, which knows
+    # the outputs computed from the scaled value (OnnxApplier.output_scale)
     st.graph.notes.extend(_split_ties(value_ties(st.model), st.plan))
     st.graph.notes.extend(_shared_weights(st.plan))
     note = _feedable_note(st.model, st.plan)
