@@ -60,6 +60,8 @@ ONNX = Support("ONNX back end", (
     Rule("lr", lambda v: v not in (None, "auto"), REFUSE, f"lr= (it measures curvature "
          f"through torch) {_TORCH_ONLY}"),
     Rule("lr", lambda v: v == "auto", None, ""),   # no optimizer step to read a rate from
+    Rule("optimizer", lambda v: v is not None, REFUSE, f"optimizer= (the family lr= is a rate "
+         f"of) {_TORCH_ONLY}"),
     Rule("suggest_lr", lambda v: v, REFUSE, f"suggest_lr=True {_TORCH_ONLY}"),
     Rule("capture", lambda v: v != D.capture, REFUSE, f"capture= (a PyTorch capture method) "
          f"{_TORCH_ONLY}"),
@@ -330,6 +332,46 @@ def _mask_use(v: ir.Value, seen: set[int] | None = None) -> str | None:
     return None
 
 
+#: ops a multiplicative mask may end in besides ``Mul``: the count of kept positions
+#: (``mask.sum(1)``, the divisor of a masked mean)
+MASK_COUNTS = ("ReduceSum", "ReduceMean", "Sum")
+
+
+def _multiplied_mask(v: ir.Value) -> str | None:
+    """Why ``v`` (a floating-point graph input) reads as a multiplicative mask, or None: every
+    use, through broadcasts and casts, multiplies it into a value a node computes
+    (``scores * m``, ``softmax(s) * m[:, None]``, ``h * m.unsqueeze(-1)``) or sums it (the
+    count of a masked mean), at least one a ``Mul``.  An input a layer reads, one multiplied by
+    a constant (a scale) or by another graph input (``net(a * b)``: data, not a mask) is not."""
+    muls: list[str] = []
+    todo, seen = [v], set()
+    while todo:
+        x = todo.pop()
+        for use in x.uses():
+            node = use.node
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            op = node.op_type
+            if op in MASK_CARRIERS and use.idx == 0:
+                todo.extend(node.outputs)
+                continue
+            if op in MASK_COUNTS:
+                continue
+            other = node.inputs[1 - use.idx] if op == "Mul" and len(node.inputs) == 2 \
+                else None
+            if other is None or other.producer() is None or other.const_value is not None \
+                    or other.producer().op_type == "Constant":
+                return None
+            muls.append(node.name or "(unnamed)")
+    if not muls:
+        return None
+    return (f"every use multiplies it into a computed value (Mul node {muls[0]!r}"
+            f"{f' and {len(muls) - 1} more' if len(muls) > 1 else ''}) or counts it: a "
+            f"multiplicative mask, where ones keep everything and N(0,1) data would flip and "
+            f"zero values at random")
+
+
 def mask_inputs(model: ir.Model) -> dict[str, str]:
     """The floating-point or integer graph inputs that are masks (input name -> why): named
     so (``attention_mask``, also int64 as transformers exports it) or, floating-point, used
@@ -348,7 +390,7 @@ def mask_inputs(model: ir.Model) -> dict[str, str]:
         if any(w.endswith(("mask", "masks")) for w in words):     # not 'masked_image'
             out[v.name] = "its name says so"
             continue
-        why = _mask_use(v) if v.dtype in floats else None
+        why = (_mask_use(v) or _multiplied_mask(v)) if v.dtype in floats else None
         if why:
             out[v.name] = why
     return out

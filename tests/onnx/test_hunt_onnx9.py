@@ -77,3 +77,133 @@ def test_distributed_calibrate_applies_the_minus_inf_rule():
     from precondfx.pytorch.calibrate import global_std
     assert global_std(y) == pytest.approx(1.0, rel=1e-4)
     assert np.isnan(global_std(torch.tensor([1.0, float("nan"), 2.0])))
+
+
+# -- (c) a float input multiplied into computed values is a mask by its use -----------------
+class _MaskedMeanPool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x, keep):
+        h = torch.relu(self.emb(x))
+        h = (h * keep.unsqueeze(-1)).sum(1) / keep.sum(1, keepdim=True).clamp(min=1.0)
+        return self.head(h)
+
+
+class _Product(nn.Module):
+    """``net(a * b)``: two data inputs multiplied, neither a mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    def forward(self, a, b):
+        return self.f(a * b)
+
+
+def test_a_multiplicative_mask_not_named_so_gets_ones(tmp_path):
+    """Before: ``keep`` (named neither mask nor read by Where) got N(0,1) data, so a masked
+    mean divided by sums of random numbers: the file's output std was 0.256 on the real mask
+    and 0.261 on ones, for a target of 1. Now its use (only multiplied into computed values,
+    or summed) reads it as a mask: ones, said with why; std 1.0 on ones, 0.98 on the mask."""
+    torch.manual_seed(0)
+    m, x = _MaskedMeanPool(), torch.randn(8, 12, 16)
+    keep = torch.ones(8, 12)
+    keep[:, 9:] = 0
+    src = str(tmp_path / "pool.onnx")
+    torch.onnx.export(m.eval(), (x, keep), src, dynamo=False, input_names=["x", "keep"],
+                      output_names=["logits"], dynamic_axes={"x": {0: "b"}, "keep": {0: "b"}})
+    before = open(src, "rb").read()
+    out = str(tmp_path / "out.onnx")
+    rep = precondition_onnx(src, out, feeds={"x": x.numpy()})
+    note = next(n for n in rep.capture_notes if "calibration used ones" in n)
+    assert "keep [8, 12]" in note and "multiplies it into a computed value" in note
+    assert not any("random N(0,1) inputs for keep" in n for n in rep.capture_notes)
+    s = ort.InferenceSession(out)
+    ones = s.run(None, {"x": x.numpy(), "keep": np.ones((8, 12), np.float32)})[0]
+    real = s.run(None, {"x": x.numpy(), "keep": keep.numpy()})[0]
+    assert float(ones.std()) == pytest.approx(1.0, rel=1e-3)
+    assert abs(float(real.std()) - 1.0) < 0.1
+    assert open(src, "rb").read() == before           # the input file is untouched
+
+
+def test_two_data_inputs_multiplied_are_not_masks(tmp_path):
+    """The rule is by use and stays narrow: ``net(a * b)`` (an input times another input)
+    keeps random N(0,1) data for both (ones would calibrate net(ones))."""
+    torch.manual_seed(0)
+    a, b = torch.randn(16, 12), torch.randn(16, 12)
+    src = str(tmp_path / "p.onnx")
+    torch.onnx.export(_Product().eval(), (a, b), src, dynamo=False, input_names=["a", "b"],
+                      output_names=["y"])
+    from precondfx.onnx import io
+    from precondfx.onnx.pipeline import mask_inputs
+    assert mask_inputs(io.load(src)) == {}
+
+
+# -- (d) the command line's flags for lr, optimizer, measure, suggest_lr, capture ------------
+def tiny_mlp():
+    """A builder for ``precondfx precondition tests.onnx.test_hunt_onnx9:tiny_mlp``."""
+    torch.manual_seed(0)
+    return (nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)),
+            torch.randn(16, 6))
+
+
+def _err(capsys) -> str:
+    return " ".join(capsys.readouterr().err.split())
+
+
+@pytest.mark.parametrize("flags, shown", [
+    (["--measure"], "--measure applies to PyTorch models"),
+    (["--suggest-lr"], "--suggest-lr applies to PyTorch models"),
+    (["--capture", "fx,eager"], "--capture fx,eager applies to PyTorch models"),
+    (["--lr", "0.1", "--optimizer", "sgd"], "--lr 0.1 applies to PyTorch models"),
+    (["--optimizer", "adam"], "--optimizer adam applies to PyTorch models"),
+])
+def test_onnx_file_refuses_the_pytorch_flags_by_name(tmp_path, capsys, flags, shown):
+    """Before: 'unrecognized arguments' (no such flags). Now the flags exist, checked by the
+    option registry; for an ONNX file they are refused by flag, saying why, and nothing is
+    written."""
+    from precondfx.cli import main
+    torch.manual_seed(0)
+    src = _export(_LogitsProbsAux(), torch.randn(4, 8), tmp_path / "a.onnx",
+                  input_names=["x"], output_names=["logits", "probs", "aux"])
+    out = tmp_path / "o.onnx"
+    assert main(["precondition", src, "-o", str(out), "--quiet", *flags]) == 2
+    err = _err(capsys)
+    assert shown in err and "needs the PyTorch model" in err, err
+    assert not out.exists()
+    assert main(["precondition", src, "-o", str(out), "--quiet", "--lr", "none"]) == 0
+    capsys.readouterr()
+    # inspect offers none of them, and says which command has them and why
+    assert main(["inspect", src, "--measure"]) == 2
+    err = _err(capsys)
+    assert "--measure is a flag of precondition, not of inspect" in err
+    assert "needs the PyTorch model" in err
+
+
+def test_pytorch_model_takes_lr_and_says_what_lr_auto_left(tmp_path, capsys):
+    """Before: no --lr/--optimizer (unrecognized arguments), and the .pt written with the
+    default lr='auto' held the storage before its first step without a word. Now
+    ``--lr 0.5 --optimizer sgd`` writes the storage for that rate (the lr multipliers c < 1,
+    equal in the state_dict and the report), and the default says lr='auto' has not acted
+    and what the user gets when loading."""
+    from precondfx.cli import main
+    spec = "tests.onnx.test_hunt_onnx9:tiny_mlp"
+    pt, rj = tmp_path / "m.pt", tmp_path / "r.json"
+    assert main(["precondition", spec, "-o", str(pt), "--lr", "0.5", "--optimizer", "sgd",
+                 "--capture", "fx", "--report", str(rj)]) == 0
+    err = _err(capsys)
+    assert "lr='auto' (the default) has not acted" not in err
+    sd = torch.load(pt)
+    lrs = [float(v) for k, v in sd.items() if "precondfx_lr" in k]
+    import json
+    summary = json.load(open(rj))["conditioning"]["lr_target"]["summary"]
+    assert "lr=0.5 (sgd)" in summary
+    c = float(summary.split("/ ")[1].split(",")[0])
+    assert len(lrs) == 2 and all(v == pytest.approx(c, rel=1e-3) for v in lrs) and c != 1.0
+    assert main(["precondition", spec, "-o", str(tmp_path / "d.pt")]) == 0
+    err = _err(capsys)
+    assert "lr='auto' (the default) has not acted" in err and "--lr RATE" in err
+    assert all(float(v) == 1.0 for k, v in torch.load(tmp_path / "d.pt").items()
+               if "precondfx_lr" in k)
