@@ -332,18 +332,26 @@ def _mask_use(v: ir.Value, seen: set[int] | None = None) -> str | None:
     return None
 
 
-#: ops a multiplicative mask may end in besides ``Mul``: the count of kept positions
-#: (``mask.sum(1)``, the divisor of a masked mean)
+#: ops a mask may end in besides ``Mul``: the count of kept positions (``mask.sum(1)``, the
+#: divisor of a masked mean)
 MASK_COUNTS = ("ReduceSum", "ReduceMean", "Sum")
+#: comparisons that turn a float mask into a condition (``m < 0.5``, ``m == 0``)
+MASK_TESTS = ("Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual")
+
+
+def _is_constant(v: ir.Value | None) -> bool:
+    return v is not None and (v.const_value is not None or (
+        v.producer() is not None and v.producer().op_type == "Constant"))
 
 
 def _multiplied_mask(v: ir.Value) -> str | None:
-    """Why ``v`` (a floating-point graph input) reads as a multiplicative mask, or None: every
-    use, through broadcasts and casts, multiplies it into a value a node computes
-    (``scores * m``, ``softmax(s) * m[:, None]``, ``h * m.unsqueeze(-1)``) or sums it (the
-    count of a masked mean), at least one a ``Mul``.  An input a layer reads, one multiplied by
-    a constant (a scale) or by another graph input (``net(a * b)``: data, not a mask) is not."""
-    muls: list[str] = []
+    """Why ``v`` (a floating-point graph input) reads as a mask by all its uses, or None:
+    every use, through broadcasts and casts, multiplies it into a value a node computes
+    (``scores * m``, ``softmax(s) * m[:, None]``, ``h * m.unsqueeze(-1)``), compares it with
+    a constant (``m < 0.5``, ``m == 0``: a condition) or sums it (the count of a masked
+    mean), at least one of the first two.  An input a layer reads, one multiplied by a
+    constant (a scale) or by another graph input (``net(a * b)``: data) is not."""
+    used: list[str] = []
     todo, seen = [v], set()
     while todo:
         x = todo.pop()
@@ -358,18 +366,40 @@ def _multiplied_mask(v: ir.Value) -> str | None:
                 continue
             if op in MASK_COUNTS:
                 continue
-            other = node.inputs[1 - use.idx] if op == "Mul" and len(node.inputs) == 2 \
-                else None
-            if other is None or other.producer() is None or other.const_value is not None \
-                    or other.producer().op_type == "Constant":
-                return None
-            muls.append(node.name or "(unnamed)")
-    if not muls:
+            other = node.inputs[1 - use.idx] if op in ("Mul",) + MASK_TESTS and \
+                len(node.inputs) == 2 else None
+            if op in MASK_TESTS and _is_constant(other):
+                used.append(f"{op} node {node.name or '(unnamed)'!r} compares it with a "
+                            f"constant")
+                continue
+            if op != "Mul" or other is None or other.producer() is None or \
+                    _is_constant(other) or _inputs_of(other) - {id(v)} == set() or \
+                    id(v) in _inputs_of(other):
+                return None         # a scale, or its own gate (x * (x > 0)): data
+            used.append(f"Mul node {node.name or '(unnamed)'!r} multiplies it into a computed "
+                        f"value")
+    if not used:
         return None
-    return (f"every use multiplies it into a computed value (Mul node {muls[0]!r}"
-            f"{f' and {len(muls) - 1} more' if len(muls) > 1 else ''}) or counts it: a "
-            f"multiplicative mask, where ones keep everything and N(0,1) data would flip and "
-            f"zero values at random")
+    more = f" and {len(used) - 1} more use(s)" if len(used) > 1 else ""
+    return (f"read as a mask by all its uses, sums aside: {used[0]}{more}; ones keep "
+            f"everything, where N(0,1) data would mask or flip values at random")
+
+
+def _inputs_of(v: ir.Value) -> set[int]:
+    """The ids of the graph inputs ``v`` is computed from (through the main graph)."""
+    out: set[int] = set()
+    todo, seen = [v], set()
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if x.is_graph_input():
+            out.add(id(x))
+        node = x.producer()
+        if node is not None:
+            todo.extend(node.inputs)
+    return out
 
 
 def mask_inputs(model: ir.Model) -> dict[str, str]:

@@ -92,23 +92,41 @@ class _MaskedMeanPool(nn.Module):
 
 
 class _Product(nn.Module):
-    """``net(a * b)``: two data inputs multiplied, neither a mask."""
+    """``net(a * b)`` and ``x * (x > 0)``: data inputs multiplied, none a mask."""
 
     def __init__(self):
         super().__init__()
         self.f = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
 
-    def forward(self, a, b):
-        return self.f(a * b)
+    def forward(self, a, b, x):
+        return self.f(a * b + x * (x > 0))
 
 
-def test_a_multiplicative_mask_not_named_so_gets_ones(tmp_path):
-    """Before: ``keep`` (named neither mask nor read by Where) got N(0,1) data, so a masked
-    mean divided by sums of random numbers: the file's output std was 0.256 on the real mask
-    and 0.261 on ones, for a target of 1. Now its use (only multiplied into computed values,
-    or summed) reads it as a mask: ones, said with why; std 1.0 on ones, 0.98 on the mask."""
+class _ThresholdMask(nn.Module):
+    """Attention scores filled where ``keep < 0.5``: a float mask compared with a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16), nn.Linear(16, 16),
+                                          nn.Linear(16, 16), nn.Linear(16, 4))
+
+    def forward(self, x, keep):
+        sc = self.q(x) @ self.k(x).transpose(1, 2) / 4.0
+        sc = sc.masked_fill(keep[:, None, :] < 0.5, -1e4)
+        return self.o(torch.softmax(sc, -1) @ self.v(x))
+
+
+@pytest.mark.parametrize("model, why, real_std", [
+    (_MaskedMeanPool, "Mul node '/Mul' multiplies it into a computed value", 0.98),
+    (_ThresholdMask, "Less node '/Less' compares it with a constant", 0.99)])
+def test_a_mask_not_named_so_gets_ones(tmp_path, model, why, real_std):
+    """Before: ``keep`` (named neither mask nor read directly by Where) got N(0,1) data: a
+    masked mean divided by sums of random numbers (the file's output std 0.256 on the real
+    mask, 0.261 on ones, for a target of 1), ``keep < 0.5`` masked 69% of the keys at random
+    (0.845 and 0.851). Now its uses (multiplied into computed values, compared with a
+    constant, summed) read it as a mask: ones, said with why; std 1.0 on ones."""
     torch.manual_seed(0)
-    m, x = _MaskedMeanPool(), torch.randn(8, 12, 16)
+    m, x = model(), torch.randn(8, 12, 16)
     keep = torch.ones(8, 12)
     keep[:, 9:] = 0
     src = str(tmp_path / "pool.onnx")
@@ -118,24 +136,25 @@ def test_a_multiplicative_mask_not_named_so_gets_ones(tmp_path):
     out = str(tmp_path / "out.onnx")
     rep = precondition_onnx(src, out, feeds={"x": x.numpy()})
     note = next(n for n in rep.capture_notes if "calibration used ones" in n)
-    assert "keep [8, 12]" in note and "multiplies it into a computed value" in note
+    assert "keep [8, 12]" in note and why in note and "read as a mask by all its uses" in note
     assert not any("random N(0,1) inputs for keep" in n for n in rep.capture_notes)
     s = ort.InferenceSession(out)
     ones = s.run(None, {"x": x.numpy(), "keep": np.ones((8, 12), np.float32)})[0]
     real = s.run(None, {"x": x.numpy(), "keep": keep.numpy()})[0]
     assert float(ones.std()) == pytest.approx(1.0, rel=1e-3)
-    assert abs(float(real.std()) - 1.0) < 0.1
+    assert float(real.std()) == pytest.approx(real_std, abs=0.01)
     assert open(src, "rb").read() == before           # the input file is untouched
 
 
 def test_two_data_inputs_multiplied_are_not_masks(tmp_path):
     """The rule is by use and stays narrow: ``net(a * b)`` (an input times another input)
-    keeps random N(0,1) data for both (ones would calibrate net(ones))."""
+    and ``x * (x > 0)`` (an input gated by itself) keep random N(0,1) data (ones would
+    calibrate net(ones))."""
     torch.manual_seed(0)
-    a, b = torch.randn(16, 12), torch.randn(16, 12)
+    a, b, x = torch.randn(16, 12), torch.randn(16, 12), torch.randn(16, 12)
     src = str(tmp_path / "p.onnx")
-    torch.onnx.export(_Product().eval(), (a, b), src, dynamo=False, input_names=["a", "b"],
-                      output_names=["y"])
+    torch.onnx.export(_Product().eval(), (a, b, x), src, dynamo=False,
+                      input_names=["a", "b", "x"], output_names=["y"])
     from precondfx.onnx import io
     from precondfx.onnx.pipeline import mask_inputs
     assert mask_inputs(io.load(src)) == {}
