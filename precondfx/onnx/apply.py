@@ -93,6 +93,9 @@ class OnnxApplier(Records, PoolSurgery):
         self.output_value: ir.Value | None = None
         #: masked (-inf) entries of the main output the last std measurement left out
         self.masked_entries, self.output_size = 0, 0
+        #: float graph inputs that are not data (name -> why): masks, weights the caller feeds;
+        #: the input scale (Sec. 6.3) leaves them as they are
+        self.not_data: dict[str, str] = {}
         self.new_params: list[str] = []
         #: calibration inputs filled with random N(0, 1) data (``io.Feeds.random``), named when
         #: the output is not finite on them
@@ -229,6 +232,10 @@ class OnnxApplier(Records, PoolSurgery):
             if self._dtype(v) not in FLOAT_TYPES:
                 continue
             if not list(v.uses()):
+                continue
+            if v.name in self.not_data:      # a mask or a weight fed by the caller
+                self._skip(None, "input scale", f"not on input {v.name!r}: "
+                           f"{self.not_data[v.name]}")
                 continue
             c = self._const(f"{PREFIX}input_{_safe(v.name)}", value, v)
             ms = self._mul_nodes(v, c, f"{v.name}_input_scale",

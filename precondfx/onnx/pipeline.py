@@ -201,19 +201,22 @@ def normalize_stage(st: OnnxState) -> None:
     io.check_dims(st.specs, dimmap)
     given = io.load_calibration(st.specs, st.calib, st.calib_inputs)
     given.update(io.feeds_by_name(st.specs, st.given))
+    masks = mask_inputs(st.model)
     try:
         st.feeds = io.resolve_feeds(st.specs, given, dims=dimmap, batch=st.batch,
                                     seed=st.opts.seed, weights=weight_inputs(st.model),
-                                    masks=mask_inputs(st.model))
+                                    masks=masks)
     except PrecondError:
         if st.opts.target_std is not None or st.opts.input_scale == "auto":
             raise
     st.sample = st.feeds.arrays if st.feeds is not None else None
-    if st.feeds is not None:
-        m2 = input_second_moment([a for a in st.feeds.arrays.values() if a.dtype.kind == "f"])
+    data = {} if st.feeds is None else {n: a for n, a in st.feeds.arrays.items()
+                                        if n not in not_data(st.model, masks)}
+    if st.feeds is not None:        # the data inputs: masks and fed weights are not scaled
+        m2 = input_second_moment([a for a in data.values() if a.dtype.kind == "f"])
         st.input_rms = None if m2 is None else m2 ** 0.5
     if st.feeds is not None and st.opts.input_scale == "auto":
-        st.input_arrays = [np.asarray(a, dtype=np.float32) for a in st.feeds.arrays.values()
+        st.input_arrays = [np.asarray(a, dtype=np.float32) for a in data.values()
                            if a.dtype.kind in "fV"]
 
 
@@ -426,8 +429,22 @@ def mask_inputs(model: ir.Model) -> dict[str, str]:
     return out
 
 
+def not_data(model: ir.Model, masks: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The graph inputs that are not data (name -> why), which the input scale (Sec. 6.3)
+    neither reads nor multiplies: masks (a mask times the input scale masks other entries:
+    ``keep * 0.1 < 0.5`` masks everything) and the weights a caller feeds."""
+    masks = mask_inputs(model) if masks is None else masks
+    out = {n: f"a mask ({why}), whose values mean masked or kept"
+           for n, why in masks.items()}
+    out.update({n: f"read as the weight of {where}" for n, where in
+                weight_inputs(model).items()})
+    return out
+
+
 def backend(st: OnnxState) -> None:
     st.backend = OnnxApplier(st.model, st.captured, st.opts.seed)
+    if st.opts.input_scale is not None:
+        st.backend.not_data = not_data(st.model)
     if st.feeds is not None:
         st.backend.random_inputs = list(st.feeds.random)
         st.backend.ones_inputs = list(st.feeds.ones)

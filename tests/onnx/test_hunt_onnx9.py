@@ -226,3 +226,32 @@ def test_pytorch_model_takes_lr_and_says_what_lr_auto_left(tmp_path, capsys):
     assert "lr='auto' (the default) has not acted" in err and "--lr RATE" in err
     assert all(float(v) == 1.0 for k, v in torch.load(tmp_path / "d.pt").items()
                if "precondfx_lr" in k)
+
+
+# -- hunt: input_scale='auto' multiplied the mask input too ----------------------------------
+def test_input_scale_leaves_a_mask_input_as_it_is(tmp_path):
+    """Before: ``input_scale='auto'`` multiplied every float input, the float
+    ``attention_mask`` too (x 0.100): ``mask < 0.5`` then masked every key, and the masked
+    positions leaked into the output (changing them moved it by 1.31 in onnxruntime); the
+    scale was also computed from the mask's ones. Now the mask is left as it is (a skipped
+    line says why), the scale comes from ``x`` alone, and the masked positions move nothing."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 12, 16) * 5
+    v = torch.ones(8, 12)
+    v[:, 9:] = 0
+    src = str(tmp_path / "i.onnx")
+    torch.onnx.export(_ThresholdMask().eval(), (x, v), src, dynamo=False,
+                      input_names=["x", "attention_mask"], output_names=["logits"])
+    out = str(tmp_path / "o.onnx")
+    rep = precondition_onnx(src, out, feeds={"x": x.numpy(), "attention_mask": v.numpy()},
+                            input_scale="auto")
+    assert any("not on input 'attention_mask'" in why for _, why in rep.skipped)
+    s = ort.InferenceSession(out)
+    x2 = x.clone()
+    x2[:, 9:] = torch.randn(8, 3, 16) * 5
+    y, y2 = (s.run(None, {"x": a.numpy(), "attention_mask": v.numpy()})[0] for a in (x, x2))
+    assert np.abs(y2 - y)[:, :9].max() < 1e-5         # the kept rows do not see them
+    assert float(y.std()) == pytest.approx(1.0, rel=1e-3)
+    scale = next(sc.value for sc in rep.plan.scales if sc.tag == "input")
+    rms = float(np.sqrt(np.mean(np.square(x.numpy(), dtype=np.float64))))
+    assert scale * rms == pytest.approx(0.5, abs=0.005)   # x alone sets it (before: 0.515)
