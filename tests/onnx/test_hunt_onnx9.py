@@ -255,3 +255,33 @@ def test_input_scale_leaves_a_mask_input_as_it_is(tmp_path):
     scale = next(sc.value for sc in rep.plan.scales if sc.tag == "input")
     rms = float(np.sqrt(np.mean(np.square(x.numpy(), dtype=np.float64))))
     assert scale * rms == pytest.approx(0.5, abs=0.005)   # x alone sets it (before: 0.515)
+
+
+# -- hunt: an initializer read only through Identity nodes stayed in the file, unused --------
+def test_a_weight_read_only_through_identity_leaves_no_dead_copy(tmp_path):
+    """Before: ``MatMul(x, Identity(w1))`` got its own copy ``w1i`` (re-drawn) and the file
+    kept the original ``w1`` (the export's values, std 0.196) with no reader: the weights
+    stored twice, and onnxruntime warns 'Removing initializer' at every load. Now ``w1`` is
+    dropped; the file holds the re-drawn copy only."""
+    import onnx
+    from onnx import TensorProto as TP
+    from onnx import helper, numpy_helper
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array((rng.standard_normal((8, 16)) * 0.2).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array((rng.standard_normal((4, 16)) * 0.2).astype(np.float32), "w2")
+    g = helper.make_graph(
+        [helper.make_node("Identity", ["w1"], ["w1i"]),
+         helper.make_node("MatMul", ["x", "w1i"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+         helper.make_node("Gemm", ["r", "w2"], ["y"], transB=1)], "g",
+        [helper.make_tensor_value_info("x", TP.FLOAT, ["N", 8])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, ["N", 4])], [w1, w2])
+    src, out = str(tmp_path / "i.onnx"), str(tmp_path / "o.onnx")
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), src)
+    x = rng.standard_normal((32, 8)).astype(np.float32)
+    rep = precondition_onnx(src, out, feeds={"x": x})
+    names = [i.name for i in onnx.load(out).graph.initializer]
+    assert "w1" not in names and "w1i" in names and "w2" in names
+    assert rep.plan.inits["w1i"].rule == "geometric"
+    y = ort.InferenceSession(out).run(None, {"x": x})[0]
+    assert float(y.std()) == pytest.approx(1.0, rel=1e-3)
+    assert [i.name for i in onnx.load(src).graph.initializer] == ["w1", "w2"]   # untouched
