@@ -716,8 +716,9 @@ def _pending_rate(model: Any, ext: str) -> str | None:
     if getattr(model, "__dict__", {}).get(ATTR) is None:
         return None
     how = ("loaded into the same rewrite (precondfx.precondition with the same options), the "
-           "rewrite's own lr='auto' acts at your torch.optim.SGD optimizer's first step, as "
-           "on a fresh result" if ext != ".onnx" else
+           "rewrite's own lr='auto' acts at your torch.optim.SGD optimizer's first step (when "
+           "its rate is above the suggested SGD rate), as on a fresh result" if ext != ".onnx"
+           else
            "an ONNX file has no optimizer step, so lr='auto' never acts on it (the report's "
            "lr='auto' line is about the PyTorch result)")
     return (f"lr='auto' (the default) has not acted: it sets the storage at a torch.optim "
