@@ -327,11 +327,25 @@ class OnnxApplier(Records, PoolSurgery):
         self.output_scale_name = c.name
         self.output_value = ms[-1].outputs[0] if at is out else out
         self._done("output", None, c.name)
-        if not path:        # the outputs beside the main one: which see the scale, which not
-            note = self.others_note(ms[-1].outputs[0])
-            if note:
-                self.cap.graph.notes.append(note)
+        # the outputs beside the main one: which see the scale, which not
+        note = self.others_note(ms[-1].outputs[0]) if not path else \
+            self._keyed_note(i, ms[-1].outputs[0])
+        if note:
+            self.cap.graph.notes.append(note)
         return c.name
+
+    def _keyed_note(self, i: int, scaled: ir.Value) -> str | None:
+        """With ``output_key=`` (graph output ``i``): the other graph outputs computed from
+        the scaled value, which see the scale in the file too (None when there are none)."""
+        seen = _downstream_outputs(scaled)
+        through = [f"output {o.name!r}" for k, o in enumerate(self.g.outputs) if k != i and
+                   id(o) in seen and self._dtype(o) in FLOAT_TYPES]
+        if not through:
+            return None
+        return (f"output scale on output {self.g.outputs[i].name!r} (output_key=); "
+                f"{', '.join(through)} "
+                f"{'are' if len(through) > 1 else 'is'} computed from it in the model, so "
+                f"{'they see' if len(through) > 1 else 'it sees'} the scale too")
 
     def _scale_site(self, out: ir.Value) -> ir.Value:
         """The value the output scale multiplies: ``out``, or up through the ops that

@@ -285,3 +285,38 @@ def test_a_weight_read_only_through_identity_leaves_no_dead_copy(tmp_path):
     y = ort.InferenceSession(out).run(None, {"x": x})[0]
     assert float(y.std()) == pytest.approx(1.0, rel=1e-3)
     assert [i.name for i in onnx.load(src).graph.initializer] == ["w1", "w2"]   # untouched
+
+
+def test_output_key_says_which_outputs_see_the_scale(tmp_path):
+    """Before: with ``output_key='hidden'`` the report said nothing of ``logits``, which the
+    file computes from the scaled ``hidden`` (so its logits carry the scale too).
+    Now a note says that ``logits`` sees the scale."""
+    import onnx
+    from onnx import TensorProto as TP
+    from onnx import helper, numpy_helper
+    rng = np.random.default_rng(0)
+
+    def w(name, shape, s):
+        return numpy_helper.from_array((rng.standard_normal(shape) * s).astype(np.float32),
+                                       name)
+    g = helper.make_graph(
+        [helper.make_node("Gather", ["emb", "ids"], ["e"]),
+         helper.make_node("MatMul", ["e", "w1"], ["h"]),
+         helper.make_node("Relu", ["h"], ["hidden"]),
+         helper.make_node("MatMul", ["hidden", "w2"], ["logits"])], "g",
+        [helper.make_tensor_value_info("ids", TP.INT64, ["N", "S"])],
+        [helper.make_tensor_value_info("hidden", TP.FLOAT, ["N", "S", 16]),
+         helper.make_tensor_value_info("logits", TP.FLOAT, ["N", "S", 20])],
+        [w("emb", (20, 16), 1.0), w("w1", (16, 16), 0.2), w("w2", (16, 20), 0.2)])
+    src, out = str(tmp_path / "t.onnx"), str(tmp_path / "o.onnx")
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), src)
+    ids = rng.integers(0, 20, (4, 10)).astype(np.int64)
+    rep = precondition_onnx(src, out, feeds={"ids": ids}, output_key="hidden")
+    notes = [n for n in rep.capture_notes if "output scale on" in n]
+    assert notes == ["output scale on output 'hidden' (output_key=); output 'logits' is "
+                     "computed from it in the model, so it sees the scale too"]
+    hid, lg = ort.InferenceSession(out).run(None, {"ids": ids})
+    assert float(hid.std()) == pytest.approx(1.0, rel=1e-3)
+    rep2 = precondition_onnx(src, str(tmp_path / "o2.onnx"), feeds={"ids": ids},
+                             output_key="logits")
+    assert not [n for n in rep2.capture_notes if "output scale on" in n]   # none downstream
