@@ -450,6 +450,36 @@ def _is_torch_spec(s: str) -> bool:
                 and all(p.isidentifier() for p in attr.split(".")))
 
 
+def _onnx_flags(args: argparse.Namespace) -> None:
+    """Refuse, by its flag, a pass option the ONNX back end refuses (``--measure``, ``--lr``,
+    ``--capture``...: they need the PyTorch model), before the file is read; the same rules
+    (``precondfx.onnx.pipeline.ONNX``) check the API's keywords."""
+    from precondfx.core.options import DEFAULTS, REFUSE, cli_fields, flag_of, keyword_of
+    try:
+        from precondfx.onnx.pipeline import ONNX
+    except ImportError:         # without the onnx extra: the pipeline's import says so
+        return
+    for f in cli_fields():
+        kw = keyword_of(f)
+        v = getattr(args, kw, getattr(DEFAULTS, f.name))
+        if v == getattr(DEFAULTS, f.name) and type(v) is type(getattr(DEFAULTS, f.name)):
+            continue
+        why = next((r.why for r in ONNX.rules if r.option == kw and r.value is REFUSE
+                    and r.applies(v)), None)
+        if why:
+            shown = "" if isinstance(f.default, bool) else f" {_shown(v)}"
+            raise UsageError(f"{flag_of(f)}{shown} applies to PyTorch models "
+                             f"(precondition module:callable ...), not to the ONNX file "
+                             f"{args.model}: {why}")
+
+
+def _shown(v: Any) -> str:
+    """A flag's value as it is typed (``fx,eager``, ``none``)."""
+    if isinstance(v, (tuple, list)):
+        return ",".join(map(str, v))
+    return "none" if v is None else str(v)
+
+
 def cmd_precondition(args: argparse.Namespace) -> int:
     torch_model = _is_torch_spec(args.model)
     _check_plot_available(args.plot, onnx_model=not torch_model)
@@ -461,6 +491,7 @@ def cmd_precondition(args: argparse.Namespace) -> int:
                          "ONNX file use --calib, --calib-input, --dim or --batch")
     if not os.path.exists(args.model):
         raise FileNotFoundError(f"no such file: {args.model}")
+    _onnx_flags(args)
     from precondfx.onnx import precondition_onnx
     from precondfx.onnx.io import parse_dims
     _quiet_onnxruntime()
@@ -610,11 +641,10 @@ def _precondition_torch(args: argparse.Namespace) -> int:
                          f"or (module, sample)")
     sample = _torch_sample(args, sample)
     progress("preconditioning")
-    import inspect
-    extra: dict[str, Any] = {}
-    if args.plot and "measure" in inspect.signature(precondfx.precondition).parameters:
-        extra["measure"] = True      # the plots show measured Hessian blocks
-    result, report = precondfx.precondition(model, sample, **_plan_kwargs(args), **extra)
+    kwargs = _plan_kwargs(args)
+    if args.plot:
+        kwargs["measure"] = True      # the plots show measured Hessian blocks (--measure too)
+    result, report = precondfx.precondition(model, sample, **kwargs)
     progress(f"writing {out}")
     from precondfx.onnx.io import Staging, no_room
     with Staging(out) as st:
@@ -633,6 +663,9 @@ def _precondition_torch(args: argparse.Namespace) -> int:
     progress("done")
     if ext != ".onnx" and not args.quiet:
         _note(_load_hint(out, args.model, type(result).__name__))
+    pending = _pending_rate(result, ext)
+    if pending:
+        _note(pending)
     if ext == ".onnx" and not args.quiet:
         drift = _eval_drift(result, sample, report, args)
         if drift:
@@ -673,6 +706,25 @@ def _eval_drift(model: Any, sample: Any, report: Any, args: argparse.Namespace) 
             f"{std:.4g}, not {target:g}: the output scale was calibrated in train mode "
             f"(--calibration train, the default: batch statistics); pass --calibration eval to "
             f"calibrate the graph the file holds")
+
+
+def _pending_rate(model: Any, ext: str) -> str | None:
+    """What the file holds when ``lr='auto'`` (the default) is still pending on ``model``: it
+    acts at a torch.optim optimizer's first ``step()``, which the command line never reaches,
+    so the file holds the storage before it (None when it is off or settled)."""
+    from precondfx.pytorch.first_step import ATTR
+    if getattr(model, "__dict__", {}).get(ATTR) is None:
+        return None
+    how = ("loaded into the same rewrite (precondfx.precondition with the same options), the "
+           "rewrite's own lr='auto' acts at your torch.optim.SGD optimizer's first step (when "
+           "its rate is above the suggested SGD rate), as on a fresh result" if ext != ".onnx"
+           else
+           "an ONNX file has no optimizer step, so lr='auto' never acts on it (the report's "
+           "lr='auto' line is about the PyTorch result)")
+    return (f"lr='auto' (the default) has not acted: it sets the storage at a torch.optim "
+            f"optimizer's first step, so the file holds the storage before it; {how}. To "
+            f"write the storage for your rate, pass --lr RATE --optimizer sgd|adam; --lr none "
+            f"turns it off")
 
 
 def _load_hint(out: str, spec: str, cls: str) -> str:

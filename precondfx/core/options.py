@@ -216,6 +216,10 @@ def capture_methods(name: str, v: Any) -> tuple[str, ...]:
     return ms
 
 
+capture_methods.from_text = (  # type: ignore[attr-defined]
+    lambda s: [w.strip() for w in s.split(",")] if "," in s else s.strip())
+
+
 def text(name: str, v: Any) -> str:
     """A string (names checked against a registry later, e.g. the scheme's)."""
     if isinstance(v, str) and v:
@@ -380,11 +384,15 @@ class Options:
         "from your optimizer at its first step() when it is torch.optim.SGD: above the "
         "suggested SGD rate, what lr= does with its peak rate; at or below it, and for "
         "Adam-family optimizers, the storage lr_scale chose (precondfx.pytorch.first_step); "
-        "None: off")
+        "None: off", cli="RATE",
+        cli_help="the learning rate your training uses, with --optimizer (PyTorch models: each "
+        "re-drawn layer's stored weight and bias / c, its output x c, so that the suggested "
+        "rate for that optimizer is this rate); 'auto': set at a torch.optim.SGD "
+        "optimizer's first step(), which a saved file has not reached; 'none': off")
     optimizer: str | None = _opt(None, optimizer_family,
                                  "the optimizer family lr= is a rate of: 'sgd' (momentum "
                                  "included) or 'adam'/'adamw'; required with lr=, read only "
-                                 "with it")
+                                 "with it", cli="NAME", part_of="lr")
     seed: int = _opt(0, integer(0, SEED_MAX), "seed of the re-initialization", cli="N")
     reinit: bool = _opt(True, flag, "re-initialize the weights; reinit_weights=False "
                         "(--no-reinit) keeps them, divided by their alpha, and only inserts "
@@ -403,14 +411,15 @@ class Options:
                                 "samples measured by measured balancing and measure=True (at "
                                 "most 4096)", plan=False, cli="N")
     measure: bool = _opt(False, flag, "measure the conditioning before and after",
-                         plan=False)
+                         plan=False, cli=True)
     suggest_lr: bool = _opt(False, flag, "suggest SGD and Adam learning rates from the "
                             "rewritten model's curvature on the sample (report.suggested_lr; "
-                            "precondfx.pytorch.measure.suggest)", plan=False)
+                            "precondfx.pytorch.measure.suggest)", plan=False, cli=True)
     calibration: str = _opt("train", one_of(*CALIBRATION_MODES),
                             "mode the model runs in for calibration", plan=False, cli=True)
     capture: tuple[str, ...] = _opt(CAPTURE_METHODS, capture_methods,
-                                    "capture methods, tried in order", plan=False)
+                                    "capture methods, tried in order (on the command line "
+                                    "comma-separated: fx,eager)", plan=False, cli="METHODS")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -749,8 +758,11 @@ def _only_default(f: Any, support: Support) -> bool:
     check, kw = f.metadata["check"], keyword_of(f)
     if isinstance(f.default, bool):
         return support.refuses(kw, not f.default)
+    # the default, and what the back end turns it into (lr='auto' -> None for ONNX files)
+    same = [f.default] + [r.value for r in support.rules if r.option == kw and
+                          r.value is not REFUSE and r.applies(f.default)]
     words = [w for w in (getattr(check, "choices", None) or getattr(check, "words", ()))
-             if not (w == f.default and type(w) is type(f.default))]
+             if not any(w == d and type(w) is type(d) for d in same)]
     other = None if getattr(check, "choices", None) else object()
     try:
         return (other is None or support.refuses(kw, other)) and \

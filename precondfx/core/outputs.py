@@ -34,15 +34,27 @@ def pick_main(entries: Iterable[tuple], name_of: Callable[[Hashable], Hashable] 
     return next((key for key, is_float, _ in entries if is_float), None)
 
 
-def others_note(main: str, others: list[str]) -> str | None:
+def others_note(main: str, others: list[str], through: list[str] | None = None
+                ) -> str | None:
     """The report's note for a model returning several outputs of several elements (two
-    heads, a dict): the output scale acts on the main one only, and says which others it
-    leaves (None when there are none)."""
-    if not others:
+    heads, a dict): the output scale acts on the main one; ``through``: the other outputs the
+    model computes from the scaled value (``softmax(logits)``), which see the scale too, as
+    they do in the rewritten model; ``others``: those it leaves (None when there are none of
+    either)."""
+    through = list(through or [])
+    if not others and not through:
         return None
+    parts = []
+    if through:
+        they = "they see" if len(through) > 1 else "it sees"
+        parts.append(f"{', '.join(through)} {'are' if len(through) > 1 else 'is'} computed "
+                     f"from it in the model, so {they} the scale too (e.g. the softmax of the "
+                     f"scaled logits)")
+    if others:
+        parts.append(f"not on {', '.join(others)}: one scale per model (output_key= picks "
+                     f"another output)")
     return (f"output scale on {main}, the main output ('logits', else the first "
-            f"floating-point output with several elements); not on {', '.join(others)}: one "
-            f"scale per model (output_key= picks another output)")
+            f"floating-point output with several elements); {'; '.join(parts)}")
 
 
 #: op kinds (``precondfx.core.optable``) whose output has a fixed range or normalization, which a

@@ -49,6 +49,24 @@ def _single(v: ir.Value) -> bool:
     return all(isinstance(d, int) and d == 1 for d in v.shape)
 
 
+def _downstream_outputs(v: ir.Value) -> set[int]:
+    """The ids of the graph outputs computed from ``v`` (``v`` itself included), through the
+    main graph's nodes."""
+    seen: set[int] = set()
+    out: set[int] = set()
+    todo = [v]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if x.is_graph_output():
+            out.add(id(x))
+        for use in x.uses():
+            todo.extend(use.node.outputs)
+    return out
+
+
 def _safe(s: str) -> str:
     return re.sub(r"[^0-9a-zA-Z_.]", "_", s).strip("_") or "v"
 
@@ -75,6 +93,9 @@ class OnnxApplier(Records, PoolSurgery):
         self.output_value: ir.Value | None = None
         #: masked (-inf) entries of the main output the last std measurement left out
         self.masked_entries, self.output_size = 0, 0
+        #: float graph inputs that are not data (name -> why): masks, weights the caller feeds;
+        #: the input scale (Sec. 6.3) leaves them as they are
+        self.not_data: dict[str, str] = {}
         self.new_params: list[str] = []
         #: calibration inputs filled with random N(0, 1) data (``io.Feeds.random``), named when
         #: the output is not finite on them
@@ -212,6 +233,10 @@ class OnnxApplier(Records, PoolSurgery):
                 continue
             if not list(v.uses()):
                 continue
+            if v.name in self.not_data:      # a mask or a weight fed by the caller
+                self._skip(None, "input scale", f"not on input {v.name!r}: "
+                           f"{self.not_data[v.name]}")
+                continue
             c = self._const(f"{PREFIX}input_{_safe(v.name)}", value, v)
             ms = self._mul_nodes(v, c, f"{v.name}_input_scale",
                                  f"{PREFIX}input_{_safe(v.name)}_mul")
@@ -257,14 +282,18 @@ class OnnxApplier(Records, PoolSurgery):
         raise PrecondError(f"no floating-point graph output to scale (outputs "
                            f"{[o.name for o in outs]}); pass target_std=None")
 
-    def others_note(self) -> str | None:
+    def others_note(self, scaled: ir.Value | None = None) -> str | None:
         """``core.outputs.others_note`` for the graph outputs beside the main one (floating
-        point, not declared a single number), as the PyTorch back end says it."""
+        point, not declared a single number), as the PyTorch back end says it; ``scaled``:
+        the value the output scale multiplied, whose downstream outputs (a softmax of the
+        logits) see the scale in the file."""
         i, main = self.main_output([])
-        others = [f"output {o.name!r}" for k, o in enumerate(self.g.outputs)
-                  if k != i and o is not main and self._dtype(o) in FLOAT_TYPES
-                  and not _single(o)]
-        return others_note(f"output {main.name!r}", others)
+        seen = _downstream_outputs(scaled) if scaled is not None else set()
+        through, others = [], []
+        for k, o in enumerate(self.g.outputs):
+            if k != i and o is not main and self._dtype(o) in FLOAT_TYPES and not _single(o):
+                (through if id(o) in seen else others).append(f"output {o.name!r}")
+        return others_note(f"output {main.name!r}", others, through)
 
     def _floating(self, key: Any, o: ir.Value, outs: list[ir.Value]) -> ir.Value:
         """``o`` when the output scale can multiply it (a floating-point tensor, or one of
@@ -298,7 +327,25 @@ class OnnxApplier(Records, PoolSurgery):
         self.output_scale_name = c.name
         self.output_value = ms[-1].outputs[0] if at is out else out
         self._done("output", None, c.name)
+        # the outputs beside the main one: which see the scale, which not
+        note = self.others_note(ms[-1].outputs[0]) if not path else \
+            self._keyed_note(i, ms[-1].outputs[0])
+        if note:
+            self.cap.graph.notes.append(note)
         return c.name
+
+    def _keyed_note(self, i: int, scaled: ir.Value) -> str | None:
+        """With ``output_key=`` (graph output ``i``): the other graph outputs computed from
+        the scaled value, which see the scale in the file too (None when there are none)."""
+        seen = _downstream_outputs(scaled)
+        through = [f"output {o.name!r}" for k, o in enumerate(self.g.outputs) if k != i and
+                   id(o) in seen and self._dtype(o) in FLOAT_TYPES]
+        if not through:
+            return None
+        return (f"output scale on output {self.g.outputs[i].name!r} (output_key=); "
+                f"{', '.join(through)} "
+                f"{'are' if len(through) > 1 else 'is'} computed from it in the model, so "
+                f"{'they see' if len(through) > 1 else 'it sees'} the scale too")
 
     def _scale_site(self, out: ir.Value) -> ir.Value:
         """The value the output scale multiplies: ``out``, or up through the ops that

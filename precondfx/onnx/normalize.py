@@ -211,10 +211,13 @@ def _sorted(g: ir.Graph) -> bool:
 
 
 def _unshare_identity(model: ir.Model) -> int:
-    """Identity(initializer) -> one initializer per use of the Identity's output."""
+    """Identity(initializer) -> one initializer per use of the Identity's output; an
+    initializer left without a reader is dropped (the file would keep the old values, unused,
+    and onnxruntime warns about them at every load)."""
     g = model.graph
     count = 0
     taken = set(g.initializers)
+    copied: list[ir.Value] = []
     for node in list(g):
         if node.op_type != "Identity" or node.domain not in ("", "ai.onnx"):
             continue
@@ -236,6 +239,10 @@ def _unshare_identity(model: ir.Model) -> int:
             use.node.replace_input_with(use.idx, v)
             count += 1
         g.remove(node, safe=True)
+        copied.append(src)
+    for src in copied:     # read only through Identity nodes: every reader has its copy now
+        if src.name in g.initializers and not list(src.uses()) and not src.is_graph_output():
+            g.initializers.pop(src.name)
     return count
 
 

@@ -60,6 +60,8 @@ ONNX = Support("ONNX back end", (
     Rule("lr", lambda v: v not in (None, "auto"), REFUSE, f"lr= (it measures curvature "
          f"through torch) {_TORCH_ONLY}"),
     Rule("lr", lambda v: v == "auto", None, ""),   # no optimizer step to read a rate from
+    Rule("optimizer", lambda v: v is not None, REFUSE, f"optimizer= (the family lr= is a rate "
+         f"of) {_TORCH_ONLY}"),
     Rule("suggest_lr", lambda v: v, REFUSE, f"suggest_lr=True {_TORCH_ONLY}"),
     Rule("capture", lambda v: v != D.capture, REFUSE, f"capture= (a PyTorch capture method) "
          f"{_TORCH_ONLY}"),
@@ -199,19 +201,22 @@ def normalize_stage(st: OnnxState) -> None:
     io.check_dims(st.specs, dimmap)
     given = io.load_calibration(st.specs, st.calib, st.calib_inputs)
     given.update(io.feeds_by_name(st.specs, st.given))
+    masks = mask_inputs(st.model)
     try:
         st.feeds = io.resolve_feeds(st.specs, given, dims=dimmap, batch=st.batch,
                                     seed=st.opts.seed, weights=weight_inputs(st.model),
-                                    masks=mask_inputs(st.model))
+                                    masks=masks)
     except PrecondError:
         if st.opts.target_std is not None or st.opts.input_scale == "auto":
             raise
     st.sample = st.feeds.arrays if st.feeds is not None else None
-    if st.feeds is not None:
-        m2 = input_second_moment([a for a in st.feeds.arrays.values() if a.dtype.kind == "f"])
+    data = {} if st.feeds is None else {n: a for n, a in st.feeds.arrays.items()
+                                        if n not in not_data(st.model, masks)}
+    if st.feeds is not None:        # the data inputs: masks and fed weights are not scaled
+        m2 = input_second_moment([a for a in data.values() if a.dtype.kind == "f"])
         st.input_rms = None if m2 is None else m2 ** 0.5
     if st.feeds is not None and st.opts.input_scale == "auto":
-        st.input_arrays = [np.asarray(a, dtype=np.float32) for a in st.feeds.arrays.values()
+        st.input_arrays = [np.asarray(a, dtype=np.float32) for a in data.values()
                            if a.dtype.kind in "fV"]
 
 
@@ -330,6 +335,76 @@ def _mask_use(v: ir.Value, seen: set[int] | None = None) -> str | None:
     return None
 
 
+#: ops a mask may end in besides ``Mul``: the count of kept positions (``mask.sum(1)``, the
+#: divisor of a masked mean)
+MASK_COUNTS = ("ReduceSum", "ReduceMean", "Sum")
+#: comparisons that turn a float mask into a condition (``m < 0.5``, ``m == 0``)
+MASK_TESTS = ("Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual")
+
+
+def _is_constant(v: ir.Value | None) -> bool:
+    return v is not None and (v.const_value is not None or (
+        v.producer() is not None and v.producer().op_type == "Constant"))
+
+
+def _multiplied_mask(v: ir.Value) -> str | None:
+    """Why ``v`` (a floating-point graph input) reads as a mask by all its uses, or None:
+    every use, through broadcasts and casts, multiplies it into a value a node computes
+    (``scores * m``, ``softmax(s) * m[:, None]``, ``h * m.unsqueeze(-1)``), compares it with
+    a constant (``m < 0.5``, ``m == 0``: a condition) or sums it (the count of a masked
+    mean), at least one of the first two.  An input a layer reads, one multiplied by a
+    constant (a scale) or by another graph input (``net(a * b)``: data) is not."""
+    used: list[str] = []
+    todo, seen = [v], set()
+    while todo:
+        x = todo.pop()
+        for use in x.uses():
+            node = use.node
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            op = node.op_type
+            if op in MASK_CARRIERS and use.idx == 0:
+                todo.extend(node.outputs)
+                continue
+            if op in MASK_COUNTS:
+                continue
+            other = node.inputs[1 - use.idx] if op in ("Mul",) + MASK_TESTS and \
+                len(node.inputs) == 2 else None
+            if op in MASK_TESTS and _is_constant(other):
+                used.append(f"{op} node {node.name or '(unnamed)'!r} compares it with a "
+                            f"constant")
+                continue
+            if op != "Mul" or other is None or other.producer() is None or \
+                    _is_constant(other) or _inputs_of(other) - {id(v)} == set() or \
+                    id(v) in _inputs_of(other):
+                return None         # a scale, or its own gate (x * (x > 0)): data
+            used.append(f"Mul node {node.name or '(unnamed)'!r} multiplies it into a computed "
+                        f"value")
+    if not used:
+        return None
+    more = f" and {len(used) - 1} more use(s)" if len(used) > 1 else ""
+    return (f"read as a mask by all its uses, sums aside: {used[0]}{more}; ones keep "
+            f"everything, where N(0,1) data would mask or flip values at random")
+
+
+def _inputs_of(v: ir.Value) -> set[int]:
+    """The ids of the graph inputs ``v`` is computed from (through the main graph)."""
+    out: set[int] = set()
+    todo, seen = [v], set()
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if x.is_graph_input():
+            out.add(id(x))
+        node = x.producer()
+        if node is not None:
+            todo.extend(node.inputs)
+    return out
+
+
 def mask_inputs(model: ir.Model) -> dict[str, str]:
     """The floating-point or integer graph inputs that are masks (input name -> why): named
     so (``attention_mask``, also int64 as transformers exports it) or, floating-point, used
@@ -348,24 +423,36 @@ def mask_inputs(model: ir.Model) -> dict[str, str]:
         if any(w.endswith(("mask", "masks")) for w in words):     # not 'masked_image'
             out[v.name] = "its name says so"
             continue
-        why = _mask_use(v) if v.dtype in floats else None
+        why = (_mask_use(v) or _multiplied_mask(v)) if v.dtype in floats else None
         if why:
             out[v.name] = why
     return out
 
 
+def not_data(model: ir.Model, masks: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The graph inputs that are not data (name -> why), which the input scale (Sec. 6.3)
+    neither reads nor multiplies: masks (a mask times the input scale masks other entries:
+    ``keep * 0.1 < 0.5`` masks everything) and the weights a caller feeds."""
+    masks = mask_inputs(model) if masks is None else masks
+    out = {n: f"a mask ({why}), whose values mean masked or kept"
+           for n, why in masks.items()}
+    out.update({n: f"read as the weight of {where}" for n, where in
+                weight_inputs(model).items()})
+    return out
+
+
 def backend(st: OnnxState) -> None:
     st.backend = OnnxApplier(st.model, st.captured, st.opts.seed)
+    if st.opts.input_scale is not None:
+        st.backend.not_data = not_data(st.model)
     if st.feeds is not None:
         st.backend.random_inputs = list(st.feeds.random)
         st.backend.ones_inputs = list(st.feeds.ones)
     st.result = st.model
     key = st.opts.output_key
     st.main_path = [key] if key is not None else []
-    if st.opts.target_std is not None and key is None:
-        note = st.backend.others_note()
-        if note:
-            st.graph.notes.append(note)
+    # the note on the outputs beside the main one comes with the output scale, which knows
+    # the outputs computed from the scaled value (OnnxApplier.output_scale)
     st.graph.notes.extend(_split_ties(value_ties(st.model), st.plan))
     st.graph.notes.extend(_shared_weights(st.plan))
     note = _feedable_note(st.model, st.plan)

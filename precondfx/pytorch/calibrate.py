@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import random
 import threading
@@ -596,19 +597,36 @@ def is_additive_mask(t: torch.Tensor) -> bool:
 
 # -- statistics over every rank (sharded models) ------------------------------------------------
 def global_std_local(t: torch.Tensor, group: object = None) -> tuple[float, float]:
-    """(std over every rank's batch, this rank's std); population std, float64."""
+    """(std over every rank's batch, this rank's std); population std, float64, by the -inf
+    rule every back end applies (``core.calibration.masked_std``): over the finite entries
+    when the only non-finite ones are -inf (masked logits), NaN for NaN/+inf on any rank."""
+    return global_masked_std(t, group)[:2]
+
+
+def global_masked_std(t: torch.Tensor, group: object = None) -> tuple[float, float, int]:
+    """``global_std_local`` and the number of masked (-inf) entries it left out over every
+    rank: the finite entries' sum, sum of squares and count, the masked count and a NaN/+inf
+    count are all-reduced, so every rank reads the same std (that of one process
+    calibrating on the global batch)."""
     t = t.detach().to(torch.float64).flatten()
-    stats = torch.stack([t.sum(), t.pow(2).sum(), torch.tensor(float(t.numel()),
-                                                               dtype=torch.float64,
-                                                               device=t.device)])
-    local = float(t.std(correction=0)) if t.numel() > 1 else float("nan")
+    fin = torch.isfinite(t)
+    neg = torch.isneginf(t)
+    kept = t[fin]
+    one = functools.partial(torch.tensor, dtype=torch.float64, device=t.device)
+    stats = torch.stack([kept.sum(), kept.pow(2).sum(), one(float(kept.numel())),
+                         one(float(neg.sum())), one(float((~fin & ~neg).sum()))])
+    local = calibration.masked_std(t.cpu().numpy())[0] if t.numel() > 1 else float("nan")
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(stats, group=group)
-    s, s2, n = (float(v) for v in stats.cpu())
+    s, s2, n, masked, bad = (float(v) for v in stats.cpu())
+    if bad > 0:
+        return float("nan"), local, 0
     if n < 2:
+        if masked > 0:
+            return float("nan"), local, 0
         raise PrecondError("the calibration batch has fewer than 2 output elements over all ranks")
     mean = s / n
-    return math.sqrt(max(s2 / n - mean * mean, 0.0)), local
+    return math.sqrt(max(s2 / n - mean * mean, 0.0)), local, int(masked)
 
 
 def global_std(t: torch.Tensor, group: object = None) -> float:

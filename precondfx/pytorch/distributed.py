@@ -37,7 +37,7 @@ from precondfx.pytorch.apply.shards import local as shards_local
 from precondfx.pytorch.capture.common import main_output, make_sample
 from precondfx.errors import PrecondError
 from precondfx.core.plan import Plan
-from precondfx.pytorch.calibrate import global_std_local as _global_std
+from precondfx.pytorch.calibrate import global_masked_std as _global_std
 from precondfx.pytorch.calibrate import global_std  # noqa: F401 (public here too)
 
 __all__ = ["CONSTANTS", "RNGS", "balance", "calibrate", "counter_normal", "is_sharded",
@@ -176,12 +176,14 @@ def calibrate(model: nn.Module, sample: Any, target_std: float | None = None, *,
         current = 1.0
     for buf in bufs:
         buf.fill_(current)
-    before, _ = _global_std(main_output(cal.forward(model, s, mode), output_key), group)
+    before, _, masked = _global_std(main_output(cal.forward(model, s, mode), output_key),
+                                    group)
     if not math.isfinite(before):
         bad = [n for n, p in model.named_parameters()
                if p.is_floating_point() and not bool(torch.isfinite(shards_local(p)).all())]
         raise PrecondError(
-            f"the output on the calibration batch has NaN/inf values"
+            f"the output on the calibration batch has NaN/+inf values (-inf alone, a mask, "
+            f"is measured over the finite entries)"
             f"{' and these parameters hold NaN/inf: ' + ', '.join(bad[:5]) if bad else ''}. "
             f"After model.to_empty every tensor is uninitialized memory: call precondfx.reinit("
             f"model, report.plan, seed) and give the parameters and buffers the plan keeps "
@@ -192,10 +194,11 @@ def calibrate(model: nn.Module, sample: Any, target_std: float | None = None, *,
         buf.fill_(scale)
         if isinstance(rec, dict):
             rec[name] = scale
-    after, local = _global_std(main_output(cal.forward(model, s, mode), output_key), group)
+    after, local, _ = _global_std(main_output(cal.forward(model, s, mode), output_key),
+                                  group)
     _settle(model, lambda m: cal.forward(m, s, "eval"))
     return {"std_before": before / current, "scale": scale, "std_after": after,
-            "target_std": target_std, "local_std_after": local}
+            "target_std": target_std, "local_std_after": local, "masked_entries": masked}
 
 
 # -- distributed measured balancing -----------------------------------------------------------

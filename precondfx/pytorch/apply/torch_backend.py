@@ -34,8 +34,11 @@ class TorchBackend:
         from precondfx.pytorch import calibrate as cal
         from precondfx.pytorch.apply.shards import is_sharded
         out = cal.forward(self.module, sample, mode)
-        if is_sharded(self.module):
-            return cal.global_std(cal.main_output(out, key))
+        if is_sharded(self.module):     # the -inf rule too, on the global batch
+            t = cal.main_output(out, key)
+            std, _, self.masked_entries = cal.global_masked_std(t)
+            self.output_size = None      # the masked count is every rank's
+            return std
         std, self.masked_entries = cal.masked_output_std(out, key)
         self.output_size = int(cal.main_output(out, key).numel())
         self.output_floor, self.same_rows = cal.constancy(out, key)
