@@ -11,6 +11,10 @@ fix it names:
   (adding ``log 2`` doubles the logits) needs data, so checkpoints stayed ``"raw"``
   (``save_pretrained`` warned, ``from_pretrained`` lost the scale).  ``distributed.calibrate``
   now runs that check on the materialized model: checkpoints fold, reload to 2e-7.
+* ``save_pretrained`` before ``lr='auto'``'s first step: ``from_pretrained`` + ``reattach``
+  gives a model with no pending step (a tiny Swin under SGD took another first step: loss
+  after it 0.987 against the result's 1.138), and nothing said so (pickling warns).  The
+  checkpoint now warns, as pickling does.
 """
 from __future__ import annotations
 
@@ -94,3 +98,21 @@ def test_meta_planned_clip_folds_into_logit_scale() -> None:
     back = pretrained_round_trip(res)      # warned "constants dropped" before
     with torch.no_grad():
         assert _rel(back(**batch).logits_per_image, got) < 1e-5          # was 0.54 off
+
+
+def test_save_pretrained_before_the_first_step_says_the_step_is_lost() -> None:
+    """A checkpoint taken before lr='auto''s first step loses it silently: reloaded with
+    reattach, a tiny Swin trained with SGD(lr=1e-2) took another first step than the result
+    (loss after one step 0.987 against 1.138).  The save now warns, as pickling does; after
+    the first step (the storage settled) it does not."""
+    import warnings
+    model, batch = tiny("gpt2", dropout=False)
+    res, _ = _pre(model, {"input_ids": batch["input_ids"]}, use_cache=False)
+    with pytest.warns(RuntimeWarning, match="first step is pending"):
+        res.state_dict()
+    opt = torch.optim.SGD(res.parameters(), lr=1e-2)
+    res(**batch, use_cache=False).loss.backward()
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res.state_dict()
