@@ -361,7 +361,8 @@ def match_tokens(st: State) -> None:
     if not st.data:
         for k in pis:
             rep.skipped.append((f"init {k}", f"left as is: {st.no_data} (a token's std is "
-                                             f"measured on data)"))
+                                             f"measured on data: distributed.calibrate draws "
+                                             f"it once the model holds data, after reinit)"))
         return
     got = st.backend.probe_sample(st.sample, sorted({str(pi.match) for pi in pis.values()}),
                                   st.opts.calibration)

@@ -205,6 +205,16 @@ def _rescale_state_dict(module: nn.Module, state_dict: dict, prefix: str, fold: 
 
 
 def _fold_state_dict(module: nn.Module, state_dict: dict, prefix: str, meta: Any) -> None:
+    from precondfx.pytorch.first_step import is_pending
+    if is_pending(module) and not _live(state_dict, prefix):
+        warnings.warn(
+            "precondfx: this checkpoint of a result whose lr='auto' first step is pending "
+            "(no optimizer has stepped it) holds no pending step: from_pretrained (and "
+            "reattach) gives a model that keeps this storage at any SGD rate, where this one "
+            "sets it at its first SGD step (the kept calibration batch is not saved). Call "
+            "precondfx.settle_rate(model, lr) before saving, or pass lr= and optimizer='sgd' "
+            "to precondition (loading the state_dict into this same result keeps the step)",
+            RuntimeWarning, stacklevel=2)
     entry = getattr(getattr(module, "config", None), CONFIG_KEY, None)
     if isinstance(entry, dict):   # constants set after precondition (meta-device calibration)
         entry["constants"] = _constants(module)

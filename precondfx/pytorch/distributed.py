@@ -23,9 +23,11 @@ Two random streams give the full tensors:
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from precondfx.pytorch.apply.common import PREFIX
@@ -116,11 +118,12 @@ def settle_checkpoints(model: nn.Module, sample: Any, *,
 def _settle(model: nn.Module, run: Any) -> bool:
     from precondfx.pytorch.folding import confirm_upstream, recipe_of
     from precondfx.integrations import hf_checkpoints
-    from precondfx.pytorch.apply.eager_output import OUTPUT_CANDIDATES, settle_output_scale
+    from precondfx.pytorch.apply.eager_output import OUTPUT_CANDIDATES, OUTPUT_LOG_UNCHECKED, \
+        settle_output_scale
     rec = recipe_of(model)
     entry = getattr(getattr(model, "config", None), hf_checkpoints.CONFIG_KEY, None)
     waiting = isinstance(entry, dict) and entry.get("checkpoints") == "pending"
-    moving = OUTPUT_CANDIDATES in model.__dict__
+    moving = OUTPUT_CANDIDATES in model.__dict__ or OUTPUT_LOG_UNCHECKED in model.__dict__
     if (rec is None or not rec.pending) and not waiting and not moving:
         return False
     settle_output_scale(model, run)     # before confirm_upstream: a head's factor moves on
@@ -128,6 +131,72 @@ def _settle(model: nn.Module, run: Any) -> bool:
     if hf_checkpoints.is_transformers_model(model):
         hf_checkpoints.prepare(model)
     return True
+
+
+# -- token and position parameters measured on data --------------------------------------
+@torch.no_grad()
+def draw_pending_matches(model: nn.Module, sample: Any, mode: str = "train",
+                         group: Any = None) -> list[str]:
+    """Draw the token and position parameters (rule ``match``: class tokens, position
+    embeddings) that a plan made on the meta device could not measure: each at the rms of its
+    partner module's output on ``sample`` (sums of squares all-reduced over ``group``), from
+    the seeded stream ``precondition`` draws them from with data, so that the result equals
+    the one planned with data on the same batch.  :func:`calibrate` calls it first.  Returns
+    the names drawn (none unless ``precondfx.reinit`` recorded some after ``to_empty``)."""
+    from precondfx.pytorch import calibrate as cal
+    from precondfx.pytorch.apply.reinit import reinit as _reinit
+    from precondfx.pytorch.apply.shards import PENDING_MATCHES, write
+    rec = model.__dict__.get(PENDING_MATCHES)
+    if not rec:
+        return []
+    named = dict(model.named_parameters())
+    inits = {n: v for n, v in rec["inits"].items() if n in named}
+    if any(named[n].device.type == "meta" for n in inits):
+        return []
+    modules = dict(model.named_modules())
+    lost = sorted(n for n, (_, m) in inits.items() if m is None or m not in modules)
+    if lost:
+        raise PrecondError(
+            f"{', '.join(lost)}: the plan draws these token/position parameters at the rms of "
+            f"a layer's output measured on data, and that layer is not a module of the model, "
+            f"so it cannot be measured here; after model.to_empty they hold uninitialized "
+            f"memory. Give them your usual init (e.g. a normal draw of std 0.02) before "
+            f"calibrating, or precondition the model with data")
+    sums: dict[str, torch.Tensor] = {}
+
+    def hook(name: str) -> Any:
+        def run(mod: nn.Module, args: Any, out: Any) -> None:
+            t = out if isinstance(out, torch.Tensor) else None
+            if t is not None:
+                t = shards_local(t).detach().to(torch.float64)
+                sums[name] = torch.stack([t.pow(2).sum(), torch.tensor(
+                    float(t.numel()), dtype=torch.float64, device=t.device)])
+        return run
+
+    for n, _ in inits.items():      # zeros, not leftover memory, while the partner runs
+        write(named[n], torch.zeros(tuple(named[n].shape)))
+    paths = sorted({m for _, m in inits.values()})
+    handles = [modules[m].register_forward_hook(hook(m)) for m in paths]
+    try:
+        cal.forward(model, sample, mode)
+    finally:
+        for h in handles:
+            h.remove()
+    sub = Plan(options={"seed": rec["seed"]})
+    for n, (pi, m) in inits.items():
+        st = sums.get(m)
+        if st is not None and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(st, group=group)
+        s2, cnt = (float(v) for v in st.cpu()) if st is not None else (0.0, 0.0)
+        r = math.sqrt(s2 / cnt) if cnt else float("nan")
+        if not (math.isfinite(r) and r > 0):
+            raise PrecondError(
+                f"{n}: the plan draws it at the rms of {m}'s output on the calibration batch, "
+                f"which is {'not a tensor' if st is None else r}: give it your usual init "
+                f"before calibrating, or precondition the model with data")
+        sub.inits[n] = replace(pi, std=r)
+    model.__dict__.pop(PENDING_MATCHES, None)
+    return _reinit(model, sub, rec["seed"])
 
 
 # -- distributed calibration ------------------------------------------------------------------
@@ -166,6 +235,7 @@ def calibrate(model: nn.Module, sample: Any, target_std: float | None = None, *,
             f"them, leaving the copy uninitialized): call precondfx.reinit(model, report.plan, "
             f"seed) after to_empty (it ties them again), or model.tie_weights() and then "
             f"reinit, before calibrating")
+    draw_pending_matches(model, s, mode, group)
     # a scale planned on the meta device on the returned value goes onto the module(s) that
     # can carry it (checked by running), before a forward whose own loss must see it
     settle_output_scale(model, lambda m: cal.forward(m, s, "eval"))

@@ -930,6 +930,12 @@ def arm(model: nn.Module, graph: Any, plan: Any, report: Any, lr_buffers: dict[s
     return pend
 
 
+def is_pending(model: nn.Module) -> bool:
+    """Whether ``model``'s ``lr='auto'`` first step has not happened yet."""
+    pend = model.__dict__.get(ATTR)
+    return isinstance(pend, Pending) and pend in _PENDING
+
+
 def settle_rate(model: nn.Module, lr: float, optimizer: Any = "sgd") -> dict[str, Any]:
     """What the first step of ``optimizer`` at rate ``lr`` does to ``model`` (a result of
     ``precondition`` with ``lr='auto'``), done now: for a training loop that does not step a

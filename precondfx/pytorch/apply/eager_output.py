@@ -423,40 +423,22 @@ class OutputSearch:
             return False
         return all(self._frozen(i) for i in node.inputs)
 
-    @torch.no_grad()
     def _log_param(self, path: list, run: Callable[[nn.Module], Any], out: Any) -> str | None:
         """A one-element parameter of the model itself whose exponential multiplies the main
-        output (CLIP's and SigLIP's ``logit_scale.exp() * text @ image.T``), checked by
-        running: adding ``log 2`` to it doubles the main output (in train mode too).  The
-        output scale ``s`` on the returned value then folds exactly into it (``+ log s``).
-        None where there is none, or on the meta device."""
+        output (:func:`log_param`).  On the meta device, where it cannot be checked, the model
+        is marked so that :func:`settle_output_scale` checks once it holds data."""
         try:
             target = at_path(out, mode_path(out, path) or path) if out is not None else None
         except (KeyError, IndexError, TypeError, AttributeError):
             return None
-        if not isinstance(target, torch.Tensor) or target.device.type == "meta":
+        if not isinstance(target, torch.Tensor):
+            return None
+        if target.device.type == "meta":
+            setattr(self.model, OUTPUT_LOG_UNCHECKED, True)
+            self.undo.append(("attrdel", self.model, OUTPUT_LOG_UNCHECKED))
             return None
         runs = [run] + ([self.train_runner] if self.train_runner is not None else [])
-        for name, p in self.model._parameters.items():
-            if p is None or p.numel() != 1 or not p.is_floating_point() or \
-                    sum(q is p for q in self.model.parameters()) != 1:
-                continue
-            ok = True
-            for r in runs:
-                before = target if r is run else at_path(r(self.model), path)
-                saved = p.detach().clone()
-                p.add_(math.log(2.0))
-                try:
-                    ok = _doubled(at_path(r(self.model), path), before)
-                except Exception:   # the model does not run that way
-                    ok = False
-                finally:
-                    p.copy_(saved)      # bit for bit (a + log 2 - log 2 may round)
-                if not ok:
-                    break
-            if ok:
-                return name
-        return None
+        return log_param(self.model, path, runs, target)
 
     def _scales_output(self, path: str | list[str], out_path: list,
                        run: Callable[[nn.Module], Any], before: torch.Tensor) -> bool:
@@ -474,6 +456,42 @@ class OutputSearch:
 #: output (CLIP's ``logit_scale``), when the output scale sits on the returned value: folding
 #: adds ``log(scale)`` to it (:meth:`OutputSearch._log_param`)
 OUTPUT_LOG_PARAM = PREFIX + "output_log_param"
+
+@torch.no_grad()
+def log_param(model: nn.Module, path: list, runs: list[Callable[[nn.Module], Any]],
+              target: torch.Tensor | None = None) -> str | None:
+    """A one-element parameter of ``model`` itself whose exponential multiplies the main
+    output (CLIP's and SigLIP's ``logit_scale.exp() * text @ image.T``), checked by running
+    each of ``runs`` (``target``: the first run's main output, if already computed): adding
+    ``log 2`` to it doubles the main output.  The output scale ``s`` on the returned value
+    then folds exactly into it (``+ log s``).  None where there is none."""
+    for name, p in model._parameters.items():
+        if p is None or p.numel() != 1 or not p.is_floating_point() or \
+                p.device.type == "meta" or sum(q is p for q in model.parameters()) != 1:
+            continue
+        ok = True
+        for i, r in enumerate(runs):
+            before = target if i == 0 and target is not None else at_path(r(model), path)
+            saved = p.detach().clone()
+            p.add_(math.log(2.0))
+            try:
+                ok = isinstance(before, torch.Tensor) and _doubled(at_path(r(model), path),
+                                                                  before)
+            except Exception:   # the model does not run that way
+                ok = False
+            finally:
+                p.copy_(saved)      # bit for bit (a + log 2 - log 2 may round)
+            if not ok:
+                break
+        if ok:
+            return name
+    return None
+
+
+#: set on a model planned on the meta device whose output scale sits on the returned value:
+#: whether a parameter's exponential multiplies the main output (CLIP's ``logit_scale``) is
+#: checked by :func:`settle_output_scale` once the model holds data
+OUTPUT_LOG_UNCHECKED = PREFIX + "output_log_unchecked"
 
 #: the model attribute listing, on a model planned on the meta device whose output scale went
 #: on the returned value, the module groups that may carry it instead (checked by running)
@@ -514,15 +532,22 @@ def settle_output_scale(model: nn.Module, run: Callable[[nn.Module], Any]) -> li
     sees it and checkpoints fold.  Returns the modules that took it ([] if none)."""
     from precondfx.pytorch.apply.eager_apply import module_hook   # imports this module
     groups = model.__dict__.pop(OUTPUT_CANDIDATES, None)
+    unchecked_log = model.__dict__.pop(OUTPUT_LOG_UNCHECKED, False)
     name = PREFIX + "output_scale"
     path = list(getattr(model, PREFIX + "output_path", ()) or ())
-    if not groups or name not in model._buffers:
+    if not (groups or unchecked_log) or name not in model._buffers:
         return []
     roots = [k for k, h in model._forward_hooks.items() if h is _root_output_hook]
     for k in roots:     # checked without the scale: a loss from labels, no value set yet
         model._forward_hooks[k] = _pass_through
     try:
-        group = _first_doubling(model, groups, path, run)
+        group = _first_doubling(model, groups, path, run) if groups else None
+        if group is None and unchecked_log and not model.__dict__.get(OUTPUT_LOG_PARAM):
+            # the scale stays on the returned value: CLIP's logit_scale carries it in
+            # checkpoints (+ log s), as planned with data
+            found = log_param(model, path, [run])
+            if found is not None:
+                setattr(model, OUTPUT_LOG_PARAM, found)
     finally:
         for k in roots:
             model._forward_hooks[k] = _root_output_hook

@@ -64,6 +64,7 @@ def reinit(model: nn.Module, plan: Plan, seed: int | None = None, rng: str = "st
     sharded = shards.is_sharded(model)
     named = dict(model.named_parameters(remove_duplicate=False))
     check_shapes(named, plan)
+    _record_pending_matches(model, plan, seed, named)
     if not sharded and all(p.device.type == "meta" for p in model.parameters()):
         # Shapes only: nothing to write (drawing a 7B model's tensors to discard them took
         # minutes); the draw happens when reinit runs again after model.to_empty(...).
@@ -113,6 +114,25 @@ def reinit(model: nn.Module, plan: Plan, seed: int | None = None, rng: str = "st
         changed.append(name)
     shards.restore_constants(model)
     return changed
+
+
+def _record_pending_matches(model: nn.Module, plan: Plan, seed: int,
+                            named: dict[str, torch.Tensor]) -> None:
+    """On a model planned on the meta device that now holds data (``to_empty``, then this
+    ``reinit``), keep the token and position parameters whose std the plan measures on data
+    (rule ``match`` without a std) with the module whose output is measured, so that
+    ``distributed.calibrate`` draws them (``to_empty`` left them uninitialized memory).  Only
+    here: a user who loads values after ``to_empty`` without ``reinit`` keeps them."""
+    if not getattr(model, shards.NO_DATA, False) or \
+            any(p.device.type == "meta" for p in model.parameters()):
+        return
+    modules = {lay.node: lay.module for lay in plan.layers}
+    pending = {n: (pi, modules.get(str(pi.match))) for n, pi in plan.inits.items()
+               if pi.rule == "match" and pi.std is None and n in named}
+    if pending:
+        model.__dict__[shards.PENDING_MATCHES] = {"seed": int(seed), "inits": pending}
+    else:
+        model.__dict__.pop(shards.PENDING_MATCHES, None)
 
 
 def check_shapes(named: dict[str, torch.Tensor], plan: Plan) -> None:

@@ -27,6 +27,9 @@ BALANCEABLE = PREFIX + "balanceable"
 #: set on a result planned on the meta device: its values come from ``to_empty`` + ``reinit``
 NO_DATA = PREFIX + "planned_on_meta"
 RNGS = ("stream", "counter")
+#: set by ``reinit`` on a model planned on the meta device: the token and position parameters
+#: (rule ``match``) whose std is measured on data, drawn by ``distributed.calibrate``
+PENDING_MATCHES = PREFIX + "pending_matches"
 
 
 # -- constants --------------------------------------------------------------------------------
