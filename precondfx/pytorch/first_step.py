@@ -833,12 +833,19 @@ def _check_later(opt: torch.optim.Optimizer) -> None:
                 f"storage is not lowered for it: pass lr= (the highest rate you train at) and "
                 f"optimizer='sgd' to precondition, or call precondfx.settle_rate(model, "
                 f"peak_lr) before the first optimizer's first step")
-        log.info("precondfx: %s", text)
-        warnings.warn(f"precondfx: {text}", RuntimeWarning, stacklevel=4)
-        sec = pend.report.conditioning.get("lr_target")
-        if isinstance(sec, dict):
-            sec["raised"] = text
-            sec["summary"] = f"{sec['summary']}; later: {text}"
+        _say_raised(pend, text, 5)
+
+
+def _say_raised(pend: Pending, text: str, stacklevel: int) -> None:
+    """A rate raised past the one the ceiling was decided for, said once: logged, warned
+    (at the user's line: ``stacklevel`` counts this function) and recorded in the report's
+    ``lr_target`` section as ``raised``."""
+    log.info("precondfx: %s", text)
+    warnings.warn(f"precondfx: {text}", RuntimeWarning, stacklevel=stacklevel)
+    sec = pend.report.conditioning.get("lr_target")
+    if isinstance(sec, dict):
+        sec["raised"] = text
+        sec["summary"] = f"{sec['summary']}; later: {text}"
 
 
 def _unwatched() -> Any:
@@ -881,12 +888,7 @@ class _RateWatch:
                 f"by hand?): call precondfx.settle_rate(model, peak_lr) before the first "
                 f"step, let a torch.optim.lr_scheduler do the warm-up (its initial_lr is "
                 f"read), or pass lr= and optimizer='sgd' to precondition")
-        log.info("precondfx: %s", text)
-        warnings.warn(f"precondfx: {text}", RuntimeWarning, stacklevel=3)
-        sec = pend.report.conditioning.get("lr_target")
-        if isinstance(sec, dict):
-            sec["raised"] = text
-            sec["summary"] = f"{sec['summary']}; later: {text}"
+        _say_raised(pend, text, 4)
         return None
 
 
