@@ -27,7 +27,7 @@ from precondfx.pytorch.apply.eager_output import (LOSS_BEFORE_SCALE,  # noqa: F4
                                                    _root_output_hook, internal_loss)  # hf)
 from precondfx.pytorch.apply.torch_backend import TorchBackend
 from precondfx.core.graph import Graph
-from precondfx.core.nodes import fixed_factor_node
+from precondfx.core.nodes import fixed_factor_node, nonlinear_product
 from precondfx.core.plan import Plan, Scale
 
 _PASS_THROUGH = ("relu", "leaky_relu", "prelu", "dropout", "avgpool", "mean", "neg", "reshape",
@@ -374,6 +374,11 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
             return (f"the {tag} operand is the output of {mod}, which forward calls "
                     f"{self.calls[mod]} times: a hook on it would scale every call, not this "
                     f"branch alone {cap}")
+        last = list(self._upstream_chain(src))[-1:] if src else []
+        if last and last[0].kind == "mul" and nonlinear_product(last[0]):
+            return (f"the {tag} operand is produced by {last[0].name}, which "
+                    f"{nonlinear_product(last[0])}: a hook scaling what feeds it would not "
+                    f"scale its result by the same factor {cap}")
         return f"the {tag} operand is produced by a functional op with no module to hook {cap}"
 
     def upstream_module(self, node: str) -> str | None:
