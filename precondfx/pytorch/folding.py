@@ -65,7 +65,7 @@ from precondfx.pytorch.capture.common import Act, Const, Param, build_node, leav
 from precondfx.pytorch.capture.fx_capture import _metadata_read
 from precondfx.errors import PrecondError
 from precondfx.core.beta import CHAIN_OPS
-from precondfx.core.nodes import fixed_factor_node
+from precondfx.core.nodes import fixed_factor_node, gate_node
 
 RECIPE = "_precondfx_recipe"
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm,
@@ -357,14 +357,10 @@ def _value_users(n: fx.Node) -> list[fx.Node]:
     return [u for u in n.users if not _metadata_read(u)]
 
 
-def _fixed_factor_operand(n: fx.Node) -> fx.Node | None:
-    """The activation operand ``x`` of a product ``c * x``, ``x * c`` or quotient ``x / c`` by a
-    fixed factor ``c`` (a Python number, a number computed from sizes, or a parameter or
-    buffer read by ``get_attr``: a branch's ``0.5 * layer(x)``, a layer scale's
-    ``layer(x) * self.gamma``, in place or not, operands by position or keyword), which is
-    linear in ``x``: a scale on the product is the same scale on ``x``; else None (a
-    division rounding its result is not linear).  The rule is the captured graph's,
-    ``core.nodes.fixed_factor_node``, on the node read as the fx capture reads it."""
+def _neutral(n: fx.Node) -> tuple[Any, dict[str, fx.Node]] | None:
+    """A product or quotient node read as the fx capture reads it (the neutral graph's
+    :class:`~precondfx.core.graph.Node`: a get_attr is a parameter, a number computed from
+    sizes a constant), with its activation operands by name; None for any other node."""
     if n.op == "call_function":
         spec, target = ops.for_function(n.target), target_name(n.target)
     elif n.op == "call_method":
@@ -388,7 +384,30 @@ def _fixed_factor_operand(n: fx.Node) -> fx.Node | None:
         return Act(a.name)
     node = build_node(n.name, spec, target, [mark(a) for a in n.args],
                       {k: mark(v) for k, v in n.kwargs.items()})
-    return acts[node.inputs[0]] if fixed_factor_node(node) else None
+    return node, acts
+
+
+def _fixed_factor_operand(n: fx.Node) -> fx.Node | None:
+    """The activation operand ``x`` of a product ``c * x``, ``x * c`` or quotient ``x / c`` by a
+    fixed factor ``c`` (a Python number, a number computed from sizes, or a parameter or
+    buffer read by ``get_attr``: a branch's ``0.5 * layer(x)``, a layer scale's
+    ``layer(x) * self.gamma``, in place or not, operands by position or keyword), which is
+    linear in ``x``: a scale on the product is the same scale on ``x``; else None (a
+    division rounding its result is not linear).  The rule is the captured graph's,
+    ``core.nodes.fixed_factor_node``, on the node read as the fx capture reads it."""
+    read = _neutral(n)
+    if read is None or not fixed_factor_node(read[0]):
+        return None
+    return read[1][read[0].inputs[0]]
+
+
+def _gate_operands(n: fx.Node) -> list[fx.Node]:
+    """The two operands of a product of two activations (a gated branch's ``h * gate``,
+    ``core.nodes.gate_node``), in order; else none."""
+    read = _neutral(n)
+    if read is None or not gate_node(read[0]):
+        return []
+    return [read[1][i] for i in read[0].inputs]
 
 
 def _fx_scales(gm: fx.GraphModule) -> _Scales:
@@ -548,6 +567,9 @@ def _fx_up(node: fx.Node, gm: fx.GraphModule, value: float) -> fx.Node:
                                or (cur.op == "call_function" and
                                    cur.target in _SAME_VALUES_FNS)):
             prev = cur.args[0] if cur.args and isinstance(cur.args[0], fx.Node) else None
+        if prev is None:    # a gate: into the first operand, read by it alone, that leads
+            prev = next((a for a in _gate_operands(cur) if len(_value_users(a)) == 1 and
+                         _fx_up(a, gm, value).op == "call_module"), None)   # to a module
         if prev is None or len(_value_users(prev)) != 1 or prev.op in ("placeholder", "get_attr"):
             return cur
         cur = prev

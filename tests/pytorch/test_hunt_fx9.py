@@ -126,3 +126,39 @@ def test_view_taken_before_an_in_place_join_sees_the_join_on_fx(view):
     with torch.no_grad():
         y, want = res(x), _constant_free(res, ViewBeforeInPlaceJoin, view)(x)
     assert float((y - want).abs().max()) < 1e-5
+
+
+class GatedBranch(nn.Module):
+    """A residual branch gated by a sigmoid of the skip: ``h + fc(relu(h)) * gate``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.fc, self.gate = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.o = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        g = torch.sigmoid(self.gate(h))
+        h = h + self.fc(F.relu(h)) * g
+        return self.o(F.relu(h))
+
+
+def test_gated_branch_scale_is_placed_and_folds_on_every_capture():
+    # a product of two activations is linear in each: s on fc's output is s on the branch.
+    # Before: fx scaled the branch but fold refused it ("multiplies the output of mul ...
+    # no module of your class can absorb exactly"); eager and export skipped it ("produced
+    # by a functional op with no module to hook"). Now every capture scales the branch, the
+    # three results compute one function (max difference 0), and each folds (< 1e-5)
+    x = torch.randn(64, 8)
+    opts = dict(residual_scale=0.5, target_std=None, balance="none", lr=None, lr_scale=None)
+    ys = {}
+    for capture in ("fx", "eager", "export"):
+        torch.manual_seed(0)
+        res, rep = precondfx.precondition(GatedBranch(), x, capture=capture, **opts)
+        assert rep.capture == capture and rep.skipped == []
+        folded = precondfx.fold(res)
+        with torch.no_grad():
+            ys[capture] = res(x)
+            assert float((folded(x) - ys[capture]).abs().max()) < 1e-5
+    assert float((ys["fx"] - ys["eager"]).abs().max()) < 1e-5
+    assert float((ys["fx"] - ys["export"]).abs().max()) < 1e-5
