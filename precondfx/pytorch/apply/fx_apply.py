@@ -378,6 +378,21 @@ class FxApplier(TorchBackend, Records):
         # forward changes the output in place after computing it (``y.clamp_(-5, 5)``): the
         # scale goes after the last such change, as on the value forward returns
         changes = sorted((u for u in node.users if _mutates(u, node)), key=order.get)
+        early = [u for u in node.users if changes and u not in changes and
+                 order[u] < order[changes[-1]] and not _metadata_read(u)]
+        if early:
+            # a view of it taken before an in-place change (``v = y.view(...)``, then
+            # ``y.clamp_(...)``, ``return v``) reads the changed values, which a product after
+            # the change would not reach: the returned value takes the scale
+            with self.gm.graph.inserting_before(out):
+                c = self.gm.graph.get_attr(b)
+                out.replace_input_with(target, self.gm.graph.call_function(operator.mul,
+                                                                           (target, c)))
+            self._done("output", f"output scale on the returned value {target.name}: "
+                       f"{early[0].name} reads {node.name} before forward changes it in place "
+                       f"({changes[-1].name}), so a scale where it is computed would miss the "
+                       f"change", b)
+            return b
         at = changes[-1] if changes else node
         with self.gm.graph.inserting_after(at):
             c = self.gm.graph.get_attr(b)
