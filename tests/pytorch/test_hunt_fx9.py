@@ -1,6 +1,8 @@
 """Captures, the apply step and fold on user code (helper fx9): one fixed-factor rule for the
 captured graph and fold's reading of an fx GraphModule (in-place, keyword and size-computed
-factors fold; a division that rounds is no fixed factor anywhere), ..."""
+factors fold; a division that rounds is no fixed factor anywhere); a view taken before an
+in-place join or an in-place change of the output (fx); a gated residual branch on every
+capture; modules called with their input by keyword."""
 import pytest
 import torch
 import torch.nn as nn
@@ -55,8 +57,7 @@ def test_fx_fold_reads_every_fixed_factor_the_plan_passes(spell):
         assert float((folded(x) - res(x)).abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("capture", ["eager", "export"])
-@pytest.mark.parametrize("spell", ["floor", "trunc"])
+@pytest.mark.parametrize("capture, spell", [("eager", "floor"), ("export", "trunc")])
 def test_rounding_division_is_no_fixed_factor(capture, spell):
     # before: the hooks' back ends took torch.div(b, 0.5, rounding_mode="floor") for a
     # fixed factor and put the residual s=0.5 on g's output, inside the rounding:
