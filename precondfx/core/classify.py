@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from precondfx.core import optable
+from precondfx.core import nodes, optable
 from precondfx.core.graph import Graph, Node
 
 
@@ -98,6 +98,8 @@ def _refine(n: Node, learned: Collection[str] | None = None) -> None:
     elif n.kind == "mul":
         if acts >= 2:
             n.reason = "product of two activations (gating): breaks scaling"
+        elif nodes.nonlinear_product(n):
+            n.reason = f"{nodes.nonlinear_product(n)}: not a scaling layer, breaks scaling"
         elif any(k.startswith("operand") and (learned is None or v in learned)
                  for k, v in n.params.items()):
             n.reason = ("product with a learned parameter (layer scale): breaks scaling at "

@@ -196,5 +196,24 @@ def fixed_factor_node(node: Node) -> bool:
     the captured graph (fold's walks and the hooks' back end's placements); fold's reading
     of an fx GraphModule states it on fx nodes (``pytorch.folding._fixed_factor_operand``)."""
     return not node.module and node.kind == "mul" and len(node.inputs) == 1 and \
-        node.const_operands + len(node.params) == 1 and \
-        not node.attrs.get("divides_by_activation")
+        node.const_operands + len(node.params) == 1 and nonlinear_product(node) is None
+
+
+def gate_node(node: Node) -> bool:
+    """A product ``a * b`` of two activations and nothing else, outside any module call (a
+    gated branch's ``h * gate``): linear in each operand, so a scale on either one is the
+    same scale on the result (a quotient ``a / b`` is not linear in ``b``: not a gate)."""
+    return not node.module and node.kind == "mul" and len(node.inputs) == 2 and \
+        node.const_operands + len(node.params) == 0 and nonlinear_product(node) is None and \
+        not any(w in node.target.lower() for w in ("div", "addcmul"))
+
+
+def nonlinear_product(node: Node) -> str | None:
+    """Why a ``mul``-kind node is not linear in its activation operand (``c / x``; a division
+    rounding its result, ``torch.div(x, c, rounding_mode="floor")``), or None."""
+    if node.attrs.get("divides_by_activation"):
+        return "divides a constant by the activation (c / x)"
+    mode = node.attrs.get("rounding_mode")
+    if mode is not None:
+        return f"divides with rounding_mode={mode!r}, which rounds its result"
+    return None

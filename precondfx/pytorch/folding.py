@@ -62,10 +62,11 @@ from torch import nn
 from precondfx.pytorch import ops
 from precondfx.pytorch.apply import weight_side
 from precondfx.pytorch.apply.common import PREFIX, scaled_operand
-from precondfx.pytorch.capture.common import leaves
+from precondfx.pytorch.capture.common import Act, Const, Param, build_node, leaves, target_name
+from precondfx.pytorch.capture.fx_capture import _metadata_read
 from precondfx.errors import PrecondError
 from precondfx.core.beta import CHAIN_OPS
-from precondfx.core.nodes import fixed_factor_node
+from precondfx.core.nodes import fixed_factor_node, gate_node
 
 RECIPE = "_precondfx_recipe"
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm,
@@ -333,28 +334,81 @@ def _homogeneous_operand(n: fx.Node, gm: fx.GraphModule) -> fx.Node | None:
     return n.args[0]
 
 
-def _fixed_factor_operand(n: fx.Node) -> fx.Node | None:
-    """The activation operand ``x`` of a product ``c * x``, ``x * c`` or quotient ``x / c`` by a
-    fixed factor ``c`` (a Python number or a parameter or buffer read by ``get_attr``: a
-    branch's ``0.5 * layer(x)``, a layer scale's ``layer(x) * self.gamma``), which is linear
-    in ``x``: a scale on the product is the same scale on ``x``; else None.  The same rule
-    on the captured graph is ``core.nodes.fixed_factor_node``."""
-    if n.kwargs or len(n.args) != 2:
-        return None
-    if n.op == "call_function" and n.target in (operator.mul, torch.mul):
-        pairs = ((n.args[0], n.args[1]), (n.args[1], n.args[0]))
-    elif n.op == "call_function" and n.target in (operator.truediv, torch.div):
-        pairs = ((n.args[0], n.args[1]),)
-    elif n.op == "call_method" and n.target in ("mul", "div"):
-        pairs = ((n.args[0], n.args[1]),)
+def _size_value(a: Any, depth: int = 0) -> bool:
+    """Whether fx node ``a`` computes a Python number from sizes alone (``h.shape[-1] ** 0.5``,
+    ``math.sqrt(x.size(-1))``): a read of a tensor's metadata, or arithmetic on such reads and
+    numbers.  The captures see these as the numbers they are (``capture.fx_capture``)."""
+    if not isinstance(a, fx.Node):
+        return isinstance(a, (int, float, bool))
+    if _metadata_read(a):
+        return True
+    if a.op != "call_function" or a.target not in _SIZE_ARITHMETIC or depth > 8:
+        return False
+    return all(_size_value(b, depth + 1) for b in a.args) and not a.kwargs
+
+
+#: arithmetic that keeps a Python number a Python number (sizes combined into a factor)
+_SIZE_ARITHMETIC = (operator.getitem, operator.mul, operator.truediv, operator.floordiv,
+                    operator.pow, operator.add, operator.sub, operator.neg, math.sqrt, float,
+                    int)
+
+
+def _value_users(n: fx.Node) -> list[fx.Node]:
+    """The users of ``n`` that read its values (not only its shape)."""
+    return [u for u in n.users if not _metadata_read(u)]
+
+
+def _neutral(n: fx.Node) -> tuple[Any, dict[str, fx.Node]] | None:
+    """A product or quotient node read as the fx capture reads it (the neutral graph's
+    :class:`~precondfx.core.graph.Node`: a get_attr is a parameter, a number computed from
+    sizes a constant), with its activation operands by name; None for any other node."""
+    if n.op == "call_function":
+        spec, target = ops.for_function(n.target), target_name(n.target)
+    elif n.op == "call_method":
+        spec, target = ops.for_method(str(n.target)), f"Tensor.{n.target}"
     else:
         return None
-    for x, c in pairs:
-        if isinstance(x, fx.Node) and x.op != "get_attr" and \
-                ((isinstance(c, (int, float)) and not isinstance(c, bool)) or
-                 (isinstance(c, fx.Node) and c.op == "get_attr")):
-            return x
-    return None
+    if spec is None or spec.kind != "mul":
+        return None
+    acts: dict[str, fx.Node] = {}
+
+    def mark(a: Any) -> Any:
+        if isinstance(a, (list, tuple)):
+            return type(a)(mark(x) for x in a)
+        if not isinstance(a, fx.Node):
+            return Const(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a
+        if a.op == "get_attr":
+            return Param(str(a.target))
+        if _size_value(a):
+            return Const()
+        acts[a.name] = a
+        return Act(a.name)
+    node = build_node(n.name, spec, target, [mark(a) for a in n.args],
+                      {k: mark(v) for k, v in n.kwargs.items()})
+    return node, acts
+
+
+def _fixed_factor_operand(n: fx.Node) -> fx.Node | None:
+    """The activation operand ``x`` of a product ``c * x``, ``x * c`` or quotient ``x / c`` by a
+    fixed factor ``c`` (a Python number, a number computed from sizes, or a parameter or
+    buffer read by ``get_attr``: a branch's ``0.5 * layer(x)``, a layer scale's
+    ``layer(x) * self.gamma``, in place or not, operands by position or keyword), which is
+    linear in ``x``: a scale on the product is the same scale on ``x``; else None (a
+    division rounding its result is not linear).  The rule is the captured graph's,
+    ``core.nodes.fixed_factor_node``, on the node read as the fx capture reads it."""
+    read = _neutral(n)
+    if read is None or not fixed_factor_node(read[0]):
+        return None
+    return read[1][read[0].inputs[0]]
+
+
+def _gate_operands(n: fx.Node) -> list[fx.Node]:
+    """The two operands of a product of two activations (a gated branch's ``h * gate``,
+    ``core.nodes.gate_node``), in order; else none."""
+    read = _neutral(n)
+    if read is None or not gate_node(read[0]):
+        return []
+    return [read[1][i] for i in read[0].inputs]
 
 
 def _fx_scales(gm: fx.GraphModule) -> _Scales:
@@ -514,7 +568,10 @@ def _fx_up(node: fx.Node, gm: fx.GraphModule, value: float) -> fx.Node:
                                or (cur.op == "call_function" and
                                    cur.target in _SAME_VALUES_FNS)):
             prev = cur.args[0] if cur.args and isinstance(cur.args[0], fx.Node) else None
-        if prev is None or len(prev.users) != 1 or prev.op in ("placeholder", "get_attr"):
+        if prev is None:    # a gate: into the first operand, read by it alone, that leads
+            prev = next((a for a in _gate_operands(cur) if len(_value_users(a)) == 1 and
+                         _fx_up(a, gm, value).op == "call_module"), None)   # to a module
+        if prev is None or len(_value_users(prev)) != 1 or prev.op in ("placeholder", "get_attr"):
             return cur
         cur = prev
 

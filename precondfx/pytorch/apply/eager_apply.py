@@ -27,7 +27,7 @@ from precondfx.pytorch.apply.eager_output import (LOSS_BEFORE_SCALE,  # noqa: F4
                                                    _root_output_hook, internal_loss)  # hf)
 from precondfx.pytorch.apply.torch_backend import TorchBackend
 from precondfx.core.graph import Graph
-from precondfx.core.nodes import fixed_factor_node
+from precondfx.core.nodes import fixed_factor_node, gate_node, nonlinear_product
 from precondfx.core.plan import Plan, Scale
 
 _PASS_THROUGH = ("relu", "leaky_relu", "prelu", "dropout", "avgpool", "mean", "neg", "reshape",
@@ -310,11 +310,20 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
 
     def _upstream_chain(self, name: str) -> Iterator[Any]:
         """The nodes from ``name`` upstream that a scale on ``name`` passes: through single-user
-        homogeneous ops (a positive residual scale) and products by a fixed factor (any scale:
-        ``self.fc(x) * self.gamma``, a layer scale), each with one input read by it alone."""
+        homogeneous ops (a positive residual scale), products by a fixed factor (any scale:
+        ``self.fc(x) * self.gamma``, a layer scale), each with one input read by it alone, and
+        products of two activations (a gated branch's ``self.fc(h) * gate``) into the first
+        operand read by it alone that leads to a module called once."""
         cur = self.graph.get(name)
         while cur is not None:
             yield cur
+            if gate_node(cur):
+                nxt = next((i for i in cur.inputs if len(self.users.get(i, [])) == 1 and
+                            self._upstream_module(i) is not None), None)
+                if nxt is None:
+                    return
+                cur = self.graph.get(nxt)
+                continue
             if (cur.kind not in _PASS_THROUGH and not fixed_factor_node(cur)) or \
                     len(cur.inputs) != 1 or len(self.users.get(cur.inputs[0], [])) != 1:
                 return
@@ -392,6 +401,11 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
             return (f"the {tag} operand is the output of {mod}, which forward calls "
                     f"{self.calls[mod]} times: a hook on it would scale every call, not this "
                     f"branch alone {cap}")
+        last = list(self._upstream_chain(src))[-1:] if src else []
+        if last and last[0].kind == "mul" and nonlinear_product(last[0]):
+            return (f"the {tag} operand is produced by {last[0].name}, which "
+                    f"{nonlinear_product(last[0])}: a hook scaling what feeds it would not "
+                    f"scale its result by the same factor {cap}")
         return f"the {tag} operand is produced by a functional op with no module to hook {cap}"
 
     def upstream_module(self, node: str) -> str | None:

@@ -18,7 +18,8 @@ from precondfx.pytorch.apply.common import (buffer_name, first_param, like_param
                                             swap_references)
 from precondfx.pytorch.apply.torch_backend import TorchBackend
 from precondfx.pytorch.capture.common import placeholder_values
-from precondfx.pytorch.capture.fx_capture import _namedtuple_fields, namedtuple_values
+from precondfx.pytorch.capture.fx_capture import _metadata_read, _namedtuple_fields, \
+    namedtuple_values
 from precondfx.core.outputs import bounded_output, bounded_producer, scale_moves_up, \
     skip_bounded
 from precondfx.core.plan import Plan, Scale
@@ -98,6 +99,18 @@ def _rebind_after(node: fx.Node, src: fx.Node, new: fx.Node) -> None:
         n.replace_input_with(src, new)
 
 
+def _read_before(node: fx.Node, src: fx.Node) -> fx.Node | None:
+    """A node before ``node`` (graph order) that reads ``src``'s values or takes a view of it
+    (``v = b.view(...)`` before ``b.add_(h)``: ``v`` sees the in-place change), else None.
+    Reads of its shape alone are left out."""
+    for n in node.graph.nodes:
+        if n is node:
+            return None
+        if src in n.all_input_nodes and not _metadata_read(n):
+            return n
+    return None
+
+
 def _set_submodule(gm: fx.GraphModule, path: str, mod: torch.nn.Module) -> None:
     """Put ``mod`` at ``path``; every other reference to the module there (another name, a
     plain list or dict the user's methods iterate) follows (``swap_references``)."""
@@ -162,9 +175,8 @@ class FxApplier(TorchBackend, Records):
 
     def scale(self, sc: Scale) -> str | None:
         """Insert one scale; returns the buffer name (None if it could not be placed)."""
-        node, key = self.nodes.get(sc.node), key_of(sc)
+        node, key, what = self._scale_node(self.nodes, sc, "node not found in the traced graph")
         if node is None:
-            self._skip(key, sc.node, f"{sc.tag}: node not found in the traced graph")
             return None
         bname = buffer_name(sc.tag, sc.node, sc.index if sc.where == "operand" else None)
         if sc.where in ("input", "operand"):
@@ -177,12 +189,19 @@ class FxApplier(TorchBackend, Records):
                 # end's pre-hook scales the module's input
                 acts = [first]
             if sc.index >= len(acts):
-                self._skip(key, sc.node, f"{sc.tag}: {node.name} has no activation operand "
-                                         f"{sc.index} in the traced graph (its other operands "
-                                         f"are parameters or constants): no {sc.tag} placed")
+                self._skip(key, what, f"{node.name} has no activation operand {sc.index} in "
+                                      f"the traced graph (its other operands are parameters "
+                                      f"or constants): no {sc.tag} placed")
                 return None
             src = acts[sc.index]
             mutated = _mutates(node, src)
+            early = _read_before(node, src) if mutated else None
+            if early is not None:
+                self._skip(key, what, f"{node.name} changes its operand {src.name} in place, "
+                           f"and {early.name} reads {src.name} before that (a view of it sees "
+                           f"the change): a scaled copy would leave that read without the "
+                           f"change and the scale; no {sc.tag} placed (capture: fx)")
+                return None
             self._buffer(bname, sc.value)
             m = self._mul(node, src, bname)
             _replace_operand(node, src, m)
@@ -359,6 +378,21 @@ class FxApplier(TorchBackend, Records):
         # forward changes the output in place after computing it (``y.clamp_(-5, 5)``): the
         # scale goes after the last such change, as on the value forward returns
         changes = sorted((u for u in node.users if _mutates(u, node)), key=order.get)
+        early = [u for u in node.users if changes and u not in changes and
+                 order[u] < order[changes[-1]] and not _metadata_read(u)]
+        if early:
+            # a view of it taken before an in-place change (``v = y.view(...)``, then
+            # ``y.clamp_(...)``, ``return v``) reads the changed values, which a product after
+            # the change would not reach: the returned value takes the scale
+            with self.gm.graph.inserting_before(out):
+                c = self.gm.graph.get_attr(b)
+                out.replace_input_with(target, self.gm.graph.call_function(operator.mul,
+                                                                           (target, c)))
+            self._done("output", f"output scale on the returned value {target.name}: "
+                       f"{early[0].name} reads {node.name} before forward changes it in place "
+                       f"({changes[-1].name}), so a scale where it is computed would miss the "
+                       f"change", b)
+            return b
         at = changes[-1] if changes else node
         with self.gm.graph.inserting_after(at):
             c = self.gm.graph.get_attr(b)

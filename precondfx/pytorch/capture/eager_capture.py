@@ -110,7 +110,9 @@ class _Recorder(TorchFunctionMode):
         spec = ops.for_module(mod)
         margs = [self.marker(a) for a in args]
         mkw = {k: self.marker(v) for k, v in kwargs.items()}
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        # the first tensor operand, by position, else by keyword (``self.conv(input=h)``)
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)),
+                     None)
         outt = out[0] if isinstance(out, (tuple, list)) and out else out
         self.nodes.append(build_node(name, spec, f"{type(mod).__module__}.{type(mod).__name__}",
                                      margs, mkw, module=path, module_obj=mod, call_index=idx,
@@ -137,7 +139,8 @@ class _Recorder(TorchFunctionMode):
         outt = out[0] if isinstance(out, (tuple, list)) else out
         self.nodes.append(build_node(name, spec, target_name(func), margs, mkw,
                                      out_shape=shape_of(outt),
-                                     in_shapes=[shape_of(a) for a in args
+                                     in_shapes=[shape_of(a) for a in
+                                                (args or tuple(kwargs.values()))
                                                 if isinstance(a, torch.Tensor)]))
         self.produce(out, name)
         return out

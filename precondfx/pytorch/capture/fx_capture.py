@@ -808,8 +808,10 @@ def to_graph(gm: fx.GraphModule) -> Graph:
             continue
         meta = n.meta.get("tensor_meta")
         out_shape = shape_of(meta) if hasattr(meta, "shape") else None
+        # a call by keyword alone (``self.conv(input=h)``): its operands' shapes, in order
         in_shapes = [shape_of(a.meta.get("tensor_meta")) if isinstance(a, fx.Node) else None
-                     for a in n.args]
+                     for a in (n.args or [v for v in n.kwargs.values()
+                                          if isinstance(v, fx.Node)])]
         args = [_marker(a, gm) for a in n.args]
         kwargs = {k: _marker(v, gm) for k, v in n.kwargs.items()}
         if _metadata_read(n):       # the parameter's dtype, device or shape, not its values:
