@@ -7,11 +7,21 @@ refuse with what to do.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import numpy as np
 
 from precondfx.errors import PrecondError
+
+
+def mask_named(name: str | None) -> bool:
+    """Whether an input's name says it is a mask (``attention_mask``, ``keyPaddingMask``,
+    ``masks``; not ``masked_image``): one rule for every back end.  Calibration fills such an
+    input with ones when no data is given, and the input scale leaves it alone (``keep * 0.1
+    < 0.5`` masks everything)."""
+    words = re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name or "").lower())
+    return any(w.endswith(("mask", "masks")) for w in words)
 
 
 def is_additive_mask(a: np.ndarray) -> bool:

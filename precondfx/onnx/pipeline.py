@@ -13,7 +13,6 @@ by onnxruntime; then it is moved into place.  On any error the output path is le
 """
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -24,7 +23,7 @@ import onnx_ir as ir
 
 from precondfx.core import driver
 from precondfx.core.backend import PREFIX
-from precondfx.core.calibration import input_second_moment, refuse_empty
+from precondfx.core.calibration import input_second_moment, mask_named, refuse_empty
 from precondfx.core.classify import classify
 from precondfx.core.driver import Stage, State
 from precondfx.errors import PrecondError
@@ -418,9 +417,7 @@ def mask_inputs(model: ir.Model) -> dict[str, str]:
     for v in model.graph.inputs:
         if v.name in inits or v.dtype not in floats + ints:
             continue
-        words = re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", v.name or ""
-                                                ).lower())
-        if any(w.endswith(("mask", "masks")) for w in words):     # not 'masked_image'
+        if mask_named(v.name):              # not 'masked_image'
             out[v.name] = "its name says so"
             continue
         why = (_mask_use(v) or _multiplied_mask(v)) if v.dtype in floats else None

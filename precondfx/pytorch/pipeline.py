@@ -29,7 +29,7 @@ from precondfx.pytorch.apply import user_class, weight_side
 from precondfx.pytorch.balance import balance_measured, balanceable, held_out, record_factors
 from precondfx.pytorch.capture import meta
 from precondfx.pytorch.capture.common import (Sample, main_output, main_path_of, make_sample,
-                                             others_note)
+                                             mask_arguments, others_note)
 from precondfx.pytorch.capture.ladder import Captured, capture
 from precondfx.pytorch.checks import check_copy, check_model
 from precondfx.core.classify import classify
@@ -152,11 +152,17 @@ def prepare_sample(model: Any, sample: Any, forward_kwargs: dict | None
     return model, s, notes
 
 
-def input_arrays(s: Sample, opts: Any) -> list:
-    """The sample's floating-point inputs as numpy arrays, for ``input_scale="auto"`` only."""
+def input_arrays(s: Sample, opts: Any, model: nn.Module | None = None) -> list:
+    """The sample's floating-point inputs as numpy arrays, for ``input_scale="auto"`` only;
+    the inputs named as masks (``attention_mask``) left out: the input scale neither reads
+    nor multiplies them (its ones would pull the scale of the data)."""
     if opts.input_scale != "auto":
         return []
-    return [t.detach().float().cpu().numpy() for t in s.tensors()
+    pos, kws = mask_arguments(model.forward, len(s.args), s.kwargs) if model is not None \
+        else ({}, set())
+    kept = Sample(tuple(a for i, a in enumerate(s.args) if i not in pos),
+                  {k: v for k, v in s.kwargs.items() if k not in kws})
+    return [t.detach().float().cpu().numpy() for t in kept.tensors()
             if t.is_floating_point() and t.device.type != "meta"]
 
 
@@ -359,7 +365,7 @@ def prepare(st: TorchState) -> None:
     st.flow_shaped = flows.shaped_as_flow(out0, s, st.opts.output_key)
     if st.opts.target_std is not None and not st.data:   # on data, calibration checks it
         cal.check_calibratable(main_output(out0, st.opts.output_key))
-    st.input_arrays = input_arrays(s, st.opts)
+    st.input_arrays = input_arrays(s, st.opts, st.work)
     st.float_inputs = any(t.is_floating_point() for t in s.tensors())
     st.param_ids = {id(p) for p in model.parameters()}
     st.input_rms = input_rms(s)

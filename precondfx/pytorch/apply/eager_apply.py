@@ -25,7 +25,9 @@ from precondfx.pytorch.apply.common import (PREFIX, first_param, like_param, rep
 from precondfx.pytorch.apply.eager_output import (LOSS_BEFORE_SCALE,  # noqa: F401 (used by
                                                    OutputSearch, _module_output_scale_hook,
                                                    _root_output_hook, internal_loss)  # hf)
-from precondfx.pytorch.apply.torch_backend import TorchBackend
+from precondfx.pytorch.apply.torch_backend import _MASK_SKIP, TorchBackend
+from precondfx.pytorch.capture.common import mask_arguments
+from precondfx.core.calibration import mask_named
 from precondfx.core.graph import Graph
 from precondfx.core.nodes import fixed_factor_node, gate_node, nonlinear_product
 from precondfx.core.plan import Plan, Scale
@@ -228,13 +230,16 @@ def module_hook(mod: nn.Module, bname: str) -> Any:
 
 
 def _root_input_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """Every floating-point input times the input scale, but those named as masks."""
     s = getattr(module, PREFIX + "input_scale")
+    pos, kws = mask_arguments(module.forward, len(args), kwargs)
 
     def f(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             return x * s
         return x
-    return tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
+    return tuple(a if i in pos else f(a) for i, a in enumerate(args)), \
+        {k: v if k in kws else f(v) for k, v in kwargs.items()}
 
 
 def _input_module_hook(module: nn.Module, args: tuple, kwargs: dict, name: str = "") -> tuple:
@@ -473,6 +478,13 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
         self.undo.append(("refs", swap_references(self.model, previous, mod)))
 
     def input_scale(self, value: float) -> list[str]:
+        try:
+            params = inspect.signature(self.model.forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        for name in params:         # the hook leaves them alone (_root_input_hook)
+            if mask_named(name):
+                self._skip(None, "input scale", _MASK_SKIP.format(name))
         self._register(self.model, PREFIX + "input_scale", value)
         self._hook(self.model.register_forward_pre_hook(_root_input_hook, with_kwargs=True,
                                                         prepend=True))

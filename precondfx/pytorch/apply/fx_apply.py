@@ -16,12 +16,13 @@ from precondfx.core.backend import Records, key_of
 from precondfx.pytorch.apply.common import (buffer_name, first_param, like_param,
                                             replacement_pool, scalar_buffer, scaled_operand,
                                             swap_references)
-from precondfx.pytorch.apply.torch_backend import TorchBackend
+from precondfx.pytorch.apply.torch_backend import _MASK_SKIP, TorchBackend
 from precondfx.pytorch.capture.common import placeholder_values
 from precondfx.pytorch.capture.fx_capture import _metadata_read, _namedtuple_fields, \
     namedtuple_values
 from precondfx.core.outputs import bounded_output, bounded_producer, scale_moves_up, \
     skip_bounded
+from precondfx.core.calibration import mask_named
 from precondfx.core.plan import Plan, Scale
 
 
@@ -299,6 +300,9 @@ class FxApplier(TorchBackend, Records):
                 continue
             tm = n.meta.get("tensor_meta")
             if tm is None or not getattr(tm, "dtype", torch.int64).is_floating_point:
+                continue
+            if mask_named(str(n.target)):
+                self._skip(None, "input scale", _MASK_SKIP.format(str(n.target)))
                 continue
             b = buffer_name("input", n.name)
             self._buffer(b, value)

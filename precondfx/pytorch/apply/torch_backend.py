@@ -8,6 +8,11 @@ import torch
 from torch import nn
 
 
+#: the skipped line of an input the input scale leaves alone, named as a mask
+_MASK_SKIP = ("not on input {!r}: a mask (its name says so), whose values mean masked or kept "
+              "(scaled, keep * 0.1 < 0.5 would mask everything)")
+
+
 class TorchBackend:
     """The shared half of the fx and eager back ends (``self.module``: the rewritten module)."""
 

@@ -9,6 +9,7 @@ them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -21,6 +22,37 @@ from precondfx.core import nodes, optable, outputs
 from precondfx.core.nodes import Act, Const, Param  # noqa: F401 (the captures' operands)
 from precondfx.errors import PrecondError
 from precondfx.core.graph import Node
+
+
+def mask_arguments(fn: Callable, n_args: int, kwargs: Mapping[str, Any]
+                   ) -> tuple[dict[int, str], set[str]]:
+    """The arguments of a call ``fn(*args, **kwargs)`` (``n_args`` positional) whose names say
+    they are masks (``core.calibration.mask_named``): ``({position: name}, {keyword})``.
+    Positions are named by ``fn``'s signature (none for ``*args``, or when it has none)."""
+    from precondfx.core.calibration import mask_named
+    pos = {i: n for i, n in _positional_masks(getattr(fn, "__func__", fn),
+                                              hasattr(fn, "__func__")) if i < n_args}
+    return pos, {k for k in kwargs if mask_named(k)}
+
+
+@functools.lru_cache(maxsize=256)
+def _positional_masks(func: Callable, bound: bool) -> tuple[tuple[int, str], ...]:
+    """``(position, name)`` of ``func``'s positional parameters named as masks (``bound``:
+    called as a method, ``self`` not counted); read once per function (the input scale's hook
+    asks at every call)."""
+    import inspect
+    from precondfx.core.calibration import mask_named
+    try:
+        params = list(inspect.signature(func).parameters.values())[int(bound):]
+    except (TypeError, ValueError):
+        return ()
+    out = []
+    for i, p in enumerate(params):
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        if mask_named(p.name):
+            out.append((i, p.name))
+    return tuple(out)
 
 
 def placeholder_values(graph: "torch.fx.Graph", args: tuple, kwargs: Mapping[str, Any]
