@@ -29,7 +29,7 @@ from precondfx.pytorch.apply import user_class, weight_side
 from precondfx.pytorch.balance import balance_measured, balanceable, held_out, record_factors
 from precondfx.pytorch.capture import meta
 from precondfx.pytorch.capture.common import (Sample, main_output, main_path_of, make_sample,
-                                             mask_arguments, others_note)
+                                             mask_arguments, other_outputs, others_note)
 from precondfx.pytorch.capture.ladder import Captured, capture
 from precondfx.pytorch.checks import check_copy, check_model
 from precondfx.core.classify import classify
@@ -66,6 +66,7 @@ class TorchState(State):
     main_key: Any = None
     #: the output is shaped as a normalizing flow's ``(z, log_det)`` (``flows.shaped_as_flow``)
     flow_shaped: bool = False
+    others_note: str | None = None     # the prepare stage's note on the other outputs
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -362,6 +363,7 @@ def prepare(st: TorchState) -> None:
         note = others_note(out0, st.main_path) if st.opts.output_key is None else None
         if note:
             st.notes.append(note)
+            st.others_note = note     # said again by verify, with the outputs that see it
     st.flow_shaped = flows.shaped_as_flow(out0, s, st.opts.output_key)
     if st.opts.target_std is not None and not st.data:   # on data, calibration checks it
         cal.check_calibratable(main_output(out0, st.opts.output_key))
@@ -589,6 +591,8 @@ def verify(st: TorchState) -> None:
                f"measured (please report this model)")
         warnings.warn(f"precondfx: {why}", RuntimeWarning, stacklevel=2)
         st.report.skipped.append(("warning: output scale", why))
+    if st.others_note and st.out_const is not None:
+        _others_measured(st)
     flow = flows.log_det_offset(st.result, st.sample, st.main_key, st.opts.calibration,
                                 st.report.output_scale) if st.out_const is not None and \
         st.data and st.flow_shaped else None
@@ -596,6 +600,28 @@ def verify(st: TorchState) -> None:
         st.report.conditioning["flow"] = flow
         warnings.warn(f"precondfx: {flow['summary']}", RuntimeWarning, stacklevel=2)
         st.report.skipped.append(("warning: flow log-determinant", flow["summary"]))
+
+
+def _others_measured(st: TorchState) -> None:
+    """The note on the outputs beside the main one, with those the model computes from the
+    scaled value (``(logits, softmax(logits))``: the probabilities see the scale too, as the
+    ONNX back end says) told apart by measurement: the outputs with the output scale doubled
+    against as calibrated (before, every other output was said to be "not" under the scale)."""
+    be, name = st.backend, st.out_const
+    value = float(st.result.get_buffer(name).reshape(-1)[0])
+    try:
+        a = cal.forward(st.result, st.sample, st.opts.calibration)
+        be.set_constant(name, 2.0 * value)
+        b = cal.forward(st.result, st.sample, st.opts.calibration)
+    finally:
+        be.set_constant(name, value)
+    xs, ys = other_outputs(a, st.main_path), other_outputs(b, st.main_path)
+    through = [k for k, v in xs.items() if k in ys and v.shape == ys[k].shape and
+               not torch.allclose(v, ys[k], rtol=1e-5, atol=1e-7, equal_nan=True)]
+    note = others_note(a, st.main_path, through)
+    notes = st.report.capture_notes
+    if note and st.others_note in notes:
+        notes[notes.index(st.others_note)] = note
 
 
 def finish(st: TorchState) -> None:

@@ -421,9 +421,18 @@ def output_path(out: Any, key: str | int | None = None) -> list:
         f"scaling")
 
 
-def others_note(out: Any, main_path: list) -> str | None:
-    """``core.outputs.others_note`` for the outputs returned beside the main one, at the top
-    level of the output (two heads, a dict's other entries; a loss is a single number)."""
+def other_outputs(out: Any, main_path: list) -> dict[Any, torch.Tensor]:
+    """The floating-point outputs of several elements returned beside the main one, at the
+    top level of the output (two heads, a dict's other entries; a loss is a single number),
+    by key."""
+    return {k: v for k, v in _items(out) if [k] != main_path[:1] and
+            isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() > 1}
+
+
+def others_note(out: Any, main_path: list, through: Any = ()) -> str | None:
+    """``core.outputs.others_note`` for :func:`other_outputs`; ``through``: the keys of
+    those the model computes from the scaled value (``softmax(logits)``), which see the
+    scale too (measured: :func:`precondfx.pytorch.pipeline.verify`)."""
     if not main_path:
         return None
 
@@ -431,9 +440,9 @@ def others_note(out: Any, main_path: list) -> str | None:
         return "output" + "".join(f".{k}" if is_dataclass_output(out) and
                                   not hasattr(out, "__getitem__") else f"[{k!r}]"
                                   for k in path)
-    others = [label([k]) for k, v in _items(out) if [k] != main_path[:1] and
-              isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() > 1]
-    return outputs.others_note(label(main_path), others)
+    keys = list(other_outputs(out, main_path))
+    return outputs.others_note(label(main_path), [label([k]) for k in keys if k not in through],
+                               [label([k]) for k in keys if k in through])
 
 
 def _key_advice(out: Any) -> str:
