@@ -148,7 +148,41 @@ def kind(mod: nn.Module) -> str | None:
         return "norm" if getattr(mod, "weight", None) is not None else None
     if type(mod).__name__.endswith(("RMSNorm", "LayerNorm")) and _affine_output(mod):
         return "norm"
+    if _own_linear_layer(mod):
+        return "norm"
     return None
+
+
+_OWN_LINEAR: dict[type, bool] = {}
+
+
+def _own_linear_layer(mod: nn.Module) -> bool:
+    """A layer class precondfx does not know, with no submodules and a 2-D ``weight`` (out,
+    in) of its own, whose output multiplying all its parameters by c multiplies by c
+    (``F.linear(x, self.weight, self.bias)``, ``x @ self.weight.t() + self.bias``): an output
+    scale goes into its weight and bias.  Checked once per class on a random CPU input of
+    width ``in`` with random parameters substituted (so it works on the meta device too)."""
+    if type(mod) in _OWN_LINEAR:
+        return _OWN_LINEAR[type(mod)]
+    w = mod._parameters.get("weight")
+    ok = False
+    if w is not None and w.dim() == 2 and w.is_floating_point() and not mod._modules and \
+            type(mod).__module__.split(".")[0] != "torch":
+        g = torch.Generator().manual_seed(0)
+        params = {k: torch.randn(tuple(p.shape), generator=g)
+                  for k, p in mod._parameters.items() if p is not None}
+        x = torch.randn(3, int(w.shape[1]), generator=g)
+        try:
+            with torch.no_grad():
+                ref = torch.func.functional_call(mod, params, (x,))
+                got = torch.func.functional_call(mod, {k: 3.0 * v for k, v in params.items()},
+                                                 (x,))
+            ok = isinstance(ref, torch.Tensor) and ref.is_floating_point() and \
+                bool(torch.allclose(got, 3.0 * ref, rtol=1e-5, atol=1e-6))
+        except Exception:   # another input convention, or a forward that needs more
+            ok = False
+    _OWN_LINEAR[type(mod)] = ok
+    return ok
 
 
 _AFFINE: dict[type, bool] = {}
@@ -503,6 +537,13 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
                 # at each call): its weights carry it when every call has the same product
                 on_call_output(src, what, v)
                 continue
+            own = _own_layer_call(src, gm) if set(src.users) == {mul} or src is not first \
+                else None
+            if own is not None:
+                # ``F.linear(x, self.weight, self.bias)`` inside a layer class of the user's,
+                # traced into its parts: the layer's weight and bias carry the scale
+                sc.add(sc.out, own, gm.get_submodule(own), v)
+                continue
             desc = f"{src.op} {src.target}" if src.op != "placeholder" else "a model input"
             sc.problems.append((what, f"multiplies the output of {src.name} ({desc}), which "
                                 f"no module of your class can absorb exactly "
@@ -552,6 +593,37 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
             if homog:
                 sc.positive.add(id(m[1]))
     return sc
+
+
+def _own_layer_call(n: fx.Node, gm: fx.GraphModule) -> str | None:
+    """The path of the layer whose parameters ``n`` computes with, when ``n`` is a functional
+    linear map or convolution (``F.linear``, ``F.conv2d``) of one activation by that layer's
+    weight and bias read directly (each read by ``n`` alone), the layer having no other
+    parameter and being one whose output scales with them (``kind``): scaling its weight and
+    bias scales ``n`` exactly; else None."""
+    if n.op != "call_function":
+        return None
+    spec = ops.for_function(n.target)
+    if spec is None or spec.kind not in ("linear", "conv", "conv_transpose") or \
+            len(n.args) < 2 or not isinstance(n.args[0], fx.Node):
+        return None
+    reads: list[fx.Node] = []
+    fx.node.map_arg((n.args[1:], n.kwargs), reads.append)
+    if not reads or any(r.op != "get_attr" or set(r.users) != {n} for r in reads):
+        return None
+    paths = {str(r.target).rpartition(".")[0] for r in reads}
+    if len(paths) != 1:
+        return None
+    path = paths.pop()
+    try:
+        mod = gm.get_submodule(path)
+    except AttributeError:
+        return None
+    names = {str(r.target).rpartition(".")[2] for r in reads}
+    own = {k for k, p in mod._parameters.items() if p is not None}
+    if not path or names != own or "weight" not in own or kind(mod) != "norm":
+        return None
+    return path
 
 
 def _fx_up(node: fx.Node, gm: fx.GraphModule, value: float) -> fx.Node:
