@@ -745,7 +745,8 @@ def result_record(st: TorchState) -> None:
                 f"changed afterwards, the result computes with the traced value (no error). "
                 f"Keep it unchanged, hold it in a tensor buffer, or precondition with "
                 f"capture='export'"))
-        only = [f"constant {c}" for c in consts] + list(st.backend.graph_only)
+        only = [f"constant {c}" for c in dict.fromkeys(consts)] + \
+            list(st.backend.graph_only)
         carriers = {site[0] for site in res.__dict__.get(user_class.MIRRORS, ())}
     elif not graph:         # the eager back end: constants on the root act on forward only
         only = [f"constant {c}" for c in st.constants if "." not in c] + \

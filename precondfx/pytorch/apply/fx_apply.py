@@ -112,6 +112,31 @@ def _read_before(node: fx.Node, src: fx.Node) -> fx.Node | None:
     return None
 
 
+#: Tensor methods and functions whose result shares its first operand's storage (a view)
+_VIEW_METHODS = frozenset({"view", "view_as", "reshape", "flatten", "unflatten", "t", "transpose",
+                           "permute", "squeeze", "unsqueeze", "expand", "expand_as", "narrow",
+                           "select", "swapaxes", "movedim", "unfold", "diagonal", "as_strided"})
+_VIEW_FUNCTIONS = frozenset({operator.getitem, torch.reshape, torch.flatten, torch.t,
+                             torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze,
+                             torch.narrow, torch.select, torch.swapaxes, torch.movedim})
+
+
+def _view_of(v: fx.Node, src: fx.Node) -> bool:
+    """Whether ``v`` is ``src`` or a view of it (through view-making methods and functions on
+    their first operand): the same numbers, so an in-place change of ``src`` shows in ``v``."""
+    cur: Any = v
+    for _ in range(64):
+        if cur is src:
+            return True
+        if not isinstance(cur, fx.Node) or not cur.args or \
+                not isinstance(cur.args[0], fx.Node) or not (
+                    (cur.op == "call_method" and cur.target in _VIEW_METHODS) or
+                    (cur.op == "call_function" and cur.target in _VIEW_FUNCTIONS)):
+            return False
+        cur = cur.args[0]
+    return False
+
+
 def _set_submodule(gm: fx.GraphModule, path: str, mod: torch.nn.Module) -> None:
     """Put ``mod`` at ``path``; every other reference to the module there (another name, a
     plain list or dict the user's methods iterate) follows (``swap_references``)."""
@@ -388,11 +413,20 @@ class FxApplier(TorchBackend, Records):
             # a view of it taken before an in-place change (``v = y.view(...)``, then
             # ``y.clamp_(...)``, ``return v``) reads the changed values, which a product after
             # the change would not reach: the returned value takes the scale
+            # returned views of the same numbers (``flat = y.view(-1)`` taken before the
+            # change, returned beside ``y``) take it too: in forward they are ``y`` itself
+            leaves: list[fx.Node] = []
+            fx.node.map_arg(out.args[0], leaves.append)
+            values = [target] + [v for v in dict.fromkeys(leaves) if v is not target and
+                                 _view_of(v, node)]
             with self.gm.graph.inserting_before(out):
                 c = self.gm.graph.get_attr(b)
-                out.replace_input_with(target, self.gm.graph.call_function(operator.mul,
-                                                                           (target, c)))
-            self._done("output", f"output scale on the returned value {target.name}: "
+                for v in values:
+                    out.replace_input_with(v, self.gm.graph.call_function(operator.mul,
+                                                                          (v, c)))
+            also = (f" and the returned view(s) {', '.join(v.name for v in values[1:])} of "
+                    f"it") if values[1:] else ""
+            self._done("output", f"output scale on the returned value {target.name}{also}: "
                        f"{early[0].name} reads {node.name} before forward changes it in place "
                        f"({changes[-1].name}), so a scale where it is computed would miss the "
                        f"change", b)
