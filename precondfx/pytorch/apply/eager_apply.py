@@ -430,9 +430,12 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
                            f"{self.graph.method})")
                 self.pool_notes[pc.node] = "NOT APPLIED: functional call"
                 continue
-            if self.calls.get(node.module, 0) > 1 and pc.action != "avgpool":
+            if self.calls.get(node.module, 0) > 1 and pc.action != "avgpool" and \
+                    not self._every_call_folds(plan, node.module):
                 self._skip(f"pool:{pc.node}", f"maxpool {pc.node}", "the pool module is called "
-                           "more than once")
+                           "more than once and not every call folds into the stride of the "
+                           "convolution before it (one module cannot be a different "
+                           "convolution at each call; capture='fx' replaces each call)")
                 self.pool_notes[pc.node] = "NOT APPLIED: module called twice"
                 continue
             if pc.action == "fold":
@@ -440,13 +443,22 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
                 conv = self.model.get_submodule(conv_node.module)
                 self.undo.append(("attr", conv, "stride", conv.stride))
                 conv.stride = tuple(pc.geometry["conv_stride"])
-                self._replace(node.module, nn.Identity())
+                if not isinstance(self.model.get_submodule(node.module), nn.Identity):
+                    self._replace(node.module, nn.Identity())
                 self._done(f"pool:{pc.node}", f"maxpool {pc.node} folded into {conv_node.module}")
             else:
                 mod = replacement_pool(pc, first_param(self.model))
                 self._replace(node.module, mod)
                 self._done(f"pool:{pc.node}",
                            f"maxpool {pc.node} replaced by {type(mod).__name__}")
+
+    def _every_call_folds(self, plan: Plan, module: str) -> bool:
+        """Whether every call of the pool module ``module`` folds into the stride of its own
+        convolution (one ``Identity`` then stands for all of them, as on the fx back end)."""
+        at = [pc for pc in plan.pools if (n := self.graph.get(pc.node)) is not None and
+              n.module == module]
+        return len(at) == self.calls.get(module, 0) and \
+            all(pc.action == "fold" for pc in at)
 
     def replace(self, name: str, mod: nn.Module, path: str | None = None,
                 all_calls: bool = False) -> bool:
