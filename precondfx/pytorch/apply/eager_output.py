@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from precondfx.core import optable
 from precondfx.core.outputs import bounded_producer, skip_bounded
 from precondfx.errors import PrecondError
 from precondfx.pytorch.apply.common import PREFIX, scale_at_path, times_first
@@ -375,6 +376,14 @@ class OutputSearch:
                     # (Granite's / logits_scaling): exact only when the run check says so
                     src = live[0]
                     node = self.graph.get(src)
+                    continue
+                if len(live) == 1 and len(node.inputs) == 1 and not node.params and \
+                        optable.BY_KIND.get(node.kind, optable.UNKNOWN_SPEC).homogeneous and \
+                        len(self.users.get(live[0], [])) == 1:
+                    # a positively homogeneous op (``torch.relu(self.b(h))``, returned and read
+                    # by a head): the module before it carries the scale, so every use inside
+                    # forward sees it as on the fx back end (exact when the run check says so)
+                    node = self.graph.get(live[0])
                     continue
                 # a selection reads its data first, then any index tensors (the pooled last
                 # token of a decoder's sequence classifier: logits[arange(b), last])
