@@ -18,7 +18,8 @@ from precondfx.core import optable
 from precondfx.core.outputs import bounded_producer, skip_bounded
 from precondfx.errors import PrecondError
 from precondfx.pytorch.apply.common import PREFIX, scale_at_path, times_first
-from precondfx.pytorch.capture.common import _items, at_path, child, output_path
+from precondfx.pytorch.capture.common import _items, at_path, child, leaves, \
+    output_path
 
 
 def _module_output_scale_hook(module: nn.Module, args: tuple, out: Any) -> Any:
@@ -349,9 +350,26 @@ class OutputSearch:
         same = [self.graph.get(o) for o in self.graph.outputs]
         same = [n for n in same if n is not None and n.out_shape is not None and
                 tuple(n.out_shape) == tuple(target.shape)]
+        if len(same) > 1:       # several of its shape: the graph's outputs in leaf order
+            same = [n for n in [self._output_node(out, target)] if n is not None]
         if len(same) != 1:      # which output is the main one cannot be told from the graph
             return None
         return bounded_producer(self.graph, same[0].name)
+
+    def _output_node(self, out: Any, target: torch.Tensor) -> Any:
+        """The graph node producing ``target``, one of the model's returned tensors, by its
+        place among them (the captures list the outputs in leaf order, each once): when there
+        are as many distinct tensors as graph outputs, each of its output's shape; else None."""
+        ts: list[torch.Tensor] = []
+        for t in leaves(out):
+            if isinstance(t, torch.Tensor) and not any(t is u for u in ts):
+                ts.append(t)
+        nodes = [self.graph.get(o) for o in self.graph.outputs]
+        if len(ts) != len(nodes) or any(n is None or n.out_shape is None or
+                                        tuple(n.out_shape) != tuple(t.shape)
+                                        for n, t in zip(nodes, ts)):
+            return None
+        return next((n for n, t in zip(nodes, ts) if t is target), None)
 
     def _unique(self, path: str) -> bool:
         mod = self.model.get_submodule(path)
