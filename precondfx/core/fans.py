@@ -163,6 +163,7 @@ def weight_fans(kind: str, shape: tuple[int, ...], attrs: dict) -> Fans | None:
     if kind == "matmul" and len(shape) >= 2:
         if attrs.get("weight_side", "right") == "right":
             return Fans(int(shape[-2]), int(shape[-1]) // packed)
+        # 'left' (W @ x) and 'right_t' (x @ W.t(): stored (out, in) as a Linear's weight)
         return Fans(int(shape[-1]), int(shape[-2]) // packed)
     if kind == "matmul" and len(shape) == 1:
         return Fans(int(shape[0]), 1)

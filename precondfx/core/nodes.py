@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from precondfx.core import optable
-from precondfx.core.graph import Node
+from precondfx.core.graph import Graph, Node
 
 
 @dataclass(frozen=True)
@@ -217,3 +217,38 @@ def nonlinear_product(node: Node) -> str | None:
     if mode is not None:
         return f"divides with rounding_mode={mode!r}, which rounds its result"
     return None
+
+
+#: the spellings of a 2-D transpose (``W.t()``, ``W.transpose(0, 1)``, ``torch.t(W)``,
+#: ``aten.t``, ``aten.numpy_T``): the last part of a node's target
+_TRANSPOSES = frozenset({"t", "transpose", "swapaxes", "permute", "numpy_T", "mT"})
+
+
+def weight_transposes(graph: Graph) -> Graph:
+    """``x @ self.weight.t()`` (a matrix product with a 2-D parameter's transpose) read as the
+    linear layer it is: the transpose node, which reads the parameter alone, is dropped and
+    every matrix product reading it as its right operand takes the parameter as its weight,
+    stored (out, in) as a Linear's (``weight_side='right_t'``: the fans of ``F.linear``).  A
+    transpose read by anything else stays as it was.  One rule for every capture."""
+    users = graph.users()
+    by = {n.name: n for n in graph}
+    drop: set[str] = set()
+    for n in graph:
+        if n.kind != "reshape" or n.inputs or list(n.params) != ["operand0"] or \
+                n.target.rsplit(".", 1)[-1] not in _TRANSPOSES or \
+                n.out_shape is None or len(n.out_shape) != 2 or not users.get(n.name):
+            continue
+        readers = [by[u] for u in users[n.name]]
+        if not all(r.kind == "matmul" and len(r.inputs) == 2 and r.inputs[1] == n.name and
+                   r.inputs[0] != n.name and not r.params and "einsum" not in r.attrs
+                   for r in readers):
+            continue
+        for r in readers:
+            r.inputs = [r.inputs[0]]
+            r.params["weight"] = n.params["operand0"]
+            r.attrs["weight_side"] = "right_t"
+        drop.add(n.name)
+    if not drop:
+        return graph
+    return Graph([n for n in graph if n.name not in drop], graph.method, notes=graph.notes,
+                 outputs=[o for o in graph.outputs if o not in drop])

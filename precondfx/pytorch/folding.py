@@ -157,11 +157,12 @@ _OWN_LINEAR: dict[type, bool] = {}
 
 
 def _own_linear_layer(mod: nn.Module) -> bool:
-    """A layer class precondfx does not know, with no submodules and a 2-D ``weight`` (out,
-    in) of its own, whose output multiplying all its parameters by c multiplies by c
+    """A layer class precondfx does not know, with no submodules and a 2-D ``weight`` of its
+    own, whose output multiplying all its parameters by c multiplies by c
     (``F.linear(x, self.weight, self.bias)``, ``x @ self.weight.t() + self.bias``): an output
-    scale goes into its weight and bias.  Checked once per class on a random CPU input of
-    width ``in`` with random parameters substituted (so it works on the meta device too)."""
+    scale goes into its weight and bias.  Checked once per class on a random CPU input as wide
+    as either side of the weight, with random parameters substituted (so it works on the meta
+    device too)."""
     if type(mod) in _OWN_LINEAR:
         return _OWN_LINEAR[type(mod)]
     w = mod._parameters.get("weight")
@@ -171,16 +172,19 @@ def _own_linear_layer(mod: nn.Module) -> bool:
         g = torch.Generator().manual_seed(0)
         params = {k: torch.randn(tuple(p.shape), generator=g)
                   for k, p in mod._parameters.items() if p is not None}
-        x = torch.randn(3, int(w.shape[1]), generator=g)
-        try:
-            with torch.no_grad():
-                ref = torch.func.functional_call(mod, params, (x,))
-                got = torch.func.functional_call(mod, {k: 3.0 * v for k, v in params.items()},
-                                                 (x,))
-            ok = isinstance(ref, torch.Tensor) and ref.is_floating_point() and \
-                bool(torch.allclose(got, 3.0 * ref, rtol=1e-5, atol=1e-6))
-        except Exception:   # another input convention, or a forward that needs more
-            ok = False
+        for width in dict.fromkeys((int(w.shape[1]), int(w.shape[0]))):  # (out, in), (in, out)
+            x = torch.randn(3, width, generator=g)
+            try:
+                with torch.no_grad():
+                    ref = torch.func.functional_call(mod, params, (x,))
+                    got = torch.func.functional_call(mod, {k: 3.0 * v for k, v in
+                                                           params.items()}, (x,))
+                ok = isinstance(ref, torch.Tensor) and ref.is_floating_point() and \
+                    bool(torch.allclose(got, 3.0 * ref, rtol=1e-5, atol=1e-6))
+            except Exception:   # another input convention, or a forward that needs more
+                ok = False
+            if ok:
+                break
     _OWN_LINEAR[type(mod)] = ok
     return ok
 
@@ -595,21 +599,66 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
     return sc
 
 
+def _products_between(top: fx.Node, bottom: fx.Node) -> list[fx.Node]:
+    """precondfx's products by its constants from ``top`` down to ``bottom`` (their operand)."""
+    out = []
+    while top is not bottom and scaled_operand(top) is not None:
+        out.append(top)
+        top = scaled_operand(top)
+    return out
+
+
+def _under_products(n: fx.Node) -> fx.Node:
+    """``n`` with precondfx's own products by a constant looked through."""
+    while scaled_operand(n) is not None:
+        n = scaled_operand(n)
+    return n
+
+
 def _own_layer_call(n: fx.Node, gm: fx.GraphModule) -> str | None:
-    """The path of the layer whose parameters ``n`` computes with, when ``n`` is a functional
-    linear map or convolution (``F.linear``, ``F.conv2d``) of one activation by that layer's
-    weight and bias read directly (each read by ``n`` alone), the layer having no other
-    parameter and being one whose output scales with them (``kind``): scaling its weight and
-    bias scales ``n`` exactly; else None."""
-    if n.op != "call_function":
+    """The path of the layer whose parameters ``n`` computes with, when ``n`` is a linear map
+    or convolution of one activation by that layer's weight and bias, traced into its parts:
+    ``F.linear(x, self.weight, self.bias)``, ``F.conv2d(...)``, or ``x @ self.weight.t()``
+    (``+ self.bias``), the parameters read there alone, the layer having no other parameter
+    and being one whose output scales with them (``kind``): scaling its weight and bias scales
+    ``n`` exactly; else None."""
+    if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
         return None
     spec = ops.for_function(n.target)
-    if spec is None or spec.kind not in ("linear", "conv", "conv_transpose") or \
-            len(n.args) < 2 or not isinstance(n.args[0], fx.Node):
-        return None
+    region: set[fx.Node] = {n}
+    if spec is not None and spec.kind in ("linear", "conv", "conv_transpose"):
+        weights: list[Any] = list(n.args[1:]) + list(n.kwargs.values())
+    else:
+        prod, bias = n, []
+        if n.target in (operator.add, torch.add) and len(n.args) == 2 and not n.kwargs:
+            # through precondfx's own products (an lr multiplier on the product's output)
+            under = {a: _under_products(a) if isinstance(a, fx.Node) else a
+                     for a in n.args}
+            mm = [a for a, u in under.items() if isinstance(u, fx.Node) and
+                  u.op == "call_function" and u.target in _MATMULS]
+            if len(mm) != 1:
+                return None
+            prod, bias = under[mm[0]], [a for a in n.args if a is not mm[0]]
+            region |= {prod, *_products_between(mm[0], prod)}
+        if prod.target not in _MATMULS or len(prod.args) != 2 or prod.kwargs or \
+                not isinstance(prod.args[0], fx.Node) or not isinstance(prod.args[1], fx.Node) \
+                or not _of_parameters(prod.args[1]) or _of_parameters(prod.args[0]):
+            return None
+        weights = [prod.args[1]] + bias
     reads: list[fx.Node] = []
-    fx.node.map_arg((n.args[1:], n.kwargs), reads.append)
-    if not reads or any(r.op != "get_attr" or set(r.users) != {n} for r in reads):
+    todo = [a for a in weights if isinstance(a, fx.Node)]
+    if len(todo) != len([a for a in weights if a is not None]):
+        return None             # a number or a tensor constant beside the parameters
+    while todo:
+        a = todo.pop()
+        region.add(a)
+        if a.op == "get_attr":
+            reads.append(a)
+        elif a.op in ("call_method", "call_function"):
+            todo += list(a.all_input_nodes)
+        else:
+            return None
+    if not reads or any(not set(r.users) <= region for r in region if r is not n):
         return None
     paths = {str(r.target).rpartition(".")[0] for r in reads}
     if len(paths) != 1:

@@ -169,3 +169,88 @@ def test_a_main_output_read_by_another_output_is_scaled_where_it_is_computed_eve
     for capture in ("export", "eager"):
         for i in (0, 1):
             assert float((outs[capture][i] - outs["fx"][i]).abs().max()) < 1e-6, (capture, i)
+
+
+# -- (b) ``x @ self.weight.t() + self.bias`` on a layer's own parameters ----------------------
+class MyMatT(MyLinear):
+    """The same layer as :class:`MyLinear`, written as a matrix product with the transpose."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t() + self.bias
+
+
+class MyMatTranspose(MyLinear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, self.weight.transpose(0, 1)) + self.bias
+
+
+def _net(layer: type) -> nn.Module:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = layer(8, 64), layer(64, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x)))
+    return Net()
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("layer", [MyMatT, MyMatTranspose])
+def test_a_product_with_a_weights_transpose_is_the_linear_layer_it_is(capture, layer):
+    """``x @ self.weight.t()`` with ``weight`` stored (out, in) is ``F.linear``.  Before, no
+    capture saw a weighted layer (the transpose node read the parameter, the product read an
+    activation): precondition refused 'the model has no weighted layer'.  Now the product is
+    a weighted matmul with the Linear's fans: re-drawn weights, alphas, output scale and
+    result equal to the F.linear model's (difference 0, default options), and it folds."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    got = {}
+    for cls in (MyLinear, layer):
+        torch.manual_seed(1)
+        res, rep = _quiet(precondfx.precondition, _net(cls), x, capture=capture, seed=0)
+        assert rep.capture == capture
+        with torch.no_grad():
+            got[cls] = (res(x), res.a.weight.detach().clone(), res.b.weight.detach().clone(),
+                        res)
+    weighted = [n for n in rep.nodes if n.status == "weighted"]
+    assert [n.kind for n in weighted] == ["matmul", "matmul"]
+    inits = rep.plan.inits
+    assert inits["a.weight"].rule == "geometric" and inits["b.weight"].rule == "geometric"
+    ref, mine = got[MyLinear], got[layer]
+    assert float((mine[1] - ref[1]).abs().max()) == 0.0
+    assert float((mine[2] - ref[2]).abs().max()) == 0.0
+    assert float((mine[0] - ref[0]).abs().max()) < 1e-6
+    with torch.no_grad():
+        plain = precondfx.fold(mine[3])
+        assert float((plain(x) - mine[0]).abs().max()) < 1e-5
+
+
+# -- probabilities returned beside other outputs of their shape --------------------------------
+class ProbsFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.head = nn.Linear(8, 32), nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor):
+        logits = self.head(torch.relu(self.a(x)))
+        return {"probs": logits.softmax(-1), "top": logits.max(-1).values,
+                "aux": torch.tanh(logits)}
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_probabilities_as_the_main_output_are_never_scaled(capture):
+    """The main output (the first floating-point output) is a softmax, returned beside a tanh
+    of the same shape.  Before, eager and export could not tell which graph output it was
+    and multiplied the probabilities by 4.91 (rows summing to 4.91, std 1.0016); fx refused
+    the scale.  Now every capture finds the softmax by the output's place and says so."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    torch.manual_seed(1)
+    res, rep = _quiet(precondfx.precondition, ProbsFirst(), x, capture=capture, lr=None)
+    assert rep.capture == capture
+    with torch.no_grad():
+        probs = res(x)["probs"]
+    assert float((probs.sum(-1) - 1).abs().max()) < 1e-5
+    assert float(probs.max()) <= 1.0
+    assert any("softmax" in why for _, why in rep.skipped)

@@ -22,6 +22,7 @@ from precondfx.pytorch.capture.common import Sample
 from precondfx.pytorch.checks import is_out_of_memory
 from precondfx.errors import PrecondError
 from precondfx.core.graph import Graph
+from precondfx.core import nodes
 
 METHODS = ("fx", "export", "draft_export", "eager")
 
@@ -166,6 +167,7 @@ def capture(model: torch.nn.Module, sample: Sample, methods: tuple[str, ...] | l
                 value_error = e
             continue
         result.attempts = attempts
+        result.graph = nodes.weight_transposes(result.graph)   # x @ self.weight.t()
         result.graph.notes[:0] = [f"{m} {why}" for m, why in attempts]
         unseen = unseen_parameters(model, result.graph)
         if unseen:
