@@ -1293,6 +1293,11 @@ class _SubCheckpoint:
                if not c.is_meta and not bool((c == 1).all())}
         if not held or not off:
             return
+        # a copy of the storage (an EMA): near it, unless plain weights were loaded here before
+        plain = root.__dict__.setdefault(PLAIN, set())
+        if self.path not in plain and _near_storage(module, state_dict, prefix, off):
+            return
+        plain.add(self.path)
         # said once per load, by the module loaded (:class:`_SubLoaded`), for every layer
         top = self.path[:len(self.path) - len(prefix)].rstrip(".") if prefix else self.path
         rec = root.__dict__.get(LOADING)
@@ -1304,6 +1309,40 @@ class _SubCheckpoint:
         rec["off"].update(off)
         if missing is None:         # called outside load_state_dict: said here
             _say_plain_load(root, root.__dict__.pop(LOADING), 5)
+
+
+#: the attribute of a result holding the paths of its parts plain weights were loaded into
+#: (:class:`_SubCheckpoint`: their storage is no longer the result's)
+PLAIN = "_precondfx_plain_loaded"
+#: a state dict's weights within this share of the way from the result's storage to the plain
+#: weights of the same function (the storage times the module's constants) are the storage, a
+#: copy of it (an EMA, ``{k: v.clone()}``): at most this share of the result's own norm too
+NEAR = 0.25
+
+
+def _near_storage(module: nn.Module, state_dict: dict, prefix: str,
+                  off: dict[str, torch.Tensor]) -> bool:
+    """Whether the weights ``state_dict`` holds for ``module`` are the result's own storage
+    (copied: a clone, an EMA of it): nearer its parameters now than :data:`NEAR` of the way
+    to the plain weights of the same function (the parameters times the product ``c`` of the
+    module's constants, as folded), and than ``NEAR`` of their norm.  Plain weights (folded,
+    or of the model before precondition) lie ``|c - 1|`` of the norm away or further."""
+    c = 1.0
+    for t in off.values():
+        if t.numel() != 1:
+            return False
+        c *= float(t)
+    diff = norm = 0.0
+    with torch.no_grad():
+        for n, p in module._parameters.items():
+            t = state_dict.get(prefix + n)
+            if p is None or p.is_meta or not isinstance(t, torch.Tensor):
+                continue
+            if t.shape != p.shape or not p.is_floating_point():
+                return False
+            diff += float((t.detach().to(p.device, torch.float64) - p.double()).square().sum())
+            norm += float(p.double().square().sum())
+    return norm > 0 and diff ** 0.5 < NEAR * min(abs(c - 1.0), 1.0) * norm ** 0.5
 
 
 def _say_plain_load(root: nn.Module, rec: dict[str, Any], level: int) -> None:
@@ -1504,3 +1543,62 @@ def guard_added(model: nn.Module, names: list[str]) -> None:
     if _ADDED_HOOK is None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
         _ADDED_HOOK = register_optimizer_step_pre_hook(_missing_new)
+
+
+#: result -> names of the trainable parameters precondition added to it (a max-pool's
+#: replacement convolution), where no ``lr='auto'`` first step says them (:func:`_unheld_new`)
+_NEW: "weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+_NEW_HOOK: Any = None
+
+
+def _unheld_new(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global step pre-hook: at the step of an optimizer over part of a result, say (a
+    ``RuntimeWarning``, once per result) the parameters precondition added that have a gradient
+    and that no optimizer's parameter group holds (groups built from parameter names leave
+    them out): they would stay at their init, silently.  A result with an ``lr='auto'`` first
+    step is left to it (it says the same, ``first_step._unstepped``)."""
+    if not _NEW:
+        return
+    from precondfx.pytorch import first_step
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    for model, names in list(_NEW.items()):
+        if isinstance(model.__dict__.get(first_step.ATTR), first_step.Pending):
+            del _NEW[model]
+            continue
+        params = dict(model.named_parameters())
+        if not any(id(p) in held for p in params.values()):
+            continue                # an optimizer over another model
+        new = {n: params[n] for n in names if n in params and params[n].requires_grad}
+        if model in _ADDED and all(id(p) in held for n, p in params.items()
+                                   if n not in new and p.requires_grad):
+            continue                # refused by _missing_new (built before an inplace call)
+        out = {n: p for n, p in new.items() if id(p) not in held}
+        if not out or all(p.grad is None for p in out.values()):
+            if not out:
+                del _NEW[model]     # this optimizer steps them
+            continue                # no gradient yet: looked at again at the next step
+        del _NEW[model]
+        if first_step._in_a_param_group(list(out.values())):
+            continue                # another optimizer holds them
+        import warnings
+        ns = list(out)
+        warnings.warn(
+            f"precondfx: precondition added {len(ns)} trainable parameters to "
+            f"{model._get_name()} ({', '.join(ns[:4])}{' ...' if len(ns) > 4 else ''}: the "
+            f"strided convolution replacing a max-pool) that no optimizer's parameter group "
+            f"holds (groups built from parameter names leave them out): they get gradients "
+            f"and never move from their init. Add them (by these names) to a group, build the "
+            f"optimizer from model.parameters(), or precondition with maxpool='keep'",
+            RuntimeWarning, stacklevel=4)
+
+
+def guard_new(model: nn.Module, names: list[str]) -> None:
+    """Remember the trainable parameters ``precondition`` added to ``model`` (its result), for
+    :func:`_unheld_new` (registered once, globally)."""
+    if not names:
+        return
+    _NEW[model] = tuple(names)
+    global _NEW_HOOK
+    if _NEW_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _NEW_HOOK = register_optimizer_step_pre_hook(_unheld_new)

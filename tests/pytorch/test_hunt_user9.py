@@ -1,0 +1,115 @@
+"""user9's hunt: the user's model contract and the training loop (user_class, first_step)."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import precondfx
+
+
+def _caught(fn):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fn()
+    return [str(i.message) for i in w if "precondfx" in str(i.message)]
+
+
+class PoolNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+def _train(model, opt, x, y, steps=3):
+    def run():
+        for _ in range(steps):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    return _caught(run)
+
+
+def test_lr_none_added_conv_left_out_of_optimizer_is_said():
+    """lr=None: a max-pool's replacement convolution left out of parameter groups built by
+    name was silent (before: 0 warnings, the conv never moved); now one warning naming it."""
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
+    m, _ = precondfx.precondition(PoolNet(), x, lr=None, maxpool="conv")
+    assert "features.2.weight" in dict(m.named_parameters())
+    w0 = m.features[2].weight.detach().clone()
+    groups = [{"params": [p for n, p in m.named_parameters() if n.startswith("features.0")]},
+              {"params": [p for n, p in m.named_parameters() if n.startswith("head")]}]
+    said = _train(m, torch.optim.SGD(groups, lr=0.01), x, y)
+    assert torch.equal(m.features[2].weight, w0)         # it indeed never moved
+    hits = [s for s in said if "features.2.weight" in s and "no optimizer" in s]
+    assert len(hits) == 1, said
+
+
+def test_lr_none_added_conv_in_optimizer_or_inplace():
+    """Silent where an optimizer holds every parameter; said for an inplace result too."""
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
+    m, _ = precondfx.precondition(PoolNet(), x, lr=None, maxpool="conv")
+    assert _train(m, torch.optim.SGD(m.parameters(), lr=0.01), x, y) == []
+    net = PoolNet()
+    m, _ = precondfx.precondition(net, x, lr=None, maxpool="conv", inplace=True)
+    opt = torch.optim.SGD([p for n, p in m.named_parameters() if n.startswith("features.0")],
+                          lr=0.01)
+    said = _train(m, opt, x, y)
+    assert len([s for s in said if "features.2.weight" in s]) == 1, said
+    # lr='auto' says it once at its first step, not twice
+    m, _ = precondfx.precondition(PoolNet(), x, maxpool="conv")
+    groups = [p for n, p in m.named_parameters() if not n.startswith("features.2")]
+    said = _train(m, torch.optim.SGD(groups, lr=0.01), x, y)
+    assert len([s for s in said if "features.2.weight" in s]) == 1, said
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class ResNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.body = nn.Sequential(Block(), Block())
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.body(self.inp(x)))
+
+
+def test_cloned_ema_of_own_weights_loads_without_plain_warning():
+    """A hand-written EMA of a part's own weights ({k: v.clone()}), loaded back into the part,
+    was warned about as plain weights (before: 1 warning); now silent, while the folded
+    weights and those of the model before precondition are still said."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 8)
+    m, _ = precondfx.precondition(ResNet(), x, lr=None)
+    consts = [float(b) for n, b in m.named_buffers() if "residual" in n]
+    assert consts and all(abs(c - 1) > 0.1 for c in consts)     # the test needs c != 1
+    ema = {k: v.detach().clone() for k, v in m.body.state_dict().items()}
+    with torch.no_grad():                                   # a few steps later
+        for p in m.body.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    assert _caught(lambda: m.body.load_state_dict(ema)) == []
+    ref = m(x)
+    folded = precondfx.fold(copy.deepcopy(m))
+    said = _caught(lambda: m.body.load_state_dict(folded.body.state_dict()))
+    assert len(said) == 1 and "plain weights" in said[0]
+    said = _caught(lambda: m.body.load_state_dict(ResNet().body.state_dict()))
+    assert len(said) == 1 and "plain weights" in said[0]
+    assert not torch.allclose(m(x), ref)
