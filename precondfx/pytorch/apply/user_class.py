@@ -1545,41 +1545,39 @@ def guard_added(model: nn.Module, names: list[str]) -> None:
         _ADDED_HOOK = register_optimizer_step_pre_hook(_missing_new)
 
 
-#: result -> names of the trainable parameters precondition added to it (a max-pool's
-#: replacement convolution), where no ``lr='auto'`` first step says them (:func:`_unheld_new`)
-_NEW: "weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+#: result -> (names of the trainable parameters precondition added to it (a max-pool's
+#: replacement convolution), ids of its parameters), where no ``lr='auto'`` first step says
+#: them (:func:`_unheld_new`)
+_NEW: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, ...], frozenset[int]]]" = \
+    weakref.WeakKeyDictionary()
 _NEW_HOOK: Any = None
 
 
 def _unheld_new(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global step pre-hook: at the step of an optimizer over part of a result, say (a
+    """Global step pre-hook: at the first step of an optimizer over part of a result, say (a
     ``RuntimeWarning``, once per result) the parameters precondition added that have a gradient
     and that no optimizer's parameter group holds (groups built from parameter names leave
-    them out): they would stay at their init, silently.  A result with an ``lr='auto'`` first
-    step is left to it (it says the same, ``first_step._unstepped``)."""
+    them out): they would stay at their init, silently.  Decided at that step (a result is
+    then no longer looked at); a result with an ``lr='auto'`` first step is left to it (it
+    says the same, ``first_step._unstepped``)."""
     if not _NEW:
         return
     from precondfx.pytorch import first_step
     held = {id(p) for g in opt.param_groups for p in g["params"]}
-    for model, names in list(_NEW.items()):
+    for model, (names, ids) in list(_NEW.items()):
+        if held.isdisjoint(ids):
+            continue                # an optimizer over another model
+        del _NEW[model]             # decided at this step
         if isinstance(model.__dict__.get(first_step.ATTR), first_step.Pending):
-            del _NEW[model]
             continue
         params = dict(model.named_parameters())
-        if not any(id(p) in held for p in params.values()):
-            continue                # an optimizer over another model
         new = {n: params[n] for n in names if n in params and params[n].requires_grad}
         if model in _ADDED and all(id(p) in held for n, p in params.items()
                                    if n not in new and p.requires_grad):
             continue                # refused by _missing_new (built before an inplace call)
-        out = {n: p for n, p in new.items() if id(p) not in held}
-        if not out or all(p.grad is None for p in out.values()):
-            if not out:
-                del _NEW[model]     # this optimizer steps them
-            continue                # no gradient yet: looked at again at the next step
-        del _NEW[model]
-        if first_step._in_a_param_group(list(out.values())):
-            continue                # another optimizer holds them
+        out = {n: p for n, p in new.items() if id(p) not in held and p.grad is not None}
+        if not out or first_step._in_a_param_group(list(out.values())):
+            continue                # stepped, no gradient, or another optimizer holds them
         import warnings
         ns = list(out)
         warnings.warn(
@@ -1597,7 +1595,7 @@ def guard_new(model: nn.Module, names: list[str]) -> None:
     :func:`_unheld_new` (registered once, globally)."""
     if not names:
         return
-    _NEW[model] = tuple(names)
+    _NEW[model] = (tuple(names), frozenset(id(p) for p in model.parameters()))
     global _NEW_HOOK
     if _NEW_HOOK is None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
