@@ -157,3 +157,16 @@ def test_bias_in_a_group_at_a_higher_rate_is_under_the_ceiling():
     c2, _ = _bias_group_run(0.1, 0.2, steps=1)
     c1, _ = _bias_group_run(0.1, 0.1, steps=1)
     assert c2 == c1
+
+
+def test_lr_none_added_conv_left_out_in_a_deep_copied_run():
+    """A run copied from the result (``run = copy.deepcopy(template)``, one per sweep point)
+    with groups built by name: said for the copy too (before: silent), and only once."""
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
+    template, _ = precondfx.precondition(PoolNet(), x, lr=None, maxpool="conv")
+    for _ in range(2):
+        run = copy.deepcopy(template)
+        groups = [p for n, p in run.named_parameters() if not n.startswith("features.2")]
+        said = _train(run, torch.optim.SGD(groups, lr=0.01), x, y)
+        assert len([s for s in said if "features.2.weight" in s]) == 1, said

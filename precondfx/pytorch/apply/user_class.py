@@ -1548,9 +1548,35 @@ def guard_added(model: nn.Module, names: list[str]) -> None:
 #: result -> (names of the trainable parameters precondition added to it (a max-pool's
 #: replacement convolution), ids of its parameters), where no ``lr='auto'`` first step says
 #: them (:func:`_unheld_new`)
-_NEW: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, ...], frozenset[int]]]" = \
+_NEW: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, ...], frozenset[int] | None]]" = \
     weakref.WeakKeyDictionary()
 _NEW_HOOK: Any = None
+
+
+#: the attribute of a result holding its :class:`_AddedMark` (deep copies of it are watched too)
+ADDED_MARK = "_precondfx_added"
+
+
+class _AddedMark:
+    """The parameters ``precondition`` added to a result, kept on it: a deep copy of the
+    result (a run copied from a template, ``copy.deepcopy(result)``) is watched by
+    :func:`_unheld_new` like the result; a pickled copy is not."""
+
+    def __init__(self, model: nn.Module | None, names: tuple[str, ...]) -> None:
+        self.model = weakref.ref(model) if model is not None else None
+        self.names = names
+
+    def __deepcopy__(self, memo: dict) -> "_AddedMark":
+        model = self.model() if self.model is not None else None
+        copied = memo.get(id(model)) if model is not None else None
+        if copied is None or not isinstance(copied, nn.Module):
+            return _AddedMark(None, self.names)
+        if model in _NEW:           # the original is still undecided: so is its copy
+            _NEW[copied] = (self.names, None)
+        return _AddedMark(copied, self.names)
+
+    def __reduce__(self) -> tuple:
+        return (_AddedMark, (None, self.names))
 
 
 def _unheld_new(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -1565,6 +1591,9 @@ def _unheld_new(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     from precondfx.pytorch import first_step
     held = {id(p) for g in opt.param_groups for p in g["params"]}
     for model, (names, ids) in list(_NEW.items()):
+        if ids is None:             # a deep copy: its parameters' ids, known once it is built
+            ids = frozenset(id(p) for p in model.parameters())
+            _NEW[model] = (names, ids)
         if held.isdisjoint(ids):
             continue                # an optimizer over another model
         del _NEW[model]             # decided at this step
@@ -1596,6 +1625,7 @@ def guard_new(model: nn.Module, names: list[str]) -> None:
     if not names:
         return
     _NEW[model] = (tuple(names), frozenset(id(p) for p in model.parameters()))
+    model.__dict__[ADDED_MARK] = _AddedMark(model, tuple(names))
     global _NEW_HOOK
     if _NEW_HOOK is None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
