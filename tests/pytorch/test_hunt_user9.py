@@ -170,3 +170,39 @@ def test_lr_none_added_conv_left_out_in_a_deep_copied_run():
         groups = [p for n, p in run.named_parameters() if not n.startswith("features.2")]
         said = _train(run, torch.optim.SGD(groups, lr=0.01), x, y)
         assert len([s for s in said if "features.2.weight" in s]) == 1, said
+
+
+class EncoderLayer(nn.TransformerEncoderLayer):
+    """A subclass of torch's layer (an installed library's class) with its own forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self._sa_block(self.norm1(x), None, None)
+        return x + self._ff_block(F.relu(self.norm2(x)))
+
+    def ffn(self, h: torch.Tensor) -> torch.Tensor:
+        """Runs the layers only through the library's own method."""
+        return self._ff_block(h)
+
+    def width(self) -> int:
+        return self.linear1.out_features
+
+
+def test_method_running_layers_through_an_inherited_library_method_is_said():
+    """``ffn`` calls only ``self._ff_block`` (nn.TransformerEncoderLayer's), which runs
+    linear1/linear2: it computes without the graph-only output scale like a method calling
+    them itself, but was not named (library methods were not read; before: no warning).  Now
+    named; ``width`` (reads ``self.linear1.out_features``, a number) is not (before: named
+    as running the layers)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 10, 32)
+    said = []
+
+    def run():
+        said.append(precondfx.precondition(
+            EncoderLayer(32, 4, 64, dropout=0.0, batch_first=True), x, lr=None))
+    msgs = _caught(run)
+    res, rep = said[0]
+    assert rep.capture == "fx"
+    assert "constant precondfx_output_scale" in rep.result["forward_only"]
+    hits = [s for s in msgs if "run(s) your code" in s]
+    assert len(hits) == 1 and "EncoderLayer.ffn" in hits[0] and "width" not in hits[0], msgs

@@ -639,7 +639,12 @@ def _self_path(node: ast.AST, me: str = "self") -> str | None:
 
 #: uses of a parameter that compute nothing with it (initialization, inspection, in place)
 _NOT_COMPUTING = {"data", "grad", "shape", "size", "dtype", "device", "numel", "dim", "ndim",
-                  "requires_grad", "is_leaf", "nelement", "element_size"}
+                  "requires_grad", "is_leaf", "nelement", "element_size",
+                  # torch layers' configuration (``self.fc.out_features``): numbers, not calls
+                  "in_features", "out_features", "in_channels", "out_channels", "kernel_size",
+                  "stride", "padding", "dilation", "groups", "num_embeddings", "embedding_dim",
+                  "normalized_shape", "num_features", "eps", "embed_dim", "num_heads",
+                  "hidden_size", "input_size", "num_layers", "training"}
 
 
 def _computes(n: ast.AST, parent: dict) -> bool:
@@ -739,7 +744,8 @@ def own_code_methods(user_cls: type, children: set[str]) -> list[str]:
     constants only the graph's forward applies, also where it calls ``self(...)`` or
     ``self.forward(...)`` besides (a test-time augmentation averaging ``self(x)`` with
     ``self.head(self.body(x.flip(-1)))``: that part runs without them); one that only calls
-    ``self(...)`` runs the rewritten graph (see :func:`also_forward`)."""
+    ``self(...)`` runs the rewritten graph (see :func:`also_forward`).  The library's methods
+    they call are read for what they run (``self._ff_block(x)``), not named themselves."""
     found: dict[str, tuple[bool, bool, set[str]]] = {}     # name -> graph, reads, calls
     for klass in user_cls.__mro__:
         if klass in (nn.Module, object) or issubclass(nn.Module, klass):
@@ -748,32 +754,57 @@ def own_code_methods(user_cls: type, children: set[str]) -> list[str]:
             if name in found or name == "forward" or name.startswith("__") or \
                     _library_class(klass):
                 continue
-            fn = fn.fget if isinstance(fn, property) else \
-                fn.func if isinstance(fn, functools.cached_property) else fn
-            tree = _source_tree(fn)
-            if tree is None:
-                continue
-            me = _self_name(tree)
-            parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
-            graph = reads = False
-            calls: set[str] = set()
-            for n in ast.walk(tree):
-                own = isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and \
-                    n.value.id == me
-                if isinstance(n, ast.Call) and (isinstance(n.func, ast.Name) and
-                                                n.func.id == me or _self_forward(n.func, me)):
-                    graph = True        # self(x) / self.forward(x): the graph, constants in
-                reads = reads or (own and n.attr in children and _runs(n, parent))
-                if own:
-                    calls.add(n.attr)
-            found[name] = (graph, reads, calls)
-    out = {k for k, (_, r, _) in found.items() if r}
+            got = _scan(fn, children)
+            if got is not None:
+                found[name] = got
+    # an installed library's method one of them calls (``self._ff_block(x)`` of a subclass of
+    # nn.TransformerEncoderLayer) runs the layers for it: read where called, not said itself
+    lib: dict[str, tuple[bool, bool, set[str]]] = {}
+    todo = {c for _, _, cs in found.values() for c in cs} - set(found)
+    while todo:
+        name = todo.pop()
+        if name in lib or name in found or name == "forward" or name.startswith("__"):
+            continue
+        owner = next((k for k in user_cls.__mro__ if name in vars(k)), None)
+        if owner is None or owner in (nn.Module, object) or issubclass(nn.Module, owner):
+            continue
+        got = _scan(vars(owner)[name], children)
+        if got is not None:
+            lib[name] = got
+            todo |= got[2] - set(found) - set(lib)
+    every = {**lib, **found}
+    out = {k for k, (_, r, _) in every.items() if r}
     while True:         # a method calling one of them (sample -> inverse) computes the same
-        more = {k for k, (_, _, c) in found.items() if c & out} - out
+        more = {k for k, (_, _, c) in every.items() if c & out} - out
         if not more:
             _ALSO_FORWARD[user_cls] = [k for k in found if k in out and found[k][0]]
             return [k for k in found if k in out]
         out |= more
+
+
+def _scan(fn: Any, children: set[str]) -> tuple[bool, bool, set[str]] | None:
+    """For :func:`own_code_methods`: whether the method ``fn`` (a property's getter, a cached
+    property's function) calls ``self(...)``/``self.forward(...)``, whether it runs a child in
+    ``children``, and the names it reads from ``self``; None where no source is found."""
+    fn = fn.fget if isinstance(fn, property) else \
+        fn.func if isinstance(fn, functools.cached_property) else fn
+    tree = _source_tree(fn)
+    if tree is None:
+        return None
+    me = _self_name(tree)
+    parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+    graph = reads = False
+    calls: set[str] = set()
+    for n in ast.walk(tree):
+        own = isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and \
+            n.value.id == me
+        if isinstance(n, ast.Call) and (isinstance(n.func, ast.Name) and
+                                        n.func.id == me or _self_forward(n.func, me)):
+            graph = True        # self(x) / self.forward(x): the graph, constants in
+        reads = reads or (own and n.attr in children and _runs(n, parent))
+        if own:
+            calls.add(n.attr)
+    return graph, reads, calls
 
 
 #: the methods :func:`own_code_methods` found last for a class that also call ``self(...)``
