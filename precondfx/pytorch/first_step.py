@@ -387,7 +387,7 @@ class Pending:
         ``max(rate, bias rate * s / s_b)``, both measured on the kept batch."""
         rate = max(_peak(group), _cyclic_peak(opt, group))
         biases = [bias_of[w] for w in ws if bias_of.get(w)]
-        top = max(_bias_rates(opt, model, biases), default=0.0)
+        top = max(_bias_rates(opt, model, biases, group), default=0.0)
         if not (rate >= 0 and math.isfinite(rate)) or top <= rate:
             return rate
         mine = {id(p) for p in group["params"]}
@@ -630,14 +630,14 @@ def _changed(rms: float, p: Any) -> bool:
     return abs(now - rms) > tol * max(rms, 1e-30)
 
 
-def _bias_rates(opt: torch.optim.Optimizer, model: nn.Module, biases: list[Any]
-                ) -> list[float]:
-    """The positive, finite peak rates of the parameter groups of ``opt`` holding ``biases``
-    (names; None for a layer without one)."""
+def _bias_rates(opt: torch.optim.Optimizer, model: nn.Module, biases: list[Any],
+                own: dict[str, Any]) -> list[float]:
+    """The positive, finite peak rates of the parameter groups of ``opt`` other than ``own``
+    (the weights' group) holding ``biases`` (names; None for a layer without one)."""
     ids = {id(p) for b in biases if b for p in [_param(model, b)] if p is not None}
     out = []
     for g in opt.param_groups if ids else ():
-        if any(id(p) in ids for p in g["params"]):
+        if g is not own and any(id(p) in ids for p in g["params"]):
             r = max(_peak(g), _cyclic_peak(opt, g))
             if r > 0 and math.isfinite(r):
                 out.append(r)
