@@ -14,7 +14,9 @@ its curvature: the suggested SGD rate ``1 / lambda``
   the optimizer's peak rate (the largest of a ``OneCycleLR``'s or ``CyclicLR``'s ``max_lr``,
   ``initial_lr`` where a scheduler set one, and ``lr``; each layer's own parameter group:
   groups at different rates are set one by one, each by the curvature of the parameters it
-  steps, the report's ``groups``) is above it, the layers' stored weights and biases are
+  steps, the report's ``groups``; biases in a group at a higher rate than their weights' raise
+  it by as much as their own curvature does not take) is above it, the layers' stored weights
+  and biases are
   divided by one
   factor ``c < 1`` and the multipliers multiplied by it (the same function), as ``lr=`` does
   (:mod:`precondfx.pytorch.lr_target`), so that the layers' effective rate is the suggested
@@ -336,7 +338,11 @@ class Pending:
             return self._kept(opt, f"the model no longer holds its lr multipliers ({missing[0]}"
                                    f"; folded?): the storage is kept")
         parts = _by_group(opt, model, weights)
-        rates = [max(_peak(g), _cyclic_peak(opt, g)) for g, _ in parts]
+        # a layer's bias in a group of its own at a higher rate (Caffe's 2x, no decay at a
+        # rate of its own) trains at that rate under the layer's one factor: the peak of both
+        bias_of = {lay.weight: lay.bias for lay in self.report.measured.final(
+            self.report.planned).layers if lay.weight and lay.bias}
+        rates = [self._with_biases(opt, model, g, ws, bias_of) for g, ws in parts]
         # a group at rate 0 beside groups at positive rates (layers frozen by their rate):
         # its layers do not move, their storage is kept, said in the report
         still = [ws for (_, ws), r in zip(parts, rates) if r == 0] \
@@ -361,7 +367,8 @@ class Pending:
         # (the function is unchanged by one group's factor, so the order does not matter)
         secs = []
         for (group, ws), lr in sorted(zip(parts, rates), key=lambda t: -t[1]):
-            ids = {id(p) for p in group["params"]}
+            ids = {id(p) for p in group["params"]} | {id(_param(model, bias_of[w]))
+                                                      for w in ws if bias_of.get(w)}
             steps = {n for n, p in model.named_parameters() if id(p) in ids}
             one = self.set(model, ws, lr, name, steps)
             _watch(opt, self, group, lr, one)
@@ -369,6 +376,41 @@ class Pending:
             secs.append(one)
         sec = _joined(secs)
         return self._rest(model, weights, _still(sec, still))
+
+    def _with_biases(self, opt: torch.optim.Optimizer, model: nn.Module, group: dict,
+                     ws: list[str], bias_of: dict[str, str]) -> float:
+        """The peak rate of ``group`` (holding the layers ``ws``), raised where their biases
+        sit in a group at a higher rate (Caffe's 2x, a no-decay group at a rate of its own):
+        the layer's one factor moves the biases' effective rate with the weights', so the
+        ceiling holds for both.  The biases' own curvature takes a higher rate than the
+        layers' (suggested rates ``s_b``, ``s``): the rate the ceiling is set for is
+        ``max(rate, bias rate * s / s_b)``, both measured on the kept batch."""
+        rate = max(_peak(group), _cyclic_peak(opt, group))
+        biases = [bias_of[w] for w in ws if bias_of.get(w)]
+        top = max(_bias_rates(opt, model, biases, group), default=0.0)
+        if not (rate >= 0 and math.isfinite(rate)) or top <= rate:
+            return rate
+        mine = {id(p) for p in group["params"]}
+        names = {n for n, p in model.named_parameters() if id(p) in mine} | set(biases)
+        s, s_b = self._suggested(model, names), self._suggested(model, set(biases))
+        if not (s and s_b and math.isfinite(s) and math.isfinite(s_b)):
+            return max(rate, top)       # not measured: the biases' rate, as it is
+        return max(rate, top * s / s_b)
+
+    def _suggested(self, model: nn.Module, only: set[str]) -> float | None:
+        """The suggested SGD rate of ``model`` over the parameters ``only`` on the kept
+        batch (each module in its own mode, autocast off, the user's random stream kept)."""
+        from precondfx.pytorch.measure.suggest import suggest_lr
+        sample = _on_device(self.sample, model, self.graph)
+        devices = sorted({p.device.index or 0 for p in model.parameters()
+                          if p.device.type == "cuda"})
+        with torch.random.fork_rng(devices=devices), torch.inference_mode(False), \
+                _no_autocast(model):
+            try:
+                return suggest_lr(model, sample, mode=OWN, key=self.key, seed=self.seed,
+                                  families=("sgd",), only=only, graph=self.graph).get("sgd")
+            except ValueError:
+                return None
 
     def _rest(self, model: nn.Module, weights: list[str], sec: dict[str, Any]
               ) -> dict[str, Any]:
@@ -586,6 +628,20 @@ def _changed(rms: float, p: Any) -> bool:
     now = lr_transfer.stored_rms(p)     # a cast's rounding moves a few weights' rms by up to
     tol = max(CHANGED, torch.finfo(p.dtype).eps) if p.is_floating_point() else CHANGED  # eps/2
     return abs(now - rms) > tol * max(rms, 1e-30)
+
+
+def _bias_rates(opt: torch.optim.Optimizer, model: nn.Module, biases: list[Any],
+                own: dict[str, Any]) -> list[float]:
+    """The positive, finite peak rates of the parameter groups of ``opt`` other than ``own``
+    (the weights' group) holding ``biases`` (names; None for a layer without one)."""
+    ids = {id(p) for b in biases if b for p in [_param(model, b)] if p is not None}
+    out = []
+    for g in opt.param_groups if ids else ():
+        if g is not own and any(id(p) in ids for p in g["params"]):
+            r = max(_peak(g), _cyclic_peak(opt, g))
+            if r > 0 and math.isfinite(r):
+                out.append(r)
+    return out
 
 
 def _by_group(opt: torch.optim.Optimizer, model: nn.Module, weights: list[str]

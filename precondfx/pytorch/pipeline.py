@@ -651,6 +651,12 @@ def finish(st: TorchState) -> None:
     user_class.guard_checkpoints(st.result)
     # an optimizer built on the model given (a copy was rewritten) is refused at its first step
     user_class.guard_optimizers(st.model, st.result)
+    # the parameters it added (a max-pool's convolution), left out of every optimizer's
+    # parameter groups, are said at a step (lr='auto''s first step says them itself)
+    theirs = {n for n, _ in st.model.named_parameters(remove_duplicate=False)}
+    user_class.guard_new(st.result, [
+        n for n, p in st.result.named_parameters()
+        if (id(p) not in st.param_ids if st.inplace else n not in theirs)])
     if st.dtype is not None:
         st.result = st.result.to(st.dtype)
     if isinstance(st.result, torch.fx.GraphModule):

@@ -639,7 +639,12 @@ def _self_path(node: ast.AST, me: str = "self") -> str | None:
 
 #: uses of a parameter that compute nothing with it (initialization, inspection, in place)
 _NOT_COMPUTING = {"data", "grad", "shape", "size", "dtype", "device", "numel", "dim", "ndim",
-                  "requires_grad", "is_leaf", "nelement", "element_size"}
+                  "requires_grad", "is_leaf", "nelement", "element_size",
+                  # torch layers' configuration (``self.fc.out_features``): numbers, not calls
+                  "in_features", "out_features", "in_channels", "out_channels", "kernel_size",
+                  "stride", "padding", "dilation", "groups", "num_embeddings", "embedding_dim",
+                  "normalized_shape", "num_features", "eps", "embed_dim", "num_heads",
+                  "hidden_size", "input_size", "num_layers", "training"}
 
 
 def _computes(n: ast.AST, parent: dict) -> bool:
@@ -739,7 +744,8 @@ def own_code_methods(user_cls: type, children: set[str]) -> list[str]:
     constants only the graph's forward applies, also where it calls ``self(...)`` or
     ``self.forward(...)`` besides (a test-time augmentation averaging ``self(x)`` with
     ``self.head(self.body(x.flip(-1)))``: that part runs without them); one that only calls
-    ``self(...)`` runs the rewritten graph (see :func:`also_forward`)."""
+    ``self(...)`` runs the rewritten graph (see :func:`also_forward`).  The library's methods
+    they call are read for what they run (``self._ff_block(x)``), not named themselves."""
     found: dict[str, tuple[bool, bool, set[str]]] = {}     # name -> graph, reads, calls
     for klass in user_cls.__mro__:
         if klass in (nn.Module, object) or issubclass(nn.Module, klass):
@@ -748,32 +754,57 @@ def own_code_methods(user_cls: type, children: set[str]) -> list[str]:
             if name in found or name == "forward" or name.startswith("__") or \
                     _library_class(klass):
                 continue
-            fn = fn.fget if isinstance(fn, property) else \
-                fn.func if isinstance(fn, functools.cached_property) else fn
-            tree = _source_tree(fn)
-            if tree is None:
-                continue
-            me = _self_name(tree)
-            parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
-            graph = reads = False
-            calls: set[str] = set()
-            for n in ast.walk(tree):
-                own = isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and \
-                    n.value.id == me
-                if isinstance(n, ast.Call) and (isinstance(n.func, ast.Name) and
-                                                n.func.id == me or _self_forward(n.func, me)):
-                    graph = True        # self(x) / self.forward(x): the graph, constants in
-                reads = reads or (own and n.attr in children and _runs(n, parent))
-                if own:
-                    calls.add(n.attr)
-            found[name] = (graph, reads, calls)
-    out = {k for k, (_, r, _) in found.items() if r}
+            got = _scan(fn, children)
+            if got is not None:
+                found[name] = got
+    # an installed library's method one of them calls (``self._ff_block(x)`` of a subclass of
+    # nn.TransformerEncoderLayer) runs the layers for it: read where called, not said itself
+    lib: dict[str, tuple[bool, bool, set[str]]] = {}
+    todo = {c for _, _, cs in found.values() for c in cs} - set(found)
+    while todo:
+        name = todo.pop()
+        if name in lib or name in found or name == "forward" or name.startswith("__"):
+            continue
+        owner = next((k for k in user_cls.__mro__ if name in vars(k)), None)
+        if owner is None or owner in (nn.Module, object) or issubclass(nn.Module, owner):
+            continue
+        got = _scan(vars(owner)[name], children)
+        if got is not None:
+            lib[name] = got
+            todo |= got[2] - set(found) - set(lib)
+    every = {**lib, **found}
+    out = {k for k, (_, r, _) in every.items() if r}
     while True:         # a method calling one of them (sample -> inverse) computes the same
-        more = {k for k, (_, _, c) in found.items() if c & out} - out
+        more = {k for k, (_, _, c) in every.items() if c & out} - out
         if not more:
             _ALSO_FORWARD[user_cls] = [k for k in found if k in out and found[k][0]]
             return [k for k in found if k in out]
         out |= more
+
+
+def _scan(fn: Any, children: set[str]) -> tuple[bool, bool, set[str]] | None:
+    """For :func:`own_code_methods`: whether the method ``fn`` (a property's getter, a cached
+    property's function) calls ``self(...)``/``self.forward(...)``, whether it runs a child in
+    ``children``, and the names it reads from ``self``; None where no source is found."""
+    fn = fn.fget if isinstance(fn, property) else \
+        fn.func if isinstance(fn, functools.cached_property) else fn
+    tree = _source_tree(fn)
+    if tree is None:
+        return None
+    me = _self_name(tree)
+    parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+    graph = reads = False
+    calls: set[str] = set()
+    for n in ast.walk(tree):
+        own = isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and \
+            n.value.id == me
+        if isinstance(n, ast.Call) and (isinstance(n.func, ast.Name) and
+                                        n.func.id == me or _self_forward(n.func, me)):
+            graph = True        # self(x) / self.forward(x): the graph, constants in
+        reads = reads or (own and n.attr in children and _runs(n, parent))
+        if own:
+            calls.add(n.attr)
+    return graph, reads, calls
 
 
 #: the methods :func:`own_code_methods` found last for a class that also call ``self(...)``
@@ -1293,6 +1324,11 @@ class _SubCheckpoint:
                if not c.is_meta and not bool((c == 1).all())}
         if not held or not off:
             return
+        # a copy of the storage (an EMA): near it, unless plain weights were loaded here before
+        plain = root.__dict__.setdefault(PLAIN, set())
+        if self.path not in plain and _near_storage(module, state_dict, prefix, off):
+            return
+        plain.add(self.path)
         # said once per load, by the module loaded (:class:`_SubLoaded`), for every layer
         top = self.path[:len(self.path) - len(prefix)].rstrip(".") if prefix else self.path
         rec = root.__dict__.get(LOADING)
@@ -1304,6 +1340,40 @@ class _SubCheckpoint:
         rec["off"].update(off)
         if missing is None:         # called outside load_state_dict: said here
             _say_plain_load(root, root.__dict__.pop(LOADING), 5)
+
+
+#: the attribute of a result holding the paths of its parts plain weights were loaded into
+#: (:class:`_SubCheckpoint`: their storage is no longer the result's)
+PLAIN = "_precondfx_plain_loaded"
+#: a state dict's weights within this share of the way from the result's storage to the plain
+#: weights of the same function (the storage times the module's constants) are the storage, a
+#: copy of it (an EMA, ``{k: v.clone()}``): at most this share of the result's own norm too
+NEAR = 0.25
+
+
+def _near_storage(module: nn.Module, state_dict: dict, prefix: str,
+                  off: dict[str, torch.Tensor]) -> bool:
+    """Whether the weights ``state_dict`` holds for ``module`` are the result's own storage
+    (copied: a clone, an EMA of it): nearer its parameters now than :data:`NEAR` of the way
+    to the plain weights of the same function (the parameters times the product ``c`` of the
+    module's constants, as folded), and than ``NEAR`` of their norm.  Plain weights (folded,
+    or of the model before precondition) lie ``|c - 1|`` of the norm away or further."""
+    c = 1.0
+    for t in off.values():
+        if t.numel() != 1:
+            return False
+        c *= float(t)
+    diff = norm = 0.0
+    with torch.no_grad():
+        for n, p in module._parameters.items():
+            t = state_dict.get(prefix + n)
+            if p is None or p.is_meta or not isinstance(t, torch.Tensor):
+                continue
+            if t.shape != p.shape or not p.is_floating_point():
+                return False
+            diff += float((t.detach().to(p.device, torch.float64) - p.double()).square().sum())
+            norm += float(p.double().square().sum())
+    return norm > 0 and diff ** 0.5 < NEAR * min(abs(c - 1.0), 1.0) * norm ** 0.5
 
 
 def _say_plain_load(root: nn.Module, rec: dict[str, Any], level: int) -> None:
@@ -1504,3 +1574,90 @@ def guard_added(model: nn.Module, names: list[str]) -> None:
     if _ADDED_HOOK is None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
         _ADDED_HOOK = register_optimizer_step_pre_hook(_missing_new)
+
+
+#: result -> (names of the trainable parameters precondition added to it (a max-pool's
+#: replacement convolution), ids of its parameters), where no ``lr='auto'`` first step says
+#: them (:func:`_unheld_new`)
+_NEW: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, ...], frozenset[int] | None]]" = \
+    weakref.WeakKeyDictionary()
+_NEW_HOOK: Any = None
+
+
+#: the attribute of a result holding its :class:`_AddedMark` (deep copies of it are watched too)
+ADDED_MARK = "_precondfx_added"
+
+
+class _AddedMark:
+    """The parameters ``precondition`` added to a result, kept on it: a deep copy of the
+    result (a run copied from a template, ``copy.deepcopy(result)``) is watched by
+    :func:`_unheld_new` like the result; a pickled copy is not."""
+
+    def __init__(self, model: nn.Module | None, names: tuple[str, ...]) -> None:
+        self.model = weakref.ref(model) if model is not None else None
+        self.names = names
+
+    def __deepcopy__(self, memo: dict) -> "_AddedMark":
+        model = self.model() if self.model is not None else None
+        copied = memo.get(id(model)) if model is not None else None
+        if copied is None or not isinstance(copied, nn.Module):
+            return _AddedMark(None, self.names)
+        if model in _NEW:           # the original is still undecided: so is its copy
+            _NEW[copied] = (self.names, None)
+        return _AddedMark(copied, self.names)
+
+    def __reduce__(self) -> tuple:
+        return (_AddedMark, (None, self.names))
+
+
+def _unheld_new(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global step pre-hook: at the first step of an optimizer over part of a result, say (a
+    ``RuntimeWarning``, once per result) the parameters precondition added that have a gradient
+    and that no optimizer's parameter group holds (groups built from parameter names leave
+    them out): they would stay at their init, silently.  Decided at that step (a result is
+    then no longer looked at); a result with an ``lr='auto'`` first step is left to it (it
+    says the same, ``first_step._unstepped``)."""
+    if not _NEW:
+        return
+    from precondfx.pytorch import first_step
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    for model, (names, ids) in list(_NEW.items()):
+        if ids is None:             # a deep copy: its parameters' ids, known once it is built
+            ids = frozenset(id(p) for p in model.parameters())
+            _NEW[model] = (names, ids)
+        if held.isdisjoint(ids):
+            continue                # an optimizer over another model
+        del _NEW[model]             # decided at this step
+        if isinstance(model.__dict__.get(first_step.ATTR), first_step.Pending):
+            continue
+        params = dict(model.named_parameters())
+        new = {n: params[n] for n in names if n in params and params[n].requires_grad}
+        if model in _ADDED and all(id(p) in held for n, p in params.items()
+                                   if n not in new and p.requires_grad):
+            continue                # refused by _missing_new (built before an inplace call)
+        out = {n: p for n, p in new.items() if id(p) not in held and p.grad is not None}
+        if not out or first_step._in_a_param_group(list(out.values())):
+            continue                # stepped, no gradient, or another optimizer holds them
+        import warnings
+        ns = list(out)
+        warnings.warn(
+            f"precondfx: precondition added {len(ns)} trainable parameters to "
+            f"{model._get_name()} ({', '.join(ns[:4])}{' ...' if len(ns) > 4 else ''}: the "
+            f"strided convolution replacing a max-pool) that no optimizer's parameter group "
+            f"holds (groups built from parameter names leave them out): they get gradients "
+            f"and never move from their init. Add them (by these names) to a group, build the "
+            f"optimizer from model.parameters(), or precondition with maxpool='keep'",
+            RuntimeWarning, stacklevel=4)
+
+
+def guard_new(model: nn.Module, names: list[str]) -> None:
+    """Remember the trainable parameters ``precondition`` added to ``model`` (its result), for
+    :func:`_unheld_new` (registered once, globally)."""
+    if not names:
+        return
+    _NEW[model] = (tuple(names), frozenset(id(p) for p in model.parameters()))
+    model.__dict__[ADDED_MARK] = _AddedMark(model, tuple(names))
+    global _NEW_HOOK
+    if _NEW_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _NEW_HOOK = register_optimizer_step_pre_hook(_unheld_new)
