@@ -51,6 +51,38 @@ def masked_std(a: Any) -> tuple[float, int]:
     return float(a[fin].std()), int(rest.size)
 
 
+#: rounding's share of an output's magnitude, in units of its dtype's eps: an output whose std
+#: is below it is constant on the sample (a cosine similarity of identical pairs: 1 +- 1e-7)
+ROUNDING_EPS = 64
+#: at most this share of its rms (a float16/bfloat16 output: 64 eps would be 6% or 50%, and a
+#: real output with a large mean and a small spread would be called constant)
+MAX_ROUNDING = 2.0 ** -10
+
+
+def constancy(a: Any, eps: float) -> tuple[float, bool]:
+    """How constant a main output ``a`` (a real or complex array, float64/complex128 or its own
+    dtype) is on the sample, one rule for every back end: the std rounding alone gives it
+    (:data:`ROUNDING_EPS` times ``eps``, the machine epsilon of the output's own dtype, at most
+    :data:`MAX_ROUNDING`, times its root mean square over the finite entries), and whether
+    every sample (rows along dim 0, two or more) holds the same values to that precision (an
+    output that does not depend on the inputs).  ``(0.0, False)`` for fewer than two entries
+    or none finite."""
+    a = np.asarray(a)
+    if a.size < 2:
+        return 0.0, False
+    fin = np.isfinite(a)
+    finite = bool(fin.all())
+    kept = a if finite else a[fin]          # masked (-inf) entries left out
+    if kept.size == 0:
+        return 0.0, False
+    k = kept.astype(np.complex128 if np.iscomplexobj(kept) else np.float64)
+    rms = float(np.sqrt(np.mean(np.abs(k) ** 2)))
+    floor = min(ROUNDING_EPS * float(eps), MAX_ROUNDING) * rms
+    same = finite and a.ndim >= 1 and a.shape[0] >= 2 and \
+        float(np.abs(a.astype(k.dtype) - a[:1].astype(k.dtype)).max()) <= floor
+    return floor, same
+
+
 def masked_note(n: int, total: int | None) -> str:
     """The report's line when calibration left ``n`` masked (-inf) output entries out."""
     of = f" of {total}" if total else ""

@@ -93,6 +93,9 @@ class OnnxApplier(Records, PoolSurgery):
         self.output_value: ir.Value | None = None
         #: masked (-inf) entries of the main output the last std measurement left out
         self.masked_entries, self.output_size = 0, 0
+        #: the std rounding alone gives the main output, and whether it is the same for every
+        #: sample (``core.calibration.constancy``), read by ``core.driver.calibrate``
+        self.output_floor, self.same_rows = 0.0, False
         #: float graph inputs that are not data (name -> why): masks, weights the caller feeds;
         #: the input scale (Sec. 6.3) leaves them as they are
         self.not_data: dict[str, str] = {}
@@ -410,7 +413,11 @@ class OnnxApplier(Records, PoolSurgery):
         from precondfx.onnx import calibrate as cal
         name = self.output_value.name if self.output_value is not None else \
             self.main_output([key] if key is not None else [])[1].name
-        std, self.calib_shape, self.masked_entries = cal.measure_model(self.model, sample, name)
+        std, self.calib_shape, self.masked_entries, const = cal.measure_model(
+            self.model, sample, name)
+        # the driver refuses an output constant to rounding, and notes one that is the same
+        # for every sample (core.calibration.constancy, the PyTorch back end's rule)
+        self.output_floor, self.same_rows = const
         self.output_size = int(np.prod(self.calib_shape))
         made_up = self.random_inputs + self.ones_inputs
         if not np.isfinite(std) and made_up:
