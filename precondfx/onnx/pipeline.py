@@ -528,15 +528,18 @@ def _shared_weights(plan: Any) -> list[str]:
 
 
 def record_gains(st: OnnxState) -> None:
-    """The weights ``OnnxApplier.reinit`` drew divided by their Gemm ``alpha`` (the layer
-    applies ``alpha * W``), as changes of the plan: the report's std is the file's."""
+    """The weights ``OnnxApplier.reinit`` drew divided by their gain (a Gemm's ``alpha``: the
+    layer applies ``alpha * W``; a constant factor, ``MatMul(x, Mul(W, 3))``), as changes of
+    the plan: the report's std is the file's."""
     for name, gain in st.captured.gains.items():
         pi = st.plan.inits.get(name)
         if pi is None or pi.std is None or pi.rule in ("scale", "keep", "zeros", "ones"):
             continue
+        why = st.captured.gain_why.get(name, f"alpha={gain:.4g} of its Gemm, which applies "
+                                                f"alpha*W")
         st.measured.add("apply", "std", name, abs(gain), op="div",
-                        note=f"divided by |alpha|={abs(gain):.4g} of its Gemm, which applies "
-                             f"alpha*W: the layer's weight has the planned std")
+                        note=f"divided by {abs(gain):.4g} ({why}): the weight the layer "
+                             f"applies has the planned std")
 
 
 def save(st: OnnxState) -> None:
