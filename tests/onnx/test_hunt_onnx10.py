@@ -69,3 +69,91 @@ def test_an_output_the_same_for_every_sample_is_noted(tmp_path):
     rep = precondition_onnx(src, str(tmp_path / "out.onnx"), feeds={"a": x.numpy()})
     notes = [why for what, why in rep.skipped if what == "note: constant output"]
     assert len(notes) == 1 and "same for every sample" in notes[0]
+
+
+def _scaled_weight_mlp(path, pre, w1_shape=(8, 32)):
+    """x -> MatMul(x, <pre>(W1)) -> Relu -> MatMul(., W2), W1 behind the nodes ``pre``."""
+    rng = np.random.default_rng(0)
+    inits = [nh.from_array(rng.standard_normal(w1_shape).astype(np.float32), "W1"),
+             nh.from_array(rng.standard_normal((32, 5)).astype(np.float32), "W2"),
+             nh.from_array(np.array(3.0, np.float32), "three")]
+    nodes = pre + [h.make_node("MatMul", ["x", "W1s"], ["h"]),
+                   h.make_node("Relu", ["h"], ["r"]), h.make_node("MatMul", ["r", "W2"], ["y"])]
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, ["N", 8])],
+                     [h.make_tensor_value_info("y", T.FLOAT, ["N", 5])], inits)
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    onnx.checker.check_model(m)
+    onnx.save(m, str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("pre,factor,w1_shape", [
+    ([h.make_node("Mul", ["three", "W1"], ["W1s"])], 3.0, (8, 32)),
+    ([h.make_node("Constant", [], ["c"], value=nh.from_array(np.array(0.5, np.float32))),
+      h.make_node("Div", ["W1", "c"], ["W1s"])], 2.0, (8, 32)),
+    ([h.make_node("Transpose", ["W1"], ["W1t"], perm=[1, 0]),
+      h.make_node("Mul", ["W1t", "three"], ["W1s"])], 3.0, (32, 8)),
+])
+def test_a_weight_times_a_constant_is_a_linear_layer(tmp_path, pre, factor, w1_shape):
+    """(b) Before: ``MatMul(x, Mul(W1, 3))`` was 'breaks' ('product of two activations') and
+    W1 was kept (its std 1 times 3 in the layer). Now the MatMul is a weighted linear layer;
+    W1 is drawn divided by the factor, so the weight the layer applies (factor * W1) has the
+    std of the plain MatMul's plan (0.354 for 8 -> 32)."""
+    src = _scaled_weight_mlp(tmp_path / "m.onnx", pre, w1_shape)
+    rows = {r.name: r for r in inspect_onnx(src).rows()}
+    first = next(r for r in rows.values() if r.kind == "matmul")
+    assert first.status == "weighted"
+    x = np.random.default_rng(1).standard_normal((256, 8)).astype(np.float32)
+    out = str(tmp_path / "out.onnx")
+    rep = precondition_onnx(src, out, feeds={"x": x})
+    w1 = {i.name: nh.to_array(i) for i in onnx.load(out).graph.initializer}["W1"]
+    assert float((w1 * factor).std()) == pytest.approx(8 ** -0.5, rel=1e-3)
+    y = ort.InferenceSession(out).run(None, {"x": x})[0]
+    assert float(y.std()) == pytest.approx(1.0, rel=1e-3)
+    assert rep.output_std_after == pytest.approx(1.0, rel=1e-3)
+
+
+def _if_model(path):
+    """logits = MLP(x); probs = If(flag, softmax(logits), sigmoid(logits)) (the branches read
+    the logits from the main graph); aux = tanh(x)."""
+    rng = np.random.default_rng(0)
+    inits = [nh.from_array(rng.standard_normal((8, 32)).astype(np.float32), "W1"),
+             nh.from_array(rng.standard_normal((32, 5)).astype(np.float32), "W2")]
+    then = h.make_graph([h.make_node("Softmax", ["logits"], ["p_then"], axis=-1)], "then", [],
+                        [h.make_tensor_value_info("p_then", T.FLOAT, ["N", 5])])
+    els = h.make_graph([h.make_node("Sigmoid", ["logits"], ["p_else"])], "else", [],
+                       [h.make_tensor_value_info("p_else", T.FLOAT, ["N", 5])])
+    nodes = [h.make_node("MatMul", ["x", "W1"], ["h"]), h.make_node("Relu", ["h"], ["r"]),
+             h.make_node("MatMul", ["r", "W2"], ["logits"]),
+             h.make_node("If", ["flag"], ["probs"], then_branch=then, else_branch=els),
+             h.make_node("Tanh", ["x"], ["aux"])]
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, ["N", 8]),
+                                  h.make_tensor_value_info("flag", T.BOOL, [])],
+                     [h.make_tensor_value_info("logits", T.FLOAT, ["N", 5]),
+                      h.make_tensor_value_info("probs", T.FLOAT, ["N", 5]),
+                      h.make_tensor_value_info("aux", T.FLOAT, ["N", 8])], inits)
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    onnx.checker.check_model(m)
+    onnx.save(m, str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("key", [None, "logits"])
+def test_the_note_follows_the_scaled_logits_into_an_if_branch(tmp_path, key):
+    """(c) Before: 'not on output 'probs'' (output_key='logits': no note at all), while the
+    file's probs are the softmax of the scaled logits (1.2e-07 apart): the walk did not enter
+    the If branches. Now the note says probs sees the scale, aux not."""
+    src = _if_model(tmp_path / "if.onnx")
+    x = np.random.default_rng(1).standard_normal((64, 8)).astype(np.float32)
+    feeds = {"x": x, "flag": np.array(True)}
+    out = str(tmp_path / "out.onnx")
+    rep = precondition_onnx(src, out, feeds=feeds, output_key=key)
+    notes = [n for n in rep.capture_notes if "output scale on" in n]
+    assert len(notes) == 1
+    assert "output 'probs' is computed from it in the model, so it sees the scale" in notes[0]
+    assert "not on output 'probs'" not in notes[0]
+    lg, pr, aux = ort.InferenceSession(out).run(None, feeds)
+    e = np.exp(lg - lg.max(-1, keepdims=True))
+    assert np.abs(pr - e / e.sum(-1, keepdims=True)).max() < 1e-6
+    assert float(lg.std()) == pytest.approx(1.0, rel=1e-3)
+    assert np.array_equal(aux, ort.InferenceSession(src).run(None, feeds)[2])
