@@ -24,6 +24,54 @@ def mask_named(name: str | None) -> bool:
     return any(w.endswith(("mask", "masks")) for w in words)
 
 
+#: how a back end says a graph input's value is used (:func:`mask_by_use`): read as a
+#: condition (a ``where`` condition, ``not``, cast to bool, ``1 - m``, ``masked_fill``'s
+#: mask); carried on (a broadcast, a reshape, a dtype cast: follow its outputs); a count
+#: (``m.sum(1)``, a masked mean's divisor); compared with a constant (``m < 0.5``);
+#: multiplied into a value computed from other inputs (``scores * m``); anything else: data
+CONDITION, CARRY, COUNT, TEST, GATE, DATA = "condition", "carry", "count", "test", "gate", \
+    "data"
+
+
+def mask_by_use(root: Any, uses: Any) -> str | None:
+    """Why a graph input reads as a mask by its uses, or None: one rule for every back end,
+    which says how each use reads a value (``uses(value)`` yields ``(key, role, why,
+    outputs)``: a hashable key of the using node, one of :data:`CONDITION`, :data:`CARRY`,
+    :data:`COUNT`, :data:`TEST`, :data:`GATE`, :data:`DATA`, the words for the report, and
+    for :data:`CARRY` the values to follow).  A mask when one use, through carriers, reads
+    it as a condition; or when every use is a test, a gate or a count, at least one of the
+    first two.  Calibration fills such an input with ones when no data is given, and the
+    input scale leaves it alone (``m * 0.1 < 0.5`` masks everything)."""
+    used: list[str] = []
+    data = False
+    seen: set[Any] = set()
+
+    def walk(x: Any) -> str | None:
+        nonlocal data
+        for key, role, why, outs in uses(x):
+            if key in seen:
+                continue
+            seen.add(key)
+            if role == CONDITION:
+                return why
+            if role == CARRY:
+                for o in outs:
+                    found = walk(o)
+                    if found:
+                        return found
+            elif role in (TEST, GATE):
+                used.append(why)
+            elif role == DATA:
+                data = True
+        return None
+
+    why = walk(root)
+    if why or data or not used:
+        return why
+    more = f" and {len(used) - 1} more use(s)" if len(used) > 1 else ""
+    return f"read as a mask by all its uses, sums aside: {used[0]}{more}"
+
+
 def is_additive_mask(a: np.ndarray) -> bool:
     """A float array used as an additive attention mask or bias: ``-inf`` where masked, finite
     values <= 0 elsewhere (``nn.Transformer.generate_square_subsequent_mask``, ALiBi-style

@@ -157,3 +157,98 @@ def test_the_note_follows_the_scaled_logits_into_an_if_branch(tmp_path, key):
     assert np.abs(pr - e / e.sum(-1, keepdims=True)).max() < 1e-6
     assert float(lg.std()) == pytest.approx(1.0, rel=1e-3)
     assert np.array_equal(aux, ort.InferenceSession(src).run(None, feeds)[2])
+
+
+class _IntMaskAttention(nn.Module):
+    """Attention over x with an int64 padding mask ``m`` (1 kept, 0 padded), used as
+    ``masked_fill(m == 0)``, ``scores * m.float()`` or ``masked_fill(~m.bool())``."""
+
+    def __init__(self, use):
+        super().__init__()
+        self.q, self.k, self.o = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.use = use
+
+    def forward(self, x, m):
+        sc = self.q(x) @ self.k(x).transpose(1, 2) / 4
+        if self.use == "equal":
+            sc = sc.masked_fill(m[:, None, :] == 0, float("-inf"))
+        elif self.use == "mul":
+            sc = sc * m[:, None, :].float()
+        else:
+            sc = sc.masked_fill(~m[:, None, :].bool(), float("-inf"))
+        return self.o(torch.softmax(sc, -1) @ x)
+
+
+@pytest.mark.parametrize("use,why", [("equal", "Equal node '/Equal' compares it with a "
+                                      "constant"),
+                                     ("mul", "Mul node '/Mul' multiplies it into"),
+                                     ("bool", "Cast node '/Cast' reads it as a condition")])
+def test_an_int64_mask_not_named_mask_is_found_by_its_use(tmp_path, use, why):
+    """(a) Before: an int64 mask input named 'm' was refused ('input 'm' is INT64: random
+    normal data cannot stand in for it') when only x had data, while the same mask named
+    'attention_mask', or a float 'm', got ones. Now it is found by its use (one rule for
+    float and int inputs), filled with ones and named in the note; onnxruntime on the file
+    with that feed gives the calibrated std."""
+    torch.manual_seed(0)
+    x, m = torch.randn(4, 6, 16), torch.ones(4, 6, dtype=torch.int64)
+    src = _export(_IntMaskAttention(use), (x, m), tmp_path / "a.onnx", input_names=["x", "m"])
+    out = str(tmp_path / "out.onnx")
+    rep = precondition_onnx(src, out, feeds={"x": x.numpy()})
+    notes = [n for n in rep.capture_notes if "mask input(s) m [4, 6]" in n]
+    assert len(notes) == 1 and why in notes[0]
+    y = ort.InferenceSession(out).run(None, {"x": x.numpy(), "m": m.numpy()})[0]
+    assert float(y.std()) == pytest.approx(1.0, rel=1e-3)
+
+
+class _TokensWithPadMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.o = nn.Embedding(50, 16), nn.Linear(16, 4)
+
+    def forward(self, tok):
+        keep = (tok != 0).float()[..., None]
+        return self.o((self.emb(tok) * keep).sum(1))
+
+
+def test_token_ids_compared_with_the_pad_id_are_not_a_mask(tmp_path):
+    """(a) The use rule leaves token ids alone: read by an embedding too, so not a mask
+    (N(0,1) or ones would not stand in for them either: still refused, data asked for)."""
+    from precondfx.onnx import io
+    from precondfx.onnx.pipeline import mask_inputs
+    tok = torch.randint(1, 50, (4, 6))
+    src = _export(_TokensWithPadMask(), (tok,), tmp_path / "t.onnx", input_names=["tok"])
+    assert mask_inputs(io.load(src)) == {}
+    with pytest.raises(PrecondError, match="input 'tok' is INT64"):
+        precondition_onnx(src, str(tmp_path / "out.onnx"))
+
+
+class _ThresholdMaskAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.o = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x, m):
+        sc = self.q(x) @ self.k(x).transpose(1, 2) / 4
+        sc = sc.masked_fill(m[:, None, :] < 0.5, float("-inf"))
+        return self.o(torch.softmax(sc, -1) @ x)
+
+
+def test_pytorch_input_scale_leaves_a_float_mask_found_by_its_use(tmp_path):
+    """(a, the shared rule) Before: precondfx.precondition(..., input_scale='auto') on fx
+    multiplied the float mask 'm' by the input scale (0.054), so 'm < 0.5' masked every
+    position and calibration failed ('output ... has NaN/inf values'). Now the PyTorch back
+    end applies the ONNX back end's use rule (core.calibration.mask_by_use): 'm' is left
+    alone, with why; the ONNX back end says the same of the exported file."""
+    import precondfx
+    torch.manual_seed(0)
+    x, m = torch.randn(4, 6, 16) * 10, torch.ones(4, 6)
+    m[:, 4:] = 0
+    net, rep = precondfx.precondition(_ThresholdMaskAttention(), (x, m), input_scale="auto")
+    why = [w for what, w in rep.skipped if what == "input scale" and "'m'" in w]
+    assert len(why) == 1 and "lt node 'lt' compares it with a constant" in why[0]
+    assert float(net(x, m).std()) == pytest.approx(1.0, rel=0.05)
+    src = _export(_ThresholdMaskAttention(), (x, m), tmp_path / "t.onnx",
+                  input_names=["x", "m"])
+    from precondfx.onnx import io
+    from precondfx.onnx.pipeline import mask_inputs
+    assert "Less node '/Less' compares it with a constant" in mask_inputs(io.load(src))["m"]
