@@ -252,3 +252,30 @@ def test_pytorch_input_scale_leaves_a_float_mask_found_by_its_use(tmp_path):
     from precondfx.onnx import io
     from precondfx.onnx.pipeline import mask_inputs
     assert "Less node '/Less' compares it with a constant" in mask_inputs(io.load(src))["m"]
+
+
+def test_a_kept_max_pool_says_why(tmp_path):
+    """Before: a MaxPool with auto_pad=SAME_UPPER (or ceil_mode whose size a strided conv
+    cannot give) showed 'kept' next to 'replaced by striding (Sec. 7)' and no reason anywhere
+    in the report (the plan had it). Now a line says why, on the ONNX and PyTorch paths."""
+    rng = np.random.default_rng(0)
+    inits = [nh.from_array(rng.standard_normal((8, 4, 3, 3)).astype(np.float32), "W1"),
+             nh.from_array(rng.standard_normal((3, 8, 3, 3)).astype(np.float32), "W2")]
+    nodes = [h.make_node("Conv", ["x", "W1"], ["h"], auto_pad="SAME_UPPER"),
+             h.make_node("Relu", ["h"], ["r"]),
+             h.make_node("MaxPool", ["r"], ["p"], kernel_shape=[2, 2], strides=[2, 2],
+                         auto_pad="SAME_UPPER"),
+             h.make_node("Conv", ["p", "W2"], ["y"])]
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, ["N", 4, 7, 7])],
+                     [h.make_tensor_value_info("y", T.FLOAT, ["N", 3, 2, 2])], inits)
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    onnx.checker.check_model(m)
+    onnx.save(m, str(tmp_path / "p.onnx"))
+    text = str(inspect_onnx(str(tmp_path / "p.onnx"), batch=8))
+    assert "kept max pool MaxPool_2: its auto_pad=SAME_UPPER cannot be reproduced" in text
+    import precondfx
+    net = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(),
+                        nn.MaxPool2d(3, 2, ceil_mode=True), nn.Conv2d(8, 3, 3))
+    _, rep = precondfx.precondition(net, torch.randn(8, 4, 8, 8), lr=None)
+    assert "kept max pool 2: a strided convolution of the same geometry would give spatial " \
+           "size [3, 3], not [4, 4] (ceil_mode)" in str(rep)
