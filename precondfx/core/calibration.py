@@ -33,7 +33,7 @@ CONDITION, CARRY, COUNT, TEST, GATE, DATA = "condition", "carry", "count", "test
     "data"
 
 
-def mask_by_use(root: Any, uses: Any) -> str | None:
+def mask_by_use(root: Any, uses: Any, gates: bool = True) -> str | None:
     """Why a graph input reads as a mask by its uses, or None: one rule for every back end,
     which says how each use reads a value (``uses(value)`` yields ``(key, role, why,
     outputs)``: a hashable key of the using node, one of :data:`CONDITION`, :data:`CARRY`,
@@ -41,7 +41,9 @@ def mask_by_use(root: Any, uses: Any) -> str | None:
     for :data:`CARRY` the values to follow).  A mask when one use, through carriers, reads
     it as a condition; or when every use is a test, a gate or a count, at least one of the
     first two.  Calibration fills such an input with ones when no data is given, and the
-    input scale leaves it alone (``m * 0.1 < 0.5`` masks everything)."""
+    input scale leaves it alone (``m * 0.1 < 0.5`` masks everything).  ``gates=False``: a
+    product counts as data (``x * sigmoid(g(c))`` gates data as ``scores * m`` masks it; a
+    back end that is given the data itself trusts conditions and comparisons only)."""
     used: list[str] = []
     data = False
     seen: set[Any] = set()
@@ -59,9 +61,9 @@ def mask_by_use(root: Any, uses: Any) -> str | None:
                     found = walk(o)
                     if found:
                         return found
-            elif role in (TEST, GATE):
+            elif role == TEST or role == GATE and gates:
                 used.append(why)
-            elif role == DATA:
+            elif role in (DATA, GATE):
                 data = True
         return None
 

@@ -279,3 +279,24 @@ def test_a_kept_max_pool_says_why(tmp_path):
     _, rep = precondfx.precondition(net, torch.randn(8, 4, 8, 8), lr=None)
     assert "kept max pool 2: a strided convolution of the same geometry would give spatial " \
            "size [3, 3], not [4, 4] (ceil_mode)" in str(rep)
+
+
+class _GatedInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f, self.g = _mlp(), nn.Linear(8, 8)
+
+    def forward(self, x, c):
+        return self.f(x * torch.sigmoid(self.g(c)))
+
+
+def test_pytorch_input_scale_still_scales_a_gated_input():
+    """(a, the guard of the shared rule) On PyTorch a product is not read as a mask: the
+    gated input x of ``f(x * sigmoid(g(c)))`` is data and gets the input scale, as before."""
+    import precondfx
+    torch.manual_seed(0)
+    _, rep = precondfx.precondition(_GatedInput(), (torch.randn(16, 8) * 5,
+                                                    torch.randn(16, 8) * 5),
+                                    input_scale="auto", lr=None)
+    assert rep.input_scale is not None
+    assert not [w for what, w in rep.skipped if what == "input scale"]

@@ -97,18 +97,21 @@ def _fx_role(ph: fx.Node, x: fx.Node, u: fx.Node) -> tuple[Any, str, str, list]:
     else:
         return u, c.DATA, "", []
     if (t in _MULS or t == "mul") and isinstance(other, fx.Node) and \
-            _fx_inputs_of(other) - {ph} and ph not in _fx_inputs_of(other):
+            other.op != "placeholder" and _fx_inputs_of(other) - {ph} and \
+            ph not in _fx_inputs_of(other):     # not net(a * b), nor a scale, nor its gate
         return u, c.GATE, f"{what} multiplies it into a computed value", []
     return u, c.DATA, "", []
 
 
 def fx_mask_use(ph: fx.Node) -> str | None:
     """Why placeholder ``ph`` reads as a mask by its uses (``core.calibration.mask_by_use``,
-    the rule the ONNX back end applies): a condition (``masked_fill(m == 0)`` aside, which is
-    a test: ``m < 0.5``, ``~m``, ``torch.where(m, ...)``), or only tests, products into values
-    computed from other inputs (``scores * m``) and sums; None for data."""
+    the rule the ONNX back end applies): a condition (``~m``, ``torch.where(m, ...)``,
+    ``m.bool()``, ``1 - m``), or only comparisons with a constant (``m < 0.5``, ``m == 0``)
+    and sums; None for data.  A product (``scores * m``) is not trusted here: the sample is
+    the user's, and ``x * sigmoid(g(c))`` gates data the same way."""
     from precondfx.core import calibration as c
-    return c.mask_by_use(ph, lambda x: (_fx_role(ph, x, u) for u in list(x.users)))
+    return c.mask_by_use(ph, lambda x: (_fx_role(ph, x, u) for u in list(x.users)),
+                         gates=False)
 
 
 def _activation_args(node: fx.Node) -> list[fx.Node]:
@@ -380,6 +383,8 @@ class FxApplier(TorchBackend, Records):
 
     def input_scale(self, value: float) -> list[str]:
         names = []
+        # the masks, found before any input is scaled (a scaled input is a computed value)
+        masks = {n: fx_mask_use(n) for n in self.gm.graph.nodes if n.op == "placeholder"}
         for n in list(self.gm.graph.nodes):
             if n.op != "placeholder":
                 continue
@@ -389,7 +394,7 @@ class FxApplier(TorchBackend, Records):
             if mask_named(str(n.target)):
                 self._skip(None, "input scale", _MASK_SKIP.format(str(n.target)))
                 continue
-            why = fx_mask_use(n)
+            why = masks.get(n)
             if why:
                 self._skip(None, "input scale", f"not on input {str(n.target)!r}: a mask "
                            f"({why}), whose values mean masked or kept")
