@@ -300,3 +300,18 @@ def test_pytorch_input_scale_still_scales_a_gated_input():
                                     input_scale="auto", lr=None)
     assert rep.input_scale is not None
     assert not [w for what, w in rep.skipped if what == "input scale"]
+
+
+def test_the_command_line_announces_masks_filled_with_ones(tmp_path, capsys):
+    """Before: with --quiet the command line said on stderr that x got random N(0,1) data,
+    and nothing of the mask 'm' it filled with ones (the table, with the note, is not
+    printed). Now both made-up inputs are announced."""
+    from precondfx.cli import main
+    torch.manual_seed(0)
+    x, m = torch.randn(4, 6, 16), torch.ones(4, 6, dtype=torch.int64)
+    src = _export(_IntMaskAttention("mul"), (x, m), tmp_path / "a.onnx",
+                  input_names=["x", "m"])
+    assert main(["precondition", src, "-o", str(tmp_path / "out.onnx"), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "calibration used random N(0,1) inputs for x [4, 6, 16]" in err
+    assert "note: calibration used ones (nothing masked) for the mask input(s) m [4, 6]" in err
