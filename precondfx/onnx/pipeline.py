@@ -520,10 +520,15 @@ def record_gains(st: OnnxState) -> None:
     the plan: the report's std is the file's."""
     for name, gain in st.captured.gains.items():
         pi = st.plan.inits.get(name)
-        if pi is None or pi.std is None or pi.rule in ("scale", "keep", "zeros", "ones"):
-            continue
         why = st.captured.gain_why.get(name, f"alpha={gain:.4g} of its Gemm, which applies "
                                                 f"alpha*W")
+        if pi is not None and pi.rule == "ones":        # a norm's scale behind a factor
+            st.report.capture_notes.append(f"{name}: set to 1/{gain:.4g} rather than ones "
+                                           f"({why}): the scale the layer applies is ones, "
+                                           f"as planned")
+            continue
+        if pi is None or pi.std is None or pi.rule in ("scale", "keep", "zeros"):
+            continue
         st.measured.add("apply", "std", name, abs(gain), op="div",
                         note=f"divided by {abs(gain):.4g} ({why}): the weight the layer "
                              f"applies has the planned std")

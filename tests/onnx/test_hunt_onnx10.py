@@ -315,3 +315,29 @@ def test_the_command_line_announces_masks_filled_with_ones(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "calibration used random N(0,1) inputs for x [4, 6, 16]" in err
     assert "note: calibration used ones (nothing masked) for the mask input(s) m [4, 6]" in err
+
+
+def test_a_norm_scale_behind_a_factor_applies_ones(tmp_path):
+    """(b) A LayerNormalization scale read as Mul(g, 3): the plan sets the scale to ones;
+    the file holds g = 1/3, so the layer applies ones (before the Mul was read as a view:
+    g kept at mean 2.7, effective 8.1; with the view but not divided: effective 3)."""
+    rng = np.random.default_rng(0)
+    inits = [nh.from_array(rng.standard_normal((8, 32)).astype(np.float32), "W1"),
+             nh.from_array(rng.standard_normal(32).astype(np.float32) + 3, "g"),
+             nh.from_array(rng.standard_normal(32).astype(np.float32), "b"),
+             nh.from_array(rng.standard_normal((32, 5)).astype(np.float32), "W2"),
+             nh.from_array(np.array(3.0, np.float32), "c3")]
+    nodes = [h.make_node("MatMul", ["x", "W1"], ["h"]), h.make_node("Mul", ["g", "c3"], ["gs"]),
+             h.make_node("LayerNormalization", ["h", "gs", "b"], ["n"], axis=-1),
+             h.make_node("Relu", ["n"], ["r"]), h.make_node("MatMul", ["r", "W2"], ["y"])]
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, ["N", 8])],
+                     [h.make_tensor_value_info("y", T.FLOAT, ["N", 5])], inits)
+    onnx.save(h.make_model(g, opset_imports=[h.make_opsetid("", 17)]), str(tmp_path / "n.onnx"))
+    out = str(tmp_path / "out.onnx")
+    x = rng.standard_normal((64, 8)).astype(np.float32)
+    rep = precondition_onnx(str(tmp_path / "n.onnx"), out, feeds={"x": x})
+    w = {i.name: nh.to_array(i) for i in onnx.load(out).graph.initializer}
+    assert np.allclose(w["g"] * 3, 1.0, atol=1e-6)
+    assert any("g: set to 1/3 rather than ones" in n for n in rep.capture_notes)
+    y = ort.InferenceSession(out).run(None, {"x": x})[0]
+    assert float(y.std()) == pytest.approx(1.0, rel=1e-3)
