@@ -24,6 +24,56 @@ def mask_named(name: str | None) -> bool:
     return any(w.endswith(("mask", "masks")) for w in words)
 
 
+#: how a back end says a graph input's value is used (:func:`mask_by_use`): read as a
+#: condition (a ``where`` condition, ``not``, cast to bool, ``1 - m``, ``masked_fill``'s
+#: mask); carried on (a broadcast, a reshape, a dtype cast: follow its outputs); a count
+#: (``m.sum(1)``, a masked mean's divisor); compared with a constant (``m < 0.5``);
+#: multiplied into a value computed from other inputs (``scores * m``); anything else: data
+CONDITION, CARRY, COUNT, TEST, GATE, DATA = "condition", "carry", "count", "test", "gate", \
+    "data"
+
+
+def mask_by_use(root: Any, uses: Any, gates: bool = True) -> str | None:
+    """Why a graph input reads as a mask by its uses, or None: one rule for every back end,
+    which says how each use reads a value (``uses(value)`` yields ``(key, role, why,
+    outputs)``: a hashable key of the using node, one of :data:`CONDITION`, :data:`CARRY`,
+    :data:`COUNT`, :data:`TEST`, :data:`GATE`, :data:`DATA`, the words for the report, and
+    for :data:`CARRY` the values to follow).  A mask when one use, through carriers, reads
+    it as a condition; or when every use is a test, a gate or a count, at least one of the
+    first two.  Calibration fills such an input with ones when no data is given, and the
+    input scale leaves it alone (``m * 0.1 < 0.5`` masks everything).  ``gates=False``: a
+    product counts as data (``x * sigmoid(g(c))`` gates data as ``scores * m`` masks it; a
+    back end that is given the data itself trusts conditions and comparisons only)."""
+    used: list[str] = []
+    data = False
+    seen: set[Any] = set()
+
+    def walk(x: Any) -> str | None:
+        nonlocal data
+        for key, role, why, outs in uses(x):
+            if key in seen:
+                continue
+            seen.add(key)
+            if role == CONDITION:
+                return why
+            if role == CARRY:
+                for o in outs:
+                    found = walk(o)
+                    if found:
+                        return found
+            elif role == TEST or role == GATE and gates:
+                used.append(why)
+            elif role in (DATA, GATE):
+                data = True
+        return None
+
+    why = walk(root)
+    if why or data or not used:
+        return why
+    more = f" and {len(used) - 1} more use(s)" if len(used) > 1 else ""
+    return f"read as a mask by all its uses, sums aside: {used[0]}{more}"
+
+
 def is_additive_mask(a: np.ndarray) -> bool:
     """A float array used as an additive attention mask or bias: ``-inf`` where masked, finite
     values <= 0 elsewhere (``nn.Transformer.generate_square_subsequent_mask``, ALiBi-style
@@ -49,6 +99,38 @@ def masked_std(a: Any) -> tuple[float, int]:
     if bool(np.isnan(rest).any()) or bool((rest > 0).any()) or int(fin.sum()) < 2:
         return float("nan"), 0
     return float(a[fin].std()), int(rest.size)
+
+
+#: rounding's share of an output's magnitude, in units of its dtype's eps: an output whose std
+#: is below it is constant on the sample (a cosine similarity of identical pairs: 1 +- 1e-7)
+ROUNDING_EPS = 64
+#: at most this share of its rms (a float16/bfloat16 output: 64 eps would be 6% or 50%, and a
+#: real output with a large mean and a small spread would be called constant)
+MAX_ROUNDING = 2.0 ** -10
+
+
+def constancy(a: Any, eps: float) -> tuple[float, bool]:
+    """How constant a main output ``a`` (a real or complex array, float64/complex128 or its own
+    dtype) is on the sample, one rule for every back end: the std rounding alone gives it
+    (:data:`ROUNDING_EPS` times ``eps``, the machine epsilon of the output's own dtype, at most
+    :data:`MAX_ROUNDING`, times its root mean square over the finite entries), and whether
+    every sample (rows along dim 0, two or more) holds the same values to that precision (an
+    output that does not depend on the inputs).  ``(0.0, False)`` for fewer than two entries
+    or none finite."""
+    a = np.asarray(a)
+    if a.size < 2:
+        return 0.0, False
+    fin = np.isfinite(a)
+    finite = bool(fin.all())
+    kept = a if finite else a[fin]          # masked (-inf) entries left out
+    if kept.size == 0:
+        return 0.0, False
+    k = kept.astype(np.complex128 if np.iscomplexobj(kept) else np.float64)
+    rms = float(np.sqrt(np.mean(np.abs(k) ** 2)))
+    floor = min(ROUNDING_EPS * float(eps), MAX_ROUNDING) * rms
+    same = finite and a.ndim >= 1 and a.shape[0] >= 2 and \
+        float(np.abs(a.astype(k.dtype) - a[:1].astype(k.dtype)).max()) <= floor
+    return floor, same
 
 
 def masked_note(n: int, total: int | None) -> str:

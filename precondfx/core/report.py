@@ -370,6 +370,11 @@ class Report:
             for p in self.plan.inits.values():
                 if p.rule == "keep":
                     lines.append(f"  kept {p.name}: {p.reason}")
+            for pc in self.plan.pools:      # the row says 'kept'; here is why
+                if pc.action == "keep" and pc.reason:
+                    why = pc.reason[len("kept: "):] if pc.reason.startswith("kept: ") else \
+                        pc.reason
+                    lines.append(f"  kept max pool {labels.get(pc.node, pc.node)}: {why}")
         if self.input_scale is not None:
             lines.append(f"input scale: {self.input_scale:.4g}")
         if self.output_std_after is not None:

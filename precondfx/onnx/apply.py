@@ -49,9 +49,25 @@ def _single(v: ir.Value) -> bool:
     return all(isinstance(d, int) and d == 1 for d in v.shape)
 
 
-def _downstream_outputs(v: ir.Value) -> set[int]:
+def _owners(graph: ir.Graph) -> dict[int, ir.Node]:
+    """id(node inside an If branch or a Loop/Scan body, nested ones included) -> the node of
+    ``graph`` that holds it."""
+    out: dict[int, ir.Node] = {}
+    for node in graph:
+        for attr in node.attributes.values():
+            subs = [attr.as_graph()] if attr.type == ir.AttributeType.GRAPH else \
+                list(attr.as_graphs()) if attr.type == ir.AttributeType.GRAPHS else []
+            for sub in subs:
+                for inner in ir.traversal.RecursiveGraphIterator(sub):
+                    out[id(inner)] = node
+    return out
+
+
+def _downstream_outputs(v: ir.Value, graph: ir.Graph | None = None) -> set[int]:
     """The ids of the graph outputs computed from ``v`` (``v`` itself included), through the
-    main graph's nodes."""
+    main graph's nodes; a value an If branch or a Loop/Scan body reads (from the enclosing
+    graph, by name) reaches every output of the node that holds that subgraph."""
+    owners = _owners(graph) if graph is not None else {}
     seen: set[int] = set()
     out: set[int] = set()
     todo = [v]
@@ -60,10 +76,10 @@ def _downstream_outputs(v: ir.Value) -> set[int]:
         if id(x) in seen:
             continue
         seen.add(id(x))
-        if x.is_graph_output():
+        if x.is_graph_output() and (graph is None or x.graph is graph):
             out.add(id(x))
         for use in x.uses():
-            todo.extend(use.node.outputs)
+            todo.extend(owners.get(id(use.node), use.node).outputs)
     return out
 
 
@@ -93,6 +109,9 @@ class OnnxApplier(Records, PoolSurgery):
         self.output_value: ir.Value | None = None
         #: masked (-inf) entries of the main output the last std measurement left out
         self.masked_entries, self.output_size = 0, 0
+        #: the std rounding alone gives the main output, and whether it is the same for every
+        #: sample (``core.calibration.constancy``), read by ``core.driver.calibrate``
+        self.output_floor, self.same_rows = 0.0, False
         #: float graph inputs that are not data (name -> why): masks, weights the caller feeds;
         #: the input scale (Sec. 6.3) leaves them as they are
         self.not_data: dict[str, str] = {}
@@ -288,7 +307,7 @@ class OnnxApplier(Records, PoolSurgery):
         the value the output scale multiplied, whose downstream outputs (a softmax of the
         logits) see the scale in the file."""
         i, main = self.main_output([])
-        seen = _downstream_outputs(scaled) if scaled is not None else set()
+        seen = _downstream_outputs(scaled, self.g) if scaled is not None else set()
         through, others = [], []
         for k, o in enumerate(self.g.outputs):
             if k != i and o is not main and self._dtype(o) in FLOAT_TYPES and not _single(o):
@@ -337,7 +356,7 @@ class OnnxApplier(Records, PoolSurgery):
     def _keyed_note(self, i: int, scaled: ir.Value) -> str | None:
         """With ``output_key=`` (graph output ``i``): the other graph outputs computed from
         the scaled value, which see the scale in the file too (None when there are none)."""
-        seen = _downstream_outputs(scaled)
+        seen = _downstream_outputs(scaled, self.g)
         through = [f"output {o.name!r}" for k, o in enumerate(self.g.outputs) if k != i and
                    id(o) in seen and self._dtype(o) in FLOAT_TYPES]
         if not through:
@@ -410,7 +429,11 @@ class OnnxApplier(Records, PoolSurgery):
         from precondfx.onnx import calibrate as cal
         name = self.output_value.name if self.output_value is not None else \
             self.main_output([key] if key is not None else [])[1].name
-        std, self.calib_shape, self.masked_entries = cal.measure_model(self.model, sample, name)
+        std, self.calib_shape, self.masked_entries, const = cal.measure_model(
+            self.model, sample, name)
+        # the driver refuses an output constant to rounding, and notes one that is the same
+        # for every sample (core.calibration.constancy, the PyTorch back end's rule)
+        self.output_floor, self.same_rows = const
         self.output_size = int(np.prod(self.calib_shape))
         made_up = self.random_inputs + self.ones_inputs
         if not np.isfinite(std) and made_up:

@@ -21,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from precondfx.core.backend import PREFIX
-from precondfx.core.calibration import masked_std
+from precondfx.core.calibration import constancy, masked_std
 from precondfx.errors import PrecondError
 
 PROVIDERS = ["CPUExecutionProvider"]
@@ -181,13 +181,17 @@ def _subgraph_initializers(model: ir.Model) -> list[ir.Value]:
 
 
 def measure_model(model: ir.Model, feeds: Mapping[str, np.ndarray], output: str
-                  ) -> tuple[float, tuple[int, ...], int]:
-    """Output std and shape of the in-memory model on the feed (Dropout training off), and the
-    number of masked (-inf) output entries the std left out."""
+                  ) -> tuple[float, tuple[int, ...], int, tuple[float, bool]]:
+    """Output std and shape of the in-memory model on the feed (Dropout training off), the
+    number of masked (-inf) output entries the std left out, and how constant the output is
+    (``core.calibration.constancy``: the std rounding alone gives it, and whether every
+    sample holds the same values), as the PyTorch back end measures it."""
     sess = session_for_model(model)
     y = run(sess, feeds, [output])[0]
     std, masked = output_std(y)
-    return std, tuple(np.shape(y)), masked
+    a = np.asarray(y)
+    const = constancy(a, float(np.finfo(a.dtype).eps)) if a.dtype.kind in "fc" else (0.0, False)
+    return std, tuple(np.shape(y)), masked, const
 
 
 def dropout_training_off(model: ir.Model) -> Any:

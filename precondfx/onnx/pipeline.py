@@ -23,6 +23,7 @@ import onnx_ir as ir
 
 from precondfx.core import driver
 from precondfx.core.backend import PREFIX
+from precondfx.core import calibration
 from precondfx.core.calibration import input_second_moment, mask_named, refuse_empty
 from precondfx.core.classify import classify
 from precondfx.core.driver import Stage, State
@@ -308,32 +309,6 @@ MASK_CARRIERS = ("Cast", "Unsqueeze", "Reshape", "Expand", "Squeeze", "Identity"
                  "Flatten")
 
 
-def _mask_use(v: ir.Value, seen: set[int] | None = None) -> str | None:
-    """How ``v`` is used as a mask (None when it is not): as a ``Where`` condition, by
-    ``Not``, cast to BOOL, or subtracted from a constant (``1 - mask``), through broadcasts
-    and casts."""
-    seen = set() if seen is None else seen
-    for use in v.uses():
-        node = use.node
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        op = node.op_type
-        to = node.attributes.get("to")
-        if op == "Where" and use.idx == 0 or op == "Not" or \
-                op == "Cast" and to is not None and to.value == ir.DataType.BOOL:
-            return f"{op} node {node.name or '(unnamed)'!r} reads it as a condition"
-        if op == "Sub" and use.idx == 1 and node.inputs[0] is not None and \
-                node.inputs[0].const_value is not None:
-            return f"Sub node {node.name or '(unnamed)'!r} computes constant - it (1 - mask)"
-        if op in MASK_CARRIERS and use.idx == 0:
-            for out in node.outputs:
-                why = _mask_use(out, seen)
-                if why:
-                    return why
-    return None
-
-
 #: ops a mask may end in besides ``Mul``: the count of kept positions (``mask.sum(1)``, the
 #: divisor of a masked mean)
 MASK_COUNTS = ("ReduceSum", "ReduceMean", "Sum")
@@ -346,45 +321,56 @@ def _is_constant(v: ir.Value | None) -> bool:
         v.producer() is not None and v.producer().op_type == "Constant"))
 
 
-def _multiplied_mask(v: ir.Value) -> str | None:
-    """Why ``v`` (a floating-point graph input) reads as a mask by all its uses, or None:
-    every use, through broadcasts and casts, multiplies it into a value a node computes
-    (``scores * m``, ``softmax(s) * m[:, None]``, ``h * m.unsqueeze(-1)``), compares it with
-    a constant (``m < 0.5``, ``m == 0``: a condition) or sums it (the count of a masked
-    mean), at least one of the first two.  An input a layer reads, one multiplied by a
-    constant (a scale) or by another graph input (``net(a * b)``: data) is not."""
-    used: list[str] = []
-    todo, seen = [v], set()
-    while todo:
-        x = todo.pop()
-        for use in x.uses():
-            node = use.node
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            op = node.op_type
-            if op in MASK_CARRIERS and use.idx == 0:
-                todo.extend(node.outputs)
-                continue
-            if op in MASK_COUNTS:
-                continue
-            other = node.inputs[1 - use.idx] if op in ("Mul",) + MASK_TESTS and \
-                len(node.inputs) == 2 else None
-            if op in MASK_TESTS and _is_constant(other):
-                used.append(f"{op} node {node.name or '(unnamed)'!r} compares it with a "
-                            f"constant")
-                continue
-            if op != "Mul" or other is None or other.producer() is None or \
-                    _is_constant(other) or _inputs_of(other) - {id(v)} == set() or \
-                    id(v) in _inputs_of(other):
-                return None         # a scale, or its own gate (x * (x > 0)): data
-            used.append(f"Mul node {node.name or '(unnamed)'!r} multiplies it into a computed "
-                        f"value")
-    if not used:
-        return None
-    more = f" and {len(used) - 1} more use(s)" if len(used) > 1 else ""
-    return (f"read as a mask by all its uses, sums aside: {used[0]}{more}; ones keep "
-            f"everything, where N(0,1) data would mask or flip values at random")
+def _condition(node: ir.Node, idx: int) -> str | None:
+    """Why ``node`` reads its input ``idx`` as a condition (a ``Where`` condition, by
+    ``Not``, cast to BOOL, subtracted from a constant: ``1 - mask``), or None."""
+    op, name = node.op_type, node.name or "(unnamed)"
+    to = node.attributes.get("to")
+    if op == "Where" and idx == 0 or op == "Not" or \
+            op == "Cast" and to is not None and to.value == ir.DataType.BOOL:
+        return f"{op} node {name!r} reads it as a condition"
+    if op == "Sub" and idx == 1 and node.inputs[0] is not None and \
+            node.inputs[0].const_value is not None:
+        return f"Sub node {name!r} computes constant - it (1 - mask)"
+    return None
+
+
+def _mask_reading(v: ir.Value) -> str | None:
+    """Why graph input ``v`` reads as a mask by its uses (``core.calibration.mask_by_use``,
+    the rule the PyTorch back end applies too), or None: one use reads it as a condition
+    (:func:`_condition`), through broadcasts and casts (:data:`MASK_CARRIERS`); or every use
+    multiplies it into a value a node computes from other inputs (``scores * m``,
+    ``h * m.unsqueeze(-1)``), compares it with a constant (``m < 0.5``, ``m == 0``) or sums
+    it (the count of a masked mean).  An input a layer reads (an embedding's ids), one
+    multiplied by a constant (a scale) or by another graph input (``net(a * b)``: data) is
+    not."""
+    why = calibration.mask_by_use(v, lambda x: (_mask_role(v, u) for u in x.uses()))
+    if why and why.startswith("read as a mask by all its uses"):
+        why += "; ones keep everything, where N(0,1) data would mask or flip values at random"
+    return why
+
+
+def _mask_role(v: ir.Value, use: Any) -> tuple[int, str, str, list[ir.Value]]:
+    """How ``use`` (of ``v`` or of a value carried from it) reads it, for
+    ``core.calibration.mask_by_use``."""
+    node = use.node
+    name = f"{node.op_type} node {node.name or '(unnamed)'!r}"
+    why = _condition(node, use.idx)
+    if why:
+        return id(node), calibration.CONDITION, why, []
+    op = node.op_type
+    if op in MASK_CARRIERS and use.idx == 0:
+        return id(node), calibration.CARRY, "", list(node.outputs)
+    if op in MASK_COUNTS:
+        return id(node), calibration.COUNT, "", []
+    other = node.inputs[1 - use.idx] if op in ("Mul",) + MASK_TESTS and \
+        len(node.inputs) == 2 else None
+    if op in MASK_TESTS and _is_constant(other):
+        return id(node), calibration.TEST, f"{name} compares it with a constant", []
+    if op != "Mul" or other is None or other.producer() is None or _is_constant(other) or \
+            _inputs_of(other) - {id(v)} == set() or id(v) in _inputs_of(other):
+        return id(node), calibration.DATA, "", []     # a scale, or its own gate: data
+    return id(node), calibration.GATE, f"{name} multiplies it into a computed value", []
 
 
 def _inputs_of(v: ir.Value) -> set[int]:
@@ -406,8 +392,9 @@ def _inputs_of(v: ir.Value) -> set[int]:
 
 def mask_inputs(model: ir.Model) -> dict[str, str]:
     """The floating-point or integer graph inputs that are masks (input name -> why): named
-    so (``attention_mask``, also int64 as transformers exports it) or, floating-point, used
-    as one (``_mask_use``).  Calibration fills them with ones (nothing masked) when no data
+    so (``attention_mask``, also int64 as transformers exports it) or used as one
+    (:func:`_mask_reading`; an int64 ``m`` compared with 0 or cast and multiplied into the
+    scores as much as a float one).  Calibration fills them with ones (nothing masked) when no data
     is given: N(0, 1) data would mask at random.  A BOOL mask is not filled (``True`` means
     masked in torch's ``key_padding_mask``, kept in others)."""
     out: dict[str, str] = {}
@@ -420,7 +407,7 @@ def mask_inputs(model: ir.Model) -> dict[str, str]:
         if mask_named(v.name):              # not 'masked_image'
             out[v.name] = "its name says so"
             continue
-        why = (_mask_use(v) or _multiplied_mask(v)) if v.dtype in floats else None
+        why = _mask_reading(v)
         if why:
             out[v.name] = why
     return out
@@ -528,15 +515,23 @@ def _shared_weights(plan: Any) -> list[str]:
 
 
 def record_gains(st: OnnxState) -> None:
-    """The weights ``OnnxApplier.reinit`` drew divided by their Gemm ``alpha`` (the layer
-    applies ``alpha * W``), as changes of the plan: the report's std is the file's."""
+    """The weights ``OnnxApplier.reinit`` drew divided by their gain (a Gemm's ``alpha``: the
+    layer applies ``alpha * W``; a constant factor, ``MatMul(x, Mul(W, 3))``), as changes of
+    the plan: the report's std is the file's."""
     for name, gain in st.captured.gains.items():
         pi = st.plan.inits.get(name)
-        if pi is None or pi.std is None or pi.rule in ("scale", "keep", "zeros", "ones"):
+        why = st.captured.gain_why.get(name, f"alpha={gain:.4g} of its Gemm, which applies "
+                                                f"alpha*W")
+        if pi is not None and pi.rule == "ones":        # a norm's scale behind a factor
+            st.report.capture_notes.append(f"{name}: set to 1/{gain:.4g} rather than ones "
+                                           f"({why}): the scale the layer applies is ones, "
+                                           f"as planned")
+            continue
+        if pi is None or pi.std is None or pi.rule in ("scale", "keep", "zeros"):
             continue
         st.measured.add("apply", "std", name, abs(gain), op="div",
-                        note=f"divided by |alpha|={abs(gain):.4g} of its Gemm, which applies "
-                             f"alpha*W: the layer's weight has the planned std")
+                        note=f"divided by {abs(gain):.4g} ({why}): the weight the layer "
+                             f"applies has the planned std")
 
 
 def save(st: OnnxState) -> None:

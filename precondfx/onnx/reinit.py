@@ -52,7 +52,7 @@ def reinit(model: ir.Model, plan: Plan, seed: int,
             if new is None:
                 continue
             new = new.reshape(file_shape)
-            if name in gains and pi.rule not in ("zeros", "ones"):
+            if name in gains and pi.rule != "zeros":     # ones / gain: the layer applies ones
                 new = new / np.float32(gains[name])
         v.const_value = ir.tensor(new.astype(dtype.numpy(), copy=False), dtype=dtype, name=name)
         changed.append(name)

@@ -471,34 +471,22 @@ def masked_output_std(out: object, key: str | int | None = None) -> tuple[float,
     return float(t.to(torch.complex128 if t.is_complex() else torch.float64).std(correction=0)), 0
 
 
-#: rounding's share of an output's magnitude, in units of its dtype's eps: an output whose std
-#: is below it is constant on the sample (a cosine similarity of identical pairs: 1 +- 1e-7)
-ROUNDING_EPS = 64
-#: at most this share of its rms (a float16/bfloat16 output: 64 eps would be 6% or 50%, and a
-#: real output with a large mean and a small spread would be called constant)
-MAX_ROUNDING = 2.0 ** -10
+#: rounding's share of an output's magnitude, and its cap (``core.calibration``'s, one rule)
+ROUNDING_EPS = calibration.ROUNDING_EPS
+MAX_ROUNDING = calibration.MAX_ROUNDING
 
 
 def constancy(out: object, key: str | int | None = None) -> tuple[float, bool]:
-    """How constant the main output is on the sample: the std rounding alone gives it
-    (:data:`ROUNDING_EPS` times its dtype's eps, at most :data:`MAX_ROUNDING`, times its root
-    mean square over the finite entries),
-    and whether every sample (rows along dim 0, two or more) holds the same values to that
-    precision (an output that does not depend on the inputs)."""
+    """How constant the main output is on the sample (``core.calibration.constancy``, the rule
+    the ONNX back end applies too): the std rounding alone gives it, and whether every sample
+    (rows along dim 0, two or more) holds the same values to that precision (an output that
+    does not depend on the inputs)."""
     t = main_output(out, key).detach()
     if not isinstance(t, torch.Tensor) or _not_real(t) or t.numel() < 2:
         return 0.0, False
     eps = torch.finfo(t.real.dtype if t.is_complex() else t.dtype).eps
-    finite = bool(torch.isfinite(t).all())
-    kept = t if finite else t[torch.isfinite(t)]     # masked (-inf) entries left out
-    if kept.numel() == 0:
-        return 0.0, False
-    rms = float(torch.linalg.vector_norm(kept, dtype=torch.float64 if not t.is_complex()
-                                         else None)) / math.sqrt(kept.numel())
-    floor = min(ROUNDING_EPS * eps, MAX_ROUNDING) * rms
-    same = finite and t.dim() >= 1 and t.shape[0] >= 2 and \
-        float((t - t[:1]).abs().amax()) <= floor
-    return floor, same
+    wide = torch.complex128 if t.is_complex() else torch.float64
+    return calibration.constancy(t.to(device="cpu", dtype=wide).numpy(), eps)
 
 
 def _not_real(t: Any) -> bool:

@@ -34,6 +34,9 @@ class Captured:
     #: parameter -> the factor its layer multiplies it by (Gemm ``alpha``): a drawn weight is
     #: divided by it, so the effective weight has the planned std
     gains: dict[str, float] = field(default_factory=dict)
+    #: parameter -> what applies its gain (a Gemm's alpha, a ``Mul`` by a constant), for the
+    #: report
+    gain_why: dict[str, str] = field(default_factory=dict)
 
 
 class _Builder:
@@ -88,7 +91,7 @@ class _Builder:
         return Captured(Graph(self.nodes, "onnx", outputs=outs), vals.params, self.ir_nodes,
                         self.act_index, self.input_nodes,
                         dtypes={k: v[1] for k, v in vals.shapes.items()},
-                        param_shapes=vals.param_shapes, gains=vals.gains)
+                        param_shapes=vals.param_shapes, **_gains(vals))
 
     # -- one node -------------------------------------------------------------------------------
     def add_node(self, node: ir.Node) -> None:
@@ -157,6 +160,18 @@ class _Builder:
                 seen.append(vals.producer[id(v)])
                 slots.append(i)
         return [slots[seen.index(src)] for src in nn_.inputs if src in seen]
+
+
+def _gains(vals: Any) -> dict[str, dict]:
+    """The factor each layer multiplies its weight by (a Gemm's ``alpha`` times the constant
+    factors of its weight's views), and what applies it."""
+    gains = dict(vals.gains)
+    why = {n: f"alpha={a:.4g} of its Gemm, which applies alpha*W" for n, a in gains.items()}
+    for n, (f, by) in vals.scaled.items():
+        gains[n] = gains.get(n, 1.0) * f
+        what = f"{by}, which multiplies it by {f:.4g} before its layer reads it"
+        why[n] = f"{what}; {why[n]}" if n in why else what
+    return {"gains": gains, "gain_why": why}
 
 
 def _subgraph_reads(node: ir.Node) -> list[ir.Value]:

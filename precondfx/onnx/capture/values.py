@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 
 from precondfx.core.nodes import Act, Const, Param
@@ -38,6 +39,14 @@ class Values:
         #: id(value) -> the parameter a value computed without activations reads (an Expand of
         #: a class token by a shape computed from the input): a token, for core.tokens
         self.derived: dict[int, str] = {}
+        #: id(weight view) -> the constant factor it multiplies its initializer by
+        #: (``MatMul(x, Mul(W, 3))``), and the node that does
+        self.factors: dict[int, tuple[float, str]] = {}
+        #: ids of weight views whose whole chain from the initializer has a single use each
+        #: (only there does a factor belong to one layer)
+        self.sole: set[int] = set()
+        #: parameter -> (the factor its views multiply it by, the node), read by a layer
+        self.scaled: dict[str, tuple[float, str]] = {}
 
     def shape_of(self, v: ir.Value | None) -> tuple[int, ...] | None:
         if v is None or v.name is None:
@@ -49,9 +58,47 @@ class Values:
         """Does ``v`` carry an activation?"""
         return v is not None and id(v) in self.data
 
+    def _only_use(self, w: ir.Value, src: ir.Value) -> bool:
+        """Whether ``w`` (``src`` or a view of it) reaches one node: the initializer and every
+        view on the way used once."""
+        return len(list(w.uses())) == 1 and not w.is_graph_output() and \
+            (w is src or id(w) in self.sole)
+
+    def note_scaled(self, node: ir.Node, ins: list) -> bool:
+        """Record ``Mul(W, c)`` or ``Div(W, c)`` of a float initializer (or a view of one) by a
+        constant scalar ``c`` as a view of ``W`` with that factor, when the initializer
+        reaches that node alone: the layer reading it is a linear layer with a fixed factor
+        (the factor is a gain, as a Gemm's ``alpha``)."""
+        if node.op_type not in ("Mul", "Div") or node.domain not in ("", "ai.onnx") or \
+                len(ins) != 2 or len(node.outputs) != 1:
+            return False
+        for k in ((0, 1) if node.op_type == "Mul" else (0,)):
+            w, c = ins[k], ins[1 - k]
+            if w is None or c is None or c.const_value is None or c.const_value.size != 1 \
+                    or c.dtype not in FLOAT_TYPES:
+                continue
+            src = self.views.get(id(w), w)
+            if src.name not in self.inits or self.inits[src.name] is not src or \
+                    src.dtype not in FLOAT_TYPES or c is src or not self._only_use(w, src):
+                continue
+            f = float(np.asarray(c.const_value.numpy(), dtype=np.float64).reshape(()))
+            if not math.isfinite(f) or f == 0.0:
+                continue
+            f = f if node.op_type == "Mul" else 1.0 / f
+            prev, _ = self.factors.get(id(w), (1.0, ""))
+            out = node.outputs[0]
+            self.views[id(out)] = src
+            self.sole.add(id(out))
+            self.factors[id(out)] = (prev * f, f"{node.op_type} node "
+                                     f"{node.name or '(unnamed)'!r}")
+            return True
+        return False
+
     def note_view(self, node: ir.Node, ins: list) -> None:
         """Record the output of a layout/dtype op on a float initializer (or on such a view)
-        as a view of that initializer."""
+        as a view of that initializer; a constant factor (:meth:`note_scaled`) too."""
+        if self.note_scaled(node, ins):
+            return
         if node.op_type not in _VIEW_OPS or node.domain not in ("", "ai.onnx") or not ins \
                 or ins[0] is None or len(node.outputs) != 1:
             return
@@ -70,6 +117,10 @@ class Values:
             return
         out = node.outputs[0]
         self.views[id(out)] = src
+        if self._only_use(ins[0], src):
+            self.sole.add(id(out))
+            if id(ins[0]) in self.factors:
+                self.factors[id(out)] = self.factors[id(ins[0])]
         if node.op_type == "Transpose" and ins[0] is src and src.shape is not None \
                 and len(src.shape) == 2 and _ints(node, "perm", [1, 0]) == [1, 0]:
             self.transposed.add(id(out))
@@ -132,6 +183,8 @@ class Values:
                 if logical is None or math.prod(logical) != _numel(src):
                     logical = None
             self.add_param(src, logical)
+            if weight_slot and id(v) in self.factors:
+                self.scaled[src.name] = self.factors[id(v)]
             return Param(src.name)
         return Const(None)
 

@@ -26,6 +26,94 @@ from precondfx.core.calibration import mask_named
 from precondfx.core.plan import Plan, Scale
 
 
+#: fx ops that carry a mask's values on (indexing, broadcasts, reshapes, dtype casts)
+_CARRY_METHODS = {"unsqueeze", "view", "reshape", "expand", "expand_as", "squeeze", "flatten",
+                  "float", "half", "double", "to", "type", "type_as", "contiguous"}
+_CARRY_FUNCS = {operator.getitem, torch.unsqueeze, torch.reshape, torch.squeeze, torch.flatten}
+_COUNTS = {"sum", "mean"}
+_TESTS = {"lt", "gt", "le", "ge", "eq", "ne"}
+_TEST_FUNCS = {operator.lt, operator.gt, operator.le, operator.ge, operator.eq, operator.ne}
+_NOTS = {operator.invert, torch.logical_not, torch.bitwise_not}
+_MULS = {operator.mul, torch.mul}
+_SUBS = {operator.sub, torch.sub}
+
+
+def _fx_inputs_of(a: Any) -> set[fx.Node]:
+    """The placeholders an fx value (or a structure of them) is computed from."""
+    out: set[fx.Node] = set()
+    todo = _nodes_in(a)
+    seen: set[fx.Node] = set()
+    while todo:
+        x = todo.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x.op == "placeholder":
+            out.add(x)
+        todo.extend(x.all_input_nodes)
+    return out
+
+
+def _nodes_in(a: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(a, found.append)
+    return found
+
+
+def _fx_role(ph: fx.Node, x: fx.Node, u: fx.Node) -> tuple[Any, str, str, list]:
+    """How fx node ``u`` reads ``x`` (``ph`` or a value carried from it), for
+    ``core.calibration.mask_by_use``."""
+    from precondfx.core import calibration as c
+    t = u.target
+    name = t if isinstance(t, str) else getattr(t, "__name__", str(t))
+    what = f"{name} node {u.name!r}"
+    args = list(u.args)
+    idx = next((i for i, a in enumerate(args) if a is x), None)
+    other = args[1 - idx] if idx in (0, 1) and len(args) == 2 else None
+    to_bool = torch.bool in args[1:] or u.kwargs.get("dtype") is torch.bool
+    if u.op == "call_method":
+        if t == "bool" or t in ("to", "type") and to_bool or t == "logical_not" or \
+                t in ("masked_fill", "masked_fill_") and idx == 1:
+            return u, c.CONDITION, f"{what} reads it as a condition", []
+        if t in _CARRY_METHODS and idx == 0:
+            return u, c.CARRY, "", [u]
+        if t in _COUNTS and idx == 0:
+            return u, c.COUNT, "", []
+        if t in _TESTS and idx == 0 and len(args) == 2 and not isinstance(args[1], fx.Node):
+            return u, c.TEST, f"{what} compares it with a constant", []
+        if t == "mul" and idx == 0 and len(args) == 2:
+            other = args[1]
+    elif u.op == "call_function":
+        if t is torch.where and idx == 0 or t in _NOTS or \
+                t is torch.masked_fill and idx == 1 or \
+                t in _SUBS and idx == 1 and isinstance(args[0], (int, float)):
+            return u, c.CONDITION, f"{what} reads it as a condition", []
+        if t in _CARRY_FUNCS and idx == 0:
+            return u, c.CARRY, "", [u]
+        if t in (torch.sum, torch.mean) and idx == 0:
+            return u, c.COUNT, "", []
+        if t in _TEST_FUNCS and other is not None and not isinstance(other, fx.Node):
+            return u, c.TEST, f"{what} compares it with a constant", []
+    else:
+        return u, c.DATA, "", []
+    if (t in _MULS or t == "mul") and isinstance(other, fx.Node) and \
+            other.op != "placeholder" and _fx_inputs_of(other) - {ph} and \
+            ph not in _fx_inputs_of(other):     # not net(a * b), nor a scale, nor its gate
+        return u, c.GATE, f"{what} multiplies it into a computed value", []
+    return u, c.DATA, "", []
+
+
+def fx_mask_use(ph: fx.Node) -> str | None:
+    """Why placeholder ``ph`` reads as a mask by its uses (``core.calibration.mask_by_use``,
+    the rule the ONNX back end applies): a condition (``~m``, ``torch.where(m, ...)``,
+    ``m.bool()``, ``1 - m``), or only comparisons with a constant (``m < 0.5``, ``m == 0``)
+    and sums; None for data.  A product (``scores * m``) is not trusted here: the sample is
+    the user's, and ``x * sigmoid(g(c))`` gates data the same way."""
+    from precondfx.core import calibration as c
+    return c.mask_by_use(ph, lambda x: (_fx_role(ph, x, u) for u in list(x.users)),
+                         gates=False)
+
+
 def _activation_args(node: fx.Node) -> list[fx.Node]:
     acts: list[fx.Node] = []
 
@@ -320,6 +408,8 @@ class FxApplier(TorchBackend, Records):
 
     def input_scale(self, value: float) -> list[str]:
         names = []
+        # the masks, found before any input is scaled (a scaled input is a computed value)
+        masks = {n: fx_mask_use(n) for n in self.gm.graph.nodes if n.op == "placeholder"}
         for n in list(self.gm.graph.nodes):
             if n.op != "placeholder":
                 continue
@@ -328,6 +418,11 @@ class FxApplier(TorchBackend, Records):
                 continue
             if mask_named(str(n.target)):
                 self._skip(None, "input scale", _MASK_SKIP.format(str(n.target)))
+                continue
+            why = masks.get(n)
+            if why:
+                self._skip(None, "input scale", f"not on input {str(n.target)!r}: a mask "
+                           f"({why}), whose values mean masked or kept")
                 continue
             b = buffer_name("input", n.name)
             self._buffer(b, value)
