@@ -271,14 +271,14 @@ def test_a_kept_max_pool_says_why(tmp_path):
     m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
     onnx.checker.check_model(m)
     onnx.save(m, str(tmp_path / "p.onnx"))
-    text = str(inspect_onnx(str(tmp_path / "p.onnx"), batch=8))
+    text = " ".join(str(inspect_onnx(str(tmp_path / "p.onnx"), batch=8)).split())
     assert "kept max pool MaxPool_2: its auto_pad=SAME_UPPER cannot be reproduced" in text
     import precondfx
     net = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(),
                         nn.MaxPool2d(3, 2, ceil_mode=True), nn.Conv2d(8, 3, 3))
     _, rep = precondfx.precondition(net, torch.randn(8, 4, 8, 8), lr=None)
     assert "kept max pool 2: a strided convolution of the same geometry would give spatial " \
-           "size [3, 3], not [4, 4] (ceil_mode)" in str(rep)
+           "size [3, 3], not [4, 4] (ceil_mode)" in " ".join(str(rep).split())  # any width
 
 
 class _GatedInput(nn.Module):
