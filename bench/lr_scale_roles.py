@@ -23,9 +23,10 @@ import train_suite as TS  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
-    raise SystemExit("lr_scale='adam' was removed (precondfx.core.options.LR_SCALE_REMOVED, "
-                     "docs/results/heldout_cpu.md): this experiment on it runs at commit aa5b8de "
-                     "of branch bench, or on main before the removal")
+    raise SystemExit("this experiment measured the first lr_scale='adam' rule (fan-in power 1, "
+                     "branch multiplier), removed in 2026-11 (docs/results/heldout_cpu.md); the "
+                     "present 'adam' rule is another one: run it at commit aa5b8de of branch "
+                     "bench")
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--norm-mult", type=float, default=1.0)
     ap.add_argument("--block-mult", type=float, default=1.0)

@@ -121,9 +121,10 @@ PFX: dict[str, dict] = {
 }
 
 #: ``pfx_lr``: the lr_scale of each optimizer of the suite (the model depends on the optimizer)
-OPT_LR_SCALE = {"sgd": "sgd", "adamw": None}        # lr_scale='adam' was removed
+OPT_LR_SCALE = {"sgd": "sgd", "adamw": None}        # pfx_lr_adam: lr_scale='adam' (2026-11-27)
 #: methods whose model depends on the optimizer
 PER_OPTIMIZER = ("mup", "umup", "pfx_lr", "pfx_ws", "pfx_ws_half")
+#: methods named ``pfx_ax:p_q_r`` (experiment, ``ax_mult``) also depend on the optimizer
 
 BASELINES = ["default", "torch_default", "default_std0.05", "default_zb", "fan_in", "lsuv", "mup",
              "umup",
@@ -794,6 +795,9 @@ def build(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str
     if method == "lsuv":
         out, _ = precondfx.precondition(model, calib, seed=seed, scheme="lsuv", target_std=None)
         return out.train(), {}
+    if method.startswith("pfx_ax:"):
+        out, _ = precondfx.precondition(model, calib, seed=seed)
+        return out.train(), ax_mult(out, method, opt)
     if method not in PFX:
         raise ValueError(f"unknown method {method!r}; known: {BASELINES + list(PFX)}")
     kw = dict(PFX[method], lr_scale=OPT_LR_SCALE[opt]) if method == "pfx_lr" else PFX[method]
@@ -832,6 +836,26 @@ def vit_tokens_(out: nn.Module, calib: torch.Tensor, seed: int) -> nn.Module:
         p.copy_(torch.randn(p.shape, generator=gen) * seen[0])
     sc = dict(out.named_buffers())["model.classifier.precondfx_output_scale"]
     sc.mul_(1.0 / float(out(calib).std()))
+    return out
+
+
+def ax_mult(model: nn.Module, method: str, opt: str, base: int = 128, depth0: int = 3
+            ) -> dict[str, float]:
+    """Experiment (issue 20, item 5): per-layer AdamW rate multipliers for ``pfx_ax:p_q_r``,
+    ``m = (base/fan_in)^p (base/fan_out)^q (depth0/L)^r`` on each Linear's weight and bias,
+    where a fan set by the data (the first layer's input, the last layer's output) counts as
+    ``base`` and ``L`` is the number of Linear layers.  Under Adam a rate multiplier on a
+    layer equals storing it divided by ``m`` with ``m`` on its output (same function), up to
+    eps and the decoupled decay's rate.  SGD: the multipliers squared."""
+    p, q, r = (float(v) for v in method.split(":", 1)[1].split("_"))
+    lins = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    out: dict[str, float] = {}
+    for k, (n, m) in enumerate(lins):
+        fi = base if k == 0 else m.in_features
+        fo = base if k == len(lins) - 1 else m.out_features
+        mult = (base / fi) ** p * (base / fo) ** q * (depth0 / len(lins)) ** r
+        for pn, _ in m.named_parameters(recurse=False):
+            out[f"{n}.{pn}" if n else pn] = mult if opt == "adamw" else mult * mult
     return out
 
 
@@ -874,8 +898,6 @@ def method_note(task: Task, method: str) -> str | None:
             return "the unit-scaling package is not installed (pip install unit-scaling)"
         if not task.name.startswith("mlp_w"):
             return "u-muP is run on the MLP family only"
-    if method == "pfx_lr_adam":
-        return "lr_scale='adam' was removed (docs/results/heldout_cpu.md)"
     if method == "pfx_lr_user":
         return ("lr_scale='user' at power 1 (weights stored at the user's rms) was replaced by "
                 "the halfway rule: run 'pfx_user' (docs/results/heldout_cpu.md)")
@@ -1157,7 +1179,7 @@ def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device
     task.data.update(_to_cpu_data)
     built = {}
     for s in seeds:        # every method but muP builds the same model for both optimizers
-        key = (task.name, method, s, opt if method in PER_OPTIMIZER else "")
+        key = (task.name, method, s, opt if method in PER_OPTIMIZER or method.startswith("pfx_ax:") else "")
         if key not in _BUILT:
             _BUILT.clear() if len(_BUILT) > 64 else None
             _BUILT[key] = build(task, method, s, calib[s], opt)
@@ -1206,11 +1228,24 @@ def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device
         say(f"    {task.name} {method} {opt}: best rate 2^{grid[b]} at the edge: adding "
             f"2^{new[0]}, 2^{new[1]}")
         run(new)
+    out = summarize(losses, key, task.metric, widened, engines, mult)
+    if factors:     # lr='auto''s first SGD step: log2 of the factor per rate and seed
+        sugg = factors.pop("suggested")
+        out["first_step_factor_log2"] = {str(k): [round(math.log2(f), 3) for f in v]
+                                         for k, v in sorted(factors.items())}
+        out["suggested_sgd_log2"] = {str(s): round(math.log2(v), 3) for s, v in sugg.items()}
+    return out
+
+
+def summarize(losses: dict, key: str, rep: str, widened: int = 0, engines: Any = (),
+              mult: dict | None = None) -> dict:
+    """A cell from per-rate losses (``losses[log2 rate][split]``: one value per seed): the
+    rate chosen on ``key`` (median over seeds), the ``rep`` loss there, its fit and edges."""
+    mult = mult or {}
     grid = sorted(losses)
     S = np.stack([losses[e][key] for e in grid])                  # (n_lr, seeds): selects
     sel = np.median(S, axis=1)
     b = int(np.argmin(sel)) if np.isfinite(sel).any() else 0
-    rep = task.metric
     L = np.stack([losses[e][rep] for e in grid])                  # (n_lr, seeds): reported
     med = np.median(L, axis=1)
     out = {"lr_log2": grid, "losses": {k: np.stack([losses[e][k] for e in grid])
@@ -1220,11 +1255,6 @@ def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device
            "at_edge": b in (0, len(grid) - 1), "widened": widened, "metric": rep,
            "select": key, "engine": sorted(engines),
            "lr_mult": {k: v for k, v in mult.items() if v != 1.0}}
-    if factors:     # lr='auto''s first SGD step: log2 of the factor per rate and seed
-        sugg = factors.pop("suggested")
-        out["first_step_factor_log2"] = {str(k): [round(math.log2(f), 3) for f in v]
-                                         for k, v in sorted(factors.items())}
-        out["suggested_sgd_log2"] = {str(s): round(math.log2(v), 3) for s, v in sugg.items()}
     if f"{rep}_acc" in losses[grid[0]]:
         out["acc"] = float(np.median(out["losses"][f"{rep}_acc"][b]))
     out["own_best"] = float(np.nanmin(np.where(np.isfinite(med), med, np.nan))) \
@@ -1640,11 +1670,7 @@ def merge(paths: list[str], out_base: str) -> dict:
     """One result from several runs of the suite (for example the CPU-reduced runs, each with
     its own tasks and methods): results, tasks, methods and notes united (a later file's cell
     replaces an earlier one), LR movement and claims recomputed."""
-    import json
-    payloads = []
-    for p in paths:
-        with open(p) as f:
-            payloads.append(partial_payload(json.load(f), p))
+    payloads = _payloads(paths)
     out = dict(payloads[0])
     out["results"], out["tasks"], out["notes"] = {}, {}, {}
     methods: list[str] = []
@@ -1664,12 +1690,53 @@ def merge(paths: list[str], out_base: str) -> dict:
     out["command"] = [p.get("command") for p in payloads]
     out["wall_s"] = sum(p.get("wall_s", 0) for p in payloads)
     out["merged_from"] = [os.path.basename(p) for p in paths]
+    return _finish(out, out_base)
+
+
+def _finish(out: dict, out_base: str) -> dict:
+    """LR movement and claims recomputed on ``out``'s results, then JSON, tables and plots."""
     fam = {t: v["family"] for t, v in out["tasks"].items()}
     out["lr_movement"] = lr_movement(out["results"], fam)
     out["claims"] = claims(out["results"], list(fam), out["lr_movement"])
     C.write_json(out_base + ".json", out)
     write_outputs(C.clean(out), out_base)
     return out
+
+
+def _payloads(paths: list[str]) -> list[dict]:
+    import json
+    payloads = []
+    for p in paths:
+        with open(p) as f:
+            payloads.append(partial_payload(json.load(f), p))
+    return payloads
+
+
+def merge_seeds(paths: list[str], out_base: str) -> dict:
+    """One result from runs of the same tasks and methods on different seeds (``--first-seed``):
+    each cell's per-seed losses are joined on the rates every run trained, and the rate chosen
+    again on the median over all seeds (``summarize``); the rest as ``merge``."""
+    payloads = _payloads(paths)
+    out = merge(paths, out_base)
+    for t, per in out["results"].items():
+        for o, cells in per.items():
+            for m in list(cells):
+                runs = [q["results"][t][o][m] for q in payloads
+                        if m in q["results"].get(t, {}).get(o, {})]
+                if len(runs) < 2:
+                    continue
+                rates = sorted(set.intersection(*(set(r["lr_log2"]) for r in runs)))
+                losses = {e: {k: np.concatenate([np.asarray(r["losses"][k], dtype=float)
+                                                 [r["lr_log2"].index(e)] for r in runs])
+                              for k in runs[0]["losses"]} for e in rates}
+                c = cells[m]
+                cells[m] = summarize(losses, c["select"], c["metric"],
+                                     max(r.get("widened", 0) for r in runs),
+                                     sorted({x for r in runs for x in r.get("engine", [])}),
+                                     c.get("lr_mult"))
+            at_default_rate(cells)
+    out["seeds"] = sorted({s for q in payloads for s in q.get("seeds") or []})
+    return _finish(out, out_base)
 
 
 def select(tasks: list[Task], spec: list[str]) -> list[Task]:
@@ -1708,6 +1775,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--engine", default="auto", choices=["auto", "vmap", "loop"])
     ap.add_argument("--list", action="store_true", help="print the tasks and exit")
     ap.add_argument("--replot", default="", help="re-make the .md and figures of a result JSON")
+    ap.add_argument("--merge-seeds", nargs="+", default=None, metavar="JSON",
+                    help="join runs of the same cells on different seeds (--first-seed) and "
+                         "choose each rate again over all seeds")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="unite result JSONs into OUT/train_suite_TAG.*")
     C.add_run_args(ap)
@@ -1716,6 +1786,9 @@ def main(argv: list[str] | None = None) -> dict:
         return replot(args.replot)
     if args.merge:
         return merge(args.merge, os.path.join(args.out, "train_suite_" + (args.tag or "merged")))
+    if args.merge_seeds:
+        return merge_seeds(args.merge_seeds,
+                           os.path.join(args.out, "train_suite_" + (args.tag or "merged")))
     size = ("quick" if args.quick else "cpu_small" if args.cpu_small else
             "cpu_lr" if args.cpu_lr else "cpu" if args.cpu else "full")
     cfg = dict(SIZES[size])

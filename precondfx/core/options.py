@@ -37,15 +37,9 @@ RESIDUAL_MODES = ("auto", "all", "none")
 CALIBRATION_MODES = ("train", "eval")
 CAPTURE_METHODS = ("fx", "export", "draft_export", "eager")
 #: lr_scale values (precondfx.pytorch.lr_transfer): the optimizer the model will be trained with
-LR_SCALE_MODES = ("sgd", "user")
+LR_SCALE_MODES = ("sgd", "adam", "user")
 #: lr_scale values taken out of the API, and why (the PrecondError says it)
-LR_SCALE_REMOVED = {
-    "adam": "lr_scale='adam' was removed: on held-out data (docs/results/heldout_cpu.md, "
-            "AdamW, 3 seeds) it lost to precondfx's default on a tiny ViT at every rate (test "
-            "loss 1.08 against 0.50), and at the rate tuned for the framework's default init it "
-            "lost on the BatchNorm CNN (0.30 against 0.061), the ViT (1.57 against 0.88) and "
-            "GPT-2 (2.762 against 2.691 nats/byte), without a win beyond the noise anywhere. "
-            "Use the default (lr_scale='auto') with AdamW"}
+LR_SCALE_REMOVED: dict[str, str] = {}
 #: optimizer= values: the family whose learning rate ``lr=`` is (precondfx.pytorch.lr_target)
 OPTIMIZERS = ("sgd", "adam", "adamw")
 #: measured balancing keeps one statistic per sample and weight: beyond this many the standard
@@ -371,9 +365,12 @@ class Options:
                                 "your model's own init: every stored weight at the geometric "
                                 "mean of precondfx's rms and the rms it had in your model), "
                                 "'sgd' (every stored weight x 3/L, L the main-path depth: one "
-                                "SGD rate across depths); None (on the command line 'none'): "
-                                "off ('adam' was removed; precondfx.pytorch.lr_transfer, "
-                                "docs/results/heldout_cpu.md)", cli="OPT")
+                                "SGD rate across depths), 'adam' (every stored weight x "
+                                "(128/width)^0.5 (3/L)^1.5, width the layer's fan-in, or its "
+                                "fan-out where it reads the input: one AdamW rate across "
+                                "widths and depths); None (on the command line 'none'): off "
+                                "(precondfx.pytorch.lr_transfer, docs/results/lr_transfer_cpu.md)",
+                                cli="OPT")
     lr: float | str | None = _opt(
         "auto", number("a positive learning rate", lambda x: x > 0, (None, "auto")),
         "the learning rate your training uses (with optimizer=): every re-drawn layer's stored "

@@ -35,14 +35,26 @@ Each weighted layer ``y = W x + b`` (after the alpha balancing put on its input,
 * ``"sgd"``: ``c = DEPTH_REF / L`` for every layer (effective rate ``x (DEPTH_REF/L)^2``).  Under
   SGD the relative update of a layer is its GR scaling, which precondfx already makes equal
   across layers; its best rate did not move across widths and fell with depth.
+* ``"adam"``: ``c = (WIDTH_REF / h) ** WIDTH_POWER * (DEPTH_REF / L) ** DEPTH_POWER["adam"]``
+  (``WIDTH_REF = 128``, ``WIDTH_POWER = 0.5``, ``DEPTH_POWER = 1.5``), ``h`` the layer's width:
+  its fan-in (``n_in k^2``), or its fan-out for a layer reading the model's input (whose
+  fan-in the data sets, not the width); embeddings get the depth factor only.  On a plain MLP
+  of one width every layer gets one ``c``, so the result trains as precondfx's default at the
+  AdamW rate times ``c`` (the first steps agree to 1e-4; later the two part as chaotic
+  training does).  Both exponents are the default's own measured movement
+  (docs/results/lr_transfer_cpu.md, "lr_scale='adam' (2026-11-27)"): on the digits MLPs its
+  best AdamW rate fell as about ``width^-0.5`` (3.1 octaves over widths 32-2048) and
+  ``L^-1.5`` (4.4 octaves over depths 1-16); with the option, 1.4 and 1.8 octaves (fits; 2
+  and 2 on the grid), with held-out losses within the noise of the default's on a CNN with
+  BatchNorm, a max-pool CNN, a tiny ViT and GPT-2.
 
 The depth factors come from training (docs/results/lr_transfer_cpu.md): on the digits MLPs the
-best rate of precondfx's default fell as about ``L^-2`` with both optimizers; under Adam, with
-the biases covered too, the best rate of the former ``lr_scale="adam"`` rose with depth under
-``(3/L)^2``.  ``lr_scale="adam"`` (stored weights at rms ``sqrt(fan_in)/64 (L/3)^1.5``, 4x the
-relative step inside residual branches) was removed: on held-out data it lost to the default
-on a tiny ViT at every rate and at the user's rate on three of four tasks
-(docs/results/heldout_cpu.md; ``options.LR_SCALE_REMOVED``).  ``L`` is the
+best rate of precondfx's default fell as about ``L^-2`` under SGD.  An earlier
+``lr_scale="adam"`` (stored weights at rms ``sqrt(fan_in)/64 (L/3)^1.5``, 4x the relative step
+inside residual branches) was removed in 2026-11: on held-out data it lost to the default on a
+tiny ViT at every rate (1.08 against 0.50) and at the user's rate on three of four tasks
+(docs/results/heldout_cpu.md).  The present rule differs in its width factor (fan-in to the
+power 0.5, the first layer sized by its fan-out) and has no residual-branch multiplier.  ``L`` is the
 number of weighted layers on the longest input-to-output path with every residual branch cut
 (the stream through the skip connections): ``D + 1`` for a plain MLP with ``D`` hidden layers;
 stem, head and projection shortcuts for a residual network; embedding and head for a
@@ -72,14 +84,19 @@ from precondfx.core.plan import LR_SITE_REASON, Plan
 #: depth (weighted layers on the main path) at which the depth factor is 1
 DEPTH_REF = 3
 #: c = (DEPTH_REF / L) ** DEPTH_POWER[mode]: effective rate ~ L^-2 under SGD (c^2)
-DEPTH_POWER = {"sgd": 1.0}
+DEPTH_POWER = {"sgd": 1.0, "adam": 1.5}
+#: lr_scale="adam": fan-in at which the width factor is 1, and its power (c = (WIDTH_REF /
+#: fan_in) ** WIDTH_POWER on every layer that reads another layer's output)
+WIDTH_REF = 128
+WIDTH_POWER = 0.5
 #: lr_scale="user": c = (rms / user rms) ** USER_POWER (0.5: stored halfway, on the log scale,
 #: between precondfx's rms and the user's; 1 overshoots: docs/results/heldout_cpu.md)
 USER_POWER = 0.5
 
 
-def main_path_depth(graph: Graph, plan: Plan) -> int:
-    """Weighted layers on the longest input-to-output path, residual branches cut; >= 1."""
+def layer_depths(graph: Graph, plan: Plan) -> dict[str, int]:
+    """Each node's count of weighted layers on the longest path from the inputs to it (itself
+    included), residual branches cut: 1 for a layer that reads the model's input directly."""
     layer_nodes = {lay.node for lay in plan.layers}
     cut = {r.node: r.branch_index for r in plan.residuals}
     depth: dict[str, int] = {}
@@ -87,6 +104,12 @@ def main_path_depth(graph: Graph, plan: Plan) -> int:
         ins = [i for k, i in enumerate(n.inputs) if cut.get(n.name) != k]
         d = max((depth.get(i, 0) for i in ins), default=0)
         depth[n.name] = d + (1 if n.name in layer_nodes else 0)
+    return depth
+
+
+def main_path_depth(graph: Graph, plan: Plan) -> int:
+    """Weighted layers on the longest input-to-output path, residual branches cut; >= 1."""
+    depth = layer_depths(graph, plan)
     ends = [depth[o] for o in graph.outputs if o in depth] or list(depth.values()) or [1]
     return max(1, max(ends))
 
@@ -103,6 +126,14 @@ def fan_in(lay: Any, node: Any = None) -> float:
                                                                                lay.n_out):
         return float(lay.n_in * lay.n_out // out[-1])
     return float(lay.n_in) * float(lay.k2_eff or lay.k2)
+
+
+def fan_out(lay: Any, node: Any = None) -> float:
+    """Outputs one input of the layer reaches (``n_out * k^2``; the transpose of
+    :func:`fan_in` for a linear call)."""
+    if lay.kind == "linear":
+        return float(lay.n_in * lay.n_out) / fan_in(lay, node)
+    return float(lay.n_out) * float(lay.k2_eff or lay.k2)
 
 
 def stored_rms(w: torch.Tensor) -> float:
@@ -198,12 +229,25 @@ def factors(graph: Graph, plan: Plan, mode: str, rms: dict[str, float],
                 out_u[w] = (r / u) ** USER_POWER
         return out_u, L
     depth_c = (DEPTH_REF / L) ** DEPTH_POWER[mode]
+    first = layer_depths(graph, plan) if mode == "adam" else {}
     out: dict[str, float] = {}
     for lay in plan.layers:
         if not lay.weight or lay.weight in out:
             continue
-        out[lay.weight] = depth_c
+        out[lay.weight] = depth_c * (width_factor(lay, graph.get(lay.node),
+                                                  first.get(lay.node, 1) <= 1)
+                                     if mode == "adam" else 1.0)
     return out, L
+
+
+def width_factor(lay: Any, node: Any = None, reads_input: bool = False) -> float:
+    """``lr_scale='adam'``'s width factor ``(WIDTH_REF / h) ** WIDTH_POWER``, ``h`` the layer's
+    width: its fan-in where it reads another layer's output, its fan-out where it reads the
+    model's input (whose fan-in the data sets); 1 for an embedding."""
+    if lay.kind == "embedding":
+        return 1.0
+    h = fan_out(lay, node) if reads_input else fan_in(lay, node)
+    return (WIDTH_REF / h) ** WIDTH_POWER if h > 0 else 1.0
 
 
 def summary(mode: str, fac: dict[str, float], L: int) -> str:

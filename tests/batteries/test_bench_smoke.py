@@ -179,6 +179,27 @@ def test_train_suite_quick(tmp_path):
     assert lm["tasks"]["gpt2"]["metric"] == "heldout"
     assert "gpt2_adamw" in lm["claims"] and "default_vs_framework_sgd" in data["claims"]
     assert "mlp_width" in data["lr_movement"]
+    # --merge-seeds: a run joined with a copy of itself holding other seeds' losses (the
+    # first seed's losses doubled) keeps the grid, has 6 values per rate, and chooses again
+    # over all of them: the median moves to the copy's, and so may the chosen rate
+    import numpy as np
+    other = json.loads(json.dumps(data))
+    cell = other["results"]["mlp_w32_d1"]["adamw"]["pfx"]
+    for k in cell["losses"]:
+        cell["losses"][k] = [[2 * v[0]] * len(v) for v in cell["losses"][k]]
+    other["seeds"] = [3, 4, 5]
+    with open(tmp_path / "other.json", "w") as f:
+        json.dump(other, f)
+    joined = mod.merge_seeds([str(tmp_path / "train_suite_quick.json"),
+                              str(tmp_path / "other.json")], str(tmp_path / "joined"))
+    j = joined["results"]["mlp_w32_d1"]["adamw"]["pfx"]
+    r = data["results"]["mlp_w32_d1"]["adamw"]["pfx"]
+    assert j["lr_log2"] == r["lr_log2"] and joined["seeds"] == [0, 1, 2, 3, 4, 5]
+    key = r["select"]
+    sel = np.median(np.concatenate([np.asarray(cell["losses"][key], float),
+                                    np.asarray(r["losses"][key], float)], axis=1), axis=1)
+    assert j["best_lr_log2"] == r["lr_log2"][int(np.argmin(sel))]
+    assert len(j["losses"][key][0]) == 6
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])

@@ -53,7 +53,7 @@ def _lrs(m):
 
 
 @pytest.mark.parametrize("balance", ["auto", "none", "hessian"])
-@pytest.mark.parametrize("mode", ["sgd", "user"])
+@pytest.mark.parametrize("mode", ["sgd", "adam", "user"])
 def test_function_unchanged(mode, balance):
     m = _mlp(width=100, depth=3)
     x = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
@@ -127,7 +127,7 @@ def _layer_product(m, kind="weight"):
     return [a * c * p.detach().clone() for a, c, p in zip(al, cs, ps)]
 
 
-@pytest.mark.parametrize("mode", ["sgd", "user"])
+@pytest.mark.parametrize("mode", ["sgd", "adam", "user"])
 def test_curvature_scales_by_c_squared(mode):
     """Hessian block of the training loss (cross-entropy with labels) w.r.t. each stored
     weight, u^T H u along one random direction, by autograd double backward: the stored weight
@@ -150,7 +150,7 @@ def test_curvature_scales_by_c_squared(mode):
         assert h1 == pytest.approx(h0 * fac[name] ** 2, rel=1e-4)
 
 
-@pytest.mark.parametrize("mode,opt", [("sgd", "sgd"), ("user", "adam")])
+@pytest.mark.parametrize("mode,opt", [("sgd", "sgd"), ("user", "adam"), ("adam", "adam")])
 def test_one_optimizer_step_moves_the_function_by_the_predicted_factor(mode, opt):
     """One torch.optim step at the same learning rate: the change of alpha*W of each layer is
     c^2 times the change without the option under SGD, c times under Adam."""
@@ -179,12 +179,7 @@ def test_option_checked_and_on_the_command_line():
         Options(lr_scale="adamw")
     assert from_text("lr_scale", "none") is None
     assert from_text("lr_scale", "user") == "user"
-    # lr_scale='adam' was removed: the refusal says so, why, and what to use
-    for bad in (lambda: Options(lr_scale="adam"), lambda: from_text("lr_scale", "adam"),
-                lambda: precondfx.precondition(_mlp(width=16, depth=1), torch.randn(8, 64),
-                                               lr_scale="adam")):
-        with pytest.raises(PrecondError, match="was removed.*held-out.*lr_scale='auto'"):
-            bad()
+    assert from_text("lr_scale", "ADAM") == "adam"
     m = _mlp(width=16, depth=1)
     with pytest.raises(PrecondError, match="lr_scale"):
         precondfx.precondition(m, torch.randn(8, 64), scheme="lsuv", lr_scale="sgd")
@@ -230,7 +225,7 @@ def _precondition(m, x, backend, **kw):
 
 @pytest.mark.parametrize("backend", ["fx", "eager"])
 @pytest.mark.parametrize("balance", ["none", "hessian"])
-@pytest.mark.parametrize("mode,opt", [("sgd", "sgd"), ("user", "adam")])
+@pytest.mark.parametrize("mode,opt", [("sgd", "sgd"), ("user", "adam"), ("adam", "adam")])
 def test_one_optimizer_step_moves_weight_and_bias_by_the_same_factor(mode, opt, balance,
                                                                       backend):
     """The whole layer sees the same change of effective learning rate: one torch.optim step
