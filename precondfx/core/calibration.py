@@ -74,6 +74,43 @@ def mask_by_use(root: Any, uses: Any, gates: bool = True) -> str | None:
     return f"read as a mask by all its uses, sums aside: {used[0]}{more}"
 
 
+#: the neutral graph's op names (the target's last word, underscores stripped: ``aten.lt``,
+#: ``TensorBase.__lt__``) that carry a mask on (operand 0), count it, or compare it
+_CARRIES = {"unsqueeze", "view", "reshape", "expand", "expand_as", "squeeze", "flatten", "float",
+            "half", "double", "to", "type", "type_as", "contiguous", "to_copy", "clone",
+            "getitem", "slice", "select", "alias"}
+_COUNTS = {"sum", "mean"}
+_TESTS = {"lt", "gt", "le", "ge", "eq", "ne"}
+_NOTS = {"logical_not", "bitwise_not", "invert", "bool"}
+
+
+def _graph_role(node: Any, x: str) -> tuple[Any, str, str, list]:
+    """How neutral-graph ``node`` reads the value of node ``x``, for :func:`mask_by_use`."""
+    t = str(node.target).rsplit(".", 1)[-1].strip("_")
+    idx = node.inputs.index(x)
+    what = f"{t} node {node.name!r}"
+    if t == "where" and idx == 0 or t in _NOTS or t.startswith("masked_fill") and idx == 1 \
+            or t == "rsub" and len(node.inputs) == 1:
+        return node.name, CONDITION, f"{what} reads it as a condition", []
+    if t in _CARRIES and idx == 0:
+        return node.name, CARRY, "", [node.name]
+    if t in _COUNTS and idx == 0:
+        return node.name, COUNT, "", []
+    if t in _TESTS and len(node.inputs) == 1 and node.const_operands:
+        return node.name, TEST, f"{what} compares it with a constant", []
+    return node.name, DATA, "", []
+
+
+def graph_mask_use(g: Any, name: str) -> str | None:
+    """Why input node ``name`` of a neutral ``core.graph.Graph`` (the export and eager
+    captures') reads as a mask by its uses, or None: :func:`mask_by_use` with the rule the
+    fx back end applies (a condition, or only comparisons with a constant and sums; a
+    product is data)."""
+    users = g.users()
+    return mask_by_use(name, lambda x: (_graph_role(g[u], x) for u in users.get(x, [])),
+                       gates=False)
+
+
 def is_additive_mask(a: np.ndarray) -> bool:
     """A float array used as an additive attention mask or bias: ``-inf`` where masked, finite
     values <= 0 elsewhere (``nn.Transformer.generate_square_subsequent_mask``, ALiBi-style

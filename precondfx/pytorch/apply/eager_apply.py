@@ -26,7 +26,7 @@ from precondfx.pytorch.apply.eager_output import (LOSS_BEFORE_SCALE,  # noqa: F4
                                                    OutputSearch, _module_output_scale_hook,
                                                    _root_output_hook, internal_loss)  # hf)
 from precondfx.pytorch.apply.torch_backend import _MASK_SKIP, TorchBackend
-from precondfx.pytorch.capture.common import mask_arguments
+from precondfx.pytorch.capture.common import mask_arguments, masks_by_use
 from precondfx.core.calibration import mask_named
 from precondfx.core.graph import Graph
 from precondfx.core.nodes import fixed_factor_node, gate_node, nonlinear_product
@@ -230,9 +230,12 @@ def module_hook(mod: nn.Module, bname: str) -> Any:
 
 
 def _root_input_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
-    """Every floating-point input times the input scale, but those named as masks."""
+    """Every floating-point input times the input scale, but those named as masks or read
+    as masks by their uses in the captured graph (``PREFIX + "input_masks"``: positions and
+    names, set by ``EagerApplier.input_scale``)."""
     s = getattr(module, PREFIX + "input_scale")
-    pos, kws = mask_arguments(module.forward, len(args), kwargs)
+    pos, kws = mask_arguments(module.forward, len(args), kwargs,
+                              getattr(module, PREFIX + "input_masks", ()))
 
     def f(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.is_floating_point():
@@ -497,6 +500,17 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
         for name in params:         # the hook leaves them alone (_root_input_hook)
             if mask_named(name):
                 self._skip(None, "input scale", _MASK_SKIP.format(name))
+        used = masks_by_use(self.graph, self.model.forward)
+        for where, why in used.items():
+            what = where if not isinstance(where, int) else \
+                list(params)[where] if where < len(params) else f"argument {where}"
+            if mask_named(what):
+                continue                    # said above, by its name
+            self._skip(None, "input scale", f"not on input {what!r}: a mask ({why}), whose "
+                       f"values mean masked or kept")
+        if used:
+            setattr(self.model, PREFIX + "input_masks", frozenset(used))
+            self.undo.append(("attrdel", self.model, PREFIX + "input_masks"))
         self._register(self.model, PREFIX + "input_scale", value)
         self._hook(self.model.register_forward_pre_hook(_root_input_hook, with_kwargs=True,
                                                         prepend=True))

@@ -24,15 +24,71 @@ from precondfx.errors import PrecondError
 from precondfx.core.graph import Node
 
 
-def mask_arguments(fn: Callable, n_args: int, kwargs: Mapping[str, Any]
-                   ) -> tuple[dict[int, str], set[str]]:
+def mask_arguments(fn: Callable, n_args: int, kwargs: Mapping[str, Any],
+                   used: Any = ()) -> tuple[dict[int, str], set[str]]:
     """The arguments of a call ``fn(*args, **kwargs)`` (``n_args`` positional) whose names say
-    they are masks (``core.calibration.mask_named``): ``({position: name}, {keyword})``.
-    Positions are named by ``fn``'s signature (none for ``*args``, or when it has none)."""
+    they are masks (``core.calibration.mask_named``), or that ``used`` names (positions and
+    names, :func:`masks_by_use`): ``({position: name}, {keyword})``.  Positions are named by
+    ``fn``'s signature (none for ``*args``, or when it has none)."""
     from precondfx.core.calibration import mask_named
-    pos = {i: n for i, n in _positional_masks(getattr(fn, "__func__", fn),
-                                              hasattr(fn, "__func__")) if i < n_args}
-    return pos, {k for k in kwargs if mask_named(k)}
+    func, bound = getattr(fn, "__func__", fn), hasattr(fn, "__func__")
+    pos = {i: n for i, n in _positional_masks(func, bound) if i < n_args}
+    if used:
+        pos.update({i: str(i) for i in used if isinstance(i, int) and i < n_args})
+        pos.update({i: n for i, n in _positional_names(func, bound)
+                    if i < n_args and n in used})
+    return pos, {k for k in kwargs if mask_named(k) or k in used}
+
+
+@functools.lru_cache(maxsize=256)
+def _positional_names(func: Callable, bound: bool) -> tuple[tuple[int, str], ...]:
+    """``(position, name)`` of ``func``'s positional parameters (``bound``: ``self`` not
+    counted)."""
+    import inspect
+    try:
+        params = list(inspect.signature(func).parameters.values())[int(bound):]
+    except (TypeError, ValueError):
+        return ()
+    out = []
+    for i, p in enumerate(params):
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        out.append((i, p.name))
+    return tuple(out)
+
+
+def masks_by_use(graph: Any, fn: Callable) -> dict[int | str, str]:
+    """The top-level arguments of ``fn`` (a model's forward) that the captured neutral
+    ``graph`` (export or eager) reads as masks by their uses (``core.calibration.
+    graph_mask_use``, the rule fx and ONNX apply): ``{position or name: why}`` (a position
+    where the eager capture names inputs ``arg0``, ``arg1``; a parameter or keyword name
+    otherwise).  Refuses a mask it cannot match with an argument (a part of a nested input),
+    which the input scale would multiply."""
+    import inspect
+    from precondfx.core.calibration import graph_mask_use
+    try:
+        names = set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        names = set()
+    out: dict[int | str, str] = {}
+    for n in graph:
+        if n.kind != "input" or n.attrs.get("integer"):
+            continue
+        why = graph_mask_use(graph, n.name)
+        if not why:
+            continue
+        label = str(n.target).removeprefix("input ")
+        if graph.method == "eager" and label[:3] == "arg" and label[3:].isdigit():
+            out[int(label[3:])] = why
+        elif label in names:
+            out[label] = why
+        else:
+            raise PrecondError(
+                f"input_scale: the model input {label!r} reads as a mask ({why}), but it is "
+                f"not a top-level argument of forward, so the input scale would multiply it "
+                f"(keep * 0.1 < 0.5 masks everything); pass it as its own argument named as a "
+                f"mask (attention_mask), or pass input_scale=None")
+    return out
 
 
 @functools.lru_cache(maxsize=256)
