@@ -221,11 +221,12 @@ def nonlinear_product(node: Node) -> str | None:
 
 #: the spellings of a 2-D transpose (``W.t()``, ``W.transpose(0, 1)``, ``torch.t(W)``,
 #: ``aten.t``, ``aten.numpy_T``): the last part of a node's target
-_TRANSPOSES = frozenset({"t", "transpose", "swapaxes", "permute", "numpy_T", "mT"})
+_TRANSPOSES = frozenset({"t", "transpose", "swapaxes", "permute", "numpy_T", "mT", "T"})
 
 
 def weight_transposes(graph: Graph) -> Graph:
-    """``x @ self.weight.t()`` (a matrix product with a 2-D parameter's transpose) read as the
+    """``x @ self.weight.t()``, ``x @ self.weight.T`` (a matrix product with a 2-D parameter's
+    transpose) read as the
     linear layer it is: the transpose node, which reads the parameter alone, is dropped and
     every matrix product reading it as its right operand takes the parameter as its weight,
     stored (out, in) as a Linear's (``weight_side='right_t'``: the fans of ``F.linear``).  A

@@ -77,3 +77,40 @@ def test_data_input_still_scaled(capture: str) -> None:
     out, rep = precondfx.precondition(_DataInput(), (x, m), capture=capture,
                                       input_scale="auto")
     assert "a mask" not in str(rep)
+
+
+class _Transposed(nn.Module):
+    """A hand-written linear layer: ``x @ self.weight.T + self.bias`` (weight stored (out, in)
+    as nn.Linear's)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.weight = nn.Parameter(3 * torch.randn(16, 8))
+        self.bias = nn.Parameter(torch.zeros(16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.T if self.how == "T" else self.weight.mT if self.how == "mT" \
+            else self.weight.t()
+        return self.head(torch.relu(x @ w + self.bias))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export", "eager"])
+@pytest.mark.parametrize("how", ["T", "mT"])
+def test_weight_property_transpose_is_a_linear_layer(capture: str, how: str) -> None:
+    """(c) before: ``.T``/``.mT`` read as a product of two activations ("breaks"), the weight
+    kept at std 3.13 (eager: the parameter not even seen); ``.t()`` a linear layer at the
+    plan's std 0.42.  Now all three captures read both as ``.t()``."""
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    ref, ref_rep = precondfx.precondition(_Transposed("t"), (x,), capture=capture)
+    torch.manual_seed(0)
+    out, rep = precondfx.precondition(_Transposed(how), (x,), capture=capture)
+    assert rep.capture == capture
+    assert [n.status for n in rep.nodes if n.kind == "matmul"] == ["weighted"]
+    assert "breaks" not in {n.status for n in rep.nodes}
+    assert float(out.weight.std()) == pytest.approx(float(ref.weight.std()), rel=1e-6)
+    assert float(out.weight.std()) < 1.0
+    with torch.no_grad():
+        assert torch.allclose(out(x), ref(x), atol=1e-5)

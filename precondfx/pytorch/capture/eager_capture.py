@@ -27,6 +27,10 @@ _SKIP_NAMES = {"__get__", "__set__", "dim", "size", "numel", "is_floating_point"
                "__deepcopy__"}
 
 
+#: the Tensor properties that transpose (``w.T``, ``w.mT``), recorded as the op table's method
+_TRANSPOSE_PROPS = ("T", "mT")
+
+
 class _Recorder(TorchFunctionMode):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -126,6 +130,15 @@ class _Recorder(TorchFunctionMode):
         if self.depth > 0:
             return out
         fname = getattr(func, "__name__", "")
+        prop = getattr(getattr(func, "__self__", None), "__name__", None)
+        if fname == "__get__" and prop in _TRANSPOSE_PROPS and len(args) == 1:
+            # ``self.weight.T``: the transpose it is, as fx and export (numpy_T) read it
+            self.nodes.append(build_node(self._name(prop), ops.for_method(prop),
+                                         f"Tensor.{prop}", [self.marker(args[0])], {},
+                                         out_shape=shape_of(out),
+                                         in_shapes=[shape_of(args[0])]))
+            self.produce(out, self.nodes[-1].name)
+            return out
         if fname in _SKIP_NAMES:
             return out
         tensors_out = isinstance(out, torch.Tensor) or (

@@ -45,6 +45,10 @@ from precondfx.core import optable
 from precondfx.core.graph import Graph, Node
 
 
+#: the Tensor properties that transpose (``w.T``, ``w.mT``): read as the op table's method
+_TRANSPOSE_PROPS = ("T", "mT")
+
+
 class Unkeepable(Exception):
     """The forward uses a construct that a traced GraphModule would silently drop."""
 
@@ -840,11 +844,16 @@ def to_graph(gm: fx.GraphModule) -> Graph:
                                     args, kwargs, out_shape=None, in_shapes=in_shapes))
         elif n.op == "call_function":
             spec = ops.for_function(n.target)
-            if n.target is getattr and out_shape is not None:
+            name = target_name(n.target)
+            if n.target is getattr and len(n.args) == 2 and n.args[1] in _TRANSPOSE_PROPS:
+                # ``self.weight.T``: the transpose it is, as export (numpy_T) and eager read it
+                spec, name = ops.for_method(n.args[1]), f"Tensor.{n.args[1]}"
+                args = args[:1]
+            elif n.target is getattr and out_shape is not None:
                 # ``h.max(dim=1).values``, ``torch.topk(h, k).indices``: a field of the tuple a
                 # call returned, read as export reads it (getitem): the values flow through
                 spec = optable.BY_KIND["select"]
-            nodes.append(build_node(n.name, spec, target_name(n.target), args, kwargs,
+            nodes.append(build_node(n.name, spec, name, args, kwargs,
                                     out_shape=out_shape, in_shapes=in_shapes))
             if nodes[-1].kind == "maxpool" and any("precondfx_value" in a.meta
                                                    for a in n.all_input_nodes):
