@@ -366,9 +366,9 @@ class Options:
                                 "mean of precondfx's rms and the rms it had in your model), "
                                 "'sgd' (every stored weight x 3/L, L the main-path depth: one "
                                 "SGD rate across depths), 'adam' (every stored weight x "
-                                "(128/width)^0.5 (3/L)^1.5, width the layer's fan-in, or its "
-                                "fan-out where it reads the input: one AdamW rate across "
-                                "widths and depths); None (on the command line 'none'): off "
+                                "(128/width)^0.5 (3/L)^1.5 on top of 'auto', width the median "
+                                "of the layers' fan-ins (fan-out where a layer reads the input): "
+                                "one AdamW rate across widths and depths); None (on the command line 'none'): off "
                                 "(precondfx.pytorch.lr_transfer, docs/results/lr_transfer_cpu.md)",
                                 cli="OPT")
     lr: float | str | None = _opt(

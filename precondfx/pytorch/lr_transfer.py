@@ -35,18 +35,20 @@ Each weighted layer ``y = W x + b`` (after the alpha balancing put on its input,
 * ``"sgd"``: ``c = DEPTH_REF / L`` for every layer (effective rate ``x (DEPTH_REF/L)^2``).  Under
   SGD the relative update of a layer is its GR scaling, which precondfx already makes equal
   across layers; its best rate did not move across widths and fell with depth.
-* ``"adam"``: ``c = (WIDTH_REF / h) ** WIDTH_POWER * (DEPTH_REF / L) ** DEPTH_POWER["adam"]``
-  (``WIDTH_REF = 128``, ``WIDTH_POWER = 0.5``, ``DEPTH_POWER = 1.5``), ``h`` the layer's width:
-  its fan-in (``n_in k^2``), or its fan-out for a layer reading the model's input (whose
-  fan-in the data sets, not the width); embeddings get the depth factor only.  On a plain MLP
-  of one width every layer gets one ``c``, so the result trains as precondfx's default at the
-  AdamW rate times ``c`` (the first steps agree to 1e-4; later the two part as chaotic
-  training does).  Both exponents are the default's own measured movement
+* ``"adam"``: one ``c = (WIDTH_REF / h) ** WIDTH_POWER * (DEPTH_REF / L) ** DEPTH_POWER["adam"]``
+  on every layer (``WIDTH_REF = 128``, ``WIDTH_POWER = 0.5``, ``DEPTH_POWER = 1.5``), ``h`` the
+  model's width (:func:`model_width`: the median over its layers of each one's fan-in
+  ``n_in k^2``, or fan-out for a layer reading the model's input, whose fan-in the data sets),
+  multiplied onto the declared-init storage ``"auto"`` chooses where it applies
+  (transformers).  One factor, so the result trains as precondfx's default at the AdamW rate
+  times ``c``: the layers' rates relative to each other are the default's, and only the
+  rate's level moves with width and depth (the first steps agree to 1e-4; later the two part
+  as chaotic training does).  Both exponents are the default's own measured movement
   (docs/results/lr_transfer_cpu.md, "lr_scale='adam' (2026-11-27)"): on the digits MLPs its
   best AdamW rate fell as about ``width^-0.5`` (3.1 octaves over widths 32-2048) and
   ``L^-1.5`` (4.4 octaves over depths 1-16); with the option, 1.4 and 1.8 octaves (fits; 2
-  and 2 on the grid), with held-out losses within the noise of the default's on a CNN with
-  BatchNorm, a max-pool CNN, a tiny ViT and GPT-2.
+  and 2 on the grid).  A factor per layer (each layer's own width) cost 0.028 nats on GPT-2
+  (6 seeds), where the relative rates matter.
 
 The depth factors come from training (docs/results/lr_transfer_cpu.md): on the digits MLPs the
 best rate of precondfx's default fell as about ``L^-2`` under SGD.  An earlier
@@ -70,6 +72,7 @@ whose bias another weight's layer also reads, keeps factor 1 (``left_out``).
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 import torch
@@ -175,7 +178,7 @@ def user_scales(model: nn.Module, mode: str | None) -> dict[str, float]:
     if mode == "user":
         return {n: stored_rms(p) for n, p in model.named_parameters(remove_duplicate=False)
                 if p.dim() >= 2 and p.numel() and p.device.type != "meta"}
-    return declared_stds(model) if mode == "auto" else {}
+    return declared_stds(model) if mode in ("auto", "adam") else {}
 
 
 def power_of_two(c: float) -> float:
@@ -229,25 +232,32 @@ def factors(graph: Graph, plan: Plan, mode: str, rms: dict[str, float],
                 out_u[w] = (r / u) ** USER_POWER
         return out_u, L
     depth_c = (DEPTH_REF / L) ** DEPTH_POWER[mode]
-    first = layer_depths(graph, plan) if mode == "adam" else {}
+    if mode == "adam":
+        depth_c *= (WIDTH_REF / model_width(graph, plan)) ** WIDTH_POWER
     out: dict[str, float] = {}
     for lay in plan.layers:
         if not lay.weight or lay.weight in out:
             continue
-        out[lay.weight] = depth_c * (width_factor(lay, graph.get(lay.node),
-                                                  first.get(lay.node, 1) <= 1)
-                                     if mode == "adam" else 1.0)
+        out[lay.weight] = depth_c
     return out, L
 
 
-def width_factor(lay: Any, node: Any = None, reads_input: bool = False) -> float:
-    """``lr_scale='adam'``'s width factor ``(WIDTH_REF / h) ** WIDTH_POWER``, ``h`` the layer's
-    width: its fan-in where it reads another layer's output, its fan-out where it reads the
-    model's input (whose fan-in the data sets); 1 for an embedding."""
-    if lay.kind == "embedding":
-        return 1.0
-    h = fan_out(lay, node) if reads_input else fan_in(lay, node)
-    return (WIDTH_REF / h) ** WIDTH_POWER if h > 0 else 1.0
+def model_width(graph: Graph, plan: Plan) -> float:
+    """``lr_scale='adam'``'s width: the median over the weighted layers (embeddings aside) of
+    each one's width, its fan-in where it reads another layer's output, its fan-out where it
+    reads the model's input (whose fan-in the data sets); ``WIDTH_REF`` where there is none.
+    A plain MLP's hidden width; one number, so that the option rescales the rate and leaves
+    the layers' rates relative to each other as the default's."""
+    first = layer_depths(graph, plan)
+    hs = []
+    for lay in plan.layers:
+        if not lay.weight or lay.kind == "embedding":
+            continue
+        node = graph.get(lay.node)
+        h = fan_out(lay, node) if first.get(lay.node, 1) <= 1 else fan_in(lay, node)
+        if h > 0 and math.isfinite(h):
+            hs.append(h)
+    return float(statistics.median(hs)) if hs else float(WIDTH_REF)
 
 
 def summary(mode: str, fac: dict[str, float], L: int) -> str:
@@ -303,20 +313,25 @@ def carried(lr_buffers: dict[str, list[str]], plan: Plan, graph: Graph | None = 
 def apply(model: nn.Module, graph: Graph, plan: Plan, lr_buffers: dict[str, list[str]],
           mode: str, planned: dict[str, float] | None = None,
           set_constant: Any = None, user_rms: dict[str, float] | None = None,
-          from_plan: bool = False) -> dict[str, Any]:
+          from_plan: bool = False, declared: bool = False) -> dict[str, Any]:
     """Set each layer's lr multipliers to its factor ``c`` and divide its weight and bias by
     ``c``, keeping the plan (and ``planned``, the constants recorded for materializing) equal
     to what the model holds.  ``set_constant(name, value)``: the back end's
     (``Backend.set_constant``).  Layers whose call sites do not all carry a multiplier keep
     factor 1 and are listed in ``left_out``.  ``from_plan``: take each weight's scale from the
     plan's std rather than its values (``lr_scale='auto'``: data-free, so that the meta device,
-    sharded and real runs get the same factors).  Returns the report section."""
+    sharded and real runs get the same factors).  ``declared`` (``"adam"``): multiply its
+    factors onto the declared-init storage ``"auto"`` would choose (``lr_mode.declared_base``).
+    Returns the report section."""
     ok, left = carried(lr_buffers, plan, graph)
-    rms = {w: _planned_rms(plan, w) if from_plan else _rms_of(model, plan, w)
-           for w in ok} if mode == "user" else {}
+    rms = {w: _planned_rms(plan, w) if from_plan or mode == "adam" else _rms_of(model, plan, w)
+           for w in ok} if mode == "user" or (mode == "adam" and declared) else {}
     fac, L = factors(graph, plan, mode, rms, user_rms)
     if from_plan:       # exact in every dtype: meta == real, bit for bit (power_of_two)
         fac = {w: power_of_two(c) for w, c in fac.items()}
+    if mode == "adam" and declared:     # on top of the storage "auto" chooses (lr_mode)
+        base, _ = factors(graph, plan, "user", rms, user_rms)
+        fac = {w: c * power_of_two(base.get(w, 1.0)) for w, c in fac.items()}
     done = {w: c for w, c in fac.items() if w in ok and c != 1.0}
     store(model, plan, ok, done, f"lr_scale={mode!r} (main-path depth {L})", planned,
           set_constant)

@@ -21,7 +21,7 @@ from torch import nn
 
 from precondfx.pytorch import calibrate as cal
 from precondfx.pytorch import checks, distributed, flows
-from precondfx.core import driver
+from precondfx.core import driver, lr_mode
 from precondfx.pytorch.apply.common import PREFIX, output_path
 from precondfx.pytorch.apply.eager_apply import EagerApplier, weight_side_forwards
 from precondfx.pytorch.apply.fx_apply import FxApplier
@@ -501,7 +501,9 @@ def lr_scale(st: TorchState) -> None:
             st.result, st.graph, edited, st.lr_buffers, st.plan.lr_mode, st.constants,
             st.backend.set_constant,
             user_rms={n: i.user_scale for n, i in st.params.items() if i.user_scale is not None},
-            from_plan=st.opts.lr_scale == "auto")
+            from_plan=st.opts.lr_scale == "auto",
+            declared=st.opts.lr_scale == "adam" and lr_mode.declared_base(
+                st.plan, st.params, st.opts))
     if st.plan.lr_mode_reason:
         st.report.conditioning["lr_scale"]["decision"] = st.plan.lr_mode_reason
 

@@ -1,7 +1,8 @@
 """lr_scale='adam' (precondfx.pytorch.lr_transfer): one AdamW rate across MLP widths and depths.
-The factors follow the documented formula, computed here from the layer shapes alone; the
+The factor follows the documented formula, computed here from the layer shapes alone; the
 function is unchanged; one AdamW step moves each layer's effective weight by c times the step
-without the option; the plan records what the model holds."""
+without the option; on a model that declares its init (transformers) it multiplies the storage
+lr_scale='auto' chooses."""
 import pytest
 import torch
 from torch import nn
@@ -20,10 +21,11 @@ def _mlp(widths, n_in=64, n_out=10, seed=0):
 
 @pytest.mark.parametrize("widths", [[32, 32], [512], [96, 96, 96, 96, 96], [96, 48, 200]])
 def test_factors_follow_width_and_depth(widths):
-    """c = (128 / h) ** 0.5 * (3 / L) ** 1.5, L = the number of weighted layers, h the layer's
-    width: its fan-in, except for the first layer, whose fan-in is the data's 64 features, not
-    a width: there its fan-out.  So a plain MLP of one width gets one factor, and the result
-    trains as precondfx's default at that factor times the AdamW rate."""
+    """One factor on every layer, c = (128 / h) ** 0.5 * (3 / L) ** 1.5: L the number of
+    weighted layers, h the median of the layers' widths, each its fan-in except the first
+    layer's, whose fan-in is the data's 64 features (its fan-out instead).  So the option is
+    the default trained at c times the AdamW rate: the layers' rates relative to each other
+    are the default's."""
     m = _mlp(widths)
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
     out, rep = precondfx.precondition(m, x, lr_scale="adam", seed=0)
@@ -31,8 +33,10 @@ def test_factors_follow_width_and_depth(widths):
     L = len(widths) + 1
     assert sec["depth"] == L
     names = [n for n, p in m.named_parameters() if n.endswith("weight")]
-    hs = [widths[0]] + list(widths)          # first: fan-out; the others: fan-in
-    want = {n: (128 / h) ** 0.5 * (3 / L) ** 1.5 for n, h in zip(names, hs)}
+    hs = sorted([widths[0]] + list(widths))          # first: fan-out; the others: fan-in
+    h = hs[len(hs) // 2] if len(hs) % 2 else (hs[len(hs) // 2 - 1] + hs[len(hs) // 2]) / 2
+    c = (128 / h) ** 0.5 * (3 / L) ** 1.5
+    want = {n: c for n in names}
     got = {n: sec["factors"].get(n, 1.0) for n in names}
     assert got == pytest.approx(want, rel=1e-6)
     ref, _ = precondfx.precondition(m, x, seed=0)
@@ -77,7 +81,7 @@ def test_conv_widths_count_the_kernel():
     """A convolution's width is its channels times the kernel taps that see the input (the fans
     the geometric init uses: on an 8x8 input with padding 1 a 3-tap row sees 2 taps at both
     edges and 3 inside, 22/8 on average): the stem reading the image is sized by its fan-out,
-    the others by their fan-in."""
+    the others by their fan-in, and the median of the three sets the one factor."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
                       nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
@@ -86,6 +90,25 @@ def test_conv_widths_count_the_kernel():
     _, rep = precondfx.precondition(m, x, lr_scale="adam", seed=0)
     fac = rep.conditioning["lr_scale"]["factors"]
     taps = (22 / 8) ** 2
-    want = {"0.weight": (128 / (16 * taps)) ** 0.5, "2.weight": (128 / (16 * taps)) ** 0.5,
-            "6.weight": (128 / 32) ** 0.5}        # L = 3: depth factor 1
+    c = (128 / (16 * taps)) ** 0.5      # widths 16 taps, 16 taps, 32: median 16 taps; L = 3
+    want = {"0.weight": c, "2.weight": c, "6.weight": c}
     assert {n: fac.get(n, 1.0) for n in want} == pytest.approx(want, rel=1e-6)
+
+
+def test_on_top_of_the_declared_init_storage():
+    """A transformers GPT-2 (initializer_range 0.02): 'adam' multiplies the storage 'auto'
+    chooses (a power-of-two factor per layer) by its one factor, here (128 / 64) ** 0.5 *
+    (3 / 2) ** 1.5 (width 64, main-path depth 2: the embeddings and the head)."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=64, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    m = GPT2LMHeadModel(cfg)
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    _, ra = precondfx.precondition(m, x, seed=0)
+    _, rb = precondfx.precondition(m, x, lr_scale="adam", seed=0)
+    fa = ra.conditioning["lr_scale"]["factors"]
+    fb = rb.conditioning["lr_scale"]["factors"]
+    assert rb.conditioning["lr_scale"]["depth"] == 2 and fa
+    c = (128 / 64) ** 0.5 * (3 / 2) ** 1.5
+    assert {n: fb[n] for n in fa} == pytest.approx({n: v * c for n, v in fa.items()}, rel=1e-6)

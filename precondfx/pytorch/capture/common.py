@@ -96,19 +96,8 @@ def _positional_masks(func: Callable, bound: bool) -> tuple[tuple[int, str], ...
     """``(position, name)`` of ``func``'s positional parameters named as masks (``bound``:
     called as a method, ``self`` not counted); read once per function (the input scale's hook
     asks at every call)."""
-    import inspect
     from precondfx.core.calibration import mask_named
-    try:
-        params = list(inspect.signature(func).parameters.values())[int(bound):]
-    except (TypeError, ValueError):
-        return ()
-    out = []
-    for i, p in enumerate(params):
-        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            break
-        if mask_named(p.name):
-            out.append((i, p.name))
-    return tuple(out)
+    return tuple((i, n) for i, n in _positional_names(func, bound) if mask_named(n))
 
 
 def placeholder_values(graph: "torch.fx.Graph", args: tuple, kwargs: Mapping[str, Any]
