@@ -1179,7 +1179,8 @@ def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device
     task.data.update(_to_cpu_data)
     built = {}
     for s in seeds:        # every method but muP builds the same model for both optimizers
-        key = (task.name, method, s, opt if method in PER_OPTIMIZER or method.startswith("pfx_ax:") else "")
+        per_opt = method in PER_OPTIMIZER or method.startswith("pfx_ax:")
+        key = (task.name, method, s, opt if per_opt else "")
         if key not in _BUILT:
             _BUILT.clear() if len(_BUILT) > 64 else None
             _BUILT[key] = build(task, method, s, calib[s], opt)

@@ -74,13 +74,14 @@ def mask_by_use(root: Any, uses: Any, gates: bool = True) -> str | None:
     return f"read as a mask by all its uses, sums aside: {used[0]}{more}"
 
 
-#: the neutral graph's op names (the target's last word, underscores stripped: ``aten.lt``,
-#: ``TensorBase.__lt__``) that carry a mask on (operand 0), count it, or compare it
+#: the op names (the neutral graph's: the target's last word, underscores stripped, ``aten.lt``,
+#: ``TensorBase.__lt__``; fx's method names) that carry a mask on (operand 0), count it, or
+#: compare it
 _CARRIES = {"unsqueeze", "view", "reshape", "expand", "expand_as", "squeeze", "flatten", "float",
             "half", "double", "to", "type", "type_as", "contiguous", "to_copy", "clone",
             "getitem", "slice", "select", "alias"}
-_COUNTS = {"sum", "mean"}
-_TESTS = {"lt", "gt", "le", "ge", "eq", "ne"}
+COUNT_OPS = {"sum", "mean"}
+TEST_OPS = {"lt", "gt", "le", "ge", "eq", "ne"}
 _NOTS = {"logical_not", "bitwise_not", "invert", "bool"}
 
 
@@ -94,9 +95,9 @@ def _graph_role(node: Any, x: str) -> tuple[Any, str, str, list]:
         return node.name, CONDITION, f"{what} reads it as a condition", []
     if t in _CARRIES and idx == 0:
         return node.name, CARRY, "", [node.name]
-    if t in _COUNTS and idx == 0:
+    if t in COUNT_OPS and idx == 0:
         return node.name, COUNT, "", []
-    if t in _TESTS and len(node.inputs) == 1 and node.const_operands:
+    if t in TEST_OPS and len(node.inputs) == 1 and node.const_operands:
         return node.name, TEST, f"{what} compares it with a constant", []
     return node.name, DATA, "", []
 

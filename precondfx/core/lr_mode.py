@@ -64,12 +64,14 @@ def ratios(plan: Any, params: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def resolve(plan: Any, params: dict[str, Any], opts: Any) -> tuple[str | None, str | None]:
+def resolve(plan: Any, params: dict[str, Any], opts: Any, mode: str | None = None
+            ) -> tuple[str | None, str | None]:
     """The lr_scale mode the pass applies (``None``: off) and, for ``"auto"`` where the model
-    declares its init, why (a plan note; None: nothing to say)."""
-    mode = getattr(opts, "lr_scale", None)
+    declares its init, why (a plan note; None: nothing to say).  ``mode``: decide for this
+    value instead of ``opts.lr_scale``."""
+    mode = mode or getattr(opts, "lr_scale", None)
     if mode == "adam":      # "adam" stores on top of what "auto" would (see declared_base)
-        base, why = resolve(plan, params, _AsAuto(opts))
+        base, why = resolve(plan, params, opts, "auto")
         return mode, (why.replace("lr_scale='auto'", "lr_scale='adam', on top of 'auto'", 1)
                       if why and base == "user" else None)
     if mode != "auto":
@@ -97,21 +99,11 @@ def resolve(plan: Any, params: dict[str, Any], opts: Any) -> tuple[str | None, s
     return None, f"lr_scale='auto': off ({what})"
 
 
-class _AsAuto:
-    """``opts`` read with ``lr_scale="auto"``."""
-
-    def __init__(self, opts: Any) -> None:
-        self._opts = opts
-
-    def __getattr__(self, name: str) -> Any:
-        return "auto" if name == "lr_scale" else getattr(self._opts, name)
-
-
 def declared_base(plan: Any, params: dict[str, Any], opts: Any) -> bool:
     """Whether ``lr_scale="adam"`` multiplies its factors onto the declared-init storage
     ``"auto"`` would choose for this model (a transformers model at the suite's widths: the
     storage under which its Adam rate lands at the transformers init's)."""
-    return resolve(plan, params, _AsAuto(opts))[0] == "user"
+    return resolve(plan, params, opts, "auto")[0] == "user"
 
 
 __all__ = ["AUTO_RATIO", "declared_base", "ratios", "resolve"]

@@ -25,7 +25,7 @@ from precondfx.pytorch.apply.common import (PREFIX, first_param, like_param, rep
 from precondfx.pytorch.apply.eager_output import (LOSS_BEFORE_SCALE,  # noqa: F401 (used by
                                                    OutputSearch, _module_output_scale_hook,
                                                    _root_output_hook, internal_loss)  # hf)
-from precondfx.pytorch.apply.torch_backend import _MASK_SKIP, TorchBackend
+from precondfx.pytorch.apply.torch_backend import TorchBackend, mask_skip
 from precondfx.pytorch.capture.common import mask_arguments, masks_by_use
 from precondfx.core.calibration import mask_named
 from precondfx.core.graph import Graph
@@ -499,15 +499,14 @@ class EagerApplier(TorchBackend, Records, OutputSearch):
             params = {}
         for name in params:         # the hook leaves them alone (_root_input_hook)
             if mask_named(name):
-                self._skip(None, "input scale", _MASK_SKIP.format(name))
+                self._skip(None, "input scale", mask_skip(name))
         used = masks_by_use(self.graph, self.model.forward)
         for where, why in used.items():
             what = where if not isinstance(where, int) else \
                 list(params)[where] if where < len(params) else f"argument {where}"
             if mask_named(what):
                 continue                    # said above, by its name
-            self._skip(None, "input scale", f"not on input {what!r}: a mask ({why}), whose "
-                       f"values mean masked or kept")
+            self._skip(None, "input scale", mask_skip(what, why))
         if used:
             setattr(self.model, PREFIX + "input_masks", frozenset(used))
             self.undo.append(("attrdel", self.model, PREFIX + "input_masks"))

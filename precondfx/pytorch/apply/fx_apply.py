@@ -16,7 +16,7 @@ from precondfx.core.backend import Records, key_of
 from precondfx.pytorch.apply.common import (buffer_name, first_param, like_param,
                                             replacement_pool, scalar_buffer, scaled_operand,
                                             swap_references)
-from precondfx.pytorch.apply.torch_backend import _MASK_SKIP, TorchBackend
+from precondfx.pytorch.apply.torch_backend import TorchBackend, mask_skip
 from precondfx.pytorch.capture.common import placeholder_values
 from precondfx.pytorch.capture.fx_capture import _metadata_read, _namedtuple_fields, \
     namedtuple_values
@@ -30,39 +30,15 @@ from precondfx.core.plan import Plan, Scale
 _CARRY_METHODS = {"unsqueeze", "view", "reshape", "expand", "expand_as", "squeeze", "flatten",
                   "float", "half", "double", "to", "type", "type_as", "contiguous"}
 _CARRY_FUNCS = {operator.getitem, torch.unsqueeze, torch.reshape, torch.squeeze, torch.flatten}
-_COUNTS = {"sum", "mean"}
-_TESTS = {"lt", "gt", "le", "ge", "eq", "ne"}
 _TEST_FUNCS = {operator.lt, operator.gt, operator.le, operator.ge, operator.eq, operator.ne}
 _NOTS = {operator.invert, torch.logical_not, torch.bitwise_not}
-_MULS = {operator.mul, torch.mul}
 _SUBS = {operator.sub, torch.sub}
 
 
-def _fx_inputs_of(a: Any) -> set[fx.Node]:
-    """The placeholders an fx value (or a structure of them) is computed from."""
-    out: set[fx.Node] = set()
-    todo = _nodes_in(a)
-    seen: set[fx.Node] = set()
-    while todo:
-        x = todo.pop()
-        if x in seen:
-            continue
-        seen.add(x)
-        if x.op == "placeholder":
-            out.add(x)
-        todo.extend(x.all_input_nodes)
-    return out
-
-
-def _nodes_in(a: Any) -> list[fx.Node]:
-    found: list[fx.Node] = []
-    fx.node.map_arg(a, found.append)
-    return found
-
-
-def _fx_role(ph: fx.Node, x: fx.Node, u: fx.Node) -> tuple[Any, str, str, list]:
-    """How fx node ``u`` reads ``x`` (``ph`` or a value carried from it), for
-    ``core.calibration.mask_by_use``."""
+def _fx_role(x: fx.Node, u: fx.Node) -> tuple[Any, str, str, list]:
+    """How fx node ``u`` reads ``x`` (a placeholder or a value carried from it), for
+    ``core.calibration.mask_by_use`` with ``gates=False``: a product is data, as any use
+    not named here."""
     from precondfx.core import calibration as c
     t = u.target
     name = t if isinstance(t, str) else getattr(t, "__name__", str(t))
@@ -77,12 +53,10 @@ def _fx_role(ph: fx.Node, x: fx.Node, u: fx.Node) -> tuple[Any, str, str, list]:
             return u, c.CONDITION, f"{what} reads it as a condition", []
         if t in _CARRY_METHODS and idx == 0:
             return u, c.CARRY, "", [u]
-        if t in _COUNTS and idx == 0:
+        if t in c.COUNT_OPS and idx == 0:
             return u, c.COUNT, "", []
-        if t in _TESTS and idx == 0 and len(args) == 2 and not isinstance(args[1], fx.Node):
+        if t in c.TEST_OPS and idx == 0 and len(args) == 2 and not isinstance(args[1], fx.Node):
             return u, c.TEST, f"{what} compares it with a constant", []
-        if t == "mul" and idx == 0 and len(args) == 2:
-            other = args[1]
     elif u.op == "call_function":
         if t is torch.where and idx == 0 or t in _NOTS or \
                 t is torch.masked_fill and idx == 1 or \
@@ -94,12 +68,6 @@ def _fx_role(ph: fx.Node, x: fx.Node, u: fx.Node) -> tuple[Any, str, str, list]:
             return u, c.COUNT, "", []
         if t in _TEST_FUNCS and other is not None and not isinstance(other, fx.Node):
             return u, c.TEST, f"{what} compares it with a constant", []
-    else:
-        return u, c.DATA, "", []
-    if (t in _MULS or t == "mul") and isinstance(other, fx.Node) and \
-            other.op != "placeholder" and _fx_inputs_of(other) - {ph} and \
-            ph not in _fx_inputs_of(other):     # not net(a * b), nor a scale, nor its gate
-        return u, c.GATE, f"{what} multiplies it into a computed value", []
     return u, c.DATA, "", []
 
 
@@ -110,8 +78,7 @@ def fx_mask_use(ph: fx.Node) -> str | None:
     and sums; None for data.  A product (``scores * m``) is not trusted here: the sample is
     the user's, and ``x * sigmoid(g(c))`` gates data the same way."""
     from precondfx.core import calibration as c
-    return c.mask_by_use(ph, lambda x: (_fx_role(ph, x, u) for u in list(x.users)),
-                         gates=False)
+    return c.mask_by_use(ph, lambda x: (_fx_role(x, u) for u in list(x.users)), gates=False)
 
 
 def _activation_args(node: fx.Node) -> list[fx.Node]:
@@ -417,12 +384,11 @@ class FxApplier(TorchBackend, Records):
             if tm is None or not getattr(tm, "dtype", torch.int64).is_floating_point:
                 continue
             if mask_named(str(n.target)):
-                self._skip(None, "input scale", _MASK_SKIP.format(str(n.target)))
+                self._skip(None, "input scale", mask_skip(str(n.target)))
                 continue
             why = masks.get(n)
             if why:
-                self._skip(None, "input scale", f"not on input {str(n.target)!r}: a mask "
-                           f"({why}), whose values mean masked or kept")
+                self._skip(None, "input scale", mask_skip(str(n.target), why))
                 continue
             b = buffer_name("input", n.name)
             self._buffer(b, value)

@@ -13,6 +13,14 @@ _MASK_SKIP = ("not on input {!r}: a mask (its name says so), whose values mean m
               "(scaled, keep * 0.1 < 0.5 would mask everything)")
 
 
+def mask_skip(name: str, why: str | None = None) -> str:
+    """The report's reason the input scale leaves input ``name`` alone: a mask by its name
+    (``why`` None), or by its uses (``why``: what reads it so)."""
+    if why is None:
+        return _MASK_SKIP.format(name)
+    return f"not on input {name!r}: a mask ({why}), whose values mean masked or kept"
+
+
 class TorchBackend:
     """The shared half of the fx and eager back ends (``self.module``: the rewritten module)."""
 
