@@ -367,9 +367,10 @@ def _mask_role(v: ir.Value, use: Any) -> tuple[int, str, str, list[ir.Value]]:
         len(node.inputs) == 2 else None
     if op in MASK_TESTS and _is_constant(other):
         return id(node), calibration.TEST, f"{name} compares it with a constant", []
-    if op != "Mul" or other is None or other.producer() is None or _is_constant(other) or \
-            _inputs_of(other) - {id(v)} == set() or id(v) in _inputs_of(other):
-        return id(node), calibration.DATA, "", []     # a scale, or its own gate: data
+    srcs = _inputs_of(other) if op == "Mul" and other is not None and \
+        other.producer() is not None and not _is_constant(other) else None
+    if not srcs or id(v) in srcs:       # a scale (no input behind it), or its own gate: data
+        return id(node), calibration.DATA, "", []
     return id(node), calibration.GATE, f"{name} multiplies it into a computed value", []
 
 

@@ -599,20 +599,13 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
     return sc
 
 
-def _products_between(top: fx.Node, bottom: fx.Node) -> list[fx.Node]:
-    """precondfx's products by its constants from ``top`` down to ``bottom`` (their operand)."""
-    out = []
-    while top is not bottom and scaled_operand(top) is not None:
-        out.append(top)
-        top = scaled_operand(top)
-    return out
-
-
-def _under_products(n: fx.Node) -> fx.Node:
-    """``n`` with precondfx's own products by a constant looked through."""
+def _product_chain(n: fx.Node) -> tuple[list[fx.Node], fx.Node]:
+    """precondfx's own products by a constant from ``n`` down, and the value under them."""
+    chain = []
     while scaled_operand(n) is not None:
+        chain.append(n)
         n = scaled_operand(n)
-    return n
+    return chain, n
 
 
 def _own_layer_call(n: fx.Node, gm: fx.GraphModule) -> str | None:
@@ -632,14 +625,15 @@ def _own_layer_call(n: fx.Node, gm: fx.GraphModule) -> str | None:
         prod, bias = n, []
         if n.target in (operator.add, torch.add) and len(n.args) == 2 and not n.kwargs:
             # through precondfx's own products (an lr multiplier on the product's output)
-            under = {a: _under_products(a) if isinstance(a, fx.Node) else a
+            under = {a: _product_chain(a) if isinstance(a, fx.Node) else ([], a)
                      for a in n.args}
-            mm = [a for a, u in under.items() if isinstance(u, fx.Node) and
+            mm = [a for a, (_, u) in under.items() if isinstance(u, fx.Node) and
                   u.op == "call_function" and u.target in _MATMULS]
             if len(mm) != 1:
                 return None
-            prod, bias = under[mm[0]], [a for a in n.args if a is not mm[0]]
-            region |= {prod, *_products_between(mm[0], prod)}
+            chain, prod = under[mm[0]]
+            bias = [a for a in n.args if a is not mm[0]]
+            region |= {prod, *chain}
         if prod.target not in _MATMULS or len(prod.args) != 2 or prod.kwargs or \
                 not isinstance(prod.args[0], fx.Node) or not isinstance(prod.args[1], fx.Node) \
                 or not _of_parameters(prod.args[1]) or _of_parameters(prod.args[0]):
