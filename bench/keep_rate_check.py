@@ -75,7 +75,8 @@ def train_at(task: "T.Task", opt: str, lr: float, extra: dict | None = None,
         out, rep = precondfx.precondition(model, calib, seed=s, **told, **(extra or {}))
         if mode == "default":
             with C.ceiling_margin(margin):      # 0: the library's ceiling
-                precondfx.settle_rate(out, lr, opt)
+                mom = T.Hyper(opt).momentum if opt == "sgd" else 0.0    # the loop's, as
+                precondfx.settle_rate(out, lr, opt, momentum=mom)      # torch.optim's step
         models.append(out.train())
         facs.append(rep.conditioning["lr_target"]["factor"])
     r = T.train_copies(task, models, [lr] * len(SEEDS), SEEDS, T.Hyper(opt), {}, "cpu")

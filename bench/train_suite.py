@@ -83,6 +83,7 @@ import common as C  # noqa: E402
 PFX: dict[str, dict] = {
     "pfx": {},                  # the library's defaults (lr_scale='auto' since 2026-11-25)
     "pfx_margin1": {},          # pfx, lr='auto''s SGD ceiling one octave higher (experiment)
+    "pfx_margin2": {},          # ... two octaves higher (experiment)
     "pfx_off": {"lr_scale": None},   # the default until 2026-11-25: no lr scales
     "pfx_std0.05": {"target_std": 0.05},
     "pfx_std0.5": {"target_std": 0.5},
@@ -167,6 +168,7 @@ LABELS = {
     "pfx_user": "pfx lr_scale=user (halfway)",
     "pfx_off": "pfx lr_scale=None (the default before 'auto')",
     "pfx_margin1": "pfx, SGD ceiling 1 octave above the suggested rate (experiment)",
+    "pfx_margin2": "pfx, SGD ceiling 2 octaves above the suggested rate (experiment)",
     "umup": "u-muP (unit_scaling)",
     "pfx_emb": "pfx, ViT tokens at the patch scale (emulated)",
     "default_eq": "PyTorch default, output std 1", "fan_in_eq": "fan-in, output std 1",
@@ -1165,11 +1167,12 @@ def _grid_point(k: int, step: float) -> float | int:
 
 def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device: str,
           max_widen: int = 3, say: Callable[[str], None] = print, engine: str = "auto",
-          include: float | None = None, step: float = 1.0) -> dict:
+          include: float | list[float | None] | None = None, step: float = 1.0) -> dict:
     """One (task, method, optimizer): the LR grid, widened while the best rate (median over
     seeds of the ``task.select`` loss) is at an edge; the reported loss (``best``, ``se``) is
     ``task.metric``'s at that rate.  ``include``: a log2 rate the grid must reach (the
-    framework default's chosen rate, so that every method is measured there too).  ``step``:
+    framework default's chosen rate, so that every method is measured there too; a list:
+    every one of them, ``--lr-include``).  ``step``:
     the grid's spacing in octaves (1: rates 2x apart; 0.5: sqrt(2) apart, for comparisons
     that a 2x grid's placement could decide)."""
     hp = Hyper(opt)
@@ -1189,8 +1192,11 @@ def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device
     c = LR_CENTER[opt]
     lo = int(math.ceil((c - n_lr * step / 2) / step + 0.5))
     exps = [_grid_point(k, step) for k in range(lo, lo + n_lr)]
-    if include is not None:
-        k0, k1 = min(lo, math.floor(include / step)), max(lo + n_lr - 1, math.ceil(include / step))
+    reach = [e for e in ((include,) if not isinstance(include, (list, tuple)) else include)
+             if e is not None]
+    if reach:
+        k0 = min([lo] + [math.floor(e / step) for e in reach])
+        k1 = max([lo + n_lr - 1] + [math.ceil(e / step) for e in reach])
         exps = [_grid_point(k, step) for k in range(k0, k1 + 1)]
     losses: dict[int, dict[str, np.ndarray]] = {}
     engines = set()
@@ -1271,7 +1277,8 @@ def summarize(losses: dict, key: str, rep: str, widened: int = 0, engines: Any =
 #: afresh and its first step done by precondfx.settle_rate at that rate (the ceiling acts only
 #: above the measured suggested rate; tests/pytorch/test_first_step.py checks that settle_rate
 #: and a torch.optim first step give one factor)
-SETTLED = {"pfx": 0.0, "pfx_margin1": 1.0}     # method -> C.ceiling_margin's octaves
+#: method -> C.ceiling_margin's octaves
+SETTLED = {"pfx": 0.0, "pfx_margin1": 1.0, "pfx_margin2": 2.0}
 
 
 def settled(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str, lr: float,
@@ -1285,13 +1292,15 @@ def settled(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str, l
     from precondfx.pytorch.lr_target import TOLERANCE
     seen = factors.setdefault("suggested", {})
     first = seen.get(seed)      # the seed's suggested rate, measured by an earlier settle
-    if first and lr <= first * 2.0 ** (TOLERANCE + SETTLED[method]):  # storage kept: the
+    from precondfx.pytorch.first_step import headroom
+    room = headroom({"momentum": Hyper(opt).momentum})
+    if first and lr <= first * room * 2.0 ** (TOLERANCE + SETTLED[method]):   # kept: the
         factors.setdefault(math.log2(lr), []).append(1.0)   # cached build is that model
         return model
     fresh, _ = build(task, method, seed, calib, opt)
     fresh.to(device)            # the kept batch follows the model: measured where it trains
-    with C.ceiling_margin(SETTLED[method]):
-        sec = precondfx.settle_rate(fresh, lr, "sgd")
+    with C.ceiling_margin(SETTLED[method]):   # the loop's momentum, as torch.optim.SGD's
+        sec = precondfx.settle_rate(fresh, lr, "sgd", momentum=Hyper(opt).momentum)
     if sec.get("suggested_before"):
         seen[seed] = float(sec["suggested_before"])
     factors.setdefault(math.log2(lr), []).append(float(sec.get("factor", 1.0)))
@@ -1773,6 +1782,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the rate grid's spacing in octaves (default 1: rates 2x apart)")
     ap.add_argument("--n-lr", type=int, default=None)
     ap.add_argument("--max-widen", type=int, default=3)
+    ap.add_argument("--lr-include", type=float, nargs="*", default=[], metavar="LOG2",
+                    help="log2 rates every grid must reach (a grid that another run widened, "
+                         "for a comparison on the same rates: a ceiling flattens the curve above "
+                         "it, so the grid is not widened below it on its own)")
     ap.add_argument("--engine", default="auto", choices=["auto", "vmap", "loop"])
     ap.add_argument("--list", action="store_true", help="print the tasks and exit")
     ap.add_argument("--replot", default="", help="re-make the .md and figures of a result JSON")
@@ -1841,7 +1854,7 @@ def main(argv: list[str] | None = None) -> dict:
                     continue
                 try:
                     r = sweep(t, m, opt, seeds, n_lr, args.device, args.max_widen, say,
-                              args.engine, include=inc, step=args.lr_step)
+                              args.engine, include=[inc] + args.lr_include, step=args.lr_step)
                 except Exception as e:
                     if args.quick:
                         raise

@@ -7,6 +7,8 @@ which operand is the weight) from the op table's spelling of it.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,10 +185,78 @@ def build_node(name: str, spec: optable.OpSpec | None, target: str, args: list, 
             nconst += 1
     if spec.kind == "mul" and "div" in target.lower() and args and not isinstance(args[0], Act):
         attrs["divides_by_activation"] = True       # c / x: not linear in x
+    factor = _param_factor(spec.kind, target, list(args), flat)
+    if factor is not None:
+        attrs["factor"] = factor
     return Node(name=name, kind=spec.kind, target=target, inputs=inputs, params=params,
                 attrs=attrs, module=module, call_index=call_index,
                 out_shape=tuple(out_shape) if out_shape is not None else None,
                 in_shapes=list(in_shapes or []), const_operands=nconst)
+
+
+def _param_factor(kind: str, target: str, args: list, flat: list) -> float | None:
+    """The number ``c`` of a call ``W * c``, ``c * W`` or ``W / c`` (``1 / c``) of one
+    parameter by one Python number, outside any module call: the fixed gain of a weight
+    written as ``F.linear(x, self.weight * self.scale)`` (an equalized-learning-rate layer,
+    :func:`weight_gains`); None for anything else."""
+    if kind != "mul" or len(flat) != 2 or "div" in target.lower() and \
+            (not args or not isinstance(args[0], Param)):
+        return None
+    ps = [a for _, a in flat if isinstance(a, Param)]
+    cs = [v for v in (_unconst(a) for _, a in flat)
+          if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if len(ps) != 1 or len(cs) != 1 or not math.isfinite(float(cs[0])) or cs[0] == 0:
+        return None
+    return 1.0 / float(cs[0]) if "div" in target.lower() else float(cs[0])
+
+
+def weight_gains(graph: Graph) -> Graph:
+    """``F.linear(x, self.weight * c)``, ``F.conv2d(x, self.weight * c)``, ``x @ (W * c)``
+    (an equalized-learning-rate layer: the weight stored at unit scale, a fixed gain applied
+    in the forward) read as the weighted layer it is, with ``weight_gain`` c: the product
+    node, which reads the parameter and a Python number alone and is read by that layer alone
+    as its weight, is dropped and the layer takes the parameter as its weight; the planned
+    draw is divided by ``|c|`` so that the layer's effective weight has the rule's std.  A
+    bias written the same way (``self.bias * lr_mul``) becomes the layer's bias.  One rule for
+    every capture, after :func:`weight_transposes`."""
+    users = graph.users()
+    by = {n.name: n for n in graph}
+    drop: set[str] = set()
+
+    def gain_of(name: str) -> tuple[str, float] | None:
+        n = by.get(name)
+        if n is None or n.kind != "mul" or n.inputs or list(n.params) != ["operand0"] or \
+                "factor" not in n.attrs or len(users.get(name, ())) != 1:
+            return None
+        return n.params["operand0"], float(n.attrs["factor"])
+
+    for r in graph:
+        if r.kind not in ("linear", "conv", "matmul") or len(r.inputs) < 2 or \
+                "weight" in r.params or "einsum" in r.attrs:
+            continue
+        w = gain_of(r.inputs[1])
+        if w is None or r.inputs[0] == r.inputs[1]:
+            continue
+        if r.kind == "matmul" and len(r.inputs) != 2:
+            continue
+        rest = r.inputs[2:]
+        b = gain_of(rest[0]) if len(rest) == 1 and "bias" not in r.params else None
+        if rest and b is None:
+            continue                # a bias computed otherwise: left as it was
+        drop.add(r.inputs[1])
+        r.params["weight"] = w[0]
+        r.attrs["weight_gain"] = w[1]
+        if r.kind == "matmul":
+            r.attrs["weight_side"] = "right"
+        if b is not None:
+            drop.add(rest[0])
+            r.params["bias"] = b[0]
+            r.attrs["bias_gain"] = b[1]
+        r.inputs = [r.inputs[0]]
+    if not drop:
+        return graph
+    return Graph([n for n in graph if n.name not in drop], graph.method, notes=graph.notes,
+                 outputs=[o for o in graph.outputs if o not in drop])
 
 
 def fixed_factor_node(node: Node) -> bool:
@@ -220,8 +290,10 @@ def nonlinear_product(node: Node) -> str | None:
 
 
 #: the spellings of a 2-D transpose (``W.t()``, ``W.transpose(0, 1)``, ``torch.t(W)``,
-#: ``aten.t``, ``aten.numpy_T``): the last part of a node's target
-_TRANSPOSES = frozenset({"t", "transpose", "swapaxes", "permute", "numpy_T", "mT", "T"})
+#: ``aten.t``, ``aten.numpy_T``; ``W.H``, ``W.mH``, ``torch.adjoint(W)``: the conjugate
+#: transpose, the transpose of a real weight): the last part of a node's target
+_TRANSPOSES = frozenset({"t", "transpose", "swapaxes", "permute", "numpy_T", "mT", "T",
+                         "H", "mH", "matrix_H", "adjoint"})
 
 
 def weight_transposes(graph: Graph) -> Graph:

@@ -868,7 +868,8 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                 put(lay.weight, ParamInit(lay.weight, "keep", None, ZERO_ADAPTER))
             else:
                 r = "geometric" if lay.kind == "embedding" or rule == "keep" else rule
-                std = math.sqrt(fanlib.second_moment(f, r)) / lay.constant()
+                gain = abs(float(n.attrs.get("weight_gain", 1.0)))   # W * c in the forward
+                std = math.sqrt(fanlib.second_moment(f, r)) / lay.constant() / gain
                 put(lay.weight, ParamInit(lay.weight, r, std,
                                           f"E[W^2]={fanlib.second_moment(f, r):.4g} ({r}, n_in="
                                           f"{f.n_in}, n_out={f.n_out}, k^2={f.k2:.4g}"
@@ -879,6 +880,8 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                                              if lay.alpha != 1 else "")
                                           + (f", times beta^2={lay.beta**2:.6g} (App. E)"
                                              if lay.beta != 1 else "")
+                                          + (f", divided by the gain {gain:.4g} the forward "
+                                             f"multiplies it by" if gain != 1 else "")
                                           + ("; a new layer (max-pool replacement): drawn "
                                              "whatever init/reinit_weights say" if new else "")),
                     new)

@@ -43,6 +43,7 @@ def prepare(model: nn.Module, report: Any = None) -> None:
         "constants": _constants(model),
         "output_path": list(getattr(model, PREFIX + "output_path", ()) or ()),
         "output_log_param": model.__dict__.get(OUTPUT_LOG_PARAM),
+        "capture": getattr(report, "capture", None),
         "upstream": dict(rec.upstream) if rec else {},
         "idle": list(rec.idle) if rec else [],
         "checkpoints": "folded" if not problems else "raw",
@@ -245,6 +246,15 @@ def reattach(model: nn.Module) -> nn.Module:
                            "; ".join(entry.get("problems", [])) + "): from_pretrained dropped "
                            "its constants; load it with load_state_dict into a model "
                            "preconditioned the same way")
+    known = {PREFIX + "output_scale", PREFIX + "input_scale", *ea.MODULE_HOOKS}
+    traced = [f for f in entry["constants"] if f.rpartition(".")[2] not in known]
+    if traced and entry.get("capture") == "fx":         # checked before anything changes
+        raise PrecondError(
+            f"config.precondfx records {traced[0]}, a constant of the traced forward of an fx "
+            f"result: reattach puts back the constants of the eager and export captures "
+            f"(buffers with hooks), not a traced graph. The model from_pretrained loaded is "
+            f"the folded one, the same function: train it as it is, or precondition it again "
+            f"with capture='eager' to train on in the preconditioned form")
     like = next(iter(model.parameters()), None)
     for fqn, value in entry["constants"].items():
         path, _, name = fqn.rpartition(".")

@@ -152,11 +152,17 @@ def balanceable(alpha_buffers: dict[str, list[str]], plan: Plan, graph: Graph | 
             if graph is not None:
                 nodes.setdefault(lay.weight, set()).add(lay.node)
     others = other_readers(graph, nodes) if graph is not None else {}
+    gains = {n.params.get("weight"): n.attrs["weight_gain"] for n in graph or ()
+             if "weight_gain" in n.attrs}
     ok: dict[str, list[str]] = {}
     left: dict[str, str] = {}
     for w, n in sites.items():
         bufs = sorted(set(alpha_buffers.get(w, [])))
-        if others.get(w):
+        if w in gains:
+            left[w] = (f"the forward multiplies the weight by a fixed gain ({gains[w]:.4g}: an "
+                       f"equalized learning rate, a learning-rate multiplier) that sets its "
+                       f"rate against the other layers' by design: left as planned")
+        elif others.get(w):
             left[w] = (f"the weight is also read outside its layer (by {', '.join(others[w][:3])}"
                        f"): rescaling it would change that use too; left out of rescaling")
         elif bufs and (len(bufs) == n or len(bufs) == 1):

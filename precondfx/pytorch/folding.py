@@ -157,23 +157,26 @@ _OWN_LINEAR: dict[type, bool] = {}
 
 
 def _own_linear_layer(mod: nn.Module) -> bool:
-    """A layer class precondfx does not know, with no submodules and a 2-D ``weight`` of its
+    """A layer class precondfx does not know, with no submodules and a ``weight`` of its
     own, whose output multiplying all its parameters by c multiplies by c
-    (``F.linear(x, self.weight, self.bias)``, ``x @ self.weight.t() + self.bias``): an output
-    scale goes into its weight and bias.  Checked once per class on a random CPU input as wide
+    (``F.linear(x, self.weight, self.bias)``, ``x @ self.weight.t() + self.bias``,
+    ``F.conv2d(x, self.weight * self.scale)``): an output scale goes into its weight and
+    bias.  Checked once per class on a random CPU input as wide
     as either side of the weight, with random parameters substituted (so it works on the meta
     device too)."""
     if type(mod) in _OWN_LINEAR:
         return _OWN_LINEAR[type(mod)]
     w = mod._parameters.get("weight")
     ok = False
-    if w is not None and w.dim() == 2 and w.is_floating_point() and not mod._modules and \
-            type(mod).__module__.split(".")[0] != "torch":
+    if w is not None and 2 <= w.dim() <= 5 and w.is_floating_point() and not mod._modules \
+            and type(mod).__module__.split(".")[0] != "torch":
         g = torch.Generator().manual_seed(0)
         params = {k: torch.randn(tuple(p.shape), generator=g)
                   for k, p in mod._parameters.items() if p is not None}
-        for width in dict.fromkeys((int(w.shape[1]), int(w.shape[0]))):  # (out, in), (in, out)
-            x = torch.randn(3, width, generator=g)
+        # (out, in), (in, out); a convolution's (out, in, k...) reads (batch, in, 8...)
+        for width in dict.fromkeys((int(w.shape[1]), int(w.shape[0])) if w.dim() == 2
+                                   else (int(w.shape[1]),)):
+            x = torch.randn(3, width, *[8] * (w.dim() - 2), generator=g)
             try:
                 with torch.no_grad():
                     ref = torch.func.functional_call(mod, params, (x,))
@@ -516,6 +519,14 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
                 for u in users:
                     sc.add(sc.inp, u[0], u[1], v)
                 continue
+            owns = [_own_layer_call(u, gm) if u.op == "call_function" else None
+                    for u in reads]
+            if reads and all(o is not None and _bias_free(gm.get_submodule(o)) for o in owns):
+                # the input of a bias-free layer of the user's (F.conv2d(x, self.weight * c)):
+                # linear in its input and in its weight, so the weight carries the scale
+                for o in owns:
+                    sc.add(sc.out, o, gm.get_submodule(o), v)
+                continue
             shared = [str(u.target) for u in reads if u.op == "call_module"
                       and calls[str(u.target)] > 1]
             if shared and len(shared) == len(reads):
@@ -608,6 +619,13 @@ def _product_chain(n: fx.Node) -> tuple[list[fx.Node], fx.Node]:
     return chain, n
 
 
+def _bias_free(mod: nn.Module) -> bool:
+    """A layer of the user's whose one parameter is its weight (:func:`_own_linear_layer`),
+    so that a factor on its input is the same factor on its output."""
+    return [k for k, p in mod._parameters.items() if p is not None] == ["weight"] and \
+        _own_linear_layer(mod)
+
+
 def _own_layer_call(n: fx.Node, gm: fx.GraphModule) -> str | None:
     """The path of the layer whose parameters ``n`` computes with, when ``n`` is a linear map
     or convolution of one activation by that layer's weight and bias, traced into its parts:
@@ -620,7 +638,9 @@ def _own_layer_call(n: fx.Node, gm: fx.GraphModule) -> str | None:
     spec = ops.for_function(n.target)
     region: set[fx.Node] = {n}
     if spec is not None and spec.kind in ("linear", "conv", "conv_transpose"):
-        weights: list[Any] = list(n.args[1:]) + list(n.kwargs.values())
+        # the weight and bias operands; a convolution's stride, padding... are settings
+        weights: list[Any] = list(n.args[1:3]) + [v for k, v in n.kwargs.items()
+                                                  if k in ("weight", "bias")]
     else:
         prod, bias = n, []
         if n.target in (operator.add, torch.add) and len(n.args) == 2 and not n.kwargs:

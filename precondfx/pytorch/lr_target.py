@@ -62,14 +62,16 @@ def factor(suggested: float, lr: float, fam: str) -> float:
 def keep_rate(model: nn.Module, graph: Any, plan: Any, lr_buffers: dict[str, list[str]],
               lr: float, optimizer: str, measure: Callable[[str], float | None],
               planned: dict[str, float] | None = None, set_constant: Any = None,
-              say: Callable[[str], None] = lambda s: None, ceiling: bool = False
-              ) -> dict[str, Any]:
+              say: Callable[[str], None] = lambda s: None, ceiling: bool = False,
+              headroom: float = 1.0) -> dict[str, Any]:
     """Scale every re-drawn layer by one factor until ``measure(family)`` (the suggested rate of
     ``model`` as it now is) is within :data:`TOLERANCE` octaves of ``lr`` (an Adam rate on a
     plan whose ``lr_mode`` is ``"user"``: nothing, :func:`kept_for_adam`).  ``ceiling``: only
     ever lower the effective rate (the total factor stays <= 1): a suggested rate at or above
-    ``lr`` is left as it is (``lr='auto'``, :mod:`precondfx.pytorch.first_step`).  Returns the
-    report section (``conditioning["lr_target"]``)."""
+    ``lr`` is left as it is (``lr='auto'``, :mod:`precondfx.pytorch.first_step`).
+    ``headroom``: the ceiling sits at that many times the suggested rate (SGD's momentum
+    raises the rate a quadratic tolerates, :func:`precondfx.pytorch.first_step.headroom`).
+    Returns the report section (``conditioning["lr_target"]``)."""
     fam = family(optimizer)
     if fam == "adam" and plan.lr_mode == "user":
         out = kept_for_adam(lr, optimizer)
@@ -79,11 +81,12 @@ def keep_rate(model: nn.Module, graph: Any, plan: Any, lr_buffers: dict[str, lis
     first = rate = measure(fam)
     total, rounds, lim = 1.0, [], 2.0 ** FAR
     why = f"lr={lr:.4g} ({optimizer})"
+    room = headroom if ceiling else 1.0
     for _ in range(ROUNDS):
         if not ok or not rate or not math.isfinite(rate) or \
-                abs(math.log2(rate / lr)) <= TOLERANCE:
+                abs(math.log2(rate * room / lr)) <= TOLERANCE:
             break
-        c = min(max(factor(rate, lr, fam), 1.0 / (lim * total)), lim / total)
+        c = min(max(factor(rate * room, lr, fam), 1.0 / (lim * total)), lim / total)
         if ceiling:
             c = min(c, 1.0 / total)
         if abs(math.log2(c)) < 1e-9:
@@ -99,10 +102,19 @@ def keep_rate(model: nn.Module, graph: Any, plan: Any, lr_buffers: dict[str, lis
     out: dict[str, Any] = {"lr": lr, "optimizer": optimizer, "factor": total,
                            "suggested_before": first, "suggested_after": rate,
                            "layers": len(ok), "rounds": rounds, "left_out": dict(left)}
+    if ceiling:
+        out["headroom"] = room
+        out["ceiling"] = rate * room if rate else rate
     out["summary"] = _summary(out, fam)
-    if ceiling and total == 1.0 and rate and rate >= lr:
-        out["summary"] = (f"lr={lr:.4g} ({optimizer}) is at or below the suggested {fam} rate "
-                          f"{rate:.4g}: storage kept (the ceiling only lowers a rate above it)")
+    if ceiling and room != 1.0 and rate:
+        out["summary"] += (f"; the ceiling {rate * room:.4g} is {room:.3g}x the suggested rate "
+                           f"(half the rate a quadratic of that curvature tolerates under the "
+                           f"optimizer's momentum)")
+    if ceiling and total == 1.0 and rate and rate * room >= lr:
+        top = f"the suggested {fam} rate {rate:.4g}" if room == 1.0 else \
+            f"the ceiling {rate * room:.4g} ({room:.3g}x the suggested {fam} rate {rate:.4g})"
+        out["summary"] = (f"lr={lr:.4g} ({optimizer}) is at or below {top}: storage kept (the "
+                          f"ceiling only lowers a rate above it)")
     if not ok:
         out["warning"] = "lr=: no layer carries an lr multiplier; nothing was scaled"
     elif not first or not math.isfinite(first):
@@ -116,7 +128,8 @@ def keep_rate(model: nn.Module, graph: Any, plan: Any, lr_buffers: dict[str, lis
                           f"not {lr:.4g}: check that optimizer={optimizer!r} is the optimizer "
                           f"you train with and lr= its rate; if so, the model as preconditioned "
                           f"wants a rate that far from yours (the function is unchanged)")
-    elif rate and abs(math.log2(rate / lr)) > 1.0 and not (ceiling and rate >= lr):
+    elif rate and abs(math.log2(rate * room / lr)) > 1.0 and not (ceiling and
+                                                                   rate * room >= lr):
         out["warning"] = (f"lr=: the suggested {fam} rate reached {rate:.4g}, not {lr:.4g}: the "
                           f"curvature sits on parameters outside the scaled layers"
                           + _unscaled(model, plan, ok))

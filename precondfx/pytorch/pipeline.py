@@ -29,7 +29,8 @@ from precondfx.pytorch.apply import user_class, weight_side
 from precondfx.pytorch.balance import balance_measured, balanceable, held_out, record_factors
 from precondfx.pytorch.capture import meta
 from precondfx.pytorch.capture.common import (Sample, main_output, main_path_of, make_sample,
-                                             mask_arguments, other_outputs, others_note)
+                                             mask_arguments, masks_by_use, other_outputs,
+                                             others_note)
 from precondfx.pytorch.capture.ladder import Captured, capture
 from precondfx.pytorch.checks import check_copy, check_model
 from precondfx.core.classify import classify
@@ -153,14 +154,22 @@ def prepare_sample(model: Any, sample: Any, forward_kwargs: dict | None
     return model, s, notes
 
 
-def input_arrays(s: Sample, opts: Any, model: nn.Module | None = None) -> list:
+def input_arrays(s: Sample, opts: Any, model: nn.Module | None = None,
+                 graph: Any = None) -> list:
     """The sample's floating-point inputs as numpy arrays, for ``input_scale="auto"`` only;
-    the inputs named as masks (``attention_mask``) left out: the input scale neither reads
-    nor multiplies them (its ones would pull the scale of the data)."""
+    the inputs named as masks (``attention_mask``), and with the captured ``graph`` those it
+    reads as masks by their uses (``capture.common.masks_by_use``), left out: the input scale
+    neither reads nor multiplies them (their ones would pull the scale of the data)."""
     if opts.input_scale != "auto":
         return []
-    pos, kws = mask_arguments(model.forward, len(s.args), s.kwargs) if model is not None \
-        else ({}, set())
+    used: Any = ()
+    if graph is not None and model is not None:
+        try:
+            used = masks_by_use(graph, model.forward)
+        except PrecondError:
+            used = ()           # refused where the scale is applied, with what to do
+    pos, kws = mask_arguments(model.forward, len(s.args), s.kwargs, used) \
+        if model is not None else ({}, set())
     kept = Sample(tuple(a for i, a in enumerate(s.args) if i not in pos),
                   {k: v for k, v in s.kwargs.items() if k not in kws})
     return [t.detach().float().cpu().numpy() for t in kept.tensors()
@@ -419,6 +428,8 @@ def capture_stage(st: TorchState) -> None:
                                               st.opts.calibration, st.notes,
                                               lr_transfer.user_scales(st.work, st.opts.lr_scale))
     st.graph = st.captured.graph
+    if st.opts.input_scale == "auto":   # masks found by their uses leave the rms too
+        st.input_arrays = input_arrays(st.sample, st.opts, st.work, st.graph)
     if not st.analysis:
         driver.has_work(st.graph, "convolution, linear, embedding, matmul with a parameter... "
                                   "in the captured graph")

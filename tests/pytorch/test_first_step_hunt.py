@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import precondfx
-from tests.pytorch.test_first_step import _data, _mlp
+from tests.pytorch.test_first_step import ROOM, _data, _mlp
 
 #: a rate above the MLP's suggested SGD rate (about 0.46): the ceiling acts (factor about 0.48)
 HIGH = 2.0
@@ -20,10 +20,11 @@ def test_copies_trained_in_the_same_loop_get_their_gradients_rescaled():
     """A deep ensemble of copies of one result, the summed loss backward once, then each
     member's optimizer steps: the first step fired on member 0 and rescaled every copy's
     storage, but only member 0's gradients, so members 1 and 2 took a first step 1/c (about
-    2x) too large: their loss after 4 steps was 1.5816 against 1.6347 for lr= told."""
+    2x) too large: their loss after 4 steps was 1.5816 against 1.6347 for lr= told (the
+    ceiling's rate under momentum 0.9: HIGH / 1.9)."""
     x, y = _data()
     auto, rep = precondfx.precondition(_mlp(), x)
-    told, _ = precondfx.precondition(_mlp(), x, lr=HIGH, optimizer="sgd")
+    told, _ = precondfx.precondition(_mlp(), x, lr=HIGH / ROOM, optimizer="sgd")
     losses = {}
     for name, base in (("auto", auto), ("told", told)):
         ens = [copy.deepcopy(base) for _ in range(3)]
@@ -76,8 +77,9 @@ def test_a_cyclic_schedule_is_read_at_its_peak(saved):
     sched.step()
     sec = rep.conditioning["lr_target"]
     assert f"peak rate {HIGH:g}" in sec["summary"]
-    assert sec["factor"] == pytest.approx((sec["suggested_before"] / HIGH) ** 0.5, rel=0.1)
-    assert sec["factor"] < 0.7
+    assert sec["factor"] == pytest.approx((ROOM * sec["suggested_before"] / HIGH) ** 0.5,
+                                          rel=0.1)
+    assert sec["factor"] < 0.75
 
 
 def test_a_step_under_inference_mode_is_measured():
@@ -206,7 +208,7 @@ def test_two_optimizers_in_either_order(adam_first):
             o.step()
     consts = [float(b) for n, b in model.named_buffers() if "precondfx_lr" in n]
     assert consts[0] == consts[1] and consts[2] == 1.0
-    assert consts[0] == pytest.approx(0.62, abs=0.03)
+    assert consts[0] == pytest.approx(0.62 * ROOM ** 0.5, abs=0.03)   # 0.62 at momentum 0
     sec = rep.conditioning["lr_target"]      # the SGD's section, now or as the earlier one
     assert "peak rate 2" in " ".join([sec["summary"], *sec.get("earlier", [])])
 
@@ -229,7 +231,7 @@ def test_two_sgds_over_parts_each_get_a_ceiling(head_first):
         for o in ((head, body) if head_first else (body, head)):
             o.step()
     consts = [float(b) for n, b in model.named_buffers() if "precondfx_lr" in n]
-    assert consts[0] == consts[1] and consts[0] < 0.75 and consts[2] < 0.75
+    assert consts[0] == consts[1] and consts[0] < 0.9 and consts[2] < 0.75
     sec = rep.conditioning["lr_target"]
     assert len(sec["earlier"]) == 1 and "sets theirs" in sec["earlier"][0]
 

@@ -1536,7 +1536,8 @@ _ADDED_HOOK: Any = None
 def _missing_new(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Global step pre-hook: refuse an optimizer that holds every parameter a model rewritten
     in place had before ``precondition`` but not those it added, once they have a gradient:
-    built before the call, it would never move them (the new layers stay at their init)."""
+    built before the call (or from names that leave the new ones out), it would never move
+    them (the new layers stay at their init)."""
     if not _ADDED or opt in _CHECKED_ADDED:
         return
     held = {id(p) for g in opt.param_groups for p in g["params"]}
@@ -1558,8 +1559,9 @@ def _missing_new(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             f"this {type(opt).__name__} holds every parameter {model._get_name()} had before "
             f"precondfx.precondition(..., inplace=True), but not the {len(missing)} it added "
             f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}: the convolutions "
-            f"that replace max-pools): it was built before the call, and this step would leave "
-            f"them at their init. Build the optimizer after precondition "
+            f"that replace max-pools): built before the call, or from parameter names that "
+            f"leave these out, this step would leave them at their init. Build the optimizer "
+            f"after precondition from model.parameters() "
             f"(opt = {type(opt).__name__}(model.parameters(), ...)), add them "
             f"(opt.add_param_group({{'params': [...]}})), or pass maxpool='keep'")
     if not pending:

@@ -27,8 +27,9 @@ _SKIP_NAMES = {"__get__", "__set__", "dim", "size", "numel", "is_floating_point"
                "__deepcopy__"}
 
 
-#: the Tensor properties that transpose (``w.T``, ``w.mT``), recorded as the op table's method
-_TRANSPOSE_PROPS = ("T", "mT")
+#: the Tensor properties that transpose (``w.T``, ``w.mT``; ``w.H``, ``w.mH`` of a real
+#: weight), recorded as the op table's method
+_TRANSPOSE_PROPS = ("T", "mT", "H", "mH")
 
 
 class _Recorder(TorchFunctionMode):

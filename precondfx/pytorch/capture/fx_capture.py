@@ -45,8 +45,9 @@ from precondfx.core import optable
 from precondfx.core.graph import Graph, Node
 
 
-#: the Tensor properties that transpose (``w.T``, ``w.mT``): read as the op table's method
-_TRANSPOSE_PROPS = ("T", "mT")
+#: the Tensor properties that transpose (``w.T``, ``w.mT``; ``w.H``, ``w.mH`` of a real
+#: weight): read as the op table's method
+_TRANSPOSE_PROPS = ("T", "mT", "H", "mH")
 
 
 class Unkeepable(Exception):

@@ -167,7 +167,7 @@ def capture(model: torch.nn.Module, sample: Sample, methods: tuple[str, ...] | l
                 value_error = e
             continue
         result.attempts = attempts
-        result.graph = nodes.weight_transposes(result.graph)   # x @ self.weight.t()
+        result.graph = nodes.weight_gains(nodes.weight_transposes(result.graph))
         result.graph.notes[:0] = [f"{m} {why}" for m, why in attempts]
         unseen = unseen_parameters(model, result.graph)
         if unseen:
