@@ -326,6 +326,8 @@ def _uses(user: fx.Node, n: fx.Node) -> int:
 
 #: products linear in their first operand when the second is a parameter
 _MATMULS = (operator.matmul, torch.matmul, torch.mm, torch.bmm)
+#: ... and a bias-free ``F.linear(x, W)``: products a separate ``+ bias`` may follow
+_PRODUCTS = _MATMULS + (torch.nn.functional.linear,)
 
 
 def _of_parameters(n: fx.Node, depth: int = 0) -> bool:
@@ -629,10 +631,11 @@ def _bias_free(mod: nn.Module) -> bool:
 def _own_layer_call(n: fx.Node, gm: fx.GraphModule) -> str | None:
     """The path of the layer whose parameters ``n`` computes with, when ``n`` is a linear map
     or convolution of one activation by that layer's weight and bias, traced into its parts:
-    ``F.linear(x, self.weight, self.bias)``, ``F.conv2d(...)``, or ``x @ self.weight.t()``
-    (``+ self.bias``), the parameters read there alone, the layer having no other parameter
-    and being one whose output scales with them (``kind``): scaling its weight and bias scales
-    ``n`` exactly; else None."""
+    ``F.linear(x, self.weight, self.bias)``, ``F.conv2d(...)``, ``x @ self.weight.t()`` or
+    ``F.linear(x, self.weight * c)`` (``+ self.bias``, ``+ self.bias * lr_mul``), the
+    parameters read there alone, the layer having no other parameter and being one whose
+    output scales with them (``kind``): scaling its weight and bias scales ``n`` exactly; else
+    None."""
     if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
         return None
     spec = ops.for_function(n.target)
@@ -648,13 +651,13 @@ def _own_layer_call(n: fx.Node, gm: fx.GraphModule) -> str | None:
             under = {a: _product_chain(a) if isinstance(a, fx.Node) else ([], a)
                      for a in n.args}
             mm = [a for a, (_, u) in under.items() if isinstance(u, fx.Node) and
-                  u.op == "call_function" and u.target in _MATMULS]
+                  u.op == "call_function" and u.target in _PRODUCTS]
             if len(mm) != 1:
                 return None
             chain, prod = under[mm[0]]
             bias = [a for a in n.args if a is not mm[0]]
             region |= {prod, *chain}
-        if prod.target not in _MATMULS or len(prod.args) != 2 or prod.kwargs or \
+        if prod.target not in _PRODUCTS or len(prod.args) != 2 or prod.kwargs or \
                 not isinstance(prod.args[0], fx.Node) or not isinstance(prod.args[1], fx.Node) \
                 or not _of_parameters(prod.args[1]) or _of_parameters(prod.args[0]):
             return None

@@ -101,8 +101,9 @@ def test_a_weight_with_a_fixed_gain_is_preconditioned(capture):
     refusal.  Since the nineteenth round the product of a parameter and a number is the
     layer's weight with a fixed gain (``core.nodes.weight_gains``): each layer is re-drawn so
     that its effective weight ``weight * scale`` has the geometric rule's std, sqrt(2/16) for
-    16x16 with the ReLU-family gain 2, the output std is 1, and measured balancing leaves the
-    three layers out, saying why (their gain sets their rate by design)."""
+    16x16 with the ReLU-family gain 2, the output std is 1, measured balancing leaves the
+    three layers out, saying why (their gain sets their rate by design), and the result folds
+    to 1e-5 on every capture."""
     model = _Mapping()
     z = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
@@ -118,6 +119,12 @@ def test_a_weight_with_a_fixed_gain_is_preconditioned(capture):
         assert float(out(z).std()) == pytest.approx(1.0, abs=0.03)
     left = rep.conditioning["hessian"]["left_out"]
     assert all("fixed gain" in left[f"style.{i}.weight"] for i in range(3))
+    # and it folds: on fx, leaky_relu(F.linear(x, W * s) + b * lr_mul) carries the output
+    # scale in W and b (refused before: "multiplies the output of add_3")
+    with torch.no_grad():
+        plain = precondfx.fold(out)
+        assert type(plain) is _Mapping
+        assert float((plain(z) - out(z)).abs().max()) < 1e-5
 
 
 class _SplitAttention(nn.Module):
