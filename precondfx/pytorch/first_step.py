@@ -23,9 +23,9 @@ its curvature: the suggested SGD rate ``1 / lambda``
   storage takes.  The ceiling is half the largest rate the optimizer's own iteration
   tolerates on a quadratic of that curvature (:func:`headroom`): the suggested rate itself
   for plain SGD (its limit is ``2 / lambda``), 1.9 times it under momentum 0.9 (heavy ball's
-  limit ``2 (1 + beta) / lambda``: at the suggested rate the ceiling held a width-512 MLP two
-  octaves below its best rate, 0.070 against 0.056 without a ceiling; at 1.9x it gave
-  0.059, docs/results/heldout_cpu.md, nineteenth round).  At or below the ceiling nothing
+  limit ``2 (1 + beta) / lambda``: at the suggested rate the ceiling held a width-512 MLP
+  under momentum 0.9 about two octaves below its best rate, 0.071 against 0.054 without a
+  ceiling; at 1.9x it gave 0.059, docs/results/heldout_cpu.md, nineteenth round).  At or below the ceiling nothing
   changes: the default only lowers a rate the model cannot take, and your rate keeps its
   meaning below that ceiling (a sweep still sweeps).  An optimizer
   holding some of the trainable layers acts on those: the first step of the one holding the
