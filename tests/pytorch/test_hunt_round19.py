@@ -222,3 +222,28 @@ def test_a_mask_found_by_its_uses_leaves_the_input_scales_rms(capture):
     got = [s.value for s in rep.plan.scales if s.tag == "input"]
     want = ((1 / 8 ** 0.5) / float(x.double().pow(2).mean())) ** 0.5
     assert got and got[0] == pytest.approx(want, rel=1e-5)
+
+
+def test_a_method_running_a_module_another_method_returns_is_named():
+    """``for layer in reversed(self.get_layers()): z = layer.inverse(z)``: the method runs the
+    couplings that ``get_layers`` returns, outside the rewritten forward (fx), so it computes
+    without the residual scales only forward applies: decode(result(x)) is far from x.  Before,
+    the warning named ``inverse`` and ``sample`` but not ``decode``; now it names it too."""
+    from tests.pytorch.test_hunt_models8 import RealNVP, _precondition_caught
+
+    class Flow(RealNVP):
+        def get_layers(self):
+            return self.layers
+
+        def decode(self, z):
+            for layer in reversed(self.get_layers()):
+                z = layer.inverse(z)
+            return z
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    res, rep, said = _precondition_caught(Flow(), x, capture="fx")
+    with torch.no_grad():
+        assert float((res.decode(res(x)) - x).abs().max()) > 1e-2
+    assert len(said) == 1 and "Flow.decode" in said[0] and ".inverse" in said[0], said
+    assert ".get_layers" not in said[0]

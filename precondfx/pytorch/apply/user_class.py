@@ -773,7 +773,10 @@ def own_code_methods(user_cls: type, children: set[str]) -> list[str]:
             lib[name] = got
             todo |= got[2] - set(found) - set(lib)
     every = {**lib, **found}
-    out = {k for k, (_, r, _) in every.items() if r}
+    # a method running a submodule another method returns (self.get_input_embeddings()(ids))
+    given = {f"{k}()" for k in every if _returns_child(
+        vars(next(c for c in user_cls.__mro__ if k in vars(c)))[k], children)}
+    out = {k for k, (_, r, c) in every.items() if r or c & given}
     while True:         # a method calling one of them (sample -> inverse) computes the same
         more = {k for k, (_, _, c) in every.items() if c & out} - out
         if not more:
@@ -804,7 +807,22 @@ def _scan(fn: Any, children: set[str]) -> tuple[bool, bool, set[str]] | None:
         reads = reads or (own and n.attr in children and _runs(n, parent))
         if own:
             calls.add(n.attr)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and \
+                isinstance(n.func.value, ast.Name) and n.func.value.id == me and \
+                _runs(n, parent):   # self.get_input_embeddings()(ids), for b in self.blocks()
+            calls.add(n.func.attr + "()")       # runs what that method returns
     return graph, reads, calls
+
+
+def _returns_child(fn: Any, children: set[str]) -> bool:
+    """Whether the method ``fn`` returns one of the submodules ``children`` itself
+    (``return self.embed``: a ``get_input_embeddings``), which a caller then runs."""
+    fn = fn.fget if isinstance(fn, property) else fn
+    tree = _source_tree(fn)
+    me = _self_name(tree)
+    return any(isinstance(n, ast.Return) and isinstance(n.value, ast.Attribute) and
+               isinstance(n.value.value, ast.Name) and n.value.value.id == me and
+               n.value.attr in children for n in ast.walk(tree)) if tree is not None else False
 
 
 #: the methods :func:`own_code_methods` found last for a class that also call ``self(...)``
