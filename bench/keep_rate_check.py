@@ -68,6 +68,7 @@ def train_at(task: "T.Task", opt: str, lr: float, extra: dict | None = None,
     median ± SE (and accuracy), per-seed losses, per-seed factors."""
     import precondfx
     models, facs = [], []
+    mom = T.Hyper(opt).momentum if opt == "sgd" else 0.0  # the loop's, as torch.optim's step
     for s in SEEDS:
         calib = task.get(task.sampler(s)[0])[0]
         model, _ = T.build(task, "default", s, calib, opt)
@@ -75,8 +76,7 @@ def train_at(task: "T.Task", opt: str, lr: float, extra: dict | None = None,
         out, rep = precondfx.precondition(model, calib, seed=s, **told, **(extra or {}))
         if mode == "default":
             with C.ceiling_margin(margin):      # 0: the library's ceiling
-                mom = T.Hyper(opt).momentum if opt == "sgd" else 0.0    # the loop's, as
-                precondfx.settle_rate(out, lr, opt, momentum=mom)      # torch.optim's step
+                precondfx.settle_rate(out, lr, opt, momentum=mom)
         models.append(out.train())
         facs.append(rep.conditioning["lr_target"]["factor"])
     r = T.train_copies(task, models, [lr] * len(SEEDS), SEEDS, T.Hyper(opt), {}, "cpu")

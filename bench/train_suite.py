@@ -63,7 +63,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -1167,12 +1167,12 @@ def _grid_point(k: int, step: float) -> float | int:
 
 def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device: str,
           max_widen: int = 3, say: Callable[[str], None] = print, engine: str = "auto",
-          include: float | list[float | None] | None = None, step: float = 1.0) -> dict:
+          include: Sequence[float | None] = (), step: float = 1.0) -> dict:
     """One (task, method, optimizer): the LR grid, widened while the best rate (median over
     seeds of the ``task.select`` loss) is at an edge; the reported loss (``best``, ``se``) is
-    ``task.metric``'s at that rate.  ``include``: a log2 rate the grid must reach (the
-    framework default's chosen rate, so that every method is measured there too; a list:
-    every one of them, ``--lr-include``).  ``step``:
+    ``task.metric``'s at that rate.  ``include``: log2 rates the grid must reach (the
+    framework default's chosen rate, so that every method is measured there too, and
+    ``--lr-include``'s; None entries ignored).  ``step``:
     the grid's spacing in octaves (1: rates 2x apart; 0.5: sqrt(2) apart, for comparisons
     that a 2x grid's placement could decide)."""
     hp = Hyper(opt)
@@ -1192,8 +1192,7 @@ def sweep(task: Task, method: str, opt: str, seeds: list[int], n_lr: int, device
     c = LR_CENTER[opt]
     lo = int(math.ceil((c - n_lr * step / 2) / step + 0.5))
     exps = [_grid_point(k, step) for k in range(lo, lo + n_lr)]
-    reach = [e for e in ((include,) if not isinstance(include, (list, tuple)) else include)
-             if e is not None]
+    reach = [e for e in include if e is not None]
     if reach:
         k0 = min([lo] + [math.floor(e / step) for e in reach])
         k1 = max([lo + n_lr - 1] + [math.ceil(e / step) for e in reach])
@@ -1289,18 +1288,19 @@ def settled(task: Task, method: str, seed: int, calib: torch.Tensor, opt: str, l
     if method not in SETTLED or opt != "sgd":
         return model
     import precondfx
+    from precondfx.pytorch.first_step import headroom
     from precondfx.pytorch.lr_target import TOLERANCE
+    mom = Hyper(opt).momentum   # the loop's, read as torch.optim.SGD's first step reads it
     seen = factors.setdefault("suggested", {})
     first = seen.get(seed)      # the seed's suggested rate, measured by an earlier settle
-    from precondfx.pytorch.first_step import headroom
-    room = headroom({"momentum": Hyper(opt).momentum})
-    if first and lr <= first * room * 2.0 ** (TOLERANCE + SETTLED[method]):   # kept: the
-        factors.setdefault(math.log2(lr), []).append(1.0)   # cached build is that model
+    ceiling = first * headroom({"momentum": mom}) if first else None
+    if ceiling and lr <= ceiling * 2.0 ** (TOLERANCE + SETTLED[method]):   # storage kept:
+        factors.setdefault(math.log2(lr), []).append(1.0)   # the cached build is that model
         return model
     fresh, _ = build(task, method, seed, calib, opt)
     fresh.to(device)            # the kept batch follows the model: measured where it trains
-    with C.ceiling_margin(SETTLED[method]):   # the loop's momentum, as torch.optim.SGD's
-        sec = precondfx.settle_rate(fresh, lr, "sgd", momentum=Hyper(opt).momentum)
+    with C.ceiling_margin(SETTLED[method]):
+        sec = precondfx.settle_rate(fresh, lr, "sgd", momentum=mom)
     if sec.get("suggested_before"):
         seen[seed] = float(sec["suggested_before"])
     factors.setdefault(math.log2(lr), []).append(float(sec.get("factor", 1.0)))

@@ -8,7 +8,6 @@ which operand is the weight) from the op table's spelling of it.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,11 +219,10 @@ def weight_gains(graph: Graph) -> Graph:
     bias written the same way (``self.bias * lr_mul``) becomes the layer's bias.  One rule for
     every capture, after :func:`weight_transposes`."""
     users = graph.users()
-    by = {n.name: n for n in graph}
     drop: set[str] = set()
 
     def gain_of(name: str) -> tuple[str, float] | None:
-        n = by.get(name)
+        n = graph.get(name)
         if n is None or n.kind != "mul" or n.inputs or list(n.params) != ["operand0"] or \
                 "factor" not in n.attrs or len(users.get(name, ())) != 1:
             return None
@@ -232,12 +230,11 @@ def weight_gains(graph: Graph) -> Graph:
 
     for r in graph:
         if r.kind not in ("linear", "conv", "matmul") or len(r.inputs) < 2 or \
-                "weight" in r.params or "einsum" in r.attrs:
+                "weight" in r.params or "einsum" in r.attrs or \
+                r.kind == "matmul" and len(r.inputs) != 2:
             continue
         w = gain_of(r.inputs[1])
         if w is None or r.inputs[0] == r.inputs[1]:
-            continue
-        if r.kind == "matmul" and len(r.inputs) != 2:
             continue
         rest = r.inputs[2:]
         b = gain_of(rest[0]) if len(rest) == 1 and "bias" not in r.params else None
@@ -304,14 +301,13 @@ def weight_transposes(graph: Graph) -> Graph:
     stored (out, in) as a Linear's (``weight_side='right_t'``: the fans of ``F.linear``).  A
     transpose read by anything else stays as it was.  One rule for every capture."""
     users = graph.users()
-    by = {n.name: n for n in graph}
     drop: set[str] = set()
     for n in graph:
         if n.kind != "reshape" or n.inputs or list(n.params) != ["operand0"] or \
                 n.target.rsplit(".", 1)[-1] not in _TRANSPOSES or \
                 n.out_shape is None or len(n.out_shape) != 2 or not users.get(n.name):
             continue
-        readers = [by[u] for u in users[n.name]]
+        readers = [graph[u] for u in users[n.name]]
         if not all(r.kind == "matmul" and len(r.inputs) == 2 and r.inputs[1] == n.name and
                    r.inputs[0] != n.name and not r.params and "einsum" not in r.attrs
                    for r in readers):

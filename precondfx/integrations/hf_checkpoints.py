@@ -246,15 +246,19 @@ def reattach(model: nn.Module) -> nn.Module:
                            "; ".join(entry.get("problems", [])) + "): from_pretrained dropped "
                            "its constants; load it with load_state_dict into a model "
                            "preconditioned the same way")
-    known = {PREFIX + "output_scale", PREFIX + "input_scale", *ea.MODULE_HOOKS}
-    traced = [f for f in entry["constants"] if f.rpartition(".")[2] not in known]
-    if traced and entry.get("capture") == "fx":         # checked before anything changes
+    # every constant checked before anything changes: one this function cannot put back
+    # (a constant of an fx result's traced forward) would leave the model half reattached
+    unknown = [f for f in entry["constants"]
+               if f.rpartition(".")[2] not in (PREFIX + "input_scale", *ea.MODULE_HOOKS)]
+    if unknown and entry.get("capture") == "fx":
         raise PrecondError(
-            f"config.precondfx records {traced[0]}, a constant of the traced forward of an fx "
+            f"config.precondfx records {unknown[0]}, a constant of the traced forward of an fx "
             f"result: reattach puts back the constants of the eager and export captures "
             f"(buffers with hooks), not a traced graph. The model from_pretrained loaded is "
             f"the folded one, the same function: train it as it is, or precondition it again "
             f"with capture='eager' to train on in the preconditioned form")
+    if unknown:
+        raise PrecondError(f"config.precondfx records an unknown constant {unknown[0]}")
     like = next(iter(model.parameters()), None)
     for fqn, value in entry["constants"].items():
         path, _, name = fqn.rpartition(".")
@@ -267,10 +271,8 @@ def reattach(model: nn.Module) -> nn.Module:
             model.register_forward_hook(ea._root_output_hook)
         elif name == PREFIX + "input_scale":
             model.register_forward_pre_hook(ea._root_input_hook, with_kwargs=True, prepend=True)
-        elif name in ea.MODULE_HOOKS:
+        else:                                   # a module's constant (checked above)
             ea.module_hook(mod, name)
-        else:
-            raise PrecondError(f"config.precondfx records an unknown constant {fqn}")
     attach(model, Recipe(None, [], dict(entry.get("upstream", {})),
                          idle=list(entry.get("idle", []))))
     follow_output_embeddings(model)

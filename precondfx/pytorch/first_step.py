@@ -25,9 +25,9 @@ its curvature: the suggested SGD rate ``1 / lambda``
   for plain SGD (its limit is ``2 / lambda``), 1.9 times it under momentum 0.9 (heavy ball's
   limit ``2 (1 + beta) / lambda``: at the suggested rate the ceiling held a width-512 MLP
   under momentum 0.9 about two octaves below its best rate, 0.071 against 0.054 without a
-  ceiling; at 1.9x it gave 0.059, docs/results/heldout_cpu.md, nineteenth round).  At or below the ceiling nothing
-  changes: the default only lowers a rate the model cannot take, and your rate keeps its
-  meaning below that ceiling (a sweep still sweeps).  An optimizer
+  ceiling; at 1.9x it gave 0.059, docs/results/heldout_cpu.md, nineteenth round).  At or
+  below the ceiling nothing changes: the default only lowers a rate the model cannot take,
+  and your rate keeps its meaning below that ceiling (a sweep still sweeps).  An optimizer
   holding some of the trainable layers acts on those: the first step of the one holding the
   others acts on theirs (two optimizers, in either order, or stepped k:1 as a GAN's); where
   no optimizer's parameter group holds them by that optimizer's second step (trainable
@@ -693,6 +693,15 @@ def _joined(secs: list[dict[str, Any]]) -> dict[str, Any]:
     return sec
 
 
+def _number(v: Any) -> float | None:
+    """A parameter group's setting as a float (a Python number or a one-element tensor, the
+    form a scheduler may store); None for anything else (a bool, a list, a string)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool) or \
+            isinstance(v, torch.Tensor) and v.numel() == 1:
+        return float(v)
+    return None
+
+
 def headroom(group: dict[str, Any]) -> float:
     """How far above the suggested rate ``1 / lambda`` the ceiling sits for an SGD parameter
     group: half the largest rate that keeps its momentum iteration stable on a quadratic of
@@ -702,15 +711,11 @@ def headroom(group: dict[str, Any]) -> float:
     ``1 / lambda``, half its own limit ``2 / lambda``; momentum 0.9 puts it 1.9x higher.  A
     ``OneCycleLR`` cycling the momentum reaches its peak rate at ``base_momentum``, the
     lowest.  A momentum that is not a number in [0, 1) gives 1."""
-    def num(v: Any) -> float | None:
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            v = v.item()
-        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-    beta = num(group.get("momentum", 0.0))
-    low = num(group.get("base_momentum"))
+    beta = _number(group.get("momentum", 0.0))
+    low = _number(group.get("base_momentum"))
     if beta is not None and low is not None:
         beta = min(beta, low)
-    damp = num(group.get("dampening", 0.0)) or 0.0
+    damp = _number(group.get("dampening", 0.0)) or 0.0
     if beta is None or not 0.0 <= beta < 1.0 or not 0.0 <= damp < 1.0:
         return 1.0
     if beta == 0.0:
@@ -725,12 +730,8 @@ def _peak(group: dict[str, Any]) -> float:
     by hand above a scheduler's ``initial_lr`` before the first step is the rate that step
     takes: read as ``initial_lr`` alone, its ceiling was decided for 0.1 at lr=4 and the loss
     rose 0.94 -> 2.36); a value that is not finite first (said as not a positive number)."""
-    rates = []
-    for k in ("max_lr", "initial_lr", "lr"):
-        v = group.get(k)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) or \
-                isinstance(v, torch.Tensor) and v.numel() == 1:
-            rates.append(float(v))
+    rates = [r for r in (_number(group.get(k)) for k in ("max_lr", "initial_lr", "lr"))
+             if r is not None]
     bad = [r for r in rates if not math.isfinite(r)]
     return bad[0] if bad else max(rates, default=float("nan"))
 

@@ -523,11 +523,12 @@ def _fx_scales(gm: fx.GraphModule) -> _Scales:
                 continue
             owns = [_own_layer_call(u, gm) if u.op == "call_function" else None
                     for u in reads]
-            if reads and all(o is not None and _bias_free(gm.get_submodule(o)) for o in owns):
+            mods = [gm.get_submodule(o) if o is not None else None for o in owns]
+            if reads and all(m is not None and _bias_free(m) for m in mods):
                 # the input of a bias-free layer of the user's (F.conv2d(x, self.weight * c)):
                 # linear in its input and in its weight, so the weight carries the scale
-                for o in owns:
-                    sc.add(sc.out, o, gm.get_submodule(o), v)
+                for o, m in zip(owns, mods):
+                    sc.add(sc.out, o, m, v)
                 continue
             shared = [str(u.target) for u in reads if u.op == "call_module"
                       and calls[str(u.target)] > 1]

@@ -376,7 +376,6 @@ def prepare(st: TorchState) -> None:
     st.flow_shaped = flows.shaped_as_flow(out0, s, st.opts.output_key)
     if st.opts.target_std is not None and not st.data:   # on data, calibration checks it
         cal.check_calibratable(main_output(out0, st.opts.output_key))
-    st.input_arrays = input_arrays(s, st.opts, st.work)
     st.float_inputs = any(t.is_floating_point() for t in s.tensors())
     st.param_ids = {id(p) for p in model.parameters()}
     st.input_rms = input_rms(s)
@@ -428,8 +427,8 @@ def capture_stage(st: TorchState) -> None:
                                               st.opts.calibration, st.notes,
                                               lr_transfer.user_scales(st.work, st.opts.lr_scale))
     st.graph = st.captured.graph
-    if st.opts.input_scale == "auto":   # masks found by their uses leave the rms too
-        st.input_arrays = input_arrays(st.sample, st.opts, st.work, st.graph)
+    # after the capture: the masks found by their uses leave the input scale's rms too
+    st.input_arrays = input_arrays(st.sample, st.opts, st.work, st.graph)
     if not st.analysis:
         driver.has_work(st.graph, "convolution, linear, embedding, matmul with a parameter... "
                                   "in the captured graph")

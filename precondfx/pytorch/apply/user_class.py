@@ -746,7 +746,8 @@ def own_code_methods(user_cls: type, children: set[str]) -> list[str]:
     ``self.head(self.body(x.flip(-1)))``: that part runs without them); one that only calls
     ``self(...)`` runs the rewritten graph (see :func:`also_forward`).  The library's methods
     they call are read for what they run (``self._ff_block(x)``), not named themselves."""
-    found: dict[str, tuple[bool, bool, set[str]]] = {}     # name -> graph, reads, calls
+    found: dict[str, tuple[bool, bool, set[str], bool]] = {}  # name -> graph, reads, calls,
+    #                                                              returns a child
     for klass in user_cls.__mro__:
         if klass in (nn.Module, object) or issubclass(nn.Module, klass):
             continue
@@ -759,8 +760,8 @@ def own_code_methods(user_cls: type, children: set[str]) -> list[str]:
                 found[name] = got
     # an installed library's method one of them calls (``self._ff_block(x)`` of a subclass of
     # nn.TransformerEncoderLayer) runs the layers for it: read where called, not said itself
-    lib: dict[str, tuple[bool, bool, set[str]]] = {}
-    todo = {c for _, _, cs in found.values() for c in cs} - set(found)
+    lib: dict[str, tuple[bool, bool, set[str], bool]] = {}
+    todo = {c for _, _, cs, _ in found.values() for c in cs} - set(found)
     while todo:
         name = todo.pop()
         if name in lib or name in found or name == "forward" or name.startswith("__"):
@@ -774,21 +775,22 @@ def own_code_methods(user_cls: type, children: set[str]) -> list[str]:
             todo |= got[2] - set(found) - set(lib)
     every = {**lib, **found}
     # a method running a submodule another method returns (self.get_input_embeddings()(ids))
-    given = {f"{k}()" for k in every if _returns_child(
-        vars(next(c for c in user_cls.__mro__ if k in vars(c)))[k], children)}
-    out = {k for k, (_, r, c) in every.items() if r or c & given}
+    given = {f"{k}()" for k, (_, _, _, ret) in every.items() if ret}
+    out = {k for k, (_, r, c, _) in every.items() if r or c & given}
     while True:         # a method calling one of them (sample -> inverse) computes the same
-        more = {k for k, (_, _, c) in every.items() if c & out} - out
+        more = {k for k, (_, _, c, _) in every.items() if c & out} - out
         if not more:
             _ALSO_FORWARD[user_cls] = [k for k in found if k in out and found[k][0]]
             return [k for k in found if k in out]
         out |= more
 
 
-def _scan(fn: Any, children: set[str]) -> tuple[bool, bool, set[str]] | None:
+def _scan(fn: Any, children: set[str]) -> tuple[bool, bool, set[str], bool] | None:
     """For :func:`own_code_methods`: whether the method ``fn`` (a property's getter, a cached
     property's function) calls ``self(...)``/``self.forward(...)``, whether it runs a child in
-    ``children``, and the names it reads from ``self``; None where no source is found."""
+    ``children``, the names it reads from ``self`` (``m()`` for a ``self.m()`` whose result it
+    runs), and whether it returns a child itself (``return self.embed``: a
+    ``get_input_embeddings``, which a caller then runs); None where no source is found."""
     fn = fn.fget if isinstance(fn, property) else \
         fn.func if isinstance(fn, functools.cached_property) else fn
     tree = _source_tree(fn)
@@ -796,7 +798,7 @@ def _scan(fn: Any, children: set[str]) -> tuple[bool, bool, set[str]] | None:
         return None
     me = _self_name(tree)
     parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
-    graph = reads = False
+    graph = reads = returns = False
     calls: set[str] = set()
     for n in ast.walk(tree):
         own = isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and \
@@ -811,18 +813,9 @@ def _scan(fn: Any, children: set[str]) -> tuple[bool, bool, set[str]] | None:
                 isinstance(n.func.value, ast.Name) and n.func.value.id == me and \
                 _runs(n, parent):   # self.get_input_embeddings()(ids), for b in self.blocks()
             calls.add(n.func.attr + "()")       # runs what that method returns
-    return graph, reads, calls
-
-
-def _returns_child(fn: Any, children: set[str]) -> bool:
-    """Whether the method ``fn`` returns one of the submodules ``children`` itself
-    (``return self.embed``: a ``get_input_embeddings``), which a caller then runs."""
-    fn = fn.fget if isinstance(fn, property) else fn
-    tree = _source_tree(fn)
-    me = _self_name(tree)
-    return any(isinstance(n, ast.Return) and isinstance(n.value, ast.Attribute) and
-               isinstance(n.value.value, ast.Name) and n.value.value.id == me and
-               n.value.attr in children for n in ast.walk(tree)) if tree is not None else False
+        returns = returns or (own and n.attr in children and
+                              isinstance(parent.get(n), ast.Return))
+    return graph, reads, calls, returns
 
 
 #: the methods :func:`own_code_methods` found last for a class that also call ``self(...)``
