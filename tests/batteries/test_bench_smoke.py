@@ -294,6 +294,23 @@ def test_eq_scale_paired_summary_from_known_cells():
     assert np.isclose(s["pfx_at_or_below_best_other_share"], 0.0)
 
 
+def test_eq_scale_paired_null_matches_exchangeable_methods():
+    """bench/eq_scale_paired.py's null: with four methods drawn alike on 7 nets, precondfx is
+    never the worst in about (3/4)^7 of the within-seed permutations and at or below the best
+    other's mean in about 1/4 of them; a column 20% lower on every seed passes nearly always."""
+    import numpy as np
+    mod = _study("eq_scale_paired")
+    rng = np.random.default_rng(3)
+    per = {f"net{k}": {m: rng.lognormal(np.log(0.1), 0.3, 24) for m in mod.COMPARED}
+           for k in range(7)}
+    null = mod.null_pass_share(per, list(per), n_perm=400, gains=(0.0, 0.1, 0.2))
+    assert null["never_worst"] == pytest.approx(0.75 ** 7, abs=0.05)      # 3 SE of 400 draws
+    assert null["at_least_best_on_average"] == pytest.approx(0.25, abs=0.07)
+    assert null["power"]["0.00"] == null["both"] < null["power"]["0.10"] < null["power"]["0.20"]
+    assert null["power"]["0.20"] > 0.95 and 0.0 < null["gain_for_80pct"] <= 0.2
+    assert mod.null_pass_share(per, list(per), n_perm=0) is None
+
+
 def test_train_suite_half_octave_grid():
     """``--lr-step 0.5``: the grid's rates are sqrt(2) apart around the optimizer's centre,
     and widening at an edge continues at that spacing; step 1 keeps the integer grid."""
