@@ -374,7 +374,8 @@ def match_tokens(st: State) -> None:
                                              f"be measured on this back end "
                                              f"({'no value' if r is None else f'rms {r}'})"))
             continue
-        sub.inits[k] = dataclasses.replace(pi, std=r)
+        gain = st.graph.gains.get(k, 1.0) if st.graph is not None else 1.0
+        sub.inits[k] = dataclasses.replace(pi, std=r / abs(gain))      # core.plan.divide_gains
         st.measured.add("match", "std", k, r,
                         reason=f"rms of {pi.match}'s output on the calibration batch")
     if sub.inits:

@@ -63,6 +63,11 @@ class Graph:
     method: str                                  # "fx", "export", "draft_export", "eager", "onnx"
     notes: list[str] = field(default_factory=list)  # why earlier capture methods failed, etc.
     outputs: list[str] = field(default_factory=list)  # nodes whose values the model returns
+    #: parameter -> the fixed factor the forward multiplies it by before a layer reads it
+    #: (``F.linear(x, self.weight * c)``, a Gemm's ``alpha``, ``Mul(W, 3)``): the plan stores
+    #: it at the planned value divided by that factor (``core.plan.divide_gains``), so that
+    #: the value the layer applies is the planned one
+    gains: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._by_name = {n.name: n for n in self.nodes}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from precondfx.core import optable
 from precondfx.core.graph import Graph, Node
@@ -209,24 +209,42 @@ def _param_factor(kind: str, target: str, args: list, flat: list) -> float | Non
     return 1.0 / float(cs[0]) if "div" in target.lower() else float(cs[0])
 
 
-def weight_gains(graph: Graph) -> Graph:
+def weight_gains(graph: Graph, scalars: Mapping[str, float] | None = None) -> Graph:
     """``F.linear(x, self.weight * c)``, ``F.conv2d(x, self.weight * c)``, ``x @ (W * c)``
     (an equalized-learning-rate layer: the weight stored at unit scale, a fixed gain applied
-    in the forward) read as the weighted layer it is, with ``weight_gain`` c: the product
-    node, which reads the parameter and a Python number alone and is read by that layer alone
-    as its weight, is dropped and the layer takes the parameter as its weight; the planned
-    draw is divided by ``|c|`` so that the layer's effective weight has the rule's std.  A
-    bias written the same way (``self.bias * lr_mul``) becomes the layer's bias.  One rule for
-    every capture, after :func:`weight_transposes`."""
+    in the forward) read as the weighted layer it is, its parameter with the gain c in
+    ``graph.gains`` (the ONNX capture's Gemm ``alpha`` and ``Mul(W, c)`` go there too): the
+    product node, which reads the parameter and a Python number alone and is read by that
+    layer alone as its weight, is dropped and the layer takes the parameter as its weight; the
+    plan divides the draw by the gain (``core.plan.divide_gains``) so that the layer's
+    effective weight has the rule's std.  A bias written the same way (``self.bias *
+    lr_mul``) becomes the layer's bias.  ``scalars``: the values of the model's one-element
+    buffers (``self.register_buffer("scale", torch.tensor(c))``), a gain held as a buffer
+    (``self.weight * self.scale``, ``self.weight / self.scale``) read as the number it holds.
+    One rule for every capture, after :func:`weight_transposes`."""
     users = graph.users()
     drop: set[str] = set()
+    gains = dict(graph.gains)
+    scalars = scalars or {}
 
     def gain_of(name: str) -> tuple[str, float] | None:
         n = graph.get(name)
-        if n is None or n.kind != "mul" or n.inputs or list(n.params) != ["operand0"] or \
-                "factor" not in n.attrs or len(users.get(name, ())) != 1:
+        if n is None or n.kind != "mul" or n.inputs or len(users.get(name, ())) != 1 or \
+                "rounding_mode" in n.attrs:
             return None
-        return n.params["operand0"], float(n.attrs["factor"])
+        ps = [n.params[k] for k in ("operand0", "operand1") if k in n.params]
+        if len(ps) != len(n.params):
+            return None
+        if len(ps) == 1 and "factor" in n.attrs:
+            return ps[0], float(n.attrs["factor"])
+        if len(ps) != 2 or n.const_operands or (ps[0] in scalars) == (ps[1] in scalars):
+            return None
+        if ps[1] in scalars:        # W * s, W / s
+            c = scalars[ps[1]]
+            return ps[0], 1.0 / c if "div" in n.target.lower() else c
+        if "div" in n.target.lower():
+            return None             # s / W: not linear in W
+        return ps[1], scalars[ps[0]]
 
     for r in graph:
         if r.kind not in ("linear", "conv", "matmul") or len(r.inputs) < 2 or \
@@ -242,18 +260,25 @@ def weight_gains(graph: Graph) -> Graph:
             continue                # a bias computed otherwise: left as it was
         drop.add(r.inputs[1])
         r.params["weight"] = w[0]
-        r.attrs["weight_gain"] = w[1]
+        gains.setdefault(w[0], w[1])        # one parameter read with two gains: the first
         if r.kind == "matmul":
             r.attrs["weight_side"] = "right"
         if b is not None:
             drop.add(rest[0])
             r.params["bias"] = b[0]
-            r.attrs["bias_gain"] = b[1]
+            gains.setdefault(b[0], b[1])
         r.inputs = [r.inputs[0]]
-    if not drop:
+    return _without(graph, drop, gains)
+
+
+def _without(graph: Graph, drop: set[str], gains: dict[str, float] | None = None) -> Graph:
+    """``graph`` less the nodes ``drop`` (and with ``gains``), a new Graph where anything
+    changes."""
+    gains = graph.gains if gains is None else gains
+    if not drop and gains == graph.gains:
         return graph
     return Graph([n for n in graph if n.name not in drop], graph.method, notes=graph.notes,
-                 outputs=[o for o in graph.outputs if o not in drop])
+                 outputs=[o for o in graph.outputs if o not in drop], gains=gains)
 
 
 def fixed_factor_node(node: Node) -> bool:
@@ -317,7 +342,4 @@ def weight_transposes(graph: Graph) -> Graph:
             r.params["weight"] = n.params["operand0"]
             r.attrs["weight_side"] = "right_t"
         drop.add(n.name)
-    if not drop:
-        return graph
-    return Graph([n for n in graph if n.name not in drop], graph.method, notes=graph.notes,
-                 outputs=[o for o in graph.outputs if o not in drop])
+    return _without(graph, drop)

@@ -868,8 +868,7 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                 put(lay.weight, ParamInit(lay.weight, "keep", None, ZERO_ADAPTER))
             else:
                 r = "geometric" if lay.kind == "embedding" or rule == "keep" else rule
-                gain = abs(float(n.attrs.get("weight_gain", 1.0)))   # W * c in the forward
-                std = math.sqrt(fanlib.second_moment(f, r)) / lay.constant() / gain
+                std = math.sqrt(fanlib.second_moment(f, r)) / lay.constant()
                 put(lay.weight, ParamInit(lay.weight, r, std,
                                           f"E[W^2]={fanlib.second_moment(f, r):.4g} ({r}, n_in="
                                           f"{f.n_in}, n_out={f.n_out}, k^2={f.k2:.4g}"
@@ -880,8 +879,6 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                                              if lay.alpha != 1 else "")
                                           + (f", times beta^2={lay.beta**2:.6g} (App. E)"
                                              if lay.beta != 1 else "")
-                                          + (f", divided by the gain {gain:.4g} the forward "
-                                             f"multiplies it by" if gain != 1 else "")
                                           + ("; a new layer (max-pool replacement): drawn "
                                              "whatever init/reinit_weights say" if new else "")),
                     new)
@@ -940,3 +937,27 @@ def _plan_inits(graph: Graph, params: dict[str, ParamInfo], plan: Plan, opts: Op
                "class token, an activation slope): left as is" if name in read else
                "not read by any captured operation: left as is")
         inits[name] = ParamInit(name, "keep", None, why, list(info.shape))
+    divide_gains(inits, graph.gains)
+
+
+def divide_gains(inits: dict[str, ParamInit], gains: dict[str, float]) -> None:
+    """A parameter the forward multiplies by a fixed factor ``c`` before its layer reads it
+    (``graph.gains``: ``self.weight * c``, a Gemm's ``alpha``, ``Mul(g, 3)``) is stored at the
+    planned value divided by ``c``, so that the value the layer applies is the planned one:
+    a normal draw at ``std / |c|``, ones as the constant ``1 / c``, a constant divided by
+    ``c``; a ``match`` draw is divided when its std is measured (``driver.match_tokens``).
+    Zeros, kept and rescaled values are what they are whatever the factor.  One rule for
+    every front end."""
+    for name, c in gains.items():
+        pi = inits.get(name)
+        if pi is None or c == 1.0 or pi.rule in ("zeros", "keep", "scale", "match"):
+            continue
+        if pi.rule == "ones":
+            pi.rule, pi.std = "constant", 1.0 / c
+        elif pi.rule == "constant":
+            pi.std = float(pi.std or 0.0) / c
+        elif pi.std is not None:
+            pi.std = pi.std / abs(c)
+        else:
+            continue
+        pi.reason += f"; divided by the gain {c:.4g} the forward multiplies it by"

@@ -408,7 +408,7 @@ class OnnxApplier(Records, PoolSurgery):
     def reinit(self, plan: Plan, seed: int) -> list[str]:
         """``precondfx.onnx.reinit.reinit``: the plan's inits drawn with numpy."""
         from precondfx.onnx.reinit import reinit
-        return reinit(self.model, plan, seed, gains=self.cap.gains)
+        return reinit(self.model, plan, seed)
 
     def run(self, sample: Any, mode: str) -> dict[str, np.ndarray]:
         """Every graph output on the feed ``sample`` (name -> array); ``mode`` does not apply

@@ -516,23 +516,18 @@ def _shared_weights(plan: Any) -> list[str]:
 
 
 def record_gains(st: OnnxState) -> None:
-    """The weights ``OnnxApplier.reinit`` drew divided by their gain (a Gemm's ``alpha``: the
-    layer applies ``alpha * W``; a constant factor, ``MatMul(x, Mul(W, 3))``), as changes of
-    the plan: the report's std is the file's."""
-    for name, gain in st.captured.gains.items():
+    """What applies each gain the plan divided (``core.plan.divide_gains``: a Gemm's
+    ``alpha``, a constant factor ``MatMul(x, Mul(W, 3))``), in the file's words."""
+    for name, gain in st.graph.gains.items():
         pi = st.plan.inits.get(name)
-        why = st.captured.gain_why.get(name, f"alpha={gain:.4g} of its Gemm, which applies "
-                                                f"alpha*W")
-        if pi is not None and pi.rule == "ones":        # a norm's scale behind a factor
-            st.report.capture_notes.append(f"{name}: set to 1/{gain:.4g} rather than ones "
-                                           f"({why}): the scale the layer applies is ones, "
-                                           f"as planned")
+        if pi is None or pi.rule in ("zeros", "keep", "scale"):
             continue
-        if pi is None or pi.std is None or pi.rule in ("scale", "keep", "zeros"):
-            continue
-        st.measured.add("apply", "std", name, abs(gain), op="div",
-                        note=f"divided by {abs(gain):.4g} ({why}): the weight the layer "
-                             f"applies has the planned std")
+        why = st.captured.gain_why.get(name, f"a factor {gain:.4g}")
+        st.report.capture_notes.append(
+            f"{name}: set to 1/{gain:.4g} rather than ones ({why}): the scale the layer "
+            f"applies is ones, as planned" if pi.rule == "constant" else
+            f"{name}: drawn divided by {abs(gain):.4g} ({why}): the weight the layer applies "
+            f"has the planned std")
 
 
 def save(st: OnnxState) -> None:
@@ -568,7 +563,7 @@ PIPELINE = (
     driver.APPLY,
     driver.REINIT,
     driver.MATCH,
-    Stage("reinit", record_gains, when=lambda st: bool(st.captured.gains)),
+    Stage("reinit", record_gains, when=lambda st: bool(st.graph.gains)),
     driver.CALIBRATE,
     driver.RECORD,
     Stage("save", save),

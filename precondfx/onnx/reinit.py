@@ -10,7 +10,6 @@ ones, orthogonal (per gate block), scale (multiply the current value by ``std``)
 """
 from __future__ import annotations
 
-from typing import Mapping
 
 import numpy as np
 import onnx_ir as ir
@@ -26,12 +25,10 @@ def draw(pi: ParamInit, shape: tuple[int, ...], rng: np.random.Generator) -> np.
     return core.draw(pi, shape, core.numpy_ops(rng))
 
 
-def reinit(model: ir.Model, plan: Plan, seed: int,
-           gains: Mapping[str, float] | None = None) -> list[str]:
+def reinit(model: ir.Model, plan: Plan, seed: int) -> list[str]:
     """Apply the plan's parameter inits to the model's initializers; returns the names changed.
-    ``gains``: parameter -> the factor the graph multiplies it by (Gemm ``alpha``); a drawn
-    value is divided by it, so that the weight the layer applies has the planned std."""
-    gains = gains or {}
+    A weight the graph multiplies by a factor (Gemm ``alpha``) is planned divided by it
+    (``core.plan.divide_gains``)."""
     rng = np.random.default_rng(core.weight_seed(seed))
     match_rng = np.random.default_rng(int(seed) + core.MATCH_STREAM)
     inits = model.graph.initializers
@@ -52,8 +49,6 @@ def reinit(model: ir.Model, plan: Plan, seed: int,
             if new is None:
                 continue
             new = new.reshape(file_shape)
-            if name in gains and pi.rule != "zeros":     # ones / gain: the layer applies ones
-                new = new / np.float32(gains[name])
         v.const_value = ir.tensor(new.astype(dtype.numpy(), copy=False), dtype=dtype, name=name)
         changed.append(name)
     return changed

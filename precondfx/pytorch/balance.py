@@ -152,8 +152,7 @@ def balanceable(alpha_buffers: dict[str, list[str]], plan: Plan, graph: Graph | 
             if graph is not None:
                 nodes.setdefault(lay.weight, set()).add(lay.node)
     others = other_readers(graph, nodes) if graph is not None else {}
-    gains = {n.params.get("weight"): n.attrs["weight_gain"] for n in graph or ()
-             if "weight_gain" in n.attrs}
+    gains = graph.gains if graph is not None else {}
     ok: dict[str, list[str]] = {}
     left: dict[str, str] = {}
     for w, n in sites.items():

@@ -1069,9 +1069,13 @@ def test_gemm_alpha_is_part_of_the_weight(tmp_path, alpha):
                                     if t.name == "w1"))
     assert float(np.sqrt(np.mean((abs(alpha) * w1.astype(np.float64)) ** 2))) == \
         pytest.approx(std, rel=1e-3)
-    assert rep.planned.inits["w1"].std == pytest.approx(std)         # the intent
-    assert rep.plan.inits["w1"].std == pytest.approx(std / abs(alpha))   # what the file holds
-    assert "alpha" in rep.plan.inits["w1"].reason
+    # the plan holds what the file holds, the intent divided by |alpha| (core.plan.divide_gains,
+    # the rule of every front end), and says so; the note names the Gemm's alpha
+    assert rep.planned.inits["w1"].std == pytest.approx(std / abs(alpha))
+    assert rep.plan.inits["w1"].std == pytest.approx(std / abs(alpha))
+    assert f"divided by the gain {alpha:.4g}" in rep.plan.inits["w1"].reason
+    assert any(n.startswith("w1: drawn divided by") and f"alpha={alpha:.4g} of its Gemm" in n
+               for n in rep.capture_notes)
     same = tmp_path / "same.onnx"
     rep = precondition_onnx(src, str(same), feeds={"x": x}, reinit_weights=False,
                             target_std=TARGET)

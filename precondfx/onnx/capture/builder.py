@@ -31,11 +31,8 @@ class Captured:
     input_nodes: dict[str, ir.Value]                # neutral input node -> graph input
     dtypes: dict[str, int] = field(default_factory=dict)    # value name -> onnx elem type
     param_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # as in the file
-    #: parameter -> the factor its layer multiplies it by (Gemm ``alpha``): a drawn weight is
-    #: divided by it, so the effective weight has the planned std
-    gains: dict[str, float] = field(default_factory=dict)
-    #: parameter -> what applies its gain (a Gemm's alpha, a ``Mul`` by a constant), for the
-    #: report
+    #: parameter -> what applies its gain (``graph.gains``: a Gemm's alpha, a ``Mul`` by a
+    #: constant), for the report
     gain_why: dict[str, str] = field(default_factory=dict)
 
 
@@ -88,10 +85,11 @@ class _Builder:
                 read[f"output{i}"] = pname
         out_name = "output" if "output" not in self.taken else "output:graph"
         self.nodes.append(Node(out_name, "output", "output", inputs=outs, params=read))
-        return Captured(Graph(self.nodes, "onnx", outputs=outs), vals.params, self.ir_nodes,
-                        self.act_index, self.input_nodes,
+        gains = _gains(vals)
+        return Captured(Graph(self.nodes, "onnx", outputs=outs, gains=gains["gains"]),
+                        vals.params, self.ir_nodes, self.act_index, self.input_nodes,
                         dtypes={k: v[1] for k, v in vals.shapes.items()},
-                        param_shapes=vals.param_shapes, **_gains(vals))
+                        param_shapes=vals.param_shapes, gain_why=gains["why"])
 
     # -- one node -------------------------------------------------------------------------------
     def add_node(self, node: ir.Node) -> None:
@@ -164,14 +162,15 @@ class _Builder:
 
 def _gains(vals: Any) -> dict[str, dict]:
     """The factor each layer multiplies its weight by (a Gemm's ``alpha`` times the constant
-    factors of its weight's views), and what applies it."""
+    factors of its weight's views: ``graph.gains``, which the plan divides), and what applies
+    it."""
     gains = dict(vals.gains)
     why = {n: f"alpha={a:.4g} of its Gemm, which applies alpha*W" for n, a in gains.items()}
     for n, (f, by) in vals.scaled.items():
         gains[n] = gains.get(n, 1.0) * f
         what = f"{by}, which multiplies it by {f:.4g} before its layer reads it"
         why[n] = f"{what}; {why[n]}" if n in why else what
-    return {"gains": gains, "gain_why": why}
+    return {"gains": gains, "why": why}
 
 
 def _subgraph_reads(node: ir.Node) -> list[ir.Value]:
