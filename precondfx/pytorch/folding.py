@@ -633,8 +633,8 @@ def _own_layer_call(n: fx.Node, gm: fx.GraphModule) -> str | None:
     """The path of the layer whose parameters ``n`` computes with, when ``n`` is a linear map
     or convolution of one activation by that layer's weight and bias, traced into its parts:
     ``F.linear(x, self.weight, self.bias)``, ``F.conv2d(...)``, ``x @ self.weight.t()`` or
-    ``F.linear(x, self.weight * c)`` (``+ self.bias``, ``+ self.bias * lr_mul``), the
-    parameters read there alone, the layer having no other parameter and being one whose
+    ``F.linear(x, self.weight * c)`` (``+ self.bias``, ``+ self.bias * lr_mul``; ``c`` a
+    number or a one-element buffer of the layer), the parameters read there alone, the layer having no other parameter and being one whose
     output scales with them (``kind``): scaling its weight and bias scales ``n`` exactly; else
     None."""
     if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
@@ -688,7 +688,9 @@ def _own_layer_call(n: fx.Node, gm: fx.GraphModule) -> str | None:
         return None
     names = {str(r.target).rpartition(".")[2] for r in reads}
     own = {k for k, p in mod._parameters.items() if p is not None}
-    if not path or names != own or "weight" not in own or kind(mod) != "norm":
+    gains = {k for k, b in mod._buffers.items() if b is not None and b.numel() == 1}
+    # a fixed gain held in a one-element buffer (``self.weight * self.scale``) stays as it is
+    if not path or names - gains != own or "weight" not in own or kind(mod) != "norm":
         return None
     return path
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from precondfx.pytorch.calibrate import PROCESS_STATE, quiet_run
 from precondfx.pytorch.capture import eager_capture, export_capture, fx_capture, meta
@@ -167,7 +169,8 @@ def capture(model: torch.nn.Module, sample: Sample, methods: tuple[str, ...] | l
                 value_error = e
             continue
         result.attempts = attempts
-        result.graph = nodes.weight_gains(nodes.weight_transposes(result.graph))
+        result.graph = nodes.weight_gains(nodes.weight_transposes(result.graph),
+                                          {} if on_meta else scalar_buffers(model))
         result.graph.notes[:0] = [f"{m} {why}" for m, why in attempts]
         unseen = unseen_parameters(model, result.graph)
         if unseen:
@@ -194,3 +197,17 @@ def capture(model: torch.nn.Module, sample: Sample, methods: tuple[str, ...] | l
             f"runs on the sample." if untried else " Check that the model runs on the sample.")
     raise PrecondError("no capture method worked on this model: " +
                        "; ".join(f"{m}: {why}" for m, why in attempts) + "." + hint)
+
+
+def scalar_buffers(model: nn.Module) -> dict[str, float]:
+    """The values of ``model``'s one-element floating-point buffers, by every name they have
+    (a fixed gain held as a buffer: ``nodes.weight_gains``); zero, non-finite and meta
+    buffers are left out."""
+    out: dict[str, float] = {}
+    for name, b in model.named_buffers(remove_duplicate=False):
+        if b is None or b.numel() != 1 or not b.is_floating_point() or b.is_meta:
+            continue
+        v = float(b.detach().reshape(()).item())
+        if math.isfinite(v) and v != 0.0:
+            out[name] = v
+    return out
