@@ -207,7 +207,10 @@ def scalar_buffers(model: nn.Module) -> dict[str, float]:
     for name, b in model.named_buffers(remove_duplicate=False):
         if b is None or b.numel() != 1 or not b.is_floating_point() or b.is_meta:
             continue
-        v = float(b.detach().reshape(()).item())
+        try:
+            v = float(b.detach().reshape(()).item())
+        except (RuntimeError, TypeError, ValueError):   # a tensor subclass without a value
+            continue
         if math.isfinite(v) and v != 0.0:
             out[name] = v
     return out
