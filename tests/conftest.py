@@ -22,19 +22,19 @@ torch.set_num_threads(1)
 
 
 #: the files that take longest, summed per file from ``python -m pytest -n 2 --dist loadfile
-#: --durations=150`` (2026-11-27), longest first.  ``pytest_collection_modifyitems`` hands
-#: them out first: under ``--dist loadfile --no-loadscope-reorder`` the scheduler sends files
+#: --no-loadscope-reorder --durations=0`` (2026-11-27: 1076 s of tests in 571 s on 2
+#: workers), longest first.  ``pytest_collection_modifyitems`` hands them out first: under ``--dist loadfile --no-loadscope-reorder`` the scheduler sends files
 #: in collection order, so no long file starts last while the other worker idles (xdist's own
 #: order, by number of tests, sent the 47-s single tests of test_fuzz.py and
 #: test_scheme_tat.py among the last).  A file missing here keeps its place after these.
-LONGEST_FIRST = ("tests/batteries/test_hf_zoo.py", "tests/schemes/test_scheme_tat.py",
-                 "tests/batteries/test_fuzz.py", "tests/batteries/test_bench_smoke.py",
+LONGEST_FIRST = ("tests/batteries/test_hf_zoo.py", "tests/batteries/test_core_zoo.py",
+                 "tests/batteries/test_models_pytorch.py", "tests/pytorch/test_meta_tied.py",
+                 "tests/schemes/test_scheme_tat.py", "tests/batteries/test_fuzz.py",
                  "tests/pytorch/test_large_flows.py", "tests/pytorch/test_weight_side.py",
-                 "tests/pytorch/test_meta_tied.py", "tests/batteries/test_core_zoo.py",
-                 "tests/pytorch/test_distributed.py", "tests/integrations/test_hf.py",
-                 "tests/pytorch/test_defects21.py", "tests/pytorch/test_lr_target.py",
-                 "tests/docs/test_docs.py", "tests/pytorch/test_exports.py",
-                 "tests/pytorch/test_measure_sketch.py", "tests/integrations/test_hf_hunt2.py")
+                 "tests/batteries/test_bench_smoke.py", "tests/pytorch/test_defects21.py",
+                 "tests/integrations/test_hf.py", "tests/onnx/test_onnx_exporters.py",
+                 "tests/pytorch/test_exports.py", "tests/docs/test_docs.py",
+                 "tests/pytorch/test_distributed.py", "tests/pytorch/test_lr_target.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
