@@ -23,10 +23,11 @@ torch.set_num_threads(1)
 
 #: the files that take longest, summed per file from ``python -m pytest -n 2 --dist loadfile
 #: --no-loadscope-reorder --durations=0`` (2026-11-27: 1076 s of tests in 571 s on 2
-#: workers), longest first.  ``pytest_collection_modifyitems`` hands them out first: under ``--dist loadfile --no-loadscope-reorder`` the scheduler sends files
-#: in collection order, so no long file starts last while the other worker idles (xdist's own
-#: order, by number of tests, sent the 47-s single tests of test_fuzz.py and
-#: test_scheme_tat.py among the last).  A file missing here keeps its place after these.
+#: workers), longest first.  ``pytest_collection_modifyitems`` hands them out first: under
+#: ``--dist loadfile --no-loadscope-reorder`` the scheduler sends files in collection order,
+#: so no long file starts last while the other worker idles (xdist's own order, by number of
+#: tests, sent the 47-s single tests of test_fuzz.py and test_scheme_tat.py among the last).
+#: A file missing here keeps its place after these.
 LONGEST_FIRST = ("tests/batteries/test_hf_zoo.py", "tests/batteries/test_core_zoo.py",
                  "tests/batteries/test_models_pytorch.py", "tests/pytorch/test_meta_tied.py",
                  "tests/schemes/test_scheme_tat.py", "tests/batteries/test_fuzz.py",
