@@ -116,3 +116,39 @@ def test_a_buffer_divided_by_the_weight_is_not_a_gain(capture):
     with pytest.raises(PrecondError, match="computed in forward"):
         _quiet(precondfx.precondition, net, torch.randn(16, 8), capture=capture)
     assert torch.equal(net.weight, before)
+
+
+_SPELLINGS = {"W.true_divide(s)": lambda w, s: w.true_divide(s),
+              "torch.true_divide(W, s)": lambda w, s: torch.true_divide(w, s),
+              "torch.divide(W, s)": lambda w, s: torch.divide(w, s),
+              "W.divide(s)": lambda w, s: w.divide(s),
+              "W.multiply(0.25)": lambda w, s: w.multiply(0.25),
+              "torch.multiply(W, 0.25)": lambda w, s: torch.multiply(w, 0.25)}
+
+
+class Spelled(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+        self.weight = nn.Parameter(torch.randn(64, 16))
+        self.register_buffer("inv", torch.tensor(4.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.divide(F.linear(x, self.fn(self.weight, self.inv)), 2.0)
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("spelling", list(_SPELLINGS))
+def test_the_aliases_of_mul_and_div_are_products(capture, spelling):
+    """``true_divide``, ``divide`` and ``multiply`` (torch's aliases of div and mul) were not
+    in the op table: export's ``aten.true_divide`` was 'unknown' and the layer reading it
+    'breaks' (its weight kept); ``torch.divide(h, 2.0)`` on an activation was 'unknown' on
+    every capture.  Now they are the products they are: the layer is drawn at the geometric
+    std for 16 -> 64 under ReLU, sqrt(2 / 32) = 0.25, divided by the gain 1/4 (1.0), and no
+    node is unknown."""
+    model = nn.Sequential(Spelled(_SPELLINGS[spelling]), nn.ReLU(), nn.Linear(64, 4))
+    out, rep = _quiet(precondfx.precondition, model, torch.randn(128, 16), capture=capture)
+    assert rep.plan.inits["0.weight"].std == pytest.approx(1.0, rel=1e-9)
+    assert not [n.name for n in rep.nodes if n.status in ("unknown", "breaks")]
+    with torch.no_grad():
+        assert float(out(torch.randn(128, 16)).std()) == pytest.approx(1.0, abs=0.15)
