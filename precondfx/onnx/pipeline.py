@@ -523,9 +523,12 @@ def record_gains(st: OnnxState) -> None:
         if pi is None or pi.rule in ("zeros", "keep", "scale"):
             continue
         why = st.captured.gain_why.get(name, f"a factor {gain:.4g}")
+        ones = pi.rule == "constant" and pi.reason.startswith("normalization scale")
         st.report.capture_notes.append(
             f"{name}: set to 1/{gain:.4g} rather than ones ({why}): the scale the layer "
-            f"applies is ones, as planned" if pi.rule == "constant" else
+            f"applies is ones, as planned" if ones else
+            f"{name}: set to {pi.std:.4g} ({why}): the value the layer applies is the planned "
+            f"one" if pi.rule == "constant" else
             f"{name}: drawn divided by {abs(gain):.4g} ({why}): the weight the layer applies "
             f"has the planned std")
 

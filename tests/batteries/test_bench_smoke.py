@@ -282,7 +282,7 @@ def test_eq_scale_paired_summary_from_known_cells():
             "xavier_pair": [[9, 9, 9, 9], [0.4, 0.4, 0.4, 0.4]]}
     results = {"net_a": {"sgd": {m: cell(v, 0 if v[0][0] < 9 else 1) for m, v in base.items()}},
                "net_b": {"sgd": {m: cell([[0.1] * 4, [9] * 4], 0) for m in base}}}
-    res = mod.analyse(results, n_boot=50)
+    res = mod.analyse(results, n_boot=50, n_perm=0)     # the null: its own test below
     assert res["rows"]["net_a"]["fan_in_pair"]["pfx_minus"] == pytest.approx(0.1)
     assert res["rows"]["net_a"]["xavier_pair"]["pfx_minus"] == pytest.approx(-0.2)
     s = res["summary"]
