@@ -13,6 +13,7 @@ by onnxruntime; then it is moved into place.  On any error the output path is le
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -523,7 +524,8 @@ def record_gains(st: OnnxState) -> None:
         if pi is None or pi.rule in ("zeros", "keep", "scale"):
             continue
         why = st.captured.gain_why.get(name, f"a factor {gain:.4g}")
-        ones = pi.rule == "constant" and pi.reason.startswith("normalization scale")
+        # ones behind a factor: the value the layer applies (stored x gain) is one
+        ones = pi.rule == "constant" and math.isclose(float(pi.std or 0.0) * gain, 1.0)
         st.report.capture_notes.append(
             f"{name}: set to 1/{gain:.4g} rather than ones ({why}): the scale the layer "
             f"applies is ones, as planned" if ones else
