@@ -152,3 +152,27 @@ def test_the_aliases_of_mul_and_div_are_products(capture, spelling):
     assert not [n.name for n in rep.nodes if n.status in ("unknown", "breaks")]
     with torch.no_grad():
         assert float(out(torch.randn(128, 16)).std()) == pytest.approx(1.0, abs=0.15)
+
+
+def test_a_plain_convolution_of_the_users_is_linear_in_its_parameters():
+    """``folding._own_linear_layer`` decides once per class whether multiplying a user layer's
+    parameters by 3 multiplies its output by 3.  It compared in float32 to 1e-6 absolute, so a
+    3x3 convolution whose outputs reach ~17 failed by rounding alone: round 19's
+    ``EqualConv`` without its gain was judged not linear, and as the verdict is kept per class,
+    a later model of that class could not fold (round 19's fixed-gain test failed after this
+    file's buffer test ran first).  Now the check runs in float64; an offset that is not a
+    parameter still fails it."""
+    from precondfx.pytorch import folding
+
+    class Conv(nn.Module):
+        def __init__(self, offset: float) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 3, 3, 3))
+            self.offset = offset
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.conv2d(x, self.weight, padding=1) + self.offset
+
+    plain, shifted = Conv(0.0), type("Shifted", (Conv,), {})(1e-3)
+    assert folding._own_linear_layer(plain) is True
+    assert folding._own_linear_layer(shifted) is False
